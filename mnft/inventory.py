@@ -1,0 +1,563 @@
+"""The inventory: which hosts take part in a job, in node_rank order, and how to reach each.
+
+Three formats are read, detected from the content:
+
+* mnft's own YAML: top-level `hosts` (a mapping name -> settings, in node_rank order), optional `vars`
+  (defaults for every host), `master`, `known_hosts`, `rendezvous_port`;
+* an Ansible YAML inventory (`all:` -> `hosts` / `vars` / `children`, host ranges such as `node[01:16]`,
+  `ansible_host`, `ansible_port`, `ansible_user`, `ansible_ssh_private_key_file`,
+  `ansible_python_interpreter`, `ansible_connection`; precedence all < parent < child < host);
+* a DeepSpeed hostfile: one `hostname slots=N` per line, `#` comments.
+
+Parsing is strict: an unknown key (with a suggestion), a duplicate host, a bad port, non-positive slots or an
+unknown connection type is an `InputError` naming the file, line, host and key. Nothing here touches a host.
+"""
+
+from __future__ import annotations
+
+import difflib
+import getpass
+import os
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+from mnft.errors import InputError
+
+DEFAULT_RENDEZVOUS_PORT = 29500
+CONNECTIONS = ("ssh", "local")
+
+# Per-host settings, their defaults, and how a value is checked. `None` means "not set": ssh config or the
+# runtime decides (user -> ~/.ssh/config or the current user, iface -> detected from the route to the master).
+HOST_DEFAULTS: dict[str, Any] = {
+    "address": None,
+    "user": None,
+    "port": None,
+    "identity": None,
+    "python": "python3",
+    "slots": 1,
+    "iface": None,
+    "workdir": "~/mnft",
+    "data_dir": "~/mnft-data",
+    "connection": "ssh",
+    "shared_fs": False,
+    "become": False,
+}
+HOST_KEYS = tuple(HOST_DEFAULTS)
+TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port")
+ANSIBLE_KEYS = {
+    "ansible_host": "address",
+    "ansible_ssh_host": "address",
+    "ansible_port": "port",
+    "ansible_ssh_port": "port",
+    "ansible_user": "user",
+    "ansible_ssh_user": "user",
+    "ansible_ssh_private_key_file": "identity",
+    "ansible_python_interpreter": "python",
+    "ansible_connection": "connection",
+    "ansible_become": "become",
+}
+ANSIBLE_CONNECTIONS = {"ssh": "ssh", "smart": "ssh", "paramiko": "ssh", "local": "local"}
+GROUP_KEYS = ("hosts", "vars", "children")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the job, as the inventory says it (values not given are None or the default)."""
+
+    name: str
+    rank: int
+    address: str
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    python: str = "python3"
+    slots: int = 1
+    iface: str | None = None
+    workdir: str = "~/mnft"
+    data_dir: str = "~/mnft-data"
+    connection: str = "ssh"
+    shared_fs: bool = False
+    become: bool = False
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+    def settings(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path | None
+    format: str  # "mnft" | "ansible" | "hostfile"
+    hosts: tuple[Host, ...]
+    master_name: str
+    known_hosts: Path | None = None
+    rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT
+    ignored: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> user vars mnft does not use
+
+    @property
+    def master(self) -> Host:
+        return self.host(self.master_name)
+
+    def host(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+    @property
+    def world_size(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    def only(self, names: Iterable[str]) -> "Inventory":
+        wanted = set(names)
+        return replace(self, hosts=tuple(h for h in self.hosts if h.name in wanted))
+
+
+# --------------------------------------------------------------------------------------------------- loading
+
+
+def load(path: str | os.PathLike[str]) -> Inventory:
+    """Read and validate an inventory file of any of the three formats."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: inventory file not found (pass --hosts with an existing file)") from None
+    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read inventory: {exc.__class__.__name__}: {exc}") from None
+    return parse(text, path)
+
+
+def parse(text: str, path: Path | None = None) -> Inventory:
+    where = str(path) if path else "<inventory>"
+    if _looks_like_hostfile(text):
+        return _parse_hostfile(text, path, where)
+    doc = _load_yaml(text, where)
+    if doc is None or doc == {}:
+        raise InputError(f"{where}: inventory is empty: list at least one host")
+    if not isinstance(doc, dict):
+        raise InputError(f"{where}: an inventory is a mapping (mnft or Ansible YAML) or a hostfile, got a {type(doc).__name__}")
+    if _looks_like_ansible(doc):
+        return _parse_ansible(doc, path, where)
+    return _parse_mnft(doc, path, where)
+
+
+def _looks_like_ansible(doc: dict) -> bool:
+    """Ansible: an `all` group, or only top-level groups whose bodies use hosts/vars/children."""
+    if "all" in doc:
+        return True
+    if any(key in TOP_KEYS for key in doc):
+        return False
+    return all(isinstance(body, dict) and body and set(body) <= set(GROUP_KEYS) for body in doc.values())
+
+
+_HOSTFILE_LINE = re.compile(r"^\s*[A-Za-z0-9_.\-\[\]]+(\s+\S+=\S+)*\s*$")
+
+
+def _looks_like_hostfile(text: str) -> bool:
+    lines = [ln.split("#", 1)[0] for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln.strip()]
+    return bool(lines) and all(_HOSTFILE_LINE.match(ln) for ln in lines)
+
+
+class _Map(dict):
+    """A YAML mapping that remembers the line of each key (for error messages)."""
+
+    line: int = 0
+    key_lines: dict[Any, int]
+
+
+class _Loader(yaml.SafeLoader):
+    def construct_mapping(self, node, deep=False):  # type: ignore[override]
+        self.flatten_mapping(node)
+        mapping = _Map()
+        mapping.line = node.start_mark.line + 1
+        mapping.key_lines = {}
+        for key_node, value_node in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a plain value", key_node.start_mark
+                )
+            key = str(key) if key is not None else key
+            if key in mapping:
+                raise _DuplicateKey(key, key_node.start_mark.line + 1)
+            mapping[key] = self.construct_object(value_node, deep=deep)
+            mapping.key_lines[key] = key_node.start_mark.line + 1
+        return mapping
+
+
+_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str, line: int):
+        super().__init__(key)
+        self.key, self.line = key, line
+
+
+def _load_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except _DuplicateKey as exc:
+        raise InputError(f"{where}:{exc.line}: duplicate key {exc.key!r} (a host or setting is listed twice)") from None
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        line = f":{mark.line + 1}" if mark else ""
+        raise InputError(f"{where}{line}: YAML syntax error: {exc.problem or exc.context}") from None
+    except yaml.YAMLError as exc:
+        raise InputError(f"{where}: YAML error: {exc}") from None
+
+
+def _line(mapping: Any, key: str | None = None) -> str:
+    if isinstance(mapping, _Map):
+        line = mapping.key_lines.get(key, mapping.line) if key is not None else mapping.line
+        return f":{line}"
+    return ""
+
+
+def _suggest(word: str, choices: Iterable[str]) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+# --------------------------------------------------------------------------------------------------- mnft
+
+
+def _parse_mnft(doc: _Map, path: Path | None, where: str) -> Inventory:
+    for key in doc:
+        if key not in TOP_KEYS:
+            raise InputError(f"{where}{_line(doc, key)}: unknown top-level key {key!r}{_suggest(str(key), TOP_KEYS)}")
+    common = doc.get("vars") or {}
+    if not isinstance(common, dict):
+        raise InputError(f"{where}{_line(doc, 'vars')}: 'vars' must be a mapping of host settings")
+    _check_keys(common, where, "vars")
+    hosts_doc = doc.get("hosts")
+    if not hosts_doc:
+        raise InputError(f"{where}: inventory is empty: 'hosts' lists no host")
+    if isinstance(hosts_doc, list):
+        raise InputError(f"{where}{_line(doc, 'hosts')}: 'hosts' must be a mapping name -> settings, not a list")
+    if not isinstance(hosts_doc, dict):
+        raise InputError(f"{where}{_line(doc, 'hosts')}: 'hosts' must be a mapping name -> settings")
+    raw = []
+    for name, settings in hosts_doc.items():
+        settings = settings if settings is not None else {}
+        if not isinstance(settings, dict):
+            raise InputError(f"{where}{_line(hosts_doc, name)}: host {name!r}: settings must be a mapping, got {settings!r}")
+        _check_keys(settings, where, f"host {name!r}")
+        raw.append((str(name), {**common, **settings}, settings))
+    return _build(
+        raw,
+        path,
+        where,
+        "mnft",
+        master=doc.get("master"),
+        known_hosts=doc.get("known_hosts"),
+        rendezvous_port=doc.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
+    )
+
+
+def _check_keys(settings: dict, where: str, what: str) -> None:
+    for key in settings:
+        if key not in HOST_KEYS:
+            hint = _suggest(str(key), HOST_KEYS)
+            if not hint and str(key).startswith("ansible_"):
+                hint = " (this file is read as mnft YAML; an Ansible inventory starts with 'all:')"
+            raise InputError(f"{where}{_line(settings, key)}: {what}: unknown key {key!r}{hint}")
+
+
+# --------------------------------------------------------------------------------------------------- ansible
+
+
+_RANGE = re.compile(r"\[([0-9a-z]+):([0-9a-z]+)(?::([0-9]+))?\]")
+
+
+def expand_host_pattern(pattern: str) -> list[str]:
+    """Expand Ansible host ranges: `node[01:03]` -> node01 node02 node03, `r[a:c]` -> ra rb rc, strides allowed."""
+    match = _RANGE.search(pattern)
+    if not match:
+        return [pattern]
+    start, end, step = match.group(1), match.group(2), int(match.group(3) or 1)
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    if start.isdigit() and end.isdigit():
+        width = len(start) if start.startswith("0") and len(start) > 1 else 0
+        items = [str(i).zfill(width) for i in range(int(start), int(end) + 1, step)]
+    elif len(start) == 1 and len(end) == 1 and start.isalpha() and end.isalpha():
+        items = [chr(c) for c in range(ord(start), ord(end) + 1, step)]
+    else:
+        raise ValueError(f"bad host range [{start}:{end}]")
+    if not items:
+        raise ValueError(f"empty host range [{start}:{end}]")
+    return [name for item in items for name in expand_host_pattern(head + item + tail)]
+
+
+def _parse_ansible(doc: _Map, path: Path | None, where: str) -> Inventory:
+    # Top-level keys are groups; Ansible makes every top-level group a child of 'all'.
+    order: list[str] = []  # hosts in order of first appearance (node_rank order)
+    host_vars: dict[str, dict] = {}
+    memberships: dict[str, list[tuple[int, str]]] = {}  # host -> [(depth, group)]
+    group_vars: dict[str, dict] = {}
+    group_depth: dict[str, int] = {}
+
+    def walk(group: str, body: Any, depth: int, parents: tuple[str, ...], container: Any) -> None:
+        if group in parents:
+            raise InputError(f"{where}{_line(container, group)}: group {group!r} contains itself")
+        if body is None:
+            body = {}
+        if not isinstance(body, dict):
+            raise InputError(f"{where}{_line(container, group)}: group {group!r} must be a mapping of hosts/vars/children")
+        for key in body:
+            if key not in GROUP_KEYS:
+                raise InputError(f"{where}{_line(body, key)}: group {group!r}: unknown key {key!r}{_suggest(str(key), GROUP_KEYS)}")
+        group_depth[group] = max(group_depth.get(group, 0), depth)
+        gvars = body.get("vars") or {}
+        if not isinstance(gvars, dict):
+            raise InputError(f"{where}{_line(body, 'vars')}: group {group!r}: 'vars' must be a mapping")
+        group_vars.setdefault(group, {}).update(gvars)
+        _check_ansible_vars(gvars, where, f"group {group!r}")
+        hosts = body.get("hosts") or {}
+        if not isinstance(hosts, dict):
+            raise InputError(f"{where}{_line(body, 'hosts')}: group {group!r}: 'hosts' must be a mapping name -> vars")
+        for pattern, hvars in hosts.items():
+            try:
+                names = expand_host_pattern(str(pattern))
+            except ValueError as exc:
+                raise InputError(f"{where}{_line(hosts, pattern)}: host {pattern!r}: {exc}") from None
+            hvars = hvars if hvars is not None else {}
+            if not isinstance(hvars, dict):
+                raise InputError(f"{where}{_line(hosts, pattern)}: host {pattern!r}: vars must be a mapping, got {hvars!r}")
+            _check_ansible_vars(hvars, where, f"host {pattern!r}")
+            for name in names:
+                if name not in host_vars:
+                    order.append(name)
+                    host_vars[name] = {}
+                host_vars[name].update(hvars)
+                memberships.setdefault(name, []).extend((group_depth[p], p) for p in (*parents, group))
+        children = body.get("children") or {}
+        if not isinstance(children, dict):
+            raise InputError(f"{where}{_line(body, 'children')}: group {group!r}: 'children' must be a mapping of groups")
+        for child, child_body in children.items():
+            walk(str(child), child_body, depth + 1, (*parents, group), children)
+
+    if "all" in doc:
+        walk("all", doc["all"], 0, (), doc)
+    for group, body in doc.items():
+        if group != "all":
+            group_depth.setdefault("all", 0)
+            walk(str(group), body, 1, ("all",), doc)
+    if not order:
+        raise InputError(f"{where}: inventory is empty: no group lists a host")
+
+    raw = []
+    all_vars = group_vars.get("all", {})
+    for name in order:
+        merged: dict[str, Any] = {}
+        groups = sorted(set(memberships[name]), key=lambda dg: (group_depth[dg[1]], dg[1]))
+        for _, group in groups:
+            merged.update(group_vars.get(group, {}))
+        merged.update(host_vars[name])
+        raw.append((name, merged, host_vars[name]))
+    settings = [(name, _from_ansible(merged), own) for name, merged, own in raw]
+    ignored = {
+        name: tuple(sorted(k for k in merged if not _ansible_key_known(k)))
+        for name, merged, _ in raw
+        if any(not _ansible_key_known(k) for k in merged)
+    }
+    inv = _build(
+        settings,
+        path,
+        where,
+        "ansible",
+        master=all_vars.get("mnft_master"),
+        known_hosts=all_vars.get("mnft_known_hosts"),
+        rendezvous_port=all_vars.get("mnft_rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
+    )
+    return replace(inv, ignored=ignored)
+
+
+MNFT_ANSIBLE_GLOBALS = ("mnft_master", "mnft_known_hosts", "mnft_rendezvous_port")
+
+
+def _ansible_key_known(key: str) -> bool:
+    return key in ANSIBLE_KEYS or key in HOST_KEYS or key.removeprefix("mnft_") in HOST_KEYS or key in MNFT_ANSIBLE_GLOBALS
+
+
+def _check_ansible_vars(variables: dict, where: str, what: str) -> None:
+    """Ansible inventories carry vars for other tools, so unknown names are kept aside, except near-misses of
+    mnft's own keys (`slot`, `mnft_iface_name`): those are typos that would silently change a job."""
+    mnft_names = [*HOST_KEYS, *(f"mnft_{k}" for k in HOST_KEYS), *MNFT_ANSIBLE_GLOBALS, *ANSIBLE_KEYS]
+    for key in variables:
+        key = str(key)
+        if _ansible_key_known(key):
+            continue
+        if key.startswith("mnft_"):
+            raise InputError(f"{where}{_line(variables, key)}: {what}: unknown key {key!r}{_suggest(key, mnft_names)}")
+        close = difflib.get_close_matches(key, mnft_names, n=1, cutoff=0.8)
+        if close:
+            raise InputError(f"{where}{_line(variables, key)}: {what}: unknown key {key!r} (did you mean {close[0]!r}?)")
+
+
+def _from_ansible(merged: dict) -> dict:
+    out: dict[str, Any] = {}
+    for key, value in merged.items():
+        if key in ANSIBLE_KEYS:
+            target = ANSIBLE_KEYS[key]
+            if target == "connection" and isinstance(value, str):
+                value = ANSIBLE_CONNECTIONS.get(value, value)
+            out[target] = value
+    for key, value in merged.items():  # mnft's own names win over ansible_* ones
+        bare = key.removeprefix("mnft_")
+        if bare in HOST_KEYS:
+            out[bare] = value
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- hostfile
+
+
+def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
+    raw = []
+    seen: dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        name, *options = line.split()
+        if name in seen:
+            raise InputError(f"{where}:{number}: host {name!r}: duplicate host (first on line {seen[name]})")
+        seen[name] = number
+        settings: dict[str, Any] = {}
+        for option in options:
+            key, _, value = option.partition("=")
+            if key != "slots":
+                raise InputError(f"{where}:{number}: host {name!r}: unknown key {key!r}{_suggest(key, ['slots'])} (a hostfile line is 'hostname slots=N')")
+            try:
+                settings["slots"] = int(value)
+            except ValueError:
+                raise InputError(f"{where}:{number}: host {name!r}: key 'slots': {value!r} is not a whole number") from None
+        raw.append((name, settings, settings))
+    if not raw:
+        raise InputError(f"{where}: inventory is empty: the hostfile lists no host")
+    return _build(raw, path, where, "hostfile", master=None, known_hosts=None, rendezvous_port=DEFAULT_RENDEZVOUS_PORT)
+
+
+# --------------------------------------------------------------------------------------------------- validation
+
+
+def _build(
+    raw: list[tuple[str, dict, dict]],
+    path: Path | None,
+    where: str,
+    fmt: str,
+    *,
+    master: Any,
+    known_hosts: Any,
+    rendezvous_port: Any,
+) -> Inventory:
+    hosts = []
+    seen_names: set[str] = set()
+    seen_targets: dict[tuple, str] = {}
+    for rank, (name, settings, own) in enumerate(raw):
+        if name in seen_names:
+            raise InputError(f"{where}: host {name!r}: duplicate host")
+        seen_names.add(name)
+        host = _validate_host(name, rank, settings, own, where)
+        target = (host.address, host.port or 22, host.user) if not host.is_local else ("local", host.name)
+        if target in seen_targets:
+            raise InputError(
+                f"{where}: host {name!r}: duplicate host: same address, port and user as {seen_targets[target]!r}"
+            )
+        seen_targets[target] = name
+        hosts.append(host)
+    if master is None:
+        master_name = hosts[0].name
+    elif str(master) in seen_names:
+        master_name = str(master)
+    else:
+        raise InputError(f"{where}: key 'master': {master!r} is not a host of this inventory{_suggest(str(master), seen_names)}")
+    port = _port(rendezvous_port, where, "inventory", "rendezvous_port")
+    kh = None
+    if known_hosts is not None:
+        if not isinstance(known_hosts, str) or not known_hosts:
+            raise InputError(f"{where}: key 'known_hosts': expected a file path, got {known_hosts!r}")
+        kh = Path(known_hosts).expanduser()
+        if not kh.is_absolute() and path is not None:
+            kh = path.parent / kh
+    return Inventory(path, fmt, tuple(hosts), master_name, kh, port)
+
+
+def _port(value: Any, where: str, what: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)")
+    try:
+        port = int(value)
+    except ValueError:
+        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)") from None
+    if not 1 <= port <= 65535:
+        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)")
+    return port
+
+
+def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -> Host:
+    what = f"host {name!r}"
+    line = _line(own)
+    loc = f"{where}{line}"
+    if not name or any(ch.isspace() for ch in name):
+        raise InputError(f"{loc}: host name {name!r} is empty or contains white space")
+    values = {**HOST_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
+
+    def text(key: str, allow_none: bool = True) -> str | None:
+        value = values[key]
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+            raise InputError(f"{loc}: {what}: key {key!r}: expected text, got {value!r}")
+        if "\n" in str(value) or "\x00" in str(value):
+            raise InputError(f"{loc}: {what}: key {key!r}: must be a single line")
+        return str(value)
+
+    def flag(key: str) -> bool:
+        value = values[key]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("yes", "true", "no", "false"):
+            return value.lower() in ("yes", "true")
+        raise InputError(f"{loc}: {what}: key {key!r}: expected true or false, got {value!r}")
+
+    connection = values["connection"]
+    if connection not in CONNECTIONS:
+        raise InputError(f"{loc}: {what}: key 'connection': unknown connection type {connection!r} (use one of: {', '.join(CONNECTIONS)})")
+    slots = values["slots"]
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise InputError(f"{loc}: {what}: key 'slots': {slots!r} must be a whole number ≥ 1 (processes on this node)")
+    port = None if values["port"] is None else _port(values["port"], loc, what, "port")
+    address = text("address") or name
+    if address.startswith("-"):
+        raise InputError(f"{loc}: {what}: key 'address': {address!r} must not start with '-'")
+    user = text("user")
+    if connection == "local":
+        address = "localhost" if values["address"] is None else address
+        user = user or getpass.getuser()
+    return Host(
+        name=name,
+        rank=rank,
+        address=address,
+        user=user,
+        port=port,
+        identity=text("identity"),
+        python=text("python", allow_none=False) or "python3",
+        slots=slots,
+        iface=text("iface"),
+        workdir=text("workdir", allow_none=False) or "~/mnft",
+        data_dir=text("data_dir", allow_none=False) or "~/mnft-data",
+        connection=connection,
+        shared_fs=flag("shared_fs"),
+        become=flag("become"),
+    )
