@@ -1,0 +1,186 @@
+"""What a person reads: rich tables, one row per host; and the same data as JSON for machines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any, Iterable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from mnft.check import GIB, CheckReport, comparable
+from mnft.connection import fabric_connection, ssh_target, Timeouts
+from mnft.fleet import Results, Status
+from mnft.hostkeys import TrustResult
+from mnft.inventory import Inventory
+
+STATUS_STYLE = {
+    "ok": "green",
+    "changed": "yellow",
+    "failed": "red",
+    "unreachable": "magenta",
+    "host-key-rejected": "bold red",
+    "recorded": "yellow",
+    "already-trusted": "green",
+    "changed-key": "bold red",
+}
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def status_text(status: str) -> Text:
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+# ------------------------------------------------------------------------------------------------ inventory
+
+
+def effective_settings(inventory: Inventory) -> list[dict[str, Any]]:
+    """Per host, what will actually be used: inventory values completed by ~/.ssh/config and defaults."""
+    rows = []
+    for host in inventory.hosts:
+        row = host.settings()
+        row["master"] = host.name == inventory.master_name
+        if not host.is_local:
+            conn = fabric_connection(host, Timeouts())
+            row["address"], row["port"], row["user"] = ssh_target(conn)
+            if not host.identity:
+                identity = conn.ssh_config.get("identityfile")
+                row["identity"] = identity[0] if identity else None
+        rows.append(row)
+    return rows
+
+
+def print_inventory(inventory: Inventory, as_json: bool) -> None:
+    rows = effective_settings(inventory)
+    if as_json:
+        print_json({
+            "inventory": str(inventory.path) if inventory.path else None,
+            "format": inventory.format,
+            "master": inventory.master_name,
+            "rendezvous_port": inventory.rendezvous_port,
+            "known_hosts": str(inventory.known_hosts) if inventory.known_hosts else None,
+            "world_size": inventory.world_size,
+            "hosts": rows,
+            "ignored_vars": {k: list(v) for k, v in inventory.ignored.items()},
+        })
+        return
+    columns = ["rank", "name", "connection", "address", "port", "user", "identity", "python", "slots", "iface", "workdir", "data_dir", "shared_fs", "become"]
+    table = Table(title=f"{inventory.path or 'inventory'} ({inventory.format}): {len(rows)} hosts, world size {inventory.world_size}, rendezvous port {inventory.rendezvous_port}")
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        cells = [str(row[c]) if row[c] is not None else "-" for c in columns]
+        if row["master"]:
+            cells[1] += " (master)"
+        table.add_row(*cells)
+    out = console()
+    out.print(table)
+    for name, keys in inventory.ignored.items():
+        out.print(f"[dim]{name}: ignored vars not used by mnft: {', '.join(keys)}[/dim]")
+
+
+# ------------------------------------------------------------------------------------------------ check
+
+
+def _gpus(facts: dict) -> str:
+    gpus = (facts.get("nvidia") or {}).get("gpus") or []
+    if not gpus:
+        return "0"
+    names = {g.get("name") for g in gpus}
+    return f"{len(gpus)}× {', '.join(sorted(n for n in names if n))}"
+
+
+def print_check(report: CheckReport, as_json: bool) -> None:
+    if as_json:
+        print_json(report.to_json())
+        return
+    inv = report.inventory
+    reference = comparable(report.facts[inv.master_name]) if inv.master_name in report.facts else {}
+    table = Table(title=f"check: {len(inv.hosts)} hosts, master {inv.master_name} ({report.master_addr or '?'}:{report.port or inv.rendezvous_port})")
+    for col in ("rank", "host", "status", "python", "torch", "cuda", "nccl", "driver", "gpus/slots", "disk free", "iface", "reach master", "clock"):
+        table.add_column(col)
+    for host in inv.hosts:
+        status = report.status(host.name)
+        facts = report.facts.get(host.name)
+        if facts is None:
+            outcome = report.outcomes[host.name]
+            table.add_row(str(host.rank), host.name, status_text(status), Text(outcome.error or "", style="dim"), *[""] * 9)
+            continue
+        mine = comparable(facts)
+
+        def cell(key: str) -> Text:
+            value = mine[key]
+            differs = bool(reference) and host.name != inv.master_name and value != reference.get(key)
+            return Text(str(value) if value is not None else "-", style="bold red" if differs else "")
+
+        disk = facts.get("disk") or {}
+        free = disk.get("free_bytes")
+        reach = report.reach.get(host.name)
+        iface = host.iface or (reach.iface if reach else None) or "-"
+        reach_text = Text("-") if reach is None else Text("yes" if reach.ok else "NO", style="green" if reach.ok else "bold red")
+        skew = report.skew.get(host.name)
+        table.add_row(
+            str(host.rank),
+            host.name + (" *" if host.name == inv.master_name else ""),
+            status_text(status),
+            cell("python"),
+            cell("torch"),
+            cell("cuda"),
+            cell("nccl"),
+            cell("driver"),
+            f"{_gpus(facts)}/{host.slots}",
+            f"{free / GIB:.1f} GiB" if isinstance(free, int) else "-",
+            iface,
+            reach_text,
+            f"{skew:+.2f}s" if skew is not None else "-",
+        )
+    out = console()
+    out.print(table)
+    problems = report.problems
+    unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK]
+    if not problems and not unreachable:
+        out.print("[green]every host can join the job[/green]")
+        return
+    for outcome in unreachable:
+        out.print(f"[{STATUS_STYLE[outcome.status.value]}]{outcome.host}: {outcome.status.value}[/]: {outcome.error}")
+    for p in problems:
+        style = "yellow" if p.severity == "warning" else "red"
+        out.print(f"[{style}]{p.host}: {p.field}[/]: {p.message}\n    fix: {p.fix}")
+
+
+# ------------------------------------------------------------------------------------------------ generic
+
+
+def print_results(title: str, results: Results, as_json: bool) -> None:
+    if as_json:
+        print_json({r.host: {"status": r.status.value, "exit_code": r.exit_code, "error": r.error or None, "seconds": r.seconds} for r in results})
+        return
+    table = Table(title=title)
+    for col in ("host", "status", "seconds", "detail"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(r.host, status_text(r.status.value), f"{r.seconds:.2f}", r.error or "")
+    console().print(table)
+
+
+def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
+    results = list(results)
+    if as_json:
+        print_json([r.__dict__ for r in results])
+        return
+    table = Table(title="host keys")
+    for col in ("host", "known as", "type", "fingerprint", "result"):
+        table.add_column(col)
+    for r in results:
+        style = {"recorded": "yellow", "already-trusted": "green"}.get(r.state, "bold red")
+        table.add_row(r.name, r.known_as, r.key_type, r.fingerprint, Text(r.state + (f": {r.detail}" if r.detail else ""), style=style))
+    console().print(table)
