@@ -1,0 +1,61 @@
+"""Commands are values: rendered strings are exact, every argument quoted, secrets never on a command line."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from mnft.command import Command, is_secret_name, quote_path, redact_env
+from mnft.errors import InputError
+
+INJECTIONS = [
+    "; touch {marker}",
+    "$(touch {marker})",
+    "`touch {marker}`",
+    "a\ntouch {marker}",
+    "' ; touch {marker}; '",
+    '" ; touch {marker}; "',
+    "&& touch {marker}",
+    "| touch {marker}",
+    "x y  z",
+    "$HOME ${{IFS}}touch${{IFS}}{marker}",
+]
+
+
+def test_rendering_is_exact():
+    cmd = Command.of("python3", "-m", "mnft.recipes.lora", "lr=1e-4", "name=my run", env={"A": "1", "B": "x y"}, cwd="~/mnft")
+    assert cmd.render() == "cd -- \"$HOME\"/mnft && env A=1 B='x y' python3 -m mnft.recipes.lora lr=1e-4 'name=my run'"
+    assert cmd.sh() == "sh -c 'cd -- \"$HOME\"/mnft && env A=1 B='\"'\"'x y'\"'\"' python3 -m mnft.recipes.lora lr=1e-4 '\"'\"'name=my run'\"'\"''"
+
+
+def test_home_relative_paths_keep_meaning_home_but_nothing_else_expands():
+    assert quote_path("~/a b") == "\"$HOME\"/'a b'"
+    assert quote_path("~") == '"$HOME"'
+    assert quote_path("~root/x") == "'~root/x'"
+    assert quote_path("/$(id)") == "'/$(id)'"
+
+
+@pytest.mark.parametrize("payload", INJECTIONS)
+def test_injection_payloads_are_data_in_one_and_two_shell_layers(tmp_path, payload):
+    marker = tmp_path / "pwned"
+    value = payload.format(marker=marker)
+    cmd = Command.of("printf", "%s", value, env={"V": value})
+    for line in (cmd.render(), cmd.sh()):
+        out = subprocess.run(["/bin/sh", "-c", line], capture_output=True, text=True, check=True)
+        assert out.stdout == value
+        assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "WANDB_API_KEY", "aws_secret_access_key", "DB_PASSWORD"])
+def test_secret_named_variables_never_go_on_a_command_line(name):
+    assert is_secret_name(name)
+    with pytest.raises(InputError, match=f"{name} looks secret"):
+        Command.of("true", env={name: "hunter2"})
+    assert redact_env({name: "hunter2", "LR": "1"}) == {name: "***", "LR": "1"}
+
+
+@pytest.mark.parametrize("name", ["1X", "A-B", "A B", "X;id", ""])
+def test_invalid_environment_names_are_refused(name):
+    with pytest.raises(InputError, match="environment variable name"):
+        Command.of("true", env={name: "1"})
