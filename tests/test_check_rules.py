@@ -1,0 +1,134 @@
+"""check's rules are pure: facts in, problems out."""
+
+from __future__ import annotations
+
+import copy
+
+from mnft import inventory
+from mnft.check import CheckOptions, CheckReport, Reach, evaluate, master_address
+from mnft.fleet import HostResult, Status
+
+GIB = 1024**3
+
+FACTS = {
+    "hostname": "n",
+    "python": {"executable": "/usr/bin/python3", "version": "3.11.7"},
+    "torch": {"version": "2.13.0+cu124", "cuda": "12.4", "location": "/x"},
+    "nccl": "2.21.5",
+    "cudnn": "9.1.0",
+    "nvidia": {"driver": "550.54", "cuda_driver": "12.4", "gpus": [{"index": i, "name": "H100", "uuid": f"u{i}", "memory_total_mib": 81559, "memory_used_mib": 0, "processes": []} for i in range(2)]},
+    "cpu_count": 32,
+    "memory": {"total_bytes": 512 * GIB, "available_bytes": 500 * GIB},
+    "disk": {"path": "/home/u", "free_bytes": 500 * GIB, "total_bytes": 1000 * GIB},
+    "interfaces": [{"name": "lo", "up": True, "ipv4": ["127.0.0.1/8"]}, {"name": "eth0", "up": True, "ipv4": ["10.0.0.1/24"]}],
+    "clock": 0.0,
+    "rsync": "/usr/bin/rsync",
+    "errors": {},
+}
+
+INV = inventory.parse("vars: {slots: 2}\nhosts:\n  a: {address: 10.0.0.1}\n  b: {address: 10.0.0.2}\n  c: {address: 10.0.0.3}\n")
+
+
+def facts(**changes):
+    f = copy.deepcopy(FACTS)
+    for dotted, value in changes.items():
+        target = f
+        *path, last = dotted.split("__")
+        for key in path:
+            target = target[key]
+        target[last] = value
+    return f
+
+
+def run(all_facts, options=CheckOptions(network=False), **report_fields):
+    report = CheckReport(INV, {h.name: HostResult(h.name, Status.OK) for h in INV.hosts}, all_facts, **report_fields)
+    return evaluate(INV, all_facts, report, options)
+
+
+def fields_of(problems):
+    return sorted((p.host, p.field) for p in problems if p.severity == "error")
+
+
+def test_identical_healthy_hosts_have_no_problem():
+    assert run({"a": facts(), "b": facts(), "c": facts()}) == []
+
+
+def test_version_drift_names_the_host_and_the_field():
+    problems = run({"a": facts(), "b": facts(torch__version="2.12.0+cu124"), "c": facts(nccl="2.18.1", python__version="3.10.4")})
+    assert fields_of(problems) == [("b", "torch"), ("c", "nccl"), ("c", "python")]
+    torch = next(p for p in problems if p.field == "torch")
+    assert torch.message == "torch 2.12.0+cu124 differs from the master's 2.13.0+cu124"
+    assert "pip install torch==2.13.0+cu124" in torch.fix
+
+
+def test_python_patch_releases_may_differ():
+    assert run({"a": facts(), "b": facts(python__version="3.11.9"), "c": facts()}) == []
+
+
+def test_driver_and_cuda_drift_are_found():
+    problems = run({"a": facts(), "b": facts(nvidia__driver="535.1"), "c": facts(torch__cuda="12.1")})
+    assert fields_of(problems) == [("b", "driver"), ("c", "cuda")]
+
+
+def test_missing_torch_is_a_problem():
+    problems = run({"a": facts(), "b": facts(torch={"version": None, "cuda": None, "location": None}), "c": facts()})
+    assert ("b", "torch") in fields_of(problems)
+
+
+def test_fewer_gpus_than_slots_and_busy_gpus():
+    busy = copy.deepcopy(FACTS["nvidia"]["gpus"])
+    busy[1]["processes"] = [{"pid": 4242, "name": "python", "used_mib": 1000}]
+    problems = run({"a": facts(), "b": facts(nvidia__gpus=busy[:1]), "c": facts(nvidia__gpus=busy)})
+    assert fields_of(problems) == [("b", "gpus")]
+    warning = [p for p in problems if p.severity == "warning"]
+    assert [(p.host, p.field) for p in warning] == [("c", "gpus")] and "4242" in warning[0].message
+
+
+def test_cpu_only_cluster_does_not_need_gpus():
+    cpu = dict(torch={"version": "2.13.0+cpu", "cuda": None, "location": "/x"}, nccl=None, nvidia={"driver": None, "cuda_driver": None, "gpus": []})
+    assert run({h: facts(**cpu) for h in "abc"}) == []
+
+
+def test_disk_floor_rsync_and_interface():
+    problems = run(
+        {"a": facts(disk__free_bytes=1 * GIB), "b": facts(rsync=None), "c": facts()},
+        CheckOptions(network=False, min_free_gb=10),
+    )
+    assert fields_of(problems) == [("a", "disk"), ("b", "rsync")]
+    inv = inventory.parse("hosts:\n  a: {address: 10.0.0.1, iface: ib0}\n")
+    report = CheckReport(inv, {"a": HostResult("a", Status.OK)}, {"a": facts()})
+    problems = evaluate(inv, {"a": facts()}, report, CheckOptions(network=False))
+    assert [(p.host, p.field) for p in problems] == [("a", "iface")] and "has: lo, eth0" in problems[0].message
+
+
+def test_clock_skew_is_measured_against_the_master():
+    problems = run({h: facts() for h in "abc"}, skew={"a": 0.1, "b": 0.4, "c": 5.0})
+    assert fields_of(problems) == [("c", "clock")]
+
+
+def test_network_problems_name_the_port_and_the_unreachable_host():
+    problems = run(
+        {h: facts() for h in "abc"},
+        CheckOptions(network=True),
+        master_addr="10.0.0.1",
+        port=29500,
+        port_free=True,
+        reach={"a": Reach(True), "b": Reach(False, error="timed out"), "c": Reach(True)},
+    )
+    assert fields_of(problems) == [("b", "network")]
+    assert "cannot reach the master 10.0.0.1:29500" in problems[0].message and "firewall" in problems[0].fix
+    busy = run({h: facts() for h in "abc"}, CheckOptions(network=True), master_addr="10.0.0.1", port=29500, port_free=False, port_error="address in use")
+    assert fields_of(busy) == [("a", "port")]
+
+
+def test_master_address_prefers_iface_then_literal_then_the_single_interface():
+    assert master_address(INV, facts()) == ("10.0.0.1", None)
+    named = inventory.parse("hosts:\n  m: {address: m.lab, iface: eth0}\n  p: {}\n")
+    assert master_address(named, facts()) == ("10.0.0.1", None)
+    by_name = inventory.parse("hosts:\n  m: {address: m.lab}\n  p: {}\n")
+    assert master_address(by_name, facts()) == ("10.0.0.1", None)
+    two = facts(interfaces=[*FACTS["interfaces"], {"name": "ib0", "up": True, "ipv4": ["192.168.9.1/24"]}])
+    addr, why = master_address(by_name, two)
+    assert addr is None and "set 'iface'" in why
+    local = inventory.parse("hosts: {me: {connection: local}}\n")
+    assert master_address(local, None) == ("127.0.0.1", None)
