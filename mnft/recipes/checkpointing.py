@@ -1,0 +1,128 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` that work when nodes share no filesystem.
+
+Layout under ``<output_dir>/checkpoints/``::
+
+    step-40/rank-0/   .metadata  __0_0.distcp  meta.json      <- written by rank 0 where rank 0 runs
+    step-40/rank-1/   ...                                    <- written by rank 1 where rank 1 runs
+
+Every rank saves at the same step (all ranks participate; a barrier follows) its own DCP checkpoint -- its
+FSDP shards or its copy of the adapters, optimizer state, scheduler, step, data position, RNG state -- together
+with DCP metadata, so a rank never needs a file another node wrote. A rank first writes ``rank-R.tmp-*`` and
+renames it to ``rank-R`` when complete (``meta.json`` last): a crash mid-save leaves only a temp dir, which is
+ignored and later removed. Step N is *complete* for the run when every rank has its ``rank-R``; ``latest`` is
+the newest step complete on every rank, agreed by an all-gather, so all ranks resume from the same step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from mnft.recipes.config import RecipeError
+
+STEP_RE = re.compile(r"^step-(\d+)$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step}"
+
+
+def complete_steps(root: Path, rank: int) -> dict[int, int]:
+    """``{step: world_size}`` of the checkpoints this rank holds complete under ``root``."""
+    found = {}
+    if not root.is_dir():
+        return found
+    for entry in root.iterdir():
+        m = STEP_RE.match(entry.name)
+        meta = entry / f"rank-{rank}" / "meta.json"
+        if m and meta.is_file():
+            try:
+                found[int(m.group(1))] = int(json.loads(meta.read_text())["world_size"])
+            except (ValueError, KeyError, OSError):
+                continue  # unreadable meta: not complete
+    return found
+
+
+def save(root: Path, step: int, state: dict, meta: dict, rank: int, world_size: int, keep_last: int) -> Path:
+    """Save this rank's ``state`` for ``step``; collective (every rank must call it at the same step)."""
+    final = step_dir(root, step) / f"rank-{rank}"
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"rank-{rank}.tmp-", dir=final.parent))
+    dcp.save(state, checkpoint_id=tmp, no_dist=True)
+    meta = {**meta, "step": step, "rank": rank, "world_size": world_size, "time": time.time()}
+    with open(tmp / "meta.json", "w") as f:
+        json.dump(meta, f)
+        f.flush()
+        os.fsync(f.fileno())
+    if final.exists():  # a stale copy of the same step (e.g. a run resumed from an earlier step)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    dist.barrier()  # now step is complete on every rank: older ones may go
+    prune(root, rank, keep_last)
+    return final.parent
+
+
+def prune(root: Path, rank: int, keep_last: int) -> None:
+    """Keep this rank's newest ``keep_last`` complete checkpoints; remove its older ones and stale temps."""
+    for step in sorted(complete_steps(root, rank))[:-keep_last]:
+        shutil.rmtree(step_dir(root, step) / f"rank-{rank}", ignore_errors=True)
+    for entry in root.glob(f"step-*/rank-{rank}.tmp-*"):
+        shutil.rmtree(entry, ignore_errors=True)
+    for entry in root.glob("step-*"):
+        try:
+            entry.rmdir()  # only succeeds once every rank on this filesystem removed its part
+        except OSError:
+            pass
+
+
+def agree_latest(root: Path, rank: int, world_size: int) -> int | None:
+    """The newest step complete on every rank (collective), or None. Refuses another world size."""
+    mine = complete_steps(root, rank)
+    everyone: list[dict[int, int] | None] = [None] * world_size
+    dist.all_gather_object(everyone, mine)
+    for r, steps in enumerate(everyone):
+        for step, ws in sorted(steps.items()):
+            if ws != world_size:
+                raise RecipeError(
+                    f"checkpoint {step_dir(root, step)} was written by {ws} ranks but this run has {world_size}; "
+                    f"resuming onto a different world size is not supported (use {ws} ranks, or resume=none "
+                    "with a new output_dir)")
+    common = set.intersection(*(set(s) for s in everyone))
+    return max(common) if common else None
+
+
+def resolve(resume: str, root: Path, rank: int, world_size: int) -> Path | None:
+    """The checkpoint step dir to resume from for ``resume=none|latest|PATH`` (collective)."""
+    if resume == "none":
+        return None
+    if resume == "latest":
+        step = agree_latest(root, rank, world_size)
+        return None if step is None else step_dir(root, step)
+    path = Path(resume).expanduser()
+    meta = path / f"rank-{rank}" / "meta.json"
+    ok = meta.is_file()
+    flags = [None] * world_size
+    dist.all_gather_object(flags, ok)
+    if not all(flags):
+        missing = [r for r, f in enumerate(flags) if not f]
+        raise RecipeError(f"resume={resume}: no complete checkpoint for rank(s) {missing} "
+                          f"(expected {path}/rank-R/meta.json on each rank's node)")
+    ws = json.loads(meta.read_text())["world_size"]
+    if ws != world_size:
+        raise RecipeError(f"checkpoint {path} was written by {ws} ranks but this run has {world_size}; "
+                          "resuming onto a different world size is not supported")
+    return path
+
+
+def load(path: Path, state: dict, rank: int) -> dict:
+    """Load this rank's part of checkpoint ``path`` into ``state`` (in place); return its meta."""
+    dcp.load(state, checkpoint_id=path / f"rank-{rank}", no_dist=True)
+    return json.loads((path / f"rank-{rank}" / "meta.json").read_text())

@@ -1,0 +1,84 @@
+"""Small pieces both recipes use: the entry-point wrapper, output dir, LR schedule, token-summed loss."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mnft.errors import MnftError
+from mnft.recipes import dist as mdist
+from mnft.recipes.config import ConfigError, TrainConfig, load_config
+from mnft.recipes.data import IGNORE
+
+
+def run(recipe: str, train: Callable[[TrainConfig, mdist.Dist], None], argv: list[str] | None = None) -> int:
+    """Parse the config, set up the process group, train, clean up. Expected errors are one line."""
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        cfg = load_config(recipe, argv)
+    except ConfigError as e:
+        if os.environ.get("RANK", "0") == "0":  # one line for the whole job, not one per rank
+            print(f"mnft.recipes: {e}", file=sys.stderr, flush=True)
+        return int(e.exit_code)
+    d = mdist.setup()
+    try:
+        train(cfg, d)
+    except MnftError as e:
+        print(f"mnft.recipes: {e}", file=sys.stderr, flush=True)
+        return int(e.exit_code)
+    finally:
+        sys.stdout.flush()
+        mdist.cleanup()
+    return 0
+
+
+def output_dir(cfg: TrainConfig, recipe: str, d: mdist.Dist) -> Path:
+    """``output_dir`` with ``{recipe}``, ``{rank}``, ``{node_rank}`` filled in (per-rank dirs emulate nodes that
+    share no filesystem)."""
+    try:
+        path = cfg.output_dir.format(recipe=recipe, rank=d.rank, node_rank=d.node_rank, local_rank=d.local_rank)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"config key 'output_dir': bad placeholder in {cfg.output_dir!r} ({e})") from None
+    out = Path(path).expanduser()
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+class CosineWithWarmup:
+    """LR multiplier: linear warmup to 1, then cosine down to ``min_ratio`` at ``total`` steps."""
+
+    def __init__(self, warmup: int, total: int, min_ratio: float):
+        self.warmup, self.total, self.min_ratio = warmup, total, min_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / (self.warmup + 1)
+        progress = min(1.0, (step - self.warmup) / max(1, self.total - self.warmup))
+        return self.min_ratio + (1 - self.min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over trained tokens, in fp32. All-masked -> exactly 0."""
+    logits = logits[:, :-1].float()
+    labels = labels[:, 1:].to(logits.device)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), labels.reshape(-1), ignore_index=IGNORE,
+                           reduction="sum")
+
+
+def autocast(d: mdist.Dist, mixed_precision: str):
+    """bf16 autocast on GPU (``auto``) or when asked; fp32 otherwise."""
+    bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and d.device.type == "cuda")
+    return torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def crash_now(step: int) -> None:
+    """Fault injection (``debug_crash_after_step``): die like a killed process, no cleanup."""
+    print(f"mnft.recipes: debug_crash_after_step={step}: exiting hard", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(17)
