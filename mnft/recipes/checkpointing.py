@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,6 +30,8 @@ import torch.distributed.checkpoint as dcp
 from mnft.recipes.config import RecipeError
 
 STEP_RE = re.compile(r"^step-(\d+)$")
+# no_dist=True is deliberate (each rank writes a self-contained checkpoint): silence DCP's notice about it
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -71,16 +74,24 @@ def save(root: Path, step: int, state: dict, meta: dict, rank: int, world_size: 
 
 
 def prune(root: Path, rank: int, keep_last: int) -> None:
-    """Keep this rank's newest ``keep_last`` complete checkpoints; remove its older ones and stale temps."""
-    for step in sorted(complete_steps(root, rank))[:-keep_last]:
+    """Keep this rank's newest ``keep_last`` complete checkpoints; remove its older ones and stale temps.
+
+    Other ranks on the same filesystem prune concurrently, so every listing tolerates vanished entries."""
+    steps = sorted(complete_steps(root, rank))
+    for step in steps[:-keep_last]:
         shutil.rmtree(step_dir(root, step) / f"rank-{rank}", ignore_errors=True)
-    for entry in root.glob(f"step-*/rank-{rank}.tmp-*"):
-        shutil.rmtree(entry, ignore_errors=True)
-    for entry in root.glob("step-*"):
         try:
-            entry.rmdir()  # only succeeds once every rank on this filesystem removed its part
+            step_dir(root, step).rmdir()  # succeeds for the last rank on this filesystem to remove its part
         except OSError:
             pass
+    for step in steps:
+        try:
+            names = os.listdir(step_dir(root, step))
+        except OSError:
+            continue
+        for name in names:
+            if name.startswith(f"rank-{rank}.tmp-"):  # left by a crash mid-save
+                shutil.rmtree(step_dir(root, step) / name, ignore_errors=True)
 
 
 def agree_latest(root: Path, rank: int, world_size: int) -> int | None:

@@ -152,7 +152,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
     log.summary(history["initial_loss"], final_loss, tokens_total / max(time_total, 1e-9), step, skipped,
                 time.time() - t_start)
     if cfg.save_final and d.is_main:
-        peft_model.save_pretrained(out / "adapter")  # adapter_config.json + adapter_model.safetensors
+        peft_model.save_pretrained(out / "adapter", save_embedding_layers=False)  # adapter_config.json + adapter_model.safetensors
         tokenizer.save_pretrained(out / "adapter")
         if cfg.export_merged:
             merged = peft_model.merge_and_unload()

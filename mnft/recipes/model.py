@@ -38,6 +38,8 @@ TINY_SPEC = {
     "seed": 1234,
     "format": 1,  # bump when the build changes
 }
+transformers.utils.logging.disable_progress_bar()  # no per-rank progress bars in the launcher's log
+
 SPECIAL = {"pad_token": "<|pad|>", "bos_token": "<|begin|>", "eos_token": "<|end|>"}
 
 
