@@ -60,7 +60,7 @@ class TrainConfig:
     save_final: bool = True
     log_every: int = 1
     tensorboard: bool = True  # used only when the tensorboard package is installed
-    # fault injection, for tests: the loss is made NaN at these steps; the process exits after a step
+    # fault injection, for tests: the last rank's loss is NaN at these steps; every rank exits hard after a step
     debug_nan_steps: list[int] = field(default_factory=list)
     debug_crash_after_step: int = 0
 

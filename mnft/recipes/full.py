@@ -99,7 +99,7 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
                 logits = net(input_ids=b["input_ids"].to(d.device),
                              attention_mask=b["attention_mask"].to(d.device)).logits
             s = common.token_loss_sum(logits, b["labels"])
-            if step in cfg.debug_nan_steps:
+            if step in cfg.debug_nan_steps and d.rank == d.world_size - 1:  # one rank only: all must skip
                 s = s * float("nan")
             # FSDP2 averages gradients over ranks, hence * world_size: the sum over all ranks / global tokens
             (s * d.world_size / denom).backward()

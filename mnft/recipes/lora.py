@@ -59,8 +59,12 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, common.CosineWithWarmup(cfg.warmup_steps, cfg.max_steps, cfg.min_lr_ratio))
 
+    # adapters only; the frozen base comes from model_dir (strict=False: frozen keys are absent on load, and
+    # dcp.load already fails if an adapter key is missing from the checkpoint)
+    adapters_only = StateDictOptions(ignore_frozen_params=True, strict=False)
+
     def checkpoint_state() -> dict:  # adapters only (frozen base excluded), optimizer, everything else
-        model_sd, optim_sd = get_state_dict(ddp, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+        model_sd, optim_sd = get_state_dict(ddp, optimizer, options=adapters_only)
         return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
                 "data": batches.position(), "rng": mdist.rng_state()}
 
@@ -70,7 +74,8 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
     if resume_from is not None:
         state = checkpoint_state()
         meta = checkpointing.load(resume_from, state, d.rank)
-        set_state_dict(ddp, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(ddp, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=adapters_only)
         scheduler.load_state_dict(state["scheduler"])
         batches.seek(state["data"])
         mdist.set_rng_state(state["rng"])
@@ -102,7 +107,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                     logits = ddp(input_ids=b["input_ids"].to(d.device),
                                  attention_mask=b["attention_mask"].to(d.device)).logits
                 s = common.token_loss_sum(logits, b["labels"])
-                if step in cfg.debug_nan_steps:
+                if step in cfg.debug_nan_steps and d.rank == d.world_size - 1:  # one rank only: all must skip
                     s = s * float("nan")
                 # DDP averages gradients over ranks, hence * world_size: the sum over all ranks / global tokens
                 (s * d.world_size / denom).backward()
