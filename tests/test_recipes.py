@@ -1,0 +1,278 @@
+"""The lora and full recipes: config validation, data masking, model build, checkpoints, and 2-process
+gloo runs under torchrun (marked slow: crash + resume reproduces the uninterrupted losses, NaN guard, ...)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from mnft.recipes import checkpointing, common, data, model
+from mnft.recipes.config import ConfigError, RecipeError, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ helpers
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def home(tmp_path_factory) -> Path:
+    """A fake HOME shared by the session, so the tiny model is built once and the real home is never read."""
+    return tmp_path_factory.mktemp("home")
+
+
+def env_for(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
+    env.pop("XDG_CACHE_HOME", None)
+    env.update(HOME=str(home), PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return env
+
+
+def torchrun(recipe: str, home: Path, *args: str, nproc: int = 2, timeout: int = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+           f"--master-port={free_port()}", "-m", f"mnft.recipes.{recipe}", *args]
+    return subprocess.run(cmd, env=env_for(home), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def single(recipe: str, home: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", f"mnft.recipes.{recipe}", *args]
+    return subprocess.run(cmd, env=env_for(home), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def losses(path: Path) -> dict[int, float]:
+    """Loss per step; after a resume the re-run steps overwrite the crashed run's lines."""
+    return {r["step"]: r["loss"] for r in records(path) if "loss" in r and "event" not in r}
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "model"
+    model.build_tiny(out)
+    return out
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ config
+
+def test_unknown_config_key_is_an_error_naming_it_with_a_suggestion():
+    with pytest.raises(ConfigError, match=r"config key 'lr_typo' unknown \(did you mean 'lr'\?\)"):
+        load_config("lora", ["lr_typo=1e-3"])
+
+
+def test_bad_value_is_an_error_naming_the_key():
+    with pytest.raises(ConfigError, match="config key 'max_steps' expects an int, got 'ten'"):
+        load_config("full", ["max_steps=ten"])
+    with pytest.raises(ConfigError, match="config key 'lora_dropout'"):
+        load_config("lora", ["lora_dropout=1.5"])
+
+
+def test_lora_only_key_is_unknown_to_full():
+    with pytest.raises(ConfigError, match="config key 'lora_rank' unknown"):
+        load_config("full", ["lora_rank=8"])
+
+
+def test_overrides_are_typed_and_config_path_is_honoured(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 1.0e-4\nmax_steps: 7\n")
+    cfg = load_config("lora", [f"config={path}", "lora_target_modules=q_proj,v_proj", "packing=true",
+                               "model_cache_dir=null", "lr=2e-4"])
+    assert (cfg.lr, cfg.max_steps, cfg.packing) == (2e-4, 7, True)
+    assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.model_cache_dir is None
+
+
+def test_bad_config_key_exits_2_with_one_line(home):
+    res = single("lora", home, "lr_typo=1")
+    assert res.returncode == 2
+    assert res.stderr.strip() == "mnft.recipes: config key 'lr_typo' unknown (did you mean 'lr'?)"
+
+
+# ------------------------------------------------------------------ model and data
+
+def test_tiny_model_round_trips_through_save_pretrained(tiny_dir, tmp_path):
+    net, tok = model.load(tiny_dir, torch.float32)
+    net.save_pretrained(tmp_path / "again")
+    tok.save_pretrained(tmp_path / "again")
+    net2, tok2 = model.load(tmp_path / "again", torch.float32)
+    ids = torch.tensor([tok("### Instruction:\nCount up from 3 to 7")["input_ids"]])
+    assert torch.equal(net(input_ids=ids).logits, net2(input_ids=ids).logits)
+    assert model.checksum(net) == model.checksum(net2)
+    assert tok2.decode(tok2("Count down from 9 to 3")["input_ids"]) == "Count down from 9 to 3"
+    assert (tok2.pad_token, tok2.eos_token) == ("<|pad|>", "<|end|>")
+
+
+def test_tiny_build_is_deterministic_so_nodes_agree(tiny_dir, tmp_path):
+    model.build_tiny(tmp_path / "other")
+    a, _ = model.load(tiny_dir, torch.float32)
+    b, _ = model.load(tmp_path / "other", torch.float32)
+    assert model.checksum(a) == model.checksum(b)
+    assert (tiny_dir / "tokenizer.json").read_bytes() == (tmp_path / "other" / "tokenizer.json").read_bytes()
+
+
+def test_prompt_tokens_are_masked_and_response_trained(tiny_dir):
+    _, tok = model.load(tiny_dir, torch.float32)
+    ids, labels = data.tokenize(tok, {"instruction": "Count up from 3 to 5", "response": "3 4 5"}, 128)
+    n_prompt = sum(1 for x in labels if x == data.IGNORE)
+    assert ids[0] == tok.bos_token_id and labels[-1] == tok.eos_token_id == ids[-1]
+    assert tok.decode(ids[n_prompt:-1]) == "3 4 5"
+    assert tok.decode(ids[1:n_prompt]) == data.PROMPT.format(instruction="Count up from 3 to 5")
+
+
+def test_packing_keeps_every_label_with_its_token():
+    examples = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [-100, 5]), ([6, 7, 8, 9], [-100, -100, 8, 9])]
+    rows = data.pack(examples, max_seq_len=6)
+    assert rows == [([1, 2, 3, 4, 5], [-100, 2, 3, -100, 5]), ([6, 7, 8, 9], [-100, -100, 8, 9])]
+
+
+def test_all_masked_batch_gives_zero_loss_and_finite_zero_grads():
+    logits = torch.randn(2, 5, 11, requires_grad=True)
+    labels = torch.full((2, 5), data.IGNORE)
+    loss = common.token_loss_sum(logits, labels)
+    (loss * 2 / max(0, 1.0)).backward()
+    assert loss.item() == 0.0 and torch.isfinite(logits.grad).all() and not logits.grad.any()
+    assert data.trained_tokens({"labels": labels}) == 0
+
+
+def test_batches_resume_at_the_same_position():
+    rows = [([i], [i]) for i in range(40)]
+    a = data.Batches(rows, 3, rank=1, world_size=2, seed=0, pad_id=0)
+    taken = [a.next()["input_ids"].tolist() for _ in range(9)]  # crosses an epoch boundary (6 per epoch)
+    b = data.Batches(rows, 3, rank=1, world_size=2, seed=0, pad_id=0)
+    b.seek({"epoch": 0, "index": 4})
+    assert [b.next()["input_ids"].tolist() for _ in range(5)] == taken[4:]
+    assert taken[0] != taken[6]  # set_epoch reshuffles
+
+
+# ------------------------------------------------------------------ checkpoints
+
+def fake_checkpoint(root: Path, step: int, rank: int, world_size: int = 2, complete: bool = True) -> None:
+    d = checkpointing.step_dir(root, step) / (f"rank-{rank}" if complete else f"rank-{rank}.tmp-x")
+    d.mkdir(parents=True)
+    if complete:
+        (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size}))
+
+
+def test_incomplete_checkpoint_is_not_listed(tmp_path):
+    fake_checkpoint(tmp_path, 2, rank=0)
+    fake_checkpoint(tmp_path, 4, rank=0, complete=False)
+    (checkpointing.step_dir(tmp_path, 6) / "rank-0").mkdir(parents=True)  # no meta.json
+    assert checkpointing.complete_steps(tmp_path, rank=0) == {2: 2}
+    assert checkpointing.complete_steps(tmp_path, rank=1) == {}
+
+
+def test_latest_refuses_a_different_world_size(tmp_path, world_of_one):
+    fake_checkpoint(tmp_path, 2, rank=0, world_size=2)
+    with pytest.raises(RecipeError, match="written by 2 ranks but this run has 1"):
+        checkpointing.resolve("latest", tmp_path, rank=0, world_size=1)
+
+
+def test_latest_without_checkpoints_starts_fresh(tmp_path, world_of_one):
+    assert checkpointing.resolve("latest", tmp_path / "none", rank=0, world_size=1) is None
+
+
+def test_prune_keeps_last_k_of_this_rank(tmp_path):
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step, rank=0)
+    fake_checkpoint(tmp_path, 6, rank=0, complete=False)
+    checkpointing.prune(tmp_path, rank=0, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+    assert [p.name for p in (tmp_path / "step-6").iterdir()] == ["rank-0"]
+
+
+# ------------------------------------------------------------------ 2-process runs (slow)
+
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "skipped_steps", "time"}
+
+
+def run_ok(recipe, home, *args):
+    res = torchrun(recipe, home, *args)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("recipe,layout", [("lora", "{rank}"), ("full", "")])
+def test_kill_then_resume_reproduces_uninterrupted_losses(recipe, layout, home, tmp_path):
+    """Per-rank output dirs (``{rank}``) emulate nodes that share no filesystem; ``full`` shares one dir."""
+    common_args = ["max_steps=8", "save_every=2", "keep_last=3", "log_every=1", "micro_batch_size=4"]
+    a, b = tmp_path / "a" / layout, tmp_path / "b" / layout
+    res = run_ok(recipe, home, f"output_dir={a}", *common_args)
+    assert "rank=0/2 node_rank=0 local_rank=0" in res.stdout and "rank=1/2 node_rank=0 local_rank=1" in res.stdout
+    main = Path(str(a).format(rank=0))
+    recs = records(main / "metrics.jsonl")
+    steps = [r for r in recs if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, 9)) and all(STEP_KEYS <= set(r) for r in steps)
+    assert recs[-2]["event"] == "summary" and recs[-2]["steps"] == 8 and recs[-1]["event"] == "saved"
+
+    crashed = torchrun(recipe, home, f"output_dir={b}", *common_args, "debug_crash_after_step=5")
+    assert crashed.returncode != 0
+    rank_dir = lambda r: Path(str(b).format(rank=r)) / "checkpoints"  # noqa: E731
+    assert checkpointing.complete_steps(rank_dir(0), 0) == {2: 2, 4: 2}
+    # a newer step complete on rank 0 only, and a half-written one on rank 1: latest must still be step 4
+    shutil.copytree(rank_dir(0) / "step-4" / "rank-0", rank_dir(0) / "step-6" / "rank-0")
+    (rank_dir(0) / "step-6" / "rank-0" / "meta.json").write_text(json.dumps({"step": 6, "world_size": 2}))
+    (rank_dir(1) / "step-6" / "rank-1.tmp-dead").mkdir(parents=True)
+    res = run_ok(recipe, home, f"output_dir={b}", *common_args, "resume=latest")
+    assert "resuming from" in res.stdout and "step-4" in res.stdout
+
+    want, got = losses(main / "metrics.jsonl"), losses(Path(str(b).format(rank=0)) / "metrics.jsonl")
+    assert sorted(got) == list(range(1, 9))
+    for step in range(1, 9):
+        assert got[step] == pytest.approx(want[step], abs=1e-6), step
+
+    if recipe == "lora":  # adapters in PEFT format, loadable onto the base
+        import peft
+        base, _ = model.load(home / ".cache" / "mnft" / "models" / model.tiny_key(), torch.float32)
+        peft.PeftModel.from_pretrained(base, main / "adapter")
+    else:  # the gathered full model loads with from_pretrained
+        net, _ = model.load(main / "model", torch.float32)
+        assert sum(p.numel() for p in net.parameters()) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_non_finite_steps_are_skipped_on_all_ranks_counted_then_abort(home, tmp_path):
+    res = torchrun("lora", home, f"output_dir={tmp_path}", "max_steps=10", "log_every=1", "micro_batch_size=4",
+                   "debug_nan_steps=[2,4,5,6]", "max_consecutive_skips=3", "save_final=false")
+    assert res.returncode != 0
+    assert "3 steps in a row had a non-finite loss or grad norm (last at step 6" in res.stderr
+    by_step = {r["step"]: r for r in records(tmp_path / "metrics.jsonl") if "event" not in r}
+    assert [by_step[s]["skipped_steps"] for s in range(1, 7)] == [0, 1, 1, 2, 3, 4]
+    assert by_step[2]["skipped"] is True and by_step[3]["skipped"] is False
+    assert isinstance(by_step[3]["loss"], float) and by_step[2]["loss"] == "nan"  # JSON-safe non-finite
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_all_masked_batches_train_safely(home, tmp_path):
+    rows = [{"instruction": "Count up from 1 to 30 " * 4, "response": "1 2 3"} for _ in range(8)]
+    (tmp_path / "masked.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = single("full", home, f"output_dir={tmp_path}/out", f"data_path={tmp_path}/masked.jsonl",
+                 "max_seq_len=16", "max_steps=2", "micro_batch_size=4", "save_final=false")
+    assert res.returncode == 0, res.stderr[-3000:]
+    steps = [r for r in records(tmp_path / "out" / "metrics.jsonl") if "event" not in r]
+    assert [(r["trained_tokens"], r["loss"], r["skipped_steps"]) for r in steps] == [(0, 0.0, 0), (0, 0.0, 0)]
