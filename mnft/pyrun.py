@@ -11,8 +11,8 @@ from mnft.command import Command
 from mnft.inventory import Host
 
 BOOTSTRAP = (
-    "import sys;n=int(sys.stdin.buffer.readline());"
-    "exec(compile(sys.stdin.buffer.read(n),'mnft-script','exec'),{'__name__':'__main__'})"
+    "import sys;n=int(sys.stdin.buffer.readline());s=sys.stdin.buffer.read(n);"
+    "exec(compile(s,'mnft-script','exec'),{'__name__':'__main__','__source__':s})"
 )
 
 

@@ -1,0 +1,385 @@
+#!/usr/bin/env python3
+"""mnft run agent: the host side of a training run. Standard library only; shipped to hosts with mnft.pyrun.
+
+    launch                 read a JSON spec line from stdin, start the run under a keeper, then (attached) stream
+                           events as JSON lines and obey the controller: "hb" lines keep it alive, "stop" or EOF
+                           or no heartbeat for `deadman` seconds tears the run's process group down
+    keep RUN_DIR           (internal) session leader of the run: runs the command, records its exit code
+    stop RUN_DIR [GRACE]   kill that run's process group (recorded pgid, verified by run id), then any process
+                           still carrying the run id; print what was killed and what remains
+    status RUN_DIR         state, exit code, last metrics line
+    tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
+
+A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py. Secrets
+arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
+Processes are found by the recorded process group and by MNFT_RUN_ID in their environment, never by name.
+"""
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+RUN_ID_VAR = "MNFT_RUN_ID"
+
+
+def emit(event, **fields):
+    fields["event"] = event
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _path(p):
+    return os.path.abspath(os.path.expanduser(p))
+
+
+def _write(path, text, mode=0o600):
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _read(path, default=None):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return default
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+
+def _environ_has(pid, run_id):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return (RUN_ID_VAR + "=" + run_id).encode() in env
+
+
+def run_pids(run_id):
+    """Every live process whose environment carries this run id (this agent excluded)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid() and _environ_has(int(name), run_id):
+            try:
+                with open("/proc/%s/stat" % name) as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue  # a zombie holds nothing
+            except OSError:
+                continue
+            pids.append(int(name))
+    return sorted(pids)
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def terminate(run_dir, grace=10.0, keeper=None):
+    """SIGTERM the run's process group, SIGKILL after `grace`, then any leftover carrying the run id."""
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
+    run_id = spec.get("run_id")
+    pgid = int(_read(os.path.join(run_dir, "pgid"), "0") or 0)
+    killed = []
+    if pgid and run_id and (_environ_has(pgid, run_id) or _group_alive(pgid) and keeper is not None):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            killed.append(pgid)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace
+    while time.time() < deadline:
+        if keeper is not None:
+            keeper.poll()
+        if not (pgid and _group_alive(pgid)) and not (run_id and run_pids(run_id)):
+            break
+        time.sleep(0.1)
+    if pgid and _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if run_id:
+        for pid in run_pids(run_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    if keeper is not None:
+        try:
+            keeper.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+    time.sleep(0.1)
+    remaining = run_pids(run_id) if run_id else []
+    return {"killed": killed, "remaining": remaining, "gpus_held": _gpu_pids(remaining)}
+
+
+def _gpu_pids(pids):
+    if not pids:
+        return []
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=5).stdout
+    except Exception:  # noqa: BLE001
+        return []
+    held = {int(x) for x in out.split() if x.strip().isdigit()}
+    return sorted(held & set(pids))
+
+
+# ---------------------------------------------------------------------------------------------------- keeper
+
+
+def keep(run_dir):
+    """Session leader of the run (pgid = our pid): run the command, record its exit code."""
+    import subprocess
+
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json")))
+    env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    secrets_file = os.path.join(run_dir, "secrets.json")
+    if os.path.exists(secrets_file):
+        with open(secrets_file) as fh:
+            env.update(json.load(fh))
+        os.unlink(secrets_file)
+    env[RUN_ID_VAR] = spec["run_id"]
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is for the command; we record its end
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
+    try:
+        child = subprocess.Popen(spec["argv"], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
+        code = child.wait()
+    except OSError as exc:
+        print("mnft: cannot start %s: %s" % (spec["argv"][0], exc), flush=True)
+        code = 127
+    if code < 0:
+        code = 128 - code
+    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
+    _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------------- launch
+
+
+class _Tail:
+    def __init__(self, path):
+        self.path, self.pos, self.buf = path, 0, b""
+
+    def lines(self):
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.pos)
+                data = fh.read()
+        except OSError:
+            return []
+        self.pos += len(data)
+        self.buf += data
+        *done, self.buf = self.buf.split(b"\n")
+        return [line.decode("utf-8", "replace") for line in done]
+
+
+def launch():
+    import subprocess
+
+    spec = json.loads(sys.stdin.buffer.readline())
+    run_dir = _path(spec["run_dir"])
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    secrets = spec.pop("secrets", None) or {}
+    public = dict(spec, run_dir=run_dir)
+    _write(os.path.join(run_dir, "spec.json"), json.dumps(public, indent=1))
+    if secrets:
+        _write(os.path.join(run_dir, "secrets.json"), json.dumps(secrets))
+    own = os.path.join(run_dir, "agent.py")
+    _write(own, SOURCE, 0o600)
+    if os.path.isdir(_path(spec.get("cwd") or "~")) is False:
+        emit("error", message="working directory %s does not exist (run invoke sync first)" % spec.get("cwd"))
+        return 2
+    log = open(os.path.join(run_dir, "output.log"), "ab")
+    env = dict(os.environ)
+    env[RUN_ID_VAR] = spec["run_id"]
+    keeper = subprocess.Popen(
+        [sys.executable, own, "keep", run_dir],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env=env,
+        cwd=run_dir,
+    )
+    _write(os.path.join(run_dir, "pgid"), "%d\n" % keeper.pid, 0o644)
+    emit("started", pgid=keeper.pid, run_dir=run_dir, hostname=os.uname()[1])
+    if spec.get("detach"):
+        return 0
+    return supervise(spec, run_dir, keeper)
+
+
+def supervise(spec, run_dir, keeper):
+    out = _Tail(os.path.join(run_dir, "output.log"))
+    metrics = _Tail(_path(spec["metrics"])) if spec.get("metrics") else None
+    deadman = float(spec.get("deadman") or 15)
+    grace = float(spec.get("grace") or 10)
+    last_control = last_hb = time.time()
+    stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
+    pending = b""
+    reason = None
+    try:
+        while True:
+            ready, _, _ = select.select([stdin], [], [], 0.2)
+            if ready:
+                data = os.read(stdin.fileno(), 4096)
+                if not data:
+                    reason = "controller closed the connection"
+                else:
+                    last_control = time.time()
+                    pending += data
+                    if b"stop" in pending:
+                        reason = "stopped by the controller"
+                    pending = pending[-16:]
+            if reason is None and time.time() - last_control > deadman:
+                reason = "no heartbeat from the controller for %gs" % deadman
+            for line in out.lines():
+                emit("line", text=line)
+            if metrics is not None:
+                for line in metrics.lines():
+                    try:
+                        emit("metric", data=json.loads(line))
+                    except ValueError:
+                        pass
+            if reason is not None:
+                result = terminate(run_dir, grace, keeper)
+                for line in out.lines():
+                    emit("line", text=line)
+                emit("stopped", reason=reason, **result)
+                return 0
+            code = keeper.poll()
+            if code is not None:
+                time.sleep(0.1)
+                for line in out.lines():
+                    emit("line", text=line)
+                if metrics is not None:
+                    for line in metrics.lines():
+                        try:
+                            emit("metric", data=json.loads(line))
+                        except ValueError:
+                            pass
+                recorded = _read(os.path.join(run_dir, "exit_code"))
+                emit("exit", code=int(recorded) if recorded else 128 + 9)
+                return 0
+            if time.time() - last_hb >= 1.0:
+                emit("hb", t=time.time())
+                last_hb = time.time()
+    except (BrokenPipeError, OSError):
+        # Our stdout is gone: the controller (or the link to it) is lost. Leave nothing running.
+        terminate(run_dir, grace, keeper)
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------------- queries
+
+
+def status(run_dir):
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
+    if not spec:
+        return {"state": "unknown", "error": "no run at %s" % run_dir}
+    code = _read(os.path.join(run_dir, "exit_code"))
+    alive = run_pids(spec["run_id"])
+    state = "exited" if code is not None else ("running" if alive else "killed")
+    result = {
+        "state": state,
+        "exit_code": int(code) if code is not None else None,
+        "processes": len(alive),
+        "started": float(_read(os.path.join(run_dir, "started"), "0") or 0) or None,
+        "ended": float(_read(os.path.join(run_dir, "ended"), "0") or 0) or None,
+        "last_metric": None,
+    }
+    if spec.get("metrics"):
+        lines = _Tail(_path(spec["metrics"])).lines()
+        for line in reversed(lines):
+            try:
+                data = json.loads(line)
+            except ValueError:
+                continue
+            if "step" in data:
+                result["last_metric"] = data
+                break
+    return result
+
+
+def tail(run_dir, n, follow):
+    t = _Tail(os.path.join(run_dir, "output.log"))
+    lines = t.lines()
+    for line in lines[-n:] if n else lines:
+        emit("line", text=line)
+    if not follow:
+        return 0
+    code_file = os.path.join(run_dir, "exit_code")
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.5)
+        if ready and not os.read(sys.stdin.fileno(), 4096):
+            return 0
+        for line in t.lines():
+            emit("line", text=line)
+        if os.path.exists(code_file) and not run_pids(json.loads(_read(os.path.join(run_dir, "spec.json")))["run_id"]):
+            for line in t.lines():
+                emit("line", text=line)
+            emit("exit", code=int(_read(code_file)))
+            return 0
+
+
+def main(argv):
+    if not argv:
+        sys.stderr.write(__doc__)
+        return 2
+    mode, args = argv[0], argv[1:]
+    if mode == "launch":
+        return launch()
+    if mode == "keep":
+        return keep(args[0])
+    if mode == "stop":
+        print(json.dumps(terminate(_path(args[0]), float(args[1]) if len(args) > 1 else 10.0)))
+        return 0
+    if mode == "status":
+        print(json.dumps(status(_path(args[0]))))
+        return 0
+    if mode == "tail":
+        follow = "--follow" in args
+        rest = [a for a in args if a != "--follow"]
+        return tail(_path(rest[0]), int(rest[1]) if len(rest) > 1 else 0, follow)
+    sys.stderr.write("unknown mode %r\n" % mode)
+    return 2
+
+
+def source():
+    """This script's text: given by mnft.pyrun's bootstrap when shipped, else read from the file."""
+    shipped = globals().get("__source__")
+    if shipped:
+        return shipped.decode()
+    with open(__file__) as fh:
+        return fh.read()
+
+
+SOURCE = source()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
