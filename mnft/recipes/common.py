@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from mnft.errors import MnftError
 from mnft.recipes import dist as mdist
 from mnft.recipes.config import ConfigError, TrainConfig, load_config
 from mnft.recipes.data import IGNORE
+
+# emitted by transformers' own DDP/PEFT plumbing on every rank, not actionable by users of the recipe
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*deprecated")
 
 
 def run(recipe: str, train: Callable[[TrainConfig, mdist.Dist], None], argv: list[str] | None = None) -> int:

@@ -112,11 +112,6 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
             pass  # nothing to learn from: no update (AdamW would still move weights by momentum/decay)
         elif any_bad or not math.isfinite(loss):
             skipped, consecutive_bad = skipped + 1, consecutive_bad + 1
-            if consecutive_bad >= cfg.max_consecutive_skips:
-                raise RecipeError(
-                    f"{consecutive_bad} steps in a row had a non-finite loss or grad norm (last at step {step}: "
-                    f"loss={loss}, grad_norm={grad_norm}); lower lr, raise warmup_steps, check the data, "
-                    "or use fp32 (mixed_precision=fp32)")
         else:
             optimizer.step()
             consecutive_bad = 0
@@ -132,6 +127,11 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
         if step % cfg.log_every == 0 or step == cfg.max_steps or not ok:
             log.step(step, loss, lr, grad_norm, global_tokens / dt, int(global_tokens), skipped,
                      metrics.peak_memory_mb(d.device), skipped=not ok and global_tokens > 0)
+        if consecutive_bad >= cfg.max_consecutive_skips:
+            raise RecipeError(
+                f"{consecutive_bad} steps in a row had a non-finite loss or grad norm (last at step {step}: "
+                f"loss={loss}, grad_norm={grad_norm}); lower lr, raise warmup_steps, check the data, "
+                "or use fp32 (mixed_precision=fp32)")
 
         # ------------------------------------------------------------ checkpoint
         if cfg.save_every and step % cfg.save_every == 0:
