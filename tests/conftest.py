@@ -1,0 +1,105 @@
+"""Shared fixtures. The `cluster` suite (-m cluster) runs on a simulated cluster from mnft.testbed.
+
+Fixtures:
+  cluster                 session: 4 hosts h1..h4 + an outsider, built once, always torn down
+  healthy_cluster         function: the session cluster, restored after the test (link up, original host keys,
+                          sshd running, stray processes killed) — use it in any test that breaks a host
+  fresh_cluster_factory   function: factory(n_hosts=2, outsider=False, prefix=None) -> a private Cluster for
+                          destructive tests; every cluster it built is torn down after the test
+
+Every test marked `cluster` gets a pytest-timeout (CLUSTER_TIMEOUT seconds) unless it sets its own, so a hung
+ssh or torchrun fails the test instead of blocking CI. Nothing heavy (and no mnft module) is imported here at
+import time: collection works whatever state the rest of the package is in.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER_TIMEOUT = 300  # seconds, per cluster test
+SESSION_HOSTS = 4
+
+if str(ROOT) not in sys.path:  # tests run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("timeout"):
+        return
+    for item in items:
+        if item.get_closest_marker("cluster") is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(CLUSTER_TIMEOUT))
+
+
+def _testbed():
+    """Import mnft.testbed, or skip with the reason the machine cannot run it."""
+    from mnft import testbed
+
+    try:
+        testbed.check_prerequisites()
+    except testbed.ClusterUnavailable as exc:
+        pytest.skip(f"simulated cluster unavailable: {exc}")
+    return testbed
+
+
+class _TerminateAsInterrupt:
+    """While a cluster exists, SIGTERM (CI cancelling, `timeout`) unwinds like Ctrl-C so finalizers tear it
+    down; atexit in mnft.testbed is the last resort. SIGKILL leaves leftovers: cleanup_stale() at next start."""
+
+    def __enter__(self) -> None:
+        self.previous = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            self.previous = signal.signal(signal.SIGTERM, self._raise)
+
+    @staticmethod
+    def _raise(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory):
+    testbed = _testbed()
+    testbed.Cluster.cleanup_stale()
+    with _TerminateAsInterrupt():
+        built = testbed.Cluster.create(SESSION_HOSTS, tmp_path_factory.mktemp("cluster"), outsider=True)
+        try:
+            yield built
+        finally:
+            built.teardown()
+
+
+@pytest.fixture
+def healthy_cluster(cluster):
+    """The session cluster; whatever the test broke on its hosts is repaired afterwards."""
+    try:
+        yield cluster
+    finally:
+        cluster.restore()
+
+
+@pytest.fixture
+def fresh_cluster_factory(tmp_path_factory: pytest.TempPathFactory):
+    testbed = _testbed()
+    built = []
+
+    def make(n_hosts: int = 2, *, outsider: bool = False, prefix: str | None = None):
+        one = testbed.Cluster.create(n_hosts, tmp_path_factory.mktemp("fresh"), outsider=outsider, prefix=prefix)
+        built.append(one)
+        return one
+
+    with _TerminateAsInterrupt():
+        try:
+            yield make
+        finally:
+            for one in built:
+                one.teardown()
