@@ -111,4 +111,99 @@ def trust_hosts(c, hosts=None, dry_run=False, json=False, connect_timeout=10.0):
     return ExitCode.OK
 
 
-ns = Collection(inventory, check, trust_hosts)
+def _console():
+    from mnft.report import console
+
+    return console()
+
+
+def _record_fleet(run, hosts):
+    """The run record and a fleet over its inventory snapshot (or --hosts when given)."""
+    from mnft import runs
+    from mnft.fleet import Fleet
+    from mnft.train import from_snapshot
+
+    record = runs.load(run)
+    inv = _inventory(hosts) if hosts else from_snapshot(record.data["inventory"])
+    return record, Fleet(inv)
+
+
+@task(
+    iterable=["set", "env"],
+    help={
+        "recipe": "lora or full",
+        "hosts": "inventory file; default: inventory/local.yaml (this machine)",
+        "set": "recipe override key=value (repeat)",
+        "env": "environment for the run: NAME (value from here) or NAME=VALUE (repeat); secret names go in a 0600 file",
+        "rdzv": "static (node_rank from the inventory) or c10d",
+        "detach": "start, print the run id and return; the run goes on",
+        "resume": "continue the latest run (or --resume-run ID) from its latest complete checkpoint",
+        "resume_run": "the run to continue",
+        "force": "launch even if the check finds problems",
+        "dry_run": "print every host's exact command and environment (secrets redacted); start nothing",
+        "no_sync": "do not sync the code first",
+        "src": "the tree to sync (default: the current directory)",
+        "port": "rendezvous port (default: the inventory's; the next free one on the master if taken)",
+    },
+)
+@_mnft_errors
+def train(c, recipe="lora", hosts=None, set=None, env=None, rdzv="static", detach=False, resume=False, resume_run=None,
+          force=False, dry_run=False, no_sync=False, src=None, port=0):
+    """torchrun on every host in parallel with the right node_rank, supervised as one gang."""
+    from mnft.check import CheckOptions
+    from mnft.launch import LaunchOptions
+    from mnft.train import TrainOptions, train as run_train
+
+    options = TrainOptions(
+        launch=LaunchOptions(recipe=recipe, overrides=tuple(set or ()), rdzv=rdzv, env=tuple(env or ()), detach=detach, resume=resume),
+        check=CheckOptions(port=int(port) or None),
+        force=force,
+        src=Path(src) if src else None,
+        sync=not no_sync,
+        dry_run=dry_run,
+        resume_run=resume_run,
+    )
+    return run_train(_inventory(hosts), options, _console())
+
+
+@task(help={"run": "run id (default: the latest)", "follow": "keep printing new lines until the run ends", "lines": "lines per host", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def logs(c, run=None, follow=False, lines=20, hosts=None):
+    """Collect every host's logs and metrics into runs/<id>/<host>/, write loss.png, print a merged tail."""
+    from mnft.train import collect, follow as follow_logs, merged_tail
+
+    record, fleet = _record_fleet(run, hosts)
+    with fleet:
+        if follow:
+            return follow_logs(record, fleet, _console())
+        collect(record, fleet, _console())
+    merged_tail(record, int(lines), _console())
+
+
+@task(help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def status(c, run=None, json=False, hosts=None):
+    """A table per host: running / exited with code / unreachable, step, loss, since. Exit 0 only when healthy."""
+    from mnft.report import print_status
+    from mnft.train import status as run_status
+
+    record, fleet = _record_fleet(run, hosts)
+    with fleet:
+        states = run_status(record, fleet)
+    return print_status(record, states, json)
+
+
+@task(help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def stop(c, run=None, grace=10.0, json=False, hosts=None):
+    """Kill exactly that run's process groups on every host (by recorded group and run id), verify none remain."""
+    from mnft.report import print_stop
+    from mnft.train import stop as run_stop
+
+    record, fleet = _record_fleet(run, hosts)
+    with fleet:
+        result = run_stop(record, fleet, float(grace))
+    return print_stop(record, result, json)
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop)

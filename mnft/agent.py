@@ -9,6 +9,7 @@
                            still carrying the run id; print what was killed and what remains
     status RUN_DIR         state, exit code, last metrics line
     tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
+    pack RUN_DIR [FILE…]   the run directory and extra files as a base64 tar.gz (for invoke logs)
 
 A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py. Secrets
 arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
@@ -33,6 +34,16 @@ def emit(event, **fields):
 
 def _path(p):
     return os.path.abspath(os.path.expanduser(p))
+
+
+def _expand(value):
+    """`~/x` (or `key=~/x`) means the home directory of the user the run belongs to."""
+    if value == "~" or value.startswith("~/"):
+        return os.path.expanduser(value)
+    key, sep, rest = value.partition("=")
+    if sep and (rest == "~" or rest.startswith("~/")):
+        return key + "=" + os.path.expanduser(rest)
+    return value
 
 
 def _write(path, text, mode=0o600):
@@ -154,7 +165,7 @@ def keep(run_dir):
 
     spec = json.loads(_read(os.path.join(run_dir, "spec.json")))
     env = dict(os.environ)
-    env.update(spec.get("env") or {})
+    env.update({k: _expand(v) for k, v in (spec.get("env") or {}).items()})
     secrets_file = os.path.join(run_dir, "secrets.json")
     if os.path.exists(secrets_file):
         with open(secrets_file) as fh:
@@ -165,7 +176,7 @@ def keep(run_dir):
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
     try:
-        child = subprocess.Popen(spec["argv"], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
+        child = subprocess.Popen([_expand(a) for a in spec["argv"]], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
         code = child.wait()
     except OSError as exc:
         print("mnft: cannot start %s: %s" % (spec["argv"][0], exc), flush=True)
@@ -346,6 +357,28 @@ def tail(run_dir, n, follow):
             return 0
 
 
+def pack(run_dir, extras):
+    """The run directory (and extra files, e.g. rank 0's metrics) as one base64 tar.gz in a JSON line."""
+    import base64
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        def keep(info):
+            name = os.path.basename(info.name)
+            return None if name in ("agent.py", "secrets.json") else info
+
+        if os.path.isdir(run_dir):
+            tar.add(run_dir, arcname="run", filter=keep)
+        for extra in extras:
+            path = _path(extra)
+            if os.path.isfile(path):
+                tar.add(path, arcname="extra/" + os.path.basename(path))
+    print(json.dumps({"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir)}))
+    return 0
+
+
 def main(argv):
     if not argv:
         sys.stderr.write(__doc__)
@@ -361,6 +394,8 @@ def main(argv):
     if mode == "status":
         print(json.dumps(status(_path(args[0]))))
         return 0
+    if mode == "pack":
+        return pack(_path(args[0]), args[1:])
     if mode == "tail":
         follow = "--follow" in args
         rest = [a for a in args if a != "--follow"]

@@ -184,3 +184,57 @@ def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
         style = {"recorded": "yellow", "already-trusted": "green"}.get(r.state, "bold red")
         table.add_row(r.name, r.known_as, r.key_type, r.fingerprint, Text(r.state + (f": {r.detail}" if r.detail else ""), style=style))
     console().print(table)
+
+
+def print_status(record, states: dict[str, dict], as_json: bool) -> int:
+    """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable."""
+    from mnft.errors import ExitCode
+
+    if as_json:
+        print_json({"run": record.run_id, "hosts": states})
+    else:
+        table = Table(title=f"run {record.run_id} ({record.data.get('recipe')}, {len(states)} hosts)")
+        for col in ("host", "node_rank", "state", "exit code", "processes", "step", "loss", "since"):
+            table.add_column(col)
+        import time as _time
+
+        for name, st in states.items():
+            metric = st.get("last_metric") or {}
+            since = st.get("ended") or st.get("started")
+            state = st.get("state", "?")
+            style = {"running": "green", "exited": "green" if st.get("exit_code") == 0 else "red"}.get(state, "magenta")
+            table.add_row(
+                name,
+                str(record.data["hosts"][name]["node_rank"]),
+                Text(state, style=style),
+                str(st.get("exit_code")) if st.get("exit_code") is not None else "-",
+                str(st.get("processes", "-")),
+                str(metric.get("step", "-")),
+                f"{metric['loss']:.4f}" if "loss" in metric else "-",
+                f"{_time.time() - since:.0f}s ago" if since else (st.get("error") or "-"),
+            )
+        console().print(table)
+    if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
+        return ExitCode.UNREACHABLE
+    healthy = all(st.get("state") == "running" or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
+    return ExitCode.OK if healthy else ExitCode.FAILED
+
+
+def print_stop(record, result: dict[str, dict], as_json: bool) -> int:
+    from mnft.errors import ExitCode
+
+    if as_json:
+        print_json({"run": record.run_id, "hosts": result})
+    else:
+        table = Table(title=f"stop run {record.run_id}")
+        for col in ("host", "killed", "remaining", "gpus held"):
+            table.add_column(col)
+        for name, r in result.items():
+            if "remaining" not in r:
+                table.add_row(name, Text(r.get("state", "?"), style="magenta"), r.get("error", ""), "")
+                continue
+            table.add_row(name, ", ".join(map(str, r["killed"])) or "-", Text(", ".join(map(str, r["remaining"])) or "none", style="red" if r["remaining"] else "green"), ", ".join(map(str, r.get("gpus_held") or [])) or "-")
+        console().print(table)
+    if any("remaining" not in r for r in result.values()):
+        return ExitCode.UNREACHABLE
+    return ExitCode.FAILED if any(r["remaining"] for r in result.values()) else ExitCode.OK
