@@ -1,0 +1,107 @@
+"""Benchmark: tokens/s of the ``lora`` recipe vs Hugging Face Trainer + PEFT, in one run.
+
+    python bench/recipe.py [--steps 100] [--micro-batch-size 8] [--threads 1]
+
+Same model (the tiny locally-built Llama), same LoRA config, same tokenized data and collate, same batch
+size, steps, optimizer (AdamW), schedule (cosine with warmup) and clipping; no checkpoints, one process each,
+the same number of CPU threads. Only trained (unmasked) tokens are counted for both, divided by the summed
+time of the optimizer steps. Prints both and the ratio recipe / Trainer (goal >= 1.0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_recipe(args, out: Path) -> float:
+    """The recipe as a user runs it (its own process, world of one); tokens/s from its summary line."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "mnft.recipes.lora", f"output_dir={out}", f"max_steps={args.steps}",
+           f"micro_batch_size={args.micro_batch_size}", "grad_accum_steps=1", "save_every=0", "save_final=false",
+           f"log_every={args.steps}", "tensorboard=false"]
+    subprocess.run(cmd, env=env, check=True, cwd=REPO, stdout=subprocess.DEVNULL)
+    summary = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    assert summary["event"] == "summary"
+    return summary["tokens_per_s"]
+
+
+def run_trainer(args, out: Path) -> float:
+    """HF Trainer + PEFT on the same model, data and settings; trained tokens counted in the collator."""
+    import peft
+    import torch
+    import transformers
+
+    from mnft.recipes import common, data, model
+    from mnft.recipes.config import load_config
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config("lora", [f"max_steps={args.steps}", f"micro_batch_size={args.micro_batch_size}"])
+    path = model.cache_root(cfg.model_cache_dir) / model.tiny_key()
+    if not path.is_dir():
+        raise SystemExit(f"{path} missing: the recipe run builds it first")
+    torch.manual_seed(cfg.seed)
+    base, tok = model.load(path, torch.float32)
+    net = peft.get_peft_model(base, peft.LoraConfig(
+        r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+        target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM"))
+    rows = data.build(tok, cfg.data_path, cfg.max_seq_len, cfg.packing)
+    counted = {"tokens": 0}
+
+    def collate(features):
+        batch = data.collate(features, tok.pad_token_id)
+        counted["tokens"] += data.trained_tokens(batch)
+        return batch
+
+    class StepTimer(transformers.TrainerCallback):
+        def __init__(self):
+            self.total, self.t0 = 0.0, None
+
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            self.total += time.perf_counter() - self.t0
+
+    timer = StepTimer()
+    targs = transformers.TrainingArguments(
+        output_dir=str(out), max_steps=args.steps, per_device_train_batch_size=args.micro_batch_size,
+        gradient_accumulation_steps=1, learning_rate=cfg.lr, lr_scheduler_type="cosine",
+        warmup_steps=cfg.warmup_steps, max_grad_norm=cfg.max_grad_norm, adam_beta1=cfg.adam_betas[0],
+        adam_beta2=cfg.adam_betas[1], weight_decay=cfg.weight_decay, optim="adamw_torch", save_strategy="no",
+        logging_steps=args.steps, report_to=[], use_cpu=True, dataloader_num_workers=0, seed=cfg.seed,
+        remove_unused_columns=False, disable_tqdm=True)
+    trainer = transformers.Trainer(model=net, args=targs, train_dataset=rows, data_collator=collate,
+                                   callbacks=[timer])
+    del common  # (same loss definition: HF shifts labels and ignores -100 exactly like the recipe)
+    trainer.train()
+    return counted["tokens"] / timer.total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--micro-batch-size", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        recipe = run_recipe(args, Path(tmp) / "recipe")
+        trainer = run_trainer(args, Path(tmp) / "trainer")
+    print(f"lora recipe:        {recipe:10.0f} trained tokens/s")
+    print(f"HF Trainer + PEFT:  {trainer:10.0f} trained tokens/s")
+    print(f"ratio recipe/Trainer: {recipe / trainer:.2f}  (goal >= 1.0; {args.steps} steps, "
+          f"micro-batch {args.micro_batch_size}, {args.threads} thread(s), one process each)")
+
+
+if __name__ == "__main__":
+    main()
