@@ -299,6 +299,8 @@ class Cluster:
         self.python, self._python_binds = _python_paths()
         self.home_mountpoint = pwd.getpwuid(0).pw_dir
         self._sshd: dict[str, subprocess.Popen] = {}
+        self._anchors: dict[str, subprocess.Popen] = {}
+        self._log_offsets: dict[str, int] = {}
         self._original_keys: dict[str, tuple[bytes, str]] = {}
         self._down: set[str] = set()
         self._lock = threading.Lock()
@@ -322,6 +324,8 @@ class Cluster:
         if not _PREFIX_RE.match(prefix):
             raise ValueError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern} (interface names are ≤ 15 chars)")
         workdir = Path(workdir).absolute()
+        if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
+            raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
         workdir.mkdir(parents=True, exist_ok=True)
         _become_subreaper()
         cluster = cls(prefix=prefix, workdir=workdir)
@@ -372,6 +376,10 @@ class Cluster:
             if proc.returncode != 0:
                 raise ClusterError(f"configuring {host.ns} failed: {out.strip()}")
         self._write_files()
+        for host in self.hosts:
+            self._spawn_anchor(host)
+        for host in self.hosts:
+            self._wait_anchor(host)
         for host in self.hosts:
             self._spawn_sshd(host)
         for host in self.hosts:
@@ -442,22 +450,44 @@ class Cluster:
         home = f"mount --rbind {q(str(host.home))} {q(self.home_mountpoint)}"
         tmp = f"mount --bind {q(str(r / 'tmp'))} /tmp"
         # Cover last whichever of HOME and /tmp holds the workdir, so every source is still visible when bound.
-        under_tmp = str(self.workdir).startswith("/tmp/")
+        under_tmp = os.path.realpath(self.workdir).startswith("/tmp/")
         steps += [home, tmp] if under_tmp else [tmp, home]
-        steps += [f"hostname {q(host.name)}", f"exec {SSHD} -D -f /etc/ssh/sshd_config -E /run/sshd.log"]
+        steps += [f"hostname {q(host.name)}", "echo ready", "exec sleep infinity"]
         return "set -e\n" + "\n".join(steps)
+
+    def _spawn_anchor(self, host: SimHost) -> None:
+        """The host's "machine": a process holding its private mount and UTS namespaces for the cluster's life,
+        so sshd can stop and start and `run` keeps working while sshd is down."""
+        argv = ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--uts", "--propagation", "private",
+                "sh", "-c", self._mount_script(host)]
+        # ip netns exec and unshare exec without forking, and sh execs sleep: the Popen pid is the anchor's.
+        self._anchors[host.name] = subprocess.Popen(
+            argv, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    def _wait_anchor(self, host: SimHost) -> None:
+        proc = self._anchors[host.name]
+        line = proc.stdout.readline()  # "ready" once every mount is in place; EOF if the script failed
+        proc.stdout.close()
+        if line.strip() != b"ready":
+            proc.kill()
+            proc.wait()
+            err = proc.stderr.read().decode(errors="replace").strip()
+            raise ClusterError(f"setting up the private mounts of {host.name} ({host.ns}) failed: {err}")
+        proc.stderr.close()
 
     def _spawn_sshd(self, host: SimHost) -> None:
         log = host.root / "run" / "sshd.log"
-        self._log_offsets = getattr(self, "_log_offsets", {})
         self._log_offsets[host.name] = log.stat().st_size if log.exists() else 0
-        argv = ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--uts", "--propagation", "private",
-                "sh", "-c", self._mount_script(host)]
-        # ip netns exec and unshare exec without forking, so the Popen pid is the sshd listener's pid.
-        self._sshd[host.name] = subprocess.Popen(
-            argv, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=open(host.root / "sshd.stderr", "ab"), start_new_session=True,
-        )
+        argv = ["nsenter", "-t", str(self._anchors[host.name].pid), "-n", "-m", "-u", "--",
+                SSHD, "-D", "-f", "/etc/ssh/sshd_config", "-E", "/run/sshd.log"]
+        # nsenter execs without forking (no pid namespace), so the Popen pid is the sshd listener's pid.
+        with open(host.root / "sshd.stderr", "ab") as stderr:
+            self._sshd[host.name] = subprocess.Popen(
+                argv, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                start_new_session=True,
+            )
 
     def _wait_listening(self, host: SimHost, timeout: float = SSHD_START_TIMEOUT) -> None:
         log = host.root / "run" / "sshd.log"
@@ -526,11 +556,10 @@ class Cluster:
                 "SHELL": "/bin/sh", "LANG": os.environ.get("LANG", "C.UTF-8")}
         base.update(env or {})
         envs = ["/usr/bin/env", "-i"] + [f"{k}={v}" for k, v in base.items()]
-        if host is self.outsider or host.name not in self._sshd:
+        anchor = self._anchors.get(host.name)
+        if anchor is None:  # the outsider: its network namespace only
             return ["ip", "netns", "exec", host.ns] + envs + list(argv)
-        pid = self.sshd_pid(host)
-        if pid is None:
-            raise ClusterError(f"{host.name}: sshd is stopped, and run() enters its namespaces: start_sshd() first")
+        pid = anchor.pid
         # cd after entering: nsenter --wd would resolve the path in the caller's mount namespace (the real /root).
         return (["nsenter", "-t", str(pid), "-n", "-m", "-u", "--"] + envs
                 + ["/bin/sh", "-c", 'cd "$HOME" && exec "$@"', "sh"] + list(argv))
@@ -570,10 +599,10 @@ class Cluster:
 
     def processes(self, host: SimHost) -> list[tuple[int, str]]:
         """(pid, cmdline) of every process in the host's net namespace except its sshd listener."""
-        keep = self.sshd_pid(host)
+        keep = self._own_pids(host)
         out = []
         for pid in _netns_pids(host.ns):
-            if pid == keep:
+            if pid in keep:
                 continue
             cmd = _cmdline(pid)
             if cmd is not None and _proc_state(pid) not in ("Z", "X"):
@@ -582,8 +611,12 @@ class Cluster:
 
     def kill_strays(self, host: SimHost) -> None:
         """SIGKILL every process of the host but its sshd listener (and reap those that were ours)."""
-        keep = [p for p in [self.sshd_pid(host)] if p]
-        _kill_netns(host.ns, keep=keep)
+        _kill_netns(host.ns, keep=self._own_pids(host))
+
+    def _own_pids(self, host: SimHost) -> set[int]:
+        """The testbed's own processes in a host: its sshd listener and the namespace anchor."""
+        return {proc.pid for proc in (self._sshd.get(host.name), self._anchors.get(host.name))
+                if proc is not None and proc.poll() is None}
 
     def restore(self, hosts: Sequence[SimHost] | None = None, *, kill_strays: bool = True) -> None:
         """Undo what tests do to hosts: link up, original host key, sshd running, (stray processes killed)."""
@@ -650,7 +683,7 @@ class Cluster:
         except Exception:
             pass
         try:
-            for proc in self._sshd.values():
+            for proc in [*self._sshd.values(), *self._anchors.values()]:
                 if proc.poll() is None:
                     proc.kill()
             for host in self._all():
@@ -658,7 +691,7 @@ class Cluster:
                     _kill_netns(host.ns)
                 except Exception:
                     pass
-            for proc in self._sshd.values():
+            for proc in [*self._sshd.values(), *self._anchors.values()]:
                 try:
                     proc.wait(timeout=5)
                 except Exception:

@@ -1,6 +1,7 @@
 """Shared fixtures. The `cluster` suite (-m cluster) runs on a simulated cluster from mnft.testbed.
 
 Fixtures:
+  testbed                 session: the mnft.testbed module, or a skip with the reason this machine can't run it
   cluster                 session: 4 hosts h1..h4 + an outsider, built once, always torn down
   healthy_cluster         function: the session cluster, restored after the test (link up, original host keys,
                           sshd running, stray processes killed) — use it in any test that breaks a host
@@ -67,8 +68,13 @@ class _TerminateAsInterrupt:
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory):
-    testbed = _testbed()
+def testbed():
+    """The mnft.testbed module, or a skip saying why this machine cannot run it."""
+    return _testbed()
+
+
+@pytest.fixture(scope="session")
+def cluster(testbed, tmp_path_factory: pytest.TempPathFactory):
     testbed.Cluster.cleanup_stale()
     with _TerminateAsInterrupt():
         built = testbed.Cluster.create(SESSION_HOSTS, tmp_path_factory.mktemp("cluster"), outsider=True)
@@ -88,8 +94,7 @@ def healthy_cluster(cluster):
 
 
 @pytest.fixture
-def fresh_cluster_factory(tmp_path_factory: pytest.TempPathFactory):
-    testbed = _testbed()
+def fresh_cluster_factory(testbed, tmp_path_factory: pytest.TempPathFactory):
     built = []
 
     def make(n_hosts: int = 2, *, outsider: bool = False, prefix: str | None = None):

@@ -174,6 +174,7 @@ def test_stopped_sshd_refuses_connections_until_started(healthy_cluster):
         tcp_banner(host.address)
     proc = ssh(cluster, host, ["true"])
     assert proc.returncode == 255 and "refused" in proc.stderr
+    assert cluster.run(host, ["hostname"]).stdout.strip() == host.name  # the host itself is still up
     cluster.start_sshd(host)
     assert ssh(cluster, host, ["true"]).returncode == 0
 
@@ -309,8 +310,8 @@ def test_two_clusters_coexist_on_distinct_names_and_subnets(cluster, fresh_clust
     assert ssh(cluster, cluster.hosts[0], ["hostname"]).returncode == 0
 
 
-def test_cleanup_stale_removes_a_crashed_run_but_not_live_clusters(cluster, tmp_path):
-    from mnft.testbed import Cluster
+def test_cleanup_stale_removes_a_crashed_run_but_not_live_clusters(testbed, cluster, tmp_path):
+    Cluster = testbed.Cluster
 
     prefix = "mnftz" + uuid.uuid4().hex[:4]
     script = textwrap.dedent(
@@ -339,8 +340,8 @@ def test_cleanup_stale_removes_a_crashed_run_but_not_live_clusters(cluster, tmp_
 
 @pytest.mark.slow
 @pytest.mark.parametrize("n_hosts", [4, 32])
-def test_create_and_teardown_timing(tmp_path, n_hosts, capsys):
-    from mnft.testbed import Cluster
+def test_create_and_teardown_timing(testbed, tmp_path, n_hosts, capsys):
+    Cluster = testbed.Cluster
 
     start = time.monotonic()
     built = Cluster.create(n_hosts, tmp_path, outsider=True)
