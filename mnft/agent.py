@@ -159,6 +159,22 @@ def _gpu_pids(pids):
 # ---------------------------------------------------------------------------------------------------- keeper
 
 
+def _reap_group(run_id, grace=5.0):
+    """After the command ended: its workers may live on (torchrun killed with SIGKILL leaves them). End them."""
+    try:
+        os.killpg(os.getpgid(0), signal.SIGTERM)  # our own SIGTERM handler ignores it
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + grace
+    while run_pids(run_id) and time.time() < deadline:
+        time.sleep(0.1)
+    for pid in run_pids(run_id):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def keep(run_dir):
     """Session leader of the run (pgid = our pid): run the command, record its exit code."""
     import subprocess
@@ -183,6 +199,7 @@ def keep(run_dir):
         code = 127
     if code < 0:
         code = 128 - code
+    _reap_group(spec["run_id"])
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code

@@ -227,9 +227,12 @@ class Gang:
                     reason, failed = f"{run.launch.host}: no heartbeat from its agent for {LOST_AFTER:g}s (host down or link cut)", run.launch.host
                     break
         except KeyboardInterrupt:
-            reason, failed = "interrupted (Ctrl-C)", None
+            reason = "interrupted (Ctrl-C)"
             leftovers = self.teardown(reason)
             raise GangInterrupted(GangResult(False, None, reason, self.runs, self.first_step_at, leftovers)) from None
+        except BaseException:
+            self.teardown("the controller failed")  # a bug here must not leave the run going on any host
+            raise
         if reason is None:
             self._stop_heartbeat.set()
             return GangResult(True, None, "every host finished", self.runs, self.first_step_at)

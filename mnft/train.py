@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from mnft import check as checks
 from mnft import launch as launching
@@ -99,7 +100,7 @@ class Display:
 
     def line(self, host: str, rank: int | None, text: str) -> None:
         label = f"{host} r{rank}" if rank is not None else f"{host}"
-        self.console.print(f"[dim]{label:<{self.width}}|[/dim] {text}", markup=True, highlight=False, soft_wrap=True)
+        self.console.print(Text.assemble((f"{label:<{self.width}}| ", "dim"), text), highlight=False, soft_wrap=True)
 
     def metric(self, data: dict) -> None:
         if "step" in data:
@@ -342,7 +343,7 @@ def merged_tail(record: runs.RunRecord, lines: int, console: Console) -> None:
         for text in log.read_text(errors="replace").splitlines()[-lines:]:
             match = RANK_PREFIX.match(text)
             label = f"{name} r{offset + int(match.group(1))}" if match else name
-            console.print(f"[dim]{label}|[/dim] {match.group(2) if match else text}", highlight=False, soft_wrap=True)
+            console.print(Text.assemble((f"{label}| ", "dim"), match.group(2) if match else text), highlight=False, soft_wrap=True)
     steps = list(record.path.glob("*/extra/metrics.jsonl"))
     if steps:
         data, summary = read_metrics(steps[0])
@@ -377,7 +378,7 @@ def follow(record: runs.RunRecord, fleet: Fleet, console: Console) -> int:
                 match = RANK_PREFIX.match(text)
                 label = f"{host.name} r{offset + int(match.group(1))}" if match else host.name
                 with lock:
-                    console.print(f"[dim]{label}|[/dim] {match.group(2) if match else text}", highlight=False, soft_wrap=True)
+                    console.print(Text.assemble((f"{label}| ", "dim"), match.group(2) if match else text), highlight=False, soft_wrap=True)
         from mnft.fleet import HostResult
 
         return HostResult(host.name, Status.OK)

@@ -77,7 +77,13 @@ def build_tiny(out: Path) -> None:
     with torch.random.fork_rng():
         torch.manual_seed(TINY_SPEC["seed"])
         model = transformers.LlamaForCausalLM(config)
-    model.save_pretrained(out)
+    # Not model.save_pretrained: with a process group initialised, transformers writes only on global rank 0,
+    # and every node builds its own copy (nodes share no filesystem).
+    import safetensors.torch
+
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    safetensors.torch.save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def resolve(model: str, cache_dir: str | None, d: Dist) -> Path:
