@@ -104,6 +104,11 @@ def test_overrides_are_typed_and_config_path_is_honoured(tmp_path):
     assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.model_cache_dir is None
 
 
+@pytest.mark.parametrize("path", sorted((REPO / "mnft" / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_is_valid(path):
+    load_config("full" if "full" in path.name else "lora", [f"config={path}"])
+
+
 def test_bad_config_key_exits_2_with_one_line(home):
     res = single("lora", home, "lr_typo=1")
     assert res.returncode == 2
