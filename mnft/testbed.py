@@ -22,7 +22,6 @@ and `Cluster.cleanup_stale()` removes after a crashed run. See docs/testbed.md.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import fcntl
 import ipaddress
 import os
@@ -65,7 +64,6 @@ SESSION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SSHD_START_TIMEOUT = 20.0
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")  # veth "<prefix>-v123" must fit in 15 characters
 _ALIAS_RE = re.compile(r"^mnft-testbed:pid=(\d+):start=(\d+)$")
-_PR_SET_CHILD_SUBREAPER = 36
 
 
 class ClusterUnavailable(RuntimeError):
@@ -184,22 +182,12 @@ def _cmdline(pid: int) -> str | None:
 
 
 def _reap(pids: Iterable[int], deadline: float) -> None:
-    """Collect the zombies among `pids` that are our children (we are a subreaper); ignore the others."""
+    """Wait until each of `pids` is gone or a zombie. Nothing is waitpid()ed here: a Popen's owner (the testbed
+    for sshd and anchors, the caller for `popen`) collects its own child; orphans of ssh sessions belong to
+    pid 1, which reaps them in its own time."""
     pending = set(pids)
     while pending and time.monotonic() < deadline:
-        for pid in list(pending):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                if not Path(f"/proc/{pid}").exists():
-                    pending.discard(pid)
-                else:  # someone else's child: only wait for it to vanish from /proc
-                    state = _proc_state(pid)
-                    if state in (None, "Z", "X"):
-                        pending.discard(pid)
-                continue
-            if done:
-                pending.discard(pid)
+        pending = {pid for pid in pending if _proc_state(pid) not in (None, "Z", "X")}
         if pending:
             time.sleep(0.02)
 
@@ -212,7 +200,7 @@ def _proc_state(pid: int) -> str | None:
 
 
 def _kill_netns(ns: str, keep: Iterable[int] = ()) -> None:
-    """SIGKILL every process in `ns` (except `keep`) until none is left, and reap those that were ours."""
+    """SIGKILL every process in `ns` (except `keep`) until none is left running."""
     keep = set(keep)
     seen: set[int] = set()
     for _ in range(20):
@@ -227,14 +215,6 @@ def _kill_netns(ns: str, keep: Iterable[int] = ()) -> None:
                 pass
         _reap(pids, time.monotonic() + 2)
     _reap(seen, time.monotonic() + 0.5)
-
-
-def _become_subreaper() -> None:
-    """Orphans of ssh sessions are re-parented to us instead of pid 1 (which, in some sandboxes, never reaps)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _used_ipv4_networks() -> list[ipaddress.IPv4Network]:
@@ -327,7 +307,6 @@ class Cluster:
         if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
             raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
         workdir.mkdir(parents=True, exist_ok=True)
-        _become_subreaper()
         cluster = cls(prefix=prefix, workdir=workdir)
         atexit.register(cluster.teardown)
         try:
@@ -610,7 +589,7 @@ class Cluster:
         return out
 
     def kill_strays(self, host: SimHost) -> None:
-        """SIGKILL every process of the host but its sshd listener (and reap those that were ours)."""
+        """SIGKILL every process of the host except the testbed's own (anchor, sshd listener)."""
         _kill_netns(host.ns, keep=self._own_pids(host))
 
     def _own_pids(self, host: SimHost) -> set[int]:

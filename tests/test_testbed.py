@@ -280,11 +280,12 @@ def _leftovers(prefix: str) -> tuple[list[str], list[str]]:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie is dead: its parent, maybe pid 1, just has not collected it yet)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
         return False
-    return True
+    return state not in ("Z", "X")
 
 
 def test_teardown_leaves_no_namespace_link_or_process_and_is_idempotent(fresh_cluster_factory):
