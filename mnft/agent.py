@@ -24,6 +24,7 @@ import sys
 import time
 
 RUN_ID_VAR = "MNFT_RUN_ID"
+TAG_VAR = "MNFT_RUN_TAG"  # run id @ inventory host name: what processes are found (and killed) by
 
 
 def emit(event, **fields):
@@ -65,20 +66,20 @@ def _read(path, default=None):
 # ---------------------------------------------------------------------------------------------------- processes
 
 
-def _environ_has(pid, run_id):
+def _environ_has(pid, tag):
     try:
         with open("/proc/%d/environ" % pid, "rb") as fh:
             env = fh.read().split(b"\0")
     except OSError:
         return False
-    return (RUN_ID_VAR + "=" + run_id).encode() in env
+    return (TAG_VAR + "=" + tag).encode() in env
 
 
-def run_pids(run_id):
+def run_pids(tag):
     """Every live process whose environment carries this run id (this agent excluded)."""
     pids = []
     for name in os.listdir("/proc"):
-        if name.isdigit() and int(name) != os.getpid() and _environ_has(int(name), run_id):
+        if name.isdigit() and int(name) != os.getpid() and _environ_has(int(name), tag):
             try:
                 with open("/proc/%s/stat" % name) as fh:
                     if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
@@ -102,10 +103,10 @@ def _group_alive(pgid):
 def terminate(run_dir, grace=10.0, keeper=None):
     """SIGTERM the run's process group, SIGKILL after `grace`, then any leftover carrying the run id."""
     spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
-    run_id = spec.get("run_id")
+    tag = spec.get("tag")
     pgid = int(_read(os.path.join(run_dir, "pgid"), "0") or 0)
     killed = []
-    if pgid and run_id and (_environ_has(pgid, run_id) or _group_alive(pgid) and keeper is not None):
+    if pgid and tag and (_environ_has(pgid, tag) or _group_alive(pgid) and keeper is not None):
         try:
             os.killpg(pgid, signal.SIGTERM)
             killed.append(pgid)
@@ -115,7 +116,7 @@ def terminate(run_dir, grace=10.0, keeper=None):
     while time.time() < deadline:
         if keeper is not None:
             keeper.poll()
-        if not (pgid and _group_alive(pgid)) and not (run_id and run_pids(run_id)):
+        if not (pgid and _group_alive(pgid)) and not (tag and run_pids(tag)):
             break
         time.sleep(0.1)
     if pgid and _group_alive(pgid):
@@ -123,8 +124,8 @@ def terminate(run_dir, grace=10.0, keeper=None):
             os.killpg(pgid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    if run_id:
-        for pid in run_pids(run_id):
+    if tag:
+        for pid in run_pids(tag):
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
@@ -136,7 +137,7 @@ def terminate(run_dir, grace=10.0, keeper=None):
         except Exception:  # noqa: BLE001
             pass
     time.sleep(0.1)
-    remaining = run_pids(run_id) if run_id else []
+    remaining = run_pids(tag) if tag else []
     return {"killed": killed, "remaining": remaining, "gpus_held": _gpu_pids(remaining)}
 
 
@@ -159,16 +160,16 @@ def _gpu_pids(pids):
 # ---------------------------------------------------------------------------------------------------- keeper
 
 
-def _reap_group(run_id, grace=5.0):
+def _reap_group(tag, grace=5.0):
     """After the command ended: its workers may live on (torchrun killed with SIGKILL leaves them). End them."""
     try:
         os.killpg(os.getpgid(0), signal.SIGTERM)  # our own SIGTERM handler ignores it
     except ProcessLookupError:
         pass
     deadline = time.time() + grace
-    while run_pids(run_id) and time.time() < deadline:
+    while run_pids(tag) and time.time() < deadline:
         time.sleep(0.1)
-    for pid in run_pids(run_id):
+    for pid in run_pids(tag):
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -188,6 +189,7 @@ def keep(run_dir):
             env.update(json.load(fh))
         os.unlink(secrets_file)
     env[RUN_ID_VAR] = spec["run_id"]
+    env[TAG_VAR] = spec["tag"]
     signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is for the command; we record its end
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
@@ -199,7 +201,7 @@ def keep(run_dir):
         code = 127
     if code < 0:
         code = 128 - code
-    _reap_group(spec["run_id"])
+    _reap_group(spec["tag"])
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code
@@ -245,6 +247,7 @@ def launch():
     log = open(os.path.join(run_dir, "output.log"), "ab")
     env = dict(os.environ)
     env[RUN_ID_VAR] = spec["run_id"]
+    env[TAG_VAR] = spec["tag"]
     keeper = subprocess.Popen(
         [sys.executable, own, "keep", run_dir],
         stdin=subprocess.DEVNULL,
@@ -330,7 +333,7 @@ def status(run_dir):
     if not spec:
         return {"state": "unknown", "error": "no run at %s" % run_dir}
     code = _read(os.path.join(run_dir, "exit_code"))
-    alive = run_pids(spec["run_id"])
+    alive = run_pids(spec["tag"])
     state = "exited" if code is not None else ("running" if alive else "killed")
     result = {
         "state": state,
@@ -367,7 +370,7 @@ def tail(run_dir, n, follow):
             return 0
         for line in t.lines():
             emit("line", text=line)
-        if os.path.exists(code_file) and not run_pids(json.loads(_read(os.path.join(run_dir, "spec.json")))["run_id"]):
+        if os.path.exists(code_file) and not run_pids(json.loads(_read(os.path.join(run_dir, "spec.json")))["tag"]):
             for line in t.lines():
                 emit("line", text=line)
             emit("exit", code=int(_read(code_file)))

@@ -28,6 +28,8 @@ class CheckOptions:
     port: int | None = None  # rendezvous port; default: the inventory's
     network: bool = True
     network_timeout: float = 3.0
+    find_free_port: bool = False  # train: take the next free port on the master when the rendezvous port is taken
+    port_search: int = 20
 
 
 @dataclass(frozen=True)
@@ -220,19 +222,23 @@ def gather_network(fleet: Fleet, report: CheckReport, options: CheckOptions) -> 
     if master.name not in report.facts or report.master_addr is None:
         return
     seconds = options.network_timeout * 2 + 10
-    listener = fleet.start(master, probe_command(master, "listen", str(port), str(int(seconds))))
-    try:
+    for candidate in range(port, port + (options.port_search if options.find_free_port else 1)):
+        listener = fleet.start(master, probe_command(master, "listen", str(candidate), str(int(seconds))))
         listener.write(probe_payload())
         line = _first_json_line(listener, timeout=fleet.timeouts.command)
-        if line is None or not line.get("ok"):
-            report.port_free = False
-            report.port_error = (line or {}).get("error") or "the listener did not start"
-            return
-        report.port_free = True
+        if line is not None and line.get("ok"):
+            report.port, report.port_free, report.port_error = candidate, True, None
+            break
+        listener.close_stdin()
+        report.port_free = False
+        report.port_error = (line or {}).get("error") or "the listener did not start"
+    else:
+        return
+    try:
         reachable = [h for h in inventory.hosts if h.name in report.facts]
 
         def connect(host: Host) -> HostResult:
-            args = [report.master_addr, str(port), str(options.network_timeout)]
+            args = [report.master_addr, str(report.port), str(options.network_timeout)]
             source = source_address(host, report.facts[host.name])
             if source:
                 args += ["--bind", source]

@@ -62,6 +62,7 @@ class HostLaunch:
         """What the host agent receives on stdin (the only place secret values travel)."""
         return {
             "run_id": run_id,
+            "tag": f"{run_id}@{self.host}",
             "run_dir": self.run_dir,
             "argv": list(self.argv),
             "cwd": self.cwd,

@@ -73,18 +73,11 @@ def from_snapshot(data: dict[str, Any]) -> Inventory:
 # ------------------------------------------------------------------------------------------------ port
 
 
-def choose_port(fleet: Fleet, report: checks.CheckReport, tries: int = 20) -> int:
-    """The rendezvous port, checked on the master (not here): the inventory's if free, else the next free one."""
-    master = fleet.inventory.master
-    first = report.port or fleet.inventory.rendezvous_port
-    if report.port_free:
-        return first
-    for port in range(first + (1 if report.port_free is False else 0), first + tries):
-        result = fleet.run_one(master, checks.probe_command(master, "free-port", str(port)), stdin=checks.probe_payload())
-        data = checks.parse_probe(result) or {}
-        if data.get("free"):
-            return port
-    raise RunFailed(f"no free rendezvous port on the master {master.name} in {first}-{first + tries - 1}: stop what holds them (ss -ltnp) or set rendezvous_port")
+def chosen_port(report: checks.CheckReport) -> int:
+    """The rendezvous port the check found free on the master (it searched past a taken one)."""
+    if not report.port_free:
+        raise RunFailed(f"no free rendezvous port on the master from {report.port}: {report.port_error}; stop what holds it (ss -ltnp) or set rendezvous_port")
+    return report.port
 
 
 # ------------------------------------------------------------------------------------------------ train
@@ -124,7 +117,7 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
     launching.parse_overrides(lopts.overrides)  # bad input fails before any host is touched
     env, secrets = launching.split_env(lopts.env, launching.environ())
     with Fleet(inventory) as fleet:
-        report = checks.gather(fleet, options.check)
+        report = checks.gather(fleet, replace(options.check, find_free_port=True))
         timings["check_s"] = round(time.monotonic() - t0, 3)
         bad = [h.name for h in inventory.hosts if report.status(h.name) != Status.OK.value]
         if bad and not options.force:
@@ -142,7 +135,7 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
         run_id = launching.new_run_id()
         job_id = job_id or run_id
         ifaces = {name: reach.iface for name, reach in report.reach.items()}
-        port = choose_port(fleet, report)
+        port = chosen_port(report)
         plans = launching.plan(
             inventory, master_addr=report.master_addr, port=port, run_id=run_id, job_id=job_id,
             options=lopts, ifaces=ifaces, env=env, secret_names=tuple(sorted(secrets)),
