@@ -1,0 +1,867 @@
+"""`invoke sync`: the same code (and data) on every host, proven by a tree hash.
+
+Three layers, as everywhere in mnft:
+
+* read: the local tree (exclude rules, then a tree hash) and each host's copy (the stdlib `mnft.treehash`
+  script shipped through pyrun: real paths of the target and of the home, every file's size and sha256);
+* plan (pure): per host, nothing to do / rsync with an exact argv / verify only (a shared filesystem another
+  host wrote) / refused (the target resolves to `/` or the home). Tested with data: trees in, argv out;
+* apply: rsync on every host at once (bounded pool), progress per host, then each host hashes its copy again
+  and any difference fails that host, naming the files.
+
+Which files belong to the tree: git decides. `git ls-files --others --ignored --exclude-standard --directory`
+lists what git ignores under the source (every nested .gitignore, `!` re-includes, patterns anchored by a
+middle slash, .git/info/exclude and core.excludesFile), and each such path becomes one anchored, literal rsync
+rule. rsync's own `--filter=':- .gitignore'` was not used: rsync reads .gitignore lines as rsync patterns,
+which differ from git's (`!pattern` is not a re-include, `a/b` floats instead of being anchored, and
+info/exclude and the global excludes file are not read), so it would ship or drop files git does not. A source
+outside any repository gets the same treatment through a throwaway GIT_DIR. On top come the fixed excludes
+(`.git`, `runs/`, caches, virtualenvs) and the configured ones. rsync and the hash use the same rule strings
+(see mnft.treehash for the subset of rsync's syntax both implement), and excluded paths are also protected
+from `--delete` on the host, so a host's `runs/` and caches survive every sync.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from mnft import pyrun, treehash
+from mnft.command import Command
+from mnft.connection import Timeouts
+from mnft.errors import ExitCode, InputError, MnftError
+from mnft.fleet import Fleet, HostResult, Status
+from mnft.hostkeys import SYSTEM_KNOWN_HOSTS, known_hosts_files, mnft_home
+from mnft.inventory import Host, Inventory
+
+ALWAYS_EXCLUDES = (".git", "runs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info")
+DATA_EXCLUDES: tuple[str, ...] = ()
+SSH_CONNECT_TIMEOUT = 10
+RSYNC_IO_TIMEOUT = 120  # rsync --timeout: seconds without any data before a transfer is abandoned
+HASH_TIMEOUT = 1800.0  # a first hash of a large data set reads every byte
+SHOWN_DIFFERENCES = 20
+
+# Targets that --delete must never mirror into. The home itself and `/` are refused in any spelling; these
+# system directories too. A remote target that *resolves* to the home or an ancestor of it is refused per host.
+SYSTEM_DIRS = frozenset({"/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/mnt", "/media", "/opt", "/proc", "/root",
+                         "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/Users", "/usr/local", "/var/tmp", "/var/lib"})
+HOME_LIKE = re.compile(r"^/(home|Users)/[^/]+$")
+
+
+class SyncStatus:
+    OK = "ok"  # already identical: nothing sent
+    CHANGED = "changed"  # synced and verified identical
+    WOULD_CHANGE = "would-change"  # --dry-run: differs, nothing sent
+    FAILED = "failed"
+    UNREACHABLE = Status.UNREACHABLE.value
+    HOST_KEY_REJECTED = Status.HOST_KEY_REJECTED.value
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+@dataclass(frozen=True)
+class LocalTree:
+    root: Path
+    rules: tuple[str, ...]  # exclude rules, rsync syntax: the same strings go to rsync and to the hash
+    digest: str
+    files: dict[str, tuple[int, str]]
+    ignore_source: str  # how .gitignore was applied: "git", "git (no repository)" or "none: …"
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+@dataclass(frozen=True)
+class RemoteTree:
+    """A host's copy as its treehash probe saw it."""
+
+    root: str  # real path
+    home: str  # real path of the home
+    exists: bool
+    digest: str | None
+    files: dict[str, tuple[int, str]]
+    errors: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
+        files = {rel: (int(v[0]), str(v[1])) for rel, v in (data.get("files") or {}).items()}
+        return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files, dict(data.get("errors") or {}))
+
+
+@dataclass(frozen=True)
+class Difference:
+    send: tuple[str, ...]  # missing on the host or different content
+    delete: tuple[str, ...]  # on the host only
+
+    @property
+    def empty(self) -> bool:
+        return not self.send and not self.delete
+
+    def describe(self, limit: int = SHOWN_DIFFERENCES) -> list[str]:
+        lines = [f"differs: {p}" for p in self.send] + [f"extra: {p}" for p in self.delete]
+        return lines[:limit] + ([f"… {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    host: str
+    action: str  # "none" | "rsync" | "verify" | "refuse" | "skip" (unreachable)
+    target: str
+    argv: tuple[str, ...] = ()
+    difference: Difference | None = None
+    bytes_to_send: int = 0
+    reason: str = ""
+
+
+@dataclass
+class HostSync:
+    host: str
+    status: str
+    target: str
+    bytes_sent: int = 0
+    files_changed: int = 0
+    files_deleted: int = 0
+    remote_hash: str | None = None
+    differing: list[str] = field(default_factory=list)
+    would_send: list[str] = field(default_factory=list)
+    would_delete: list[str] = field(default_factory=list)
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (SyncStatus.OK, SyncStatus.CHANGED, SyncStatus.WOULD_CHANGE)
+
+
+@dataclass
+class SyncReport:
+    kind: str  # "code" | "data"
+    src: Path
+    local_hash: str
+    local_files: int
+    local_bytes: int
+    hosts: dict[str, HostSync]
+    dry_run: bool = False
+    ignore_source: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(h.ok for h in self.hosts.values())
+
+    def exit_code(self) -> ExitCode:
+        statuses = {h.status for h in self.hosts.values()}
+        if statuses & {SyncStatus.UNREACHABLE, SyncStatus.HOST_KEY_REJECTED}:
+            return ExitCode.UNREACHABLE
+        if SyncStatus.FAILED in statuses:
+            return ExitCode.FAILED
+        return ExitCode.OK
+
+    def summary(self) -> str:
+        bad = [h for h in self.hosts.values() if not h.ok]
+        if not bad:
+            return f"{len(self.hosts)} hosts hold {self.local_hash[:12]}"
+        return "; ".join(f"{h.host}: {h.status}: {h.error or ', '.join(h.differing[:3])}" for h in bad)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "src": str(self.src),
+            "local_hash": self.local_hash,
+            "local_files": self.local_files,
+            "local_bytes": self.local_bytes,
+            "dry_run": self.dry_run,
+            "ignore_source": self.ignore_source,
+            "seconds": self.seconds,
+            "exit_code": int(self.exit_code()),
+            "hosts": {name: {**asdict(h), "hash_match": h.remote_hash == self.local_hash if h.remote_hash else None} for name, h in self.hosts.items()},
+        }
+
+
+@dataclass(frozen=True)
+class SshSettings:
+    """What rsync's ssh needs to verify hosts exactly like mnft's connection factory."""
+
+    known_hosts: tuple[str, ...]
+    global_known_hosts: str = str(SYSTEM_KNOWN_HOSTS)
+    connect_timeout: int = SSH_CONNECT_TIMEOUT
+
+    @classmethod
+    def for_inventory(cls, inventory: Inventory) -> "SshSettings":
+        return cls(tuple(str(p) for p in known_hosts_files(inventory.known_hosts)))
+
+
+# ------------------------------------------------------------------------------------------------ pre-flight (pure)
+
+
+def normalize_target(path: str) -> str:
+    """`~/a//b/` -> `~/a/b`, `/x/./y/` -> `/x/y`; the text a target is judged and rendered by."""
+    if path == "~" or path.startswith("~/"):
+        rest = posixpath.normpath(path[2:]) if path[2:] else "."
+        return "~" if rest == "." else "~/" + rest
+    return posixpath.normpath(path) if path.startswith("/") else path
+
+
+def target_problem(path: str, what: str = "workdir") -> str | None:
+    """Why mnft refuses to mirror (with --delete) into this target, or None. Pure: judged from the text alone."""
+    if not isinstance(path, str) or not path.strip():
+        return f"{what} is empty"
+    if any(c in path for c in "\n\r\0"):
+        return f"{what} {path!r} contains a control character"
+    if path.startswith("~") and not (path == "~" or path.startswith("~/")):
+        return f"{what} {path!r}: only '~/' (the remote user's home) is supported, not '~user'"
+    if not path.startswith(("/", "~")):
+        return f"{what} {path!r} is relative: use an absolute path or one starting with '~/'"
+    norm = normalize_target(path)
+    if norm == "~":
+        return f"{what} {path!r} is the home directory itself: use a directory of mnft's own, e.g. ~/mnft"
+    if norm.startswith("~/.."):
+        return f"{what} {path!r} leaves the home directory"
+    if norm.startswith("/"):
+        if norm in ("/", "//"):
+            return f"{what} {path!r} is the root directory"
+        if HOME_LIKE.match(norm) or norm == "/root":
+            return f"{what} {path!r} is a home directory: use a directory of mnft's own inside it"
+        if norm in SYSTEM_DIRS:
+            return f"{what} {path!r} is a system directory: use a directory of mnft's own"
+    return None
+
+
+def _overlap(a: str, b: str) -> bool:
+    a, b = normalize_target(a).rstrip("/") + "/", normalize_target(b).rstrip("/") + "/"
+    return a.startswith(b) or b.startswith(a)
+
+
+def preflight(inventory: Inventory, src: Path, kind: str = "code") -> None:
+    """Refuse bad input before any host is touched: InputError (exit 2) listing every problem."""
+    problems = []
+    if not src.is_dir():
+        problems.append(f"source {src} is not a directory")
+    what = "workdir" if kind == "code" else "data_dir"
+    for host in inventory.hosts:
+        target = host.workdir if kind == "code" else host.data_dir
+        why = target_problem(target, what)
+        if why:
+            problems.append(f"host {host.name!r}: {why}")
+            continue
+        if _overlap(host.workdir, host.data_dir):
+            problems.append(f"host {host.name!r}: workdir {host.workdir!r} and data_dir {host.data_dir!r} overlap: a sync with --delete of one would delete the other")
+            continue
+        if host.is_local and src.is_dir():
+            local = Path(os.path.expanduser(normalize_target(target))).resolve()
+            source = src.resolve()
+            if local == source or source in local.parents or local in source.parents:
+                problems.append(f"host {host.name!r}: the local {what} {local} and the source {source} overlap")
+    if problems:
+        raise InputError("sync refused: " + "; ".join(problems))
+
+
+def remote_refusal(tree: RemoteTree) -> str | None:
+    """The host-side check: the target must not resolve to `/`, the home, or a directory above the home."""
+    root, home = tree.root.rstrip("/") or "/", tree.home.rstrip("/") or "/"
+    if root == "/":
+        return "the target resolves to / on this host"
+    if root == home:
+        return f"the target resolves to the home directory {home} on this host"
+    if home.startswith(root + "/"):
+        return f"the target {root} contains the home directory {home} on this host"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ read: local
+
+
+def _git(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, timeout=120)
+
+
+def git_ignored(src: Path) -> tuple[list[str], str]:
+    """Paths under src that git ignores (a directory entry ends with '/'), and how they were found."""
+    if shutil.which("git") is None:
+        return [], "none: git is not installed, .gitignore files were not applied"
+    args = ["ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory"]
+    env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1"}
+    inside = _git(["rev-parse", "--is-inside-work-tree"], src, env)
+    if inside.returncode == 0 and inside.stdout.strip() == b"true":
+        done = _git(args, src, env)
+        how = "git"
+    else:
+        with tempfile.TemporaryDirectory(prefix="mnft-gitdir-") as gitdir:
+            subprocess.run(["git", "init", "-q", "--bare", gitdir], capture_output=True, check=False, timeout=60)
+            done = _git(args, src, {**env, "GIT_DIR": gitdir, "GIT_WORK_TREE": str(src)})
+        how = "git (no repository)"
+    if done.returncode != 0:
+        raise MnftError(f"git ls-files failed in {src}: {done.stderr.decode(errors='replace').strip()}")
+    paths = [os.fsdecode(p) for p in done.stdout.split(b"\0") if p]
+    return paths, how
+
+
+def exclude_rules(src: Path, extra: Iterable[str] = (), *, gitignore: bool = True, fixed: Sequence[str] = ALWAYS_EXCLUDES) -> tuple[tuple[str, ...], str]:
+    """The exclude rules for src: fixed + extra patterns, then one anchored literal rule per git-ignored path."""
+    rules = [*fixed, *extra]
+    for pattern in extra:
+        if not pattern or any(c in pattern for c in "\n\r\0"):
+            raise InputError(f"exclude pattern {pattern!r} is empty or contains a control character")
+    if not gitignore:
+        return tuple(rules), "not applied"
+    ignored, how = git_ignored(src)
+    base = treehash.Rules(rules)
+    for path in ignored:
+        is_dir = path.endswith("/")
+        rel = path.rstrip("/")
+        if rel and not base.excluded(rel, is_dir) and not _under_excluded(rel, base):
+            rules.append(treehash.escape_literal(rel) + ("/" if is_dir else ""))
+    return tuple(rules), how
+
+
+def _under_excluded(rel: str, rules: treehash.Rules) -> bool:
+    parts = rel.split("/")
+    return any(rules.excluded("/".join(parts[:i]), True) for i in range(1, len(parts)))
+
+
+def _local_cache(root: Path) -> Path:
+    return mnft_home() / "cache" / Path(treehash.default_cache(str(root))).name
+
+
+def read_local(src: Path, extra_excludes: Iterable[str] = (), *, kind: str = "code", cache: bool = True) -> LocalTree:
+    src = src.resolve()
+    if kind == "code":
+        rules, how = exclude_rules(src, extra_excludes)
+    else:
+        rules, how = exclude_rules(src, extra_excludes, gitignore=False, fixed=DATA_EXCLUDES)
+    digest, files, errors = treehash.tree_hash(src, rules, str(_local_cache(src)) if cache else None)
+    if errors:
+        first = sorted(errors.items())[:3]
+        raise InputError(f"cannot read the source tree {src}: " + "; ".join(f"{p}: {e}" for p, e in first))
+    return LocalTree(src, rules, digest, dict(files), how)
+
+
+def tree_hash(path: Path | str, excludes: Iterable[str] | None = None) -> tuple[str, dict[str, tuple[int, str]]]:
+    """The tree hash of a local directory: (digest, {relpath: (size, sha256)}).
+
+    excludes None means mnft's code rules for that directory (fixed excludes + what git ignores there).
+    """
+    path = Path(path)
+    rules = exclude_rules(path.resolve())[0] if excludes is None else tuple(excludes)
+    digest, files, errors = treehash.tree_hash(path, rules)
+    if errors:
+        raise InputError(f"cannot read {path}: " + "; ".join(f"{p}: {e}" for p, e in sorted(errors.items())[:3]))
+    return digest, files
+
+
+# ------------------------------------------------------------------------------------------------ read: remote
+
+
+def hash_command(host: Host, target: str, *, if_exists: bool = False) -> Command:
+    args = [normalize_target(target)] + (["--if-exists"] if if_exists else [])
+    return pyrun.command(host, *args)
+
+
+def hash_stdin(rules: Sequence[str]) -> bytes:
+    import json
+
+    return pyrun.payload(treehash.source()) + (json.dumps(list(rules)) + "\n").encode()
+
+
+def parse_hash(result: HostResult) -> RemoteTree | None:
+    import json
+
+    if not result.ok:
+        return None
+    try:
+        data = json.loads(result.stdout.strip().splitlines()[-1])
+        return RemoteTree.from_json(data)
+    except (ValueError, IndexError, TypeError, KeyError, AttributeError):
+        result.status = Status.FAILED
+        result.error = "the tree hash printed no JSON: " + (result.tail(1) or "no output")
+        return None
+
+
+def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
+                timeout: float = HASH_TIMEOUT) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+    stdin = hash_stdin(rules)
+
+    def one(host: Host) -> HostResult:
+        return fleet.run_one(host, hash_command(host, targets[host.name], if_exists=if_exists), stdin=stdin, timeout=timeout)
+
+    results = fleet.map(one, hosts)
+    return {r.host: (r, parse_hash(r)) for r in results}
+
+
+# ------------------------------------------------------------------------------------------------ plan (pure)
+
+
+def difference(local: Mapping[str, tuple[int, str]], remote: Mapping[str, tuple[int, str]]) -> Difference:
+    send = tuple(sorted(p for p, v in local.items() if tuple(remote.get(p) or ()) != tuple(v)))
+    delete = tuple(sorted(p for p in remote if p not in local))
+    return Difference(send, delete)
+
+
+def _rsync_e_word(word: str) -> str:
+    """Quote one word of rsync's -e command (rsync splits it itself: quotes, doubled to escape; no backslashes)."""
+    if word and not any(c in word for c in " \t'\""):
+        return word
+    return "'" + word.replace("'", "''") + "'"
+
+
+def ssh_command(host: Host, ssh: SshSettings) -> str:
+    """rsync's -e: OpenSSH with mnft's host-key verification (the same known_hosts files), ~/.ssh/config honoured."""
+    for path in ssh.known_hosts:
+        if any(c in path for c in "\"\\\n"):
+            raise InputError(f"known_hosts path {path!r} contains a quote, backslash or newline: OpenSSH cannot be given it safely")
+    files = " ".join(f'"{p}"' if (" " in p or "'" in p) else p for p in ssh.known_hosts)
+    words = [
+        "ssh",
+        "-o", "BatchMode=yes",
+        "-o", "StrictHostKeyChecking=yes",
+        "-o", f"UserKnownHostsFile={files}",
+        "-o", f"GlobalKnownHostsFile={ssh.global_known_hosts}",
+        "-o", f"ConnectTimeout={ssh.connect_timeout}",
+        "-o", "ServerAliveInterval=15",
+        "-o", "ServerAliveCountMax=4",
+    ]
+    if host.port is not None:
+        words += ["-p", str(host.port)]
+    if host.user:
+        words += ["-l", host.user]
+    if host.identity:
+        words += ["-i", os.path.expanduser(host.identity), "-o", "IdentitiesOnly=yes"]
+    return " ".join(_rsync_e_word(w) for w in words)
+
+
+def remote_spec(host: Host, target: str) -> str:
+    """rsync's destination. With -s the path reaches the remote rsync untouched by any shell, and a remote rsync
+    starts in the home: `~/x` becomes the relative `x`. A local host gets its path expanded here."""
+    norm = normalize_target(target)
+    if host.is_local:
+        return os.path.expanduser(norm).rstrip("/") + "/"
+    path = norm[2:] if norm.startswith("~/") else norm
+    address = f"[{host.address}]" if ":" in host.address else host.address
+    return f"{address}:{path}/"
+
+
+def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSettings, *, delete: bool = True,
+               io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync") -> tuple[str, ...]:
+    argv = [
+        rsync,
+        "-a",  # recursive; keep links, permissions, times
+        "-s",  # --secluded-args (--protect-args before 3.2.6): paths never meet the remote shell
+        "--mkpath",
+        "--from0",
+        f"--filter=merge {rules_file}",
+        f"--timeout={io_timeout}",
+        "--stats",
+        "--out-format=%i %l %n",
+    ]
+    if delete:
+        argv.append("--delete")
+    if not host.is_local:
+        argv += ["-e", ssh_command(host, ssh)]
+    argv += [str(src).rstrip("/") + "/", remote_spec(host, target)]
+    return tuple(argv)
+
+
+def rules_file_bytes(rules: Sequence[str]) -> bytes:
+    """The --filter merge file: one `- PATTERN` rule per exclude, NUL-separated (--from0), so any path fits."""
+    return b"".join(b"- " + r.encode("utf-8", "surrogateescape") + b"\0" for r in rules)
+
+
+def plan(
+    inventory: Inventory,
+    local: LocalTree,
+    remote: Mapping[str, tuple[HostResult, RemoteTree | None]],
+    *,
+    kind: str,
+    rules_file: str,
+    ssh: SshSettings,
+    delete: bool = True,
+) -> list[HostPlan]:
+    """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) in; actions out.
+
+    For data, hosts with shared_fs see one copy: the first readable shared host writes it, the others verify.
+    """
+    plans = []
+    shared_writer: str | None = None
+    for host in inventory.hosts:
+        target = host.workdir if kind == "code" else host.data_dir
+        result, tree = remote.get(host.name, (None, None))
+        if tree is None:
+            plans.append(HostPlan(host.name, "skip", target, reason=(result.error if result is not None else "not read")))
+            continue
+        refusal = remote_refusal(tree)
+        if refusal:
+            plans.append(HostPlan(host.name, "refuse", target, reason=f"refused: {refusal}"))
+            continue
+        diff = difference(local.files, tree.files if tree.exists else {})
+        sending = sum(local.files[p][0] for p in diff.send)
+        if tree.exists and tree.digest == local.digest and not tree.errors:
+            plans.append(HostPlan(host.name, "none", target, difference=diff, reason="identical"))
+            continue
+        if kind == "data" and host.shared_fs:
+            if shared_writer is not None:
+                plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem written by {shared_writer}"))
+                continue
+            shared_writer = host.name
+        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete)
+        plans.append(HostPlan(host.name, "rsync", target, argv, diff, sending))
+    return plans
+
+
+# ------------------------------------------------------------------------------------------------ apply
+
+
+_UNREACHABLE = re.compile(
+    r"Connection refused|Connection timed out|timed out|No route to host|Could not resolve|Name or service not known|"
+    r"Network is unreachable|Permission denied \(|Connection closed by|Connection reset|kex_exchange_identification|"
+    r"connection unexpectedly closed"
+)
+_HOST_KEY = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|No .* host key is known")
+
+
+@dataclass
+class RsyncOutcome:
+    exit_code: int | None
+    files_changed: int = 0
+    files_deleted: int = 0
+    bytes_sent: int = 0
+    bytes_done: int = 0
+    stderr: str = ""
+    error: str = ""
+
+
+def parse_stats(text: str) -> int:
+    match = re.search(r"^Total bytes sent: ([\d,.]+)", text, re.MULTILINE)
+    return int(re.sub(r"[,.]", "", match.group(1))) if match else 0
+
+
+def classify(exit_code: int | None, stderr: str) -> tuple[str, str]:
+    """(status, one-line error) for a finished rsync."""
+    if exit_code == 0:
+        return SyncStatus.CHANGED, ""
+    lines = [ln.strip() for ln in stderr.strip().splitlines() if ln.strip()]
+    useful = [ln for ln in lines if not ln.startswith("rsync error:")] or lines
+    last = useful[-1] if useful else f"rsync exited with {exit_code}"
+    if exit_code is None:
+        return SyncStatus.FAILED, "rsync timed out"
+    if _HOST_KEY.search(stderr):
+        return SyncStatus.HOST_KEY_REJECTED, "host key verification failed (unknown or changed key): " + (useful[0] if useful else "")
+    if exit_code == 255 or (exit_code in (12, 255) and _UNREACHABLE.search(stderr)):
+        return SyncStatus.UNREACHABLE, last
+    problems = [ln for ln in useful if re.search(r"No space left|Permission denied|Read-only file system|Disk quota", ln)]
+    return SyncStatus.FAILED, f"rsync exit {exit_code}: " + (problems[0] if problems else last)
+
+
+def run_rsync(argv: Sequence[str], on_item: Callable[[int, bool], None] | None = None, timeout: float = 3600.0) -> RsyncOutcome:
+    """Run one rsync, reporting each finished file (its size, whether it was a deletion) as it goes."""
+    env = {**os.environ, "LC_ALL": "C"}
+    proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    err: list[bytes] = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader.start()
+    out = RsyncOutcome(None)
+    tail: list[str] = []
+    timed_out = threading.Event()
+
+    def kill() -> None:
+        timed_out.set()
+        proc.kill()
+
+    timer = threading.Timer(timeout, kill)
+    timer.start()
+    try:
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace").rstrip("\n")
+            parts = line.split(" ", 2)
+            if line.startswith("*deleting"):
+                out.files_deleted += 1
+                if on_item:
+                    on_item(0, True)
+            elif len(parts) == 3 and len(parts[0]) == 11 and parts[0][0] in "<>ch.":
+                if parts[0][1] != "d":
+                    out.files_changed += 1
+                    size = int(parts[1]) if parts[1].isdigit() else 0
+                    out.bytes_done += size
+                    if on_item:
+                        on_item(size, False)
+            else:
+                tail.append(line)
+        code = proc.wait()
+    finally:
+        timer.cancel()
+    reader.join(timeout=10)
+    out.exit_code = None if timed_out.is_set() else code
+    out.stderr = b"".join(err).decode(errors="replace")
+    out.bytes_sent = parse_stats("\n".join(tail))
+    return out
+
+
+class _Progress:
+    """Per-host progress (files and bytes), on stderr, or nothing."""
+
+    def __init__(self, enabled: bool, plans: Sequence[HostPlan]) -> None:
+        self.enabled = enabled and any(p.action == "rsync" for p in plans)
+        self.tasks: dict[str, Any] = {}
+        if not self.enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[files]}"), TimeElapsedColumn(),
+            console=Console(stderr=True), transient=False,
+        )
+        width = max(len(p.host) for p in plans)
+        for p in plans:
+            if p.action == "rsync":
+                total_files = len(p.difference.send) if p.difference else 0
+                total = max(p.bytes_to_send, 1)
+                self.tasks[p.host] = [self.progress.add_task(p.host.ljust(width), total=total, files=f"0/{total_files} files"), 0, total_files, total]
+
+    def __enter__(self) -> "_Progress":
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+    def item(self, host: str) -> Callable[[int, bool], None] | None:
+        if not self.enabled:
+            return None
+        lock = threading.Lock()
+
+        def on_item(size: int, deleted: bool) -> None:
+            with lock:
+                entry = self.tasks[host]
+                if not deleted:
+                    entry[1] += 1
+                self.progress.update(entry[0], advance=size, files=f"{entry[1]}/{entry[2]} files")
+
+        return on_item
+
+    def done(self, host: str, ok: bool) -> None:
+        if self.enabled and ok:  # rsync sends deltas: a finished host shows its bar full
+            entry = self.tasks[host]
+            self.progress.update(entry[0], completed=entry[3])
+
+
+def apply(plans: Sequence[HostPlan], rules: Sequence[str], rules_file: str, *, progress: bool = True, workers: int = 16,
+          timeout: float = 3600.0) -> dict[str, tuple[RsyncOutcome, float]]:
+    """Run every planned rsync, at most `workers` at once; one outcome per host."""
+    todo = [p for p in plans if p.action == "rsync"]
+    if not todo:
+        return {}
+    Path(rules_file).write_bytes(rules_file_bytes(rules))
+    outcomes: dict[str, tuple[RsyncOutcome, float]] = {}
+    with _Progress(progress, plans) as bar, ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo))), thread_name_prefix="mnft-rsync") as pool:
+        def one(p: HostPlan) -> None:
+            started = time.monotonic()
+            outcome = run_rsync(p.argv, bar.item(p.host), timeout)
+            outcomes[p.host] = (outcome, round(time.monotonic() - started, 3))
+            bar.done(p.host, outcome.exit_code == 0)
+
+        for future in [pool.submit(one, p) for p in todo]:
+            future.result()
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------------------ the whole sync
+
+
+def sync_tree(
+    inventory: Inventory,
+    src: Path,
+    *,
+    kind: str = "code",
+    fleet: Fleet | None = None,
+    progress: bool = True,
+    delete: bool = True,
+    dry_run: bool = False,
+    extra_excludes: Iterable[str] = (),
+    workers: int = 16,
+    timeout: float = 3600.0,
+) -> SyncReport:
+    """read -> plan -> apply -> verify for the code (workdir) or a data set (data_dir)."""
+    started = time.monotonic()
+    src = Path(src)
+    preflight(inventory, src, kind)
+    local = read_local(src, extra_excludes, kind=kind)
+    own_fleet = fleet is None
+    fleet = fleet or Fleet(inventory, Timeouts(connect=SSH_CONNECT_TIMEOUT, command=HASH_TIMEOUT))
+    targets = {h.name: (h.workdir if kind == "code" else h.data_dir) for h in inventory.hosts}
+    try:
+        with tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
+            rules_file = str(Path(tmp) / "excludes")
+            before = read_remote(fleet, inventory.hosts, targets, local.rules)
+            plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete)
+            if dry_run:
+                hosts = {p.host: _dry_result(p, before, local) for p in plans}
+            else:
+                outcomes = apply(plans, local.rules, rules_file, progress=progress, workers=workers, timeout=timeout)
+                again = [h for h in inventory.hosts if any(p.host == h.name and p.action in ("rsync", "verify") for p in plans)]
+                after = read_remote(fleet, again, targets, local.rules) if again else {}
+                hosts = {p.host: _result(p, before, outcomes.get(p.host), after.get(p.host), local, delete) for p in plans}
+    finally:
+        if own_fleet:
+            fleet.close()
+    return SyncReport(kind, local.root, local.digest, len(local.files), local.total_bytes, hosts, dry_run, local.ignore_source,
+                      round(time.monotonic() - started, 3))
+
+
+def _unread(p: HostPlan, read: tuple[HostResult, RemoteTree | None] | None) -> HostSync:
+    result = read[0] if read else None
+    status = result.status.value if result is not None else SyncStatus.FAILED
+    error = (result.error if result is not None else "") or "cannot read the host's tree"
+    if status == Status.OK.value:
+        status = SyncStatus.FAILED
+    return HostSync(p.host, status, p.target, error=error, seconds=result.seconds if result else 0.0)
+
+
+def _dry_result(p: HostPlan, before, local: LocalTree) -> HostSync:
+    if p.action == "skip":
+        return _unread(p, before.get(p.host))
+    tree = before[p.host][1]
+    if p.action == "refuse":
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+    diff = p.difference or Difference((), ())
+    status = SyncStatus.OK if p.action == "none" else SyncStatus.WOULD_CHANGE
+    return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
+                    bytes_sent=p.bytes_to_send, error=p.reason if p.action == "verify" else "")
+
+
+def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, after, local: LocalTree, delete: bool) -> HostSync:
+    if p.action == "skip":
+        return _unread(p, before.get(p.host))
+    tree = before[p.host][1]
+    if p.action == "refuse":
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+    if p.action == "none":
+        return HostSync(p.host, SyncStatus.OK, p.target, remote_hash=tree.digest)
+    sync = HostSync(p.host, SyncStatus.CHANGED, p.target)
+    if outcome is not None:
+        ran, seconds = outcome
+        sync.bytes_sent, sync.files_changed, sync.files_deleted, sync.seconds = ran.bytes_sent, ran.files_changed, ran.files_deleted, seconds
+        status, error = classify(ran.exit_code, ran.stderr)
+        if status != SyncStatus.CHANGED:
+            sync.status, sync.error = status, error
+            return sync
+    if after is None or after[1] is None:
+        result = after[0] if after else None
+        sync.status = result.status.value if result is not None and result.status is not Status.OK else SyncStatus.FAILED
+        sync.error = "verification failed: " + ((result.error if result is not None else "") or "cannot read the host's tree")
+        return sync
+    tree = after[1]
+    sync.remote_hash = tree.digest if tree.exists else None
+    if p.action == "verify":
+        sync.status = SyncStatus.OK
+    diff = difference(local.files, tree.files if tree.exists else {})
+    if not delete:
+        diff = Difference(diff.send, ())
+    if tree.errors or not diff.empty:
+        sync.status = SyncStatus.FAILED
+        sync.differing = diff.describe(10**6) + [f"unreadable: {rel}: {e}" for rel, e in sorted(tree.errors.items())]
+        what = "does not see the shared copy" if p.action == "verify" else "differs after the sync"
+        sync.error = f"{what}: {len(diff.send) + len(diff.delete) + len(tree.errors)} file(s): " + ", ".join(sync.differing[:3])
+    return sync
+
+
+def sync_code(inventory: Inventory, src: Path, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16) -> SyncReport:
+    """Copy the project tree at src into every host's workdir and prove each copy is identical (tree hash).
+
+    The launcher calls this before training; `report.ok` says whether every host holds `report.local_hash`.
+    """
+    return sync_tree(inventory, src, kind="code", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
+                     extra_excludes=extra_excludes, workers=workers)
+
+
+def sync_data(inventory: Inventory, path: Path, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16) -> SyncReport:
+    """Copy a data directory into every host's data_dir; shared_fs hosts get one copy and verify they see it."""
+    return sync_tree(inventory, path, kind="data", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
+                     extra_excludes=extra_excludes, workers=workers)
+
+
+# ------------------------------------------------------------------------------------------------ check
+
+
+def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None) -> dict[str, dict[str, Any]]:
+    """For `invoke check`: each host's code hash when its workdir exists, and whether it matches src's tree."""
+    src = Path(src or Path.cwd())
+    try:
+        local = read_local(src)
+    except MnftError as exc:
+        return {h.name: {"hash": None, "exists": None, "matches": None, "error": str(exc)} for h in hosts}
+    read = read_remote(fleet, hosts, {h.name: h.workdir for h in hosts}, local.rules, if_exists=True)
+    out: dict[str, dict[str, Any]] = {}
+    for name, (result, tree) in read.items():
+        if tree is None:
+            out[name] = {"hash": None, "exists": None, "matches": None, "error": result.error or "cannot read the workdir"}
+            continue
+        diff = difference(local.files, tree.files) if tree.exists else None
+        out[name] = {
+            "hash": tree.digest,
+            "exists": tree.exists,
+            "matches": (tree.digest == local.digest) if tree.exists else None,
+            "local_hash": local.digest,
+            "differing": diff.describe() if diff and not diff.empty else [],
+        }
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ output
+
+
+def print_sync(report: SyncReport, as_json: bool) -> None:
+    from rich.table import Table
+    from rich.text import Text
+
+    from mnft.report import console, print_json, status_text
+
+    if as_json:
+        print_json(report.to_json())
+        return
+    out = console()
+    verb = "would sync" if report.dry_run else "sync"
+    table = Table(title=f"{verb} {report.kind}: {report.src} ({report.local_files} files, {_size(report.local_bytes)}, hash {report.local_hash[:12]})")
+    for col in ("host", "status", "target", "files", "deleted", "bytes sent", "hash match", "seconds", "detail"):
+        table.add_column(col)
+    for h in report.hosts.values():
+        match = "-" if h.remote_hash is None else ("yes" if h.remote_hash == report.local_hash else "NO")
+        files = len(h.would_send) if report.dry_run else h.files_changed
+        deleted = len(h.would_delete) if report.dry_run else h.files_deleted
+        table.add_row(
+            h.host, status_text(h.status), h.target, str(files), str(deleted), _size(h.bytes_sent),
+            Text(match, style={"yes": "green", "NO": "bold red"}.get(match, "")), f"{h.seconds:.2f}", h.error,
+        )
+    out.print(table)
+    for h in report.hosts.values():
+        if report.dry_run and (h.would_send or h.would_delete):
+            out.print(f"[bold]{h.host}[/bold]:")
+            for line in Difference(tuple(h.would_send), tuple(h.would_delete)).describe():
+                out.print(f"  {line.replace('differs: ', 'send: ').replace('extra: ', 'delete: ')}", highlight=False, markup=False)
+        if h.differing:
+            out.print(f"[red]{h.host}[/red]: files that differ:")
+            for line in h.differing[:SHOWN_DIFFERENCES]:
+                out.print(f"  {line}", highlight=False, markup=False)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -1,0 +1,325 @@
+#!/usr/bin/env python3
+"""mnft tree hash: the identity of a directory tree (paths, sizes, sha256 of contents), here or on a host.
+
+The controller imports this module to hash its own tree and ships this file's source (see `source()`) to each
+host's Python (mnft.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
+as `python3 mnft/treehash.py ROOT [--cache FILE] [--if-exists]` with the exclude rules as one JSON line on stdin.
+
+Exclude rules are a subset of rsync's filter patterns, so the rules given to rsync and the ones the hash applies
+are the same strings with the same meaning:
+  * `name`          matches the last component of a path anywhere (`__pycache__`, `*.pyc`);
+  * `a/b`, `**`     a pattern with a slash (or `**`) matches the end of the path at a component boundary;
+  * `/a/b`          a leading slash anchors the pattern at the tree's root;
+  * `dir/`          a trailing slash matches directories only; an excluded directory is not descended into;
+  * wildcards `*` (not across `/`), `**` (across `/`), `?`, `[...]`; when a pattern has a wildcard, a
+    backslash makes the next character literal (rsync's rule), otherwise the pattern is literal text.
+
+Output (one JSON object on stdout): root and home (real paths, so the controller can refuse dangerous
+targets), whether the root exists, files {relpath: [size, sha256]}, the digest, and per-path errors.
+
+Hashing is cached per root (size, mtime_ns, ctime_ns, inode -> sha256) in a file outside the tree, so a re-hash
+of an unchanged tree reads no file contents. A write through any tool changes ctime, so the cache cannot hide a
+modification short of a clock reset.
+
+Constraints, because this runs on hosts mnft does not control: Python >= 3.8 and the standard library only;
+never raises on a bad file (the error is recorded for that path); exit status 0, 2 for a bad command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import sys
+import tempfile
+
+CHUNK = 1 << 20
+CACHE_VERSION = 1
+WILDCARDS = "*?["
+
+
+def source() -> str:
+    """This file's source text, for the controller to ship to a host."""
+    with open(__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+# ------------------------------------------------------------------------------------------------ rules
+
+
+def _glob_regex(pattern: str) -> str:
+    """rsync wildmatch subset -> regex (`*` stays inside a component, `**` crosses `/`)."""
+    if not any(c in pattern for c in WILDCARDS):
+        return re.escape(pattern)
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            out.append(re.escape(pattern[i + 1]))
+            i += 2
+            continue
+        if c == "*":
+            if pattern.startswith("**", i):
+                out.append(".*")
+                i += 2
+            else:
+                out.append("[^/]*")
+                i += 1
+            continue
+        if c == "?":
+            out.append("[^/]")
+            i += 1
+            continue
+        if c == "[":
+            j = i + 1
+            if j < n and pattern[j] in "!^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 1
+            if j >= n:  # no closing bracket: a literal "["
+                out.append(re.escape(c))
+                i += 1
+                continue
+            body = pattern[i + 1 : j]
+            negate = body[:1] in ("!", "^")
+            if negate:
+                body = body[1:]
+            body = body.replace("\\", "\\\\")
+            out.append("[" + ("^" if negate else "") + body + "]")
+            i = j + 1
+            continue
+        out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+class Rules:
+    """Compiled exclude rules; `excluded(relpath, is_dir)` says whether rsync would leave the path out."""
+
+    def __init__(self, patterns) -> None:
+        self.patterns = list(patterns)
+        self._compiled = []
+        for pattern in self.patterns:
+            if not pattern or pattern in ("/", "//"):
+                continue
+            dir_only = pattern.endswith("/")
+            body = pattern.rstrip("/") if dir_only else pattern
+            anchored = body.startswith("/")
+            if anchored:
+                body = body.lstrip("/")
+            prefix = "^" if anchored else "(?:^|.*/)"
+            self._compiled.append((re.compile(prefix + _glob_regex(body) + "$", re.DOTALL), dir_only))
+
+    def excluded(self, relpath: str, is_dir: bool) -> bool:
+        for regex, dir_only in self._compiled:
+            if dir_only and not is_dir:
+                continue
+            if regex.match(relpath):
+                return True
+        return False
+
+
+def escape_literal(relpath: str) -> str:
+    """An rsync filter pattern that matches exactly this path (anchored at the tree's root)."""
+    if any(c in relpath for c in WILDCARDS):
+        relpath = re.sub(r"([\\*?\[])", r"\\\1", relpath)
+    return "/" + relpath
+
+
+# ------------------------------------------------------------------------------------------------ hashing
+
+
+def _sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digest_of(files: dict) -> str:
+    """One sha256 over the sorted (path, size, sha256) entries: equal digests mean equal trees."""
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        size, sha = files[rel]
+        digest.update(rel.encode("utf-8", "surrogateescape") + b"\0" + str(size).encode() + b"\0" + sha.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def _load_cache(path):
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("version") == CACHE_VERSION and isinstance(data.get("files"), dict):
+            return data["files"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {}
+
+
+def _save_cache(path, files) -> None:
+    if not path:
+        return
+    try:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".treehash-")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"version": CACHE_VERSION, "files": files}, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
+def walk(root: str, rules: Rules):
+    """(relpath, absolute path, lstat) of every non-directory entry rsync would transfer, sorted."""
+    found = []
+    errors = {}
+
+    def onerror(exc):
+        rel = os.path.relpath(exc.filename, root) if exc.filename else "."
+        errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+
+    for folder, dirs, names in os.walk(root, onerror=onerror):
+        rel_folder = os.path.relpath(folder, root)
+        rel_folder = "" if rel_folder == "." else rel_folder + "/"
+        keep = []
+        for name in sorted(dirs):
+            rel = rel_folder + name
+            full = os.path.join(folder, name)
+            try:
+                st = os.lstat(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+            if stat.S_ISLNK(st.st_mode):  # a symlink to a directory: copied as a link, not followed
+                if not rules.excluded(rel, False):
+                    found.append((rel, full, st))
+                continue
+            if not rules.excluded(rel, True):
+                keep.append(name)
+        dirs[:] = keep
+        for name in names:
+            rel = rel_folder + name
+            full = os.path.join(folder, name)
+            if rules.excluded(rel, False):
+                continue
+            try:
+                st = os.lstat(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+            if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                found.append((rel, full, st))
+    found.sort(key=lambda item: item[0])
+    return found, errors
+
+
+def tree_hash(root, excludes=(), cache=None):
+    """(digest, {relpath: (size, sha256)}, {relpath: error}) of the tree at root, with the exclude rules applied.
+
+    A symlink counts as its target text (size = its length), never followed. `cache` is a JSON file outside the
+    tree that remembers each file's sha256 by (size, mtime_ns, ctime_ns, inode).
+    """
+    root = os.fspath(root)
+    rules = excludes if isinstance(excludes, Rules) else Rules(excludes)
+    entries, errors = walk(root, rules)
+    old = _load_cache(cache)
+    new = {}
+    files = {}
+    for rel, full, st in entries:
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+            data = os.fsencode(target)
+            files[rel] = (len(data), hashlib.sha256(b"symlink\0" + data).hexdigest())
+            continue
+        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        hit = old.get(rel)
+        if hit and hit[:4] == key:
+            sha = hit[4]
+        else:
+            try:
+                sha = _sha256_file(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+        new[rel] = key + [sha]
+        files[rel] = (st.st_size, sha)
+    if cache and new != old:
+        _save_cache(cache, new)
+    return digest_of(files), files, errors
+
+
+def default_cache(root: str) -> str:
+    """Where a host keeps the cache for a root: outside the tree, in the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    key = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:20]
+    return os.path.join(base, "mnft", "treehash-%s.json" % key)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+def report(root: str, patterns, cache=None, if_exists: bool = False) -> dict:
+    expanded = os.path.expanduser(root)
+    out = {
+        "root": os.path.realpath(expanded),
+        "home": os.path.realpath(os.path.expanduser("~")),
+        "exists": os.path.isdir(expanded),
+        "digest": None,
+        "files": None,
+        "errors": {},
+    }
+    if not out["exists"]:
+        if not if_exists and os.path.lexists(expanded):
+            out["errors"]["."] = "not a directory"
+        return out
+    digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded))
+    out.update(digest=digest, files={rel: list(v) for rel, v in files.items()}, errors=errors)
+    return out
+
+
+def main(argv) -> int:
+    args = list(argv)
+    cache, if_exists = None, False
+    if "--if-exists" in args:
+        args.remove("--if-exists")
+        if_exists = True
+    if "--cache" in args:
+        i = args.index("--cache")
+        if i + 1 >= len(args):
+            sys.stderr.write("usage: treehash.py ROOT [--cache FILE] [--if-exists] < rules.json\n")
+            return 2
+        cache = args[i + 1]
+        del args[i : i + 2]
+    if len(args) != 1:
+        sys.stderr.write("usage: treehash.py ROOT [--cache FILE] [--if-exists] < rules.json\n")
+        return 2
+    line = sys.stdin.readline()
+    try:
+        patterns = json.loads(line) if line.strip() else []
+    except ValueError:
+        sys.stderr.write("treehash: the rules line on stdin is not JSON\n")
+        return 2
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
+        return 2
+    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
