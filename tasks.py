@@ -206,4 +206,37 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     return print_stop(record, result, json)
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop)
+@task(
+    iterable=["exclude"],
+    help={
+        "hosts": "inventory file; default: inventory/local.yaml",
+        "src": "the tree to copy (default: the current directory)",
+        "data": "copy this data directory to every host's data_dir instead of the code (shared_fs hosts: once)",
+        "exclude": "one more rsync exclude pattern (repeat); also invoke.yaml's sync.exclude list",
+        "dry_run": "list what would change per host; copy nothing",
+        "no_delete": "keep files that exist only on the hosts",
+        "json": "machine-readable output (per host: status, files, bytes, hash)",
+        "workers": "rsyncs at once",
+    },
+)
+@_mnft_errors
+def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16):
+    """Copy the code (or --data) to every host in parallel and prove each copy by its tree hash.
+
+    Exit codes: 0 every host identical, 1 a host failed or differs (the files are named), 2 bad input or a
+    refused target (nothing touched), 4 a host unreachable or its key rejected.
+    """
+    from mnft.sync import print_sync, sync_code, sync_data
+
+    configured = list((c.config.get("sync") or {}).get("exclude") or [])
+    options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=[*configured, *(exclude or [])], workers=int(workers))
+    inv = _inventory(hosts)
+    if data:
+        report = sync_data(inv, Path(data), **options)
+    else:
+        report = sync_code(inv, Path(src) if src else Path.cwd(), **options)
+    print_sync(report, json)
+    return report.exit_code()
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync)
