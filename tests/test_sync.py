@@ -1,0 +1,401 @@
+"""Sync, without a cluster: exclude rules, the local tree hash, target refusals, and planning with data
+(trees in, exact rsync argv out). Nothing here reads the developer's home or ~/.ssh."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from mnft import sync, treehash
+from mnft.errors import ExitCode, InputError
+from mnft.fleet import HostResult, Status
+from mnft.inventory import parse
+
+KNOWN = ("/etc/ssh/ssh_known_hosts", "/ctl/.ssh/known_hosts", "/ctl/lab kh", "/ctl/.mnft/known_hosts")
+SSH = sync.SshSettings(KNOWN)
+RULES_FILE = "/tmp/mnft-sync-x/excludes"
+INJECTION = ["; rm -rf ~", "$(id)", "`id`", "a\nb", "it's", 'say "hi"', "sp ace", "-rf", "*", "a|b&c>d"]
+
+
+@pytest.fixture(autouse=True)
+def private_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MNFT_HOME", str(home / ".mnft"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / ".cache"))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    return home
+
+
+def write(root: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def inventory(text: str):
+    return parse(text)
+
+
+def one_host(**settings):
+    body = ", ".join(f"{k}: {json.dumps(v)}" for k, v in settings.items())
+    return inventory(f"hosts:\n  h1: {{{body}}}\n").hosts[0]
+
+
+# ------------------------------------------------------------------------------------------------ rules
+
+
+@pytest.mark.parametrize(
+    "pattern, path, is_dir, excluded",
+    [
+        ("__pycache__", "a/b/__pycache__", True, True),
+        ("*.pyc", "a/b.pyc", False, True),
+        ("*.pyc", "a/b.pyc/c", False, False),
+        ("runs/", "runs", True, True),
+        ("runs/", "runs", False, False),  # a file named runs is code
+        ("runs/", "x/runs", True, True),
+        ("/top", "top", False, True),
+        ("/top", "x/top", False, False),
+        ("a/b", "x/a/b", False, True),
+        ("a/b", "xa/b", False, False),
+        ("**/gen", "x/y/gen", True, True),
+        ("*.egg-info", "mnft.egg-info", True, True),
+        ("/lit\\[1\\].txt", "lit[1].txt", False, True),
+        ("/back\\slash", "back\\slash", False, True),  # no wildcard: the backslash is literal, like rsync
+    ],
+)
+def test_rules_follow_rsync_pattern_semantics(pattern, path, is_dir, excluded):
+    assert treehash.Rules([pattern]).excluded(path, is_dir) is excluded
+
+
+@pytest.mark.parametrize("name", ["plain.txt", "a[1].txt", "star*.txt", "q?.txt", "back\\slash*.txt", "sp ace/x"])
+def test_escaped_literal_matches_exactly_that_path(name):
+    rules = treehash.Rules([treehash.escape_literal(name)])
+    assert rules.excluded(name, False)
+    assert not rules.excluded(name + "x", False)
+    assert not rules.excluded("sub/" + name, False)
+
+
+def git_repo(root: Path) -> Path:
+    subprocess.run(["git", "init", "-q", str(root)], check=True)
+    return root
+
+
+def test_git_decides_ignored_files_including_nested_gitignore_and_negation(tmp_path):
+    src = git_repo(write(tmp_path / "src", {
+        ".gitignore": "*.log\n!keep.log\nbuild/\ndocs/*.tmp\n",
+        "pkg/.gitignore": "secret.txt\n",
+        "pkg/code.py": "x", "pkg/secret.txt": "s", "pkg/sub/secret.txt": "s2",
+        "a.log": "l", "keep.log": "k", "build/out.bin": "b", "docs/x.tmp": "t", "deep/docs/x.tmp": "kept",
+        "runs/r1/log.txt": "r", "mod/__pycache__/m.cpython-311.pyc": "c", ".venv/bin/python": "p",
+    }))
+    rules, how = sync.exclude_rules(src)
+    assert how == "git"
+    _, files = sync.tree_hash(src, rules)
+    # `docs/*.tmp` has a middle slash: git anchors it to the .gitignore's directory (rsync's parser would not)
+    assert sorted(files) == [".gitignore", "deep/docs/x.tmp", "keep.log", "pkg/.gitignore", "pkg/code.py"]
+    assert "/build/" in rules and "/a.log" in rules  # git collapsed the ignored directory to one rule
+
+
+def test_gitignore_applies_to_a_tree_outside_any_repository(tmp_path):
+    src = write(tmp_path / "plain", {".gitignore": "*.ckpt\n", "train.py": "x", "big.ckpt": "w"})
+    rules, how = sync.exclude_rules(src)
+    assert how == "git (no repository)"
+    assert sorted(sync.tree_hash(src, rules)[1]) == [".gitignore", "train.py"]
+
+
+def test_extra_excludes_are_added_and_checked(tmp_path):
+    src = git_repo(write(tmp_path / "src", {"a.py": "x", "notes/n.md": "n"}))
+    rules, _ = sync.exclude_rules(src, ["notes/"])
+    assert sorted(sync.tree_hash(src, rules)[1]) == ["a.py"]
+    with pytest.raises(InputError):
+        sync.exclude_rules(src, ["bad\npattern"])
+
+
+# ------------------------------------------------------------------------------------------------ tree hash
+
+
+def test_tree_hash_is_paths_sizes_and_content(tmp_path):
+    a = write(tmp_path / "a", {"x.py": "one", "d/y.py": "two"})
+    b = write(tmp_path / "b", {"d/y.py": "two", "x.py": "one"})
+    da, fa = sync.tree_hash(a, ())
+    db, fb = sync.tree_hash(b, ())
+    assert da == db and fa == fb
+    assert fa["x.py"][0] == 3 and len(fa["x.py"][1]) == 64
+    (b / "x.py").write_text("uno")  # same size, other content
+    assert sync.tree_hash(b, ())[0] != da
+    os.rename(b / "x.py", b / "z.py")
+    assert sync.tree_hash(b, ())[0] != da
+
+
+def test_tree_hash_counts_symlinks_as_links_and_skips_excluded_dirs(tmp_path):
+    root = write(tmp_path / "t", {"real.py": "r", "runs/out.txt": "o"})
+    os.symlink("real.py", root / "link.py")
+    os.symlink("/nonexistent/dir", root / "dangling")
+    _, files = sync.tree_hash(root, sync.ALWAYS_EXCLUDES)
+    assert sorted(files) == ["dangling", "link.py", "real.py"]
+    assert files["link.py"][0] == len("real.py")
+
+
+def test_cache_does_not_hide_a_modification(tmp_path):
+    root = write(tmp_path / "t", {"x.py": "aaaa"})
+    cache = str(tmp_path / "cache.json")
+    first = treehash.tree_hash(root, (), cache)
+    assert json.loads(Path(cache).read_text())["files"]["x.py"][4] == first[1]["x.py"][1]
+    st = os.stat(root / "x.py")
+    (root / "x.py").write_text("bbbb")
+    os.utime(root / "x.py", ns=(st.st_atime_ns, st.st_mtime_ns))  # same size and mtime: only ctime tells
+    assert treehash.tree_hash(root, (), cache)[0] != first[0]
+
+
+def test_treehash_script_reads_rules_from_stdin_and_reports_home(tmp_path):
+    root = write(tmp_path / "t", {"x.py": "x", "y.pyc": "y"})
+    stdin = json.dumps(["*.pyc"]) + "\n"
+    done = subprocess.run([os.sys.executable, treehash.__file__, str(root), "--cache", str(tmp_path / "c.json")],
+                          input=stdin, capture_output=True, text=True, check=True)
+    data = json.loads(done.stdout)
+    assert data["exists"] and list(data["files"]) == ["x.py"]
+    assert data["home"] == os.path.realpath(os.environ["HOME"])
+    missing = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(tmp_path / "nope"), "--if-exists"],
+                                        input="[]\n", capture_output=True, text=True, check=True).stdout)
+    assert missing["exists"] is False and missing["files"] is None
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+
+
+@pytest.mark.parametrize("target", ["", "  ", "/", "//", "/./", "~", "~/", "~/.", "~/x/..", "~/../other", "/root", "/home/alice",
+                                    "/home/alice/", "/Users/bob", "/etc", "/usr", "mnft", "./mnft", "~bob/mnft", "~/a\nb"])
+def test_dangerous_targets_are_refused(target):
+    assert sync.target_problem(target) is not None
+
+
+@pytest.mark.parametrize("target", ["~/mnft", "~/.cache/mnft/work", "/data/mnft", "/home/alice/mnft", "/srv/lab/mnft", "~/with space/$(id)"])
+def test_own_directories_are_accepted(target):
+    assert sync.target_problem(target) is None
+
+
+class ExplodingFleet:
+    def __getattr__(self, name):
+        raise AssertionError("a host was touched before the pre-flight finished")
+
+
+def test_preflight_refuses_before_any_host_is_touched(tmp_path):
+    src = write(tmp_path / "src", {"a.py": "x"})
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2, workdir: '~/'}\n  h3: {address: 10.0.0.3, workdir: /}\n")
+    with pytest.raises(InputError) as exc:
+        sync.sync_code(inv, src, fleet=ExplodingFleet(), progress=False)
+    assert exc.value.exit_code == ExitCode.BAD_INPUT
+    assert "'h2'" in str(exc.value) and "'h3'" in str(exc.value) and "'h1'" not in str(exc.value)
+
+
+def test_preflight_refuses_overlapping_workdir_and_data_dir_and_a_missing_source(tmp_path):
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1, workdir: ~/mnft, data_dir: ~/mnft/data}\n")
+    with pytest.raises(InputError, match="overlap"):
+        sync.preflight(inv, tmp_path)
+    with pytest.raises(InputError, match="not a directory"):
+        sync.preflight(inventory("hosts:\n  h1: {address: 10.0.0.1}\n"), tmp_path / "missing")
+
+
+def test_local_target_inside_the_source_is_refused(tmp_path):
+    src = write(tmp_path / "src", {"a.py": "x"})
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: {src / 'copy'}}}\n")
+    with pytest.raises(InputError, match="overlap"):
+        sync.preflight(inv, src)
+
+
+@pytest.mark.parametrize(
+    "root, home, refused",
+    [("/", "/root", True), ("/root", "/root", True), ("/home", "/home/al", True), ("/root/mnft", "/root", False), ("/data/x", "/root", False)],
+)
+def test_host_side_refusal_uses_real_paths(root, home, refused):
+    tree = sync.RemoteTree(root, home, True, None, {})
+    assert (sync.remote_refusal(tree) is not None) is refused
+
+
+# ------------------------------------------------------------------------------------------------ rendering
+
+
+def test_ssh_command_verifies_host_keys_like_mnft():
+    host = one_host(address="10.0.0.1", port=2222, user="lab", identity="/keys/id ed")
+    assert sync.ssh_command(host, SSH) == (
+        "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes "
+        "-o 'UserKnownHostsFile=/etc/ssh/ssh_known_hosts /ctl/.ssh/known_hosts \"/ctl/lab kh\" /ctl/.mnft/known_hosts' "
+        "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 "
+        "-p 2222 -l lab -i '/keys/id ed' -o IdentitiesOnly=yes"
+    )
+
+
+def test_ssh_command_leaves_port_user_and_key_to_ssh_config_when_unset():
+    host = one_host(address="gpu1")
+    command = sync.ssh_command(host, sync.SshSettings(("/k",)))
+    assert command.endswith("-o ServerAliveCountMax=4")
+    assert " -p " not in command and " -l " not in command and " -i " not in command
+
+
+def test_ssh_command_refuses_known_hosts_paths_it_cannot_quote():
+    with pytest.raises(InputError):
+        sync.ssh_command(one_host(address="a"), sync.SshSettings(('/x"y',)))
+
+
+def test_rsync_argv_is_exact():
+    host = one_host(address="10.0.0.1", user="root", port=22)
+    assert sync.rsync_argv(host, Path("/repo"), "~/mnft", RULES_FILE, sync.SshSettings(("/k",))) == (
+        "rsync", "-a", "-s", "--mkpath", "--from0", f"--filter=merge {RULES_FILE}", "--timeout=120", "--stats",
+        "--out-format=%i %l %n", "--delete",
+        "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k "
+              "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o ConnectTimeout=10 -o ServerAliveInterval=15 "
+              "-o ServerAliveCountMax=4 -p 22 -l root",
+        "/repo/", "10.0.0.1:mnft/",
+    )
+
+
+def test_local_host_gets_a_local_rsync_without_ssh(private_home):
+    host = inventory("hosts:\n  me: {connection: local, workdir: ~/.cache/mnft/work}\n").hosts[0]
+    argv = sync.rsync_argv(host, Path("/repo"), host.workdir, RULES_FILE, SSH, delete=False)
+    assert "-e" not in argv and "--delete" not in argv
+    assert argv[-2:] == ("/repo/", f"{private_home}/.cache/mnft/work/")
+
+
+@pytest.mark.parametrize("payload", INJECTION)
+def test_metacharacters_in_paths_stay_one_argument(payload):
+    if "\n" in payload:
+        return  # refused as a target (control character): covered above
+    host = one_host(address="10.0.0.1")
+    target = f"/data/{payload}/w"
+    argv = sync.rsync_argv(host, Path(f"/src/{payload}"), target, RULES_FILE, SSH)
+    assert argv[-2] == f"/src/{payload}/"
+    assert argv[-1] == f"10.0.0.1:/data/{payload}/w/"
+    assert "-s" in argv  # the remote path reaches rsync through the protocol, never a shell
+
+
+def test_remote_spec_brackets_ipv6_and_keeps_absolute_paths():
+    assert sync.remote_spec(one_host(address="fe80::1"), "/w") == "[fe80::1]:/w/"
+    assert sync.remote_spec(one_host(address="h"), "~/a//b/") == "h:a/b/"
+
+
+def test_rules_file_is_nul_separated_so_any_path_fits():
+    assert sync.rules_file_bytes(["runs/", "/a\nb"]) == b"- runs/\0- /a\nb\0"
+
+
+# ------------------------------------------------------------------------------------------------ planning
+
+
+def local_tree(files: dict[str, tuple[int, str]]) -> sync.LocalTree:
+    return sync.LocalTree(Path("/repo"), ("runs/",), treehash.digest_of(files), files, "git")
+
+
+def read_ok(name: str, files: dict | None, root: str = "/root/mnft", home: str = "/root") -> tuple[HostResult, sync.RemoteTree]:
+    exists = files is not None
+    tree = sync.RemoteTree(root, home, exists, treehash.digest_of(files) if exists else None, files or {})
+    return HostResult(name, Status.OK), tree
+
+
+FOUR = "hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2}\n  h3: {address: 10.0.0.3}\n  h4: {address: 10.0.0.4}\n"
+
+
+def test_plan_from_data():
+    files = {"a.py": (1, "a" * 64), "b.py": (2, "b" * 64)}
+    local = local_tree(files)
+    remote = {
+        "h1": read_ok("h1", dict(files)),  # identical: nothing to do
+        "h2": read_ok("h2", None),  # no workdir yet
+        "h3": read_ok("h3", {"a.py": (1, "a" * 64), "b.py": (2, "c" * 64), "old.py": (3, "d" * 64)}),
+        "h4": (HostResult("h4", Status.UNREACHABLE, error="connection refused by 10.0.0.4"), None),
+    }
+    plans = {p.host: p for p in sync.plan(inventory(FOUR), local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
+    assert plans["h1"].action == "none" and plans["h1"].argv == ()
+    assert plans["h2"].action == "rsync" and plans["h2"].difference.send == ("a.py", "b.py") and plans["h2"].bytes_to_send == 3
+    assert plans["h2"].argv[-1] == "10.0.0.2:mnft/"
+    assert plans["h3"].difference == sync.Difference(("b.py",), ("old.py",))
+    assert plans["h4"].action == "skip" and "refused" in plans["h4"].reason
+
+
+def test_plan_refuses_a_target_that_resolves_to_the_home():
+    local = local_tree({"a.py": (1, "a" * 64)})
+    remote = {"h1": read_ok("h1", {}, root="/root", home="/root")}
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1, workdir: ~/link-to-home}\n")
+    (p,) = sync.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)
+    assert p.action == "refuse" and "home directory" in p.reason
+
+
+def test_data_on_a_shared_filesystem_is_written_once_and_verified_by_the_others():
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n  h3: {address: 10.0.0.3}\n")
+    local = local_tree({"d.bin": (5, "e" * 64)})
+    remote = {n: read_ok(n, None, root="/root/mnft-data") for n in ("h1", "h2", "h3")}
+    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
+    assert [plans[n].action for n in ("h1", "h2", "h3")] == ["rsync", "verify", "rsync"]
+    assert plans["h1"].argv[-1] == "10.0.0.1:mnft-data/"
+
+
+def test_difference_names_changed_missing_and_extra_files():
+    diff = sync.difference({"a": (1, "x"), "b": (1, "y")}, {"a": (1, "z"), "c": (1, "w")})
+    assert diff == sync.Difference(("a", "b"), ("c",))
+    assert diff.describe() == ["differs: a", "differs: b", "extra: c"]
+
+
+# ------------------------------------------------------------------------------------------------ outcomes
+
+
+@pytest.mark.parametrize(
+    "code, stderr, status",
+    [
+        (0, "", "changed"),
+        (255, "ssh: connect to host 10.0.0.9 port 22: Connection refused\nrsync: connection unexpectedly closed", "unreachable"),
+        (255, "Host key verification failed.\r\nrsync: connection unexpectedly closed", "host-key-rejected"),
+        (11, 'rsync: [receiver] write failed on "/w/big": No space left on device (28)\nrsync error: error in file IO (code 11)', "failed"),
+        (23, 'rsync: [Receiver] mkstemp "/w/.x.abc" failed: Permission denied (13)\nrsync error: some files could not be transferred', "failed"),
+        (None, "", "failed"),
+    ],
+)
+def test_rsync_outcomes_are_classified(code, stderr, status):
+    got, error = sync.classify(code, stderr)
+    assert got == status
+    if status == "failed" and code:
+        assert "No space" in error or "Permission denied" in error
+
+
+def test_stats_parsing_handles_thousands_separators():
+    assert sync.parse_stats("Number of files: 3\nTotal bytes sent: 1,234,567\nTotal bytes received: 35\n") == 1234567
+    assert sync.parse_stats("nothing") == 0
+
+
+def test_report_exit_codes_and_json():
+    hosts = {
+        "h1": sync.HostSync("h1", "ok", "~/mnft", remote_hash="d"),
+        "h2": sync.HostSync("h2", "failed", "~/mnft", remote_hash="e", differing=["differs: a.py"], error="differs after the sync: 1 file(s)"),
+    }
+    report = sync.SyncReport("code", Path("/repo"), "d", 1, 1, hosts)
+    assert report.exit_code() == ExitCode.FAILED and not report.ok
+    data = report.to_json()
+    assert data["hosts"]["h1"]["hash_match"] is True and data["hosts"]["h2"]["hash_match"] is False
+    assert "h2: failed" in report.summary()
+    hosts["h3"] = sync.HostSync("h3", "unreachable", "~/mnft", error="no answer")
+    assert report.exit_code() == ExitCode.UNREACHABLE
+
+
+def test_local_host_sync_end_to_end_and_drift_repair(tmp_path):
+    src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\n", "pkg/a.py": "a", "x.log": "l", "it's $(id).py": "q"}))
+    dst = tmp_path / "dst"
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
+    first = sync.sync_code(inv, src, progress=False)
+    assert first.ok and first.hosts["me"].status == "changed" and first.hosts["me"].remote_hash == first.local_hash
+    assert sorted(p.name for p in (dst / "w").iterdir()) == [".gitignore", "it's $(id).py", "pkg"]
+    (dst / "w" / "runs").mkdir()
+    (dst / "w" / "runs" / "keep.txt").write_text("outputs survive")
+    assert sync.sync_code(inv, src, progress=False).hosts["me"].status == "ok"
+    (dst / "w" / "pkg" / "a.py").write_text("drift")
+    (dst / "w" / "stray.py").write_text("s")
+    dry = sync.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
+    assert (dry.status, dry.would_send, dry.would_delete) == ("would-change", ["pkg/a.py"], ["stray.py"])
+    fixed = sync.sync_code(inv, src, progress=False)
+    assert fixed.hosts["me"].status == "changed" and fixed.ok
+    assert (dst / "w" / "pkg" / "a.py").read_text() == "a" and not (dst / "w" / "stray.py").exists()
+    assert (dst / "w" / "runs" / "keep.txt").exists()
