@@ -14,6 +14,7 @@ from typing import Any
 
 from mnft import probe, pyrun
 from mnft.command import Command
+from mnft.connection import HostKeyRejected, Unreachable
 from mnft.errors import ExitCode
 from mnft.fleet import Fleet, HostResult, Results, Status
 from mnft.inventory import Host, Inventory
@@ -135,6 +136,10 @@ def gather_facts(fleet: Fleet, hosts: list[Host] | None = None) -> tuple[Results
     sent: dict[str, tuple[float, float]] = {}
 
     def one(host: Host) -> HostResult:
+        try:  # connect first: the SSH handshake must not sit inside the window the clock skew is measured in
+            fleet.connection(host)
+        except (Unreachable, HostKeyRejected):
+            pass  # run_one reports it
         before = time.time()
         result = fleet.run_one(host, probe_command(host, "facts", "--workdir", host.workdir), stdin=source)
         sent[host.name] = (before, time.time())

@@ -7,6 +7,7 @@ known_hosts file and refuse unknown or changed host keys.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import signal
@@ -310,7 +311,10 @@ def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: f
         raise Unreachable(f"authentication failed for {conn.user}@{name}: {exc}") from None
     except paramiko.ssh_exception.NoValidConnectionsError as exc:
         conn.close()
-        raise Unreachable(f"connection refused by {name}: is sshd running there and the port open?") from None
+        # paramiko folds "refused" and "no route to host" into one exception: tell them apart for the fix.
+        if all(getattr(err, "errno", None) == errno.ECONNREFUSED for err in exc.errors.values()):
+            raise Unreachable(f"connection refused by {name}: is sshd running there and the port open?") from None
+        raise Unreachable(f"no route to {name} (host down, cable/link, firewall, or wrong address)") from None
     except (socket.timeout, TimeoutError) as exc:
         conn.close()
         raise Unreachable(f"no answer from {name} within {timeouts.connect:g}s (host down, firewall, or wrong address)") from None
