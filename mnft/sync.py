@@ -453,7 +453,7 @@ def remote_spec(host: Host, target: str) -> str:
 
 
 def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSettings, *, delete: bool = True,
-               io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync") -> tuple[str, ...]:
+               checksum: bool = False, io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync") -> tuple[str, ...]:
     argv = [
         rsync,
         "-a",  # recursive; keep links, permissions, times
@@ -467,6 +467,8 @@ def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSett
     ]
     if delete:
         argv.append("--delete")
+    if checksum:
+        argv.append("--checksum")
     if not host.is_local:
         argv += ["-e", ssh_command(host, ssh)]
     argv += [str(src).rstrip("/") + "/", remote_spec(host, target)]
@@ -514,7 +516,10 @@ def plan(
                 plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem written by {shared_writer}"))
                 continue
             shared_writer = host.name
-        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete)
+        # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
+        # with the same size, a touched-back mtime could fool that check: compare contents instead.
+        same_size = any(p in tree.files and tree.files[p][0] == local.files[p][0] for p in diff.send)
+        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete, checksum=same_size)
         plans.append(HostPlan(host.name, "rsync", target, argv, diff, sending))
     return plans
 

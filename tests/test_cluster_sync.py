@@ -1,0 +1,201 @@
+"""invoke sync on the simulated cluster: identical trees proven by hash, drift found and repaired, ignored files
+kept home, hostile file names copied verbatim and never run, dangerous targets refused, a dead host isolated."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mnft import inventory as inventory_mod
+from mnft import sync
+from mnft.errors import ExitCode, InputError
+from mnft.fleet import Fleet
+
+pytestmark = pytest.mark.cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+HOSTILE = ["with space.py", "$(touch PWNED).py", "`touch PWNED2`.txt", "semi;colon&amp|pipe.txt", "quote'd \"x\".txt", "-rf.txt", "star*?[x].txt"]
+
+
+@pytest.fixture(autouse=True)
+def private_mnft_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("MNFT_HOME", str(tmp_path / "mnft-home"))
+
+
+def make_src(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    files = {
+        ".gitignore": "*.log\nbuild/\n",
+        "pkg/__init__.py": "",
+        "pkg/hello.py": "print('hello from', __spec__.name)\n",
+        "pkg/sub/.gitignore": "local.cfg\n",
+        "pkg/sub/local.cfg": "secret-ish",
+        "pkg/sub/shipped.cfg": "lr: 1e-4\n",
+        "train.log": "noise",
+        "build/artifact.bin": "b" * 100,
+        "runs/old/metrics.jsonl": "{}",
+        "pkg/__pycache__/hello.cpython-311.pyc": "c",
+        **{f"odd/{name}": name for name in HOSTILE},
+    }
+    for rel, text in files.items():
+        path = src / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    subprocess.run(["git", "init", "-q", str(src)], check=True)
+    return src
+
+
+def inv_for(cluster, tmp_path: Path, workdir: str, hosts=None, **overrides):
+    path = cluster.write_inventory(tmp_path / "inventory.yaml", hosts, workdir=workdir, data_dir=workdir + "-data", **overrides)
+    return inventory_mod.load(path), path
+
+
+def host_tree(sim_host, workdir: str) -> Path:
+    return sim_host.home / workdir.removeprefix("/root/")
+
+
+def test_every_host_holds_the_identical_tree(cluster, tmp_path):
+    src = make_src(tmp_path)
+    workdir = "/root/sync-identical"
+    inv, _ = inv_for(cluster, tmp_path, workdir)
+    report = sync.sync_code(inv, src, progress=False)
+    assert report.ok, report.summary()
+    assert report.exit_code() == ExitCode.OK
+    local_digest, local_files = sync.tree_hash(src)
+    assert report.local_hash == local_digest
+    for sim in cluster.hosts:
+        assert report.hosts[sim.name].status == "changed"
+        assert report.hosts[sim.name].remote_hash == local_digest
+        copy = host_tree(sim, workdir)
+        assert sync.tree_hash(copy, sync.ALWAYS_EXCLUDES)[1] == local_files  # read from outside, independently
+        # ignored files stayed home
+        for rel in ("train.log", "build", "runs", "pkg/sub/local.cfg", "pkg/__pycache__"):
+            assert not (copy / rel).exists(), rel
+        # hostile names arrived verbatim and nothing ran
+        for name in HOSTILE:
+            assert (copy / "odd" / name).read_text() == name
+        assert not list(sim.home.rglob("PWNED*")) and not list((sim.root / "tmp").rglob("PWNED*"))
+    # the layout lets `cd workdir && python -m pkg.hello` work
+    done = cluster.run(cluster.hosts[0], ["sh", "-c", f"cd {workdir} && {cluster.python} -m pkg.hello"])
+    assert "hello from pkg.hello" in done.stdout
+    again = sync.sync_code(inv, src, progress=False)
+    assert {h.status for h in again.hosts.values()} == {"ok"} and all(h.bytes_sent == 0 for h in again.hosts.values())
+
+
+def test_drift_on_one_host_is_detected_by_check_and_sync_then_repaired(cluster, tmp_path):
+    src = make_src(tmp_path)
+    workdir = "/root/sync-drift"
+    inv, _ = inv_for(cluster, tmp_path, workdir)
+    assert sync.sync_code(inv, src, progress=False).ok
+    drifted = cluster.hosts[1]
+    cluster.run(drifted, ["sh", "-c", f"echo 'lr: 1' > {workdir}/pkg/sub/shipped.cfg && touch {workdir}/pkg/stray.py"])
+    with Fleet(inv) as fleet:
+        hashes = sync.code_hashes(fleet, inv.hosts, src)
+    assert hashes[drifted.name]["matches"] is False
+    assert hashes[drifted.name]["differing"] == ["differs: pkg/sub/shipped.cfg", "extra: pkg/stray.py"]
+    assert all(hashes[s.name]["matches"] for s in cluster.hosts if s is not drifted)
+    dry = sync.sync_code(inv, src, progress=False, dry_run=True)
+    assert dry.hosts[drifted.name].would_send == ["pkg/sub/shipped.cfg"]
+    assert dry.hosts[drifted.name].would_delete == ["pkg/stray.py"]
+    assert (host_tree(drifted, workdir) / "pkg/stray.py").exists()  # a dry run changes nothing
+    fixed = sync.sync_code(inv, src, progress=False)
+    assert fixed.ok
+    assert fixed.hosts[drifted.name].status == "changed" and fixed.hosts[drifted.name].files_deleted == 1
+    assert {fixed.hosts[s.name].status for s in cluster.hosts if s is not drifted} == {"ok"}
+    assert (host_tree(drifted, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1e-4\n"
+
+
+def test_a_modification_rsync_cannot_see_is_still_caught_by_the_hash(cluster, tmp_path):
+    """Same size and mtime on the host: rsync's quick check would skip it; the hash names it, the sync repairs it."""
+    src = make_src(tmp_path)
+    workdir = "/root/sync-sneaky"
+    inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:1])
+    assert sync.sync_code(inv, src, progress=False).ok
+    sim = cluster.hosts[0]
+    path = f"{workdir}/pkg/sub/shipped.cfg"
+    cluster.run(sim, ["sh", "-c", f"t=$(stat -c %Y {path}); echo 'lr: 9e-4' > {path}; touch -d @$t {path}"])
+    report = sync.sync_code(inv, src, progress=False)
+    assert report.ok, report.summary()
+    assert (host_tree(sim, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1e-4\n"
+
+
+def test_dangerous_targets_are_refused_before_any_host_is_touched(cluster, tmp_path):
+    src = make_src(tmp_path)
+    for target in ("/root", "~", "/", "~/.", "/root/x/.."):
+        path = cluster.write_inventory(tmp_path / "bad.yaml", workdir={"h2": target})
+        with pytest.raises(InputError) as exc:
+            sync.sync_code(inventory_mod.load(path), src, progress=False)
+        assert exc.value.exit_code == ExitCode.BAD_INPUT
+        assert not (cluster.hosts[0].home / "mnft" / "odd").exists()  # h1 (a fine target) was not touched either
+    done = subprocess.run([sys.executable, "-m", "invoke", "sync", "--hosts", str(path), "--src", str(src)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "refused" in done.stderr
+
+
+def test_a_target_that_resolves_to_home_is_refused_on_that_host_only(healthy_cluster, tmp_path):
+    cluster = healthy_cluster
+    src = make_src(tmp_path)
+    sim = cluster.hosts[0]
+    cluster.run(sim, ["ln", "-sfn", "/root", "/root/home-link"])
+    try:
+        path = cluster.write_inventory(tmp_path / "inv.yaml", cluster.hosts[:2], workdir={"h1": "/root/home-link", "h2": "/root/sync-link-ok"})
+        report = sync.sync_code(inventory_mod.load(path), src, progress=False)
+        assert report.hosts["h1"].status == "failed" and "home directory" in report.hosts["h1"].error
+        assert report.hosts["h2"].status == "changed"
+        assert not (sim.home / "pkg").exists()  # nothing landed in (or was deleted from) the home
+    finally:
+        cluster.run(sim, ["rm", "-f", "/root/home-link"])
+
+
+def test_one_unreachable_and_one_failing_host_do_not_stop_the_others(healthy_cluster, tmp_path):
+    cluster = healthy_cluster
+    src = make_src(tmp_path)
+    workdir = "/root/sync-partial"
+    inv, path = inv_for(cluster, tmp_path, workdir)
+    dead, broken = cluster.hosts[2], cluster.hosts[3]
+    cluster.stop_sshd(dead)
+    cluster.run(broken, ["sh", "-c", f"rm -rf {workdir} && echo not-a-dir > {workdir}"])  # the target is a file
+    try:
+        report = sync.sync_code(inv, src, progress=False)
+        assert report.hosts[dead.name].status == "unreachable" and report.hosts[dead.name].error
+        assert report.hosts[broken.name].status == "failed" and report.hosts[broken.name].error
+        for sim in cluster.hosts[:2]:
+            assert report.hosts[sim.name].status == "changed"
+            assert report.hosts[sim.name].remote_hash == report.local_hash
+        assert report.exit_code() == ExitCode.UNREACHABLE
+        done = subprocess.run([sys.executable, "-m", "invoke", "sync", "--hosts", str(path), "--src", str(src), "--json"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 4, done.stderr
+        data = json.loads(done.stdout)
+        assert data["hosts"]["h1"]["status"] == "ok" and data["hosts"]["h1"]["hash_match"] is True
+        assert data["hosts"][dead.name]["status"] == "unreachable"
+    finally:
+        cluster.run(broken, ["rm", "-f", workdir])
+
+
+def test_data_goes_to_data_dir_once_on_a_shared_filesystem(cluster, tmp_path):
+    data = tmp_path / "dataset"
+    (data / "shards").mkdir(parents=True)
+    for i in range(3):
+        (data / "shards" / f"{i}.jsonl").write_text(json.dumps({"i": i}) + "\n")
+    h1, h2, h3 = cluster.hosts[:3]
+    # h1 and h2 "share" a filesystem: both point at h1's data dir through the path h1 writes (simulated by
+    # giving h2 a data_dir that already holds the same copy after h1's sync: a bind would need root in-host).
+    path = cluster.write_inventory(tmp_path / "inv.yaml", [h1, h3], workdir="/root/sync-data-code", data_dir="/root/sync-data")
+    report = sync.sync_data(inventory_mod.load(path), data, progress=False)
+    assert report.ok, report.summary()
+    for sim in (h1, h3):
+        assert report.hosts[sim.name].status == "changed"
+        assert (sim.home / "sync-data" / "shards" / "2.jsonl").read_text() == '{"i": 2}\n'
+    shared = cluster.write_inventory(tmp_path / "shared.yaml", [h1, h2], workdir="/root/sync-data-code", data_dir="/root/sync-data-shared",
+                                     shared_fs=True)
+    report = sync.sync_data(inventory_mod.load(shared), data, progress=False)
+    # h2 does not really share h1's disk here: the writer is h1, and h2 must say it cannot see the data
+    assert report.hosts["h1"].status == "changed"
+    assert report.hosts["h2"].status == "failed" and "does not see the shared copy" in report.hosts["h2"].error
+    assert not (h2.home / "sync-data-shared").exists()
