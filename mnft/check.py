@@ -31,6 +31,8 @@ class CheckOptions:
     network_timeout: float = 3.0
     find_free_port: bool = False  # train: take the next free port on the master when the rendezvous port is taken
     port_search: int = 20
+    code: bool = True  # hash each host's workdir (when it exists) and compare it with the local tree
+    code_src: str | None = None  # the local tree; default: the current directory
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,7 @@ class CheckReport:
     port_error: str | None = None
     reach: dict[str, Reach] = field(default_factory=dict)
     skew: dict[str, float] = field(default_factory=dict)  # host clock minus controller clock, seconds
+    code: dict[str, dict] = field(default_factory=dict)  # host -> {hash, exists, matches, differing} (mnft.sync)
     problems: list[Problem] = field(default_factory=list)
 
     def status(self, name: str) -> str:
@@ -93,6 +96,7 @@ class CheckReport:
                 "facts": self.facts.get(host.name),
                 "reach": asdict(self.reach[host.name]) if host.name in self.reach else None,
                 "clock_skew_s": self.skew.get(host.name),
+                "code_hash": self.code.get(host.name),
                 "problems": [asdict(p) for p in self.problems if p.host == host.name],
             }
         return {
@@ -290,6 +294,16 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
     inventory = fleet.inventory
     outcomes, facts, skew = gather_facts(fleet)
     report = CheckReport(inventory, dict(outcomes.by_host), facts, skew=skew)
+    if options.code:
+        from pathlib import Path
+
+        from mnft.sync import code_hashes
+
+        report.code = code_hashes(fleet, [h for h in inventory.hosts if h.name in facts], Path(options.code_src) if options.code_src else None)
+        for name, code in report.code.items():
+            if code.get("matches") is False:
+                shown = ", ".join(code.get("differing") or [])
+                report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
     report.master_addr, why = master_address(inventory, facts.get(inventory.master_name))
     if why and inventory.master_name in facts:
         report.problems.append(Problem(inventory.master_name, "master_addr", why, "set 'iface' (or an IPv4 'address') for the master in the inventory"))

@@ -99,6 +99,14 @@ def _gpus(facts: dict) -> str:
     return f"{len(gpus)}× {', '.join(sorted(n for n in names if n))}"
 
 
+def _code(code: dict | None) -> Text:
+    """The workdir's code hash (short) and whether it matches the local tree; '-' when there is no workdir."""
+    if not code or not code.get("exists") or not code.get("hash"):
+        return Text("-" if not code or not code.get("error") else "?", style="dim")
+    same = code.get("matches")
+    return Text(code["hash"][:10] + (" =" if same else " ≠"), style="green" if same else "bold red")
+
+
 def print_check(report: CheckReport, as_json: bool) -> None:
     if as_json:
         print_json(report.to_json())
@@ -106,14 +114,14 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     inv = report.inventory
     reference = comparable(report.facts[inv.master_name]) if inv.master_name in report.facts else {}
     table = Table(title=f"check: {len(inv.hosts)} hosts, master {inv.master_name} ({report.master_addr or '?'}:{report.port or inv.rendezvous_port})")
-    for col in ("rank", "host", "status", "python", "torch", "cuda", "nccl", "driver", "gpus/slots", "disk free", "iface", "reach master", "clock"):
+    for col in ("rank", "host", "status", "python", "torch", "cuda", "nccl", "driver", "gpus/slots", "disk free", "iface", "reach master", "clock", "code"):
         table.add_column(col)
     for host in inv.hosts:
         status = report.status(host.name)
         facts = report.facts.get(host.name)
         if facts is None:
             outcome = report.outcomes[host.name]
-            table.add_row(str(host.rank), host.name, status_text(status), Text(outcome.error or "", style="dim"), *[""] * 9)
+            table.add_row(str(host.rank), host.name, status_text(status), Text(outcome.error or "", style="dim"), *[""] * 10)
             continue
         mine = comparable(facts)
 
@@ -142,6 +150,7 @@ def print_check(report: CheckReport, as_json: bool) -> None:
             iface,
             reach_text,
             f"{skew:+.2f}s" if skew is not None else "-",
+            _code(report.code.get(host.name)),
         )
     out = console()
     out.print(table)
