@@ -144,8 +144,11 @@ class _LocalProcess(Process):
         self._start_readers(iter(lambda: self.popen.stdout.read1(65536), b""), iter(lambda: self.popen.stderr.read1(65536), b""))
 
     def write(self, data: bytes) -> None:
-        self.popen.stdin.write(data)
-        self.popen.stdin.flush()
+        try:
+            self.popen.stdin.write(data)
+            self.popen.stdin.flush()
+        except BrokenPipeError:
+            pass  # the command ended without reading all its input: its exit status says why
 
     def close_stdin(self) -> None:
         try:
@@ -185,7 +188,12 @@ class _SshProcess(Process):
         self._start_readers(_channel_chunks(channel.recv, channel), _channel_chunks(channel.recv_stderr, channel))
 
     def write(self, data: bytes) -> None:
-        self.channel.sendall(data)
+        try:
+            self.channel.sendall(data)
+        except (OSError, EOFError, paramiko.SSHException):
+            if not self._transport_alive():
+                raise Unreachable("connection lost while sending the command's input") from None
+            # The command ended without reading all its input (e.g. "python: not found"): its exit status says why.
 
     def close_stdin(self) -> None:
         try:
