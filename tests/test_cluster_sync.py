@@ -98,6 +98,12 @@ def test_drift_on_one_host_is_detected_by_check_and_sync_then_repaired(cluster, 
     assert hashes[drifted.name]["matches"] is False
     assert hashes[drifted.name]["differing"] == ["differs: pkg/sub/shipped.cfg", "extra: pkg/stray.py"]
     assert all(hashes[s.name]["matches"] for s in cluster.hosts if s is not drifted)
+    from mnft.check import CheckOptions, gather
+
+    with Fleet(inv) as fleet:
+        checked = gather(fleet, CheckOptions(network=False, code_src=str(src)))
+    assert checked.to_json()["hosts"][drifted.name]["code_hash"]["matches"] is False
+    assert [p.field for p in checked.problems if p.host == drifted.name and p.field == "code"] == ["code"]
     dry = sync.sync_code(inv, src, progress=False, dry_run=True)
     assert dry.hosts[drifted.name].would_send == ["pkg/sub/shipped.cfg"]
     assert dry.hosts[drifted.name].would_delete == ["pkg/stray.py"]
