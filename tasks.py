@@ -166,7 +166,7 @@ def train(c, recipe="lora", hosts=None, set=None, env=None, rdzv="static", detac
     return run_train(_inventory(hosts), options, _console())
 
 
-@task(help={"run": "run id (default: the latest)", "follow": "keep printing new lines until the run ends", "lines": "lines per host", "hosts": "inventory (default: the run's)"})
+@task(positional=["run"], help={"run": "run id (default: the latest)", "follow": "keep printing new lines until the run ends", "lines": "lines per host", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
 def logs(c, run=None, follow=False, lines=20, hosts=None):
     """Collect every host's logs and metrics into runs/<id>/<host>/, write loss.png, print a merged tail."""
@@ -180,7 +180,7 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
     merged_tail(record, int(lines), _console())
 
 
-@task(help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@task(positional=["run"], help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
 def status(c, run=None, json=False, hosts=None):
     """A table per host: running / exited with code / unreachable, step, loss, since. Exit 0 only when healthy."""
@@ -193,7 +193,7 @@ def status(c, run=None, json=False, hosts=None):
     return print_status(record, states, json)
 
 
-@task(help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@task(positional=["run"], help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
 def stop(c, run=None, grace=10.0, json=False, hosts=None):
     """Kill exactly that run's process groups on every host (by recorded group and run id), verify none remain."""

@@ -333,7 +333,7 @@ def status(run_dir):
     if not spec:
         return {"state": "unknown", "error": "no run at %s" % run_dir}
     code = _read(os.path.join(run_dir, "exit_code"))
-    alive = run_pids(spec["tag"])
+    alive = run_pids(spec.get("tag") or spec["run_id"])
     state = "exited" if code is not None else ("running" if alive else "killed")
     result = {
         "state": state,

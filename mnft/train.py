@@ -184,7 +184,10 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
         try:
             result = gang.wait()
         except GangInterrupted as exc:
-            finish(record, exc.result, timings, t0, fleet, console)
+            try:
+                finish(record, exc.result, timings, t0, fleet, console)
+            except RunFailed:
+                pass
             raise KeyboardInterrupt from None
         return finish(record, result, timings, t0, fleet, console)
 

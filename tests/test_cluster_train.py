@@ -1,0 +1,254 @@
+"""invoke train across a real simulated cluster: ranks, logs, gang teardown, Ctrl-C, detach/stop, secrets.
+
+Each test runs the real CLI as a subprocess against hosts in network namespaces, with the CPU lora recipe and a
+few steps. "No orphan" is checked inside every host's namespace: no process of the run is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_MARKERS = ("torch.distributed.run", "mnft.recipes", "agent.py", "mnft-script")
+
+
+def cli_env(tmp_path: Path) -> dict[str, str]:
+    home = tmp_path / "controller-home"
+    home.mkdir(exist_ok=True)
+    return dict(os.environ, HOME=str(home), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
+
+
+def invoke(tmp_path: Path, *args: str, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "invoke", "-r", str(REPO), *args],
+        cwd=REPO, env=env or cli_env(tmp_path), capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def start_invoke(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "invoke", "-r", str(REPO), *args],
+        cwd=REPO, env=env or cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def wait_for_output(proc: subprocess.Popen, pattern: str, timeout: float = 180) -> list[str]:
+    """Read the controller's output until a line matches (e.g. the first training step)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return seen
+    raise AssertionError(f"{pattern!r} never appeared:\n" + "".join(seen[-30:]))
+
+
+def run_processes(cluster, hosts) -> dict[str, list[str]]:
+    out = {}
+    for host in hosts:
+        procs = [cmd for _, cmd in cluster.processes(host) if any(m in cmd for m in RUN_MARKERS)]
+        if procs:
+            out[host.name] = procs
+    return out
+
+
+def wait_no_orphans(cluster, hosts, timeout: float = 40) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not run_processes(cluster, hosts):
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"processes of the run survived: {run_processes(cluster, hosts)}")
+
+
+def latest_record(tmp_path: Path) -> dict:
+    runs = sorted((tmp_path / "runs").iterdir())
+    return json.loads((runs[-1] / "run.json").read_text())
+
+
+@pytest.fixture
+def trained_cluster(healthy_cluster, tmp_path):
+    """The session cluster with mnft's code in every host's workdir."""
+    import shutil
+    for host in healthy_cluster.hosts:
+        shutil.copytree(REPO / "mnft", host.home / "mnft" / "mnft", dirs_exist_ok=True)
+    yield healthy_cluster  # healthy_cluster kills whatever a failed test left behind
+
+
+def inventory(cluster, tmp_path, n, slots=1, **overrides) -> str:
+    return str(cluster.write_inventory(tmp_path / "inv.yaml", hosts=cluster.hosts[:n], slots=slots, **overrides))
+
+
+def train_args(inv: str, *extra: str, steps: int = 12) -> list[str]:
+    return ["train", "--hosts", inv, "--no-sync", "--set", f"max_steps={steps}", "--set", "log_every=2", *extra]
+
+
+def test_two_hosts_one_process_each_complete_with_logs_from_every_host(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 2)
+    done = invoke(tmp_path, *train_args(inv))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = latest_record(tmp_path)
+    run_dir = tmp_path / "runs" / record["run_id"]
+    assert record["state"] == "succeeded"
+    assert {h: v["node_rank"] for h, v in record["hosts"].items()} == {"h1": 0, "h2": 1}
+    assert all(v["exit_code"] == 0 for v in record["hosts"].values())
+    for name in ("h1", "h2"):
+        assert (run_dir / name / "run" / "output.log").is_file()
+    assert "node_rank=0" in (run_dir / "h1" / "run" / "output.log").read_text()
+    assert "node_rank=1" in (run_dir / "h2" / "run" / "output.log").read_text()
+    assert (run_dir / "loss.png").stat().st_size > 0
+    assert "--master-addr " + trained_cluster.hosts[0].address in record["hosts"]["h2"]["command"]
+    assert record["hosts"]["h2"]["env"]["GLOO_SOCKET_IFNAME"] == "eth0"
+    assert re.search(r"h2 r1 *\| rank=1/2 node_rank=1", done.stdout)
+
+
+def test_three_hosts_two_processes_each_get_distinct_ranks(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 3, slots=2)
+    done = invoke(tmp_path, *train_args(inv, steps=6))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ranks = sorted(int(r) for r in re.findall(r"rank=(\d)/6 ", done.stdout))
+    assert ranks == [0, 1, 2, 3, 4, 5]
+    assert re.search(r"h3 r5 *\| rank=5/6 node_rank=2 local_rank=1", done.stdout)
+
+
+def test_killed_torchrun_tears_down_every_host_and_resume_finishes(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 3)
+    steps = ["--set", "save_every=4"]
+    proc = start_invoke(tmp_path, *train_args(inv, *steps, steps=400))
+    wait_for_output(proc, r"step +6/")
+    victim = trained_cluster.hosts[1]
+    torchrun = [pid for pid, cmd in trained_cluster.processes(victim) if "torch.distributed.run" in cmd]
+    assert torchrun
+    killed_at = time.monotonic()
+    os.kill(torchrun[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=90)
+    assert time.monotonic() - killed_at < 30
+    assert proc.returncode == 1
+    assert "h2: torchrun exited with code 137" in out
+    wait_no_orphans(trained_cluster, trained_cluster.hosts[:3], timeout=5)
+    first = latest_record(tmp_path)
+    assert first["failed_host"] == "h2" and first["state"] == "failed"
+
+    done = invoke(tmp_path, *train_args(inv, *steps, "--resume", steps=12))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    resumed = latest_record(tmp_path)
+    assert resumed["job_id"] == first["job_id"] and resumed["resume"] is True
+    assert re.search(r"resuming from \S+/checkpoints/step-(4|8)\b", done.stdout), done.stdout[-3000:]
+
+
+def test_cut_link_tears_down_the_gang_and_leaves_no_orphan(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 2)
+    proc = start_invoke(tmp_path, *train_args(inv, steps=400))
+    wait_for_output(proc, r"step +4/")
+    cut_at = time.monotonic()
+    trained_cluster.link_down(trained_cluster.hosts[1])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert time.monotonic() - cut_at < 45
+    assert "h2" in out and ("no heartbeat" in out or "connection lost" in out)
+    # the cut host's own agent stops hearing the controller and tears its run down by itself
+    wait_no_orphans(trained_cluster, trained_cluster.hosts[:2], timeout=60)
+
+
+def test_ctrl_c_stops_every_host(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 2)
+    proc = start_invoke(tmp_path, *train_args(inv, steps=400))
+    wait_for_output(proc, r"step +4/")
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, out[-2000:]
+    wait_no_orphans(trained_cluster, trained_cluster.hosts[:2], timeout=5)
+    assert latest_record(tmp_path)["state"] == "failed"
+
+
+def test_detach_then_stop_kills_exactly_that_run(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 2)
+    first = invoke(tmp_path, *train_args(inv, "--detach", steps=2000))
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    first_id = first.stdout.strip().splitlines()[-1]
+    deadline = time.monotonic() + 120  # the first run is training (its rendezvous port is taken) before the second starts
+    while time.monotonic() < deadline:
+        state = json.loads(invoke(tmp_path, "status", first_id, "--json").stdout)["hosts"]["h1"]
+        if state.get("last_metric"):
+            break
+        time.sleep(2)
+    second = invoke(tmp_path, *train_args(inv, "--detach", "--no-sync", steps=2000))
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    second_id = second.stdout.strip().splitlines()[-1]
+    assert first_id != second_id
+    records = {rid: json.loads((tmp_path / "runs" / rid / "run.json").read_text()) for rid in (first_id, second_id)}
+    assert records[first_id]["rendezvous_port"] != records[second_id]["rendezvous_port"]  # the first holds its port
+
+    status = invoke(tmp_path, "status", first_id, "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert {h["state"] for h in json.loads(status.stdout)["hosts"].values()} == {"running"}
+
+    stopped = invoke(tmp_path, "stop", first_id, "--json")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert all(h["remaining"] == [] for h in json.loads(stopped.stdout)["hosts"].values())
+    hosts = trained_cluster.hosts[:2]
+    leftover = run_processes(trained_cluster, hosts)
+    assert not any(first_id in cmd for cmds in leftover.values() for cmd in cmds)
+    assert all(any(second_id in cmd for cmd in leftover.get(h.name, [])) for h in hosts), leftover  # untouched
+
+    after = json.loads(invoke(tmp_path, "status", second_id, "--json").stdout)
+    assert {h["state"] for h in after["hosts"].values()} == {"running"}
+    assert invoke(tmp_path, "stop", second_id).returncode == 0
+    wait_no_orphans(trained_cluster, hosts, timeout=5)
+
+
+def test_a_stale_process_on_the_rendezvous_port_makes_train_take_the_next_free_port(trained_cluster, tmp_path):
+    master = trained_cluster.hosts[0]
+    holder = trained_cluster.popen(master, [sys.executable, "-c", "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); s.listen(); time.sleep(300)"])
+    try:
+        time.sleep(1)
+        inv = inventory(trained_cluster, tmp_path, 2)
+        done = invoke(tmp_path, *train_args(inv, "--no-sync", steps=4))
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert latest_record(tmp_path)["rendezvous_port"] == 29501
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_secrets_never_reach_a_command_line_a_log_or_the_run_record(trained_cluster, tmp_path):
+    secret = "s3cr3t-value-for-mnft"
+    env = cli_env(tmp_path)
+    env["HF_TOKEN"] = secret
+    inv = inventory(trained_cluster, tmp_path, 2)
+    proc = start_invoke(tmp_path, *train_args(inv, "--env", "WANDB_API_KEY=" + secret, "--env", "MY_SETTING=visible", steps=400), env=env)
+    wait_for_output(proc, r"step +4/")
+    delivered = False
+    for host in trained_cluster.hosts[:2]:
+        for pid, cmd in trained_cluster.processes(host):
+            assert secret not in cmd
+            if "mnft.recipes" in cmd and "torch.distributed.run" not in cmd:
+                environ = trained_cluster.run(host, ["cat", f"/proc/{pid}/environ"], check=False).stdout
+                delivered = delivered or (f"HF_TOKEN={secret}" in environ and f"WANDB_API_KEY={secret}" in environ)
+        files = trained_cluster.run(host, ["sh", "-c", "find /root/mnft/runs -type f | xargs grep -l " + secret + " || true"]).stdout
+        assert files.strip() == ""
+    assert delivered, "the secrets did not reach the training processes"
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=90)
+    assert secret not in out
+    record_dir = sorted((tmp_path / "runs").iterdir())[-1]
+    for path in record_dir.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+    record = json.loads((record_dir / "run.json").read_text())
+    assert record["hosts"]["h1"]["env"]["HF_TOKEN"] == "***" and record["hosts"]["h1"]["env"]["MY_SETTING"] == "visible"
+    wait_no_orphans(trained_cluster, trained_cluster.hosts[:2])
