@@ -44,7 +44,7 @@ from mnft.fleet import Fleet, HostResult, Status
 from mnft.hostkeys import SYSTEM_KNOWN_HOSTS, known_hosts_files, mnft_home
 from mnft.inventory import Host, Inventory
 
-ALWAYS_EXCLUDES = (".git", "runs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info")
+ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info")
 DATA_EXCLUDES: tuple[str, ...] = ()
 SSH_CONNECT_TIMEOUT = 10
 RSYNC_IO_TIMEOUT = 120  # rsync --timeout: seconds without any data before a transfer is abandoned

@@ -82,10 +82,7 @@ def latest_record(tmp_path: Path) -> dict:
 
 @pytest.fixture
 def trained_cluster(healthy_cluster, tmp_path):
-    """The session cluster with mnft's code in every host's workdir."""
-    import shutil
-    for host in healthy_cluster.hosts:
-        shutil.copytree(REPO / "mnft", host.home / "mnft" / "mnft", dirs_exist_ok=True)
+    """The session cluster (train syncs mnft's code to every host's workdir itself)."""
     yield healthy_cluster  # healthy_cluster kills whatever a failed test left behind
 
 
@@ -94,7 +91,7 @@ def inventory(cluster, tmp_path, n, slots=1, **overrides) -> str:
 
 
 def train_args(inv: str, *extra: str, steps: int = 12) -> list[str]:
-    return ["train", "--hosts", inv, "--no-sync", "--set", f"max_steps={steps}", "--set", "log_every=2", *extra]
+    return ["train", "--hosts", inv, "--src", str(REPO), "--set", f"max_steps={steps}", "--set", "log_every=2", *extra]
 
 
 def test_two_hosts_one_process_each_complete_with_logs_from_every_host(trained_cluster, tmp_path):
