@@ -95,9 +95,16 @@ class Display:
         label = f"{host} r{rank}" if rank is not None else f"{host}"
         self.console.print(Text.assemble((f"{label:<{self.width}}| ", "dim"), text), highlight=False, soft_wrap=True)
 
+    status = None  # a rich Status line, on a terminal
+
     def metric(self, data: dict) -> None:
         if "step" in data:
             self.last_metric = data
+            if self.status is not None and isinstance(data.get("loss"), (int, float)):
+                self.status.update(
+                    f"step {data['step']}  loss {data['loss']:.4f}  {data.get('tokens_per_s', 0):.0f} tokens/s  "
+                    f"skipped {data.get('skipped_steps', 0)}"
+                )
         elif data.get("event") == "summary":
             self.console.print(
                 f"[bold]summary[/bold]: loss {data.get('initial_loss'):.4f} -> {data.get('final_loss'):.4f}, "
@@ -182,7 +189,8 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
             print(run_id)
             return ExitCode.OK
         try:
-            result = gang.wait()
+            with console.status("waiting for the first step…") as display.status:
+                result = gang.wait()
         except GangInterrupted as exc:
             try:
                 finish(record, exc.result, timings, t0, fleet, console)
