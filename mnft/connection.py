@@ -21,6 +21,7 @@ from typing import Iterator
 import fabric
 import paramiko
 
+from mnft.errors import MnftError
 from mnft.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
 from mnft.inventory import Host
 
@@ -276,7 +277,9 @@ def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | No
         host.address,
         user=host.user,
         port=host.port,
-        config=config,
+        # A copy per connection: fabric.Connection writes into its config (inline_ssh_env), which makes invoke
+        # rebuild that config's data; on a config shared by threads, another host's connect sees it half-built.
+        config=config.clone() if config is not None else None,
         connect_timeout=max(1, int(round(timeouts.connect))),
         connect_kwargs=connect_kwargs,
     )
@@ -296,7 +299,10 @@ def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: f
     conn = fabric_connection(host, timeouts, config)
     for path in known_hosts:
         if path.is_file():
-            conn.client.load_system_host_keys(str(path))
+            try:
+                conn.client.load_system_host_keys(str(path))
+            except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
+                raise MnftError(f"{path}: cannot read known_hosts: {exc}") from None
     hostname, port, _ = ssh_target(conn)
     name = known_name(hostname, port)
     try:

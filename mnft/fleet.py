@@ -108,7 +108,7 @@ class Fleet:
         self.close()
 
     def close(self) -> None:
-        for conn in self._connections.values():
+        for conn in list(self._connections.values()):  # a worker may still be adding one (after an error)
             try:
                 conn.close()
             except Exception:  # noqa: BLE001 - closing must never mask the real outcome

@@ -45,7 +45,7 @@ def load_trusted(files: list[Path]) -> paramiko.HostKeys:
         if path.is_file():
             try:
                 keys.load(str(path))
-            except (OSError, paramiko.SSHException) as exc:
+            except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
                 raise MnftError(f"{path}: cannot read known_hosts: {exc}") from None
     return keys
 
