@@ -1,0 +1,104 @@
+#!/usr/bin/env python3
+"""Time from command to the first training step: `invoke train --recipe lora` vs a hand-written ssh loop.
+
+For 2, 4 and 8 simulated hosts (network namespaces with sshd, mnft.testbed), side by side in one run:
+
+* mnft: `invoke train --recipe lora --hosts INV` (check + sync + launch + gang supervision), timed from the
+  command until rank 0 prints its first step; the run record's check and sync seconds are shown separately;
+* by hand: the exact torchrun commands mnft ran (taken from the run record), started with one `ssh` per host
+  in parallel (the loop a lab writes by hand), timed the same way.
+
+A warm-up run first builds the tiny model on every host, so neither side pays for it. Needs root.
+Usage: python bench/launch.py [--hosts 2,4,8] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mnft.testbed import Cluster  # noqa: E402
+
+FIRST_STEP = re.compile(r"step +1/")
+
+
+def first_step(argv: list[str] | list[list[str]], env: dict, timeout: float = 600) -> tuple[float, list[subprocess.Popen]]:
+    """Start the command(s); seconds until a 'step 1/' line appears on the first one's output."""
+    commands = argv if isinstance(argv[0], list) else [argv]
+    started = time.monotonic()
+    procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
+    deadline = started + timeout
+    for line in procs[0].stdout:
+        if FIRST_STEP.search(line):
+            return time.monotonic() - started, procs
+        if time.monotonic() > deadline:
+            break
+    raise RuntimeError("no first step: " + " ".join(commands[0][:6]))
+
+
+def finish(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        try:
+            proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def bench(n: int, steps: int, work: Path) -> dict:
+    cluster = Cluster.create(n, work / f"c{n}", outsider=False)
+    try:
+        inv = cluster.write_inventory(work / f"inv{n}.yaml")
+        env = dict(os.environ, HOME=str(work / "home"), MNFT_RUNS_DIR=str(work / f"runs{n}"), PYTHONUNBUFFERED="1")
+        (work / "home").mkdir(exist_ok=True)
+        train = [sys.executable, "-m", "invoke", "-r", str(REPO), "train", "--recipe", "lora", "--hosts", str(inv),
+                 "--src", str(REPO), "--set", f"max_steps={steps}", "--set", "log_every=1", "--set", "save_every=1000"]
+        finish(first_step(train, env)[1])  # warm-up: code synced, tiny model built on every host
+        mnft_s, procs = first_step(train, env)
+        finish(procs)
+        runs = sorted((work / f"runs{n}").iterdir())
+        record = json.loads((runs[-1] / "run.json").read_text())
+        loop = []
+        for host in cluster.hosts:
+            info = record["hosts"][host.name]
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in info["env"].items())
+            remote = f"cd {info['cwd']} && env {exports} {info['command'].replace('outputs/', 'outputs/bench-')}"
+            loop.append(cluster.ssh_argv(host, ["sh", "-c", remote]))
+        hand_s, procs = first_step(loop, env)
+        finish(procs)
+        return {"hosts": n, "mnft_s": mnft_s, "hand_s": hand_s, "check_s": record["timings"].get("check_s"),
+                "sync_s": record["timings"].get("sync_s"), "launch_s": record["timings"].get("launch_s")}
+    finally:
+        cluster.teardown()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hosts", default="2,4,8")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mnft-bench-launch-") as tmp:
+        for n in (int(x) for x in args.hosts.split(",")):
+            rows.append(bench(n, args.steps, Path(tmp)))
+            print(f"{n} hosts done", file=sys.stderr, flush=True)
+    print(f"{'hosts':>5} {'mnft s':>8} {'by hand s':>10} {'ratio':>6}   {'check s':>8} {'sync s':>7} {'launch s':>9}")
+    for r in rows:
+        print(f"{r['hosts']:>5} {r['mnft_s']:>8.2f} {r['hand_s']:>10.2f} {r['mnft_s'] / r['hand_s']:>6.2f}   "
+              f"{r['check_s']:>8.2f} {r['sync_s']:>7.2f} {r['launch_s']:>9.2f}")
+    print("goal: ratio ≤ 1.2 (mnft includes its check and sync; 'by hand' runs the same torchrun commands over ssh)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
