@@ -239,4 +239,33 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     return report.exit_code()
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync)
+@task(
+    iterable=["only"],
+    help={
+        "hosts": "inventory file; default: inventory/local.yaml",
+        "playbook": "the playbook (default: playbooks/setup.yaml)",
+        "check": "print what each step would change on each host; change nothing",
+        "only": "run only this step (step, step name or tag: trust, names, firewall, ports); repeat or comma-separate",
+        "undo": "remove exactly what mnft's steps added (in reverse order)",
+        "json": "machine-readable output (per host and step: status, changes, error)",
+        "connect_timeout": "seconds to wait for each SSH connection",
+        "timeout": "seconds each remote call may take",
+    },
+)
+@_mnft_errors
+def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json=False, connect_timeout=10.0, timeout=120.0):
+    """Prepare the hosts for multi-node jobs: controller key, node-to-node SSH mesh, /etc/hosts, peers-only firewall.
+
+    Idempotent: a second run reports 0 changed. Exit codes: 0 ok, 1 a step failed on some host, 2 bad playbook or
+    inventory (nothing applied anywhere), 4 some host unreachable or its key rejected.
+    """
+    from mnft import playbook as pb
+
+    book = pb.load(playbook or pb.DEFAULT_PLAYBOOK)
+    chosen = [w for item in (only or []) for w in item.split(",")]
+    report = pb.run(_inventory(hosts), book, check=check, undo=undo, only=chosen or None, timeouts=_timeouts(connect_timeout, timeout))
+    pb.print_report(report, json)
+    return report.exit_code()
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup)
