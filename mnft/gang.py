@@ -201,9 +201,14 @@ class Gang:
             run.state, run.ended_at, run.stop_report = "stopped", time.time(), event
         elif kind == "eof":
             if not run.done:
-                run.state, run.error, run.ended_at = "lost", "connection to the host's agent lost", time.time()
+                self._lost(run, "connection to the host's agent lost")
                 return f"{name}: connection lost"
         return None
+
+    def _lost(self, run: HostRun, why: str) -> None:
+        """The host is gone: its own agent tears its run down (dead-man switch); later phases skip it."""
+        run.state, run.error, run.ended_at = "lost", why, time.time()
+        self.fleet.mark_unreachable(run.launch.host, why)
 
     def wait(self) -> GangResult:
         reason = None
@@ -223,7 +228,7 @@ class Gang:
                 silent = [r for r in self.runs.values() if r.state == "running" and now - r.last_seen > LOST_AFTER]
                 if silent:
                     run = silent[0]
-                    run.state, run.error, run.ended_at = "lost", f"no heartbeat for {LOST_AFTER:g}s", time.time()
+                    self._lost(run, f"no heartbeat for {LOST_AFTER:g}s")
                     reason, failed = f"{run.launch.host}: no heartbeat from its agent for {LOST_AFTER:g}s (host down or link cut)", run.launch.host
                     break
         except KeyboardInterrupt:

@@ -130,13 +130,11 @@ def test_killed_torchrun_tears_down_every_host_and_resume_finishes(trained_clust
     victim = trained_cluster.hosts[1]
     torchrun = [pid for pid, cmd in trained_cluster.processes(victim) if "torch.distributed.run" in cmd]
     assert torchrun
-    killed_at = time.monotonic()
     os.kill(torchrun[0], signal.SIGKILL)
+    wait_no_orphans(trained_cluster, trained_cluster.hosts[:3], timeout=30)  # every host clean within 30 s
     out, _ = proc.communicate(timeout=90)
-    assert time.monotonic() - killed_at < 30
     assert proc.returncode == 1
     assert "h2: torchrun exited with code 137" in out
-    wait_no_orphans(trained_cluster, trained_cluster.hosts[:3], timeout=5)
     first = latest_record(tmp_path)
     assert first["failed_host"] == "h2" and first["state"] == "failed"
 
@@ -153,9 +151,9 @@ def test_cut_link_tears_down_the_gang_and_leaves_no_orphan(trained_cluster, tmp_
     wait_for_output(proc, r"step +4/")
     cut_at = time.monotonic()
     trained_cluster.link_down(trained_cluster.hosts[1])
+    wait_no_orphans(trained_cluster, trained_cluster.hosts[:1], timeout=30)  # the master's run is gone within 30 s
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1
-    assert time.monotonic() - cut_at < 45
     assert "h2" in out and ("no heartbeat" in out or "connection lost" in out)
     # the cut host's own agent stops hearing the controller and tears its run down by itself
     wait_no_orphans(trained_cluster, trained_cluster.hosts[:2], timeout=60)
@@ -249,3 +247,21 @@ def test_secrets_never_reach_a_command_line_a_log_or_the_run_record(trained_clus
     record = json.loads((record_dir / "run.json").read_text())
     assert record["hosts"]["h1"]["env"]["HF_TOKEN"] == "***" and record["hosts"]["h1"]["env"]["MY_SETTING"] == "visible"
     wait_no_orphans(trained_cluster, trained_cluster.hosts[:2])
+
+
+def test_logs_follow_a_detached_run_to_its_end_then_collect_everything(trained_cluster, tmp_path):
+    inv = inventory(trained_cluster, tmp_path, 2)
+    started = invoke(tmp_path, *train_args(inv, "--detach", "--no-sync", steps=8))
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    run_id = started.stdout.strip().splitlines()[-1]
+    followed = invoke(tmp_path, "logs", run_id, "--follow", timeout=300)
+    assert followed.returncode == 0, followed.stdout[-2000:] + followed.stderr[-2000:]
+    assert re.search(r"h1 r0\| step +8/8", followed.stdout) and re.search(r"h2 r1\| rank=1/2", followed.stdout)
+    collected = invoke(tmp_path, "logs", run_id)
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    run_dir = tmp_path / "runs" / run_id
+    assert (run_dir / "h1" / "extra" / "metrics.jsonl").is_file() and (run_dir / "loss.png").is_file()
+    assert (run_dir / "h2" / "run" / "torchrun").is_dir()  # per-rank logs
+    assert "summary: loss" in collected.stdout
+    status = json.loads(invoke(tmp_path, "status", run_id, "--json").stdout)
+    assert {h["state"] for h in status["hosts"].values()} == {"exited"} and {h["exit_code"] for h in status["hosts"].values()} == {0}
