@@ -273,6 +273,17 @@ def supervise(spec, run_dir, keeper):
     stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
     pending = b""
     reason = None
+
+    def forward():
+        """New output lines and metrics since the last call, as events."""
+        for line in out.lines():
+            emit("line", text=line)
+        for line in metrics.lines() if metrics is not None else ():
+            try:
+                emit("metric", data=json.loads(line))
+            except ValueError:
+                pass
+
     try:
         while True:
             ready, _, _ = select.select([stdin], [], [], 0.2)
@@ -288,31 +299,16 @@ def supervise(spec, run_dir, keeper):
                     pending = pending[-16:]
             if reason is None and time.time() - last_control > deadman:
                 reason = "no heartbeat from the controller for %gs" % deadman
-            for line in out.lines():
-                emit("line", text=line)
-            if metrics is not None:
-                for line in metrics.lines():
-                    try:
-                        emit("metric", data=json.loads(line))
-                    except ValueError:
-                        pass
+            forward()
             if reason is not None:
                 result = terminate(run_dir, grace, keeper)
-                for line in out.lines():
-                    emit("line", text=line)
+                forward()
                 emit("stopped", reason=reason, **result)
                 return 0
             code = keeper.poll()
             if code is not None:
                 time.sleep(0.1)
-                for line in out.lines():
-                    emit("line", text=line)
-                if metrics is not None:
-                    for line in metrics.lines():
-                        try:
-                            emit("metric", data=json.loads(line))
-                        except ValueError:
-                            pass
+                forward()
                 recorded = _read(os.path.join(run_dir, "exit_code"))
                 emit("exit", code=int(recorded) if recorded else 128 + 9)
                 return 0
