@@ -148,8 +148,8 @@ def plan_undo(facts: dict, key: tuple[str, str]) -> Plan:
     new_text = blocks.set_marked_lines(current["text"], {}, lambda r: r == role)
     if new_text == current["text"]:
         return Plan()
-    return Plan(["remove mnft's controller key line from ~/.ssh/authorized_keys"],
-                [write_op(AUTHORIZED_KEYS, new_text, expect=current["sha256"])])
+    return Plan(["remove mnft's controller key line from ~/.ssh/authorized_keys" + (" (nothing else in it: file deleted)" if not new_text else "")],
+                [blocks.rewrite_or_remove(AUTHORIZED_KEYS, new_text, current["sha256"])])
 
 
 # ---------------------------------------------------------------------------------------------- remote

@@ -110,6 +110,13 @@ def set_marked_lines(text: str, wanted: Mapping[str, str], owns: Callable[[str],
     return "".join(out)
 
 
+def rewrite_or_remove(path: str, new_text: str, expect: str | None) -> dict:
+    """The op that leaves `new_text` at path; an empty result removes the file (it held only mnft's lines)."""
+    if new_text == "":
+        return {"op": "remove", "path": path, "expect_sha256": expect}
+    return {"op": "write", "path": path, "text": new_text, "expect_sha256": expect}
+
+
 def key_blob(line: str) -> str | None:
     """The base64 key of an authorized_keys / .pub line (options and comment ignored), or None."""
     words = line.strip().split()

@@ -114,8 +114,9 @@ def _expect(f: dict):
     return f.get("sha256") if f.get("exists") else None
 
 
-def plan_node(files: dict, nodes: list[Node], key_file: str, restrict_from: bool) -> Plan:
-    """One node's plan from its files (authorized_keys, known_hosts, config: read results) and all nodes."""
+def plan_node(files: dict, nodes: list[Node], key_file: str, restrict_from: bool, pending: frozenset[str] = frozenset()) -> Plan:
+    """One node's plan from its files (authorized_keys, known_hosts, config: read results) and all nodes.
+    `pending`: nodes whose mesh key is generated on apply (--check), so not known yet."""
     plan = Plan()
     unknown = {n.name for n in nodes if not n.mesh_key}
     wanted = authorized_lines(nodes, restrict_from)
@@ -145,8 +146,10 @@ def plan_node(files: dict, nodes: list[Node], key_file: str, restrict_from: bool
     missing_host_keys = [n.name for n in nodes if not n.host_key]
     if missing_host_keys:
         plan.notes.append("host key unknown (not reached this run): " + ", ".join(missing_host_keys))
-    if unknown:
-        plan.notes.append("mesh key unknown (not reached this run): " + ", ".join(sorted(unknown)))
+    if unknown - pending:
+        plan.notes.append("mesh key unknown (not reached this run): " + ", ".join(sorted(unknown - pending)))
+    if pending:
+        plan.notes.append("mesh keys of " + ", ".join(sorted(pending)) + " do not exist yet: they are authorized once generated")
     return plan
 
 
@@ -156,7 +159,7 @@ def plan_node_undo(files: dict, key_pub: dict, key_file: str) -> Plan:
     new_ak = blocks.set_marked_lines(_text(ak), {}, lambda role: role.startswith("mesh:"))
     if new_ak != _text(ak):
         plan.changes.append("remove mnft's mesh keys from ~/.ssh/authorized_keys")
-        plan.ops.append(write_op(AUTHORIZED_KEYS, new_ak, expect=_expect(ak)))
+        plan.ops.append(blocks.rewrite_or_remove(AUTHORIZED_KEYS, new_ak, _expect(ak)))
     for label, path, block in (("known_hosts", KNOWN_HOSTS, KNOWN_BLOCK), ("config", SSH_CONFIG, CONFIG_BLOCK)):
         f = files[label]
         try:
@@ -164,8 +167,8 @@ def plan_node_undo(files: dict, key_pub: dict, key_file: str) -> Plan:
         except ValueError as exc:
             return Plan(error=f"~/.ssh/{label}: {exc}")
         if new != _text(f):
-            plan.changes.append(f"remove mnft's block from ~/.ssh/{label}")
-            plan.ops.append(write_op(path, new, expect=_expect(f)))
+            plan.changes.append(f"remove mnft's block from ~/.ssh/{label}" + (" (nothing else in it: file deleted)" if not new else ""))
+            plan.ops.append(blocks.rewrite_or_remove(path, new, _expect(f)))
     if key_pub.get("exists") and _is_mesh_key(_text(key_pub)):
         plan.changes.append(f"delete the mesh key {key_file}")
         plan.ops += [{"op": "remove", "path": key_file}, {"op": "remove", "path": key_file + ".pub"}]
@@ -248,11 +251,12 @@ def run(ctx: Context, params: dict) -> dict[str, Outcome]:
             failed[name] = failure
     nodes = [node_of(h, ctx.addresses[h.name], (keys.get(h.name) or (None, None))[0],
                      host_key_of(ctx, h) if h.name in facts else None) for h in ctx.inventory.hosts]
+    pending = frozenset(n for n, f in facts.items() if not f["pub"].get("exists") and ctx.check)
     plans = {}
     for name, f in facts.items():
         if name in failed:
             continue
-        plan = plan_node(f, nodes, key_file, params["restrict_from"])
+        plan = plan_node(f, nodes, key_file, params["restrict_from"], pending)
         if not f["pub"].get("exists"):
             plan.changes.insert(0, f"generate {key_file} (ed25519)")
         plans[name] = plan

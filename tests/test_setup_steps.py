@@ -1,0 +1,328 @@
+"""Setup steps planned from data: facts in, changes and remote ops out. No host, no SSH, no real ~/.ssh."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from mnft.steps import authorized_keys as ak
+from mnft.steps import blocks, firewall, hosts_file, mesh, reserved_ports
+from mnft.steps.base import Param, check_value
+
+CONTROLLER = ("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIHmmG8d00K67NVM4V28ABcNoqg7v++t1D2xVakQTFag2")
+OTHER_KEY = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 alice@laptop"
+
+
+def sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file(text: str | None, mode: int = 0o600) -> dict:
+    if text is None:
+        return {"exists": False}
+    return {"exists": True, "is_dir": False, "text": text, "mode": mode, "uid": 1000, "sha256": sha(text)}
+
+
+def applied(text: str, plan) -> str:
+    """The file text after the plan's last write op (what the host would hold)."""
+    for op in plan.ops:
+        if op["op"] == "write":
+            text = op["text"]
+        elif op["op"] == "remove":
+            text = ""
+    return text
+
+
+def ak_facts(text: str | None, home_mode: int = 0o755, ssh_mode: int = 0o700, file_mode: int = 0o600, uid: int = 1000, owner: int = 1000) -> dict:
+    stats = {"~": {"exists": True, "mode": home_mode, "uid": owner, "is_dir": True},
+             "~/.ssh": {"exists": True, "mode": ssh_mode, "uid": owner, "is_dir": True},
+             "~/.ssh/authorized_keys": {"exists": text is not None, "mode": file_mode, "uid": owner}}
+    return {"env": {"uid": uid, "user": "lab", "home": "/home/lab"}, "stats": stats, "file": file(text, file_mode)}
+
+
+# ---------------------------------------------------------------------------------------------- blocks
+
+
+B = blocks.Block("# BEGIN x", "# END x")
+
+
+def test_block_is_appended_after_an_unterminated_last_line_without_changing_it():
+    assert blocks.set_block("a\nb", B, ["1"]) == "a\nb\n# BEGIN x\n1\n# END x\n"
+
+
+def test_block_is_replaced_where_it_is_and_the_rest_survives_byte_for_byte():
+    text = "a\r\n# BEGIN x\nold\n# END x\nz  \n"
+    assert blocks.set_block(text, B, ["new"]) == "a\r\n# BEGIN x\nnew\n# END x\nz  \n"
+    assert blocks.remove_block(blocks.set_block(text, B, ["new"]), B) == "a\r\nz  \n"
+
+
+def test_block_begin_without_end_is_an_error_not_a_guess():
+    with pytest.raises(ValueError, match="no '# END x'"):
+        blocks.set_block("# BEGIN x\nstuff\n", B, [])
+
+
+def test_marked_lines_keep_other_lines_in_place_and_replace_their_own():
+    text = "one\nk1 mnft:a\ntwo\nk0 mnft:b\n"
+    out = blocks.set_marked_lines(text, {"a": "k2 mnft:a", "c": "k3 mnft:c"}, lambda r: r in ("a", "c"))
+    assert out == "one\nk2 mnft:a\ntwo\nk0 mnft:b\nk3 mnft:c\n"
+
+
+def test_a_commented_line_is_never_mnfts():
+    assert blocks.line_role("# ssh-ed25519 AAA mnft:controller:1") is None
+    assert blocks.line_role('from="1.2.3.4" ssh-ed25519 AAA mnft:mesh:h1') == "mesh:h1"
+
+
+# ---------------------------------------------------------------------------------------------- authorized_keys
+
+
+def test_controller_key_is_appended_with_a_marker_and_other_lines_survive():
+    original = f"{OTHER_KEY}\r\ncommand=\"echo hi\" ssh-ed25519 AAAAOTHER bob"  # CRLF, no final newline
+    plan = ak.plan_host(ak_facts(original), CONTROLLER)
+    role, line = ak.controller_line(*CONTROLLER)
+    new = applied(original, plan)
+    assert new == original + "\n" + line + "\n"
+    assert line.endswith(f" mnft:{role}")
+    write = plan.ops[-1]
+    assert write["mode"] == 0o600 and write["dir_mode"] == 0o700 and write["expect_sha256"] == sha(original)
+
+
+def test_controller_key_second_plan_is_empty():
+    first = applied("", ak.plan_host(ak_facts(""), CONTROLLER))
+    assert ak.plan_host(ak_facts(first), CONTROLLER).empty
+
+
+def test_controller_key_already_authorized_by_someone_else_is_left_alone():
+    text = f"{CONTROLLER[0]} {CONTROLLER[1]} admin@laptop\n"
+    plan = ak.plan_host(ak_facts(text), CONTROLLER)
+    assert plan.empty and "already authorized" in plan.notes[0]
+
+
+def test_missing_authorized_keys_is_created_0600_in_a_0700_dir():
+    plan = ak.plan_host(ak_facts(None), CONTROLLER)
+    assert plan.ops[-1]["expect_sha256"] is None and plan.ops[-1]["mode"] == 0o600
+
+
+def test_loose_ssh_dir_and_file_modes_are_fixed():
+    text = applied("", ak.plan_host(ak_facts(""), CONTROLLER))
+    plan = ak.plan_host(ak_facts(text, ssh_mode=0o755, file_mode=0o644), CONTROLLER)
+    assert plan.changes == ["chmod 0700 ~/.ssh (was 0755)", "chmod 0600 ~/.ssh/authorized_keys (was 0644)"]
+
+
+@pytest.mark.parametrize("home_mode", [0o775, 0o757])
+def test_a_home_sshd_strictmodes_would_refuse_fails_with_the_fix(home_mode):
+    plan = ak.plan_host(ak_facts("", home_mode=home_mode), CONTROLLER)
+    assert plan.error and "StrictModes" in plan.error and "chmod go-w /home/lab" in plan.error and not plan.ops
+
+
+def test_an_ssh_dir_owned_by_someone_else_fails():
+    facts = ak_facts("")
+    facts["stats"]["~/.ssh"]["uid"] = 4242
+    assert "owned by uid 4242" in ak.plan_host(facts, CONTROLLER).error
+
+
+def test_undo_removes_only_mnfts_controller_line():
+    original = f"{OTHER_KEY}\n"
+    with_ours = applied(original, ak.plan_host(ak_facts(original), CONTROLLER))
+    other_controller = "ssh-ed25519 AAAAOTHERCONTROLLER mnft:controller:abcdefabcdef\n"
+    undone = applied(with_ours + other_controller, ak.plan_undo(ak_facts(with_ours + other_controller), CONTROLLER))
+    assert undone == original + other_controller
+
+
+def test_bad_public_key_file_is_input_error():
+    from mnft.errors import InputError
+
+    with pytest.raises(InputError, match="not an OpenSSH public key"):
+        ak.parse_public_key("-----BEGIN OPENSSH PRIVATE KEY-----\n", "id")
+    assert ak.parse_public_key(" ".join(CONTROLLER) + " me@x\n", "id") == CONTROLLER
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+
+
+def nodes(**overrides) -> list[mesh.Node]:
+    out = [
+        mesh.Node("h1", "10.0.0.11", mesh_key="ssh-ed25519 AAAAK1", host_key="ssh-ed25519 AAAAH1"),
+        mesh.Node("h2", "10.0.0.12", mesh_key="ssh-ed25519 AAAAK2", host_key="ssh-ed25519 AAAAH2"),
+    ]
+    return [mesh.Node(**{**n.__dict__, **overrides.get(n.name, {})}) for n in out]
+
+
+def mesh_files(ak_text="", kh=None, cfg=None) -> dict:
+    return {"authorized_keys": file(ak_text), "known_hosts": file(kh), "config": file(cfg), "pub": file("ssh-ed25519 AAAAK1 mnft-mesh@h1\n")}
+
+
+def test_mesh_keys_are_authorized_only_from_the_cluster_addresses():
+    lines = mesh.authorized_lines(nodes(), restrict_from=True)
+    assert lines == {
+        "mesh:h1": 'from="10.0.0.11,10.0.0.12" ssh-ed25519 AAAAK1 mnft:mesh:h1',
+        "mesh:h2": 'from="10.0.0.11,10.0.0.12" ssh-ed25519 AAAAK2 mnft:mesh:h2',
+    }
+    assert mesh.authorized_lines(nodes(), restrict_from=False)["mesh:h1"] == "ssh-ed25519 AAAAK1 mnft:mesh:h1"
+
+
+def test_known_hosts_use_the_keys_the_controller_read_under_name_and_address():
+    ns = nodes(h2={"port": 2222, "aliases": ("node2.lab",)})
+    assert mesh.known_hosts_lines(ns, None) == [
+        "h1,10.0.0.11 ssh-ed25519 AAAAH1",
+        "[h2]:2222,[10.0.0.12]:2222,[node2.lab]:2222 ssh-ed25519 AAAAH2",
+    ]
+
+
+def test_a_node_not_reached_keeps_its_lines_and_the_others_are_updated():
+    first = mesh.plan_node(mesh_files(OTHER_KEY + "\n"), nodes(), "~/.ssh/mnft_mesh_ed25519", True)
+    ak_text = applied(OTHER_KEY + "\n", _only(first, mesh.AUTHORIZED_KEYS))
+    kh_text = applied("", _only(first, mesh.KNOWN_HOSTS))
+    down = nodes(h2={"mesh_key": None, "host_key": None})
+    again = mesh.plan_node(mesh_files(ak_text, kh_text, applied("", _only(first, mesh.SSH_CONFIG))), down, "~/.ssh/mnft_mesh_ed25519", True)
+    assert again.changes == []  # h2's authorization and host key stay as they were
+    assert "h2" in " ".join(again.notes)
+
+
+def _only(plan, path):
+    class P:
+        ops = [op for op in plan.ops if op["path"] == path]
+
+    return P
+
+
+def test_mesh_plan_is_idempotent_and_undo_restores_the_files():
+    original_ak, original_kh, original_cfg = OTHER_KEY + "\n", "gw ssh-ed25519 AAAAGW\n", "Host *\n    ServerAliveInterval 30\n"
+    plan = mesh.plan_node(mesh_files(original_ak, original_kh, original_cfg), nodes(), "~/.ssh/mnft_mesh_ed25519", True)
+    new = {p: applied(t, _only(plan, p)) for p, t in ((mesh.AUTHORIZED_KEYS, original_ak), (mesh.KNOWN_HOSTS, original_kh), (mesh.SSH_CONFIG, original_cfg))}
+    assert new[mesh.SSH_CONFIG].startswith(original_cfg)  # appended: never captures the user's own options
+    assert "    IdentityFile ~/.ssh/mnft_mesh_ed25519\n" in new[mesh.SSH_CONFIG]
+    files = mesh_files(new[mesh.AUTHORIZED_KEYS], new[mesh.KNOWN_HOSTS], new[mesh.SSH_CONFIG])
+    assert mesh.plan_node(files, nodes(), "~/.ssh/mnft_mesh_ed25519", True).empty
+    undo = mesh.plan_node_undo(files, files["pub"], "~/.ssh/mnft_mesh_ed25519")
+    assert applied(new[mesh.AUTHORIZED_KEYS], _only(undo, mesh.AUTHORIZED_KEYS)) == original_ak
+    assert applied(new[mesh.KNOWN_HOSTS], _only(undo, mesh.KNOWN_HOSTS)) == original_kh
+    assert applied(new[mesh.SSH_CONFIG], _only(undo, mesh.SSH_CONFIG)) == original_cfg
+    assert {"op": "remove", "path": "~/.ssh/mnft_mesh_ed25519"} in undo.ops
+
+
+def test_undo_never_deletes_a_key_mnft_did_not_generate():
+    files = mesh_files()
+    undo = mesh.plan_node_undo(files, file("ssh-ed25519 AAAA alice@laptop\n"), "~/.ssh/mnft_mesh_ed25519")
+    assert not any(op["op"] == "remove" for op in undo.ops)
+
+
+def test_a_file_holding_only_mnfts_block_is_deleted_on_undo():
+    cfg = "".join(mesh.CONFIG_BLOCK.render(["Host h1"]))
+    undo = mesh.plan_node_undo(mesh_files(cfg=cfg), file(None), "k")
+    assert {"op": "remove", "path": mesh.SSH_CONFIG, "expect_sha256": sha(cfg)} in undo.ops
+
+
+def test_verify_runs_strict_batch_ssh_to_every_peer():
+    ops = mesh.verify_ops("h1", nodes())
+    assert [op["argv"] for op in ops] == [["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=10", "h2", "true"]]
+
+
+# ---------------------------------------------------------------------------------------------- hosts_file
+
+
+NAMES = {"h1": "10.0.0.11", "h2": "10.0.0.12"}
+DEBIAN = "127.0.0.1\tlocalhost\n127.0.1.1\th1.lab h1\n\n# The following lines are desirable for IPv6\n::1 localhost ip6-localhost\n"
+
+
+def test_hosts_block_goes_before_a_loopback_line_naming_a_node():
+    plan = hosts_file.plan_host(file(DEBIAN, 0o644), NAMES, "/etc/hosts")
+    new = applied(DEBIAN, plan)
+    assert new.startswith("127.0.0.1\tlocalhost\n# BEGIN mnft cluster hosts")
+    assert "10.0.0.11\th1\n10.0.0.12\th2\n# END mnft cluster hosts\n127.0.1.1\th1.lab h1\n" in new
+    assert blocks.remove_block(new, hosts_file.BLOCK) == DEBIAN
+    assert any("127.0.1.1" in n for n in plan.notes)
+
+
+def test_hosts_block_without_conflicts_is_appended_and_idempotent():
+    text = "127.0.0.1 localhost\n10.9.9.9 nas  # by hand"
+    new = applied(text, hosts_file.plan_host(file(text, 0o644), NAMES, "/etc/hosts"))
+    assert new.startswith(text + "\n# BEGIN mnft")
+    assert hosts_file.plan_host(file(new, 0o644), NAMES, "/etc/hosts").empty
+    assert applied(new, hosts_file.plan_undo(file(new, 0o644), "/etc/hosts")) == text + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- firewall
+
+
+FW_PARAMS = {"allow_from": (), "open_ports": (), "manager": "auto", "revert_after": 30.0, "probe_timeout": 10.0}
+
+
+def test_firewall_table_accepts_peers_and_ssh_and_drops_other_new_tcp():
+    body = firewall.table_body("eth0", ["10.0.0.11", "10.0.0.12"], 22, (29500,), ("10.0.0.1/32",), (8888,))
+    assert body == (
+        "\tset peers {\n\t\ttype ipv4_addr\n\t\telements = { 10.0.0.11, 10.0.0.12 }\n\t}\n\n"
+        "\tchain input {\n\t\ttype filter hook input priority filter - 10; policy accept;\n"
+        '\t\tiifname != "eth0" accept\n'
+        "\t\tct state established,related accept\n"
+        "\t\ttcp dport 22 accept\n"
+        "\t\tip saddr @peers accept\n"
+        "\t\tip saddr { 10.0.0.1/32 } tcp dport { 29500 } accept\n"
+        "\t\ttcp dport { 8888 } accept\n"
+        "\t\tmeta l4proto tcp ct state new drop\n"
+        "\t}\n"
+    )
+    rules = firewall.ruleset(body)
+    assert rules.startswith("table inet mnft\ndelete table inet mnft\ntable inet mnft {\n")  # one transaction
+    assert f"sha256={firewall.digest(body)}" in rules
+
+
+def test_firewall_is_ok_when_the_table_carries_the_same_digest():
+    plan = firewall.plan_host({"table": None}, iface="eth0", peers=["10.0.0.11"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
+    assert plan.changes and plan.data["revert"] == firewall.DELETE
+    listed = plan.data["rules"].split("delete table inet mnft\n", 1)[1]
+    again = firewall.plan_host({"table": listed}, iface="eth0", peers=["10.0.0.11"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
+    assert again.empty
+    moved = firewall.plan_host({"table": listed}, iface="eth0", peers=["10.0.0.11", "10.0.0.13"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
+    assert moved.changes[0].startswith("replace") and moved.data["revert"] == firewall.DELETE + listed
+
+
+def test_firewall_refuses_when_ufw_manages_the_host_and_says_what_to_run():
+    plan = firewall.plan_host({"table": None, "ufw": True}, iface="eth0", peers=["10.0.0.11"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
+    assert "ufw allow from 10.0.0.11" in plan.error and not plan.changes
+    forced = firewall.plan_host({"table": None, "ufw": True}, iface="eth0", peers=["10.0.0.11"], ssh_port=22,
+                                params={**FW_PARAMS, "manager": "nftables"}, rendezvous_ports=(29500,))
+    assert forced.changes
+
+
+def test_firewall_undo_deletes_only_its_table():
+    assert firewall.plan_undo({"table": None}).empty
+    plan = firewall.plan_undo({"table": "table inet mnft {\n}\n"})
+    assert plan.ops == [{"op": "run", "argv": ["nft", "-f", "-"], "input": "table inet mnft\ndelete table inet mnft\n", "check": True}]
+
+
+def test_probe_timeout_must_be_below_revert_after():
+    assert "below revert_after" in firewall.validate({**FW_PARAMS, "probe_timeout": 30.0})
+
+
+# ---------------------------------------------------------------------------------------------- reserved ports
+
+
+def test_port_lists_parse_and_fold():
+    assert reserved_ports.parse_ports("8080,29500-29502\n") == {8080, 29500, 29501, 29502}
+    assert reserved_ports.render_ports({1, 2, 3, 7, 9, 10}) == "1-3,7,9-10"
+
+
+def test_reserved_ports_keep_others_and_undo_removes_only_mnfts():
+    facts = {"reserved": "8080\n", "range": "1024 65000\n", "record": None, "persisted": None}
+    plan = reserved_ports.plan_host(facts, (29500,), persist=False)
+    assert {"op": "sysctl", "path": reserved_ports.SYSCTL, "value": "8080,29500"} in plan.ops
+    after = {"reserved": "8080,29500\n", "range": "1024 65000\n", "record": "29500\n", "persisted": None}
+    assert reserved_ports.plan_host(after, (29500,), persist=False).empty
+    undo = reserved_ports.plan_undo(after)
+    assert {"op": "sysctl", "path": reserved_ports.SYSCTL, "value": "8080"} in undo.ops
+
+
+def test_a_port_reserved_before_mnft_is_not_unreserved():
+    facts = {"reserved": "29500\n", "range": "1024 65000\n", "record": None, "persisted": None}
+    assert reserved_ports.plan_host(facts, (29500,), persist=False).empty
+    assert reserved_ports.plan_undo(facts).empty
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("kind,value", [("port", 0), ("port", "22"), ("bool", "yes"), ("number", -1), ("str", "a\nb"), ("cidrs", ["10.0.0.0/33"])])
+def test_parameter_types_are_strict(kind, value):
+    with pytest.raises(ValueError):
+        check_value(Param(kind, None, ""), value)
