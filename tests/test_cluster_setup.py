@@ -1,0 +1,230 @@
+"""`invoke setup` on the simulated cluster: real sshd, real nftables (per network namespace), real /etc/hosts.
+
+Each destructive test builds its own cluster (`fresh_cluster_factory`); the one test on the shared session
+cluster only proves that nothing is applied. The CLI runs as a subprocess with a private controller home.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mnft.steps import blocks, hosts_file
+
+pytestmark = pytest.mark.cluster
+
+REPO = Path(__file__).resolve().parent.parent
+OTHER_KEY = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQDxOTHERxKEY someone@else"
+OTHER_HOSTS_LINE = "192.168.77.7\tprinter   # written by hand"
+RDZV = 29500
+
+
+def invoke(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    home = tmp_path / "controller-home"
+    home.mkdir(exist_ok=True)
+    env = dict(os.environ, HOME=str(home), MNFT_HOME=str(tmp_path / "mnft-home"), PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-m", "invoke", "-r", str(REPO), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def setup_json(tmp_path: Path, inventory: Path, book: Path, *extra: str) -> tuple[int, dict]:
+    done = invoke(tmp_path, "setup", "--hosts", str(inventory), "--playbook", str(book), "--json", *extra)
+    try:
+        return done.returncode, json.loads(done.stdout)
+    except ValueError:
+        pytest.fail(f"setup printed no JSON (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+
+def statuses(report: dict) -> dict[str, dict[str, str]]:
+    return {host: {step: o["status"] for step, o in steps.items()} for host, steps in report["hosts"].items()}
+
+
+def playbook(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "book.yaml"
+    path.write_text(text)
+    return path
+
+
+TEST_BOOK = """
+- name: controller key
+  authorized_keys: {}
+- name: mesh
+  mesh: {}
+- name: names
+  hosts_file: {}
+- name: firewall
+  firewall:
+    revert_after: 25
+    probe_timeout: 8
+- name: ports
+  reserved_ports:
+    persist: false          # /etc/sysctl.d is the real machine's in the testbed
+"""
+
+
+def read(cluster, host, path: str) -> str:
+    return cluster.run(host, ["cat", path]).stdout
+
+
+def state(cluster, host) -> dict[str, str]:
+    """Everything setup may touch on a host, as text."""
+    done = cluster.run(host, ["sh", "-c", "ls -a ~/.ssh; cat /proc/sys/net/ipv4/ip_local_reserved_ports"])
+    return {
+        "ruleset": cluster.run(host, ["nft", "list", "ruleset"]).stdout,
+        "authorized_keys": read(cluster, host, "/root/.ssh/authorized_keys"),
+        "hosts": read(cluster, host, "/etc/hosts"),
+        "ssh_dir_and_ports": done.stdout,
+    }
+
+
+def tcp_reachable(cluster, src, address: str, port: int) -> bool:
+    code = f"import socket\ntry:\n socket.create_connection(({address!r}, {port}), timeout=3).close(); print('open')\nexcept OSError as e: print('closed', e)"
+    return cluster.run(src, [cluster.python, "-c", code], timeout=20).stdout.startswith("open")
+
+
+def ssh_from(cluster, src, peer_name: str) -> subprocess.CompletedProcess:
+    return cluster.run(src, ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", peer_name, "true"], check=False, timeout=30)
+
+
+def controller_ssh_ok(cluster, host) -> bool:
+    return subprocess.run(cluster.ssh_argv(host, ["true"]), capture_output=True, timeout=30).returncode == 0
+
+
+# ---------------------------------------------------------------------------------------------- the whole playbook
+
+
+def test_setup_mesh_names_firewall_idempotent_check_and_undo(fresh_cluster_factory, tmp_path):
+    cluster = fresh_cluster_factory(3, outsider=True)
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml", rendezvous_port=RDZV)
+    book = playbook(tmp_path, TEST_BOOK)
+    master, *peers = cluster.hosts
+    for host in cluster.hosts:  # lines written by others, one without a final newline
+        cluster.run(host, ["sh", "-c", f"printf '%s' '{OTHER_KEY}' >> ~/.ssh/authorized_keys; printf '%s\\n' '{OTHER_HOSTS_LINE}' >> /etc/hosts"])
+    before = {h.name: state(cluster, h) for h in cluster.hosts}
+
+    # --check: the plan, nothing changed
+    code, report = setup_json(tmp_path, inventory, book, "--check")
+    assert code == 0, report
+    assert report["mode"] == "check" and report["changed"] > 0
+    assert {h.name: state(cluster, h) for h in cluster.hosts} == before
+
+    # apply
+    code, report = setup_json(tmp_path, inventory, book)
+    assert code == 0, json.dumps(report, indent=1)
+    assert all(s in ("ok", "changed") for per in statuses(report).values() for s in per.values())
+    assert all(per["4. firewall"] == "changed" for per in statuses(report).values())
+
+    # node-to-node SSH, strict host keys, no prompt, every pair
+    for src in cluster.hosts:
+        for dst in cluster.hosts:
+            if src is not dst:
+                done = ssh_from(cluster, src, dst.name)
+                assert done.returncode == 0, f"{src.name} -> {dst.name}: {done.stderr}"
+    # names resolve to cluster addresses on every node
+    for src in cluster.hosts:
+        for dst in cluster.hosts:
+            assert cluster.run(src, ["getent", "hosts", dst.name]).stdout.split()[0] == dst.address
+
+    # firewall: the master's rendezvous port is open to peers, closed to the outsider; SSH still works
+    listener = cluster.popen(master, [cluster.python, "-c",
+                                      "import socket,time\ns=socket.socket()\ns.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1)\n"
+                                      f"s.bind(('0.0.0.0',{RDZV}))\ns.listen(16)\nprint('ready',flush=True)\n"
+                                      "while True:\n c,_=s.accept(); c.close()"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "ready"
+        for peer in peers:
+            assert tcp_reachable(cluster, peer, master.address, RDZV), peer.name
+        assert not tcp_reachable(cluster, cluster.outsider, master.address, RDZV)
+    finally:
+        listener.kill()
+        listener.wait()
+    assert all(controller_ssh_ok(cluster, h) for h in cluster.hosts)
+
+    # lines written by others survive byte for byte
+    for host in cluster.hosts:
+        now = read(cluster, host, "/root/.ssh/authorized_keys")
+        kept = "".join(line for line in blocks.split_lines(now) if blocks.line_role(line) is None)
+        assert kept == before[host.name]["authorized_keys"] + "\n"  # the unterminated last line only gained its newline
+        assert now.startswith(before[host.name]["authorized_keys"])
+        assert blocks.remove_block(read(cluster, host, "/etc/hosts"), hosts_file.BLOCK) == before[host.name]["hosts"]
+    applied = {h.name: state(cluster, h) for h in cluster.hosts}
+
+    # a second run changes nothing: 0 changed, identical rulesets and files
+    code, report = setup_json(tmp_path, inventory, book)
+    assert code == 0 and report["changed"] == 0, json.dumps(report, indent=1)
+    assert {h.name: state(cluster, h) for h in cluster.hosts} == applied
+
+    # --only runs one step alone
+    code, report = setup_json(tmp_path, inventory, book, "--only", "firewall")
+    assert code == 0 and [s["step"] for s in report["steps"]] == ["firewall"]
+
+    # --undo puts back exactly what was there
+    code, report = setup_json(tmp_path, inventory, book, "--undo")
+    assert code == 0, json.dumps(report, indent=1)
+    for host in cluster.hosts:
+        after = state(cluster, host)
+        assert after["ruleset"] == before[host.name]["ruleset"]
+        assert after["hosts"] == before[host.name]["hosts"]
+        assert after["authorized_keys"] == before[host.name]["authorized_keys"] + "\n"
+        assert after["ssh_dir_and_ports"] == before[host.name]["ssh_dir_and_ports"]
+    assert all(controller_ssh_ok(cluster, h) for h in cluster.hosts)
+
+
+# ---------------------------------------------------------------------------------------------- lock-out
+
+
+def test_a_firewall_that_would_lock_out_ssh_is_reverted(fresh_cluster_factory, tmp_path):
+    cluster = fresh_cluster_factory(2)
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml")
+    # sshd listens on 22: accepting 2222 instead drops the controller's new connections
+    book = playbook(tmp_path, "- firewall:\n    ssh_port: 2222\n    revert_after: 6\n    probe_timeout: 2\n")
+    before = {h.name: cluster.run(h, ["nft", "list", "ruleset"]).stdout for h in cluster.hosts}
+    started = time.monotonic()
+    code, report = setup_json(tmp_path, inventory, book)
+    assert code == 1, report
+    for host in cluster.hosts:
+        outcome = report["hosts"][host.name]["1. firewall"]
+        assert outcome["status"] == "failed" and outcome["error"].startswith("reverted: would lock out SSH"), outcome
+        assert cluster.run(host, ["nft", "list", "ruleset"]).stdout == before[host.name]
+        assert controller_ssh_ok(cluster, host)
+        assert not any("mnft-firewall-revert" in cmd for _, cmd in cluster.processes(host))
+    assert time.monotonic() - started < 200  # the revert fired; nothing waited for a human
+
+
+def test_a_home_sshd_would_refuse_is_reported_not_changed(fresh_cluster_factory, tmp_path):
+    cluster = fresh_cluster_factory(1)
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml")
+    host = cluster.hosts[0]
+    cluster.run(host, ["chmod", "0775", "/root"])
+    try:
+        code, report = setup_json(tmp_path, inventory, playbook(tmp_path, "- authorized_keys: {}\n"))
+        outcome = report["hosts"][host.name]["1. authorized_keys"]
+        assert code == 1 and outcome["status"] == "failed" and "StrictModes" in outcome["error"] and "chmod go-w /root" in outcome["error"]
+        assert cluster.run(host, ["stat", "-c", "%a", "/root"]).stdout.strip() == "775"
+    finally:
+        cluster.run(host, ["chmod", "0700", "/root"])
+
+
+# ---------------------------------------------------------------------------------------------- bad playbook
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("- authorized_keys: {}\n- name: fw\n  firewal: {}\n", "step 2 (fw): unknown step 'firewal' (did you mean 'firewall'?)"),
+    ("- mesh: {}\n- firewall:\n    revert_afer: 5\n", "step 2 (firewall): key 'revert_afer': unknown parameter (did you mean 'revert_after'?)"),
+    ("- firewall:\n    ssh_port: twenty-two\n", "step 1 (firewall): key 'ssh_port': expected a whole number, got 'twenty-two'"),
+])
+def test_a_bad_playbook_exits_2_with_one_line_and_applies_nothing(cluster, tmp_path, text, expected):
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml")
+    book = playbook(tmp_path, text)
+    before = [state(cluster, h) for h in cluster.hosts]
+    done = invoke(tmp_path, "setup", "--hosts", str(inventory), "--playbook", str(book))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert lines == [f"mnft: {book}: {expected}"], done.stderr
+    assert [state(cluster, h) for h in cluster.hosts] == before
