@@ -119,6 +119,8 @@ def test_setup_mesh_names_firewall_idempotent_check_and_undo(fresh_cluster_facto
     assert code == 0, json.dumps(report, indent=1)
     assert all(s in ("ok", "changed") for per in statuses(report).values() for s in per.values())
     assert all(per["4. firewall"] == "changed" for per in statuses(report).values())
+    for host in cluster.hosts:  # the SSH probe succeeded, so each host's armed revert was cancelled
+        assert not any("mnft-firewall-revert" in cmd for _, cmd in cluster.processes(host))
 
     # node-to-node SSH, strict host keys, no prompt, every pair
     for src in cluster.hosts:
@@ -228,3 +230,27 @@ def test_a_bad_playbook_exits_2_with_one_line_and_applies_nothing(cluster, tmp_p
     lines = done.stderr.strip().splitlines()
     assert lines == [f"mnft: {book}: {expected}"], done.stderr
     assert [state(cluster, h) for h in cluster.hosts] == before
+
+
+# ---------------------------------------------------------------------------------------------- unreachable host
+
+
+def test_an_unreachable_host_is_reported_and_joins_the_mesh_on_the_next_run(fresh_cluster_factory, tmp_path):
+    cluster = fresh_cluster_factory(3)
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml")
+    book = playbook(tmp_path, TEST_BOOK)
+    h1, h2, h3 = cluster.hosts
+    cluster.link_down(h3)
+    code, report = setup_json(tmp_path, inventory, book, "--connect-timeout", "3")
+    assert code == 4, json.dumps(report, indent=1)
+    assert set(statuses(report)[h3.name].values()) == {"unreachable"}
+    assert all(s in ("ok", "changed") for name in (h1.name, h2.name) for s in statuses(report)[name].values())
+    assert ssh_from(cluster, h1, h2.name).returncode == 0
+    assert h3.address in cluster.run(h1, ["nft", "list", "set", "inet", "mnft", "peers"]).stdout  # peers-only still lets h3 in
+
+    cluster.link_up(h3)
+    code, report = setup_json(tmp_path, inventory, book)
+    assert code == 0, json.dumps(report, indent=1)
+    assert statuses(report)[h1.name]["2. mesh"] == "changed"  # h3's mesh key and host key added
+    for src, dst in ((h1, h3), (h3, h2)):
+        assert ssh_from(cluster, src, dst.name).returncode == 0, f"{src.name} -> {dst.name}"
