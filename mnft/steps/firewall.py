@@ -21,6 +21,8 @@ from __future__ import annotations
 import hashlib
 import re
 
+import fabric
+
 from mnft.connection import Timeouts, Unreachable, HostKeyRejected, CommandTimeout, open_connection
 from mnft.hostkeys import known_hosts_files
 from mnft.inventory import Host
@@ -170,7 +172,8 @@ def probe_ssh(ctx: Context, host: Host, timeout: float) -> str | None:
     if host.is_local:
         return None
     try:
-        conn = open_connection(host, known_hosts_files(ctx.inventory.known_hosts), Timeouts(connect=timeout, command=timeout))
+        # the same factory, known_hosts and ~/.ssh/config as the fleet's connections, but a brand-new TCP connection
+        conn = open_connection(host, known_hosts_files(ctx.inventory.known_hosts), Timeouts(connect=timeout, command=timeout), fabric.Config())
     except (Unreachable, HostKeyRejected) as exc:
         return str(exc)
     try:
