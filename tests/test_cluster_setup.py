@@ -254,3 +254,24 @@ def test_an_unreachable_host_is_reported_and_joins_the_mesh_on_the_next_run(fres
     assert statuses(report)[h1.name]["2. mesh"] == "changed"  # h3's mesh key and host key added
     for src, dst in ((h1, h3), (h3, h2)):
         assert ssh_from(cluster, src, dst.name).returncode == 0, f"{src.name} -> {dst.name}"
+
+
+def test_a_new_controller_key_is_appended_accepted_by_sshd_and_undone(fresh_cluster_factory, tmp_path):
+    cluster = fresh_cluster_factory(1)
+    host = cluster.hosts[0]
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml")
+    key = tmp_path / "second_controller"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "second@controller", "-f", str(key)], check=True)
+    book = playbook(tmp_path, f"- authorized_keys:\n    key: {key}.pub\n")
+    cluster.run(host, ["chmod", "0644", "/root/.ssh/authorized_keys"])  # loose: mnft makes it 0600
+    before = read(cluster, host, "/root/.ssh/authorized_keys")
+    code, report = setup_json(tmp_path, inventory, book)
+    assert code == 0 and report["hosts"][host.name]["1. authorized_keys"]["status"] == "changed", report
+    assert cluster.run(host, ["stat", "-c", "%a", "/root/.ssh", "/root/.ssh/authorized_keys"]).stdout.split() == ["700", "600"]
+    argv = cluster.ssh_argv(host, ["true"])
+    argv[argv.index(str(cluster.controller_key))] = str(key)
+    assert subprocess.run(argv, capture_output=True, timeout=30).returncode == 0  # sshd accepts the new line
+    code, report = setup_json(tmp_path, inventory, book)
+    assert code == 0 and report["changed"] == 0
+    code, report = setup_json(tmp_path, inventory, book, "--undo")
+    assert code == 0 and read(cluster, host, "/root/.ssh/authorized_keys") == before
