@@ -8,7 +8,9 @@ every host: the interpreter the inventory names runs mnft's stdlib-only probe (`
 probe on stdin (`python - facts`, one SSH round-trip); pdsh and Ansible run a copy placed in each host's home
 beforehand. All three use the same key and known_hosts with strict host key checking, 32 connections at once.
 
-Measured, median of --reps repetitions, every repetition cold (new connections):
+Measured, median of --reps repetitions, every repetition cold (new connections), the tools taking turns:
+  floor      the same N probe processes started at once on this machine, no SSH: the hosts' own work, which
+             here shares the controller's cores (on real hosts it runs in parallel on N machines)
   mnft lib   Fleet + check.gather_facts in this process: connect + probe (connect and probe also shown apart)
   mnft cli   `invoke check --no-network --json` as a subprocess: adds Python start-up and imports
   pdsh       `pdsh -R ssh -f 32 -w ADDRS PYTHON /root/probe.py facts`
@@ -47,16 +49,6 @@ from mnft.fleet import Fleet  # noqa: E402
 from mnft.testbed import Cluster  # noqa: E402
 
 FORKS = 32
-
-
-def median_of(reps: int, fn) -> tuple[float, list]:
-    """Median wall time of fn() over reps runs, and what each run returned."""
-    times, outs = [], []
-    for _ in range(reps):
-        started = time.perf_counter()
-        outs.append(fn())
-        times.append(time.perf_counter() - started)
-    return statistics.median(times), outs
 
 
 class Bench:
@@ -144,14 +136,30 @@ class Bench:
 
     # ------------------------------------------------------------------ all
 
+    def floor(self) -> None:
+        """The hosts' own work without any SSH: N probe processes at once on this machine's (shared) cores."""
+        procs = [subprocess.Popen([self.cluster.python, probe.__file__, "facts"], stdout=subprocess.DEVNULL)
+                 for _ in range(self.n)]
+        assert all(p.wait(timeout=300) == 0 for p in procs)
+
     def measure(self, reps: int) -> dict:
-        row: dict = {"hosts": self.n}
-        row["mnft_lib"], phases = median_of(reps, self.mnft_lib)
+        """Every repetition runs every tool once, in turn: load from other work on the machine hits them alike."""
+        tools = {"floor": self.floor, "mnft_lib": self.mnft_lib, "mnft_cli": self.mnft_cli, "pdsh": self.pdsh}
+        if not self.skip_ansible:
+            tools["ansible"] = self.ansible
+        times: dict[str, list[float]] = {name: [] for name in tools}
+        phases = []
+        for _ in range(reps):
+            for name, fn in tools.items():
+                started = time.perf_counter()
+                out = fn()
+                times[name].append(time.perf_counter() - started)
+                if name == "mnft_lib":
+                    phases.append(out)
+        row: dict = {"hosts": self.n, "ansible": None}
+        row.update({name: statistics.median(values) for name, values in times.items()})
         row["mnft_connect"] = statistics.median(p["connect"] for p in phases)
         row["mnft_probe"] = statistics.median(p["probe"] for p in phases)
-        row["mnft_cli"], _ = median_of(reps, self.mnft_cli)
-        row["pdsh"], _ = median_of(reps, self.pdsh)
-        row["ansible"] = None if self.skip_ansible else median_of(reps, self.ansible)[0]
         return row
 
 
@@ -174,11 +182,11 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ["hosts", "mnft lib s", "(connect", "probe)", "mnft cli s", "pdsh s", "ansible s",
+    head = ["hosts", "floor s", "mnft lib s", "(connect", "probe)", "mnft cli s", "pdsh s", "ansible s",
             "lib/pdsh", "cli/pdsh", "lib/ansible", "cli/ansible"]
     table = [head]
     for r in rows:
-        table.append([str(r["hosts"]), fmt(r["mnft_lib"]), fmt(r["mnft_connect"]), fmt(r["mnft_probe"]) , fmt(r["mnft_cli"]),
+        table.append([str(r["hosts"]), fmt(r["floor"]), fmt(r["mnft_lib"]), fmt(r["mnft_connect"]), fmt(r["mnft_probe"]) , fmt(r["mnft_cli"]),
                       fmt(r["pdsh"]), fmt(r["ansible"]), ratio(r["mnft_lib"], r["pdsh"]), ratio(r["mnft_cli"], r["pdsh"]),
                       ratio(r["mnft_lib"], r["ansible"]), ratio(r["mnft_cli"], r["ansible"])])
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
