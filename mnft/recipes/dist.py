@@ -82,7 +82,9 @@ def set_rng_state(state: dict) -> None:
 
 
 def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
-    """All-reduce a few Python numbers in one float64 collective."""
+    """All-reduce a few Python numbers in one float64 collective (no collective in a world of one)."""
+    if dist.get_world_size() == 1:
+        return [float(v) for v in values]
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op)
     return t.tolist()

@@ -48,7 +48,8 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         if p.requires_grad:
             p.data = p.data.float()
     peft_model.to(d.device)
-    ddp = DDP(peft_model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    # DDP only where there is something to average: in a world of one its hooks are pure overhead
+    ddp = DDP(peft_model, device_ids=[d.device.index] if d.device.type == "cuda" else None) if d.world_size > 1 else peft_model
     trainable = [p for p in ddp.parameters() if p.requires_grad]
     n_train, n_total = sum(p.numel() for p in trainable), sum(p.numel() for p in ddp.parameters())
     mdist.seed_all(cfg.seed + d.rank)  # per-rank from here on (dropout)
@@ -101,7 +102,8 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         denom = max(global_tokens, 1.0)  # no trained token anywhere: loss 0, grads 0, never 0/0
         loss_sum = torch.zeros((), device=d.device)
         for i, b in enumerate(micro):
-            sync = ddp.no_sync() if i < len(micro) - 1 else nullcontext()  # all-reduce once per step
+            last = i == len(micro) - 1
+            sync = ddp.no_sync() if not last and isinstance(ddp, DDP) else nullcontext()  # all-reduce once per step
             with sync:
                 with common.autocast(d, cfg.mixed_precision):
                     logits = ddp(input_ids=b["input_ids"].to(d.device),
