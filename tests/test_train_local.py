@@ -1,0 +1,59 @@
+"""invoke train on a local-connection inventory (the README's main command path): no SSH, local rsync."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+def invoke(tmp_path: Path, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_RUNS_DIR=str(tmp_path / "runs"), **(env_extra or {}))
+    (tmp_path / "home").mkdir(exist_ok=True)
+    return subprocess.run([sys.executable, "-m", "invoke", "-r", str(REPO), *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def local_inventory(tmp_path):
+    if not any(os.access(os.path.join(d, "rsync"), os.X_OK) for d in os.environ.get("PATH", "").split(os.pathsep)):
+        pytest.skip("rsync is not installed")
+    inv = tmp_path / "local.yaml"
+    inv.write_text(f"hosts:\n  me:\n    connection: local\n    slots: 2\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    return str(inv)
+
+
+def test_dry_run_prints_each_command_with_secrets_redacted_and_starts_nothing(tmp_path, local_inventory):
+    done = invoke(tmp_path, "train", "--hosts", local_inventory, "--dry-run", "--env", "HF_TOKEN", "--set", "lr=1e-4",
+                  env_extra={"HF_TOKEN": "hf-secret-123"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "torch.distributed.run --nnodes 1 --nproc-per-node 2 --node-rank 0 --master-addr 127.0.0.1" in done.stdout
+    assert "HF_TOKEN=***" in done.stdout and "lr=1e-4" in done.stdout
+    assert "hf-secret-123" not in done.stdout + done.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "work").exists()
+
+
+def test_train_on_this_machine_syncs_runs_and_records(tmp_path, local_inventory):
+    done = invoke(tmp_path, "train", "--recipe", "lora", "--hosts", local_inventory, "--src", str(REPO), "--set", "max_steps=6", "--set", "log_every=2")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (tmp_path / "work" / "mnft" / "recipes" / "lora.py").is_file()  # synced
+    run_dir = next((tmp_path / "runs").iterdir())
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["state"] == "succeeded" and record["hosts"]["me"]["exit_code"] == 0
+    assert record["code_hash"] and set(record["timings"]) >= {"check_s", "sync_s", "launch_s", "first_step_s", "total_s"}
+    assert (run_dir / "loss.png").is_file() and (run_dir / "me" / "run" / "output.log").is_file()
+    assert "me r1 | rank=1/2" in done.stdout
+
+
+def test_a_bad_override_is_refused_before_anything_runs(tmp_path, local_inventory):
+    done = invoke(tmp_path, "train", "--hosts", local_inventory, "--set", "output_dir=/tmp/x")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == ["mnft: recipe override 'output_dir=/tmp/x': output_dir is set by mnft (use --resume to continue a run)"]
+    assert not (tmp_path / "work").exists()
