@@ -265,7 +265,7 @@ class SshConnection(Connection):
 
 
 def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | None = None) -> fabric.Connection:
-    """A Fabric connection object (not yet open) with ~/.ssh/config honoured and AutoAddPolicy replaced."""
+    """A Fabric connection object (not yet open) with ~/.ssh/config honoured and Fabric's auto-add host-key policy replaced by a rejecting one."""
     connect_kwargs: dict = {
         "banner_timeout": timeouts.connect,
         "auth_timeout": timeouts.connect,
@@ -329,7 +329,7 @@ def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: f
         if all(getattr(err, "errno", None) == errno.ECONNREFUSED for err in exc.errors.values()):
             raise Unreachable(f"connection refused by {name}: is sshd running there and the port open?") from None
         raise Unreachable(f"no route to {name} (host down, cable/link, firewall, or wrong address)") from None
-    except (socket.timeout, TimeoutError) as exc:
+    except (socket.timeout, TimeoutError):
         conn.close()
         raise Unreachable(f"no answer from {name} within {timeouts.connect:g}s (host down, firewall, or wrong address)") from None
     except socket.gaierror as exc:

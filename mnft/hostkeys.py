@@ -3,7 +3,7 @@
 Trusted keys come from the system (/etc/ssh/ssh_known_hosts), the user (~/.ssh/known_hosts), a known_hosts file
 the inventory names, and mnft's own file ($MNFT_HOME/known_hosts, default ~/.mnft/known_hosts), which is the only
 one mnft ever writes, and only from `invoke trust-hosts`. An unknown key is refused; a changed key is always
-refused. Never paramiko's AutoAddPolicy.
+refused. Never paramiko's auto-add policy.
 """
 
 from __future__ import annotations

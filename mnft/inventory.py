@@ -23,9 +23,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
-import yaml
 
+from mnft import yamlfile
 from mnft.errors import InputError
+from mnft.yamlfile import line_of, suggest
 
 DEFAULT_RENDEZVOUS_PORT = 29500
 CONNECTIONS = ("ssh", "local")
@@ -126,20 +127,14 @@ class Inventory:
 def load(path: str | os.PathLike[str]) -> Inventory:
     """Read and validate an inventory file of any of the three formats."""
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{path}: inventory file not found (pass --hosts with an existing file)") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read inventory: {exc.__class__.__name__}: {exc}") from None
-    return parse(text, path)
+    return parse(yamlfile.read_text(path, "inventory file", "--hosts"), path)
 
 
 def parse(text: str, path: Path | None = None) -> Inventory:
     where = str(path) if path else "<inventory>"
     if _looks_like_hostfile(text):
         return _parse_hostfile(text, path, where)
-    doc = _load_yaml(text, where)
+    doc = yamlfile.load(text, where)
     if doc is None or doc == {}:
         raise InputError(f"{where}: inventory is empty: list at least one host")
     if not isinstance(doc, dict):
@@ -167,90 +162,29 @@ def _looks_like_hostfile(text: str) -> bool:
     return bool(lines) and all(_HOSTFILE_LINE.match(ln) for ln in lines)
 
 
-class _Map(dict):
-    """A YAML mapping that remembers the line of each key (for error messages)."""
-
-    line: int = 0
-    key_lines: dict[Any, int]
-
-
-class _Loader(yaml.SafeLoader):
-    def construct_mapping(self, node, deep=False):  # type: ignore[override]
-        self.flatten_mapping(node)
-        mapping = _Map()
-        mapping.line = node.start_mark.line + 1
-        mapping.key_lines = {}
-        for key_node, value_node in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, (str, int, float, bool)) and key is not None:
-                raise yaml.constructor.ConstructorError(
-                    None, None, "a mapping key must be a plain value", key_node.start_mark
-                )
-            key = str(key) if key is not None else key
-            if key in mapping:
-                raise _DuplicateKey(key, key_node.start_mark.line + 1)
-            mapping[key] = self.construct_object(value_node, deep=deep)
-            mapping.key_lines[key] = key_node.start_mark.line + 1
-        return mapping
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key: str, line: int):
-        super().__init__(key)
-        self.key, self.line = key, line
-
-
-def _load_yaml(text: str, where: str) -> Any:
-    try:
-        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
-    except _DuplicateKey as exc:
-        raise InputError(f"{where}:{exc.line}: duplicate key {exc.key!r} (a host or setting is listed twice)") from None
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        line = f":{mark.line + 1}" if mark else ""
-        raise InputError(f"{where}{line}: YAML syntax error: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"{where}: YAML error: {exc}") from None
-
-
-def _line(mapping: Any, key: str | None = None) -> str:
-    if isinstance(mapping, _Map):
-        line = mapping.key_lines.get(key, mapping.line) if key is not None else mapping.line
-        return f":{line}"
-    return ""
-
-
-def _suggest(word: str, choices: Iterable[str]) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 # --------------------------------------------------------------------------------------------------- mnft
 
 
-def _parse_mnft(doc: _Map, path: Path | None, where: str) -> Inventory:
+def _parse_mnft(doc: dict, path: Path | None, where: str) -> Inventory:
     for key in doc:
         if key not in TOP_KEYS:
-            raise InputError(f"{where}{_line(doc, key)}: unknown top-level key {key!r}{_suggest(str(key), TOP_KEYS)}")
+            raise InputError(f"{where}{line_of(doc, key)}: unknown top-level key {key!r}{suggest(str(key), TOP_KEYS)}")
     common = doc.get("vars") or {}
     if not isinstance(common, dict):
-        raise InputError(f"{where}{_line(doc, 'vars')}: 'vars' must be a mapping of host settings")
+        raise InputError(f"{where}{line_of(doc, 'vars')}: 'vars' must be a mapping of host settings")
     _check_keys(common, where, "vars")
     hosts_doc = doc.get("hosts")
     if not hosts_doc:
         raise InputError(f"{where}: inventory is empty: 'hosts' lists no host")
     if isinstance(hosts_doc, list):
-        raise InputError(f"{where}{_line(doc, 'hosts')}: 'hosts' must be a mapping name -> settings, not a list")
+        raise InputError(f"{where}{line_of(doc, 'hosts')}: 'hosts' must be a mapping name -> settings, not a list")
     if not isinstance(hosts_doc, dict):
-        raise InputError(f"{where}{_line(doc, 'hosts')}: 'hosts' must be a mapping name -> settings")
+        raise InputError(f"{where}{line_of(doc, 'hosts')}: 'hosts' must be a mapping name -> settings")
     raw = []
     for name, settings in hosts_doc.items():
         settings = settings if settings is not None else {}
         if not isinstance(settings, dict):
-            raise InputError(f"{where}{_line(hosts_doc, name)}: host {name!r}: settings must be a mapping, got {settings!r}")
+            raise InputError(f"{where}{line_of(hosts_doc, name)}: host {name!r}: settings must be a mapping, got {settings!r}")
         _check_keys(settings, where, f"host {name!r}")
         raw.append((str(name), {**common, **settings}, settings))
     return _build(
@@ -267,10 +201,10 @@ def _parse_mnft(doc: _Map, path: Path | None, where: str) -> Inventory:
 def _check_keys(settings: dict, where: str, what: str) -> None:
     for key in settings:
         if key not in HOST_KEYS:
-            hint = _suggest(str(key), HOST_KEYS)
+            hint = suggest(str(key), HOST_KEYS)
             if not hint and str(key).startswith("ansible_"):
                 hint = " (this file is read as mnft YAML; an Ansible inventory starts with 'all:')"
-            raise InputError(f"{where}{_line(settings, key)}: {what}: unknown key {key!r}{hint}")
+            raise InputError(f"{where}{line_of(settings, key)}: {what}: unknown key {key!r}{hint}")
 
 
 # --------------------------------------------------------------------------------------------------- ansible
@@ -298,7 +232,7 @@ def expand_host_pattern(pattern: str) -> list[str]:
     return [name for item in items for name in expand_host_pattern(head + item + tail)]
 
 
-def _parse_ansible(doc: _Map, path: Path | None, where: str) -> Inventory:
+def _parse_ansible(doc: dict, path: Path | None, where: str) -> Inventory:
     # Top-level keys are groups; Ansible makes every top-level group a child of 'all'.
     order: list[str] = []  # hosts in order of first appearance (node_rank order)
     host_vars: dict[str, dict] = {}
@@ -308,31 +242,31 @@ def _parse_ansible(doc: _Map, path: Path | None, where: str) -> Inventory:
 
     def walk(group: str, body: Any, depth: int, parents: tuple[str, ...], container: Any) -> None:
         if group in parents:
-            raise InputError(f"{where}{_line(container, group)}: group {group!r} contains itself")
+            raise InputError(f"{where}{line_of(container, group)}: group {group!r} contains itself")
         if body is None:
             body = {}
         if not isinstance(body, dict):
-            raise InputError(f"{where}{_line(container, group)}: group {group!r} must be a mapping of hosts/vars/children")
+            raise InputError(f"{where}{line_of(container, group)}: group {group!r} must be a mapping of hosts/vars/children")
         for key in body:
             if key not in GROUP_KEYS:
-                raise InputError(f"{where}{_line(body, key)}: group {group!r}: unknown key {key!r}{_suggest(str(key), GROUP_KEYS)}")
+                raise InputError(f"{where}{line_of(body, key)}: group {group!r}: unknown key {key!r}{suggest(str(key), GROUP_KEYS)}")
         group_depth[group] = max(group_depth.get(group, 0), depth)
         gvars = body.get("vars") or {}
         if not isinstance(gvars, dict):
-            raise InputError(f"{where}{_line(body, 'vars')}: group {group!r}: 'vars' must be a mapping")
+            raise InputError(f"{where}{line_of(body, 'vars')}: group {group!r}: 'vars' must be a mapping")
         group_vars.setdefault(group, {}).update(gvars)
         _check_ansible_vars(gvars, where, f"group {group!r}")
         hosts = body.get("hosts") or {}
         if not isinstance(hosts, dict):
-            raise InputError(f"{where}{_line(body, 'hosts')}: group {group!r}: 'hosts' must be a mapping name -> vars")
+            raise InputError(f"{where}{line_of(body, 'hosts')}: group {group!r}: 'hosts' must be a mapping name -> vars")
         for pattern, hvars in hosts.items():
             try:
                 names = expand_host_pattern(str(pattern))
             except ValueError as exc:
-                raise InputError(f"{where}{_line(hosts, pattern)}: host {pattern!r}: {exc}") from None
+                raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: {exc}") from None
             hvars = hvars if hvars is not None else {}
             if not isinstance(hvars, dict):
-                raise InputError(f"{where}{_line(hosts, pattern)}: host {pattern!r}: vars must be a mapping, got {hvars!r}")
+                raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: vars must be a mapping, got {hvars!r}")
             _check_ansible_vars(hvars, where, f"host {pattern!r}")
             for name in names:
                 if name not in host_vars:
@@ -342,7 +276,7 @@ def _parse_ansible(doc: _Map, path: Path | None, where: str) -> Inventory:
                 memberships.setdefault(name, []).extend((group_depth[p], p) for p in (*parents, group))
         children = body.get("children") or {}
         if not isinstance(children, dict):
-            raise InputError(f"{where}{_line(body, 'children')}: group {group!r}: 'children' must be a mapping of groups")
+            raise InputError(f"{where}{line_of(body, 'children')}: group {group!r}: 'children' must be a mapping of groups")
         for child, child_body in children.items():
             walk(str(child), child_body, depth + 1, (*parents, group), children)
 
@@ -398,10 +332,10 @@ def _check_ansible_vars(variables: dict, where: str, what: str) -> None:
         if _ansible_key_known(key):
             continue
         if key.startswith("mnft_"):
-            raise InputError(f"{where}{_line(variables, key)}: {what}: unknown key {key!r}{_suggest(key, mnft_names)}")
+            raise InputError(f"{where}{line_of(variables, key)}: {what}: unknown key {key!r}{suggest(key, mnft_names)}")
         close = difflib.get_close_matches(key, mnft_names, n=1, cutoff=0.8)
         if close:
-            raise InputError(f"{where}{_line(variables, key)}: {what}: unknown key {key!r} (did you mean {close[0]!r}?)")
+            raise InputError(f"{where}{line_of(variables, key)}: {what}: unknown key {key!r} (did you mean {close[0]!r}?)")
 
 
 def _from_ansible(merged: dict) -> dict:
@@ -437,7 +371,7 @@ def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
         for option in options:
             key, _, value = option.partition("=")
             if key != "slots":
-                raise InputError(f"{where}:{number}: host {name!r}: unknown key {key!r}{_suggest(key, ['slots'])} (a hostfile line is 'hostname slots=N')")
+                raise InputError(f"{where}:{number}: host {name!r}: unknown key {key!r}{suggest(key, ['slots'])} (a hostfile line is 'hostname slots=N')")
             try:
                 settings["slots"] = int(value)
             except ValueError:
@@ -481,7 +415,7 @@ def _build(
     elif str(master) in seen_names:
         master_name = str(master)
     else:
-        raise InputError(f"{where}: key 'master': {master!r} is not a host of this inventory{_suggest(str(master), seen_names)}")
+        raise InputError(f"{where}: key 'master': {master!r} is not a host of this inventory{suggest(str(master), seen_names)}")
     port = _port(rendezvous_port, where, "inventory", "rendezvous_port")
     kh = None
     if known_hosts is not None:
@@ -507,7 +441,7 @@ def _port(value: Any, where: str, what: str, key: str) -> int:
 
 def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -> Host:
     what = f"host {name!r}"
-    line = _line(own)
+    line = line_of(own)
     loc = f"{where}{line}"
     if not name or any(ch.isspace() for ch in name):
         raise InputError(f"{loc}: host name {name!r} is empty or contains white space")

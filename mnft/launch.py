@@ -14,11 +14,11 @@ import re
 import secrets as _secrets
 import shlex
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mnft.command import REDACTED, check_env_name, is_secret_name
 from mnft.errors import InputError
-from mnft.inventory import Host, Inventory
+from mnft.inventory import Inventory
 
 RECIPES = ("lora", "full")
 RESERVED_KEYS = ("output_dir", "resume")

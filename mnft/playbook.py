@@ -32,13 +32,14 @@ from typing import Any, Callable, Iterable
 from mnft.errors import ExitCode, InputError
 from mnft.fleet import Fleet
 from mnft.connection import Timeouts
-from mnft.inventory import Host, Inventory, _load_yaml, _suggest
+from mnft import yamlfile
+from mnft.inventory import Host, Inventory
+from mnft.yamlfile import suggest
 from mnft.steps import STEPS, USES_ADDRESSES
 from mnft.steps.base import (
     CHANGED,
     FAILED,
     HOST_KEY_REJECTED,
-    OK,
     UNREACHABLE,
     Become,
     Context,
@@ -80,7 +81,7 @@ class Playbook:
         known = {s.step for s in self.steps} | {s.name for s in self.steps} | {t for s in self.steps for t in s.tags}
         for w in wanted:
             if w not in known:
-                raise InputError(f"--only {w!r}: no step, step name or tag of {self.path or 'the playbook'} is called that{_suggest(w, known)} (choose from: {', '.join(sorted(known))})")
+                raise InputError(f"--only {w!r}: no step, step name or tag of {self.path or 'the playbook'} is called that{suggest(w, known)} (choose from: {', '.join(sorted(known))})")
         return tuple(s for s in self.steps if s.step in wanted or s.name in wanted or set(s.tags) & set(wanted))
 
 
@@ -89,18 +90,12 @@ class Playbook:
 
 def load(path: str | Path) -> Playbook:
     path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{path}: playbook not found (pass --playbook with an existing file)") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the playbook: {exc.__class__.__name__}: {exc}") from None
-    return parse(text, path)
+    return parse(yamlfile.read_text(path, "playbook", "--playbook"), path)
 
 
 def parse(text: str, path: Path | None = None) -> Playbook:
     where = str(path) if path else "<playbook>"
-    doc = _load_yaml(text, where)
+    doc = yamlfile.load(text, where)
     if not doc:
         raise InputError(f"{where}: the playbook lists no step")
     if not isinstance(doc, list):
@@ -119,7 +114,7 @@ def _entry(index: int, entry: Any, where: str) -> StepSpec:
         raise InputError(f"{where}: {label}: names no step (one of: {', '.join(STEPS)})")
     for key in step_keys:
         if key not in STEPS:
-            raise InputError(f"{where}: {label}: unknown step {key!r}{_suggest(str(key), [*STEPS, *ENTRY_KEYS])}")
+            raise InputError(f"{where}: {label}: unknown step {key!r}{suggest(str(key), [*STEPS, *ENTRY_KEYS])}")
     if len(step_keys) > 1:
         raise InputError(f"{where}: {label}: one step per entry, found {', '.join(map(repr, step_keys))}")
     step = step_keys[0]
@@ -135,7 +130,7 @@ def _entry(index: int, entry: Any, where: str) -> StepSpec:
     params = {}
     for key, value in raw.items():
         if key not in module.PARAMS:
-            hint = _suggest(str(key), module.PARAMS) or f" (parameters of {step}: {', '.join(module.PARAMS) or 'none'})"
+            hint = suggest(str(key), module.PARAMS) or f" (parameters of {step}: {', '.join(module.PARAMS) or 'none'})"
             raise InputError(f"{where}: {label}: key {key!r}: unknown parameter{hint}")
         try:
             params[key] = check_value(module.PARAMS[key], value)

@@ -23,7 +23,7 @@ from mnft import check as checks
 from mnft import launch as launching
 from mnft import runs
 from mnft.check import CheckOptions
-from mnft.errors import ExitCode, InputError, MnftError
+from mnft.errors import ExitCode, MnftError
 from mnft.fleet import Fleet, Status
 from mnft.gang import Gang, GangInterrupted, GangResult, agent_command, agent_payload
 from mnft.inventory import Host, Inventory

@@ -149,7 +149,6 @@ def test_cut_link_tears_down_the_gang_and_leaves_no_orphan(trained_cluster, tmp_
     inv = inventory(trained_cluster, tmp_path, 2)
     proc = start_invoke(tmp_path, *train_args(inv, steps=400))
     wait_for_output(proc, r"step +4/")
-    cut_at = time.monotonic()
     trained_cluster.link_down(trained_cluster.hosts[1])
     wait_no_orphans(trained_cluster, trained_cluster.hosts[:1], timeout=30)  # the master's run is gone within 30 s
     out, _ = proc.communicate(timeout=120)

@@ -11,7 +11,6 @@ import errno
 import socket
 import stat
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from mnft import hostkeys
 from mnft.command import Command
-from mnft.connection import HostKeyRejected, Timeouts, Unreachable, open_connection
+from mnft.connection import Timeouts, Unreachable, open_connection
 from mnft.errors import ExitCode, MnftError
 from mnft.fleet import Fleet, HostResult, Results, Status
 from mnft.inventory import parse
