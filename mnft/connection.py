@@ -16,12 +16,13 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import fabric
 import paramiko
 
-from mnft.errors import MnftError
+from mnft.errors import InputError
 from mnft.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
 from mnft.inventory import Host
 
@@ -262,10 +263,14 @@ class SshConnection(Connection):
 
     def close(self) -> None:
         self.fabric.close()
+        for hop in gateway_hops(self.fabric):  # Fabric leaves the ProxyJump hops open
+            hop.close()
 
 
-def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | None = None) -> fabric.Connection:
-    """A Fabric connection object (not yet open) with ~/.ssh/config honoured and Fabric's auto-add host-key policy replaced by a rejecting one."""
+def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | None = None, known_hosts: list | None = None) -> fabric.Connection:
+    """A Fabric connection object (not yet open) with ~/.ssh/config honoured and Fabric's auto-add host-key policy
+    replaced by a rejecting one, on the host and on every ProxyJump hop before it (Fabric builds those hops
+    itself, with auto-add). With `known_hosts`, every trusted file is loaded into each of them."""
     connect_kwargs: dict = {
         "banner_timeout": timeouts.connect,
         "auth_timeout": timeouts.connect,
@@ -283,8 +288,37 @@ def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | No
         connect_timeout=max(1, int(round(timeouts.connect))),
         connect_kwargs=connect_kwargs,
     )
-    conn.client.set_missing_host_key_policy(RejectUnknownHostKey())
+    for hop in [conn, *gateway_hops(conn)]:
+        hop.client.set_missing_host_key_policy(RejectUnknownHostKey())
+        if hop is not conn:  # the hops were built from ~/.ssh/config alone: give them the same time limits
+            hop.connect_timeout = conn.connect_timeout
+            for key in ("banner_timeout", "auth_timeout", "channel_timeout"):
+                hop.connect_kwargs[key] = timeouts.connect
+        for path in known_hosts or []:
+            load_known_hosts(hop.client, path)
     return conn
+
+
+def gateway_hops(conn: fabric.Connection) -> list[fabric.Connection]:
+    """The ProxyJump hops in front of a connection, nearest first. (A ProxyCommand gateway is a local command
+    that only carries bytes: the host's own key is still verified end to end.)"""
+    hops = []
+    gateway = conn.gateway
+    while isinstance(gateway, fabric.Connection):
+        hops.append(gateway)
+        gateway = gateway.gateway
+    return hops
+
+
+def load_known_hosts(client: paramiko.SSHClient, path) -> None:
+    """Load one trusted known_hosts file (missing is fine); unreadable or corrupt is one error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        client.load_system_host_keys(str(path))
+    except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
+        raise InputError(f"{path}: cannot read known_hosts: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def ssh_target(conn: fabric.Connection) -> tuple[str, int, str]:
@@ -296,29 +330,27 @@ def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: f
     """Open a verified connection, or raise Unreachable / HostKeyRejected with a one-line reason."""
     if host.is_local:
         return LocalConnection(host)
-    conn = fabric_connection(host, timeouts, config)
-    for path in known_hosts:
-        if path.is_file():
-            try:
-                conn.client.load_system_host_keys(str(path))
-            except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
-                raise MnftError(f"{path}: cannot read known_hosts: {exc}") from None
+    conn = fabric_connection(host, timeouts, config, known_hosts)
     hostname, port, _ = ssh_target(conn)
     name = known_name(hostname, port)
     try:
         conn.open()
     except UnknownHostKey as exc:
         conn.close()
+        # exc.hostname is the known_hosts name of the host that presented the key: the host or a ProxyJump hop.
         raise HostKeyRejected(
-            f"unknown host key {exc.key.get_name()} {fingerprint(exc.key)} for {name}; "
+            f"unknown host key {exc.key.get_name()} {fingerprint(exc.key)} for {exc.hostname}"
+            f"{'' if exc.hostname == name else f' (ProxyJump hop to {name})'}; "
             f"if that is the host's real key, trust it on purpose: invoke trust-hosts --hosts <inventory>"
         ) from None
     except paramiko.BadHostKeyException as exc:
         conn.close()
+        changed = name if exc.hostname in (hostname, name) else exc.hostname  # else a ProxyJump hop
+        via = "" if changed == name else f" (ProxyJump hop to {name})"
         raise HostKeyRejected(
-            f"HOST KEY CHANGED for {name}: it now presents {fingerprint(exc.key)}, trusted is "
+            f"HOST KEY CHANGED for {changed}{via}: it now presents {fingerprint(exc.key)}, trusted is "
             f"{fingerprint(exc.expected_key)}; someone may be intercepting the connection (man-in-the-middle). "
-            f"If the host was reinstalled, remove the old key (ssh-keygen -R '{name}') and run invoke trust-hosts"
+            f"If the host was reinstalled, remove the old key (ssh-keygen -R '{changed}') and run invoke trust-hosts"
         ) from None
     except paramiko.AuthenticationException as exc:
         conn.close()

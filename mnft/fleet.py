@@ -27,7 +27,7 @@ from mnft.connection import (
     open_connection,
 )
 from mnft.errors import ExitCode
-from mnft.hostkeys import known_hosts_files
+from mnft.hostkeys import known_hosts_files, load_trusted
 from mnft.inventory import Host, Inventory
 
 TAIL_LINES = 8
@@ -96,6 +96,7 @@ class Fleet:
         self.timeouts = timeouts
         self.max_workers = max(1, min(max_workers, len(inventory.hosts)))
         self._known_hosts = known_hosts_files(inventory.known_hosts)
+        load_trusted(self._known_hosts)  # an unreadable known_hosts file is bad input: stop before any host
         self._config: fabric.Config | None = None
         self._connections: dict[str, Connection] = {}
         self._broken: dict[str, HostResult] = {}  # hosts that could not be reached, kept for later phases

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import paramiko
 
-from mnft.errors import MnftError
+from mnft.errors import InputError
 
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
 
@@ -42,11 +42,11 @@ def known_hosts_files(extra: Path | None = None) -> list[Path]:
 def load_trusted(files: list[Path]) -> paramiko.HostKeys:
     keys = paramiko.HostKeys()
     for path in files:
-        if path.is_file():
+        if path.exists():
             try:
                 keys.load(str(path))
             except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
-                raise MnftError(f"{path}: cannot read known_hosts: {exc}") from None
+                raise InputError(f"{path}: cannot read known_hosts: {getattr(exc, 'strerror', None) or exc}") from None
     return keys
 
 
@@ -84,12 +84,26 @@ class TrustResult:
     detail: str = ""
 
 
-def fetch_host_key(hostname: str, port: int, timeout: float) -> paramiko.PKey:
-    """The key the server presents, read without authenticating (nothing is trusted by reading it)."""
-    sock = socket.create_connection((hostname, port), timeout=timeout)
+def preferred_key_types(recorded: list[str], available: tuple[str, ...]) -> list[str]:
+    """The host key algorithms to offer, the recorded types first (as paramiko's SSHClient does), so that a host
+    known by one key type is asked for that key and not judged on another type it also has."""
+    first: list[str] = []
+    for name in recorded:
+        candidates = ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"] if name == "ssh-rsa" else [name]
+        first += [c for c in candidates if c in available and c not in first]
+    return first + [t for t in available if t not in first]
+
+
+def fetch_host_key(hostname: str, port: int, timeout: float, sock=None, recorded: list[str] = ()) -> paramiko.PKey:
+    """The key the server presents, read without authenticating (nothing is trusted by reading it). `sock` is a
+    channel through a ProxyJump hop or a ProxyCommand; `recorded` the key types already trusted for the host."""
+    if sock is None:
+        sock = socket.create_connection((hostname, port), timeout=timeout)
     transport = paramiko.Transport(sock)
     try:
         transport.banner_timeout = timeout
+        options = transport.get_security_options()
+        options.key_types = preferred_key_types(list(recorded), tuple(options.key_types))
         transport.start_client(timeout=timeout)
         return transport.get_remote_server_key()
     finally:
@@ -97,14 +111,18 @@ def fetch_host_key(hostname: str, port: int, timeout: float) -> paramiko.PKey:
 
 
 def judge(known_as: str, key: paramiko.PKey, trusted: paramiko.HostKeys) -> str:
-    """'already-trusted', 'changed' (a different key of the same type is recorded) or 'new'."""
+    """'already-trusted', 'changed' (a different key of the same type is recorded) or 'new' (no key of this
+    type is recorded: a host known by another key type only is not a changed host)."""
     recorded = trusted.lookup(known_as)
-    if recorded is None:
-        return "new"
-    same_type = recorded.get(key.get_name())
+    same_type = recorded.get(key.get_name()) if recorded is not None else None
     if same_type is None:
-        return "new" if not recorded else "changed"
+        return "new"
     return "already-trusted" if same_type == key else "changed"
+
+
+def recorded_types(known_as: str, trusted: paramiko.HostKeys) -> list[str]:
+    recorded = trusted.lookup(known_as)
+    return list(recorded.keys()) if recorded is not None else []
 
 
 def record(path: Path, known_as: str, key: paramiko.PKey) -> None:

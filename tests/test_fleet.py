@@ -20,7 +20,7 @@ import pytest
 from mnft import hostkeys
 from mnft.command import Command
 from mnft.connection import Timeouts, Unreachable, open_connection
-from mnft.errors import ExitCode, MnftError
+from mnft.errors import ExitCode, InputError, MnftError
 from mnft.fleet import Fleet, HostResult, Results, Status
 from mnft.inventory import parse
 
@@ -204,6 +204,16 @@ def test_judge_tells_new_trusted_and_changed_keys_apart(keypair, tmp_path):
     assert hostkeys.judge("[h]:2222", other, trusted) == "new"
 
 
+def test_a_host_known_by_another_key_type_is_new_not_changed(keypair, tmp_path):
+    key, _ = keypair  # ed25519
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(tmp_path / "ecdsa")], check=True)
+    ecdsa = paramiko.ECDSAKey.from_private_key_file(str(tmp_path / "ecdsa"))
+    trusted = paramiko.HostKeys()
+    trusted.add("h", ecdsa.get_name(), ecdsa)
+    assert hostkeys.judge("h", key, trusted) == "new"  # no false man-in-the-middle alarm
+    assert hostkeys.recorded_types("h", trusted) == ["ecdsa-sha2-nistp256"]
+
+
 def test_record_appends_to_a_private_file_that_reads_back(keypair, tmp_path):
     key, _ = keypair
     path = tmp_path / "mnft" / "known_hosts"
@@ -238,8 +248,48 @@ def test_a_corrupt_known_hosts_file_is_one_clear_error_naming_it(tmp_path):
     with pytest.raises(MnftError, match="known_hosts: cannot read known_hosts"):
         hostkeys.load_trusted([bad])
     inv = parse(f"known_hosts: {bad}\nhosts:\n  remote: {{address: 127.0.0.1, port: {closed_port()}}}\n")
-    with Fleet(inv, Timeouts(connect=2)) as fleet, pytest.raises(MnftError, match=str(bad)):
-        fleet.connect_all()
+    with pytest.raises(InputError, match=str(bad)) as err:
+        Fleet(inv, Timeouts(connect=2))  # refused before any host is dialled
+    assert err.value.exit_code == ExitCode.BAD_INPUT
+
+
+def test_an_unreadable_known_hosts_file_is_bad_input_naming_it(tmp_path):
+    unreadable = tmp_path / "known_hosts"
+    unreadable.mkdir()  # a directory where the file should be: unreadable even for root
+    inv = parse(f"known_hosts: {unreadable}\nhosts:\n  remote: {{address: 127.0.0.1, port: {closed_port()}}}\n")
+    with pytest.raises(InputError, match=f"^{unreadable}: cannot read known_hosts"):
+        Fleet(inv, Timeouts(connect=2))
+
+
+def test_every_proxyjump_hop_rejects_unknown_keys_and_trusts_the_same_files(private_home, keypair, tmp_path):
+    import fabric
+
+    from mnft.connection import fabric_connection, gateway_hops
+    from mnft.inventory import Host
+
+    key, _ = keypair
+    (private_home / ".ssh").mkdir()
+    (private_home / ".ssh" / "config").write_text(
+        "Host target\n  HostName 10.9.0.5\n  ProxyJump jumper@bastion:2200,inner\n"
+    )
+    trusted = tmp_path / "trusted"
+    trusted.write_text(f"[bastion]:2200 {key.get_name()} {key.get_base64()}\ninner {key.get_name()} {key.get_base64()}\n")
+    conn = fabric_connection(Host("target", 0, "target"), Timeouts(connect=3), fabric.Config(), [trusted])
+    hops = gateway_hops(conn)
+    assert sorted((h.host, h.port) for h in hops) == [("bastion", 2200), ("inner", 22)]
+    for hop in [conn, *hops]:
+        assert isinstance(hop.client._policy, hostkeys.RejectUnknownHostKey)  # never Fabric's AutoAddPolicy
+        assert hop.client.get_host_keys() is not None
+        assert hop.client._system_host_keys.lookup("[bastion]:2200")[key.get_name()] == key
+    assert all(h.connect_timeout == 3 and h.connect_kwargs["banner_timeout"] == 3 for h in hops)
+
+
+def test_key_types_already_trusted_for_a_host_are_asked_for_first():
+    available = ("ssh-ed25519", "ecdsa-sha2-nistp256", "rsa-sha2-512", "rsa-sha2-256", "ssh-rsa")
+    assert hostkeys.preferred_key_types([], available) == list(available)
+    assert hostkeys.preferred_key_types(["ecdsa-sha2-nistp256"], available)[0] == "ecdsa-sha2-nistp256"
+    assert hostkeys.preferred_key_types(["ssh-rsa"], available)[:3] == ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"]
+    assert sorted(hostkeys.preferred_key_types(["ssh-rsa", "ssh-ed25519"], available)) == sorted(available)
 
 
 # ------------------------------------------------------------------------------------------------ real sshd
