@@ -10,6 +10,8 @@ from pathlib import Path
 
 from invoke import Collection, Exit, task
 
+from mnft.cli import OptionalPositionalTask
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_INVENTORY = HERE / "inventory" / "local.yaml"
 
@@ -129,12 +131,13 @@ def _record_fleet(run, hosts):
 
 
 @task(
-    iterable=["set", "env"],
+    iterable=["set", "env", "env_file"],
     help={
         "recipe": "lora or full",
         "hosts": "inventory file; default: inventory/local.yaml (this machine)",
         "set": "recipe override key=value (repeat)",
-        "env": "environment for the run: NAME (value from here) or NAME=VALUE (repeat); secret names go in a 0600 file",
+        "env": "environment for the run: NAME (value from here) or NAME=VALUE (repeat); secret names (TOKEN/KEY/SECRET/PASSWORD) only as NAME",
+        "env_file": "NAME=VALUE lines for the run, file mode 0600 (repeat): the way to pass secrets not in this environment",
         "rdzv": "static (node_rank from the inventory) or c10d",
         "detach": "start, print the run id and return; the run goes on",
         "resume": "continue the latest run (or --resume-run ID) from its latest complete checkpoint",
@@ -147,7 +150,7 @@ def _record_fleet(run, hosts):
     },
 )
 @_mnft_errors
-def train(c, recipe="lora", hosts=None, set=None, env=None, rdzv="static", detach=False, resume=False, resume_run=None,
+def train(c, recipe="lora", hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False, resume_run=None,
           force=False, dry_run=False, no_sync=False, src=None, port=0):
     """torchrun on every host in parallel with the right node_rank, supervised as one gang."""
     from mnft.check import CheckOptions
@@ -155,7 +158,8 @@ def train(c, recipe="lora", hosts=None, set=None, env=None, rdzv="static", detac
     from mnft.train import TrainOptions, train as run_train
 
     options = TrainOptions(
-        launch=LaunchOptions(recipe=recipe, overrides=tuple(set or ()), rdzv=rdzv, env=tuple(env or ()), detach=detach, resume=resume),
+        launch=LaunchOptions(recipe=recipe, overrides=tuple(set or ()), rdzv=rdzv, env=tuple(env or ()),
+                            env_files=tuple(env_file or ()), detach=detach, resume=resume),
         check=CheckOptions(port=int(port) or None),
         force=force,
         src=Path(src) if src else None,
@@ -166,7 +170,7 @@ def train(c, recipe="lora", hosts=None, set=None, env=None, rdzv="static", detac
     return run_train(_inventory(hosts), options, _console())
 
 
-@task(positional=["run"], help={"run": "run id (default: the latest)", "follow": "keep printing new lines until the run ends", "lines": "lines per host", "hosts": "inventory (default: the run's)"})
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "follow": "keep printing new lines until the run ends", "lines": "lines per host", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
 def logs(c, run=None, follow=False, lines=20, hosts=None):
     """Collect every host's logs and metrics into runs/<id>/<host>/, write loss.png, print a merged tail."""
@@ -180,7 +184,7 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
     merged_tail(record, int(lines), _console())
 
 
-@task(positional=["run"], help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
 def status(c, run=None, json=False, hosts=None):
     """A table per host: running / exited with code / unreachable, step, loss, since. Exit 0 only when healthy."""
@@ -193,7 +197,7 @@ def status(c, run=None, json=False, hosts=None):
     return print_status(record, states, json)
 
 
-@task(positional=["run"], help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
 def stop(c, run=None, grace=10.0, json=False, hosts=None):
     """Kill exactly that run's process groups on every host (by recorded group and run id), verify none remain."""
