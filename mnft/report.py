@@ -40,6 +40,11 @@ def status_text(status: str) -> Text:
     return Text(status, style=STATUS_STYLE.get(status, ""))
 
 
+def plain(value: Any, style: str = "") -> Text:
+    """A cell or title from data (host names, paths, errors): never read as rich markup ("a[/b]", "[bold]x")."""
+    return Text("-" if value is None else str(value), style=style)
+
+
 # ------------------------------------------------------------------------------------------------ inventory
 
 
@@ -74,18 +79,18 @@ def print_inventory(inventory: Inventory, as_json: bool) -> None:
         })
         return
     columns = ["rank", "name", "connection", "address", "port", "user", "identity", "python", "slots", "iface", "workdir", "data_dir", "shared_fs", "become"]
-    table = Table(title=f"{inventory.path or 'inventory'} ({inventory.format}): {len(rows)} hosts, world size {inventory.world_size}, rendezvous port {inventory.rendezvous_port}")
+    table = Table(title=plain(f"{inventory.path or 'inventory'} ({inventory.format}): {len(rows)} hosts, world size {inventory.world_size}, rendezvous port {inventory.rendezvous_port}"))
     for col in columns:
         table.add_column(col)
     for row in rows:
-        cells = [str(row[c]) if row[c] is not None else "-" for c in columns]
+        cells = [plain(row[c]) for c in columns]
         if row["master"]:
-            cells[1] += " (master)"
+            cells[1].append(" (master)")
         table.add_row(*cells)
     out = console()
     out.print(table)
     for name, keys in inventory.ignored.items():
-        out.print(f"[dim]{name}: ignored vars not used by mnft: {', '.join(keys)}[/dim]")
+        out.print(plain(f"{name}: ignored vars not used by mnft: {', '.join(keys)}", style="dim"))
 
 
 # ------------------------------------------------------------------------------------------------ check
@@ -113,7 +118,7 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         return
     inv = report.inventory
     reference = comparable(report.facts[inv.master_name]) if inv.master_name in report.facts else {}
-    table = Table(title=f"check: {len(inv.hosts)} hosts, master {inv.master_name} ({report.master_addr or '?'}:{report.port or inv.rendezvous_port})")
+    table = Table(title=plain(f"check: {len(inv.hosts)} hosts, master {inv.master_name} ({report.master_addr or '?'}:{report.port or inv.rendezvous_port})"))
     for col in ("rank", "host", "status", "python", "torch", "cuda", "nccl", "driver", "gpus/slots", "disk free", "iface", "reach master", "clock", "code"):
         table.add_column(col)
     for host in inv.hosts:
@@ -121,7 +126,7 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         facts = report.facts.get(host.name)
         if facts is None:
             outcome = report.outcomes[host.name]
-            table.add_row(str(host.rank), host.name, status_text(status), Text(outcome.error or "", style="dim"), *[""] * 10)
+            table.add_row(str(host.rank), plain(host.name), status_text(status), Text(outcome.error or "", style="dim"), *[""] * 10)
             continue
         mine = comparable(facts)
 
@@ -138,16 +143,16 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         skew = report.skew.get(host.name)
         table.add_row(
             str(host.rank),
-            host.name + (" *" if host.name == inv.master_name else ""),
+            plain(host.name + (" *" if host.name == inv.master_name else "")),
             status_text(status),
             cell("python"),
             cell("torch"),
             cell("cuda"),
             cell("nccl"),
             cell("driver"),
-            f"{_gpus(facts)}/{host.slots}",
+            plain(f"{_gpus(facts)}/{host.slots}"),
             f"{free / GIB:.1f} GiB" if isinstance(free, int) else "-",
-            iface,
+            plain(iface),
             reach_text,
             f"{skew:+.2f}s" if skew is not None else "-",
             _code(report.code.get(host.name)),
@@ -160,10 +165,10 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         out.print("[green]every host can join the job[/green]")
         return
     for outcome in unreachable:
-        out.print(f"[{STATUS_STYLE[outcome.status.value]}]{outcome.host}: {outcome.status.value}[/]: {outcome.error}")
+        out.print(Text.assemble((f"{outcome.host}: {outcome.status.value}", STATUS_STYLE[outcome.status.value]), f": {outcome.error}"))
     for p in problems:
         style = "yellow" if p.severity == "warning" else "red"
-        out.print(f"[{style}]{p.host}: {p.field}[/]: {p.message}\n    fix: {p.fix}")
+        out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}\n    fix: {p.fix}"))
 
 
 # ------------------------------------------------------------------------------------------------ generic
@@ -173,11 +178,11 @@ def print_results(title: str, results: Results, as_json: bool) -> None:
     if as_json:
         print_json({r.host: {"status": r.status.value, "exit_code": r.exit_code, "error": r.error or None, "seconds": r.seconds} for r in results})
         return
-    table = Table(title=title)
+    table = Table(title=plain(title))
     for col in ("host", "status", "seconds", "detail"):
         table.add_column(col)
     for r in results:
-        table.add_row(r.host, status_text(r.status.value), f"{r.seconds:.2f}", r.error or "")
+        table.add_row(plain(r.host), status_text(r.status.value), f"{r.seconds:.2f}", plain(r.error or ""))
     console().print(table)
 
 
@@ -191,7 +196,7 @@ def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
         table.add_column(col)
     for r in results:
         style = {"recorded": "yellow", "already-trusted": "green"}.get(r.state, "bold red")
-        table.add_row(r.name, r.known_as, r.key_type, r.fingerprint, Text(r.state + (f": {r.detail}" if r.detail else ""), style=style))
+        table.add_row(plain(r.name), plain(r.known_as), plain(r.key_type), plain(r.fingerprint), Text(r.state + (f": {r.detail}" if r.detail else ""), style=style))
     console().print(table)
 
 
@@ -202,7 +207,7 @@ def print_status(record, states: dict[str, dict], as_json: bool) -> int:
     if as_json:
         print_json({"run": record.run_id, "hosts": states})
     else:
-        table = Table(title=f"run {record.run_id} ({record.data.get('recipe')}, {len(states)} hosts)")
+        table = Table(title=plain(f"run {record.run_id} ({record.data.get('recipe')}, {len(states)} hosts)"))
         for col in ("host", "node_rank", "state", "exit code", "processes", "step", "loss", "since"):
             table.add_column(col)
         import time as _time
@@ -213,14 +218,14 @@ def print_status(record, states: dict[str, dict], as_json: bool) -> int:
             state = st.get("state", "?")
             style = {"running": "green", "exited": "green" if st.get("exit_code") == 0 else "red"}.get(state, "magenta")
             table.add_row(
-                name,
+                plain(name),
                 str(record.data["hosts"][name]["node_rank"]),
                 Text(state, style=style),
                 str(st.get("exit_code")) if st.get("exit_code") is not None else "-",
                 str(st.get("processes", "-")),
                 str(metric.get("step", "-")),
                 f"{metric['loss']:.4f}" if "loss" in metric else "-",
-                f"{_time.time() - since:.0f}s ago" if since else (st.get("error") or "-"),
+                f"{_time.time() - since:.0f}s ago" if since else plain(st.get("error") or "-"),
             )
         console().print(table)
     if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
@@ -235,14 +240,14 @@ def print_stop(record, result: dict[str, dict], as_json: bool) -> int:
     if as_json:
         print_json({"run": record.run_id, "hosts": result})
     else:
-        table = Table(title=f"stop run {record.run_id}")
+        table = Table(title=plain(f"stop run {record.run_id}"))
         for col in ("host", "killed", "remaining", "gpus held"):
             table.add_column(col)
         for name, r in result.items():
             if "remaining" not in r:
-                table.add_row(name, Text(r.get("state", "?"), style="magenta"), r.get("error", ""), "")
+                table.add_row(plain(name), Text(r.get("state", "?"), style="magenta"), plain(r.get("error", "")), "")
                 continue
-            table.add_row(name, ", ".join(map(str, r["killed"])) or "-", Text(", ".join(map(str, r["remaining"])) or "none", style="red" if r["remaining"] else "green"), ", ".join(map(str, r.get("gpus_held") or [])) or "-")
+            table.add_row(plain(name), ", ".join(map(str, r["killed"])) or "-", Text(", ".join(map(str, r["remaining"])) or "none", style="red" if r["remaining"] else "green"), ", ".join(map(str, r.get("gpus_held") or [])) or "-")
         console().print(table)
     if any("remaining" not in r for r in result.values()):
         return ExitCode.UNREACHABLE

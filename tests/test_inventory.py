@@ -225,3 +225,44 @@ def test_values_with_shell_metacharacters_are_kept_as_data():
 def test_multi_line_values_and_option_like_addresses_are_refused():
     assert "must be a single line" in error_of('hosts:\n  a: {user: "x\\ny"}\n')
     assert "must not start with '-'" in error_of('hosts:\n  a: {address: "-oProxyCommand=id"}\n')
+
+
+# ------------------------------------------------------------------------------------------ printed as data
+
+
+MARKUP = ["a[/b]", "[bold]x", "[gpu01]:2222", "[red]oops[/red]"]
+
+
+def test_invoke_inventory_prints_values_that_look_like_markup_verbatim(capsys):
+    from mnft import report
+
+    hosts = tuple(
+        inventory.Host(name=name, rank=rank, address="localhost", user="u", connection="local", workdir=f"~/w{name}", python=name)
+        for rank, name in enumerate(MARKUP)
+    )
+    inv = inventory.Inventory(Path("in[/x]v.yaml"), "mnft", hosts, MARKUP[0], ignored={MARKUP[1]: ("[/c]",)})
+    report.print_inventory(inv, as_json=False)  # rich would raise MarkupError on "a[/b]" if it read it as markup
+    out = capsys.readouterr().out
+    for name in MARKUP:
+        assert name in out
+        assert f"~/w{name}" in out
+    assert "in[/x]v.yaml" in out and "[/c]" in out
+
+
+def test_check_and_trust_tables_print_names_and_errors_verbatim(capsys):
+    from mnft import report
+    from mnft.check import CheckReport, Problem
+    from mnft.fleet import HostResult, Status
+    from mnft.hostkeys import TrustResult
+
+    hosts = tuple(inventory.Host(name=name, rank=rank, address="localhost", connection="local") for rank, name in enumerate(MARKUP))
+    inv = inventory.Inventory(None, "mnft", hosts, MARKUP[0])
+    outcomes = {h.name: HostResult(h.name, Status.UNREACHABLE, error=f"no route to {h.name}") for h in hosts}
+    rep = CheckReport(inv, outcomes, {}, problems=[Problem("[bold]x", "disk", "full at [/tmp]", "free [b]space")])
+    report.print_check(rep, as_json=False)
+    report.print_trust([TrustResult("[gpu01]:2222", "[gpu01]:2222", "ssh-ed25519", "SHA256:x", "recorded")], as_json=False)
+    out = capsys.readouterr().out
+    for name in MARKUP:
+        assert f"no route to {name}" in out
+    assert "[bold]x: disk: full at [/tmp]" in out and "free [b]space" in out
+    assert out.count("[gpu01]:2222") >= 3
