@@ -104,15 +104,57 @@ def test_overrides_are_typed_and_config_path_is_honoured(tmp_path):
     assert cfg.lora_target_modules == ["q_proj", "v_proj"] and cfg.model_cache_dir is None
 
 
+def test_a_list_override_that_is_not_valid_yaml_is_one_error_naming_the_key():
+    with pytest.raises(ConfigError) as e:
+        load_config("lora", ["lora_target_modules=[q_proj"])
+    assert str(e.value).startswith("config key 'lora_target_modules' expects a list like [a, b], got '[q_proj'")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("arg", ["lr=nan", "lr=inf", "lr=-inf", "lr=NaN", "max_grad_norm=Infinity", "min_lr_ratio=1e999",
+                                 "adam_betas=[0.9, nan]", "lora_alpha=-inf"])
+def test_a_non_finite_number_is_refused_naming_the_key(arg):
+    key = arg.partition("=")[0]
+    with pytest.raises(ConfigError, match=f"^config key '{key}' must be a finite number, got "):
+        load_config("lora", [arg])
+
+
+def test_a_non_finite_number_in_the_config_file_is_refused_naming_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: .nan\n")
+    with pytest.raises(ConfigError, match="^config key 'lr' must be a finite number, got nan$"):
+        load_config("full", [f"config={path}"])
+
+
+@pytest.mark.parametrize("value", ["null", "None", "~", "none", ""])
+def test_resume_null_means_no_resume_not_a_directory_named_null(value, tmp_path):
+    assert load_config("lora", [f"resume={value}"]).resume == "none"
+    path = tmp_path / "c.yaml"
+    path.write_text("resume: null\n")
+    assert load_config("lora", [f"config={path}"]).resume == "none"
+
+
+def test_null_for_a_string_key_is_refused_not_turned_into_the_string_none(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("output_dir: null\n")
+    with pytest.raises(ConfigError, match="config key 'output_dir' expects a str, got None"):
+        load_config("lora", [f"config={path}"])
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "mnft" / "recipes" / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_config_is_valid(path):
     load_config("full" if "full" in path.name else "lora", [f"config={path}"])
 
 
-def test_bad_config_key_exits_2_with_one_line(home):
-    res = single("lora", home, "lr_typo=1")
+@pytest.mark.parametrize("arg,line", [
+    ("lr_typo=1", "config key 'lr_typo' unknown (did you mean 'lr'?)"),
+    ("lora_target_modules=[q_proj", "config key 'lora_target_modules' expects a list like [a, b], got '[q_proj' "
+                                    "(while parsing a flow sequence)"),
+])
+def test_bad_config_exits_2_with_one_line(home, arg, line):
+    res = single("lora", home, arg)
     assert res.returncode == 2
-    assert res.stderr.strip() == "mnft.recipes: config key 'lr_typo' unknown (did you mean 'lr'?)"
+    assert res.stderr.strip() == f"mnft.recipes: {line}"
 
 
 # ------------------------------------------------------------------ model and data
@@ -198,18 +240,61 @@ def test_latest_without_checkpoints_starts_fresh(tmp_path, world_of_one):
     assert checkpointing.resolve("latest", tmp_path / "none", rank=0, world_size=1) is None
 
 
+def test_resume_path_refuses_a_different_world_size(tmp_path, world_of_one):
+    fake_checkpoint(tmp_path, 2, rank=0, world_size=2)
+    with pytest.raises(RecipeError, match="step-2 was written by 2 ranks but this run has 1"):
+        checkpointing.resolve(str(tmp_path / "step-2"), tmp_path / "elsewhere", rank=0, world_size=1)
+
+
 def test_prune_keeps_last_k_of_this_rank(tmp_path):
     for step in (2, 4, 6):
         fake_checkpoint(tmp_path, step, rank=0)
     fake_checkpoint(tmp_path, 6, rank=0, complete=False)
-    checkpointing.prune(tmp_path, rank=0, keep_last=2)
+    checkpointing.prune(tmp_path, rank=0, keep_last=2, current=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
     assert [p.name for p in (tmp_path / "step-6").iterdir()] == ["rank-0"]
 
 
+def test_prune_never_deletes_the_step_just_written_nor_later_steps(tmp_path):
+    for step in (10, 30, 150, 200):  # 150, 200: left by a run resumed from an earlier step-30 PATH
+        fake_checkpoint(tmp_path, step, rank=0)
+    fake_checkpoint(tmp_path, 50, rank=0)
+    checkpointing.prune(tmp_path, rank=0, keep_last=2, current=50)
+    assert sorted(checkpointing.complete_steps(tmp_path, rank=0)) == [30, 50, 150, 200]
+
+
+def test_a_fresh_run_refuses_an_output_dir_holding_checkpoints(tmp_path, world_of_one):
+    root = tmp_path / "checkpoints"
+    for step in (150, 200):
+        fake_checkpoint(root, step, rank=0, world_size=1)
+    with pytest.raises(ConfigError) as e:
+        checkpointing.resolve("none", root, rank=0, world_size=1)
+    assert str(e.value) == (f"output_dir holds checkpoints of an earlier run ({root}: step-200 and 1 more): continue "
+                            "it with resume=latest, use another output_dir, or pass overwrite=true to delete them")
+    assert sorted(checkpointing.complete_steps(root, rank=0)) == [150, 200]  # nothing touched
+
+
+def test_a_fresh_run_ignores_incomplete_checkpoints_and_empty_dirs(tmp_path, world_of_one):
+    root = tmp_path / "checkpoints"
+    fake_checkpoint(root, 4, rank=0, complete=False)
+    assert checkpointing.resolve("none", root, rank=0, world_size=1) is None
+    assert checkpointing.resolve("none", tmp_path / "new", rank=0, world_size=1) is None
+
+
+def test_overwrite_deletes_the_earlier_runs_checkpoints(tmp_path, world_of_one):
+    root = tmp_path / "checkpoints"
+    for step in (150, 200):
+        fake_checkpoint(root, step, rank=0, world_size=1)
+    fake_checkpoint(root, 250, rank=0, complete=False)
+    assert checkpointing.resolve("none", root, rank=0, world_size=1, overwrite=True) is None
+    assert list(root.iterdir()) == []
+    assert checkpointing.resolve("latest", root, rank=0, world_size=1) is None
+
+
 # ------------------------------------------------------------------ 2-process runs (slow)
 
-STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "skipped_steps", "time"}
+STEP_KEYS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "trained_tokens", "skipped_steps", "peak_memory_mb",
+             "time"}
 
 
 def run_ok(recipe, home, *args):

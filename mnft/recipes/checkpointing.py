@@ -11,6 +11,8 @@ with DCP metadata, so a rank never needs a file another node wrote. A rank first
 renames it to ``rank-R`` when complete (``meta.json`` last): a crash mid-save leaves only a temp dir, which is
 ignored and later removed. Step N is *complete* for the run when every rank has its ``rank-R``; ``latest`` is
 the newest step complete on every rank, agreed by an all-gather, so all ranks resume from the same step.
+A fresh run (``resume=none``) refuses an output dir that already holds complete checkpoints (``overwrite=true``
+deletes them), so two runs' steps are never pruned or resumed as one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from mnft.recipes.config import RecipeError
+from mnft.recipes.config import ConfigError, RecipeError
 
 STEP_RE = re.compile(r"^step-(\d+)$")
 # no_dist=True is deliberate (each rank writes a self-contained checkpoint): silence DCP's notice about it
@@ -69,15 +71,17 @@ def save(root: Path, step: int, state: dict, meta: dict, rank: int, world_size: 
         shutil.rmtree(final)
     os.rename(tmp, final)
     dist.barrier()  # now step is complete on every rank: older ones may go
-    prune(root, rank, keep_last)
+    prune(root, rank, keep_last, current=step)
     return final.parent
 
 
-def prune(root: Path, rank: int, keep_last: int) -> None:
-    """Keep this rank's newest ``keep_last`` complete checkpoints; remove its older ones and stale temps.
+def prune(root: Path, rank: int, keep_last: int, current: int) -> None:
+    """Keep this rank's newest ``keep_last`` complete checkpoints up to step ``current`` (the one just written);
+    remove its older ones and stale temps. Steps after ``current`` (left by a run resumed from an earlier PATH)
+    are never touched, so the checkpoint just written always survives.
 
     Other ranks on the same filesystem prune concurrently, so every listing tolerates vanished entries."""
-    steps = sorted(complete_steps(root, rank))
+    steps = sorted(s for s in complete_steps(root, rank) if s <= current)
     for step in steps[:-keep_last]:
         shutil.rmtree(step_dir(root, step) / f"rank-{rank}", ignore_errors=True)
         try:
@@ -110,9 +114,51 @@ def agree_latest(root: Path, rank: int, world_size: int) -> int | None:
     return max(common) if common else None
 
 
-def resolve(resume: str, root: Path, rank: int, world_size: int) -> Path | None:
+def clear(root: Path, rank: int) -> None:
+    """Delete this rank's parts (complete or temp) of every checkpoint under ``root``, then empty step dirs."""
+    for entry in list(root.iterdir()) if root.is_dir() else []:
+        if not STEP_RE.match(entry.name):
+            continue
+        try:
+            names = os.listdir(entry)
+        except OSError:
+            continue
+        for name in names:
+            if name == f"rank-{rank}" or name.startswith(f"rank-{rank}.tmp-"):
+                shutil.rmtree(entry / name, ignore_errors=True)
+        try:
+            entry.rmdir()
+        except OSError:
+            pass  # another rank's part is still there
+
+
+def check_fresh(root: Path, rank: int, world_size: int, overwrite: bool) -> None:
+    """A fresh run (``resume=none``) must not mix its checkpoints with an earlier run's (collective).
+
+    Old steps would be pruned together with the new ones (an old step-200 outranks a new step-50) and a later
+    ``resume=latest`` would pick them. So refuse, on every rank, when any rank's ``root`` holds a complete
+    checkpoint (bad input: exit 2) -- unless ``overwrite``: then each rank deletes its own parts first."""
+    mine = sorted(complete_steps(root, rank))
+    everyone: list[tuple[str, list[int]] | None] = [None] * world_size
+    dist.all_gather_object(everyone, (str(root), mine))
+    found = [(where, steps) for where, steps in everyone if steps]
+    if not found:
+        return
+    if overwrite:
+        clear(root, rank)
+        dist.barrier()
+        return
+    where, steps = found[0]
+    raise ConfigError(
+        f"output_dir holds checkpoints of an earlier run ({where}: step-{steps[-1]}"
+        f"{f' and {len(steps) - 1} more' if len(steps) > 1 else ''}): continue it with resume=latest, "
+        "use another output_dir, or pass overwrite=true to delete them")
+
+
+def resolve(resume: str, root: Path, rank: int, world_size: int, overwrite: bool = False) -> Path | None:
     """The checkpoint step dir to resume from for ``resume=none|latest|PATH`` (collective)."""
     if resume == "none":
+        check_fresh(root, rank, world_size, overwrite)
         return None
     if resume == "latest":
         step = agree_latest(root, rank, world_size)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -39,7 +40,8 @@ class TrainConfig:
     packing: bool = False
     # run
     output_dir: str = "runs/{recipe}"  # may contain {recipe}, {rank}, {node_rank} (no shared filesystem)
-    resume: str = "none"  # none | latest | PATH to a checkpoints/step-N directory
+    resume: str = "none"  # none (also null) | latest | PATH to a checkpoints/step-N directory
+    overwrite: bool = False  # resume=none in an output_dir holding checkpoints: delete them instead of refusing
     max_steps: int = 60
     seed: int = 0
     # optimisation
@@ -60,9 +62,12 @@ class TrainConfig:
     save_final: bool = True
     log_every: int = 1
     tensorboard: bool = True  # used only when the tensorboard package is installed
-    # fault injection, for tests: the last rank's loss is NaN at these steps; every rank exits hard after a step
+    # fault injection, for tests: the last rank's loss is NaN / one of its gradients is inf at these steps;
+    # every rank exits hard after a step; every rank's parameter checksum goes into each metrics line
     debug_nan_steps: list[int] = field(default_factory=list)
+    debug_inf_grad_steps: list[int] = field(default_factory=list)
     debug_crash_after_step: int = 0
+    debug_rank_checksums: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,8 +103,14 @@ def _coerce(key: str, value: object, tp: object) -> object:
         origin = typing.get_origin(tp)
     if origin is list:
         (item,) = typing.get_args(tp)
-        if isinstance(value, str):
-            value = yaml.safe_load(value) if value.strip().startswith("[") else [v for v in value.split(",") if v]
+        if isinstance(value, str) and value.strip().startswith("["):
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"config key '{key}' expects a list like [a, b], got {value!r} "
+                                  f"({str(e).splitlines()[0]})") from None
+        elif isinstance(value, str):
+            value = [v for v in value.split(",") if v]
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}' expects a list, got {value!r}")
         return [_coerce(key, v, item) for v in value]
@@ -119,9 +130,12 @@ def _coerce(key: str, value: object, tp: object) -> object:
         if tp is float:
             if isinstance(value, bool):
                 raise ValueError
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):
+                raise ConfigError(f"config key '{key}' must be a finite number, got {value!r}")
+            return number
         if tp is str:
-            if isinstance(value, (dict, list)):
+            if value is None or isinstance(value, (dict, list)):  # YAML null is not the string "None"
                 raise ValueError
             return str(value)
     except (TypeError, ValueError):
@@ -182,6 +196,8 @@ def load_config(recipe: str, argv: list[str]) -> TrainConfig:
                 (f for f in fields if str(key).startswith(f) or f.startswith(str(key))), key=len, reverse=True)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"config key '{key}' unknown{hint}")
+        if key == "resume" and (value is None or str(value).strip().lower() in ("none", "null", "~", "")):
+            value = "none"  # `resume=null` / `resume:` mean no resume, not a directory named "null"
         values[key] = _coerce(key, value, fields[key])
     cfg = schema(**values)
     _check_values(cfg)
