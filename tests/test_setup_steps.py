@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
 
 import pytest
 
@@ -47,8 +48,25 @@ def ak_facts(text: str | None, home_mode: int = 0o755, ssh_mode: int = 0o700, fi
 B = blocks.Block("# BEGIN x", "# END x")
 
 
-def test_block_is_appended_after_an_unterminated_last_line_without_changing_it():
-    assert blocks.set_block("a\nb", B, ["1"]) == "a\nb\n# BEGIN x\n1\n# END x\n"
+def test_block_after_an_unterminated_last_line_is_flagged_and_undo_gives_the_bytes_back():
+    new = blocks.set_block("a\nb", B, ["1"])
+    assert new == "a\nb\n" + blocks.EOL_ADDED + "\n# BEGIN x\n1\n# END x\n"
+    assert blocks.set_block(new, B, ["2"]) == "a\nb\n" + blocks.EOL_ADDED + "\n# BEGIN x\n2\n# END x\n"
+    assert blocks.remove_block(new, B) == "a\nb"
+    # someone appended after mnft's block: their line needs the newline, only the flag goes
+    assert blocks.remove_block(new + "c\n", B) == "a\nb\nc\n"
+
+
+def test_marked_lines_after_an_unterminated_last_line_are_undone_byte_for_byte():
+    owns_a, owns_b = (lambda r: r == "a"), (lambda r: r == "b")
+    one = blocks.set_marked_lines("x y", {"a": "k1 mnft:a"}, owns_a)
+    assert one == "x y\n" + blocks.EOL_ADDED + "\nk1 mnft:a\n"
+    two = blocks.set_marked_lines(one, {"b": "k2 mnft:b"}, owns_b)
+    assert blocks.set_marked_lines(one, {"a": "k1 mnft:a"}, owns_a) == one  # idempotent
+    without_a = blocks.set_marked_lines(two, {}, owns_a)
+    assert without_a == "x y\n" + blocks.EOL_ADDED + "\nk2 mnft:b\n"  # b's line still needs the newline
+    assert blocks.set_marked_lines(without_a, {}, owns_b) == "x y"
+    assert blocks.set_marked_lines(one + "z\n", {}, owns_a) == "x y\nz\n"
 
 
 def test_block_is_replaced_where_it_is_and_the_rest_survives_byte_for_byte():
@@ -81,8 +99,9 @@ def test_controller_key_is_appended_with_a_marker_and_other_lines_survive():
     plan = ak.plan_host(ak_facts(original), CONTROLLER)
     role, line = ak.controller_line(*CONTROLLER)
     new = applied(original, plan)
-    assert new == original + "\n" + line + "\n"
+    assert new == original + "\n" + blocks.EOL_ADDED + "\n" + line + "\n"
     assert line.endswith(f" mnft:{role}")
+    assert applied(new, ak.plan_undo(ak_facts(new), CONTROLLER)) == original
     write = plan.ops[-1]
     assert write["mode"] == 0o600 and write["dir_mode"] == 0o700 and write["expect_sha256"] == sha(original)
 
@@ -149,7 +168,8 @@ def nodes(**overrides) -> list[mesh.Node]:
 
 
 def mesh_files(ak_text="", kh=None, cfg=None) -> dict:
-    return {"authorized_keys": file(ak_text), "known_hosts": file(kh), "config": file(cfg), "pub": file("ssh-ed25519 AAAAK1 mnft-mesh@h1\n")}
+    return {"authorized_keys": file(ak_text), "known_hosts": file(kh), "config": file(cfg), "pub": file("ssh-ed25519 AAAAK1 mnft-mesh@h1\n"),
+            "record": file(None), "private": {"exists": True}}
 
 
 def test_mesh_keys_are_authorized_only_from_the_cluster_addresses():
@@ -194,22 +214,66 @@ def test_mesh_plan_is_idempotent_and_undo_restores_the_files():
     assert "    IdentityFile ~/.ssh/mnft_mesh_ed25519\n" in new[mesh.SSH_CONFIG]
     files = mesh_files(new[mesh.AUTHORIZED_KEYS], new[mesh.KNOWN_HOSTS], new[mesh.SSH_CONFIG])
     assert mesh.plan_node(files, nodes(), "~/.ssh/mnft_mesh_ed25519", True).empty
-    undo = mesh.plan_node_undo(files, files["pub"], "~/.ssh/mnft_mesh_ed25519")
+    files["record"] = file(RECORD_KEY)
+    undo = mesh.plan_node_undo(files, "~/.ssh/mnft_mesh_ed25519")
     assert applied(new[mesh.AUTHORIZED_KEYS], _only(undo, mesh.AUTHORIZED_KEYS)) == original_ak
     assert applied(new[mesh.KNOWN_HOSTS], _only(undo, mesh.KNOWN_HOSTS)) == original_kh
     assert applied(new[mesh.SSH_CONFIG], _only(undo, mesh.SSH_CONFIG)) == original_cfg
     assert {"op": "remove", "path": "~/.ssh/mnft_mesh_ed25519"} in undo.ops
 
 
+RECORD_KEY = "# mnft setup made this\ngenerated: key\nssh-ed25519 AAAAK1\n"
+RECORD_PUB = "# mnft setup made this\ngenerated: pub\nssh-ed25519 AAAAK1\n"
+KEY = "~/.ssh/mnft_mesh_ed25519"
+
+
+def removed(plan) -> list[str]:
+    return [op["path"] for op in plan.ops if op["op"] == "remove"]
+
+
 def test_undo_never_deletes_a_key_mnft_did_not_generate():
     files = mesh_files()
-    undo = mesh.plan_node_undo(files, file("ssh-ed25519 AAAA alice@laptop\n"), "~/.ssh/mnft_mesh_ed25519")
-    assert not any(op["op"] == "remove" for op in undo.ops)
+    files["pub"] = file("ssh-ed25519 AAAA alice@laptop\n")
+    assert removed(mesh.plan_node_undo(files, KEY)) == []  # no record: not mnft's, whatever its comment says
+    files["pub"] = file("ssh-ed25519 AAAAK1 mnft-mesh@h1\n")
+    assert removed(mesh.plan_node_undo(files, KEY)) == []
+
+
+def test_undo_of_a_pub_mnft_derived_from_someone_elses_private_key_keeps_the_private_key():
+    files = mesh_files()
+    files["record"] = file(RECORD_PUB)
+    plan = mesh.plan_node_undo(files, KEY)
+    assert removed(plan) == [KEY + ".pub", KEY + mesh.KEY_RECORD]
+    assert "stays" in plan.changes[-1]
+
+
+def test_undo_keeps_a_key_replaced_since_mnft_generated_it():
+    files = mesh_files()
+    files["record"] = file(RECORD_KEY)
+    files["pub"] = file("ssh-ed25519 AAAANEW alice@laptop\n")
+    plan = mesh.plan_node_undo(files, KEY)
+    assert removed(plan) == [KEY + mesh.KEY_RECORD] and "kept" in plan.notes[0]
+
+
+def test_keygen_records_what_it_made_and_never_claims_a_private_key_it_found(tmp_path):
+    from mnft.steps import remote
+
+    mine = tmp_path / "mine"
+    out = remote.op_keygen({"path": str(mine), "comment": "mnft-mesh@h1"})
+    assert out["generated"] and mesh.generated_record((tmp_path / ("mine" + mesh.KEY_RECORD)).read_text()) == ("key", out["public"].split()[1])
+    theirs = tmp_path / "theirs"
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice", "-f", str(theirs)], check=True)
+    (tmp_path / "theirs.pub").unlink()
+    out = remote.op_keygen({"path": str(theirs), "comment": "mnft-mesh@h1"})
+    assert not out["generated"] and out["wrote_pub"]
+    assert mesh.generated_record((tmp_path / ("theirs" + mesh.KEY_RECORD)).read_text())[0] == "pub"
+    files = {**mesh_files(), "pub": file((tmp_path / "theirs.pub").read_text()), "record": file((tmp_path / ("theirs" + mesh.KEY_RECORD)).read_text())}
+    assert str(theirs) not in removed(mesh.plan_node_undo(files, str(theirs)))
 
 
 def test_a_file_holding_only_mnfts_block_is_deleted_on_undo():
     cfg = "".join(mesh.CONFIG_BLOCK.render(["Host h1"]))
-    undo = mesh.plan_node_undo(mesh_files(cfg=cfg), file(None), "k")
+    undo = mesh.plan_node_undo({**mesh_files(cfg=cfg), "pub": file(None)}, "k")
     assert {"op": "remove", "path": mesh.SSH_CONFIG, "expect_sha256": sha(cfg)} in undo.ops
 
 
@@ -237,9 +301,9 @@ def test_hosts_block_goes_before_a_loopback_line_naming_a_node():
 def test_hosts_block_without_conflicts_is_appended_and_idempotent():
     text = "127.0.0.1 localhost\n10.9.9.9 nas  # by hand"
     new = applied(text, hosts_file.plan_host(file(text, 0o644), NAMES, "/etc/hosts"))
-    assert new.startswith(text + "\n# BEGIN mnft")
+    assert new.startswith(text + "\n" + blocks.EOL_ADDED + "\n# BEGIN mnft")
     assert hosts_file.plan_host(file(new, 0o644), NAMES, "/etc/hosts").empty
-    assert applied(new, hosts_file.plan_undo(file(new, 0o644), "/etc/hosts")) == text + "\n"
+    assert applied(new, hosts_file.plan_undo(file(new, 0o644), "/etc/hosts")) == text
 
 
 # ---------------------------------------------------------------------------------------------- firewall
@@ -257,8 +321,8 @@ def test_firewall_table_accepts_peers_and_ssh_and_drops_other_new_tcp():
         "\t\tct state established,related accept\n"
         "\t\ttcp dport 22 accept\n"
         "\t\tip saddr @peers accept\n"
-        "\t\tip saddr { 10.0.0.1/32 } tcp dport { 29500 } accept\n"
-        "\t\ttcp dport { 8888 } accept\n"
+        "\t\tip saddr 10.0.0.1 tcp dport 29500 accept\n"  # as nft lists it: one element bare, /32 as the address
+        "\t\ttcp dport 8888 accept\n"
         "\t\tmeta l4proto tcp ct state new drop\n"
         "\t}\n"
     )
@@ -273,6 +337,12 @@ def test_firewall_is_ok_when_the_table_carries_the_same_digest():
     listed = plan.data["rules"].split("delete table inet mnft\n", 1)[1]
     again = firewall.plan_host({"table": listed}, iface="eth0", peers=["10.0.0.11"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
     assert again.empty
+    flushed = listed.split("\t\tiifname")[0] + "\t}\n}\n"  # `nft flush chain inet mnft input`: same comment, no rules
+    again = firewall.plan_host({"table": flushed}, iface="eth0", peers=["10.0.0.11"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
+    assert again.changes[0].startswith("re-apply")
+    wrapped = listed.replace("10.0.0.11 }", "10.0.0.11,\n\t\t\t     10.0.0.12 }")  # nft wraps long element lists
+    assert firewall.plan_host({"table": wrapped}, iface="eth0", peers=["10.0.0.11", "10.0.0.12"], ssh_port=22, params=FW_PARAMS,
+                              rendezvous_ports=(29500,)).changes  # different digest
     moved = firewall.plan_host({"table": listed}, iface="eth0", peers=["10.0.0.11", "10.0.0.13"], ssh_port=22, params=FW_PARAMS, rendezvous_ports=(29500,))
     assert moved.changes[0].startswith("replace") and moved.data["revert"] == firewall.DELETE + listed
 
@@ -326,3 +396,65 @@ def test_a_port_reserved_before_mnft_is_not_unreserved():
 def test_parameter_types_are_strict(kind, value):
     with pytest.raises(ValueError):
         check_value(Param(kind, None, ""), value)
+
+
+# ---------------------------------------------------------------------------------------------- the armed revert (host side)
+
+
+FAKE_NFT = """#!/bin/sh
+dir=$(dirname "$0")
+case "$1" in -c) exit 0;; esac
+case "$2" in *.apply.nft) echo applied >> "$dir/log"; exit 0;; esac
+touch "$dir/reverting"
+while [ ! -e "$dir/release" ]; do sleep 0.02; done
+echo reverted >> "$dir/log"
+"""
+
+
+@pytest.fixture
+def fake_nft(tmp_path, monkeypatch):
+    from mnft.steps import remote
+
+    monkeypatch.setattr(remote, "STATE_DIR", str(tmp_path / "state"))
+    nft = tmp_path / "nft"
+    nft.write_text(FAKE_NFT)
+    nft.chmod(0o755)
+    return nft
+
+
+def _wait_for(path, what: str) -> None:
+    import time
+
+    for _ in range(3000):  # a bound so a broken sleeper fails the test instead of hanging it; not a timing assertion
+        if path.exists():
+            return
+        time.sleep(0.01)
+    pytest.fail(f"{what} never happened")
+
+
+def test_a_cancel_that_comes_while_the_revert_runs_reports_reverted_not_cancelled(fake_nft, tmp_path):
+    import threading
+
+    from mnft.steps import remote
+
+    armed = remote.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 0, "nft": str(fake_nft)})
+    _wait_for(tmp_path / "reverting", "the revert")  # the sleeper holds the lock and runs `nft -f <revert>`
+    got = {}
+    cancel = threading.Thread(target=lambda: got.update(remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]})))
+    cancel.start()
+    (tmp_path / "release").touch()
+    cancel.join(timeout=120)
+    assert got == {"cancelled": False}  # the late probe's cancel must not claim the rules it checked are in place
+    assert (tmp_path / "log").read_text() == "applied\nreverted\n"
+    assert remote.op_wait_gone({"pid": armed["pid"], "token": armed["token"], "timeout": 60}) == {"gone": True}
+
+
+def test_a_cancel_before_the_delay_disarms_the_revert_for_good(fake_nft, tmp_path):
+    from mnft.steps import remote
+
+    armed = remote.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 600, "nft": str(fake_nft)})
+    assert remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": True}
+    assert remote.op_wait_gone({"pid": armed["pid"], "token": armed["token"], "timeout": 60}) == {"gone": True}
+    assert (tmp_path / "log").read_text() == "applied\n"
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == []
+    assert remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": False}

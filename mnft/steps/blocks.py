@@ -1,6 +1,10 @@
 """Pure text edits for files other people also edit: marked blocks and marked lines.
 
 Everything mnft did not write is kept byte for byte and in place; only mnft's own lines move or change.
+
+When mnft appends after a last line that has no final newline, it must add that newline; it then also writes
+the `EOL_ADDED` comment line right after it, and removing mnft's last lines later takes the newline away again,
+so an undo gives back the original bytes.
 """
 
 from __future__ import annotations
@@ -14,11 +18,27 @@ def split_lines(text: str) -> list[str]:
     return text.splitlines(keepends=True)
 
 
+EOL_ADDED = "# mnft: the line above had no final newline; mnft added one (invoke setup --undo takes it away)"
+
+
+def _is_eol_flag(line: str) -> bool:
+    return line.rstrip("\r\n") == EOL_ADDED
+
+
 def _terminated(lines: list[str]) -> list[str]:
-    """The last line gets a newline if it lacks one (its content is unchanged), so lines can follow it."""
+    """The last line gets a newline if it lacks one (its content is unchanged) and the flag line follows it,
+    so lines can follow and an undo can take the newline away again."""
     if lines and not lines[-1].endswith("\n"):
-        lines = lines[:-1] + [lines[-1] + "\n"]
+        lines = lines[:-1] + [lines[-1] + "\n", EOL_ADDED + "\n"]
     return lines
+
+
+def _drop_eol_flag(lines: list[str], at: int) -> list[str]:
+    """Remove the flag line at `at`; when nothing follows it, also the newline mnft added to the line before."""
+    out = lines[:at] + lines[at + 1 :]
+    if at == len(lines) - 1 and at > 0 and out[at - 1].endswith("\n"):
+        out[at - 1] = out[at - 1][:-1]
+    return out
 
 
 @dataclass(frozen=True)
@@ -63,11 +83,16 @@ def set_block(text: str, block: Block, body: Sequence[str], insert_before: Calla
 
 
 def remove_block(text: str, block: Block) -> str:
+    """The text without the block; a newline mnft added before it (flag line) goes too when nothing follows."""
     lines = split_lines(text)
     span = block.find(lines)
     if span is None:
         return text
-    return "".join(lines[: span[0]] + lines[span[1] + 1 :])
+    out = lines[: span[0]] + lines[span[1] + 1 :]
+    flag = span[0] - 1
+    if flag >= 0 and _is_eol_flag(lines[flag]):
+        out = _drop_eol_flag(out, flag)
+    return "".join(out)
 
 
 # ---------------------------------------------------------------------------------------------- marked lines
@@ -94,7 +119,11 @@ def set_marked_lines(text: str, wanted: Mapping[str, str], owns: Callable[[str],
     lines = split_lines(text)
     out: list[str] = []
     seen: set[str] = set()
+    flag: int | None = None  # where the EOL_ADDED line was (index in out)
     for line in lines:
+        if flag is None and _is_eol_flag(line):
+            flag = len(out)
+            continue
         role = line_role(line)
         if role is None or not owns(role):
             out.append(line)
@@ -104,6 +133,11 @@ def set_marked_lines(text: str, wanted: Mapping[str, str], owns: Callable[[str],
             ending = line[len(line.rstrip("\r\n")):] or "\n"
             out.append(wanted[role] + ending)
         # else: an owned role no longer wanted (or a duplicate): dropped
+    if flag is not None:
+        if any(line_role(line) is not None for line in out[flag:]):
+            out.insert(flag, EOL_ADDED + "\n")  # mnft's lines still follow: the flag stays where it was
+        else:
+            out = _drop_eol_flag(out[:flag] + [EOL_ADDED + "\n"] + out[flag:], flag)
     missing = [role for role in wanted if role not in seen]
     if missing:
         out = _terminated(out) + [wanted[role] + "\n" for role in missing]

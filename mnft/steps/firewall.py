@@ -8,9 +8,11 @@ Other interfaces and other tables are untouched; `nft list ruleset` minus this t
 
 Applied atomically (`nft -f`: create, delete and re-create the table in one transaction) with a revert armed on
 the host first (a detached `sleep; nft -f <previous table>` whose pid is recorded). Then the controller opens a
-NEW SSH connection: on success it cancels that revert (kills that pid's group, after checking it is still the
-sleeper by its token); on failure the revert fires and the step fails "reverted: would lock out SSH".
-Idempotent: the table's comment carries a digest of its rules; same digest, nothing to do.
+NEW SSH connection: on success it cancels that revert (under a lock the sleeper takes before reverting, so a
+revert that already ran or is running is reported as such, never as cancelled) and reads the table back; on
+failure the revert fires and the step fails "reverted: would lock out SSH".
+Idempotent: the table's comment carries a digest of its rules, and the live sets and rules are compared with
+the planned ones; both the same, nothing to do (a table flushed or edited by hand is re-applied).
 
 When ufw or firewalld is active, they manage the host's firewall: mnft's table cannot re-open what they drop,
 so the step fails with the commands to run (or `manager: nftables` to add mnft's table anyway).
@@ -59,8 +61,15 @@ def validate(params: dict) -> str | None:
 # ---------------------------------------------------------------------------------------------- pure planning
 
 
+def _item(item) -> str:
+    text = str(item)
+    return text[:-3] if text.endswith("/32") else text  # nft lists a /32 network as the address
+
+
 def _set(items) -> str:
-    return "{ " + ", ".join(str(i) for i in items) + " }"
+    """An anonymous set as nft lists it: a single element bare, more in braces."""
+    items = [_item(i) for i in items]
+    return items[0] if len(items) == 1 else "{ " + ", ".join(items) + " }"
 
 
 def table_body(iface: str, peers: list[str], ssh_port: int, rendezvous_ports: tuple[int, ...], allow_from: tuple[str, ...],
@@ -80,7 +89,7 @@ def table_body(iface: str, peers: list[str], ssh_port: int, rendezvous_ports: tu
     lines = [
         "\tset peers {",
         "\t\ttype ipv4_addr",
-        f"\t\telements = {_set(peers)}",
+        f"\t\telements = {{ {', '.join(peers)} }}",
         "\t}",
         "",
         "\tchain input {",
@@ -89,6 +98,23 @@ def table_body(iface: str, peers: list[str], ssh_port: int, rendezvous_ports: tu
         "\t}",
     ]
     return "\n".join(lines) + "\n"
+
+
+def live_body(listing: str | None) -> str | None:
+    """The body of `nft list table` output (without the table line, its comment and the closing brace),
+    whitespace-normalised (nft wraps long element lists), or None."""
+    if not listing:
+        return None
+    lines = listing.splitlines()
+    inner = [ln for ln in lines[1:-1] if not ln.strip().startswith("comment ")]
+    return " ".join(" ".join(inner).split())
+
+
+def same_table(listing: str | None, body: str) -> bool:
+    """The live table is exactly the planned one: the digest in its comment and every set and rule as planned
+    (a table flushed or edited by hand since differs, and is re-applied)."""
+    found = DIGEST.search(listing or "")
+    return bool(found) and found.group(1) == digest(body) and live_body(listing) == " ".join(body.split())
 
 
 def digest(body: str) -> str:
@@ -127,12 +153,12 @@ def plan_host(facts: dict, *, iface: str | None, peers: list[str], ssh_port: int
             return Plan(error=problem)
     body = table_body(iface, peers, ssh_port, rendezvous_ports, params["allow_from"], params["open_ports"])
     current = facts.get("table")
-    found = DIGEST.search(current or "")
-    if found and found.group(1) == digest(body):
+    if same_table(current, body):
         return Plan()
-    what = "replace" if current else "add"
+    found = DIGEST.search(current or "")
+    what = "add" if not current else "re-apply (edited since mnft applied it)" if found and found.group(1) == digest(body) else "replace"
     change = f"{what} nftables table {FAMILY} {TABLE} on {iface}: peers {', '.join(peers)}, ssh {ssh_port}, drop other new TCP"
-    return Plan([change], data={"rules": ruleset(body), "revert": revert_text(current)})
+    return Plan([change], data={"rules": ruleset(body), "revert": revert_text(current), "body": body})
 
 
 def plan_undo(facts: dict) -> Plan:
@@ -197,11 +223,18 @@ def apply_guarded(ctx: Context, host: Host, plan: Plan, params: dict) -> Outcome
     pid, token = results[0]["pid"], results[0]["token"]
     why = probe_ssh(ctx, host, params["probe_timeout"])
     if why is None:
-        results, failure = ctx.remote(host, [{"op": "cancel_revert", "pid": pid, "token": token}], root=True)
+        results, failure = ctx.remote(host, [{"op": "cancel_revert", "pid": pid, "token": token},
+                                             {"op": "run", "argv": ["nft", "list", "table", FAMILY, TABLE]}], root=True)
         if failure:
             return Outcome(FAILED, plan.changes, f"applied, but cancelling the revert failed ({failure.error}): it fires {delay:g}s after applying")
+        error = first_error(results)
+        if error:
+            return Outcome(FAILED, plan.changes, f"applied, but cancelling the revert failed ({error}): it fires {delay:g}s after applying")
         if not results[0].get("cancelled"):
             return Outcome(FAILED, plan.changes, f"the revert fired before the SSH probe finished: reverted; raise revert_after (now {delay:g}s)")
+        listing = results[1]["stdout"] if results[1].get("rc") == 0 else None
+        if not same_table(listing, plan.data["body"]):
+            return Outcome(FAILED, plan.changes, "after cancelling the revert the table is not the one applied (changed meanwhile?): run setup again")
         return Outcome(CHANGED, plan.changes)
     results, failure = ctx.remote(host, [{"op": "wait_gone", "pid": pid, "token": token, "timeout": delay + 15}], root=True, timeout=delay + 30)
     if failure or not results or not results[0].get("gone"):

@@ -26,15 +26,17 @@ Ops
   keygen PATH COMMENT                   ed25519 key pair, only if PATH does not exist; returns the public key line
   run ARGV [INPUT] [CHECK]              rc, stdout, stderr (no shell); CHECK: a non-zero exit is an error
   addresses                             {iface: [ipv4, ...]}
-  nft_guarded RULES REVERT DELAY        schedule REVERT in DELAY s (detached, own session), then apply RULES;
-                                        returns the sleeper's pid and its token
-  cancel_revert PID TOKEN               kill that sleeper's process group if it is still ours (checked by token)
+  nft_guarded RULES REVERT DELAY [NFT]  schedule REVERT in DELAY s (detached, own session), then apply RULES;
+                                        returns the sleeper's pid and its token (NFT: the nft binary, for tests)
+  cancel_revert PID TOKEN               cancel that revert unless it already ran: under the lock the sleeper
+                                        takes before reverting, so cancelled and reverted exclude each other
   wait_gone PID TOKEN TIMEOUT           wait until the sleeper (ours, by token) has finished
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -188,9 +190,25 @@ def op_remove(req: dict) -> dict:
     return {"removed": True}
 
 
+KEY_RECORD_SUFFIX = ".mnft-generated"
+
+
+def _record_kind(path: str):
+    try:
+        with open(path + KEY_RECORD_SUFFIX) as f:
+            for line in f:
+                if line.startswith("generated:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def op_keygen(req: dict) -> dict:
+    """Generate what is missing of an ed25519 key pair and record what mnft made (PATH.mnft-generated), so an
+    undo deletes only that: "key" (the pair) or "pub" (a .pub derived from a private key someone else made)."""
     path = _path(req["path"])
-    generated = False
+    generated = wrote_pub = False
     if not os.path.exists(path):
         directory = os.path.dirname(path)
         if not os.path.isdir(directory):
@@ -207,8 +225,15 @@ def op_keygen(req: dict) -> dict:
             raise RuntimeError("ssh-keygen -y failed: " + (proc.stderr.strip() or "exit %d" % proc.returncode))
         with open(path + ".pub", "w") as f:
             f.write(proc.stdout.strip() + " " + req["comment"] + "\n")
+        wrote_pub = True
     with open(path + ".pub") as f:
-        return {"generated": generated, "public": f.read().strip()}
+        public = f.read().strip()
+    if generated or wrote_pub:
+        kind = "key" if generated or _record_kind(path) == "key" else "pub"
+        with open(path + KEY_RECORD_SUFFIX, "w") as f:
+            f.write("# mnft setup made this (invoke setup --undo deletes it, and only it)\ngenerated: %s\n%s\n"
+                    % (kind, " ".join(public.split()[:2])))
+    return {"generated": generated, "wrote_pub": wrote_pub, "public": public}
 
 
 def op_run(req: dict) -> dict:
@@ -246,15 +271,71 @@ def _sleeper_is_ours(pid: int, token: str) -> bool:
         return False
 
 
+# The armed revert: sleeps, then takes the lock and, if the revert file is still there (not cancelled), applies
+# it and removes it. Cancelling takes the same lock, so "cancelled" and "reverted" exclude each other: a cancel
+# that comes while `nft -f <revert>` runs waits for it, then finds the revert file gone and says so.
+SLEEPER = r"""
+import fcntl, os, subprocess, sys, time
+token, delay, revert, lock, nft = sys.argv[1], float(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
+time.sleep(delay)
+fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o600)
+fcntl.flock(fd, fcntl.LOCK_EX)
+if os.path.exists(revert):
+    subprocess.run([nft, "-f", revert], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.unlink(revert)
+    try:
+        os.unlink(lock)
+    except OSError:
+        pass
+"""
+LOCK_WAIT = 60.0  # seconds a cancel waits for a revert that is running (nft -f takes well under a second)
+
+
+def _state_paths(token: str):
+    base = os.path.join(STATE_DIR, token)
+    return base + ".nft", base + ".lock"
+
+
+def _disarm(pid: int, token: str) -> bool:
+    """Cancel the armed revert unless it already ran (or is running: then wait for it). True when cancelled."""
+    revert_path, lock_path = _state_paths(token)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the revert of %s holds its lock for more than %ds" % (token, LOCK_WAIT))
+                time.sleep(0.05)
+        if not os.path.exists(revert_path):
+            cancelled = False
+        else:
+            os.unlink(revert_path)  # from here on the sleeper finds nothing to do, even if the kill misses it
+            cancelled = True
+        try:
+            os.unlink(lock_path)
+        except FileNotFoundError:
+            pass
+    finally:
+        os.close(fd)
+    if cancelled and _sleeper_is_ours(pid, token):
+        _kill_group(pid)
+    return cancelled
+
+
 def op_nft_guarded(req: dict) -> dict:
+    nft = req.get("nft", "nft")
     os.makedirs(STATE_DIR, mode=0o700, exist_ok=True)
     token = "mnft-firewall-revert-%d-%d" % (os.getpid(), int(time.time() * 1000))
-    revert_path = os.path.join(STATE_DIR, token + ".nft")
+    revert_path, lock_path = _state_paths(token)
     rules_path = os.path.join(STATE_DIR, token + ".apply.nft")
     for path, text in ((revert_path, req["revert"]), (rules_path, req["rules"])):
         with open(path, "w") as f:
             f.write(text)
-    check = subprocess.run(["nft", "-c", "-f", rules_path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    check = subprocess.run([nft, "-c", "-f", rules_path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                            universal_newlines=True)
     if check.returncode != 0:
         os.unlink(rules_path)
@@ -262,15 +343,14 @@ def op_nft_guarded(req: dict) -> dict:
         raise RuntimeError("nft refused the ruleset: " + " ".join(check.stderr.split())[:300])
     # The revert is armed before the rules change: if this session dies right after, the host still recovers.
     sleeper = subprocess.Popen(
-        ["sh", "-c", 'sleep "$1"; nft -f "$2"; rm -f "$2"', token, str(req["delay"]), revert_path],
+        [sys.executable, "-c", SLEEPER, token, str(req["delay"]), revert_path, lock_path, nft],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True,
     )
-    applied = subprocess.run(["nft", "-f", rules_path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    applied = subprocess.run([nft, "-f", rules_path], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              universal_newlines=True)
     os.unlink(rules_path)
     if applied.returncode != 0:
-        _kill_group(sleeper.pid)
-        os.unlink(revert_path)
+        _disarm(sleeper.pid, token)
         raise RuntimeError("nft -f failed: " + " ".join(applied.stderr.split())[:300])
     return {"pid": sleeper.pid, "token": token}
 
@@ -283,15 +363,8 @@ def _kill_group(pid: int) -> None:
 
 
 def op_cancel_revert(req: dict) -> dict:
-    pid, token = int(req["pid"]), req["token"]
-    if not _sleeper_is_ours(pid, token):
-        return {"cancelled": False}
-    _kill_group(pid)
-    try:
-        os.unlink(os.path.join(STATE_DIR, token + ".nft"))
-    except FileNotFoundError:
-        pass
-    return {"cancelled": True}
+    """Cancel the armed revert; {"cancelled": false} when it already ran or was running (then after it ended)."""
+    return {"cancelled": _disarm(int(req["pid"]), req["token"])}
 
 
 def op_wait_gone(req: dict) -> dict:
