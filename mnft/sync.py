@@ -9,16 +9,15 @@ Three layers, as everywhere in mnft:
 * apply: rsync on every host at once (bounded pool), progress per host, then each host hashes its copy again
   and any difference fails that host, naming the files.
 
-Which files belong to the tree: git decides. `git ls-files --others --ignored --exclude-standard --directory`
-lists what git ignores under the source (every nested .gitignore, `!` re-includes, patterns anchored by a
-middle slash, .git/info/exclude and core.excludesFile), and each such path becomes one anchored, literal rsync
-rule. rsync's own `--filter=':- .gitignore'` was not used: rsync reads .gitignore lines as rsync patterns,
-which differ from git's (`!pattern` is not a re-include, `a/b` floats instead of being anchored, and
-info/exclude and the global excludes file are not read), so it would ship or drop files git does not. A source
-outside any repository gets the same treatment through a throwaway GIT_DIR. On top come the fixed excludes
-(`.git`, `runs/`, caches, virtualenvs) and the configured ones. rsync and the hash use the same rule strings
-(see mnft.treehash for the subset of rsync's syntax both implement), and excluded paths are also protected
-from `--delete` on the host, so a host's `runs/` and caches survive every sync.
+Which files belong to the tree: git decides, and the same rules protect a host's own files. Every ignore file
+(each .gitignore in the tree, .git/info/exclude, core.excludesFile) is translated into rsync filter rules with
+git's meaning (`!` re-includes, a middle slash anchors to the file's directory, last match wins -> first match
+wins); those rules go to rsync and to the host's tree hash, so a host's checkpoints and logs that match
+.gitignore are neither deleted by --delete nor counted as drift. rsync's own `--filter=':- .gitignore'` was not
+used: rsync reads .gitignore lines as rsync patterns, which differ from git's. For the local tree git has the
+last word: `git ls-files` lists what it ships and ignores, and any path where the translated patterns disagree
+gets an anchored literal rule (`+ /path` or `/path`). On top (first) come the fixed excludes (`.git`, `runs/`,
+caches, virtualenvs) and the configured ones; excluded paths are protected from `--delete` on the host.
 """
 
 from __future__ import annotations
@@ -287,48 +286,238 @@ def _git(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> s
     return subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, timeout=120)
 
 
-def git_ignored(src: Path) -> tuple[list[str], str]:
-    """Paths under src that git ignores (a directory entry ends with '/'), and how they were found."""
+def _split_gitignore_line(line: str) -> tuple[bool, bool, list[str]] | None:
+    """One .gitignore line -> (negated, directories only, components), or None for a blank line or a comment."""
+    line = line.rstrip("\r")
+    if not line or line.startswith("#"):
+        return None
+    while line.endswith(" ") and not line.endswith("\\ "):
+        line = line[:-1]
+    negated = line.startswith("!")
+    if negated:
+        line = line[1:]
+    dir_only = line.endswith("/")
+    line = line.rstrip("/")
+    if not line:
+        return None
+    anchored = "/" in line
+    parts = [p for p in line.lstrip("/").split("/") if p]
+    if not parts:
+        return None
+    if not anchored and parts != ["**"]:
+        parts = ["**", *parts]  # no slash: matches at any depth below the .gitignore's directory
+    return negated, dir_only, parts
+
+
+def _glob_part(text: str) -> list[tuple[str, str]]:
+    """A git glob component -> tokens ("lit", char) / ("glob", text); git's backslash escapes any character."""
+    tokens: list[tuple[str, str]] = []
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\" and i + 1 < n:
+            tokens.append(("lit", text[i + 1]))
+            i += 2
+        elif c == "*":
+            while i < n and text[i] == "*":  # `**` inside a component is `*` for git
+                i += 1
+            tokens.append(("glob", "*"))
+        elif c == "?":
+            tokens.append(("glob", "?"))
+            i += 1
+        elif c == "[":
+            j = i + 1
+            if j < n and text[j] in "!^":
+                j += 1
+            if j < n and text[j] == "]":
+                j += 1
+            while j < n and text[j] != "]":
+                j += 1
+            if j >= n:
+                tokens.append(("lit", c))
+                i += 1
+            else:
+                tokens.append(("glob", text[i : j + 1]))
+                i = j + 1
+        else:
+            tokens.append(("lit", c))
+            i += 1
+    return tokens
+
+
+def _render(tokens: list[tuple[str, str]]) -> str:
+    """Tokens -> an rsync pattern: literal wildcard characters are backslash-escaped, and backslashes only mean
+    something in a pattern with a wildcard (rsync's rule, which mnft.treehash implements too)."""
+    wild = any(kind == "glob" or text in "*?[" for kind, text in tokens)
+    if not wild:
+        return "".join(text for _, text in tokens)
+    return "".join(("\\" + text if kind == "lit" and text in "*?[\\" else text) for kind, text in tokens)
+
+
+def gitignore_rules(lines: Iterable[str], base: str = "") -> list[str]:
+    """git ignore lines -> filter rules for the tree, in git's order (the last matching rule wins in git).
+
+    base is the directory holding the ignore file, relative to the tree ("" for the tree's root and for
+    info/exclude and core.excludesFile). Each rule is anchored at that directory; a `**` component, and the
+    implicit one of a pattern without a slash, expands to "here or any depth below", spelled twice because
+    rsync's `/**/` needs at least one directory. A `!` re-include becomes a `+ ` rule.
+    """
+    prefix = [("lit", c) for c in (base.strip("/") + "/" if base.strip("/") else "")]
+    out: list[str] = []
+    for line in lines:
+        parsed = _split_gitignore_line(line)
+        if parsed is None:
+            continue
+        negated, dir_only, parts = parsed
+        if not prefix and len(parts) == 2 and parts[0] == "**" != parts[1]:
+            bare = _render(_glob_part(parts[1])) + ("/" if dir_only else "")
+            if not bare.startswith(("+ ", "- ")):  # a name anywhere: rsync's (and the hash's) pattern without a slash
+                out.append(("+ " if negated else "") + bare)
+                continue
+        variants: list[list[tuple[str, str]]] = [list(prefix)]
+        for k, part in enumerate(parts):
+            last = k == len(parts) - 1
+            if part == "**":
+                if last:  # `a/**`: everything inside a
+                    variants = [v + [("glob", "**")] for v in variants]
+                else:  # zero or more directories
+                    variants = [v for w in variants for v in (w, w + [("glob", "**"), ("lit", "/")])]
+                continue
+            variants = [v + _glob_part(part) + ([] if last else [("lit", "/")]) for v in variants]
+        for tokens in variants[:8]:  # `**` repeated many times: enough spellings for any sane pattern
+            rule = "/" + _render(tokens) + ("/" if dir_only else "")
+            out.append(("+ " if negated else "") + rule)
+    return out
+
+
+def _ignore_files(src: Path, shipped: Iterable[str], env: dict[str, str], *, info: bool, global_file: bool) -> list[tuple[str, list[str]]]:
+    """(base, lines) of every ignore file git applies to the tree, lowest precedence first."""
+    found: list[tuple[str, list[str]]] = []
+
+    def read(path: Path) -> list[str]:
+        try:
+            return path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
+        except OSError:
+            return []
+
+    configured = _git(["config", "--path", "--get", "core.excludesFile"], src, env)
+    if not global_file:
+        pass
+    elif configured.returncode == 0 and configured.stdout.strip():
+        found.append(("", read(Path(os.fsdecode(configured.stdout.strip())).expanduser())))
+    else:
+        xdg = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+        found.append(("", read(Path(xdg) / "git" / "ignore")))
+    if info:
+        info = _git(["rev-parse", "--git-path", "info/exclude"], src, env)
+        if info.returncode == 0:
+            found.append(("", read(src / os.fsdecode(info.stdout.strip()))))
+    for rel in sorted((p for p in shipped if p == ".gitignore" or p.endswith("/.gitignore")), key=lambda p: (p.count("/"), p)):
+        found.append((posixpath.dirname(rel), read(src / rel)))
+    return found
+
+
+def git_view(src: Path) -> tuple[list[str], list[str], list[str], str]:
+    """What git makes of src: (ignored paths, shipped files, ignore rules, how).
+
+    ignored: paths git ignores (a collapsed directory ends with '/'); shipped: tracked and untracked files it
+    does not ignore; rules: every ignore file as filter rules (see gitignore_rules), first match wins.
+    """
     if shutil.which("git") is None:
-        return [], "none: git is not installed, .gitignore files were not applied"
-    args = ["ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory"]
+        return [], [], [], "none: git is not installed, .gitignore files were not applied"
     env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1"}
     inside = _git(["rev-parse", "--is-inside-work-tree"], src, env)
-    if inside.returncode == 0 and inside.stdout.strip() == b"true":
-        done = _git(args, src, env)
-        how = "git"
-    else:
-        with tempfile.TemporaryDirectory(prefix="mnft-gitdir-") as gitdir:
+    repository = inside.returncode == 0 and inside.stdout.strip() == b"true"
+    top = repository and not _git(["rev-parse", "--show-prefix"], src, env).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="mnft-gitdir-") as gitdir:
+        if not repository:  # a tree outside any repository: git's rules all the same, through a throwaway GIT_DIR
             subprocess.run(["git", "init", "-q", "--bare", gitdir], capture_output=True, check=False, timeout=60)
-            done = _git(args, src, {**env, "GIT_DIR": gitdir, "GIT_WORK_TREE": str(src)})
-        how = "git (no repository)"
-    if done.returncode != 0:
-        raise MnftError(f"git ls-files failed in {src}: {done.stderr.decode(errors='replace').strip()}")
-    paths = [os.fsdecode(p) for p in done.stdout.split(b"\0") if p]
-    return paths, how
+            env = {**env, "GIT_DIR": gitdir, "GIT_WORK_TREE": str(src)}
+        done = _git(["ls-files", "-z", "--others", "--ignored", "--exclude-standard", "--directory"], src, env)
+        listed = _git(["ls-files", "-z", "--cached", "--others", "--exclude-standard"], src, env)
+        for run in (done, listed):
+            if run.returncode != 0:
+                raise MnftError(f"git ls-files failed in {src}: {run.stderr.decode(errors='replace').strip()}")
+        shipped = [os.fsdecode(p) for p in listed.stdout.split(b"\0") if p]
+        # info/exclude and core.excludesFile are relative to the repository's top: translated only when src is
+        # that top (or in no repository); in a subdirectory the literal rules still apply them to local paths
+        files = _ignore_files(src, shipped, env, info=bool(top), global_file=bool(top) or not repository)
+    rules = [r for base, lines in files for r in gitignore_rules(lines, base)]
+    rules.reverse()  # git: the last match wins; rsync: the first
+    ignored = [os.fsdecode(p) for p in done.stdout.split(b"\0") if p]
+    return ignored, shipped, rules, "git" if repository else "git (no repository)"
+
+
+def git_ignored(src: Path) -> tuple[list[str], str]:
+    """Paths under src that git ignores (a directory entry ends with '/'), and how they were found."""
+    ignored, _, _, how = git_view(src)
+    return ignored, how
+
+
+def _validate_patterns(patterns: Iterable[str]) -> list[str]:
+    out = []
+    for pattern in patterns:
+        if not isinstance(pattern, str) or not pattern or any(c in pattern for c in "\n\r\0"):
+            raise InputError(f"exclude pattern {pattern!r} is empty or contains a control character")
+        if pattern.startswith(("+ ", "- ")):
+            raise InputError(f"exclude pattern {pattern!r}: give the pattern alone, without a '+ ' or '- ' rule prefix")
+        out.append(pattern)
+    return out
+
+
+def _excluded_path(rules: treehash.Rules, rel: str, is_dir: bool, seen: dict[str, bool] | None = None) -> bool:
+    """Whether rsync leaves rel out: it or a directory above it is excluded (rsync does not descend there)."""
+    parts = rel.split("/")
+    for i in range(1, len(parts)):
+        folder = "/".join(parts[:i])
+        hit = seen.get(folder) if seen is not None else None
+        if hit is None:
+            hit = rules.excluded(folder, True)
+            if seen is not None:
+                seen[folder] = hit
+        if hit:
+            return True
+    return rules.excluded(rel, is_dir)
 
 
 def exclude_rules(src: Path, extra: Iterable[str] = (), *, gitignore: bool = True, fixed: Sequence[str] = ALWAYS_EXCLUDES) -> tuple[tuple[str, ...], str]:
-    """The exclude rules for src: fixed + extra patterns, then one anchored literal rule per git-ignored path."""
-    rules = [*fixed, *extra]
-    for pattern in extra:
-        if not pattern or any(c in pattern for c in "\n\r\0"):
-            raise InputError(f"exclude pattern {pattern!r} is empty or contains a control character")
+    """The filter rules for src, in rsync's order (first match wins); the same strings go to rsync and the hash.
+
+    1. fixed + extra exclude patterns (they always win);
+    2. exactness against git for the local tree: `+ /path` for a file git ships that the translated patterns
+       would drop (a tracked file matching an ignore pattern, or a corner where the translation differs), and
+       an anchored literal exclude for a path git ignores that they would keep;
+    3. the ignore files' patterns themselves (gitignore_rules), so that files that exist only on a host
+       (checkpoints, logs) are judged by the same patterns: left out of its hash and protected from --delete.
+    """
+    rules = [*fixed, *_validate_patterns(extra)]
     if not gitignore:
         return tuple(rules), "not applied"
-    ignored, how = git_ignored(src)
-    base = treehash.Rules(rules)
+    ignored, shipped, patterns, how = git_view(src)
+    base, translated = treehash.Rules(rules), treehash.Rules(patterns)
+    base_seen: dict[str, bool] = {}
+    seen: dict[str, bool] = {}
+    included: list[str] = []
+    done: set[str] = set()
+    for rel in shipped:
+        if _excluded_path(base, rel, False, base_seen) or not _excluded_path(translated, rel, False, seen):
+            continue
+        parts = rel.split("/")
+        for i in range(1, len(parts) + 1):
+            sub = "/".join(parts[:i])
+            if sub not in done:
+                done.add(sub)
+                included.append("+ " + treehash.escape_literal(sub) + ("/" if i < len(parts) else ""))
+    if included:
+        translated, seen = treehash.Rules(included + patterns), {}
+    excluded: list[str] = []
     for path in ignored:
         is_dir = path.endswith("/")
         rel = path.rstrip("/")
-        if rel and not base.excluded(rel, is_dir) and not _under_excluded(rel, base):
-            rules.append(treehash.escape_literal(rel) + ("/" if is_dir else ""))
-    return tuple(rules), how
-
-
-def _under_excluded(rel: str, rules: treehash.Rules) -> bool:
-    parts = rel.split("/")
-    return any(rules.excluded("/".join(parts[:i]), True) for i in range(1, len(parts)))
+        if rel and not _excluded_path(base, rel, is_dir, base_seen) and not _excluded_path(translated, rel, is_dir, seen):
+            excluded.append(treehash.escape_literal(rel) + ("/" if is_dir else ""))
+    exact = included + excluded
+    return tuple(rules + exact + patterns), how
 
 
 def _local_cache(root: Path) -> Path:
@@ -476,8 +665,9 @@ def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSett
 
 
 def rules_file_bytes(rules: Sequence[str]) -> bytes:
-    """The --filter merge file: one `- PATTERN` rule per exclude, NUL-separated (--from0), so any path fits."""
-    return b"".join(b"- " + r.encode("utf-8", "surrogateescape") + b"\0" for r in rules)
+    """The --filter merge file: `- PATTERN` per exclude, `+ PATTERN` per include, NUL-separated (--from0), so any
+    path fits. Excluded paths are also protected from --delete on the receiver (rsync's default)."""
+    return b"".join((b"" if r.startswith("+ ") else b"- ") + r.encode("utf-8", "surrogateescape") + b"\0" for r in rules)
 
 
 def plan(

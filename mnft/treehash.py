@@ -88,7 +88,7 @@ def _glob_regex(pattern: str) -> str:
             negate = body[:1] in ("!", "^")
             if negate:
                 body = body[1:]
-            body = body.replace("\\", "\\\\")
+            body = "".join("\\" + ch if ch in "[\\&~|" else ch for ch in body)  # literal inside the class
             out.append("[" + ("^" if negate else "") + body + "]")
             i = j + 1
             continue
@@ -98,12 +98,19 @@ def _glob_regex(pattern: str) -> str:
 
 
 class Rules:
-    """Compiled exclude rules; `excluded(relpath, is_dir)` says whether rsync would leave the path out."""
+    """Compiled filter rules; `excluded(relpath, is_dir)` says whether rsync would leave the path out.
+
+    A rule is an exclude pattern, or `+ PATTERN` for an include; the first rule that matches decides (rsync's
+    order), and a path no rule matches is included.
+    """
 
     def __init__(self, patterns) -> None:
         self.patterns = list(patterns)
         self._compiled = []
         for pattern in self.patterns:
+            include = pattern.startswith("+ ")
+            if include:
+                pattern = pattern[2:]
             if not pattern or pattern in ("/", "//"):
                 continue
             dir_only = pattern.endswith("/")
@@ -112,14 +119,14 @@ class Rules:
             if anchored:
                 body = body.lstrip("/")
             prefix = "^" if anchored else "(?:^|.*/)"
-            self._compiled.append((re.compile(prefix + _glob_regex(body) + "$", re.DOTALL), dir_only))
+            self._compiled.append((re.compile(prefix + _glob_regex(body) + "$", re.DOTALL), dir_only, include))
 
     def excluded(self, relpath: str, is_dir: bool) -> bool:
-        for regex, dir_only in self._compiled:
+        for regex, dir_only, include in self._compiled:
             if dir_only and not is_dir:
                 continue
             if regex.match(relpath):
-                return True
+                return not include
         return False
 
 

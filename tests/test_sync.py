@@ -101,7 +101,60 @@ def test_git_decides_ignored_files_including_nested_gitignore_and_negation(tmp_p
     _, files = sync.tree_hash(src, rules)
     # `docs/*.tmp` has a middle slash: git anchors it to the .gitignore's directory (rsync's parser would not)
     assert sorted(files) == [".gitignore", "deep/docs/x.tmp", "keep.log", "pkg/.gitignore", "pkg/code.py"]
-    assert "/build/" in rules and "/a.log" in rules  # git collapsed the ignored directory to one rule
+    # the patterns themselves are the rules (first match wins, so git's last line comes first): a host's own
+    # logs and builds are judged by them too
+    assert rules[-4:] == ("/docs/*.tmp", "build/", "+ keep.log", "*.log")
+    assert "/pkg/secret.txt" in rules and "/pkg/**/secret.txt" in rules
+
+
+IGNORE_CORPUS = {
+    ".gitignore": "*.log\n!keep.log\ncheckpoints/\n/top.txt\ndocs/*.tmp\na/**/z.bin\n**/gen/\nnotes/**\n\\#hash.txt\nsp\\ ace.txt\\ \n# comment\n\nlit[[]1].txt\nvendor\n!vendor/keep\n",
+    "pkg/.gitignore": "secret.txt\n!important.log\n/only-here.txt\ndeep/*.cfg\n",
+    "pkg/sub/.gitignore": "*.cfg\n!shipped.cfg\n",
+}
+CANDIDATES = [
+    "x.log", "keep.log", "d/x.log", "d/keep.log", "checkpoints/step100.pt", "d/checkpoints/s.pt", "checkpoints.txt",
+    "top.txt", "d/top.txt", "docs/a.tmp", "d/docs/a.tmp", "docs/d/a.tmp", "a/z.bin", "a/b/c/z.bin", "b/a/z.bin",
+    "gen/out.c", "x/y/gen/out.c", "gen.c", "notes/n.md", "notes/d/n.md", "#hash.txt", "sp ace.txt ", "sp ace.txt",
+    "lit[1].txt", "lit1.txt", "vendor/keep", "vendor/lib.py", "pkg/secret.txt", "pkg/q/secret.txt", "secret.txt",
+    "pkg/important.log", "pkg/x/important.log", "important.log", "pkg/only-here.txt", "pkg/q/only-here.txt",
+    "only-here.txt", "pkg/deep/a.cfg", "pkg/deep/q/a.cfg", "pkg/sub/a.cfg", "pkg/sub/shipped.cfg", "pkg/sub/q/b.cfg",
+    "pkg/code.py", "code.py",
+]
+
+
+def test_translated_ignore_patterns_alone_decide_like_git(tmp_path):
+    """The rules that judge a host's own files (which git never sees) must agree with git on every path."""
+    src = git_repo(write(tmp_path / "src", {**IGNORE_CORPUS, **{rel: rel for rel in CANDIDATES}}))
+    shipped = subprocess.run(["git", "ls-files", "-z", "--others", "--exclude-standard"], cwd=src, capture_output=True, check=True).stdout
+    by_git = sorted(os.fsdecode(p) for p in shipped.split(b"\0") if p)
+    _, _, patterns, _ = sync.git_view(src)
+    assert sorted(sync.tree_hash(src, (".git", *patterns))[1]) == by_git
+    assert "x.log" not in by_git and "keep.log" in by_git and "pkg/important.log" in by_git  # the corpus bites
+
+
+def test_rsync_and_the_hash_apply_the_translated_rules_alike(tmp_path):
+    """Host-only files: rsync --delete removes exactly those the hash counts, and keeps those it leaves out."""
+    src = git_repo(write(tmp_path / "src", {**IGNORE_CORPUS, "code.py": "c"}))
+    rules, _ = sync.exclude_rules(src)
+    dst = write(tmp_path / "dst", {rel: "host only" for rel in CANDIDATES})
+    counted = set(sync.tree_hash(dst, rules)[1]) - {"code.py"}
+    rules_file = tmp_path / "rules"
+    rules_file.write_bytes(sync.rules_file_bytes(rules))
+    subprocess.run(["rsync", "-a", "--delete", "--from0", f"--filter=merge {rules_file}", f"{src}/", f"{dst}/"], check=True)
+    survivors = {str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()}
+    assert survivors == {rel for rel in CANDIDATES if rel not in counted} | set(IGNORE_CORPUS) | {"code.py"}
+    assert sync.tree_hash(dst, rules) == sync.tree_hash(src, rules)
+
+
+def test_a_tracked_file_that_matches_an_ignore_pattern_is_still_shipped(tmp_path):
+    src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\nbuild/\n", "fixture.log": "tracked", "build/keep.txt": "k", "a.py": "a"}))
+    subprocess.run(["git", "add", "-f", "fixture.log", "build/keep.txt"], cwd=src, check=True)
+    (src / "build" / "junk.o").write_text("j")
+    (src / "other.log").write_text("o")
+    rules, _ = sync.exclude_rules(src)
+    assert sorted(sync.tree_hash(src, rules)[1]) == [".gitignore", "a.py", "build/keep.txt", "fixture.log"]
+    assert "+ /fixture.log" in rules and "+ /build/" in rules
 
 
 def test_gitignore_applies_to_a_tree_outside_any_repository(tmp_path):
@@ -282,7 +335,7 @@ def test_remote_spec_brackets_ipv6_and_keeps_absolute_paths():
 
 
 def test_rules_file_is_nul_separated_so_any_path_fits():
-    assert sync.rules_file_bytes(["runs/", "/a\nb"]) == b"- runs/\0- /a\nb\0"
+    assert sync.rules_file_bytes(["runs/", "/a\nb", "+ /keep.log"]) == b"- runs/\0- /a\nb\0+ /keep.log\0"
 
 
 # ------------------------------------------------------------------------------------------------ planning
@@ -401,3 +454,22 @@ def test_local_host_sync_end_to_end_and_drift_repair(tmp_path):
     assert fixed.hosts["me"].status == "changed" and fixed.ok
     assert (dst / "w" / "pkg" / "a.py").read_text() == "a" and not (dst / "w" / "stray.py").exists()
     assert (dst / "w" / "runs" / "keep.txt").exists()
+
+
+def test_ignored_files_that_exist_only_on_the_host_survive_and_are_no_drift(tmp_path):
+    """A host's checkpoints and logs match .gitignore: not deleted, not in its hash, not reported by check."""
+    src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\ncheckpoints/\n", "train.py": "t", "pkg/.gitignore": "cache.db\n", "pkg/m.py": "m"}))
+    dst = tmp_path / "dst"
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
+    assert sync.sync_code(inv, src, progress=False).ok
+    made = write(dst / "w", {"checkpoints/step100.pt": "weights", "train.log": "loss 1.0", "sub/deep/eval.log": "e", "pkg/cache.db": "c"})
+    dry = sync.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
+    assert (dry.status, dry.would_send, dry.would_delete) == ("ok", [], [])
+    again = sync.sync_code(inv, src, progress=False)
+    assert again.hosts["me"].status == "ok" and again.ok
+    for rel in ("checkpoints/step100.pt", "train.log", "sub/deep/eval.log", "pkg/cache.db"):
+        assert (made / rel).exists(), rel
+    (dst / "w" / "stray.py").write_text("s")  # not ignored: still mirrored away
+    fixed = sync.sync_code(inv, src, progress=False)
+    assert fixed.hosts["me"].files_deleted == 1 and not (dst / "w" / "stray.py").exists()
+    assert (made / "checkpoints/step100.pt").exists() and (made / "train.log").exists()
