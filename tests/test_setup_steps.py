@@ -389,6 +389,24 @@ def test_a_port_reserved_before_mnft_is_not_unreserved():
     assert reserved_ports.plan_undo(facts).empty
 
 
+def test_reserved_ports_touch_etc_only_when_persist_is_asked_for():
+    assert reserved_ports.PARAMS["persist"].default is False
+    facts = {"reserved": "8080\n", "range": "1024 65000\n", "record": None, "persisted": None}
+    assert not any(op.get("path") == reserved_ports.PERSIST for op in reserved_ports.plan_host(facts, (29500,), persist=False).ops)
+    plan = reserved_ports.plan_host(facts, (29500,), persist=True)
+    persisted = next(op["text"] for op in plan.ops if op.get("path") == reserved_ports.PERSIST)
+    assert "# ports added by mnft: 29500\n" in persisted and "ip_local_reserved_ports = 8080,29500\n" in persisted
+
+
+def test_after_a_reboot_undo_takes_mnfts_ports_from_the_persisted_file():
+    persisted = reserved_ports.persisted_text({8080, 29500}, {29500})
+    rebooted = {"reserved": "8080,29500\n", "range": "1024 65000\n", "record": None, "persisted": persisted}  # no /run record
+    assert reserved_ports.plan_host(rebooted, (29500,), persist=True).empty
+    undo = reserved_ports.plan_undo(rebooted)
+    assert {"op": "sysctl", "path": reserved_ports.SYSCTL, "value": "8080"} in undo.ops
+    assert {"op": "remove", "path": reserved_ports.PERSIST} in undo.ops
+
+
 # ---------------------------------------------------------------------------------------------- parameters
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from mnft.errors import MnftError
@@ -79,6 +80,29 @@ def autocast(d: mdist.Dist, mixed_precision: str):
     """bf16 autocast on GPU (``auto``) or when asked; fp32 otherwise."""
     bf16 = mixed_precision == "bf16" or (mixed_precision == "auto" and d.device.type == "cuda")
     return torch.autocast(d.device.type, dtype=torch.bfloat16, enabled=bf16)
+
+
+def poison_grad(params: list[torch.nn.Parameter]) -> None:
+    """Fault injection (``debug_inf_grad_steps``): one gradient element of this rank becomes inf."""
+    for p in params:
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad  # FSDP2: this rank's shard
+        if grad is not None and grad.numel():
+            grad.view(-1)[0] = float("inf")
+            return
+
+
+@torch.no_grad()
+def rank_checksums(params: list[torch.nn.Parameter]) -> list[float]:
+    """Every rank's fingerprint of its own parameters (FSDP2: its shards), gathered on all ranks (collective).
+
+    Test aid (``debug_rank_checksums``): a skipped step must leave every rank's value unchanged."""
+    total = 0.0
+    for i, p in enumerate(params):
+        x = (p.to_local() if hasattr(p, "to_local") else p).detach().double()
+        total += (i + 1) * (x.sum().item() + 0.5 * x.abs().sum().item())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, total)
+    return everyone
 
 
 def crash_now(step: int) -> None:

@@ -70,7 +70,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                 "data": batches.position(), "rng": mdist.rng_state()}
 
     ckpt_root = out / "checkpoints"
-    resume_from = checkpointing.resolve(cfg.resume, ckpt_root, d.rank, d.world_size)
+    resume_from = checkpointing.resolve(cfg.resume, ckpt_root, d.rank, d.world_size, cfg.overwrite)
     step, skipped, history = 0, 0, {"initial_loss": None, "recent": []}
     if resume_from is not None:
         state = checkpoint_state()
@@ -114,6 +114,8 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                 # DDP averages gradients over ranks, hence * world_size: the sum over all ranks / global tokens
                 (s * d.world_size / denom).backward()
             loss_sum += s.detach()
+        if step in cfg.debug_inf_grad_steps and d.rank == d.world_size - 1:  # finite loss, inf grad
+            common.poison_grad(trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
         total_loss, any_bad = mdist.all_reduce([loss_sum.item(), float(not math.isfinite(grad_norm))], d.device)
         loss = total_loss / denom
@@ -133,9 +135,10 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         if ok:
             history["initial_loss"] = history["initial_loss"] if history["initial_loss"] is not None else loss
             recent.append(loss)
-        if step % cfg.log_every == 0 or step == cfg.max_steps or not ok:
-            log.step(step, loss, lr, grad_norm, global_tokens / dt, int(global_tokens), skipped,
-                     metrics.peak_memory_mb(d.device), skipped=not ok and global_tokens > 0)
+        show = step % cfg.log_every == 0 or step == cfg.max_steps or not ok  # progress line; JSONL every step
+        checks = {"rank_checksums": common.rank_checksums(trainable)} if cfg.debug_rank_checksums else {}
+        log.step(step, loss, lr, grad_norm, global_tokens / dt, int(global_tokens), skipped,
+                 metrics.peak_memory_mb(d.device), show=show, skipped=not ok and global_tokens > 0, **checks)
         if consecutive_bad >= cfg.max_consecutive_skips:
             raise RecipeError(
                 f"{consecutive_bad} steps in a row had a non-finite loss or grad norm (last at step {step}: "

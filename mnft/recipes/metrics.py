@@ -51,7 +51,8 @@ class Metrics:
         self.write({"event": name, **fields, "time": time.time()})
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float, tokens_per_s: float, trained_tokens: int,
-             skipped_steps: int, peak_memory_mb: float, **extra) -> None:
+             skipped_steps: int, peak_memory_mb: float, show: bool = True, **extra) -> None:
+        """One JSONL line (and TensorBoard scalars) for every step; the progress line only when ``show``."""
         if not self.enabled:
             return
         record = {"step": step, "loss": _num(loss), "lr": lr, "grad_norm": _num(grad_norm),
@@ -62,6 +63,8 @@ class Metrics:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s", "peak_memory_mb"):
                 if isinstance(record[key], float) and math.isfinite(record[key]):
                     self.tb.add_scalar(f"train/{key}", record[key], step)
+        if not show:
+            return
         flag = "  SKIPPED (non-finite)" if extra.get("skipped") else ""
         print(f"step {step:>5}/{self.max_steps}  loss {loss:8.4f}  lr {lr:.2e}  grad_norm {grad_norm:7.3f}  "
               f"tok/s {tokens_per_s:8.0f}  tokens {trained_tokens:>6}  mem {peak_memory_mb:7.0f}MB  "

@@ -3,8 +3,10 @@
 A port in `net.ipv4.ip_local_port_range` can be taken by any outgoing connection (an NCCL socket, a pip
 download) just before torchrun binds it. `net.ipv4.ip_local_reserved_ports` excludes ports from that choice.
 mnft adds its ports to the current value (the value's other ports are kept) and records the ports it added in
-/run/mnft/reserved_ports (runtime state, gone at reboot like the runtime value); with `persist: true` it also
-writes /etc/sysctl.d/90-mnft-reserved-ports.conf. Undo removes only the ports mnft added. Needs root.
+/run/mnft/reserved_ports (runtime state, gone at reboot like the runtime value). Only with `persist: true`
+(default false: nothing in /etc changes) it also writes /etc/sysctl.d/90-mnft-reserved-ports.conf, which names
+the ports mnft added in a comment, so an undo after a reboot (no /run record) still removes only those.
+Undo removes only the ports mnft added. Needs root.
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ TAGS = ("ports",)
 NEEDS_ROOT = True
 PARAMS = {
     "ports": Param("ports", None, "ports to reserve (default: the inventory's rendezvous_port)"),
-    "persist": Param("bool", True, "also write /etc/sysctl.d/90-mnft-reserved-ports.conf (survives reboots)"),
+    "persist": Param("bool", False, "also write /etc/sysctl.d/90-mnft-reserved-ports.conf (survives reboots)"),
 }
 
 SYSCTL = "/proc/sys/net/ipv4/ip_local_reserved_ports"
 RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 RECORD = "/run/mnft/reserved_ports"
 PERSIST = "/etc/sysctl.d/90-mnft-reserved-ports.conf"
+ADDED = "# ports added by mnft:"
 
 
 def parse_ports(text: str) -> set[int]:
@@ -64,9 +67,33 @@ def persisted_ports(text: str | None) -> set[int] | None:
     return None
 
 
+def persisted_mnft_ports(text: str | None) -> set[int] | None:
+    """The ports mnft added, as its sysctl.d file names them (`# ports added by mnft: …`), or None."""
+    for line in (text or "").splitlines():
+        if line.startswith(ADDED):
+            try:
+                return parse_ports(line[len(ADDED):])
+            except ValueError:
+                return None
+    return None
+
+
+def mnft_ports(facts: dict) -> set[int]:
+    """The ports mnft added: its /run record, else (after a reboot) what its sysctl.d file names."""
+    if facts["record"] is not None:
+        return parse_ports(facts["record"])
+    return persisted_mnft_ports(facts["persisted"]) or set()
+
+
+def persisted_text(wanted: set[int], added: set[int]) -> str:
+    return ("# written by mnft setup (reserved ports: the value when applied); remove with invoke setup --undo\n"
+            f"{ADDED} {render_ports(added)}\n"
+            f"net.ipv4.ip_local_reserved_ports = {render_ports(wanted)}\n")
+
+
 def plan_host(facts: dict, ports: tuple[int, ...], persist: bool) -> Plan:
     current = parse_ports(facts["reserved"])
-    recorded = parse_ports(facts["record"] or "")
+    recorded = mnft_ports(facts)
     missing = set(ports) - current
     plan = Plan()
     low, high = (int(x) for x in facts["range"].split())
@@ -81,17 +108,18 @@ def plan_host(facts: dict, ports: tuple[int, ...], persist: bool) -> Plan:
     if new_record != recorded:
         plan.ops.append(write_op(RECORD, render_ports(new_record) + "\n", mode=0o644, dir_mode=0o700))
     if persist:
-        text = f"# written by mnft setup (reserved ports: the value when applied); remove with invoke setup --undo\nnet.ipv4.ip_local_reserved_ports = {render_ports(wanted)}\n"
         have = persisted_ports(facts["persisted"])
-        if have is None or not set(ports) <= have:
+        if have is None or not set(ports) <= have or persisted_mnft_ports(facts["persisted"]) != new_record:
             plan.changes.append(f"write {PERSIST}")
-            plan.ops.append(write_op(PERSIST, text, mode=0o644))
+            plan.ops.append(write_op(PERSIST, persisted_text(wanted, new_record), mode=0o644))
+    elif facts["persisted"] is not None:
+        plan.notes.append(f"{PERSIST} (from an earlier run with persist: true) is kept; invoke setup --undo removes it")
     return plan
 
 
 def plan_undo(facts: dict) -> Plan:
     current = parse_ports(facts["reserved"])
-    recorded = parse_ports(facts["record"] or "")
+    recorded = mnft_ports(facts)
     plan = Plan()
     if recorded & current:
         plan.changes.append(f"unreserve {render_ports(recorded & current)} (added by mnft)")
