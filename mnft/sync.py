@@ -686,6 +686,12 @@ def plan(
     """
     plans = []
     shared_writer: str | None = None
+    if kind == "data":  # a shared host that already holds the data: the others only verify they see it
+        for host in inventory.hosts:
+            tree = remote.get(host.name, (None, None))[1]
+            if host.shared_fs and tree is not None and tree.exists and tree.digest == local.digest and not tree.errors and not remote_refusal(tree):
+                shared_writer = host.name
+                break
     for host in inventory.hosts:
         target = host.workdir if kind == "code" else host.data_dir
         result, tree = remote.get(host.name, (None, None))
@@ -703,7 +709,7 @@ def plan(
             continue
         if kind == "data" and host.shared_fs:
             if shared_writer is not None:
-                plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem written by {shared_writer}"))
+                plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem: the copy of {shared_writer}"))
                 continue
             shared_writer = host.name
         # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
@@ -968,7 +974,8 @@ def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, aft
     if tree.errors or not diff.empty:
         sync.status = SyncStatus.FAILED
         sync.differing = diff.describe(10**6) + [f"unreadable: {rel}: {e}" for rel, e in sorted(tree.errors.items())]
-        what = "does not see the shared copy" if p.action == "verify" else "differs after the sync"
+        what = f"host {p.host} does not see the shared data at {p.target} ({p.reason[len('shared filesystem: '):]}): is the shared filesystem mounted?" \
+            if p.action == "verify" else "differs after the sync"
         sync.error = f"{what}: {len(diff.send) + len(diff.delete) + len(tree.errors)} file(s): " + ", ".join(sync.differing[:3])
     return sync
 

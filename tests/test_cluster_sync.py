@@ -203,5 +203,10 @@ def test_data_goes_to_data_dir_once_on_a_shared_filesystem(cluster, tmp_path):
     report = sync.sync_data(inventory_mod.load(shared), data, progress=False)
     # h2 does not really share h1's disk here: the writer is h1, and h2 must say it cannot see the data
     assert report.hosts["h1"].status == "changed"
-    assert report.hosts["h2"].status == "failed" and "does not see the shared copy" in report.hosts["h2"].error
+    assert report.hosts["h2"].status == "failed" and "host h2 does not see the shared data at /root/sync-data-shared" in report.hosts["h2"].error
+    assert not (h2.home / "sync-data-shared").exists()
+    # the next run: h1 already holds the data, so h2 (still without the mount) verifies and fails again, uncopied
+    again = sync.sync_data(inventory_mod.load(shared), data, progress=False)
+    assert again.hosts["h1"].status == "ok"
+    assert again.hosts["h2"].status == "failed" and "host h2 does not see the shared data" in again.hosts["h2"].error
     assert not (h2.home / "sync-data-shared").exists()

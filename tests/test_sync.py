@@ -390,6 +390,38 @@ def test_data_on_a_shared_filesystem_is_written_once_and_verified_by_the_others(
     assert plans["h1"].argv[-1] == "10.0.0.1:mnft-data/"
 
 
+def test_when_one_shared_host_already_holds_the_data_no_other_shared_host_gets_a_copy():
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n  h3: {address: 10.0.0.3}\n")
+    files = {"d.bin": (5, "e" * 64)}
+    local = local_tree(files)
+    remote = {"h1": read_ok("h1", dict(files), root="/root/mnft-data"), "h2": read_ok("h2", None, root="/root/mnft-data"),
+              "h3": read_ok("h3", None, root="/root/mnft-data")}
+    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
+    assert [plans[n].action for n in ("h1", "h2", "h3")] == ["none", "verify", "rsync"]  # h2 lost the mount: no copy of its own
+
+
+def shared_pair(tmp_path, b_dir: str):
+    return inventory(f"hosts:\n  a: {{connection: local, workdir: '{tmp_path}/wa', data_dir: '{tmp_path}/shared', shared_fs: true}}\n"
+                     f"  b: {{connection: local, workdir: '{tmp_path}/wb', data_dir: '{b_dir}', shared_fs: true}}\n")
+
+
+def test_shared_data_is_written_once_then_only_verified_and_a_host_without_the_mount_fails(tmp_path):
+    data = write(tmp_path / "dataset", {"shards/0.jsonl": "{}\n", "shards/1.jsonl": "[]\n"})
+    inv = shared_pair(tmp_path, f"{tmp_path}/shared")  # both see one directory: a real shared filesystem
+    first = sync.sync_data(inv, data, progress=False)
+    assert first.ok, first.summary()
+    assert (first.hosts["a"].status, first.hosts["b"].status) == ("changed", "ok")
+    assert first.hosts["b"].bytes_sent == 0 and first.hosts["b"].remote_hash == first.local_hash
+    second = sync.sync_data(inv, data, progress=False)
+    assert {h.status for h in second.hosts.values()} == {"ok"}
+    lost = shared_pair(tmp_path, f"{tmp_path}/mnt-gone/data")  # b's mount is gone: its path is empty
+    report = sync.sync_data(lost, data, progress=False)
+    assert report.hosts["a"].status == "ok"
+    assert report.hosts["b"].status == "failed" and report.exit_code() == ExitCode.FAILED
+    assert f"host b does not see the shared data at {tmp_path}/mnt-gone/data" in report.hosts["b"].error
+    assert not (tmp_path / "mnt-gone").exists()  # no private copy was made
+
+
 def test_difference_names_changed_missing_and_extra_files():
     diff = sync.difference({"a": (1, "x"), "b": (1, "y")}, {"a": (1, "z"), "c": (1, "w")})
     assert diff == sync.Difference(("a", "b"), ("c",))
