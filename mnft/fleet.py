@@ -24,9 +24,11 @@ from mnft.connection import (
     Process,
     Timeouts,
     Unreachable,
+    fabric_connection,
     open_connection,
+    ssh_target,
 )
-from mnft.errors import ExitCode
+from mnft.errors import ExitCode, InputError
 from mnft.hostkeys import known_hosts_files, load_trusted
 from mnft.inventory import Host, Inventory
 
@@ -98,6 +100,8 @@ class Fleet:
         self._known_hosts = known_hosts_files(inventory.known_hosts)
         load_trusted(self._known_hosts)  # an unreadable known_hosts file is bad input: stop before any host
         self._config: fabric.Config | None = None
+        if any(not h.is_local for h in inventory.hosts):
+            distinct_targets(inventory, self._fabric_config(), timeouts)
         self._connections: dict[str, Connection] = {}
         self._broken: dict[str, HostResult] = {}  # hosts that could not be reached, kept for later phases
         self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="mnft-host")
@@ -208,6 +212,21 @@ class Fleet:
             return self.run_one(host, cmd, data, timeout)
 
         return self.map(one, hosts)
+
+
+def distinct_targets(inventory: Inventory, config: fabric.Config, timeouts: Timeouts) -> None:
+    """Two names that ~/.ssh/config sends to the same user@machine:port would run two node_ranks' work on one
+    machine (the inventory's own check sees only what the file says): bad input, refused before any host."""
+    seen: dict[tuple[str, int, str], str] = {}
+    for host in inventory.hosts:
+        if host.is_local:
+            continue
+        target = ssh_target(fabric_connection(host, timeouts, config))
+        if target in seen:
+            hostname, port, user = target
+            where = inventory.path or "<inventory>"
+            raise InputError(f"{where}: host {host.name!r}: duplicate host: ~/.ssh/config sends it to {user}@{hostname}:{port} like {seen[target]!r}")
+        seen[target] = host.name
 
 
 def _since(started: float) -> float:

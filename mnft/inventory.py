@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from mnft import yamlfile
 from mnft.errors import InputError
-from mnft.yamlfile import line_of, suggest
+from mnft.yamlfile import LineMap, line_of, suggest
 
 DEFAULT_RENDEZVOUS_PORT = 29500
 CONNECTIONS = ("ssh", "local")
@@ -57,11 +57,38 @@ ANSIBLE_KEYS = {
     "ansible_user": "user",
     "ansible_ssh_user": "user",
     "ansible_ssh_private_key_file": "identity",
+    "ansible_private_key_file": "identity",
     "ansible_python_interpreter": "python",
     "ansible_connection": "connection",
     "ansible_become": "become",
 }
-ANSIBLE_CONNECTIONS = {"ssh": "ssh", "smart": "ssh", "paramiko": "ssh", "local": "local"}
+ANSIBLE_CONNECTIONS = {"ssh": "ssh", "smart": "ssh", "paramiko": "ssh", "paramiko_ssh": "ssh", "local": "local"}
+# Ansible's documented connection, privilege-escalation and shell variables that mnft reads no value from: an
+# existing inventory carries them, so they are accepted and listed as ignored (`invoke inventory`), never a typo.
+# mnft connects with keys (~/.ssh/config, agent, identity) and its `become` is `sudo` to root, asking for the
+# password itself: passwords, become_user/method and ssh argument strings are Ansible's business.
+ANSIBLE_IGNORED = frozenset({
+    "ansible_password", "ansible_ssh_pass", "ansible_ssh_password",
+    "ansible_ssh_common_args", "ansible_ssh_extra_args", "ansible_sftp_extra_args", "ansible_scp_extra_args",
+    "ansible_ssh_args", "ansible_ssh_executable", "ansible_ssh_pipelining", "ansible_pipelining",
+    "ansible_ssh_transfer_method", "ansible_scp_if_ssh", "ansible_sftp_batch_mode", "ansible_ssh_retries",
+    "ansible_ssh_timeout", "ansible_timeout", "ansible_connection_timeout", "ansible_command_timeout",
+    "ansible_host_key_checking", "ansible_ssh_host_key_checking", "ansible_control_path", "ansible_control_path_dir",
+    "ansible_ssh_use_tty", "ansible_ssh_verbosity", "ansible_ssh_host_key_algorithms",
+    "ansible_become_method", "ansible_become_user", "ansible_become_pass", "ansible_become_password",
+    "ansible_become_exe", "ansible_become_flags",
+    "ansible_sudo", "ansible_sudo_user", "ansible_sudo_pass", "ansible_sudo_password", "ansible_sudo_exe", "ansible_sudo_flags",
+    "ansible_su", "ansible_su_user", "ansible_su_pass", "ansible_su_password", "ansible_su_exe", "ansible_su_flags",
+    "ansible_shell_type", "ansible_shell_executable", "ansible_remote_tmp", "ansible_async_dir",
+    "ansible_module_compression", "ansible_network_os", "ansible_hostname", "ansible_distribution",
+    "ansible_user_dir", "ansible_python", "ansible_facts", "ansible_play_hosts",
+})
+# Variables of other connection plugins (WinRM, PSRP, paramiko, network devices, containers).
+ANSIBLE_IGNORED_PREFIXES = (
+    "ansible_winrm_", "ansible_psrp_", "ansible_paramiko_", "ansible_libssh_", "ansible_netconf_",
+    "ansible_httpapi_", "ansible_network_", "ansible_docker_", "ansible_podman_", "ansible_kubectl_",
+    "ansible_lxd_", "ansible_chroot_", "ansible_jail_", "ansible_local_",
+)
 GROUP_KEYS = ("hosts", "vars", "children")
 
 
@@ -132,7 +159,7 @@ def load(path: str | os.PathLike[str]) -> Inventory:
 
 def parse(text: str, path: Path | None = None) -> Inventory:
     where = str(path) if path else "<inventory>"
-    if _looks_like_hostfile(text):
+    if _looks_like_hostfile(text) or _looks_like_a_broken_hostfile(text):
         return _parse_hostfile(text, path, where)
     doc = yamlfile.load(text, where)
     if doc is None or doc == {}:
@@ -160,6 +187,14 @@ def _looks_like_hostfile(text: str) -> bool:
     lines = [ln.split("#", 1)[0] for ln in text.splitlines()]
     lines = [ln for ln in lines if ln.strip()]
     return bool(lines) and all(_HOSTFILE_LINE.match(ln) for ln in lines)
+
+
+def _looks_like_a_broken_hostfile(text: str) -> bool:
+    """`n1 slots = 8`: no YAML mapping or list anywhere, and a `slots` word: parse it as a hostfile so the
+    error names the line instead of "an inventory is a mapping"."""
+    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    return bool(lines) and not any(":" in ln or ln[0] in "-{[" for ln in lines) and any("slots" in ln for ln in lines)
 
 
 # --------------------------------------------------------------------------------------------------- mnft
@@ -232,6 +267,15 @@ def expand_host_pattern(pattern: str) -> list[str]:
     return [name for item in items for name in expand_host_pattern(head + item + tail)]
 
 
+def _split_host_port(pattern: str) -> tuple[str, int | None]:
+    """`gpu01:2222` -> ('gpu01', 2222), as Ansible's YAML inventory reads a port after the name (a colon inside
+    a range such as node[01:04] or an IPv6 address is not a port)."""
+    match = re.fullmatch(r"(.+?):(\d+)", pattern)
+    if match and ":" not in re.sub(r"\[[^\]]*\]", "", match.group(1)):
+        return match.group(1), int(match.group(2))
+    return pattern, None
+
+
 def _parse_ansible(doc: dict, path: Path | None, where: str) -> Inventory:
     # Top-level keys are groups; Ansible makes every top-level group a child of 'all'.
     order: list[str] = []  # hosts in order of first appearance (node_rank order)
@@ -239,6 +283,8 @@ def _parse_ansible(doc: dict, path: Path | None, where: str) -> Inventory:
     memberships: dict[str, list[tuple[int, str]]] = {}  # host -> [(depth, group)]
     group_vars: dict[str, dict] = {}
     group_depth: dict[str, int] = {}
+    host_line: dict[str, int] = {}  # where each host first appears
+    var_lines: dict[tuple[str, str], dict[str, int]] = {}  # ("group"|"host", name) -> {var: line}
 
     def walk(group: str, body: Any, depth: int, parents: tuple[str, ...], container: Any) -> None:
         if group in parents:
@@ -255,24 +301,33 @@ def _parse_ansible(doc: dict, path: Path | None, where: str) -> Inventory:
         if not isinstance(gvars, dict):
             raise InputError(f"{where}{line_of(body, 'vars')}: group {group!r}: 'vars' must be a mapping")
         group_vars.setdefault(group, {}).update(gvars)
+        var_lines.setdefault(("group", group), {}).update(getattr(gvars, "key_lines", {}))
         _check_ansible_vars(gvars, where, f"group {group!r}")
         hosts = body.get("hosts") or {}
         if not isinstance(hosts, dict):
             raise InputError(f"{where}{line_of(body, 'hosts')}: group {group!r}: 'hosts' must be a mapping name -> vars")
         for pattern, hvars in hosts.items():
-            try:
-                names = expand_host_pattern(str(pattern))
-            except ValueError as exc:
-                raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: {exc}") from None
             hvars = hvars if hvars is not None else {}
             if not isinstance(hvars, dict):
                 raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: vars must be a mapping, got {hvars!r}")
             _check_ansible_vars(hvars, where, f"host {pattern!r}")
+            bare, port = _split_host_port(str(pattern))
+            if port is not None and not any(k in hvars for k in ("ansible_port", "ansible_ssh_port", "port", "mnft_port")):
+                lines = getattr(hvars, "key_lines", None)
+                hvars = LineMap({**hvars, "ansible_port": port})  # `host:2222`, as Ansible reads it
+                hvars.line, hvars.key_lines = getattr(hosts, "key_lines", {}).get(pattern, 0), dict(lines or {})
+                hvars.key_lines["ansible_port"] = hvars.line
+            try:
+                names = expand_host_pattern(bare)
+            except ValueError as exc:
+                raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: {exc}") from None
             for name in names:
                 if name not in host_vars:
                     order.append(name)
                     host_vars[name] = {}
+                    host_line[name] = getattr(hosts, "key_lines", {}).get(pattern, 0)
                 host_vars[name].update(hvars)
+                var_lines.setdefault(("host", name), {}).update(getattr(hvars, "key_lines", {}))
                 memberships.setdefault(name, []).extend((group_depth[p], p) for p in (*parents, group))
         children = body.get("children") or {}
         if not isinstance(children, dict):
@@ -293,11 +348,19 @@ def _parse_ansible(doc: dict, path: Path | None, where: str) -> Inventory:
     all_vars = group_vars.get("all", {})
     for name in order:
         merged: dict[str, Any] = {}
+        lines: dict[str, int] = {}
         groups = sorted(set(memberships[name]), key=lambda dg: (group_depth[dg[1]], dg[1]))
         for _, group in groups:
             merged.update(group_vars.get(group, {}))
+            lines.update(var_lines.get(("group", group), {}))
         merged.update(host_vars[name])
-        raw.append((name, merged, host_vars[name]))
+        lines.update(var_lines.get(("host", name), {}))
+        own = LineMap(host_vars[name])
+        own.line = host_line.get(name, 0)
+        own.key_lines = {_mnft_key(var): line for var, line in lines.items() if _mnft_key(var)}
+        if not own.line:
+            own = host_vars[name]
+        raw.append((name, merged, own))
     settings = [(name, _from_ansible(merged), own) for name, merged, own in raw]
     ignored = {
         name: tuple(sorted(k for k in merged if not _ansible_key_known(k)))
@@ -323,19 +386,36 @@ def _ansible_key_known(key: str) -> bool:
     return key in ANSIBLE_KEYS or key in HOST_KEYS or key.removeprefix("mnft_") in HOST_KEYS or key in MNFT_ANSIBLE_GLOBALS
 
 
+def _ansible_own(key: str) -> bool:
+    """One of Ansible's documented variables that mnft does not use."""
+    return key in ANSIBLE_IGNORED or key.startswith(ANSIBLE_IGNORED_PREFIXES) or (key.startswith("ansible_") and key.endswith("_interpreter"))
+
+
 def _check_ansible_vars(variables: dict, where: str, what: str) -> None:
     """Ansible inventories carry vars for other tools, so unknown names are kept aside, except near-misses of
-    mnft's own keys (`slot`, `mnft_iface_name`): those are typos that would silently change a job."""
-    mnft_names = [*HOST_KEYS, *(f"mnft_{k}" for k in HOST_KEYS), *MNFT_ANSIBLE_GLOBALS, *ANSIBLE_KEYS]
+    mnft's own keys (`slot`, `mnft_iface_name`) and of the ansible_* names mnft reads (`ansible_prot`): those
+    are typos that would silently change a job. Ansible's own documented variables are never suspects."""
+    mnft_names = [*HOST_KEYS, *(f"mnft_{k}" for k in HOST_KEYS), *MNFT_ANSIBLE_GLOBALS]
     for key in variables:
         key = str(key)
-        if _ansible_key_known(key):
+        if _ansible_key_known(key) or _ansible_own(key):
             continue
         if key.startswith("mnft_"):
             raise InputError(f"{where}{line_of(variables, key)}: {what}: unknown key {key!r}{suggest(key, mnft_names)}")
-        close = difflib.get_close_matches(key, mnft_names, n=1, cutoff=0.8)
+        if key.startswith("ansible_"):
+            close = difflib.get_close_matches(key, list(ANSIBLE_KEYS), n=1, cutoff=0.9)
+        else:
+            close = difflib.get_close_matches(key, mnft_names, n=1, cutoff=0.8)
         if close:
             raise InputError(f"{where}{line_of(variables, key)}: {what}: unknown key {key!r} (did you mean {close[0]!r}?)")
+
+
+def _mnft_key(var: str) -> str | None:
+    """The mnft setting an Ansible variable sets, if any."""
+    if var in ANSIBLE_KEYS:
+        return ANSIBLE_KEYS[var]
+    bare = str(var).removeprefix("mnft_")
+    return bare if bare in HOST_KEYS else None
 
 
 def _from_ansible(merged: dict) -> dict:
@@ -367,7 +447,10 @@ def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
         if name in seen:
             raise InputError(f"{where}:{number}: host {name!r}: duplicate host (first on line {seen[name]})")
         seen[name] = number
-        settings: dict[str, Any] = {}
+        settings = LineMap()
+        settings.line, settings.key_lines = number, {"slots": number}
+        if any("=" in option for option in options) and not all(re.match(r"^[^=]+=[^=]+$", o) for o in options):
+            raise InputError(f"{where}:{number}: host {name!r}: write 'slots=N' with no spaces around '=' (a hostfile line is 'hostname slots=N')")
         for option in options:
             key, _, value = option.partition("=")
             if key != "slots":
@@ -439,13 +522,28 @@ def _port(value: Any, where: str, what: str, key: str) -> int:
     return port
 
 
+# A host name is a label, but it also becomes a `Host` line of ssh_config and a name in /etc/hosts: a DNS name
+# or alias, nothing ssh_config reads as a pattern (`*`, `?`, `!`), no white space or quotes, no leading '-'.
+HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}$")
+# An address is a host name or an IPv4/IPv6 address (an IPv6 zone such as fe80::1%eth0 included).
+ADDRESS = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%-]{0,252}$")
+# A Linux interface name (IFNAMSIZ: at most 15 characters): it is written into nftables rules loaded as root.
+IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+
+
 def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -> Host:
     what = f"host {name!r}"
     line = line_of(own)
     loc = f"{where}{line}"
-    if not name or any(ch.isspace() for ch in name):
-        raise InputError(f"{loc}: host name {name!r} is empty or contains white space")
+    if not HOST_NAME.match(name):
+        raise InputError(
+            f"{loc}: {what}: not a valid host name (letters, digits, '.', '_', '-', not starting with '-'; "
+            f"no white space, quotes, shell or ssh_config pattern characters)"
+        )
     values = {**HOST_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
+
+    def at(key: str) -> str:  # file:line where the key's value was set, else of the host
+        return f"{where}{line_of(own, key) if key in getattr(own, 'key_lines', {}) else line}"
 
     def text(key: str, allow_none: bool = True) -> str | None:
         value = values[key]
@@ -467,14 +565,19 @@ def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) 
 
     connection = values["connection"]
     if connection not in CONNECTIONS:
-        raise InputError(f"{loc}: {what}: key 'connection': unknown connection type {connection!r} (use one of: {', '.join(CONNECTIONS)})")
+        raise InputError(f"{at('connection')}: {what}: key 'connection': unknown connection type {connection!r} (use one of: {', '.join(CONNECTIONS)})")
     slots = values["slots"]
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise InputError(f"{loc}: {what}: key 'slots': {slots!r} must be a whole number ≥ 1 (processes on this node)")
-    port = None if values["port"] is None else _port(values["port"], loc, what, "port")
+        raise InputError(f"{at('slots')}: {what}: key 'slots': {slots!r} must be a whole number ≥ 1 (processes on this node)")
+    port = None if values["port"] is None else _port(values["port"], at("port"), what, "port")
     address = text("address") or name
     if address.startswith("-"):
-        raise InputError(f"{loc}: {what}: key 'address': {address!r} must not start with '-'")
+        raise InputError(f"{at('address')}: {what}: key 'address': {address!r} must not start with '-'")
+    if not ADDRESS.match(address):
+        raise InputError(f"{at('address')}: {what}: key 'address': {address!r} is not a host name or IP address")
+    iface = text("iface")
+    if iface is not None and not IFACE.match(iface):
+        raise InputError(f"{at('iface')}: {what}: key 'iface': {iface!r} is not a network interface name (at most 15 of A-Z a-z 0-9 _ . : @ -)")
     user = text("user")
     if connection == "local":
         address = "localhost" if values["address"] is None else address
@@ -488,7 +591,7 @@ def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) 
         identity=text("identity"),
         python=text("python", allow_none=False) or "python3",
         slots=slots,
-        iface=text("iface"),
+        iface=iface,
         workdir=text("workdir", allow_none=False) or "~/mnft",
         data_dir=text("data_dir", allow_none=False) or "~/mnft-data",
         connection=connection,

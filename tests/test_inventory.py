@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -266,3 +267,143 @@ def test_check_and_trust_tables_print_names_and_errors_verbatim(capsys):
         assert f"no route to {name}" in out
     assert "[bold]x: disk: full at [/tmp]" in out and "free [b]space" in out
     assert out.count("[gpu01]:2222") >= 3
+
+
+# ------------------------------------------------------------------------------------------ names that reach configs
+
+
+@pytest.mark.parametrize("name", ["web*", "gpu?", "!bad", "a b", "it's", 'q"uote', "-oProxyCommand=x", "a;b", "$(id)", "a\tb", "node[01", ""])
+def test_host_names_that_are_not_host_names_are_refused(name):
+    # a host name becomes a `Host` line of ssh_config and a name in /etc/hosts: a pattern or a payload must not
+    msg = error_of(f"hosts:\n  {json.dumps(name)}: {{}}\n")
+    assert msg.startswith("inv.yaml:2: host ") and "not a valid host name" in msg
+
+
+def test_valid_host_names_and_addresses_pass():
+    inv = parse("hosts:\n  gpu-01.lab_x: {address: fe80::1%eth0}\n  n2: {address: 10.0.0.2}\n  N3: {address: node3.example.org}\n")
+    assert [h.address for h in inv.hosts] == ["fe80::1%eth0", "10.0.0.2", "node3.example.org"]
+
+
+@pytest.mark.parametrize("address", ["a b", "$(touch x)", "x;y", "h*"])
+def test_an_address_that_is_not_a_host_or_ip_is_refused(address):
+    msg = error_of(f'hosts:\n  a:\n    address: "{address}"\n')
+    assert msg.startswith("inv.yaml:3: host 'a': key 'address'") and "not a host name or IP address" in msg
+
+
+@pytest.mark.parametrize("iface", ["eth0;flush ruleset", "a b", "$(id)", "x\"y", "sixteen-chars-xx", "eth0}"])
+def test_an_iface_that_is_not_an_interface_name_is_refused(iface):
+    # the interface goes into an nftables ruleset loaded as root
+    msg = error_of(f"hosts:\n  a:\n    slots: 1\n    iface: '{iface}'\n")
+    assert msg.startswith("inv.yaml:4: host 'a': key 'iface'") and "not a network interface name" in msg
+
+
+@pytest.mark.parametrize("iface", ["eth0", "enp65s0f1np1", "ib0", "bond0.100", "veth1@if7", "br-lab:1"])
+def test_real_interface_names_pass(iface):
+    assert parse(f"hosts:\n  a: {{iface: '{iface}'}}\n").hosts[0].iface == iface
+
+
+# ------------------------------------------------------------------------------------------ a lab's Ansible inventory as it is
+
+LAB_ANSIBLE = """\
+all:
+  vars:
+    ansible_user: ops
+    ansible_become: true
+    ansible_become_method: sudo
+    ansible_become_user: root
+    ansible_become_pass: "{{ vault_sudo }}"
+    ansible_become_exe: sudo
+    ansible_become_flags: -H -S
+    ansible_ssh_common_args: -o StrictHostKeyChecking=yes
+    ansible_ssh_extra_args: -o ServerAliveInterval=30
+    ansible_connection_timeout: 30
+    ansible_shell_type: sh
+    ansible_winrm_transport: ntlm
+  hosts:
+    gpu01:
+      ansible_private_key_file: ~/.ssh/lab_ed25519
+      ansible_ssh_pass: not-used
+      ansible_hostname: gpu01.lab
+    gpu02:
+      ansible_ssh_host: 10.2.0.2
+      ansible_ssh_user: legacy
+      ansible_ssh_port: 2202
+      ansible_ssh_private_key_file: ~/.ssh/other
+    gpu03:2222:
+      ansible_host: 10.2.0.3
+      ansible_perl_interpreter: /usr/bin/perl
+"""
+
+
+def test_an_ansible_inventory_with_real_ansible_variables_works_unchanged():
+    inv = parse(LAB_ANSIBLE)
+    by = {h.name: h for h in inv.hosts}
+    assert list(by) == ["gpu01", "gpu02", "gpu03"]
+    assert by["gpu01"].identity == "~/.ssh/lab_ed25519"  # ansible_private_key_file is Ansible's alias
+    assert by["gpu01"].user == "ops" and by["gpu01"].become is True
+    assert (by["gpu02"].address, by["gpu02"].user, by["gpu02"].port, by["gpu02"].identity) == ("10.2.0.2", "legacy", 2202, "~/.ssh/other")
+    assert (by["gpu03"].address, by["gpu03"].port) == ("10.2.0.3", 2222)  # `name:port` as Ansible reads it
+    ignored = inv.ignored["gpu01"]
+    for var in ("ansible_become_method", "ansible_become_user", "ansible_become_pass", "ansible_ssh_common_args", "ansible_ssh_pass", "ansible_hostname", "ansible_connection_timeout"):
+        assert var in ignored  # accepted and shown by `invoke inventory` as not used by mnft
+
+
+@pytest.mark.parametrize(
+    "var, meant",
+    [("ansible_prot", "ansible_port"), ("ansible_usr", "ansible_user"), ("ansible_python_interpeter", "ansible_python_interpreter"), ("slot", "slots"), ("mnft_iface_name", "mnft_iface")],
+)
+def test_ansible_near_misses_of_the_names_mnft_reads_are_refused(var, meant):
+    msg = error_of(f"all:\n  hosts:\n    a:\n      {var}: 1\n")
+    assert msg.startswith("inv.yaml:4: host 'a'") and f"unknown key {var!r} (did you mean {meant!r}?)" in msg
+
+
+def test_ansible_bad_values_name_the_line_that_set_them():
+    assert error_of("all:\n  vars:\n    slots: 0\n  hosts:\n    a:\n").startswith("inv.yaml:3: host 'a': key 'slots'")
+    assert error_of("all:\n  hosts:\n    a:\n    b:\n      ansible_port: 70000\n").startswith("inv.yaml:5: host 'b': key 'port': 70000 is not a port number")
+    assert error_of("all:\n  hosts:\n    a:\n      ansible_connection: winrm\n").startswith("inv.yaml:4: host 'a': key 'connection': unknown connection type 'winrm'")
+
+
+def test_hostfile_bad_slots_name_the_line():
+    with pytest.raises(InputError, match=r"^hostfile:2: host 'b': key 'slots': 0 must be a whole number"):
+        parse("a slots=1\nb slots=0\n", "hostfile")
+    with pytest.raises(InputError, match=r"^hostfile:2: host 'n1': write 'slots=N' with no spaces around '='"):
+        parse("# lab\nn1 slots = 8\n", "hostfile")
+    with pytest.raises(InputError, match=r"^hostfile:1: host 'n\*': not a valid host name"):
+        parse("n* slots=2\n", "hostfile")
+
+
+# ------------------------------------------------------------------------------------------ ~/.ssh/config
+
+
+@pytest.fixture
+def ssh_home(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("MNFT_HOME", str(tmp_path / "mnft-home"))
+    return home
+
+
+def test_ssh_config_supplies_what_the_inventory_leaves_out(ssh_home):
+    from mnft import report
+
+    (ssh_home / ".ssh" / "config").write_text(
+        "Host gpu01\n  HostName 10.3.0.1\n  User lab\n  Port 2201\n  IdentityFile ~/.ssh/lab_key\n"
+        "Host gpu02\n  HostName 10.3.0.2\n  User lab\n  Port 2202\n"
+    )
+    inv = parse("hosts:\n  gpu01: {}\n  gpu02: {user: me, port: 22, identity: /keys/mine}\n")
+    rows = {row["name"]: row for row in report.effective_settings(inv)}
+    assert (rows["gpu01"]["address"], rows["gpu01"]["port"], rows["gpu01"]["user"]) == ("10.3.0.1", 2201, "lab")
+    assert rows["gpu01"]["identity"] == str(ssh_home / ".ssh" / "lab_key")
+    # what the inventory says wins over ~/.ssh/config
+    assert (rows["gpu02"]["address"], rows["gpu02"]["port"], rows["gpu02"]["user"], rows["gpu02"]["identity"]) == ("10.3.0.2", 22, "me", "/keys/mine")
+
+
+def test_two_aliases_for_one_machine_in_ssh_config_are_refused_before_any_connection(ssh_home):
+    from mnft.connection import Timeouts
+    from mnft.fleet import Fleet
+
+    (ssh_home / ".ssh" / "config").write_text("Host a b\n  HostName 10.3.0.9\n  User lab\n")
+    inv = parse("hosts:\n  a: {}\n  b: {}\n")
+    with pytest.raises(InputError, match=r"^inv.yaml: host 'b': duplicate host: ~/.ssh/config sends it to lab@10.3.0.9:22 like 'a'$"):
+        Fleet(inv, Timeouts(connect=1))
