@@ -308,14 +308,16 @@ def run_ok(recipe, home, *args):
 @pytest.mark.parametrize("recipe,layout", [("lora", "{rank}"), ("full", "")])
 def test_kill_then_resume_reproduces_uninterrupted_losses(recipe, layout, home, tmp_path):
     """Per-rank output dirs (``{rank}``) emulate nodes that share no filesystem; ``full`` shares one dir."""
-    common_args = ["max_steps=8", "save_every=2", "keep_last=3", "log_every=1", "micro_batch_size=4"]
+    common_args = ["max_steps=8", "save_every=2", "keep_last=3", "log_every=3", "micro_batch_size=4"]
     a, b = tmp_path / "a" / layout, tmp_path / "b" / layout
     res = run_ok(recipe, home, f"output_dir={a}", *common_args)
     assert "rank=0/2 node_rank=0 local_rank=0" in res.stdout and "rank=1/2 node_rank=0 local_rank=1" in res.stdout
     main = Path(str(a).format(rank=0))
     recs = records(main / "metrics.jsonl")
     steps = [r for r in recs if "event" not in r]
+    # metrics every step; log_every only throttles the progress line (steps 3, 6 and the last)
     assert [r["step"] for r in steps] == list(range(1, 9)) and all(STEP_KEYS <= set(r) for r in steps)
+    assert [line.split()[1] for line in res.stdout.splitlines() if line.startswith("step ")] == ["3/8", "6/8", "8/8"]
     assert recs[-2]["event"] == "summary" and recs[-2]["steps"] == 8 and recs[-1]["event"] == "saved"
 
     crashed = torchrun(recipe, home, f"output_dir={b}", *common_args, "debug_crash_after_step=5")
@@ -334,6 +336,14 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(recipe, layout, home, 
     for step in range(1, 9):
         assert got[step] == pytest.approx(want[step], abs=1e-6), step
 
+    # a fresh run into the same output_dir would mix its steps with these: refused, one line, nothing deleted
+    again = torchrun(recipe, home, f"output_dir={b}", *common_args)
+    assert again.returncode == 2
+    assert [line for line in again.stderr.splitlines() if line.startswith("mnft.recipes:")][0] == (
+        f"mnft.recipes: output_dir holds checkpoints of an earlier run ({rank_dir(0)}: step-8 and 2 more): "
+        "continue it with resume=latest, use another output_dir, or pass overwrite=true to delete them")
+    assert sorted(checkpointing.complete_steps(rank_dir(0), 0)) == [4, 6, 8]
+
     if recipe == "lora":  # adapters in PEFT format, loadable onto the base
         import peft
         base, _ = model.load(home / ".cache" / "mnft" / "models" / model.tiny_key(), torch.float32)
@@ -344,16 +354,61 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(recipe, layout, home, 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_non_finite_steps_are_skipped_on_all_ranks_counted_then_abort(home, tmp_path):
-    res = torchrun("lora", home, f"output_dir={tmp_path}", "max_steps=10", "log_every=1", "micro_batch_size=4",
-                   "debug_nan_steps=[2,4,5,6]", "max_consecutive_skips=3", "save_final=false")
-    assert res.returncode != 0
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("recipe", ["lora", "full"])
+def test_non_finite_steps_are_skipped_on_all_ranks_counted_then_abort(recipe, home, tmp_path):
+    """NaN loss on the last rank at steps 2, 5, 6; at step 4 a finite loss but an inf gradient on the last rank
+    only. Every rank skips each of them (its parameters unchanged), counts them, and aborts after 3 in a row."""
+    res = torchrun(recipe, home, f"output_dir={tmp_path}", "max_steps=10", "log_every=1", "micro_batch_size=4",
+                   "debug_nan_steps=[2,5,6]", "debug_inf_grad_steps=[4]", "max_consecutive_skips=3",
+                   "save_final=false", "debug_rank_checksums=true")
+    assert res.returncode == 1, res.stderr[-3000:]
     assert "3 steps in a row had a non-finite loss or grad norm (last at step 6" in res.stderr
     by_step = {r["step"]: r for r in records(tmp_path / "metrics.jsonl") if "event" not in r}
+    assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
     assert [by_step[s]["skipped_steps"] for s in range(1, 7)] == [0, 1, 1, 2, 3, 4]
-    assert by_step[2]["skipped"] is True and by_step[3]["skipped"] is False
-    assert isinstance(by_step[3]["loss"], float) and by_step[2]["loss"] == "nan"  # JSON-safe non-finite
+    assert [by_step[s]["skipped"] for s in range(1, 7)] == [False, True, False, True, True, True]
+    assert by_step[2]["loss"] == "nan" and isinstance(by_step[3]["loss"], float)  # JSON-safe non-finite
+    assert isinstance(by_step[4]["loss"], float)  # the grad-only case: FSDP2's norm is global (inf on every
+    # rank); under DDP rank 0's own norm stays finite and only rank 1's all-reduced flag makes rank 0 skip
+    assert by_step[4]["grad_norm"] == "inf" if recipe == "full" else isinstance(by_step[4]["grad_norm"], float)
+    sums = {s: by_step[s]["rank_checksums"] for s in by_step}
+    assert all(len(c) == 2 for c in sums.values())
+    for s in (2, 4, 5, 6):  # skipped: no rank moved
+        assert sums[s] == sums[s - 1], s
+    for s in (3,):  # a good step after a skipped one: every rank moved
+        assert all(now != before for now, before in zip(sums[s], sums[s - 1])), s
+    if recipe == "lora":  # DDP: every rank holds the same adapters
+        assert all(c[0] == c[1] for c in sums.values())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("recipe", ["lora", "full"])
+def test_a_rank_whose_batches_are_all_masked_trains_safely(recipe, home, tiny_dir, tmp_path):
+    """Rank 0 gets only rows whose response is truncated away (no trained token), rank 1 only normal rows:
+    the step's loss is rank 1's, nothing is skipped, and the update reaches every rank."""
+    n, seq = 16, 32
+    rank0 = set(data.Batches([([i], [i]) for i in range(n)], n // 2, rank=0, world_size=2, seed=0, pad_id=0)
+                .next()["input_ids"][:, 0].tolist())  # the rows the recipe's sampler deals rank 0 in epoch 0
+    masked = {"instruction": "Count up from 1 to 30 " * 8, "response": "1 2 3"}
+    normal = {"instruction": "Count up from 1 to 3", "response": "1 2 3"}
+    rows = [masked if i in rank0 else normal for i in range(n)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, tok = model.load(tiny_dir, torch.float32)
+    assert all(x == data.IGNORE for x in data.tokenize(tok, masked, seq)[1])
+    per_normal_row = data.trained_tokens(data.collate([data.tokenize(tok, normal, seq)], tok.pad_token_id))
+    assert per_normal_row > 0
+
+    run_ok(recipe, home, f"output_dir={tmp_path}/out", f"data_path={tmp_path}/d.jsonl", f"max_seq_len={seq}",
+           "max_steps=2", "micro_batch_size=4", "save_final=false", "debug_rank_checksums=true")
+    steps = [r for r in records(tmp_path / "out" / "metrics.jsonl") if "event" not in r]
+    assert [(r["trained_tokens"], r["skipped_steps"]) for r in steps] == [(4 * per_normal_row, 0)] * 2
+    assert all(isinstance(r["loss"], float) and r["loss"] > 0 and isinstance(r["grad_norm"], float) for r in steps)
+    first, second = steps[0]["rank_checksums"], steps[1]["rank_checksums"]
+    assert all(a != b for a, b in zip(first, second))  # both ranks updated at step 2
+    if recipe == "lora":
+        assert first[0] == first[1] and second[0] == second[1]
 
 
 @pytest.mark.slow
