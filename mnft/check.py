@@ -15,7 +15,7 @@ from typing import Any
 from mnft import probe, pyrun
 from mnft.command import Command
 from mnft.connection import HostKeyRejected, Unreachable
-from mnft.errors import ExitCode
+from mnft.errors import ExitCode, InputError
 from mnft.fleet import Fleet, HostResult, Results, Status
 from mnft.inventory import Host, Inventory
 
@@ -33,6 +33,21 @@ class CheckOptions:
     port_search: int = 20
     code: bool = True  # hash each host's workdir (when it exists) and compare it with the local tree
     code_src: str | None = None  # the local tree; default: the current directory
+
+    def __post_init__(self) -> None:
+        """Bad arguments are bad input (exit 2), refused before any host is touched."""
+        if self.port is not None and (isinstance(self.port, bool) or not isinstance(self.port, int) or not 1 <= self.port <= 65535):
+            raise InputError(f"--port: {self.port!r} is not a port number (1-65535)")
+        for name, flag, low, strict in (
+            ("min_free_gb", "--min-free-gb", 0, False),
+            ("max_clock_skew_s", "--max-clock-skew", 0, True),
+            ("network_timeout", "network_timeout", 0, True),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or (value <= low if strict else value < low):
+                raise InputError(f"{flag}: {value!r} must be a number {'>' if strict else '≥'} {low}")
+        if isinstance(self.port_search, bool) or not isinstance(self.port_search, int) or self.port_search < 1:
+            raise InputError(f"port_search: {self.port_search!r} must be a whole number ≥ 1")
 
 
 @dataclass(frozen=True)

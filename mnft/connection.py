@@ -32,6 +32,12 @@ class Timeouts:
     connect: float = 10.0
     command: float = 120.0
 
+    def __post_init__(self) -> None:
+        for name, flag in (("connect", "--connect-timeout"), ("command", "--timeout")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise InputError(f"{flag}: {value!r} must be a number of seconds > 0")
+
 
 class Unreachable(Exception):
     """The host could not be reached or authenticated (DNS, refused, timeout, auth, lost connection)."""

@@ -8,13 +8,16 @@ host's failure never hides another's result.
 
 from __future__ import annotations
 
+import sys
 import time
+import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable, Mapping
 
 import fabric
+import paramiko
 
 from mnft.command import Command
 from mnft.connection import (
@@ -28,7 +31,7 @@ from mnft.connection import (
     open_connection,
     ssh_target,
 )
-from mnft.errors import ExitCode, InputError
+from mnft.errors import ExitCode, InputError, MnftError
 from mnft.hostkeys import known_hosts_files, load_trusted
 from mnft.inventory import Host, Inventory
 
@@ -162,15 +165,44 @@ class Fleet:
         self._broken[name] = HostResult(name, Status.UNREACHABLE, error=error)
         conn = self._connections.pop(name, None)
         if conn is not None:
-            conn.close()
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - a broken session may fail to close: it is unreachable either way
+                pass
 
     # ------------------------------------------------------------------ running
 
     def map(self, fn: Callable[[Host], HostResult], hosts: Iterable[Host] | None = None) -> Results:
-        """Apply fn to every host in parallel; results in inventory order."""
+        """Apply fn to every host in parallel; results in inventory order. A host whose fn raised is that host's
+        outcome (unreachable for an SSH/network fault, failed otherwise), never the end of the others'; only an
+        expected error (MnftError: bad input) is raised, after every host is done."""
         chosen = list(self.inventory.hosts if hosts is None else hosts)
+        started = time.monotonic()
         futures = {host.name: self._pool.submit(fn, host) for host in chosen}
-        return Results({name: future.result() for name, future in futures.items()})
+        results: dict[str, HostResult] = {}
+        expected: MnftError | None = None
+        for name, future in futures.items():
+            try:
+                results[name] = future.result()
+            except MnftError as exc:
+                expected = expected or exc
+                results[name] = HostResult(name, Status.FAILED, error=str(exc), seconds=_since(started))
+            except Exception as exc:  # noqa: BLE001 - one host's fault must not hide the others
+                results[name] = self._fault(name, exc, started)
+        if expected is not None:
+            raise expected
+        return Results(results)
+
+    def _fault(self, name: str, exc: Exception, started: float) -> HostResult:
+        """An exception nothing below turned into an outcome: a lost or broken SSH session makes the host
+        unreachable; anything else is a bug in mnft, failed with its traceback on stderr."""
+        if isinstance(exc, (paramiko.SSHException, OSError, EOFError)):
+            error = f"SSH error: {exc.__class__.__name__}: {exc}".splitlines()[0]
+            self.mark_unreachable(name, error)
+            return HostResult(name, Status.UNREACHABLE, error=error, seconds=_since(started))
+        traceback.print_exception(exc, file=sys.stderr)
+        error = f"internal error (a bug in mnft): {exc.__class__.__name__}: {exc}".splitlines()[0]
+        return HostResult(name, Status.FAILED, error=error, seconds=_since(started))
 
     def start(self, host: Host, command: Command) -> Process:
         return self.connection(host).start(command.render())
@@ -182,6 +214,13 @@ class Fleet:
             conn = self.connection(host)
         except (Unreachable, HostKeyRejected):
             return self._broken[host.name]
+        except MnftError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. a paramiko fault open_connection does not name
+            result = self._fault(host.name, exc, started)
+            if result.status is Status.UNREACHABLE:
+                self._broken[host.name] = result
+            return result
         try:
             done = conn.run(command.render(), stdin=stdin, timeout=timeout)
         except CommandTimeout as exc:
@@ -189,6 +228,10 @@ class Fleet:
         except Unreachable as exc:
             self.mark_unreachable(host.name, str(exc))
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+        except MnftError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one host's SSH fault never hides the others
+            return self._fault(host.name, exc, started)
         status = Status.OK if done.exit_code == 0 else Status.FAILED
         result = HostResult(host.name, status, done.exit_code, done.stdout, done.stderr, seconds=_since(started))
         if status is Status.FAILED:

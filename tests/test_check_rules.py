@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import copy
 
+import pytest
+
 from mnft import inventory
 from mnft.check import CheckOptions, CheckReport, Reach, evaluate, master_address
+from mnft.errors import ExitCode, InputError
 from mnft.fleet import HostResult, Status
 
 GIB = 1024**3
@@ -132,3 +135,35 @@ def test_master_address_prefers_iface_then_literal_then_the_single_interface():
     assert addr is None and "set 'iface'" in why
     local = inventory.parse("hosts: {me: {connection: local}}\n")
     assert master_address(local, None) == ("127.0.0.1", None)
+
+
+# ------------------------------------------------------------------------------------------------ bad arguments
+
+
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        ({"port": 70000}, "--port"),
+        ({"port": -1}, "--port"),
+        ({"min_free_gb": -1.0}, "--min-free-gb"),
+        ({"min_free_gb": float("nan")}, "--min-free-gb"),
+        ({"max_clock_skew_s": 0.0}, "--max-clock-skew"),
+    ],
+)
+def test_bad_check_arguments_are_bad_input_before_any_host(kwargs, flag):
+    with pytest.raises(InputError, match=f"^{flag}: ") as err:
+        CheckOptions(**kwargs)
+    assert err.value.exit_code == ExitCode.BAD_INPUT
+
+
+@pytest.mark.parametrize("kwargs, flag", [({"connect": 0}, "--connect-timeout"), ({"connect": -3.0}, "--connect-timeout"), ({"command": 0.0}, "--timeout"), ({"connect": float("inf")}, "--connect-timeout")])
+def test_non_positive_timeouts_are_bad_input(kwargs, flag):
+    from mnft.connection import Timeouts
+
+    with pytest.raises(InputError, match=f"^{flag}: .* must be a number of seconds > 0"):
+        Timeouts(**kwargs)
+
+
+def test_good_check_arguments_pass():
+    assert CheckOptions(port=1, min_free_gb=0, max_clock_skew_s=0.5).port == 1
+    assert CheckOptions(port=65535).port == 65535

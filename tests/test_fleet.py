@@ -120,6 +120,65 @@ def test_a_command_that_exits_before_reading_its_input_is_a_failed_host_not_a_cr
     assert results["b"].ok and len(results["b"].stdout) == 1_000_000
 
 
+class _FaultyConnection:
+    """A fake connection whose run() raises what a broken SSH session or a bug raises."""
+
+    def __init__(self, host, exc):
+        self.host, self.exc = host, exc
+
+    def run(self, command, stdin=None, timeout=None):
+        if self.exc is None:
+            from mnft.connection import Completed
+
+            return Completed(0, "fine\n", "")
+        raise self.exc
+
+    def close(self):
+        pass
+
+
+def test_one_hosts_ssh_fault_or_mnft_bug_never_hides_the_others(monkeypatch, capsys):
+    import mnft.fleet
+
+    faults = {
+        "a": None,
+        "b": paramiko.SSHException("Channel closed."),
+        "c": EOFError(),
+        "d": RuntimeError("a bug"),
+        "e": None,
+    }
+    opened = {"f": paramiko.ssh_exception.SSHException("Error reading SSH protocol banner")}
+
+    def fake_open(host, known_hosts, timeouts, config=None):
+        if host.name in opened:
+            raise opened[host.name]
+        return _FaultyConnection(host, faults[host.name])
+
+    monkeypatch.setattr(mnft.fleet, "open_connection", fake_open)
+    with Fleet(local_inventory("a", "b", "c", "d", "e", "f")) as fleet:
+        results = fleet.run(Command.of("true"))
+        assert [r.status for r in results] == [Status.OK, Status.UNREACHABLE, Status.UNREACHABLE, Status.FAILED, Status.OK, Status.UNREACHABLE]
+        assert results["b"].error == "SSH error: SSHException: Channel closed."
+        assert results["d"].error == "internal error (a bug in mnft): RuntimeError: a bug"
+        assert results["f"].error == "SSH error: SSHException: Error reading SSH protocol banner"
+        assert results.exit_code() == ExitCode.UNREACHABLE
+        assert "RuntimeError: a bug" in capsys.readouterr().err  # a bug keeps its traceback
+        again = fleet.run(Command.of("true"), hosts=[fleet.inventory.host("b"), fleet.inventory.host("f")])
+        assert [r.status for r in again] == [Status.UNREACHABLE, Status.UNREACHABLE]  # stays so for later phases
+
+
+def test_a_raising_per_host_function_is_that_hosts_outcome_only():
+    def fn(host):
+        if host.name == "b":
+            raise OSError(113, "No route to host")
+        return HostResult(host.name, Status.OK)
+
+    with Fleet(local_inventory("a", "b", "c")) as fleet:
+        results = fleet.map(fn)
+    assert [r.status for r in results] == [Status.OK, Status.UNREACHABLE, Status.OK]
+    assert "No route to host" in results["b"].error
+
+
 def test_exit_code_unreachable_outranks_failed_outranks_ok():
     def results(*statuses: Status) -> Results:
         return Results({f"h{i}": HostResult(f"h{i}", s) for i, s in enumerate(statuses)})
