@@ -248,6 +248,8 @@ def preflight(inventory: Inventory, src: Path, kind: str = "code") -> None:
     problems = []
     if not src.is_dir():
         problems.append(f"source {src} is not a directory")
+    elif source_problem(src):
+        problems.append(source_problem(src))
     what = "workdir" if kind == "code" else "data_dir"
     for host in inventory.hosts:
         target = host.workdir if kind == "code" else host.data_dir
@@ -280,6 +282,73 @@ def remote_refusal(tree: RemoteTree) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------ read: local
+
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent  # the checkout holding tasks.py and invoke.yaml
+
+
+def default_source(start: Path | None = None) -> Path:
+    """The tree `invoke sync`, `invoke check` and `invoke train` use without --src: the top of the git repository
+    around the current directory (so `cd docs && invoke sync` still copies the whole project), else mnft's own
+    project directory (where tasks.py is). Never the current directory as such: it may be a subdirectory, whose
+    mirror with --delete would remove the rest of the workdir, or the home, whose walk would never end."""
+    start = Path(start or Path.cwd())
+    if shutil.which("git") is not None:
+        try:
+            done = _git(["rev-parse", "--show-toplevel"], start, {**os.environ, "GIT_CONFIG_NOSYSTEM": "1"})
+        except (OSError, subprocess.TimeoutExpired):
+            done = None
+        if done is not None and done.returncode == 0 and done.stdout.strip():
+            return Path(os.fsdecode(done.stdout.strip()))
+    if (PROJECT_DIR / "tasks.py").is_file():
+        return PROJECT_DIR
+    raise InputError(f"no source tree: {start} is not inside a git repository; give --src DIR")
+
+
+def source_problem(src: Path) -> str | None:
+    """Why src cannot be the tree to copy (a walk of it would read a whole machine), or None."""
+    real = Path(os.path.realpath(src))
+    home = Path(os.path.realpath(os.path.expanduser("~")))
+    if str(real) == "/" or real == home or real in home.parents or str(real) in SYSTEM_DIRS:
+        return f"source {src} is {'/' if str(real) == '/' else real}: give the project directory with --src"
+    return None
+
+
+def configured_excludes(config: Mapping[str, Any] | None = None) -> tuple[str, ...]:
+    """`sync.exclude` from Invoke's configuration: from the task's config when given, else loaded the way invoke
+    loads it for tasks.py (system, user and project invoke.yaml, INVOKE_* environment), so that check and train,
+    which get no task config, apply the same list as `invoke sync`."""
+    if config is None:
+        from invoke import Config
+
+        loaded = Config(project_location=str(PROJECT_DIR))
+        loaded.load_system(merge=False)
+        loaded.load_user(merge=False)
+        loaded.load_project(merge=False)
+        loaded.load_shell_env()
+        config = loaded
+    section = config.get("sync") or {}
+    value = section.get("exclude") if hasattr(section, "get") else None
+    if value is None:
+        return ()
+    if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+        raise InputError(f"invoke config sync.exclude must be a list of patterns, got {value!r}")
+    return tuple(_validate_patterns(value))
+
+
+@dataclass(frozen=True)
+class Source:
+    """What to copy: the tree and the extra exclude patterns (configured + given), decided once for sync,
+    check and train alike."""
+
+    root: Path
+    excludes: tuple[str, ...]
+
+
+def code_source(src: Path | str | None = None, extra: Iterable[str] = (), *, config: Mapping[str, Any] | None = None) -> Source:
+    root = Path(src) if src else default_source()
+    return Source(root, (*configured_excludes(config), *_validate_patterns(extra)))
+
 
 
 def _git(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -884,7 +953,7 @@ def apply(plans: Sequence[HostPlan], rules: Sequence[str], rules_file: str, *, p
 
 def sync_tree(
     inventory: Inventory,
-    src: Path,
+    src: Path | None,
     *,
     kind: str = "code",
     fleet: Fleet | None = None,
@@ -894,12 +963,20 @@ def sync_tree(
     extra_excludes: Iterable[str] = (),
     workers: int = 16,
     timeout: float = 3600.0,
+    config: Mapping[str, Any] | None = None,
 ) -> SyncReport:
-    """read -> plan -> apply -> verify for the code (workdir) or a data set (data_dir)."""
+    """read -> plan -> apply -> verify for the code (workdir) or a data set (data_dir).
+
+    src None: the default source (see default_source); the exclude patterns are the configured ones
+    (configured_excludes, from `config` or Invoke's files) plus extra_excludes.
+    """
     started = time.monotonic()
-    src = Path(src)
+    if kind == "data" and src is None:
+        raise InputError("sync --data needs the data directory")
+    source = code_source(src, extra_excludes, config=config)
+    src = source.root
     preflight(inventory, src, kind)
-    local = read_local(src, extra_excludes, kind=kind)
+    local = read_local(src, source.excludes, kind=kind)
     own_fleet = fleet is None
     fleet = fleet or Fleet(inventory, Timeouts(connect=SSH_CONNECT_TIMEOUT, command=HASH_TIMEOUT))
     targets = {h.name: (h.workdir if kind == "code" else h.data_dir) for h in inventory.hosts}
@@ -980,31 +1057,41 @@ def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, aft
     return sync
 
 
-def sync_code(inventory: Inventory, src: Path, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
-              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16) -> SyncReport:
-    """Copy the project tree at src into every host's workdir and prove each copy is identical (tree hash).
+def sync_code(inventory: Inventory, src: Path | None = None, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, config: Mapping[str, Any] | None = None) -> SyncReport:
+    """Copy the project tree at src (None: the repository, see default_source) into every host's workdir and
+    prove each copy is identical (tree hash). Configured excludes (Invoke's sync.exclude) always apply.
 
     The launcher calls this before training; `report.ok` says whether every host holds `report.local_hash`.
     """
     return sync_tree(inventory, src, kind="code", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
-                     extra_excludes=extra_excludes, workers=workers)
+                     extra_excludes=extra_excludes, workers=workers, config=config)
 
 
 def sync_data(inventory: Inventory, path: Path, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
-              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16) -> SyncReport:
-    """Copy a data directory into every host's data_dir; shared_fs hosts get one copy and verify they see it."""
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, timeout: float = 3600.0,
+              config: Mapping[str, Any] | None = None) -> SyncReport:
+    """Copy a data directory into every host's data_dir; shared_fs hosts get one copy and verify they see it.
+
+    timeout: seconds each host's rsync may take in all (a large data set may need more than the default hour).
+    """
     return sync_tree(inventory, path, kind="data", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
-                     extra_excludes=extra_excludes, workers=workers)
+                     extra_excludes=extra_excludes, workers=workers, timeout=timeout, config=config)
 
 
 # ------------------------------------------------------------------------------------------------ check
 
 
-def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None) -> dict[str, dict[str, Any]]:
-    """For `invoke check`: each host's code hash when its workdir exists, and whether it matches src's tree."""
-    src = Path(src or Path.cwd())
+def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *, extra_excludes: Iterable[str] = (),
+                config: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """For `invoke check`: each host's code hash when its workdir exists, and whether it matches the tree
+    `invoke sync` would copy (the same source and rules: code_source)."""
     try:
-        local = read_local(src)
+        source = code_source(src, extra_excludes, config=config)
+        why = source_problem(source.root) or (None if source.root.is_dir() else f"source {source.root} is not a directory")
+        if why:
+            raise InputError(why)
+        local = read_local(source.root, source.excludes)
     except MnftError as exc:
         return {h.name: {"hash": None, "exists": None, "matches": None, "error": str(exc)} for h in hosts}
     read = read_remote(fleet, hosts, {h.name: h.workdir for h in hosts}, local.rules, if_exists=True)

@@ -505,3 +505,54 @@ def test_ignored_files_that_exist_only_on_the_host_survive_and_are_no_drift(tmp_
     fixed = sync.sync_code(inv, src, progress=False)
     assert fixed.hosts["me"].files_deleted == 1 and not (dst / "w" / "stray.py").exists()
     assert (made / "checkpoints/step100.pt").exists() and (made / "train.log").exists()
+
+
+# ------------------------------------------------------------------------------------------------ one source for sync, check and train
+
+
+def test_the_default_source_is_the_repository_top_not_the_current_directory(tmp_path, monkeypatch):
+    repo = git_repo(write(tmp_path / "proj", {"train.py": "t", "docs/index.md": "d"}))
+    monkeypatch.chdir(repo / "docs")
+    assert sync.default_source() == repo
+    assert sync.code_source().root == repo
+    monkeypatch.chdir(tmp_path)  # outside any repository: mnft's own project, never the current directory
+    assert sync.default_source() == sync.PROJECT_DIR
+
+
+def test_sync_from_a_subdirectory_mirrors_the_whole_project(tmp_path, monkeypatch):
+    repo = git_repo(write(tmp_path / "proj", {"train.py": "t", "docs/index.md": "d"}))
+    dst = tmp_path / "dst"
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
+    monkeypatch.chdir(repo / "docs")
+    report = sync.sync_code(inv, None, progress=False)
+    assert report.ok and report.src == repo
+    assert (dst / "w" / "train.py").exists() and (dst / "w" / "docs" / "index.md").exists()
+
+
+@pytest.mark.parametrize("where", ["home", "root"])
+def test_a_source_that_is_the_home_or_root_is_refused_before_any_walk(where, private_home, tmp_path):
+    src = private_home if where == "home" else Path("/")
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/w', data_dir: '{tmp_path}/d'}}\n")
+    with pytest.raises(InputError, match="give the project directory"):
+        sync.sync_code(inv, src, progress=False)
+    assert sync.code_hashes(None, inv.hosts, src)["me"]["error"].startswith("source ")
+
+
+def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, private_home, monkeypatch):
+    """invoke's sync.exclude (here the user's ~/.invoke.yaml) reaches every caller, not only `invoke sync`."""
+    (private_home / ".invoke.yaml").write_text("sync:\n  exclude: [notes/, '*.bak']\n")
+    assert sync.configured_excludes() == ("notes/", "*.bak")
+    assert sync.configured_excludes({"sync": {"exclude": ["x/"]}}) == ("x/",)  # a task's own config wins
+    with pytest.raises(InputError, match="sync.exclude"):
+        sync.configured_excludes({"sync": {"exclude": "notes/"}})
+    src = git_repo(write(tmp_path / "src", {"a.py": "a", "notes/n.md": "n", "old.bak": "b"}))
+    dst = tmp_path / "dst"
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
+    report = sync.sync_code(inv, src, progress=False)  # what train calls, with no excludes of its own
+    assert report.ok and sorted(p.name for p in (dst / "w").iterdir()) == ["a.py"]
+    from mnft.fleet import Fleet
+
+    with Fleet(inv) as fleet:
+        hashes = sync.code_hashes(fleet, inv.hosts, src)  # what check calls
+    assert hashes["me"]["matches"] is True and hashes["me"]["local_hash"] == report.local_hash
+
