@@ -122,10 +122,13 @@ def _console():
 def _record_fleet(run, hosts):
     """The run record and a fleet over its inventory snapshot (or --hosts when given)."""
     from mnft import runs
+    from mnft.errors import InputError
     from mnft.fleet import Fleet
-    from mnft.train import from_snapshot
+    from mnft.train import from_snapshot, launched
 
-    record = runs.load(run)
+    record = runs.load(run, launched)
+    if not launched(record.data):
+        raise InputError(f"{record.path}: run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
     inv = _inventory(hosts) if hosts else from_snapshot(record.data["inventory"])
     return record, Fleet(inv)
 
@@ -157,9 +160,15 @@ def train(c, recipe="lora", hosts=None, set=None, env=None, env_file=None, rdzv=
     from mnft.launch import LaunchOptions
     from mnft.train import TrainOptions, train as run_train
 
+    overrides, envs, env_files = tuple(set or ()), tuple(env or ()), tuple(env_file or ())
+    if resume or resume_run:  # the previous run's hosts file, overrides and env names, unless given again
+        from mnft.train import previous_run, reuse_previous
+
+        reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files)
+        hosts, overrides, envs, env_files, resume_run = reused.hosts, reused.overrides, reused.env, reused.env_files, reused.run_id
+        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False)
     options = TrainOptions(
-        launch=LaunchOptions(recipe=recipe, overrides=tuple(set or ()), rdzv=rdzv, env=tuple(env or ()),
-                            env_files=tuple(env_file or ()), detach=detach, resume=resume),
+        launch=LaunchOptions(recipe=recipe, overrides=overrides, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume),
         check=CheckOptions(port=int(port) or None),
         force=force,
         src=Path(src) if src else None,
@@ -207,24 +216,28 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     record, fleet = _record_fleet(run, hosts)
     with fleet:
         result = run_stop(record, fleet, float(grace))
-    return print_stop(record, result, json)
+    code = print_stop(record, result, json)
+    from mnft.train import gpu_verdict
+
+    return gpu_verdict(result, code, None if json else _console())
 
 
 @task(
     iterable=["exclude"],
     help={
         "hosts": "inventory file; default: inventory/local.yaml",
-        "src": "the tree to copy (default: the current directory)",
+        "src": "the tree to copy (default: the top of the git repository around the current directory)",
         "data": "copy this data directory to every host's data_dir instead of the code (shared_fs hosts: once)",
         "exclude": "one more rsync exclude pattern (repeat); also invoke.yaml's sync.exclude list",
         "dry_run": "list what would change per host; copy nothing",
         "no_delete": "keep files that exist only on the hosts",
         "json": "machine-readable output (per host: status, files, bytes, hash)",
         "workers": "rsyncs at once",
+        "timeout": "with --data: seconds each host's rsync may take in all (default 3600)",
     },
 )
 @_mnft_errors
-def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16):
+def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16, timeout=3600.0):
     """Copy the code (or --data) to every host in parallel and prove each copy by its tree hash.
 
     Exit codes: 0 every host identical, 1 a host failed or differs (the files are named), 2 bad input or a
@@ -232,13 +245,13 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     """
     from mnft.sync import print_sync, sync_code, sync_data
 
-    configured = list((c.config.get("sync") or {}).get("exclude") or [])
-    options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=[*configured, *(exclude or [])], workers=int(workers))
+    options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=list(exclude or []), workers=int(workers),
+                   config=c.config)  # sync.exclude from the config is added by mnft.sync, as for check and train
     inv = _inventory(hosts)
     if data:
-        report = sync_data(inv, Path(data), **options)
+        report = sync_data(inv, Path(data), timeout=float(timeout), **options)
     else:
-        report = sync_code(inv, Path(src) if src else Path.cwd(), **options)
+        report = sync_code(inv, Path(src) if src else None, **options)
     print_sync(report, json)
     return report.exit_code()
 

@@ -106,6 +106,7 @@ def terminate(run_dir, grace=10.0, keeper=None):
     tag = spec.get("tag")
     pgid = int(_read(os.path.join(run_dir, "pgid"), "0") or 0)
     killed = []
+    seen = run_pids(tag) if tag else []  # the run's processes before the kill: a GPU one of them still holds is ours
     if pgid and tag and (_environ_has(pgid, tag) or _group_alive(pgid) and keeper is not None):
         try:
             os.killpg(pgid, signal.SIGTERM)
@@ -138,23 +139,49 @@ def terminate(run_dir, grace=10.0, keeper=None):
             pass
     time.sleep(0.1)
     remaining = run_pids(tag) if tag else []
-    return {"killed": killed, "remaining": remaining, "gpus_held": _gpu_pids(remaining)}
+    return dict({"killed": killed, "remaining": remaining}, **gpu_report(gpu_apps(), set(killed) | set(remaining) | set(seen)))
 
 
-def _gpu_pids(pids):
-    if not pids:
-        return []
+def parse_compute_apps(text):
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits` -> [{pid, memory_mib}]."""
+    apps = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if not parts or not parts[0].isdigit():
+            continue
+        memory = parts[1] if len(parts) > 1 else ""
+        apps.append({"pid": int(parts[0]), "memory_mib": int(memory) if memory.isdigit() else None})
+    return apps
+
+
+def gpu_apps():
+    """The processes holding a GPU on this host ([] without nvidia-smi), or None if nvidia-smi failed."""
     import shutil
     import subprocess
 
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"], capture_output=True, text=True, timeout=5).stdout
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10)
     except Exception:  # noqa: BLE001
-        return []
-    held = {int(x) for x in out.split() if x.strip().isdigit()}
-    return sorted(held & set(pids))
+        return None
+    return parse_compute_apps(done.stdout) if done.returncode == 0 else None
+
+
+def gpu_report(apps, run_pids_seen):
+    """Split GPU holders into the run's (a failed stop) and others' (a warning: the GPUs are not free)."""
+    if apps is None:
+        return {"gpus_held": [], "gpus_other": [], "gpu_error": "nvidia-smi failed"}
+    mine = set(run_pids_seen)
+
+    def show(app):
+        return "pid %d (%s MiB)" % (app["pid"], app["memory_mib"] if app["memory_mib"] is not None else "?")
+
+    return {
+        "gpus_held": [show(a) for a in apps if a["pid"] in mine],
+        "gpus_other": [show(a) for a in apps if a["pid"] not in mine],
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- keeper
@@ -185,9 +212,11 @@ def keep(run_dir):
     env.update({k: _expand(v) for k, v in (spec.get("env") or {}).items()})
     secrets_file = os.path.join(run_dir, "secrets.json")
     if os.path.exists(secrets_file):
-        with open(secrets_file) as fh:
-            env.update(json.load(fh))
-        os.unlink(secrets_file)
+        try:
+            with open(secrets_file) as fh:
+                env.update(json.load(fh))
+        finally:
+            os.unlink(secrets_file)
     env[RUN_ID_VAR] = spec["run_id"]
     env[TAG_VAR] = spec["tag"]
     signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is for the command; we record its end
@@ -211,12 +240,22 @@ def keep(run_dir):
 
 
 class _Tail:
-    def __init__(self, path):
+    """New complete lines of a file. from_end: skip what it holds now (a resumed job appends to its old
+    metrics.jsonl: those lines are history, not this run's progress). A file that shrank is read again from 0."""
+
+    def __init__(self, path, from_end=False):
         self.path, self.pos, self.buf = path, 0, b""
+        if from_end:
+            try:
+                self.pos = os.path.getsize(path)
+            except OSError:
+                pass
 
     def lines(self):
         try:
             with open(self.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < self.pos:
+                    self.pos, self.buf = 0, b""
                 fh.seek(self.pos)
                 data = fh.read()
         except OSError:
@@ -232,41 +271,48 @@ def launch():
 
     spec = json.loads(sys.stdin.buffer.readline())
     run_dir = _path(spec["run_dir"])
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    os.chmod(run_dir, 0o700)
     secrets = spec.pop("secrets", None) or {}
-    public = dict(spec, run_dir=run_dir)
-    _write(os.path.join(run_dir, "spec.json"), json.dumps(public, indent=1))
-    if secrets:
-        _write(os.path.join(run_dir, "secrets.json"), json.dumps(secrets))
-    own = os.path.join(run_dir, "agent.py")
-    _write(own, SOURCE, 0o600)
-    if os.path.isdir(_path(spec.get("cwd") or "~")) is False:
+    if not os.path.isdir(_path(spec.get("cwd") or "~")):
         emit("error", message="working directory %s does not exist (run invoke sync first)" % spec.get("cwd"))
         return 2
-    log = open(os.path.join(run_dir, "output.log"), "ab")
-    env = dict(os.environ)
-    env[RUN_ID_VAR] = spec["run_id"]
-    env[TAG_VAR] = spec["tag"]
-    keeper = subprocess.Popen(
-        [sys.executable, own, "keep", run_dir],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env=env,
-        cwd=run_dir,
-    )
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    public = dict(spec, run_dir=run_dir)
+    _write(os.path.join(run_dir, "spec.json"), json.dumps(public, indent=1))
+    secrets_file = os.path.join(run_dir, "secrets.json")
+    # rank 0's metrics from their end now, before the run starts (resumed job: the old lines are history)
+    metrics = _Tail(_path(spec["metrics"]), from_end=True) if spec.get("metrics") else None
+    keeper = None
+    try:
+        if secrets:
+            _write(secrets_file, json.dumps(secrets))
+        own = os.path.join(run_dir, "agent.py")
+        _write(own, SOURCE, 0o600)
+        log = open(os.path.join(run_dir, "output.log"), "ab")
+        env = dict(os.environ)
+        env[RUN_ID_VAR] = spec["run_id"]
+        env[TAG_VAR] = spec["tag"]
+        keeper = subprocess.Popen(
+            [sys.executable, own, "keep", run_dir],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=run_dir,
+        )
+    finally:
+        if keeper is None and os.path.exists(secrets_file):
+            os.unlink(secrets_file)  # no keeper will read it: never leave a secret behind
     _write(os.path.join(run_dir, "pgid"), "%d\n" % keeper.pid, 0o644)
     emit("started", pgid=keeper.pid, run_dir=run_dir, hostname=os.uname()[1])
     if spec.get("detach"):
         return 0
-    return supervise(spec, run_dir, keeper)
+    return supervise(spec, run_dir, keeper, metrics)
 
 
-def supervise(spec, run_dir, keeper):
+def supervise(spec, run_dir, keeper, metrics=None):
     out = _Tail(os.path.join(run_dir, "output.log"))
-    metrics = _Tail(_path(spec["metrics"])) if spec.get("metrics") else None
     deadman = float(spec.get("deadman") or 15)
     grace = float(spec.get("grace") or 10)
     last_control = last_hb = time.time()
@@ -360,16 +406,24 @@ def tail(run_dir, n, follow):
     if not follow:
         return 0
     code_file = os.path.join(run_dir, "exit_code")
+    tag = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}").get("tag")
+    gone = 0  # polls in a row with no process of the run alive
     while True:
         ready, _, _ = select.select([sys.stdin], [], [], 0.5)
         if ready and not os.read(sys.stdin.fileno(), 4096):
             return 0
         for line in t.lines():
             emit("line", text=line)
-        if os.path.exists(code_file) and not run_pids(json.loads(_read(os.path.join(run_dir, "spec.json")))["tag"]):
+        alive = run_pids(tag) if tag else []
+        gone = 0 if alive else gone + 1
+        ended = os.path.exists(code_file)
+        # the keeper records exit_code; a keeper killed with SIGKILL never does: then stop once nothing of the
+        # run has been alive for a few polls (not at once: the exit code may be being written)
+        if (ended and not alive) or gone >= 4:
             for line in t.lines():
                 emit("line", text=line)
-            emit("exit", code=int(_read(code_file)))
+            code = _read(code_file)
+            emit("exit", code=int(code) if code else None, reason=None if code else "no process of the run remains and it recorded no exit code (its keeper was killed)")
             return 0
 
 

@@ -31,7 +31,10 @@ LOST_AFTER = 10.0  # seconds without any event from an agent before its host cou
 HEARTBEAT_EVERY = 2.0
 START_TIMEOUT = 60.0
 TAIL = 20
-RANK_PREFIX = re.compile(r"^\[default(\d+)\]:(.*)$", re.S)
+# torchrun --tee prefixes each worker line: with mnft's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE "[rank<global rank>]:"
+# (the rank torch actually gave the worker: with --rdzv c10d it is not the inventory order), else torchrun's
+# default "[default<local rank>]:" (older runs)
+RANK_PREFIX = re.compile(r"^\[(rank|default)(\d+)\]:(.*)$", re.S)
 
 
 class GangError(MnftError):
@@ -74,12 +77,17 @@ def agent_payload() -> bytes:
     return pyrun.payload(agent.source())
 
 
-def rank_line(launch: HostLaunch, text: str) -> tuple[int | None, str]:
-    """torchrun --tee prefixes each worker line with [default<local_rank>]: -> (global rank, text)."""
+def split_rank(text: str, rank_offset: int) -> tuple[int | None, str]:
+    """A worker's output line -> (its global rank, the text without torchrun's prefix)."""
     match = RANK_PREFIX.match(text)
-    if match:
-        return launch.rank_offset + int(match.group(1)), match.group(2)
-    return None, text
+    if not match:
+        return None, text
+    number = int(match.group(2))
+    return (number if match.group(1) == "rank" else rank_offset + number), match.group(3)
+
+
+def rank_line(launch: HostLaunch, text: str) -> tuple[int | None, str]:
+    return split_rank(text, launch.rank_offset)
 
 
 class Gang:

@@ -22,6 +22,9 @@ from mnft.inventory import Inventory
 
 RECIPES = ("lora", "full")
 RESERVED_KEYS = ("output_dir", "resume")
+# torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)
+RANK_TEMPLATE = "[rank${rank}]:"
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$", re.S)
 # Passed through from the controller's environment when set there (secret ones as secrets).
 PASSTHROUGH = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "WANDB_PROJECT", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")
@@ -37,7 +40,8 @@ class LaunchOptions:
     recipe: str = "lora"
     overrides: tuple[str, ...] = ()
     rdzv: str = "static"  # static | c10d
-    env: tuple[str, ...] = ()  # NAME or NAME=VALUE, from --env
+    env: tuple[str, ...] = ()  # NAME or NAME=VALUE, from --env (NAME=VALUE refused for secret names)
+    env_files: tuple[str, ...] = ()  # --env-file: NAME=VALUE lines, the file 0600
     detach: bool = False
     resume: bool = False
     deadman: float = 15.0  # a host's agent tears its run down after this long without the controller
@@ -48,7 +52,7 @@ class LaunchOptions:
 class HostLaunch:
     host: str
     node_rank: int
-    rank_offset: int  # global rank of this host's local rank 0
+    rank_offset: int  # global rank of this host's local rank 0 (static rendezvous; c10d decides at run time)
     slots: int
     argv: tuple[str, ...]
     env: dict[str, str]
@@ -56,7 +60,7 @@ class HostLaunch:
     cwd: str
     run_dir: str
     output_dir: str
-    metrics: str | None  # rank 0's metrics file (master only)
+    metrics: str | None  # rank 0's metrics file (static: the master only; c10d: wherever rank 0 lands)
 
     def spec(self, run_id: str, secrets: dict[str, str], options: LaunchOptions) -> dict:
         """What the host agent receives on stdin (the only place secret values travel)."""
@@ -93,22 +97,60 @@ def parse_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
-def split_env(specs: tuple[str, ...], environ: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
-    """--env NAME (value from this environment) or NAME=VALUE, plus the passthrough list: (plain, secret)."""
+def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str, ...] = ()) -> tuple[dict[str, str], dict[str, str]]:
+    """--env NAME (value from this environment) or NAME=VALUE, --env-file FILE, plus the passthrough list: (plain, secret).
+
+    A secret name (TOKEN/KEY/SECRET/PASSWORD) given as NAME=VALUE is refused: the value would sit on this machine's
+    command line (/proc/<pid>/cmdline, readable by every local user) -- and with inventory/local.yaml this machine
+    is a training host.
+    """
     plain: dict[str, str] = {}
     secret: dict[str, str] = {}
     chosen: dict[str, str] = {name: environ[name] for name in PASSTHROUGH if name in environ}
+    for path in files:
+        chosen.update(read_env_file(path))
     for spec in specs:
         name, sep, value = spec.partition("=")
         check_env_name(name)
+        if sep and is_secret_name(name):
+            raise InputError(
+                f"--env {name}=…: {name} is a secret and would be visible on this machine's command line; "
+                f"use --env {name} (value from this environment) or --env-file FILE (mode 0600)"
+            )
         if not sep:
             if name not in environ:
-                raise InputError(f"--env {name}: not set in this environment (use --env {name}=VALUE)")
+                hint = "--env-file FILE" if is_secret_name(name) else f"--env {name}=VALUE"
+                raise InputError(f"--env {name}: not set in this environment (set it, or use {hint})")
             value = environ[name]
         chosen[name] = value
     for name, value in chosen.items():
         (secret if is_secret_name(name) else plain)[name] = value
     return plain, secret
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """NAME=VALUE lines (blank lines and # comments skipped); the file must be readable by its owner only."""
+    try:
+        mode = os.stat(path).st_mode
+        text = open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise InputError(f"--env-file {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise InputError(f"--env-file {path}: mode {mode & 0o777:04o} lets others read it: chmod 600 {shlex.quote(path)}")
+    out = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.removeprefix("export ").partition("=")
+        name = name.strip()
+        if not sep or not ENV_NAME_RE.match(name):
+            raise InputError(f"--env-file {path}:{number}: expected NAME=VALUE")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[name] = value
+    return out
 
 
 def _join(base: str, *parts: str) -> str:
@@ -164,7 +206,7 @@ def plan(
         if options.resume:
             argv.append("resume=latest")
         argv += overrides
-        host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": host.workdir, **env}
+        host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": host.workdir, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_TEMPLATE, **env}
         iface = host.iface or ifaces.get(host.name)
         if iface:
             host_env["NCCL_SOCKET_IFNAME"] = iface
@@ -181,7 +223,9 @@ def plan(
                 cwd=host.workdir,
                 run_dir=run_dir,
                 output_dir=output_dir,
-                metrics=_join(output_dir, "metrics.jsonl") if host.name == inventory.master_name else None,
+                # static: the master is node 0, so rank 0 writes there; c10d: torch picks the ranks, so every host's
+                # agent watches the file and only rank 0's host has one
+                metrics=_join(output_dir, "metrics.jsonl") if options.rdzv == "c10d" or host.name == inventory.master_name else None,
             )
         )
         offset += host.slots

@@ -55,13 +55,22 @@ def all_runs() -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "run.json").is_file())
 
 
-def load(run_id: str | None = None) -> RunRecord:
-    """A run by id, or the latest one."""
+def load(run_id: str | None = None, prefer=None) -> RunRecord:
+    """A run by id, or the latest one (the latest for which `prefer(data)` holds, when there is one)."""
     runs = all_runs()
     if run_id is None:
         if not runs:
             raise InputError(f"{runs_root()}: no runs recorded yet (start one with invoke train)")
         run_id = runs[-1]
+        if prefer is not None:
+            for candidate in reversed(runs):
+                try:
+                    data = json.loads((runs_root() / candidate / "run.json").read_text())
+                except (OSError, ValueError):
+                    continue
+                if prefer(data):
+                    run_id = candidate
+                    break
     path = runs_root() / run_id
     if not (path / "run.json").is_file():
         hint = f" (latest: {runs[-1]})" if runs else ""

@@ -57,3 +57,34 @@ def test_a_bad_override_is_refused_before_anything_runs(tmp_path, local_inventor
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == ["mnft: recipe override 'output_dir=/tmp/x': output_dir is set by mnft (use --resume to continue a run)"]
     assert not (tmp_path / "work").exists()
+
+
+def test_a_secret_value_on_the_command_line_is_refused_in_one_line(tmp_path, local_inventory):
+    done = invoke(tmp_path, "train", "--hosts", local_inventory, "--dry-run", "--env", "HF_TOKEN=hf-on-the-cmdline")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "mnft: --env HF_TOKEN=…: HF_TOKEN is a secret and would be visible on this machine's command line; "
+        "use --env HF_TOKEN (value from this environment) or --env-file FILE (mode 0600)"
+    ]
+    assert "hf-on-the-cmdline" not in done.stdout + done.stderr
+
+
+def test_a_launch_refused_by_the_check_is_recorded_with_the_failing_host(tmp_path):
+    inv = tmp_path / "bad.yaml"
+    inv.write_text(f"hosts:\n  me:\n    connection: local\n    python: /nonexistent/python3\n    workdir: {tmp_path / 'work'}\n")
+    done = invoke(tmp_path, "train", "--hosts", str(inv))
+    assert done.returncode == 1 and "check failed on me" in done.stderr
+    record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
+    assert record["state"] == "refused" and record["launched"] is False
+    assert record["check"]["failed_hosts"] == ["me"] and "check_s" in record["timings"] and "sync_s" not in record["timings"]
+
+
+def test_a_host_that_cannot_start_is_recorded_failed_with_its_error(tmp_path):
+    inv = tmp_path / "nowork.yaml"
+    inv.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'nowork'}\n")
+    done = invoke(tmp_path, "train", "--hosts", str(inv), "--no-sync")
+    assert done.returncode == 1 and "did not start on every host" in done.stderr
+    record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
+    assert record["state"] == "failed" and record["launched"] is True
+    assert record["hosts"]["me"]["state"] == "failed-to-start"
+    assert record["hosts"]["me"]["error"] == f"working directory {tmp_path / 'nowork'} does not exist (run invoke sync first)"

@@ -1,0 +1,258 @@
+"""train's pieces that need no host: secrets on the command line refused, env files, the agent never leaving a
+secret behind, resume defaults, the run record written back, rank labels, the progress line without a terminal,
+logs -f ending when the run's processes are gone, GPUs still held after stop."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from rich.console import Console
+
+from mnft import agent, inventory, launch, pyrun, runs, train
+from mnft.errors import ExitCode, InputError
+from mnft.gang import split_rank
+from mnft.launch import LaunchOptions
+
+# ------------------------------------------------------------------------------------------- secrets
+
+
+@pytest.mark.parametrize("spec", ["HF_TOKEN=hf-abc", "WANDB_API_KEY=k", "DB_PASSWORD=p", "my_secret=x"])
+def test_a_secret_given_as_name_equals_value_is_refused_without_echoing_the_value(spec):
+    name, _, value = spec.partition("=")
+    with pytest.raises(InputError) as err:
+        launch.split_env((spec,), {})
+    message = str(err.value)
+    assert f"use --env {name} (value from this environment) or --env-file FILE (mode 0600)" in message
+    assert value not in message and "\n" not in message
+
+
+def test_a_secret_by_name_comes_from_the_environment_and_plain_values_pass():
+    plain, secret = launch.split_env(("HF_TOKEN", "MODE=fast"), {"HF_TOKEN": "hf-1"})
+    assert plain == {"MODE": "fast"} and secret == {"HF_TOKEN": "hf-1"}
+
+
+def test_an_env_file_must_be_0600_and_its_secrets_stay_secret(tmp_path):
+    f = tmp_path / "run.env"
+    f.write_text("# comment\n\nexport DB_PASSWORD='p@ss word'\nMODE=fast\nAPI_KEY=\"k-1\"\n")
+    f.chmod(0o644)
+    with pytest.raises(InputError, match=f"--env-file {f}: mode 0644 lets others read it: chmod 600"):
+        launch.split_env((), {}, (str(f),))
+    f.chmod(0o600)
+    plain, secret = launch.split_env((), {}, (str(f),))
+    assert plain == {"MODE": "fast"} and secret == {"DB_PASSWORD": "p@ss word", "API_KEY": "k-1"}
+    bad = tmp_path / "bad.env"
+    bad.write_text("OK=1\nnot a line\n")
+    bad.chmod(0o600)
+    with pytest.raises(InputError, match=f"--env-file {bad}:2: expected NAME=VALUE"):
+        launch.split_env((), {}, (str(bad),))
+    with pytest.raises(InputError, match="--env-file .*missing.env"):
+        launch.split_env((), {}, (str(tmp_path / "missing.env"),))
+
+
+def test_the_agent_never_leaves_the_secrets_file_when_the_workdir_is_missing(tmp_path):
+    spec = {"run_id": "R", "tag": "R@local", "run_dir": str(tmp_path / "run"), "argv": ["true"], "cwd": str(tmp_path / "nowhere"),
+            "env": {}, "secrets": {"API_TOKEN": "hush"}, "metrics": None, "detach": True, "deadman": 5, "grace": 1}
+    done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], input=pyrun.payload(agent.source()) + json.dumps(spec).encode() + b"\n",
+                          capture_output=True, timeout=60)
+    assert done.returncode == 2
+    assert json.loads(done.stdout.decode().splitlines()[-1])["message"].startswith(f"working directory {tmp_path / 'nowhere'} does not exist")
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and b"hush" in p.read_bytes()]
+    assert leftovers == [] and not (tmp_path / "run" / "secrets.json").exists()
+
+
+# ------------------------------------------------------------------------------------------- resume
+
+
+PREVIOUS = {
+    "run_id": "20260101-000000-aaaa",
+    "inventory": {"path": "/lab/inv.yaml"},
+    "overrides": ["max_steps=400", "save_every=4"],
+    "env_specs": ["WANDB_API_KEY", "MODE=fast"],
+    "env_files": ["/lab/secrets.env"],
+}
+
+
+def test_resume_reuses_the_previous_hosts_overrides_and_env_names():
+    reused = train.reuse_previous(PREVIOUS, hosts=None, overrides=(), env=(), env_files=())
+    assert reused.hosts == "/lab/inv.yaml" and reused.run_id == PREVIOUS["run_id"]
+    assert reused.overrides == ("max_steps=400", "save_every=4")
+    assert reused.env == ("WANDB_API_KEY", "MODE=fast") and reused.env_files == ("/lab/secrets.env",)
+    assert reused.notes == ("--hosts /lab/inv.yaml", "--set max_steps=400 --set save_every=4",
+                            "--env WANDB_API_KEY --env MODE=fast", "--env-file /lab/secrets.env")
+
+
+def test_resume_explicit_flags_win_and_overrides_merge_by_key():
+    reused = train.reuse_previous(PREVIOUS, hosts="/lab/other.yaml", overrides=("max_steps=12",), env=("MODE=slow",), env_files=())
+    assert reused.hosts == "/lab/other.yaml"
+    assert reused.overrides == ("save_every=4", "max_steps=12")
+    assert reused.env == ("WANDB_API_KEY", "MODE=slow")
+    assert not any(n.startswith("--hosts") for n in reused.notes)
+
+
+def test_resume_and_default_run_skip_runs_that_never_started(tmp_path, monkeypatch):
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    runs.RunRecord.create("20260101-000000-aaaa", state="failed", launched=True)
+    runs.RunRecord.create("20260101-000001-bbbb", state="refused", launched=False)
+    assert train.previous_run(None).run_id == "20260101-000000-aaaa"
+    assert runs.load(None).run_id == "20260101-000001-bbbb"  # without a preference: simply the latest
+    assert train.previous_run("20260101-000001-bbbb").run_id == "20260101-000001-bbbb"  # named: that one
+
+
+def test_the_agent_does_not_replay_a_resumed_jobs_old_metrics(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1}\n{"step": 2}\n')
+    tail = agent._Tail(str(metrics), from_end=True)
+    assert tail.lines() == []
+    with open(metrics, "a") as fh:
+        fh.write('{"step": 3}\n{"step": 4')
+    assert tail.lines() == ['{"step": 3}']
+    metrics.write_text('{"step": 1}\n')  # rewritten from scratch: read again from the start
+    assert tail.lines() == ['{"step": 1}']
+    assert agent._Tail(str(tmp_path / "not-yet.jsonl"), from_end=True).pos == 0
+
+
+# ------------------------------------------------------------------------------------------- the run record
+
+
+def record_with(tmp_path, monkeypatch, state="running"):
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    return runs.RunRecord.create("R1", state=state, launched=True, hosts={"a": {"node_rank": 0, "state": "running"}, "b": {"node_rank": 1, "state": "running"}})
+
+
+def test_status_writes_a_detached_runs_end_into_its_record(tmp_path, monkeypatch):
+    record = record_with(tmp_path, monkeypatch)
+    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "running"}})
+    saved = json.loads((record.path / "run.json").read_text())
+    assert saved["state"] == "running" and saved["hosts"]["a"]["exit_code"] == 0 and saved["hosts"]["b"]["state"] == "running"
+    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 3, "ended": 5.0}})
+    saved = json.loads((record.path / "run.json").read_text())
+    assert saved["state"] == "failed" and saved["failed_host"] == "b" and saved["hosts"]["b"] == {"node_rank": 1, "state": "exited", "exit_code": 3, "ended": 5.0}
+
+
+def test_a_detached_run_that_exited_0_everywhere_is_recorded_succeeded(tmp_path, monkeypatch):
+    record = record_with(tmp_path, monkeypatch)
+    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 0}})
+    assert json.loads((record.path / "run.json").read_text())["state"] == "succeeded"
+
+
+def test_logs_writes_summary_json_from_the_collected_files(tmp_path, monkeypatch):
+    record = record_with(tmp_path, monkeypatch)
+    for name, code in (("a", "0"), ("b", "0")):
+        (record.path / name / "run").mkdir(parents=True)
+        (record.path / name / "run" / "exit_code").write_text(code + "\n")
+    (record.path / "b" / "extra").mkdir()  # rank 0 ran on b (c10d): its metrics are the run's
+    (record.path / "b" / "extra" / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0, "skipped_steps": 0}\n'
+        '{"event": "summary", "initial_loss": 2.5, "final_loss": 2.0, "tokens_per_s": 99.0, "steps": 2}\n')
+    train.write_back(record, train.collected_states(record))
+    summary = train.summarize(record)
+    assert json.loads((record.path / "summary.json").read_text()) == summary
+    assert summary["state"] == "succeeded" and summary["metrics_host"] == "b"
+    assert summary["hosts"] == {"a": {"node_rank": 0, "state": "exited", "exit_code": 0}, "b": {"node_rank": 1, "state": "exited", "exit_code": 0}}
+    assert (summary["last_step"], summary["final_loss"], summary["tokens_per_s"]) == (2, 2.0, 99.0)
+
+
+# ------------------------------------------------------------------------------------------- ranks (c10d)
+
+
+def test_lines_are_labelled_with_the_rank_torch_gave_the_worker():
+    assert split_rank("[rank5]:hello", rank_offset=0) == (5, "hello")  # mnft's template: the global rank
+    assert split_rank("[default1]:hello", rank_offset=4) == (5, "hello")  # torchrun's default: local rank
+    assert split_rank("plain", rank_offset=4) == (None, "plain")
+
+
+def test_c10d_watches_rank_0_metrics_on_every_host_and_static_on_the_master():
+    inv = inventory.parse("hosts:\n  a: {address: 10.0.0.1, slots: 2}\n  b: {address: 10.0.0.2, slots: 1}\n")
+    kw = dict(master_addr="10.0.0.1", port=1, run_id="R", job_id="J", ifaces={}, env={}, secret_names=())
+    a, b = launch.plan(inv, options=LaunchOptions(rdzv="c10d"), **kw)
+    assert a.metrics == b.metrics == "~/mnft/outputs/J/metrics.jsonl"
+    assert a.env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]:"
+    same = inventory.parse("hosts:\n  a: {address: 10.0.0.1}\n  b: {address: 10.0.0.2}\n")
+    a, b = launch.plan(same, options=LaunchOptions(), **kw)
+    assert a.metrics and b.metrics is None
+
+
+# ------------------------------------------------------------------------------------------- progress line
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def test_without_a_terminal_the_progress_line_is_printed_every_n_steps_or_seconds():
+    out = io.StringIO()
+    clock = Clock()
+    display = train.Display(Console(file=out, force_terminal=False, width=200), 8, every_steps=10, every_s=30.0, clock=clock)
+    for step in range(1, 26):
+        clock.now = step * 1.0
+        display.metric({"step": step, "loss": 1.0 / step, "tokens_per_s": 100.0, "skipped_steps": 0})
+    clock.now = 60.0
+    display.metric({"step": 26, "loss": 0.5, "tokens_per_s": 100.0})  # 35 s after step 21's line
+    lines = out.getvalue().splitlines()
+    assert [line.split()[2] for line in lines] == ["1", "11", "21", "26"]
+    assert lines[0] == "progress: step 1  loss 1.0000  100 tokens/s  skipped 0"
+
+
+# ------------------------------------------------------------------------------------------- logs -f
+
+
+def test_tail_follow_ends_when_no_process_of_the_run_remains_even_without_an_exit_code(tmp_path):
+    (tmp_path / "w").mkdir()
+    spec = {"run_id": "RK", "tag": "RK@local", "run_dir": str(tmp_path / "run"), "argv": [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(300)"],
+            "cwd": str(tmp_path / "w"), "env": {}, "secrets": {}, "metrics": None, "detach": True, "deadman": 5, "grace": 1}
+    started = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], input=pyrun.payload(agent.source()) + json.dumps(spec).encode() + b"\n",
+                             capture_output=True, timeout=60)
+    pgid = json.loads(started.stdout.decode().splitlines()[0])["pgid"]
+    follower = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "tail", str(tmp_path / "run"), "5", "--follow"],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    follower.stdin.write(pyrun.payload(agent.source()))
+    follower.stdin.flush()  # stays open: the follower is still there
+    while not agent.run_pids("RK@local"):
+        time.sleep(0.1)
+    os.killpg(pgid, signal.SIGKILL)  # keeper and command die at once: nobody writes exit_code
+    guard = threading.Timer(60, follower.kill)  # a follower that never ends fails the test instead of hanging it
+    guard.start()
+    out = follower.stdout.read()  # stdin stays open: the follower must end by itself
+    guard.cancel()
+    follower.stdin.close()
+    follower.wait()
+    last = json.loads(out.decode().splitlines()[-1])
+    assert last["event"] == "exit" and last["code"] is None and "keeper was killed" in last["reason"]
+    assert not (tmp_path / "run" / "exit_code").exists()
+
+
+# ------------------------------------------------------------------------------------------- stop and GPUs
+
+
+SMI = "1234, 15360\n5678, 812\n  \n9, [N/A]\n"
+
+
+def test_nvidia_smi_compute_apps_are_parsed():
+    assert agent.parse_compute_apps(SMI) == [{"pid": 1234, "memory_mib": 15360}, {"pid": 5678, "memory_mib": 812}, {"pid": 9, "memory_mib": None}]
+    assert agent.parse_compute_apps("") == []
+
+
+def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_others_warns():
+    report = agent.gpu_report(agent.parse_compute_apps(SMI), {1234, 77})
+    assert report == {"gpus_held": ["pid 1234 (15360 MiB)"], "gpus_other": ["pid 5678 (812 MiB)", "pid 9 (? MiB)"]}
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    result = {"h1": {"killed": [1234], "remaining": [], **report}, "h2": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": []}}
+    assert train.gpu_verdict(result, ExitCode.OK, console) == ExitCode.FAILED
+    assert "h1: a GPU is still held by the run: pid 1234 (15360 MiB)" in out.getvalue()
+    assert "h1: warning: GPUs held by other processes (not this run's): pid 5678 (812 MiB), pid 9 (? MiB)" in out.getvalue()
+    others_only = {"h1": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": ["pid 5678 (812 MiB)"]}}
+    assert train.gpu_verdict(others_only, ExitCode.OK, None) == ExitCode.OK
+    assert agent.gpu_report(None, set())["gpu_error"] == "nvidia-smi failed"
