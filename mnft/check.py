@@ -172,10 +172,22 @@ def gather_facts(fleet: Fleet, hosts: list[Host] | None = None) -> tuple[Results
             facts[result.host] = data
             before, after = sent[result.host]
             if isinstance(data.get("clock"), (int, float)):
-                # The probe read its clock somewhere inside [before, after]: the midpoint bounds the error by
-                # half the round-trip, which is reported with the skew.
-                skew[result.host] = round(data["clock"] - (before + after) / 2, 3)
+                total = (data.get("timings") or {}).get("total_s")
+                skew[result.host] = clock_skew(data["clock"], before, after, total if isinstance(total, (int, float)) else None)
     return results, facts, skew
+
+
+def clock_skew(clock: float, before: float, after: float, probe_total: float | None) -> float:
+    """The host's clock minus this machine's, from a probe that read its clock as its last step.
+
+    Of the round-trip [before, after], the probe itself ran `probe_total` seconds and read the clock at its end;
+    the rest (sending, starting Python, returning the output) is split evenly around it. So the clock was read
+    at after - (rtt - probe_total) / 2, not at the midpoint, which would be off by about half the probe's run
+    time (a 4.5 s nvidia-smi read as 2.3 s of skew). The error is at most half the non-probe time."""
+    rtt = after - before
+    if probe_total is None or not 0 <= probe_total <= rtt:
+        return round(clock - (before + after) / 2, 3)
+    return round(clock - (after - (rtt - probe_total) / 2), 3)
 
 
 def ipv4_of(facts: dict, iface: str) -> list[str]:

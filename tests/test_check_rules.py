@@ -167,3 +167,26 @@ def test_non_positive_timeouts_are_bad_input(kwargs, flag):
 def test_good_check_arguments_pass():
     assert CheckOptions(port=1, min_free_gb=0, max_clock_skew_s=0.5).port == 1
     assert CheckOptions(port=65535).port == 65535
+
+
+# ------------------------------------------------------------------------------------------------ clock
+
+
+def test_clock_skew_accounts_for_the_probe_reading_its_clock_at_its_end():
+    from mnft.check import clock_skew
+
+    # Controller: sent at 1000.0, answer at 1005.0. The probe ran 4.5 s (a slow nvidia-smi) and read its clock
+    # at its end; 0.5 s of transport/startup is split 0.25 before and 0.25 after. A host whose clock agrees
+    # with the controller's reads 1004.75.
+    assert clock_skew(1004.75, 1000.0, 1005.0, 4.5) == 0.0
+    assert clock_skew(1007.75, 1000.0, 1005.0, 4.5) == 3.0  # a host 3 s ahead
+    assert clock_skew(1004.75, 1000.0, 1005.0, None) == 2.25  # the midpoint's bias, when the probe says nothing
+    assert clock_skew(1004.75, 1000.0, 1005.0, 9.0) == 2.25  # an impossible probe time: the midpoint
+
+
+def test_a_slow_probe_is_no_clock_problem():
+    from mnft.check import clock_skew
+
+    skew = {name: clock_skew(1004.75, 1000.0, 1005.0, 4.5) for name in ("a", "b")} | {"c": clock_skew(1000.3, 1000.0, 1000.5, 0.1)}
+    report = CheckReport(INV, {n: HostResult(n, Status.OK) for n in "abc"}, {n: facts() for n in "abc"}, skew=skew)
+    assert [p for p in evaluate(INV, report.facts, report, CheckOptions(network=False)) if p.field == "clock"] == []
