@@ -118,6 +118,7 @@ class CheckReport:
             "inventory": str(self.inventory.path) if self.inventory.path else None,
             "master": self.inventory.master_name,
             "master_addr": self.master_addr,
+            "reference": reference_host(self.inventory, self.facts),  # the host versions are compared with
             "rendezvous_port": self.port,
             "port_free": self.port_free,
             "exit_code": int(self.exit_code()),
@@ -368,10 +369,26 @@ def comparable(facts: dict) -> dict[str, Any]:
     return {key: get(facts) for key, _, get in SAME_EVERYWHERE}
 
 
+def reference_host(inventory: Inventory, facts: dict[str, dict]) -> str | None:
+    """The host every other is compared with: the master, or when its facts are missing (unreachable) the first
+    host that answered, so that version drift is still found."""
+    if inventory.master_name in facts:
+        return inventory.master_name
+    return next((h.name for h in inventory.hosts if h.name in facts), None)
+
+
+def reference_label(inventory: Inventory, name: str | None) -> str:
+    if name == inventory.master_name:
+        return "the master's"
+    return f"{name}'s (the first host that answered; the master {inventory.master_name} did not)"
+
+
 def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, options: CheckOptions) -> list[Problem]:
     problems: list[Problem] = []
     master = inventory.master_name
-    reference = comparable(facts[master]) if master in facts else None
+    ref_name = reference_host(inventory, facts)
+    reference = comparable(facts[ref_name]) if ref_name is not None else None
+    ref_label = reference_label(inventory, ref_name)
     uses_gpu = any((f.get("torch") or {}).get("cuda") or (f.get("nvidia") or {}).get("gpus") for f in facts.values())
     for host in inventory.hosts:
         f = facts.get(host.name)
@@ -380,10 +397,10 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
         mine = comparable(f)
         if (f.get("torch") or {}).get("version") is None:
             problems.append(Problem(host.name, "torch", f"torch is not installed for {(f.get('python') or {}).get('executable') or host.python}", "pip install torch in the Python the inventory names ('python')"))
-        if reference is not None and host.name != master:
+        if reference is not None and host.name != ref_name:
             for key, label, _ in SAME_EVERYWHERE:
                 if mine[key] != reference[key] and not (key == "torch" and mine[key] is None):
-                    problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from the master's {reference[key] or 'none'}", FIXES[key].format(value=reference[key])))
+                    problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from {ref_label} {reference[key] or 'none'}", FIXES[key].format(value=reference[key])))
         gpus = (f.get("nvidia") or {}).get("gpus") or []
         if uses_gpu:
             if len(gpus) < host.slots:
@@ -402,9 +419,9 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             names = ", ".join(i.get("name", "?") for i in f.get("interfaces") or [])
             problems.append(Problem(host.name, "iface", f"interface {host.iface!r} does not exist or has no IPv4 address (has: {names})", "set 'iface' to the cluster network's interface (ip -br addr)"))
         skew = report.skew.get(host.name)
-        master_skew = report.skew.get(master)
-        if skew is not None and master_skew is not None and abs(skew - master_skew) > options.max_clock_skew_s:
-            problems.append(Problem(host.name, "clock", f"clock differs from the master's by {skew - master_skew:+.1f}s", "enable time sync (chrony / systemd-timesyncd) on every host"))
+        ref_skew = report.skew.get(ref_name) if ref_name is not None else None
+        if skew is not None and ref_skew is not None and abs(skew - ref_skew) > options.max_clock_skew_s:
+            problems.append(Problem(host.name, "clock", f"clock differs from {ref_label} by {skew - ref_skew:+.1f}s", "enable time sync (chrony / systemd-timesyncd) on every host"))
     if options.network and report.master_addr and master in facts:
         if report.port_free is False:
             problems.append(Problem(master, "port", f"rendezvous port {report.port} is not free on the master: {report.port_error}", "stop what holds it (ss -ltnp) or choose another port (rendezvous_port / --port)"))

@@ -10,7 +10,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from mnft.check import GIB, CheckReport, comparable
+from mnft.check import GIB, CheckReport, comparable, reference_host
 from mnft.connection import fabric_connection, ssh_target, Timeouts
 from mnft.fleet import Results, Status
 from mnft.hostkeys import TrustResult
@@ -117,7 +117,8 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         print_json(report.to_json())
         return
     inv = report.inventory
-    reference = comparable(report.facts[inv.master_name]) if inv.master_name in report.facts else {}
+    ref_name = reference_host(inv, report.facts)
+    reference = comparable(report.facts[ref_name]) if ref_name is not None else {}
     table = Table(title=plain(f"check: {len(inv.hosts)} hosts, master {inv.master_name} ({report.master_addr or '?'}:{report.port or inv.rendezvous_port})"))
     for col in ("rank", "host", "status", "python", "torch", "cuda", "nccl", "driver", "gpus/slots", "disk free", "iface", "reach master", "clock", "code"):
         table.add_column(col)
@@ -132,7 +133,7 @@ def print_check(report: CheckReport, as_json: bool) -> None:
 
         def cell(key: str) -> Text:
             value = mine[key]
-            differs = bool(reference) and host.name != inv.master_name and value != reference.get(key)
+            differs = bool(reference) and host.name != ref_name and value != reference.get(key)
             return Text(str(value) if value is not None else "-", style="bold red" if differs else "")
 
         disk = facts.get("disk") or {}
@@ -159,6 +160,8 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         )
     out = console()
     out.print(table)
+    if ref_name is not None and ref_name != inv.master_name:
+        out.print(plain(f"versions compared with {ref_name}, the first host that answered (the master {inv.master_name} did not)", style="yellow"))
     problems = report.problems
     unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK]
     if not problems and not unreachable:

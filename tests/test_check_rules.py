@@ -190,3 +190,26 @@ def test_a_slow_probe_is_no_clock_problem():
     skew = {name: clock_skew(1004.75, 1000.0, 1005.0, 4.5) for name in ("a", "b")} | {"c": clock_skew(1000.3, 1000.0, 1000.5, 0.1)}
     report = CheckReport(INV, {n: HostResult(n, Status.OK) for n in "abc"}, {n: facts() for n in "abc"}, skew=skew)
     assert [p for p in evaluate(INV, report.facts, report, CheckOptions(network=False)) if p.field == "clock"] == []
+
+
+# ------------------------------------------------------------------------------------------------ reference host
+
+
+def test_drift_is_found_when_the_master_is_unreachable_against_the_first_host_that_answered():
+    from mnft.check import reference_host
+
+    outcomes = {"a": HostResult("a", Status.UNREACHABLE, error="no route"), "b": HostResult("b", Status.OK), "c": HostResult("c", Status.OK)}
+    data = {"b": facts(), "c": facts(torch__version="2.12.0+cu124", nvidia__driver="535.1")}
+    report = CheckReport(INV, outcomes, data)
+    assert reference_host(INV, data) == "b"
+    problems = evaluate(INV, data, report, CheckOptions(network=False))
+    assert fields_of(problems) == [("c", "driver"), ("c", "torch")]
+    assert problems[0].field == "torch" and problems[0].message == "torch 2.12.0+cu124 differs from b's (the first host that answered; the master a did not) 2.13.0+cu124"
+    assert report.to_json()["reference"] == "b"
+
+
+def test_the_master_is_the_reference_when_it_answered():
+    from mnft.check import reference_host
+
+    assert reference_host(INV, {"c": facts(), "a": facts()}) == "a"
+    assert reference_host(INV, {}) is None
