@@ -261,15 +261,59 @@ def _ipv4(text: str | None) -> str | None:
 
 def cluster_address(host: Host, interfaces: dict[str, list[str]] | None, resolve: Callable[[str], str | None]) -> tuple[str | None, str | None]:
     """(cluster address, cluster interface) of a host: the address on `iface`, else the inventory address when it
-    is an IPv4 literal (or resolves to one), with the interface holding it when the host's facts are known."""
-    if interfaces and host.iface:
-        addresses = interfaces.get(host.iface) or []
+    is an IPv4 literal (or resolves to one), with the interface holding it when the host's facts are known.
+    A host with `iface` whose facts are unknown (not reached) has no known address: (None, iface)."""
+    if host.iface:
+        addresses = (interfaces or {}).get(host.iface) or []
         return (addresses[0] if addresses else None), host.iface
     address = _ipv4(host.address) or resolve(host.address)
     iface = host.iface
     if interfaces and address and iface is None:
         iface = next((name for name, addrs in interfaces.items() if address in addrs), None)
     return address, iface
+
+
+def previous_addresses(hosts_texts: Iterable[str]) -> dict[str, str]:
+    """name -> address from mnft's /etc/hosts blocks read on the reached hosts (first one wins)."""
+    from mnft.steps import hosts_file
+
+    out: dict[str, str] = {}
+    for text in hosts_texts:
+        try:
+            body = hosts_file.BLOCK.body(text) or []
+        except ValueError:
+            continue
+        for line in body:
+            words = line.split()
+            if len(words) >= 2 and _ipv4(words[0]):
+                out.setdefault(words[1], words[0])
+    return out
+
+
+def addresses_of(inventory: Inventory, facts: dict[str, dict], previous: dict[str, str], resolve: Callable[[str], str | None]):
+    """(addresses, ifaces, missing, notes): each host's cluster address and interface. A host not reached whose
+    address lives on `iface` keeps its previous address (mnft's /etc/hosts block on the other nodes) or, with no
+    previous entry, is left out this run (`notes` say which) — never replaced by its management address.
+    `missing`: reached hosts without an address (the steps using addresses fail for them: bad inventory)."""
+    addresses, ifaces, missing, notes = {}, {}, [], []
+    for host in inventory.hosts:
+        reached = host.name in facts
+        address, iface = cluster_address(host, (facts.get(host.name) or {}).get("interfaces"), resolve)
+        if iface:
+            ifaces[host.name] = iface
+        if address is None and not reached and host.iface:
+            address = previous.get(host.name)
+            if address:
+                notes.append(f"{host.name} was not reached: its address on {host.iface} is taken from the previous setup ({address})")
+            else:
+                notes.append(f"{host.name} was not reached and its address on {host.iface} is unknown: left out of /etc/hosts, "
+                             "the firewall's peers and the mesh until a run reaches it")
+                continue
+        if address:
+            addresses[host.name] = address
+        else:
+            missing.append(host.name)
+    return addresses, ifaces, missing, notes
 
 
 def _resolve(name: str) -> str | None:
@@ -283,13 +327,14 @@ def _preflight(ctx: Context, needs_root: bool) -> tuple[dict[str, dict], dict[st
     """Per reachable host: env (uid), addresses, and whether `sudo -n` works (become hosts)."""
 
     def one(host: Host):
-        ops = [{"op": "env"}, {"op": "addresses"}]
+        ops = [{"op": "env"}, {"op": "addresses"}, {"op": "read", "path": "/etc/hosts"}]
         if needs_root and host.become:
             ops.append({"op": "run", "argv": ["sudo", "-n", "true"], "timeout": 15})
         results, failure = ctx.remote(host, ops)
         if failure:
             return None, failure
-        return {"env": results[0], "interfaces": results[1], "sudo_n": len(results) > 2 and results[2].get("rc") == 0}, None
+        hosts = results[2].get("text", "") if results[2].get("exists") else ""
+        return {"env": results[0], "interfaces": results[1], "etc_hosts": hosts, "sudo_n": len(results) > 3 and results[3].get("rc") == 0}, None
 
     got = ctx.map(one)
     return {n: f for n, (f, o) in got.items() if o is None}, {n: o for n, (f, o) in got.items() if o is not None}
@@ -342,14 +387,10 @@ def run(
         base = Context(fleet, inventory, check=check)
         facts, down = _preflight(base, needs_root)
         become, no_root = _become(inventory, facts, ask_password) if needs_root else ({}, {})
-        addresses, ifaces = {}, {}
-        for host in inventory.hosts:
-            address, iface = cluster_address(host, (facts.get(host.name) or {}).get("interfaces"), _resolve)
-            if address:
-                addresses[host.name] = address
-            if iface:
-                ifaces[host.name] = iface
-        missing = [h.name for h in inventory.hosts if h.name not in addresses]
+        previous = previous_addresses(facts[h.name]["etc_hosts"] for h in inventory.hosts if h.name in facts)
+        addresses, ifaces, missing, notes = addresses_of(inventory, facts, previous, _resolve)
+        if any(s.step in USES_ADDRESSES for s in steps) and not undo:
+            report.notes += notes
         for spec in (reversed(steps) if undo else steps):
             per_host: dict[str, Outcome] = {name: Outcome(o.status, error=o.error) for name, o in down.items()}
             targets = [h for h in inventory.hosts if h.name not in down]

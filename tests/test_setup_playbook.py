@@ -135,6 +135,41 @@ def test_cluster_address_is_the_iface_address_else_the_inventory_literal():
     assert pb.cluster_address(host("hosts:\n  n1: {address: 192.168.1.5}\n"), nics, lambda n: None) == ("192.168.1.5", "eth0")
     assert pb.cluster_address(host("hosts:\n  n1: {address: 192.168.1.5}\n"), None, lambda n: None) == ("192.168.1.5", None)
     assert pb.cluster_address(host("hosts:\n  n1: {address: n1.lab}\n"), nics, lambda n: "192.168.1.5") == ("192.168.1.5", "eth0")
+    # not reached: the address on ib0 is unknown, and the management address is not a stand-in for it
+    assert pb.cluster_address(host("hosts:\n  n1: {address: 192.168.1.5, iface: ib0}\n"), None, lambda n: None) == (None, "ib0")
+
+
+THREE = "vars: {iface: ib0}\nhosts:\n  n1: {address: 192.168.1.1}\n  n2: {address: 192.168.1.2}\n  n3: {address: 192.168.1.3}\n"
+OLD_BLOCK = ("127.0.0.1 localhost\n# BEGIN mnft cluster hosts (managed by mnft setup; remove with: invoke setup --undo)\n"
+             "10.10.0.1\tn1\n10.10.0.2\tn2\n10.10.0.3\tn3\n# END mnft cluster hosts\n")
+
+
+def reached(*names: str) -> dict:
+    return {n: {"interfaces": {"ib0": [f"10.10.0.{n[1:]}"]}, "etc_hosts": OLD_BLOCK} for n in names}
+
+
+def test_an_unreached_host_keeps_its_previous_cluster_address_never_its_management_one():
+    inv = inventory.parse(THREE)
+    facts = reached("n1", "n2")
+    previous = pb.previous_addresses(f["etc_hosts"] for f in facts.values())
+    addresses, ifaces, missing, notes = pb.addresses_of(inv, facts, previous, lambda n: None)
+    assert addresses == {"n1": "10.10.0.1", "n2": "10.10.0.2", "n3": "10.10.0.3"} and missing == []
+    assert ifaces["n3"] == "ib0" and "n3 was not reached" in notes[0] and "10.10.0.3" in notes[0]
+
+
+def test_an_unreached_host_without_a_previous_entry_is_left_out_not_guessed():
+    inv = inventory.parse(THREE)
+    facts = {n: {**f, "etc_hosts": "127.0.0.1 localhost\n"} for n, f in reached("n1", "n2").items()}
+    addresses, _, missing, notes = pb.addresses_of(inv, facts, pb.previous_addresses(f["etc_hosts"] for f in facts.values()), lambda n: None)
+    assert addresses == {"n1": "10.10.0.1", "n2": "10.10.0.2"} and missing == []  # not 192.168.1.3
+    assert "n3 was not reached and its address on ib0 is unknown" in notes[0]
+
+
+def test_a_reached_host_without_an_address_on_its_iface_is_bad_inventory():
+    inv = inventory.parse(THREE)
+    facts = reached("n1", "n2", "n3")
+    facts["n3"] = {**facts["n3"], "interfaces": {"eth0": ["192.168.1.3"]}}
+    assert pb.addresses_of(inv, facts, {}, lambda n: None)[2] == ["n3"]
 
 
 # ---------------------------------------------------------------------------------------------- report

@@ -199,6 +199,38 @@ def test_a_node_not_reached_keeps_its_lines_and_the_others_are_updated():
     assert "h2" in " ".join(again.notes)
 
 
+def test_a_node_whose_address_is_unknown_keeps_its_config_stanza_and_known_hosts_lines():
+    first = mesh.plan_node(mesh_files(), nodes(), "~/.ssh/mnft_mesh_ed25519", True)
+    kh_text, cfg_text = applied("", _only(first, mesh.KNOWN_HOSTS)), applied("", _only(first, mesh.SSH_CONFIG))
+    unknown = nodes(h2={"address": None, "mesh_key": None, "host_key": None})
+    again = mesh.plan_node(mesh_files("", kh_text, cfg_text), unknown, "~/.ssh/mnft_mesh_ed25519", True)
+    assert not any(op["path"] in (mesh.KNOWN_HOSTS, mesh.SSH_CONFIG) for op in again.ops)
+    assert mesh.authorized_lines(unknown, True) == {"mesh:h1": 'from="10.0.0.11" ssh-ed25519 AAAAK1 mnft:mesh:h1'}
+
+
+def test_a_local_node_gets_every_host_key_of_this_machine(tmp_path):
+    (tmp_path / "ssh_host_ed25519_key.pub").write_text("ssh-ed25519 AAAAED root@box\n")
+    (tmp_path / "ssh_host_rsa_key.pub").write_text("ssh-rsa AAAARSA root@box\n")
+    (tmp_path / "ssh_host_rsa_key").write_text("PRIVATE")
+    keys = mesh.local_host_keys(str(tmp_path))
+    assert keys == "ssh-ed25519 AAAAED\nssh-rsa AAAARSA"
+    assert mesh.known_hosts_lines(nodes(h2={"host_key": keys}), None)[1:] == ["h2,10.0.0.12 ssh-ed25519 AAAAED", "h2,10.0.0.12 ssh-rsa AAAARSA"]
+    assert mesh.local_host_keys(str(tmp_path / "none")) is None
+
+
+def test_a_node_without_host_key_is_named_in_the_plan_notes():
+    plan = mesh.plan_node(mesh_files(), nodes(h2={"host_key": None}), "~/.ssh/mnft_mesh_ed25519", True)
+    assert any("h2" in n and "not part of the mesh's known_hosts" in n for n in plan.notes)
+
+
+def test_hosts_block_keeps_the_line_of_a_node_whose_address_is_unknown():
+    text = applied(DEBIAN, hosts_file.plan_host(file(DEBIAN, 0o644), NAMES, "/etc/hosts"))
+    plan = hosts_file.plan_host(file(text, 0o644), {"h1": "10.0.0.11", "h2": None, "h3": "10.0.0.13"}, "/etc/hosts")
+    assert hosts_file.BLOCK.body(applied(text, plan)) == ["10.0.0.11\th1", "10.0.0.12\th2", "10.0.0.13\th3"]
+    fresh = hosts_file.plan_host(file(DEBIAN, 0o644), {"h1": "10.0.0.11", "h2": None}, "/etc/hosts")
+    assert hosts_file.BLOCK.body(applied(DEBIAN, fresh)) == ["10.0.0.11\th1"]
+
+
 def _only(plan, path):
     class P:
         ops = [op for op in plan.ops if op["path"] == path]

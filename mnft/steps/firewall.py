@@ -244,7 +244,8 @@ def apply_guarded(ctx: Context, host: Host, plan: Plan, params: dict) -> Outcome
 
 def _settings(ctx: Context, params: dict):
     ports = tuple(params["rendezvous_ports"] or (ctx.inventory.rendezvous_port,))
-    peers = sorted(set(ctx.addresses[h.name] for h in ctx.inventory.hosts), key=lambda a: tuple(int(x) for x in a.split(".")))
+    # a node not reached whose address is unknown (see mnft.playbook.addresses_of) is not a peer this run
+    peers = sorted(set(ctx.addresses[h.name] for h in ctx.inventory.hosts if h.name in ctx.addresses), key=lambda a: tuple(int(x) for x in a.split(".")))
     return ports, peers
 
 

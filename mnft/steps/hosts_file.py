@@ -1,7 +1,7 @@
 """Step `hosts_file`: every node resolves every node's name to its cluster address, from /etc/hosts.
 
 A marked block (`# BEGIN mnft cluster hosts` … `# END mnft cluster hosts`) with one `<address>\t<name>` line per
-node. It is replaced where it is; a new block goes before the first line someone else wrote that names a node
+node (a node not reached this run whose address is unknown keeps its line). It is replaced where it is; a new block goes before the first line someone else wrote that names a node
 (Debian's `127.0.1.1 <hostname>`: the resolver takes the first match, and gloo/NCCL would otherwise bind or
 connect to 127.0.1.1), else at the end. Lines outside the block are kept byte for byte. The file is replaced
 atomically; a bind-mounted /etc/hosts (containers) is rewritten in place. Needs root (become).
@@ -24,9 +24,15 @@ PARAMS = {
 BLOCK = blocks.Block("# BEGIN mnft cluster hosts (managed by mnft setup; remove with: invoke setup --undo)", "# END mnft cluster hosts")
 
 
-def block_lines(names: dict[str, str]) -> list[str]:
-    """name -> address, in inventory order."""
-    return [f"{address}\t{name}" for name, address in names.items()]
+def block_lines(names: dict[str, str | None], old_body: list[str] | None = None) -> list[str]:
+    """name -> address, in inventory order; a name whose address is unknown this run (None: not reached) keeps
+    its line from the old block, if it had one."""
+    old = {}
+    for line in old_body or []:
+        words = line.split()
+        if len(words) >= 2:
+            old.setdefault(words[1], line)
+    return [f"{address}\t{name}" if address else old[name] for name, address in names.items() if address or name in old]
 
 
 def _names_in(line: str) -> list[str]:
@@ -47,22 +53,23 @@ def conflicts(text: str, names: dict[str, str]) -> list[str]:
             continue
         words = line.split("#", 1)[0].split()
         for name in _names_in(line):
-            if name in names and words[0] != names[name]:
+            if names.get(name) and words[0] != names[name]:
                 out.append(f"line {i + 1} maps {name} to {words[0]} (kept; mnft's block comes first)")
     return out
 
 
-def plan_host(current: dict, names: dict[str, str], path: str) -> Plan:
+def plan_host(current: dict, names: dict[str, str | None], path: str) -> Plan:
     if not current.get("exists"):
         return Plan(error=f"{path} does not exist")
     text = current["text"]
     try:
-        new = blocks.set_block(text, BLOCK, block_lines(names), insert_before=lambda line: any(n in names for n in _names_in(line)))
+        lines = block_lines(names, BLOCK.body(text))
+        new = blocks.set_block(text, BLOCK, lines, insert_before=lambda line: any(n in names for n in _names_in(line)))
     except ValueError as exc:
         return Plan(error=f"{path}: {exc}")
     plan = Plan(notes=conflicts(new, names))
     if new != text:
-        plan.changes.append(f"write the cluster's {len(names)} names into {path}")
+        plan.changes.append(f"write the cluster's {len(lines)} names into {path}")
         plan.ops.append(write_op(path, new, expect=current["sha256"]))
     return plan
 
@@ -100,7 +107,7 @@ def _reader(path: str):
 
 
 def run(ctx: Context, params: dict) -> dict[str, Outcome]:
-    names = {h.name: ctx.addresses[h.name] for h in ctx.inventory.hosts}
+    names = {h.name: ctx.addresses.get(h.name) for h in ctx.inventory.hosts}
     return standard(ctx, _reader(params["path"]), lambda facts: {n: plan_host(f, names, params["path"]) for n, f in facts.items()}, root=True)
 
 

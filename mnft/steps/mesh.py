@@ -13,14 +13,19 @@ On each node (as the login user, never through sudo):
 * ~/.ssh/config: a marked block `Host <name> <address>` → HostName, Port, User, IdentityFile (the mesh key),
   appended at the end so it never captures the user's own options.
 
-Nodes whose key cannot be read in this run (unreachable) keep the lines they had. Afterwards, unless
+Nodes whose key cannot be read in this run (unreachable) keep the lines they had. A `connection: local` node's
+host keys are read from this machine's /etc/ssh/ssh_host_*_key.pub; without them it is left out of known_hosts,
+and the plan's notes say so. Afterwards, unless
 `verify: false`, each node runs `ssh -o BatchMode=yes -o StrictHostKeyChecking=yes <peer> true` for every peer.
 """
 
 from __future__ import annotations
 
+import glob
+import os
 import shlex
 from dataclasses import dataclass
+from pathlib import Path
 
 from mnft.inventory import Host
 from mnft.steps import blocks
@@ -47,15 +52,15 @@ VERIFY_TIMEOUT = 10
 @dataclass(frozen=True)
 class Node:
     name: str
-    address: str  # cluster address
+    address: str | None  # cluster address (None: not reached this run and unknown)
     port: int = 22
     user: str | None = None
     aliases: tuple[str, ...] = ()  # other names the node is dialled by (inventory address when not the cluster one)
     mesh_key: str | None = None  # "ssh-ed25519 AAAA…" (None: unknown in this run)
-    host_key: str | None = None  # "ssh-ed25519 AAAA…" as read by the controller (None: unknown)
+    host_key: str | None = None  # "ssh-ed25519 AAAA…" as read by the controller, one per line (None: unknown)
 
 
-def node_of(host: Host, address: str, mesh_key: str | None, host_key: str | None) -> Node:
+def node_of(host: Host, address: str | None, mesh_key: str | None, host_key: str | None) -> Node:
     aliases = (host.address,) if host.address not in (host.name, address) else ()
     return Node(host.name, address, host.port or 22, host.user, aliases, mesh_key, host_key)
 
@@ -72,32 +77,50 @@ def known_hosts_lines(nodes: list[Node], old_body: list[str] | None) -> list[str
     old = {}
     for line in old_body or []:
         first = line.split(",", 1)[0].split(" ", 1)[0]
-        old[first.strip("[").split("]")[0]] = line
+        old.setdefault(first.strip("[").split("]")[0], []).append(line)
     lines = []
     for node in nodes:
-        if node.host_key:
+        if node.host_key and node.address:
             names = ",".join(_known_name(n, node.port) for n in (node.name, node.address, *node.aliases))
-            lines.append(f"{names} {node.host_key}")
+            lines += [f"{names} {key}" for key in node.host_key.splitlines()]
         elif node.name in old:
-            lines.append(old[node.name])
+            lines += old[node.name]
     return lines
 
 
 def authorized_lines(nodes: list[Node], restrict_from: bool) -> dict[str, str]:
     """role -> authorized_keys line for every node whose mesh key is known."""
-    sources = ",".join(n.address for n in nodes)
+    sources = ",".join(n.address for n in nodes if n.address)
     prefix = f'from="{sources}" ' if restrict_from else ""
     out = {}
     for node in nodes:
-        if node.mesh_key:
+        if node.mesh_key and node.address:
             key_type, blob = node.mesh_key.split()[:2]
             out[f"mesh:{node.name}"] = f"{prefix}{key_type} {blob} {blocks.MARK}mesh:{node.name}"
     return out
 
 
-def config_lines(nodes: list[Node], key_file: str) -> list[str]:
+def _stanzas(body: list[str] | None) -> dict[str, list[str]]:
+    """First name of each `Host` stanza of an old config block -> its lines."""
+    out: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in body or []:
+        words = line.split()
+        if words and words[0] == "Host" and len(words) > 1:
+            current = out.setdefault(words[1], [])
+        if current is not None:
+            current.append(line)
+    return out
+
+
+def config_lines(nodes: list[Node], key_file: str, old_body: list[str] | None = None) -> list[str]:
+    """A stanza per node; a node whose address is unknown this run keeps its old stanza, if it had one."""
+    old = _stanzas(old_body)
     lines = []
     for node in nodes:
+        if not node.address:
+            lines += old.get(node.name, [])
+            continue
         lines.append("Host " + " ".join(dict.fromkeys((node.name, node.address, *node.aliases))))
         lines.append(f"    HostName {node.address}")
         if node.port != 22:
@@ -139,7 +162,7 @@ def plan_node(files: dict, nodes: list[Node], key_file: str, restrict_from: bool
         plan.ops.append(write_op(KNOWN_HOSTS, new_kh, mode=None if kh.get("exists") else 0o600, dir_mode=0o700, expect=_expect(kh)))
     cfg = files["config"]
     try:
-        new_cfg = blocks.set_block(_text(cfg), CONFIG_BLOCK, config_lines(nodes, key_file))
+        new_cfg = blocks.set_block(_text(cfg), CONFIG_BLOCK, config_lines(nodes, key_file, CONFIG_BLOCK.body(_text(cfg))))
     except ValueError as exc:
         return Plan(error=f"~/.ssh/config: {exc}")
     if new_cfg != _text(cfg):
@@ -147,7 +170,8 @@ def plan_node(files: dict, nodes: list[Node], key_file: str, restrict_from: bool
         plan.ops.append(write_op(SSH_CONFIG, new_cfg, mode=None if cfg.get("exists") else 0o600, dir_mode=0o700, expect=_expect(cfg)))
     missing_host_keys = [n.name for n in nodes if not n.host_key]
     if missing_host_keys:
-        plan.notes.append("host key unknown (not reached this run): " + ", ".join(missing_host_keys))
+        plan.notes.append("host key unknown (not reached this run, or a local host without readable /etc/ssh/ssh_host_*_key.pub): "
+                          + ", ".join(missing_host_keys) + "; not part of the mesh's known_hosts this run")
     if unknown - pending:
         plan.notes.append("mesh key unknown (not reached this run): " + ", ".join(sorted(unknown - pending)))
     if pending:
@@ -236,8 +260,27 @@ def _reader(key_file: str):
     return read
 
 
+LOCAL_HOST_KEYS = "/etc/ssh"
+
+
+def local_host_keys(directory: str = LOCAL_HOST_KEYS) -> str | None:
+    """The host keys of this machine ("type base64", one per line) from <directory>/ssh_host_*_key.pub, or None."""
+    keys = []
+    for path in sorted(glob.glob(os.path.join(directory, "ssh_host_*_key.pub"))):
+        try:
+            words = Path(path).read_text().split()
+        except OSError:
+            continue
+        if len(words) >= 2:
+            keys.append(" ".join(words[:2]))
+    return "\n".join(keys) or None
+
+
 def host_key_of(ctx: Context, host: Host) -> str | None:
-    """The host key the controller's verified connection negotiated ("type base64"), or None (local host)."""
+    """The host key the controller's verified connection negotiated ("type base64"); for a `connection: local`
+    node (no SSH connection to read it from), this machine's own host keys; None when unknown."""
+    if host.is_local:
+        return local_host_keys()
     try:
         conn = ctx.fleet.connection(host)
     except Exception:  # noqa: BLE001 - unreachable: the key stays unknown this run
@@ -275,7 +318,7 @@ def run(ctx: Context, params: dict) -> dict[str, Outcome]:
     for name, (_, failure) in keys.items():
         if failure:
             failed[name] = failure
-    nodes = [node_of(h, ctx.addresses[h.name], (keys.get(h.name) or (None, None))[0],
+    nodes = [node_of(h, ctx.addresses.get(h.name), (keys.get(h.name) or (None, None))[0],
                      host_key_of(ctx, h) if h.name in facts else None) for h in ctx.inventory.hosts]
     pending = frozenset(n for n, f in facts.items() if not f["pub"].get("exists") and ctx.check)
     plans = {}
