@@ -61,6 +61,7 @@ class SyncStatus:
     OK = "ok"  # already identical: nothing sent
     CHANGED = "changed"  # synced and verified identical
     WOULD_CHANGE = "would-change"  # --dry-run: differs, nothing sent
+    REFUSED = "refused"  # the target is dangerous on that host (resolves to /, the home, ...): bad input, nothing touched
     FAILED = "failed"
     UNREACHABLE = Status.UNREACHABLE.value
     HOST_KEY_REJECTED = Status.HOST_KEY_REJECTED.value
@@ -92,11 +93,13 @@ class RemoteTree:
     digest: str | None
     files: dict[str, tuple[int, str]]
     errors: dict[str, str] = field(default_factory=dict)
+    refused: str | None = None  # the probe's refusal, judged before it walked anything
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
         files = {rel: (int(v[0]), str(v[1])) for rel, v in (data.get("files") or {}).items()}
-        return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files, dict(data.get("errors") or {}))
+        return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
+                   dict(data.get("errors") or {}), data.get("refused") or None)
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,8 @@ class SyncReport:
         statuses = {h.status for h in self.hosts.values()}
         if statuses & {SyncStatus.UNREACHABLE, SyncStatus.HOST_KEY_REJECTED}:
             return ExitCode.UNREACHABLE
+        if SyncStatus.REFUSED in statuses:  # a bad target is bad input, wherever it was found
+            return ExitCode.BAD_INPUT
         if SyncStatus.FAILED in statuses:
             return ExitCode.FAILED
         return ExitCode.OK
@@ -270,7 +275,10 @@ def preflight(inventory: Inventory, src: Path, kind: str = "code") -> None:
 
 
 def remote_refusal(tree: RemoteTree) -> str | None:
-    """The host-side check: the target must not resolve to `/`, the home, or a directory above the home."""
+    """The host-side check: the probe's own refusal (real paths, before any walk: see treehash.refusal), and
+    again here from the real paths it reported: not `/`, the home, or a directory above the home."""
+    if tree.refused:
+        return tree.refused
     root, home = tree.root.rstrip("/") or "/", tree.home.rstrip("/") or "/"
     if root == "/":
         return "the target resolves to / on this host"
@@ -622,8 +630,9 @@ def tree_hash(path: Path | str, excludes: Iterable[str] | None = None) -> tuple[
 # ------------------------------------------------------------------------------------------------ read: remote
 
 
-def hash_command(host: Host, target: str, *, if_exists: bool = False) -> Command:
-    args = [normalize_target(target)] + (["--if-exists"] if if_exists else [])
+def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None) -> Command:
+    """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap."""
+    args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--if-exists"] if if_exists else [])
     return pyrun.command(host, *args)
 
 
@@ -647,12 +656,19 @@ def parse_hash(result: HostResult) -> RemoteTree | None:
         return None
 
 
+def other_dir(host: Host, target: str) -> str:
+    """The host's other mnft directory: the data_dir for its workdir, the workdir for its data_dir."""
+    return host.data_dir if target == host.workdir else host.workdir
+
+
 def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
                 timeout: float = HASH_TIMEOUT) -> dict[str, tuple[HostResult, RemoteTree | None]]:
     stdin = hash_stdin(rules)
 
     def one(host: Host) -> HostResult:
-        return fleet.run_one(host, hash_command(host, targets[host.name], if_exists=if_exists), stdin=stdin, timeout=timeout)
+        target = targets[host.name]
+        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target))
+        return fleet.run_one(host, command, stdin=stdin, timeout=timeout)
 
     results = fleet.map(one, hosts)
     return {r.host: (r, parse_hash(r)) for r in results}
@@ -769,7 +785,7 @@ def plan(
             continue
         refusal = remote_refusal(tree)
         if refusal:
-            plans.append(HostPlan(host.name, "refuse", target, reason=f"refused: {refusal}"))
+            plans.append(HostPlan(host.name, "refuse", target, reason=f"refused on {host.name}: {refusal}"))
             continue
         diff = difference(local.files, tree.files if tree.exists else {})
         sending = sum(local.files[p][0] for p in diff.send)
@@ -1013,7 +1029,7 @@ def _dry_result(p: HostPlan, before, local: LocalTree) -> HostSync:
         return _unread(p, before.get(p.host))
     tree = before[p.host][1]
     if p.action == "refuse":
-        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+        return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
     diff = p.difference or Difference((), ())
     status = SyncStatus.OK if p.action == "none" else SyncStatus.WOULD_CHANGE
     return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
@@ -1025,7 +1041,7 @@ def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, aft
         return _unread(p, before.get(p.host))
     tree = before[p.host][1]
     if p.action == "refuse":
-        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+        return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
     if p.action == "none":
         return HostSync(p.host, SyncStatus.OK, p.target, remote_hash=tree.digest)
     sync = HostSync(p.host, SyncStatus.CHANGED, p.target)
@@ -1100,6 +1116,9 @@ def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *,
         if tree is None:
             out[name] = {"hash": None, "exists": None, "matches": None, "error": result.error or "cannot read the workdir"}
             continue
+        if remote_refusal(tree):
+            out[name] = {"hash": None, "exists": None, "matches": None, "error": f"workdir refused: {remote_refusal(tree)}"}
+            continue
         diff = difference(local.files, tree.files) if tree.exists else None
         out[name] = {
             "hash": tree.digest,
@@ -1133,7 +1152,7 @@ def print_sync(report: SyncReport, as_json: bool) -> None:
         files = len(h.would_send) if report.dry_run else h.files_changed
         deleted = len(h.would_delete) if report.dry_run else h.files_deleted
         table.add_row(
-            h.host, status_text(h.status), h.target, str(files), str(deleted), _size(h.bytes_sent),
+            h.host, Text(h.status, style="bold red") if h.status == SyncStatus.REFUSED else status_text(h.status), h.target, str(files), str(deleted), _size(h.bytes_sent),
             Text(match, style={"yes": "green", "NO": "bold red"}.get(match, "")), f"{h.seconds:.2f}", h.error,
         )
     out.print(table)

@@ -3,7 +3,7 @@
 
 The controller imports this module to hash its own tree and ships this file's source (see `source()`) to each
 host's Python (mnft.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
-as `python3 mnft/treehash.py ROOT [--cache FILE] [--if-exists]` with the exclude rules as one JSON line on stdin.
+as `python3 mnft/treehash.py ROOT [--cache FILE] [--other DIR] [--if-exists]` with the exclude rules as one JSON line on stdin.
 
 Exclude rules are a subset of rsync's filter patterns, so the rules given to rsync and the ones the hash applies
 are the same strings with the same meaning:
@@ -14,8 +14,14 @@ are the same strings with the same meaning:
   * wildcards `*` (not across `/`), `**` (across `/`), `?`, `[...]`; when a pattern has a wildcard, a
     backslash makes the next character literal (rsync's rule), otherwise the pattern is literal text.
 
-Output (one JSON object on stdout): root and home (real paths, so the controller can refuse dangerous
-targets), whether the root exists, files {relpath: [size, sha256]}, the digest, and per-path errors.
+  * `+ PATTERN`     an include: rules are tried in order and the first that matches decides (rsync's order).
+
+Before walking anything the probe refuses a target whose real path is /, the home or above it, inside ~/.ssh,
+a system directory (or above one, or inside /etc, /usr, ...), or overlapping the host's other mnft directory
+(`--other`): `refused` says why, and nothing is read.
+
+Output (one JSON object on stdout): root and home (real paths), whether the root exists, `refused`, files
+{relpath: [size, sha256]}, the digest, and per-path errors.
 
 Hashing is cached per root (size, mtime_ns, ctime_ns, inode -> sha256) in a file outside the tree, so a re-hash
 of an unchanged tree reads no file contents. A write through any tool changes ctime, so the cache cannot hide a
@@ -280,7 +286,53 @@ def default_cache(root: str) -> str:
 # ------------------------------------------------------------------------------------------------ main
 
 
-def report(root: str, patterns, cache=None, if_exists: bool = False) -> dict:
+# Directories a target must never be, or be above (a mirror with --delete would empty them); compared by real
+# path, so a workdir that is a symlink to one of them is caught too.
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
+               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/local", "/var", "/var/lib", "/var/tmp", "/Users")
+# ... nor lie inside (they never hold a workdir, and a mirror into them would replace system files)
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
+HOME_SECRETS = (".ssh", ".gnupg")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """path is folder or lies below it (real paths)."""
+    folder = folder.rstrip("/") or "/"
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def refusal(root: str, home: str, other=None):
+    """Why a mirror (rsync --delete) into the real path root must not happen on this host, or None.
+
+    Judged before any walk, so a target that resolves to / or the home is refused at once, not after an hour of
+    hashing. home is the real path of the home; other (optional) the real path of the host's other mnft
+    directory (the data_dir for a workdir, and the reverse), which must not overlap root.
+    """
+    if root == "/":
+        return "the target resolves to / on this host"
+    if root == home:
+        return "the target resolves to the home directory %s on this host" % home
+    if _inside(home, root):
+        return "the target %s contains the home directory %s on this host" % (root, home)
+    for name in HOME_SECRETS:
+        secret = os.path.join(home, name)
+        if _inside(root, os.path.realpath(secret)):
+            return "the target %s is inside %s on this host" % (root, secret)
+    for folder in SYSTEM_DIRS:
+        real = os.path.realpath(folder)
+        if _inside(real, root) or _inside(folder, root):
+            return "the target %s is (or contains) the system directory %s on this host" % (root, folder)
+    for folder in SYSTEM_TREES:
+        real = os.path.realpath(folder)
+        if _inside(root, real) or _inside(root, folder):
+            return "the target %s is inside the system directory %s on this host" % (root, folder)
+    if other:
+        if _inside(root, other) or _inside(other, root):
+            return "the target %s and the other mnft directory %s overlap on this host" % (root, other)
+    return None
+
+
+def report(root: str, patterns, cache=None, if_exists: bool = False, other=None) -> dict:
     expanded = os.path.expanduser(root)
     out = {
         "root": os.path.realpath(expanded),
@@ -289,7 +341,11 @@ def report(root: str, patterns, cache=None, if_exists: bool = False) -> dict:
         "digest": None,
         "files": None,
         "errors": {},
+        "refused": None,
     }
+    out["refused"] = refusal(out["root"], out["home"], os.path.realpath(os.path.expanduser(other)) if other else None)
+    if out["refused"]:
+        return out
     if not out["exists"]:
         if not if_exists and os.path.lexists(expanded):
             out["errors"]["."] = "not a directory"
@@ -300,20 +356,25 @@ def report(root: str, patterns, cache=None, if_exists: bool = False) -> dict:
 
 
 def main(argv) -> int:
+    usage = "usage: treehash.py ROOT [--cache FILE] [--other DIR] [--if-exists] < rules.json\n"
     args = list(argv)
-    cache, if_exists = None, False
+    cache, if_exists, other = None, False, None
     if "--if-exists" in args:
         args.remove("--if-exists")
         if_exists = True
-    if "--cache" in args:
-        i = args.index("--cache")
-        if i + 1 >= len(args):
-            sys.stderr.write("usage: treehash.py ROOT [--cache FILE] [--if-exists] < rules.json\n")
-            return 2
-        cache = args[i + 1]
-        del args[i : i + 2]
+    for flag in ("--cache", "--other"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                sys.stderr.write(usage)
+                return 2
+            if flag == "--cache":
+                cache = args[i + 1]
+            else:
+                other = args[i + 1]
+            del args[i : i + 2]
     if len(args) != 1:
-        sys.stderr.write("usage: treehash.py ROOT [--cache FILE] [--if-exists] < rules.json\n")
+        sys.stderr.write(usage)
         return 2
     line = sys.stdin.readline()
     try:
@@ -324,7 +385,7 @@ def main(argv) -> int:
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
         return 2
-    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists)) + "\n")
+    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other)) + "\n")
     return 0
 
 

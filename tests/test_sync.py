@@ -264,6 +264,38 @@ def test_local_target_inside_the_source_is_refused(tmp_path):
         sync.preflight(inv, src)
 
 
+@pytest.mark.parametrize("link_to, why", [("/", "resolves to /"), ("HOME", "home directory"), ("HOME/..", "contains the home"),
+                                          ("/etc", "system directory /etc"), ("/usr/share", "inside the system directory /usr"),
+                                          ("HOME/.ssh", "inside"), ("/var", "system directory /var")])
+def test_the_probe_refuses_a_dangerous_real_target_before_walking_anything(link_to, why, private_home, tmp_path, monkeypatch):
+    (private_home / ".ssh").mkdir(exist_ok=True)
+    workdir = tmp_path / "workdir"
+    os.symlink(link_to.replace("HOME", str(private_home)), workdir)
+    monkeypatch.setattr(treehash, "tree_hash", lambda *a, **k: pytest.fail("the probe walked a refused target"))
+    out = treehash.report(str(workdir), [])
+    assert why in out["refused"] and out["files"] is None
+    tree = sync.RemoteTree.from_json(out)
+    assert why in sync.remote_refusal(tree)
+
+
+def test_the_probe_refuses_a_workdir_that_overlaps_the_data_dir_by_real_path(tmp_path):
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "data", tmp_path / "work")  # different names, one directory
+    assert "overlap" in treehash.report(str(tmp_path / "work"), [], other=str(tmp_path / "data"))["refused"]
+    assert "overlap" in treehash.report(str(tmp_path / "data" / "sub"), [], other=str(tmp_path / "data"))["refused"]
+    assert treehash.report(str(tmp_path / "elsewhere"), [], other=str(tmp_path / "data"), if_exists=True)["refused"] is None
+
+
+def test_a_refusal_found_on_a_host_is_bad_input_like_one_found_before(tmp_path, private_home):
+    src = write(tmp_path / "src", {"a.py": "a"})
+    os.symlink(private_home, tmp_path / "link")
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/link', data_dir: '{tmp_path}/d'}}\n")
+    report = sync.sync_code(inv, src, progress=False)
+    assert report.hosts["me"].status == "refused" and "home directory" in report.hosts["me"].error
+    assert report.exit_code() == ExitCode.BAD_INPUT
+    assert not (private_home / "a.py").exists()  # nothing landed in the home
+
+
 @pytest.mark.parametrize(
     "root, home, refused",
     [("/", "/root", True), ("/root", "/root", True), ("/home", "/home/al", True), ("/root/mnft", "/root", False), ("/data/x", "/root", False)],
