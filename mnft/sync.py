@@ -94,12 +94,13 @@ class RemoteTree:
     files: dict[str, tuple[int, str]]
     errors: dict[str, str] = field(default_factory=dict)
     refused: str | None = None  # the probe's refusal, judged before it walked anything
+    rsync: str | None = ""  # the host's rsync version; None: not installed; "": not reported
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
         files = {rel: (int(v[0]), str(v[1])) for rel, v in (data.get("files") or {}).items()}
         return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
-                   dict(data.get("errors") or {}), data.get("refused") or None)
+                   dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""))
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class Difference:
 @dataclass(frozen=True)
 class HostPlan:
     host: str
-    action: str  # "none" | "rsync" | "verify" | "refuse" | "skip" (unreachable)
+    action: str  # "none" | "rsync" | "verify" | "refuse" | "fail" (cannot sync: no rsync) | "skip" (unreachable)
     target: str
     argv: tuple[str, ...] = ()
     difference: Difference | None = None
@@ -726,13 +727,22 @@ def remote_spec(host: Host, target: str) -> str:
     return f"{address}:{path}/"
 
 
+MKPATH_SINCE = (3, 2, 3)  # rsync's --mkpath (create the target's missing parents) is a receiver option
+
+
+def supports_mkpath(version: str | None) -> bool:
+    """Whether the host's rsync (as its probe reported it) understands --mkpath; an unknown version is tried."""
+    parts = re.findall(r"\d+", version or "")
+    return not parts or tuple(int(p) for p in parts[:3]) >= MKPATH_SINCE
+
+
 def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSettings, *, delete: bool = True,
-               checksum: bool = False, io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync") -> tuple[str, ...]:
+               checksum: bool = False, io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync", mkpath: bool = True) -> tuple[str, ...]:
     argv = [
         rsync,
         "-a",  # recursive; keep links, permissions, times
         "-s",  # --secluded-args (--protect-args before 3.2.6): paths never meet the remote shell
-        "--mkpath",
+        *(["--mkpath"] if mkpath else []),  # older receivers create the last component only
         "--from0",
         f"--filter=merge {rules_file}",
         f"--timeout={io_timeout}",
@@ -787,6 +797,7 @@ def plan(
         if refusal:
             plans.append(HostPlan(host.name, "refuse", target, reason=f"refused on {host.name}: {refusal}"))
             continue
+        missing_rsync = f"rsync is not installed on {host.name} (install it, e.g. `apt-get install rsync`)" if tree.rsync is None else ""
         diff = difference(local.files, tree.files if tree.exists else {})
         sending = sum(local.files[p][0] for p in diff.send)
         if tree.exists and tree.digest == local.digest and not tree.errors:
@@ -800,7 +811,10 @@ def plan(
         # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
         # with the same size, a touched-back mtime could fool that check: compare contents instead.
         same_size = any(p in tree.files and tree.files[p][0] == local.files[p][0] for p in diff.send)
-        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete, checksum=same_size)
+        if missing_rsync:
+            plans.append(HostPlan(host.name, "fail", target, difference=diff, bytes_to_send=sending, reason=missing_rsync))
+            continue
+        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete, checksum=same_size, mkpath=supports_mkpath(tree.rsync))
         plans.append(HostPlan(host.name, "rsync", target, argv, diff, sending))
     return plans
 
@@ -808,11 +822,13 @@ def plan(
 # ------------------------------------------------------------------------------------------------ apply
 
 
+# ssh could not reach or log in to the host. rsync's own "connection unexpectedly closed" (exit 12) is not one of
+# these: the host was reached, and its rsync is missing, crashed or hit a full disk. That is a failure, with the cause.
 _UNREACHABLE = re.compile(
-    r"Connection refused|Connection timed out|timed out|No route to host|Could not resolve|Name or service not known|"
-    r"Network is unreachable|Permission denied \(|Connection closed by|Connection reset|kex_exchange_identification|"
-    r"connection unexpectedly closed"
+    r"ssh: connect to host|Connection refused|Connection timed out|No route to host|Could not resolve|Name or service not known|"
+    r"Network is unreachable|Permission denied \(|Connection closed by|Connection reset by|kex_exchange_identification"
 )
+_NO_RSYNC = re.compile(r"rsync: (command )?not found|rsync: No such file or directory")
 _HOST_KEY = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|No .* host key is known")
 
 
@@ -843,10 +859,17 @@ def classify(exit_code: int | None, stderr: str) -> tuple[str, str]:
         return SyncStatus.FAILED, "rsync timed out"
     if _HOST_KEY.search(stderr):
         return SyncStatus.HOST_KEY_REJECTED, "host key verification failed (unknown or changed key): " + (useful[0] if useful else "")
-    if exit_code == 255 or (exit_code in (12, 255) and _UNREACHABLE.search(stderr)):
+    if exit_code == 255 or (exit_code == 12 and _UNREACHABLE.search(stderr)):
         return SyncStatus.UNREACHABLE, last
-    problems = [ln for ln in useful if re.search(r"No space left|Permission denied|Read-only file system|Disk quota", ln)]
-    return SyncStatus.FAILED, f"rsync exit {exit_code}: " + (problems[0] if problems else last)
+    if _NO_RSYNC.search(stderr):
+        return SyncStatus.FAILED, f"rsync exit {exit_code}: rsync is not installed on the host ({_NO_RSYNC.search(stderr).group(0)})"
+    problems = [ln for ln in useful if re.search(r"No space left|Permission denied|Read-only file system|Disk quota|unknown option|"
+                                                 r"Killed|Segmentation fault|out of memory", ln)]
+    causes = [ln for ln in useful if not re.search(r"connection unexpectedly closed|error in rsync protocol data stream", ln)]
+    why = problems[0] if problems else (causes[-1] if causes else last)
+    if exit_code == 12 and not problems:
+        why = f"the host's rsync stopped (it crashed or its disk filled): {why}"
+    return SyncStatus.FAILED, f"rsync exit {exit_code}: {why}"
 
 
 def run_rsync(argv: Sequence[str], on_item: Callable[[int, bool], None] | None = None, timeout: float = 3600.0) -> RsyncOutcome:
@@ -1030,6 +1053,8 @@ def _dry_result(p: HostPlan, before, local: LocalTree) -> HostSync:
     tree = before[p.host][1]
     if p.action == "refuse":
         return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
+    if p.action == "fail":
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
     diff = p.difference or Difference((), ())
     status = SyncStatus.OK if p.action == "none" else SyncStatus.WOULD_CHANGE
     return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
@@ -1042,6 +1067,8 @@ def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, aft
     tree = before[p.host][1]
     if p.action == "refuse":
         return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
+    if p.action == "fail":
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
     if p.action == "none":
         return HostSync(p.host, SyncStatus.OK, p.target, remote_hash=tree.digest)
     sync = HostSync(p.host, SyncStatus.CHANGED, p.target)

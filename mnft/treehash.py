@@ -20,7 +20,8 @@ Before walking anything the probe refuses a target whose real path is /, the hom
 a system directory (or above one, or inside /etc, /usr, ...), or overlapping the host's other mnft directory
 (`--other`): `refused` says why, and nothing is read.
 
-Output (one JSON object on stdout): root and home (real paths), whether the root exists, `refused`, files
+Output (one JSON object on stdout): root and home (real paths), whether the root exists, `refused`, the host's
+rsync version (`rsync`: null when there is none, so the controller can say so instead of a broken pipe), files
 {relpath: [size, sha256]}, the digest, and per-path errors.
 
 Hashing is cached per root (size, mtime_ns, ctime_ns, inode -> sha256) in a file outside the tree, so a re-hash
@@ -332,6 +333,22 @@ def refusal(root: str, home: str, other=None):
     return None
 
 
+def rsync_version():
+    """The version of the rsync a remote shell here would start ("3.2.7"), "unknown", or None when there is none."""
+    import shutil
+    import subprocess
+
+    path = shutil.which("rsync")
+    if not path:
+        return None
+    try:
+        text = subprocess.run([path, "--version"], stdin=subprocess.DEVNULL, capture_output=True, timeout=20).stdout.decode("utf-8", "replace")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    match = re.search(r"version\s+v?(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else "unknown"
+
+
 def report(root: str, patterns, cache=None, if_exists: bool = False, other=None) -> dict:
     expanded = os.path.expanduser(root)
     out = {
@@ -342,10 +359,12 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None)
         "files": None,
         "errors": {},
         "refused": None,
+        "rsync": "",
     }
     out["refused"] = refusal(out["root"], out["home"], os.path.realpath(os.path.expanduser(other)) if other else None)
     if out["refused"]:
         return out
+    out["rsync"] = rsync_version()
     if not out["exists"]:
         if not if_exists and os.path.lexists(expanded):
             out["errors"]["."] = "not a directory"

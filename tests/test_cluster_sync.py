@@ -151,7 +151,8 @@ def test_a_target_that_resolves_to_home_is_refused_on_that_host_only(healthy_clu
     try:
         path = cluster.write_inventory(tmp_path / "inv.yaml", cluster.hosts[:2], workdir={"h1": "/root/home-link", "h2": "/root/sync-link-ok"})
         report = sync.sync_code(inventory_mod.load(path), src, progress=False)
-        assert report.hosts["h1"].status == "failed" and "home directory" in report.hosts["h1"].error
+        assert report.hosts["h1"].status == "refused" and "home directory" in report.hosts["h1"].error
+        assert report.exit_code() == ExitCode.BAD_INPUT
         assert report.hosts["h2"].status == "changed"
         assert not (sim.home / "pkg").exists()  # nothing landed in (or was deleted from) the home
     finally:

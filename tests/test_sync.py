@@ -216,6 +216,7 @@ def test_treehash_script_reads_rules_from_stdin_and_reports_home(tmp_path):
     data = json.loads(done.stdout)
     assert data["exists"] and list(data["files"]) == ["x.py"]
     assert data["home"] == os.path.realpath(os.environ["HOME"])
+    assert data["rsync"] and data["rsync"][0].isdigit() and data["refused"] is None  # the host's rsync, for --mkpath
     missing = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(tmp_path / "nope"), "--if-exists"],
                                         input="[]\n", capture_output=True, text=True, check=True).stdout)
     assert missing["exists"] is False and missing["files"] is None
@@ -422,6 +423,18 @@ def test_data_on_a_shared_filesystem_is_written_once_and_verified_by_the_others(
     assert plans["h1"].argv[-1] == "10.0.0.1:mnft-data/"
 
 
+def test_a_host_without_rsync_fails_with_the_cause_and_an_old_rsync_gets_no_mkpath():
+    local = local_tree({"a.py": (1, "a" * 64)})
+    _, tree = read_ok("h1", None)
+    remote = {"h1": (HostResult("h1", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync=None)),
+              "h2": (HostResult("h2", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.1.3")),
+              "h3": (HostResult("h3", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.2.7"))}
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2}\n  h3: {address: 10.0.0.3}\n")
+    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
+    assert plans["h1"].action == "fail" and "rsync is not installed on h1" in plans["h1"].reason
+    assert "--mkpath" not in plans["h2"].argv and "--mkpath" in plans["h3"].argv
+
+
 def test_when_one_shared_host_already_holds_the_data_no_other_shared_host_gets_a_copy():
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n  h3: {address: 10.0.0.3}\n")
     files = {"d.bin": (5, "e" * 64)}
@@ -472,12 +485,18 @@ def test_difference_names_changed_missing_and_extra_files():
         (11, 'rsync: [receiver] write failed on "/w/big": No space left on device (28)\nrsync error: error in file IO (code 11)', "failed"),
         (23, 'rsync: [Receiver] mkstemp "/w/.x.abc" failed: Permission denied (13)\nrsync error: some files could not be transferred', "failed"),
         (None, "", "failed"),
+        (12, "bash: line 1: rsync: command not found\nrsync: connection unexpectedly closed (0 bytes received so far) [sender]\n"
+             "rsync error: error in rsync protocol data stream (code 12) at io.c(232)", "failed"),
+        (12, "rsync: connection unexpectedly closed (118 bytes received so far) [sender]\nrsync error: error in rsync protocol data stream (code 12)", "failed"),
+        (12, "ssh: connect to host 10.0.0.9 port 22: Connection timed out\nrsync: connection unexpectedly closed", "unreachable"),
     ],
 )
 def test_rsync_outcomes_are_classified(code, stderr, status):
     got, error = sync.classify(code, stderr)
     assert got == status
-    if status == "failed" and code:
+    if status == "failed" and code == 12:
+        assert "not installed" in error or "stopped" in error  # reached, then broke: never "unreachable"
+    elif status == "failed" and code:
         assert "No space" in error or "Permission denied" in error
 
 
