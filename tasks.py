@@ -241,7 +241,8 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     """Copy the code (or --data) to every host in parallel and prove each copy by its tree hash.
 
     Exit codes: 0 every host identical, 1 a host failed or differs (the files are named), 2 bad input or a
-    refused target (nothing touched), 4 a host unreachable or its key rejected.
+    refused target, found before the sync or by a host's probe (nothing touched there), 4 a host unreachable or
+    its key rejected. --dry-run lists per host what would be sent and deleted (--no-delete: nothing deleted).
     """
     from mnft.sync import print_sync, sync_code, sync_data
 

@@ -1025,7 +1025,7 @@ def sync_tree(
             before = read_remote(fleet, inventory.hosts, targets, local.rules)
             plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete)
             if dry_run:
-                hosts = {p.host: _dry_result(p, before, local) for p in plans}
+                hosts = {p.host: _dry_result(p, before, local, delete) for p in plans}
             else:
                 outcomes = apply(plans, local.rules, rules_file, progress=progress, workers=workers, timeout=timeout)
                 again = [h for h in inventory.hosts if any(p.host == h.name and p.action in ("rsync", "verify") for p in plans)]
@@ -1047,7 +1047,7 @@ def _unread(p: HostPlan, read: tuple[HostResult, RemoteTree | None] | None) -> H
     return HostSync(p.host, status, p.target, error=error, seconds=result.seconds if result else 0.0)
 
 
-def _dry_result(p: HostPlan, before, local: LocalTree) -> HostSync:
+def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> HostSync:
     if p.action == "skip":
         return _unread(p, before.get(p.host))
     tree = before[p.host][1]
@@ -1056,7 +1056,9 @@ def _dry_result(p: HostPlan, before, local: LocalTree) -> HostSync:
     if p.action == "fail":
         return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
     diff = p.difference or Difference((), ())
-    status = SyncStatus.OK if p.action == "none" else SyncStatus.WOULD_CHANGE
+    if not delete:  # --no-delete: files only on the host stay, so they are not listed as deletions
+        diff = Difference(diff.send, ())
+    status = SyncStatus.OK if p.action == "none" or diff.empty else SyncStatus.WOULD_CHANGE
     return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
                     bytes_sent=p.bytes_to_send, error=p.reason if p.action == "verify" else "")
 

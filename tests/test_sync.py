@@ -533,6 +533,8 @@ def test_local_host_sync_end_to_end_and_drift_repair(tmp_path):
     (dst / "w" / "stray.py").write_text("s")
     dry = sync.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
     assert (dry.status, dry.would_send, dry.would_delete) == ("would-change", ["pkg/a.py"], ["stray.py"])
+    kept = sync.sync_code(inv, src, progress=False, dry_run=True, delete=False).hosts["me"]
+    assert (kept.status, kept.would_send, kept.would_delete) == ("would-change", ["pkg/a.py"], [])  # --no-delete deletes nothing
     fixed = sync.sync_code(inv, src, progress=False)
     assert fixed.hosts["me"].status == "changed" and fixed.ok
     assert (dst / "w" / "pkg" / "a.py").read_text() == "a" and not (dst / "w" / "stray.py").exists()
@@ -606,4 +608,14 @@ def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, priva
     with Fleet(inv) as fleet:
         hashes = sync.code_hashes(fleet, inv.hosts, src)  # what check calls
     assert hashes["me"]["matches"] is True and hashes["me"]["local_hash"] == report.local_hash
+
+
+def test_a_data_sync_gets_the_timeout_it_is_given(tmp_path, monkeypatch):
+    data = write(tmp_path / "data", {"d.bin": "x"})
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/w', data_dir: '{tmp_path}/d'}}\n")
+    seen = []
+    real = sync.run_rsync
+    monkeypatch.setattr(sync, "run_rsync", lambda argv, on_item=None, timeout=0: seen.append(timeout) or real(argv, on_item, timeout))
+    assert sync.sync_data(inv, data, progress=False, timeout=7200.0).ok
+    assert seen == [7200.0]
 
