@@ -176,28 +176,36 @@ def _assignments(path: str) -> dict:
 
 
 def _torch(errors: dict) -> dict:
+    """torch's version as `import torch` would report it, read without importing it (importing costs seconds).
+
+    find_spec locates the package `import torch` would load (without executing its __init__); its version.py
+    (generated at build time: __version__, cuda, git_version, hip) is read as text. Only when that file says
+    nothing is the version taken from installed metadata, which may describe another copy of torch earlier on
+    sys.path."""
     import importlib.util
 
-    result = {"version": None, "cuda": None, "location": None}
-    # find_spec of a top-level package locates it without executing its __init__.
+    result = {"version": None, "cuda": None, "git_version": None, "location": None, "source": None}
     spec = _guard(errors, "torch.location", importlib.util.find_spec, "torch")
     if spec is not None and spec.submodule_search_locations:
         result["location"] = list(spec.submodule_search_locations)[0]
-    try:
-        import importlib.metadata as metadata
-
-        result["version"] = metadata.version("torch")
-    except ImportError:  # PackageNotFoundError too: e.g. a source checkout on PYTHONPATH
-        pass
-    except Exception as exc:  # noqa: BLE001
-        errors["torch.version"] = _message(exc)
     if result["location"]:
         version_py = os.path.join(result["location"], "version.py")
-        values = _guard(errors, "torch.cuda", _assignments, version_py, default={})
-        cuda = values.get("cuda")
-        result["cuda"] = cuda if isinstance(cuda, str) else None
-        if result["version"] is None and isinstance(values.get("__version__"), str):
-            result["version"] = values["__version__"]
+        values = _guard(errors, "torch.version_py", _assignments, version_py, default={}) if os.path.isfile(version_py) else {}
+        for key, name in (("version", "__version__"), ("cuda", "cuda"), ("git_version", "git_version")):
+            if isinstance(values.get(name), str):
+                result[key] = values[name]
+        if result["version"] is not None:
+            result["source"] = "version.py"
+    if result["version"] is None and (spec is not None or result["location"]):
+        try:
+            import importlib.metadata as metadata
+
+            result["version"] = metadata.version("torch")
+            result["source"] = "metadata"
+        except ImportError:  # PackageNotFoundError too: e.g. a source checkout on PYTHONPATH
+            pass
+        except Exception as exc:  # noqa: BLE001
+            errors["torch.version"] = _message(exc)
     return result
 
 

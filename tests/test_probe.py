@@ -80,7 +80,7 @@ def test_facts_is_one_json_object_with_every_key(tmp_path):
     assert facts["errors"] == {}
     assert set(facts["os"]) == {"id", "version", "pretty"}
     assert facts["python"] == {"executable": sys.executable, "version": "%d.%d.%d" % sys.version_info[:3]}
-    assert set(facts["torch"]) == {"version", "cuda", "location"}
+    assert set(facts["torch"]) == {"version", "cuda", "git_version", "location", "source"}
     assert set(facts["nvidia"]) == {"driver", "cuda_driver", "gpus"}
     assert facts["cpu_count"] == os.cpu_count()
     assert 0 < facts["memory"]["available_bytes"] <= facts["memory"]["total_bytes"]
@@ -93,13 +93,45 @@ def test_facts_is_one_json_object_with_every_key(tmp_path):
     assert facts["timings"]["total_s"] < 3
 
 
-def test_torch_version_comes_from_metadata_and_cuda_from_version_py(tmp_path):
+def test_torch_version_and_cuda_come_from_the_version_py_import_torch_would_load(tmp_path):
     torch = facts_of(tmp_path)["torch"]
-    assert torch["version"] == importlib.metadata.version("torch")
-    location = Path(torch["location"])
-    assert (location / "__init__.py").is_file()
-    values = probe._assignments(str(location / "version.py"))
-    assert torch["cuda"] == values.get("cuda")
+    import torch as real  # the test may import it: the probe must not
+
+    assert torch["version"] == real.__version__ and torch["cuda"] == real.version.cuda
+    assert torch["git_version"] == real.version.git_version
+    assert torch["source"] == "version.py"
+    assert Path(torch["location"]) == Path(real.__file__).parent
+
+
+def _dist_info(site: Path, version: str) -> None:
+    dist = site / f"torch-{version}.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+
+
+def test_a_stale_torch_dist_info_earlier_on_the_path_does_not_fool_the_probe(tmp_path):
+    # pip leftovers: metadata for torch 1.0.0 first on sys.path, but no package there; import torch loads the real one
+    _dist_info(tmp_path / "stale", "1.0.0")
+    torch = facts_of(tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path / "stale")))["torch"]
+    assert torch["version"] == importlib.metadata.version("torch") != "1.0.0"
+
+
+def test_the_torch_package_first_on_the_path_is_the_one_reported(tmp_path):
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("raise SystemExit('the probe must not import torch')\n")
+    (site / "torch" / "version.py").write_text("__version__ = '9.9.9+cu118'\ncuda: Optional[str] = '11.8'\ngit_version = 'abc'\n")
+    torch = facts_of(tmp_path, env=dict(os.environ, PYTHONPATH=str(site)))["torch"]
+    assert (torch["version"], torch["cuda"], torch["location"], torch["source"]) == ("9.9.9+cu118", "11.8", str(site / "torch"), "version.py")
+
+
+def test_without_version_py_the_version_comes_from_metadata(tmp_path):
+    site = tmp_path / "site"
+    (site / "torch").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("")
+    _dist_info(site, "2.0.1")
+    torch = facts_of(tmp_path, env=dict(os.environ, PYTHONPATH=str(site)))["torch"]
+    assert (torch["version"], torch["cuda"], torch["source"]) == ("2.0.1", None, "metadata")
 
 
 def test_facts_never_imports_torch(tmp_path):
