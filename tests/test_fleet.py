@@ -419,3 +419,35 @@ def test_a_timed_out_remote_command_does_not_stay_running(healthy_cluster, tmp_p
     while time.monotonic() < deadline and any("sleep 417" in cmd for _, cmd in cluster.processes(host)):
         time.sleep(0.2)
     assert not any("sleep 417" in cmd for _, cmd in cluster.processes(host))
+
+
+def _key_server(keys):
+    """A socket to an SSH server (paramiko, in a thread) that holds `keys` as host keys."""
+    import threading
+
+    client, server = socket.socketpair()
+
+    def serve():
+        transport = paramiko.Transport(server)
+        for key in keys:
+            transport.add_server_key(key)
+        try:
+            transport.start_server(server=paramiko.ServerInterface())
+        except (paramiko.SSHException, EOFError, OSError):
+            pass
+
+    threading.Thread(target=serve, daemon=True).start()
+    return client
+
+
+def test_trust_hosts_asks_for_the_key_type_already_recorded(keypair, tmp_path):
+    ed25519, _ = keypair
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(tmp_path / "ecdsa")], check=True)
+    ecdsa = paramiko.ECDSAKey.from_private_key_file(str(tmp_path / "ecdsa"))
+    # a server with both keys presents ed25519 by default, and the recorded ecdsa key when that is asked for
+    assert hostkeys.fetch_host_key("h", 22, 5, _key_server([ed25519, ecdsa])) == ed25519
+    fetched = hostkeys.fetch_host_key("h", 22, 5, _key_server([ed25519, ecdsa]), recorded=["ecdsa-sha2-nistp256"])
+    assert fetched == ecdsa
+    trusted = paramiko.HostKeys()
+    trusted.add("h", ecdsa.get_name(), ecdsa)
+    assert hostkeys.judge("h", fetched, trusted) == "already-trusted"
