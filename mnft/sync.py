@@ -202,10 +202,26 @@ class SshSettings:
     known_hosts: tuple[str, ...]
     global_known_hosts: str = str(SYSTEM_KNOWN_HOSTS)
     connect_timeout: int = SSH_CONNECT_TIMEOUT
+    clear_known_hosts_command: bool = True  # OpenSSH >= 8.5 understands KnownHostsCommand (and `none`)
 
     @classmethod
     def for_inventory(cls, inventory: Inventory) -> "SshSettings":
-        return cls(tuple(str(p) for p in known_hosts_files(inventory.known_hosts)))
+        return cls(tuple(str(p) for p in known_hosts_files(inventory.known_hosts)), clear_known_hosts_command=ssh_accepts("KnownHostsCommand=none"))
+
+
+_SSH_ACCEPTS: dict[str, bool] = {}
+
+
+def ssh_accepts(option: str) -> bool:
+    """Whether the installed OpenSSH accepts `-o option` (`ssh -G` parses the options and connects nowhere)."""
+    if option not in _SSH_ACCEPTS:
+        try:
+            done = subprocess.run(["ssh", "-G", "-F", "none", "-o", option, "mnft-probe.invalid"], stdin=subprocess.DEVNULL,
+                                  capture_output=True, timeout=10)
+            _SSH_ACCEPTS[option] = done.returncode == 0
+        except (OSError, subprocess.SubprocessError):
+            _SSH_ACCEPTS[option] = False
+    return _SSH_ACCEPTS[option]
 
 
 # ------------------------------------------------------------------------------------------------ pre-flight (pure)
@@ -691,18 +707,27 @@ def _rsync_e_word(word: str) -> str:
     return "'" + word.replace("'", "''") + "'"
 
 
+def _ssh_path(path: str) -> str:
+    """A file path for ssh's -o/-i, which expand `%` tokens in them: a literal `%` is written `%%`."""
+    return path.replace("%", "%%")
+
+
 def ssh_command(host: Host, ssh: SshSettings) -> str:
-    """rsync's -e: OpenSSH with mnft's host-key verification (the same known_hosts files), ~/.ssh/config honoured."""
+    """rsync's -e: OpenSSH with mnft's host-key verification (the same known_hosts files), ~/.ssh/config honoured
+    for the rest. Options given with -o win over ~/.ssh/config, so the config cannot weaken the verification:
+    no DNS-published keys (VerifyHostKeyDNS), no KnownHostsCommand adding keys mnft's files do not hold."""
     for path in ssh.known_hosts:
         if any(c in path for c in "\"\\\n"):
             raise InputError(f"known_hosts path {path!r} contains a quote, backslash or newline: OpenSSH cannot be given it safely")
-    files = " ".join(f'"{p}"' if (" " in p or "'" in p) else p for p in ssh.known_hosts)
+    files = " ".join(f'"{_ssh_path(p)}"' if (" " in p or "'" in p) else _ssh_path(p) for p in ssh.known_hosts)
     words = [
         "ssh",
         "-o", "BatchMode=yes",
         "-o", "StrictHostKeyChecking=yes",
         "-o", f"UserKnownHostsFile={files}",
-        "-o", f"GlobalKnownHostsFile={ssh.global_known_hosts}",
+        "-o", f"GlobalKnownHostsFile={_ssh_path(ssh.global_known_hosts)}",
+        "-o", "VerifyHostKeyDNS=no",
+        *(["-o", "KnownHostsCommand=none"] if ssh.clear_known_hosts_command else []),
         "-o", f"ConnectTimeout={ssh.connect_timeout}",
         "-o", "ServerAliveInterval=15",
         "-o", "ServerAliveCountMax=4",
@@ -712,7 +737,7 @@ def ssh_command(host: Host, ssh: SshSettings) -> str:
     if host.user:
         words += ["-l", host.user]
     if host.identity:
-        words += ["-i", os.path.expanduser(host.identity), "-o", "IdentitiesOnly=yes"]
+        words += ["-i", _ssh_path(os.path.expanduser(host.identity)), "-o", "IdentitiesOnly=yes"]
     return " ".join(_rsync_e_word(w) for w in words)
 
 

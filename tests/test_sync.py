@@ -314,9 +314,32 @@ def test_ssh_command_verifies_host_keys_like_mnft():
     assert sync.ssh_command(host, SSH) == (
         "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes "
         "-o 'UserKnownHostsFile=/etc/ssh/ssh_known_hosts /ctl/.ssh/known_hosts \"/ctl/lab kh\" /ctl/.mnft/known_hosts' "
-        "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 "
+        "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o VerifyHostKeyDNS=no -o KnownHostsCommand=none "
+        "-o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 "
         "-p 2222 -l lab -i '/keys/id ed' -o IdentitiesOnly=yes"
     )
+
+
+def test_ssh_paths_keep_a_literal_percent_and_old_openssh_gets_no_knownhostscommand():
+    host = one_host(address="10.0.0.1", identity="/keys/100%id")
+    command = sync.ssh_command(host, sync.SshSettings(("/kh/50%known",), clear_known_hosts_command=False))
+    assert "-o UserKnownHostsFile=/kh/50%%known " in command and "-i /keys/100%%id " in command
+    assert "KnownHostsCommand" not in command and "-o VerifyHostKeyDNS=no" in command
+
+
+def test_the_rendered_ssh_options_are_what_openssh_applies_over_a_hostile_ssh_config(tmp_path):
+    """~/.ssh/config may not re-enable DNS keys, add a KnownHostsCommand or lose a `%` in mnft's paths."""
+    import shlex
+
+    config = tmp_path / "config"
+    config.write_text("Host *\n  VerifyHostKeyDNS yes\n  KnownHostsCommand /bin/echo trust-me\n  StrictHostKeyChecking no\n")
+    settings = sync.SshSettings((str(tmp_path / "k%h"),), clear_known_hosts_command=sync.ssh_accepts("KnownHostsCommand=none"))
+    words = shlex.split(sync.ssh_command(one_host(address="10.0.0.1"), settings))
+    shown = subprocess.run([words[0], "-G", "-F", str(config), *words[1:], "10.0.0.1"], capture_output=True, text=True, check=True).stdout
+    assert "verifyhostkeydns false" in shown and "stricthostkeychecking true" in shown
+    assert f"userknownhostsfile {tmp_path}/k%h" in shown
+    if settings.clear_known_hosts_command:
+        assert "knownhostscommand" not in shown
 
 
 def test_ssh_command_leaves_port_user_and_key_to_ssh_config_when_unset():
@@ -337,8 +360,8 @@ def test_rsync_argv_is_exact():
         "rsync", "-a", "-s", "--mkpath", "--from0", f"--filter=merge {RULES_FILE}", "--timeout=120", "--stats",
         "--out-format=%i %l %n", "--delete",
         "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k "
-              "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o ConnectTimeout=10 -o ServerAliveInterval=15 "
-              "-o ServerAliveCountMax=4 -p 22 -l root",
+              "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o VerifyHostKeyDNS=no -o KnownHostsCommand=none "
+              "-o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 -p 22 -l root",
         "/repo/", "10.0.0.1:mnft/",
     )
 
