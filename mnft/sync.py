@@ -942,10 +942,10 @@ def run_rsync(argv: Sequence[str], on_item: Callable[[int, bool], None] | None =
 
 
 class _Progress:
-    """Per-host progress (files and bytes), on stderr, or nothing."""
+    """Per-host progress (files and bytes), on stderr (or the rich Console given as `enabled`), or nothing."""
 
-    def __init__(self, enabled: bool, plans: Sequence[HostPlan]) -> None:
-        self.enabled = enabled and any(p.action == "rsync" for p in plans)
+    def __init__(self, enabled: Any, plans: Sequence[HostPlan]) -> None:
+        self.enabled = bool(enabled) and any(p.action == "rsync" for p in plans)
         self.tasks: dict[str, Any] = {}
         if not self.enabled:
             return
@@ -954,7 +954,7 @@ class _Progress:
 
         self.progress = Progress(
             TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[files]}"), TimeElapsedColumn(),
-            console=Console(stderr=True), transient=False,
+            console=enabled if isinstance(enabled, Console) else Console(stderr=True), transient=False,
         )
         width = max(len(p.host) for p in plans)
         for p in plans:

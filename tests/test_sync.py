@@ -642,3 +642,22 @@ def test_a_data_sync_gets_the_timeout_it_is_given(tmp_path, monkeypatch):
     assert sync.sync_data(inv, data, progress=False, timeout=7200.0).ok
     assert seen == [7200.0]
 
+
+def test_the_progress_display_shows_files_and_bytes_per_host(tmp_path):
+    """What a user watches during a sync: one line per host with its files done/total and bytes."""
+    from rich.console import Console
+
+    src = git_repo(write(tmp_path / "src", {"a.py": "a" * 3000, "pkg/b.py": "b" * 2000, "pkg/c.py": "c"}))
+    inv = inventory(f"hosts:\n  gpu-left: {{connection: local, workdir: '{tmp_path}/l', data_dir: '{tmp_path}/ld'}}\n"
+                    f"  gpu-right: {{connection: local, workdir: '{tmp_path}/r', data_dir: '{tmp_path}/rd'}}\n")
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "a.py").write_text("a" * 3000)  # gpu-right already holds one file
+    os.utime(tmp_path / "r" / "a.py", ns=(os.stat(src / "a.py").st_atime_ns, os.stat(src / "a.py").st_mtime_ns))
+    shown = Console(record=True, width=120, force_terminal=False)
+    report = sync.sync_code(inv, src, progress=shown)
+    assert report.ok
+    text = shown.export_text()
+    lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("gpu-")}
+    assert "3/3 files" in lines["gpu-left"] and "5.0/5.0 kB" in lines["gpu-left"]
+    assert "2/2 files" in lines["gpu-right"] and "2.0/2.0 kB" in lines["gpu-right"]
+
