@@ -89,8 +89,13 @@ def test_four_healthy_hosts_pass(cluster, tmp_path):
 
 def test_torch_version_drift_fails_naming_the_host_and_the_field(cluster, tmp_path):
     drifted = cluster.hosts[2]
-    # A per-host interpreter whose importlib.metadata sees torch 9.9.9 first (PYTHONPATH precedes site-packages).
+    # A per-host interpreter whose `import torch` would load a torch 9.9.9 package (PYTHONPATH precedes
+    # site-packages): the package with the build's version.py, and its installed metadata.
     fake = drifted.home / "mnft-test-fake-torch"
+    package = fake / "site" / "torch"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("from torch.version import __version__\n")
+    (package / "version.py").write_text("__version__ = '9.9.9'\ncuda = None\ngit_version = 'fake'\n")
     dist = fake / "site" / "torch-9.9.9.dist-info"
     dist.mkdir(parents=True)
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 9.9.9\n")
@@ -104,6 +109,10 @@ def test_torch_version_drift_fails_naming_the_host_and_the_field(cluster, tmp_pa
         code, report = check_json(tmp_path, inventory, "--no-network")
         assert code == 1, report
         assert report["hosts"][drifted.name]["facts"]["torch"]["version"] == "9.9.9"
+        assert report["hosts"][drifted.name]["facts"]["torch"]["location"] == "/root/mnft-test-fake-torch/site/torch"
+        # the wrapper's torch is what that interpreter really imports
+        imported = cluster.run(drifted, ["/root/mnft-test-fake-torch/python", "-c", "import torch; print(torch.__version__)"])
+        assert imported.stdout.strip() == "9.9.9"
         assert outcomes(report) == {h.name: ("failed" if h is drifted else "ok") for h in cluster.hosts}
         [problem] = report["hosts"][drifted.name]["problems"]
         assert problem["field"] == "torch" and "9.9.9" in problem["message"]
@@ -280,11 +289,29 @@ def test_injection_payloads_in_the_inventory_never_execute(healthy_cluster, tmp_
     cluster = healthy_cluster
     h1, h2, h3, h4 = cluster.hosts
     assert _markers_everywhere(cluster) == []
-    outcomes_seen = []
+    before = sshd_log_sizes(cluster)
+    # Names and interfaces reach ssh_config, /etc/hosts and nftables rules: a payload there is refused when the
+    # inventory is read (exit 2, the one-line message names the host and key, no SSH connection is made).
+    for number, template in enumerate(PAYLOADS):
+        payload = template.format(m=f"/tmp/{MARKER}")
+        names = tmp_path / f"names-{number}.yaml"
+        doc = yaml.safe_load(cluster.write_inventory(tmp_path / "base.yaml", hosts=[h1, h2]).read_text())
+        doc["hosts"] = {payload: doc["hosts"][h1.name], h2.name: doc["hosts"][h2.name]}
+        names.write_text(yaml.safe_dump(doc, sort_keys=False))
+        iface = cluster.write_inventory(tmp_path / f"iface-{number}.yaml", iface={h2.name: payload})
+        address = cluster.write_inventory(tmp_path / f"address-{number}.yaml", address={h3.name: payload})
+        for inventory, named in ((names, "not a valid host name"), (iface, "key 'iface'"), (address, "key 'address'")):
+            done = invoke(tmp_path, "check", "--hosts", str(inventory), "--json", "--connect-timeout", "3", "--no-network")
+            why = f"{payload!r} in {inventory.name}: exit {done.returncode}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
+            assert done.returncode == 2, why
+            assert named in done.stderr and len(done.stderr.strip().splitlines()) == 1, why
+    time.sleep(0.2)  # sshd writes its log asynchronously
+    assert sshd_log_sizes(cluster) == before, "a refused inventory made an SSH connection"
+    # Users, paths, interpreters and identities are data: carried to the hosts, quoted, never executed.
+    carried = []
     for number, template in enumerate(PAYLOADS):
         payload = template.format(m=f"/tmp/{MARKER}")
         tilde_payload = "~/" + template.format(m=f"~/{MARKER}")
-        # One inventory poisons every per-host text field; another poisons a host name (which is only a label).
         fields = cluster.write_inventory(
             tmp_path / f"fields-{number}.yaml",
             user={h1.name: payload},
@@ -292,22 +319,17 @@ def test_injection_payloads_in_the_inventory_never_execute(healthy_cluster, tmp_
             python={h3.name: payload},
             identity={h4.name: payload},
         )
-        names = tmp_path / f"names-{number}.yaml"
-        doc = yaml.safe_load(cluster.write_inventory(tmp_path / "base.yaml", hosts=[h1, h2]).read_text())
-        doc["hosts"] = {payload: doc["hosts"][h1.name], h2.name: doc["hosts"][h2.name]}
-        names.write_text(yaml.safe_dump(doc, sort_keys=False))
-        for inventory in (fields, names):
-            done = invoke(tmp_path, "check", "--hosts", str(inventory), "--json", "--connect-timeout", "3", "--no-network")
-            why = f"{payload!r} in {inventory.name}: exit {done.returncode}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
-            assert done.returncode in (0, 1, 2, 4), why
-            if done.returncode != 2:
-                assert done.stdout.startswith("{"), why
-                report = json.loads(done.stdout)
-                assert set(report["hosts"]) == set(yaml.safe_load(inventory.read_text())["hosts"])
-            outcomes_seen.append((payload, inventory.name, done.returncode))
-            assert _markers_everywhere(cluster) == [], f"{payload!r} in {inventory.name} executed"
-    # The corpus exercised both paths: refused at load time (exit 2) and carried to the hosts.
-    assert {code for _, _, code in outcomes_seen} >= {2, 4}
+        done = invoke(tmp_path, "check", "--hosts", str(fields), "--json", "--connect-timeout", "3", "--no-network")
+        why = f"{payload!r} in {fields.name}: exit {done.returncode}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
+        if "\n" in payload:  # a value must be a single line
+            assert done.returncode == 2 and "must be a single line" in done.stderr, why
+        else:
+            assert done.returncode in (1, 4), why
+            report = json.loads(done.stdout)
+            assert set(report["hosts"]) == {h.name for h in cluster.hosts}
+            carried.append(payload)
+        assert _markers_everywhere(cluster) == [], f"{payload!r} executed"
+    assert len(carried) == len(PAYLOADS) - 1  # every payload without a newline reached the hosts as data
 
 
 def test_injection_payloads_in_environment_values_arrive_verbatim(cluster, tmp_path, monkeypatch):
