@@ -115,6 +115,48 @@ def test_drift_on_one_host_is_detected_by_check_and_sync_then_repaired(cluster, 
     assert (host_tree(drifted, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1e-4\n"
 
 
+def test_outputs_and_logs_a_host_wrote_that_match_gitignore_survive_and_are_no_drift(cluster, tmp_path):
+    src = make_src(tmp_path)
+    (src / ".gitignore").write_text("*.log\nbuild/\ncheckpoints/\n")
+    workdir = "/root/sync-outputs"
+    inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:2])
+    assert sync.sync_code(inv, src, progress=False).ok
+    sim = cluster.hosts[0]
+    own = ["checkpoints/step100.pt", "train.log", "pkg/eval/loss.log", "build/cache.bin", "pkg/sub/local.cfg"]
+    cluster.run(sim, ["sh", "-c", "cd \"$1\" && for f in \"$@\"; do mkdir -p \"$(dirname \"$f\")\" && echo host-made > \"$f\"; done", "sh", workdir, *own])
+    dry = sync.sync_code(inv, src, progress=False, dry_run=True)
+    assert dry.hosts[sim.name].would_delete == [] and dry.hosts[sim.name].status == "ok"
+    with Fleet(inv) as fleet:
+        assert sync.code_hashes(fleet, inv.hosts, src)[sim.name]["matches"] is True
+    from mnft.check import CheckOptions, gather
+
+    with Fleet(inv) as fleet:
+        checked = gather(fleet, CheckOptions(network=False, code_src=str(src)))
+    assert not [p for p in checked.problems if p.field == "code"]
+    again = sync.sync_code(inv, src, progress=False)
+    assert again.ok and {h.status for h in again.hosts.values()} == {"ok"}
+    for rel in own:
+        assert (host_tree(sim, workdir) / rel).read_text() == "host-made\n", rel
+
+
+def test_a_workdir_and_source_with_spaces_and_shell_metacharacters_copy_verbatim_and_run_nothing(cluster, tmp_path):
+    src = make_src(tmp_path / "sync dir" / "$(touch PWNED); `touch PWNED2` & 'q'")
+    workdir = "/root/sync w $(touch PWNED); `touch PWNED2` | 'q' \"dq\""
+    inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:2])
+    report = sync.sync_code(inv, src, progress=False)
+    assert report.ok, report.summary()
+    local = sync.tree_hash(src)
+    for sim in cluster.hosts[:2]:
+        copy = host_tree(sim, workdir)
+        assert copy.is_dir() and sync.tree_hash(copy, sync.exclude_rules(src)[0]) == local
+        assert report.hosts[sim.name].remote_hash == local[0]
+    again = sync.sync_code(inv, src, progress=False, dry_run=True)
+    assert {h.status for h in again.hosts.values()} == {"ok"}
+    marked = [p for base in (tmp_path, *[s.root for s in cluster.hosts]) for p in base.rglob("PWNED*")]
+    marked += [p for base in (ROOT, Path.cwd()) for p in base.glob("PWNED*")]  # a controller-side shell's cwd
+    assert marked == []
+
+
 def test_a_modification_rsync_cannot_see_is_still_caught_by_the_hash(cluster, tmp_path):
     """Same size and mtime on the host: rsync's quick check would skip it; the hash names it, the sync repairs it."""
     src = make_src(tmp_path)
