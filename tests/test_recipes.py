@@ -338,7 +338,7 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(recipe, layout, home, 
 
     # a fresh run into the same output_dir would mix its steps with these: refused, one line, nothing deleted
     again = torchrun(recipe, home, f"output_dir={b}", *common_args)
-    assert again.returncode == 2
+    assert again.returncode != 0  # each rank exits 2; torchrun itself reports any failed child as 1
     assert [line for line in again.stderr.splitlines() if line.startswith("mnft.recipes:")][0] == (
         f"mnft.recipes: output_dir holds checkpoints of an earlier run ({rank_dir(0)}: step-8 and 2 more): "
         "continue it with resume=latest, use another output_dir, or pass overwrite=true to delete them")
@@ -362,7 +362,7 @@ def test_non_finite_steps_are_skipped_on_all_ranks_counted_then_abort(recipe, ho
     res = torchrun(recipe, home, f"output_dir={tmp_path}", "max_steps=10", "log_every=1", "micro_batch_size=4",
                    "debug_nan_steps=[2,5,6]", "debug_inf_grad_steps=[4]", "max_consecutive_skips=3",
                    "save_final=false", "debug_rank_checksums=true")
-    assert res.returncode == 1, res.stderr[-3000:]
+    assert res.returncode != 0, res.stderr[-3000:]
     assert "3 steps in a row had a non-finite loss or grad norm (last at step 6" in res.stderr
     by_step = {r["step"]: r for r in records(tmp_path / "metrics.jsonl") if "event" not in r}
     assert sorted(by_step) == [1, 2, 3, 4, 5, 6]
@@ -421,3 +421,61 @@ def test_all_masked_batches_train_safely(home, tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     steps = [r for r in records(tmp_path / "out" / "metrics.jsonl") if "event" not in r]
     assert [(r["trained_tokens"], r["loss"], r["skipped_steps"]) for r in steps] == [(0, 0.0, 0), (0, 0.0, 0)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recipe", ["lora", "full"])
+def test_the_loss_is_normalised_by_global_trained_tokens_whatever_the_split(recipe, home, tmp_path):
+    """The same 8 rows per step as 2 ranks x micro-batch 4, as 1 rank x micro-batch 4 x accumulation 2, and as
+    1 rank x micro-batch 8 (the sampler deals rank r every other row of one shuffled order) must give the same
+    losses and gradient norms: a per-micro-batch or per-rank mean would weight rows differently."""
+    args = ["max_steps=3", "save_final=false", "tensorboard=false"] + (["lora_dropout=0"] if recipe == "lora" else [])
+    run_ok(recipe, home, f"output_dir={tmp_path}/ranks", "micro_batch_size=4", *args)
+    for name, split in (("accum", ["micro_batch_size=4", "grad_accum_steps=2"]), ("one", ["micro_batch_size=8"])):
+        res = single(recipe, home, f"output_dir={tmp_path}/{name}", *split, *args)
+        assert res.returncode == 0, res.stderr[-3000:]
+
+    def trajectory(name):
+        return [(r["loss"], r["grad_norm"], r["trained_tokens"])
+                for r in records(tmp_path / name / "metrics.jsonl") if "event" not in r]
+
+    want = trajectory("ranks")
+    assert len(want) == 3 and len({loss for loss, _, _ in want}) == 3  # it trains: three different losses
+    for name in ("accum", "one"):
+        got = trajectory(name)
+        assert [t for _, _, t in got] == [t for _, _, t in want], name
+        for (loss, norm, _), (loss_want, norm_want, _) in zip(got, want):
+            assert loss == pytest.approx(loss_want, abs=1e-5), name
+            assert norm == pytest.approx(norm_want, abs=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_merged_export_matches_the_peft_model_with_checkpointing_and_packing(home, tmp_path):
+    import peft
+
+    run_ok("lora", home, f"output_dir={tmp_path}", "max_steps=3", "micro_batch_size=4", "activation_checkpointing=true",
+           "packing=true", "export_merged=true", "tensorboard=false")
+    base_dir = home / ".cache" / "mnft" / "models" / model.tiny_key()
+    base, tok = model.load(base_dir, torch.float32)
+    ids = torch.tensor([tok("### Instruction:\nCount down from 9 to 3\n### Response:\n9 8 7")["input_ids"]])
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        peft_logits = peft.PeftModel.from_pretrained(base, tmp_path / "adapter").eval()(input_ids=ids).logits
+        merged, _ = model.load(tmp_path / "merged", torch.float32)
+        merged_logits = merged.eval()(input_ids=ids).logits
+    assert not torch.allclose(peft_logits, base_logits, atol=1e-3)  # the adapters learned something
+    torch.testing.assert_close(merged_logits, peft_logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("recipe", ["lora", "full"])
+def test_demo_bar_default_config_halves_the_loss_on_two_processes(recipe, home, tmp_path):
+    """The demo bar: the default config, 2 processes on CPU, ends at <= 50% of its initial loss. Its time goal
+    (<= 90 s) is measured by `python bench/recipe.py --demo-bar`, never asserted here."""
+    run_ok(recipe, home, f"output_dir={tmp_path}")
+    summary = [r for r in records(tmp_path / "metrics.jsonl") if r.get("event") == "summary"][-1]
+    assert summary["steps"] == load_config(recipe, []).max_steps and summary["skipped_steps"] == 0
+    assert summary["final_loss"] <= 0.5 * summary["initial_loss"], summary
