@@ -611,6 +611,56 @@ class Cluster:
         if self.outsider is not None and kill_strays:
             _kill_netns(self.outsider.ns)
 
+    # ------------------------------------------------------------------ users
+
+    def add_user(self, name: str, *, password: str | None = None, sudo: bool = False) -> str:
+        """Add a non-root login user to every host; returns its home directory as the hosts see it.
+
+        The user logs in with the controller key. Each host gets private copies of /etc/passwd, /etc/group and
+        /etc/shadow (plus /etc/sudoers granting `name ALL=(ALL:ALL) ALL` when `sudo`, which needs sudo installed),
+        bind-mounted in its mount namespace: the real machine's files are never touched. `password` (for sudo)
+        goes to `openssl passwd` on stdin, never on a command line. The home is /tmp/home-<name> inside the host
+        (its private /tmp). Raises ClusterError when the name is taken or sudo is asked for but not installed.
+        """
+        if not re.match(r"^[a-z_][a-z0-9_-]{0,30}$", name) or name == "root":
+            raise ValueError(f"bad user name {name!r}")
+        users = {line.split(":", 1)[0]: line for line in Path("/etc/passwd").read_text().splitlines() if line}
+        if name in users:
+            raise ClusterError(f"user {name} exists on this machine: pick another name")
+        if sudo and not (shutil.which("sudo") and os.path.exists("/etc/sudoers")):
+            raise ClusterUnavailable("add_user(sudo=True) needs sudo installed (apt-get install sudo)")
+        taken = {int(line.split(":")[2]) for line in users.values() if line.count(":") >= 6}
+        uid = next(u for u in range(4200, 60000) if u not in taken)
+        home = f"/tmp/home-{name}"
+        hashed = "!"
+        if password is not None:
+            hashed = _sh(["openssl", "passwd", "-6", "-stdin"], input=password + "\n").stdout.strip()
+        files = {
+            "/etc/passwd": Path("/etc/passwd").read_text().rstrip("\n") + f"\n{name}:x:{uid}:{uid}::{home}:/bin/sh\n",
+            "/etc/group": Path("/etc/group").read_text().rstrip("\n") + f"\n{name}:x:{uid}:\n",
+            "/etc/shadow": Path("/etc/shadow").read_text().rstrip("\n") + f"\n{name}:{hashed}:19000:0:99999:7:::\n",
+        }
+        modes = {"/etc/passwd": 0o644, "/etc/group": 0o644, "/etc/shadow": 0o640, "/etc/sudoers": 0o440}
+        if sudo:
+            files["/etc/sudoers"] = f"Defaults env_reset\nroot ALL=(ALL:ALL) ALL\n{name} ALL=(ALL:ALL) ALL\n"
+        public = self.controller_key.with_suffix(".pub").read_text()
+        for host in self.hosts:
+            # under the host's private /tmp: the one place both sides see (inside, as /tmp/.mnft-users)
+            etc = host.root / "tmp" / ".mnft-users"
+            for target, text in files.items():
+                _write(etc / os.path.basename(target), text, modes[target])
+            os.chmod(etc, 0o755)
+            host_home = host.root / "tmp" / f"home-{name}"
+            _write(host_home / ".ssh" / "authorized_keys", public, 0o600)
+            for path, mode in ((host_home, 0o700), (host_home / ".ssh", 0o700), (host_home / ".ssh" / "authorized_keys", 0o600)):
+                os.chown(path, uid, uid)
+                os.chmod(path, mode)
+            mounts = [["mount", "--bind", f"/tmp/.mnft-users/{os.path.basename(target)}", target] for target in files]
+            pid = str(self._anchors[host.name].pid)
+            for argv in mounts:
+                _sh(["nsenter", "-t", pid, "-m", "--", *argv])
+        return home
+
     # ------------------------------------------------------------------ inventory
 
     def write_inventory(self, path: Path, hosts: list[SimHost] | None = None, **host_overrides: Any) -> Path:

@@ -350,3 +350,58 @@ def test_a_new_controller_key_is_appended_accepted_by_sshd_and_undone(fresh_clus
     assert code == 0 and report["changed"] == 0
     code, report = setup_json(tmp_path, inventory, book, "--undo")
     assert code == 0 and read(cluster, host, "/root/.ssh/authorized_keys") == before
+
+
+# ---------------------------------------------------------------------------------------------- sudo with a password
+
+
+SUDO_PASSWORD = "c0rrect horse; $(id) `x` 'q'"  # shell metacharacters: it must reach sudo's stdin, nothing else
+
+
+def test_setup_as_a_non_root_user_through_sudo_with_a_password_that_is_never_shown(fresh_cluster_factory, tmp_path):
+    import shutil
+
+    if shutil.which("sudo") is None:
+        pytest.skip("sudo is not installed on this machine (apt-get install sudo)")
+    cluster = fresh_cluster_factory(2)
+    cluster.add_user("lab", password=SUDO_PASSWORD, sudo=True)
+    # the user cannot reach root's interpreter (/root is 0700): the system python runs mnft's host-side script
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml", user="lab", become=True, python="/usr/bin/python3", rendezvous_port=RDZV)
+    book = playbook(tmp_path, TEST_BOOK)
+    h1, h2 = cluster.hosts
+    for host in cluster.hosts:
+        add_foreign_table(cluster, host)
+        debian_hosts_file(host, cluster)
+    before = {h.name: cluster.run(h, ["nft", "list", "ruleset"]).stdout for h in cluster.hosts}
+
+    def setup(*extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+        home = tmp_path / "controller-home"
+        home.mkdir(exist_ok=True)
+        env = dict(os.environ, HOME=str(home), MNFT_HOME=str(tmp_path / "mnft-home"), PYTHONUNBUFFERED="1")
+        # a new session: no controlling terminal, so the password prompt reads it from stdin
+        done = subprocess.run([sys.executable, "-m", "invoke", "-r", str(REPO), "setup", "--hosts", str(inventory), "--playbook", str(book),
+                               "--json", *extra], cwd=REPO, env=env, input=SUDO_PASSWORD + "\n", capture_output=True, text=True,
+                              timeout=240, start_new_session=True)
+        assert SUDO_PASSWORD not in done.stdout and SUDO_PASSWORD not in done.stderr
+        assert "horse" not in done.stdout + done.stderr
+        try:
+            return done, json.loads(done.stdout)
+        except ValueError:
+            pytest.fail(f"setup printed no JSON (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+    done, report = setup()
+    assert done.returncode == 0, json.dumps(report, indent=1) + done.stderr
+    assert done.stderr.count("sudo password") == 1  # asked once, for every host
+    assert all(s in ("ok", "changed") for per in statuses(report).values() for s in per.values())
+    assert all(per["4. firewall"] == "changed" and per["3. hosts_file"] == "changed" for per in statuses(report).values())
+    for src, dst in ((h1, h2), (h2, h1)):
+        assert resolves_to(cluster, src, dst.name) == dst.address
+        done_ssh = cluster.run(src, ["su", "lab", "-c", f"ssh -o BatchMode=yes -o StrictHostKeyChecking=yes {dst.name} true"], check=False, timeout=30)
+        assert done_ssh.returncode == 0, done_ssh.stderr  # the mesh, in lab's own ~/.ssh
+    for host in cluster.hosts:
+        assert "table inet mnft" in cluster.run(host, ["nft", "list", "ruleset"]).stdout
+        assert cluster.run(host, ["stat", "-c", "%U", "/tmp/home-lab/.ssh/authorized_keys"]).stdout.strip() == "lab"
+
+    done, report = setup("--undo")
+    assert done.returncode == 0, json.dumps(report, indent=1) + done.stderr
+    assert {h.name: cluster.run(h, ["nft", "list", "ruleset"]).stdout for h in cluster.hosts} == before

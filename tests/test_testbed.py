@@ -367,3 +367,22 @@ def test_prerequisites_fail_early_with_a_clear_reason_when_not_root(monkeypatch)
         testbed.check_prerequisites()
     with pytest.raises(testbed.ClusterUnavailable, match="root"):
         testbed.Cluster.create(1, Path("/nonexistent"))
+
+
+def test_an_added_user_logs_in_and_gets_root_through_sudo_with_its_password_only(fresh_cluster_factory):
+    import shutil
+
+    if shutil.which("sudo") is None:
+        pytest.skip("sudo is not installed on this machine")
+    cluster = fresh_cluster_factory(1)
+    host = cluster.hosts[0]
+    passwd = Path("/etc/passwd").read_text()
+    assert cluster.add_user("lab", password="pw two words", sudo=True) == "/tmp/home-lab"
+    assert Path("/etc/passwd").read_text() == passwd  # the machine's own file is untouched
+    who = subprocess.run(cluster.ssh_argv(host, ["id", "-un"], user="lab"), capture_output=True, text=True, timeout=30)
+    assert who.stdout.strip() == "lab", who.stderr
+    sudo = ["sudo", "-k", "-S", "-p", "", "id", "-u"]
+    good = subprocess.run(cluster.ssh_argv(host, sudo, user="lab"), input="pw two words\n", capture_output=True, text=True, timeout=30)
+    assert good.stdout.strip() == "0", good.stderr
+    bad = subprocess.run(cluster.ssh_argv(host, sudo, user="lab"), input="wrong\n", capture_output=True, text=True, timeout=30)
+    assert bad.returncode != 0 and bad.stdout.strip() != "0"

@@ -402,7 +402,20 @@ def _message(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+SBIN = ("/usr/local/sbin", "/usr/sbin", "/sbin")
+
+
+def _root_path() -> None:
+    """As root, make sure the sbin directories are on PATH: a non-root login's PATH lacks them, and sudo keeps it
+    when sudoers sets no secure_path, so `nft` would not be found."""
+    if os.getuid() != 0:
+        return
+    parts = os.environ.get("PATH", "").split(os.pathsep)
+    os.environ["PATH"] = os.pathsep.join([p for p in parts if p] + [d for d in SBIN if d not in parts])
+
+
 def main() -> int:
+    _root_path()
     try:
         request = json.loads(sys.stdin.readline())
         ops = request["ops"]
