@@ -647,9 +647,11 @@ def tree_hash(path: Path | str, excludes: Iterable[str] | None = None) -> tuple[
 # ------------------------------------------------------------------------------------------------ read: remote
 
 
-def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None) -> Command:
-    """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap."""
-    args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--if-exists"] if if_exists else [])
+def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None) -> Command:
+    """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap;
+    expect the local digest (a host whose copy differs also reports its rsync version)."""
+    args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
+        + (["--if-exists"] if if_exists else [])
     return pyrun.command(host, *args)
 
 
@@ -679,12 +681,12 @@ def other_dir(host: Host, target: str) -> str:
 
 
 def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
-                timeout: float = HASH_TIMEOUT) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+                timeout: float = HASH_TIMEOUT, expect: str | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
     stdin = hash_stdin(rules)
 
     def one(host: Host) -> HostResult:
         target = targets[host.name]
-        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target))
+        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect)
         return fleet.run_one(host, command, stdin=stdin, timeout=timeout)
 
     results = fleet.map(one, hosts)
@@ -1047,7 +1049,7 @@ def sync_tree(
     try:
         with tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
             rules_file = str(Path(tmp) / "excludes")
-            before = read_remote(fleet, inventory.hosts, targets, local.rules)
+            before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest)
             plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete)
             if dry_run:
                 hosts = {p.host: _dry_result(p, before, local, delete) for p in plans}
@@ -1083,6 +1085,9 @@ def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> H
     diff = p.difference or Difference((), ())
     if not delete:  # --no-delete: files only on the host stay, so they are not listed as deletions
         diff = Difference(diff.send, ())
+    if p.action == "verify":  # nothing is ever sent to it: it is checked after the shared copy is written
+        status = SyncStatus.OK if diff.empty else SyncStatus.WOULD_CHANGE
+        return HostSync(p.host, status, p.target, remote_hash=tree.digest, error="" if diff.empty else p.reason + ": verified after the sync")
     status = SyncStatus.OK if p.action == "none" or diff.empty else SyncStatus.WOULD_CHANGE
     return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
                     bytes_sent=p.bytes_to_send, error=p.reason if p.action == "verify" else "")

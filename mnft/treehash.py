@@ -3,7 +3,7 @@
 
 The controller imports this module to hash its own tree and ships this file's source (see `source()`) to each
 host's Python (mnft.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
-as `python3 mnft/treehash.py ROOT [--cache FILE] [--other DIR] [--if-exists]` with the exclude rules as one JSON line on stdin.
+as `python3 mnft/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists]` with the exclude rules as one JSON line on stdin.
 
 Exclude rules are a subset of rsync's filter patterns, so the rules given to rsync and the ones the hash applies
 are the same strings with the same meaning:
@@ -21,7 +21,8 @@ a system directory (or above one, or inside /etc, /usr, ...), or overlapping the
 (`--other`): `refused` says why, and nothing is read.
 
 Output (one JSON object on stdout): root and home (real paths), whether the root exists, `refused`, the host's
-rsync version (`rsync`: null when there is none, so the controller can say so instead of a broken pipe), files
+rsync version when the tree differs from `--expect` (`rsync`: null when there is none, so the controller can
+say so instead of a broken pipe; "" when not asked), files
 {relpath: [size, sha256]}, the digest, and per-path errors.
 
 Hashing is cached per root (size, mtime_ns, ctime_ns, inode -> sha256) in a file outside the tree, so a re-hash
@@ -113,7 +114,7 @@ class Rules:
 
     def __init__(self, patterns) -> None:
         self.patterns = list(patterns)
-        self._compiled = []
+        compiled = []
         for pattern in self.patterns:
             include = pattern.startswith("+ ")
             if include:
@@ -126,13 +127,23 @@ class Rules:
             if anchored:
                 body = body.lstrip("/")
             prefix = "^" if anchored else "(?:^|.*/)"
-            self._compiled.append((re.compile(prefix + _glob_regex(body) + "$", re.DOTALL), dir_only, include))
+            compiled.append((prefix + _glob_regex(body) + "$", dir_only, include))
+        # consecutive rules of the same kind (include or exclude) are one alternation: their order among
+        # themselves cannot change the outcome, and one regex per group keeps a walk fast with many rules
+        self._groups = []
+        for regex, dir_only, include in compiled:
+            if not self._groups or self._groups[-1][0] != include:
+                self._groups.append((include, [], []))
+            self._groups[-1][2 if dir_only else 1].append(regex)
+        self._groups = [
+            (include, re.compile("|".join("(?:%s)" % r for r in any_kind), re.DOTALL) if any_kind else None,
+             re.compile("|".join("(?:%s)" % r for r in dirs), re.DOTALL) if dirs else None)
+            for include, any_kind, dirs in self._groups
+        ]
 
     def excluded(self, relpath: str, is_dir: bool) -> bool:
-        for regex, dir_only, include in self._compiled:
-            if dir_only and not is_dir:
-                continue
-            if regex.match(relpath):
+        for include, any_kind, dirs in self._groups:
+            if (any_kind is not None and any_kind.match(relpath)) or (is_dir and dirs is not None and dirs.match(relpath)):
                 return not include
         return False
 
@@ -349,7 +360,9 @@ def rsync_version():
     return match.group(1) if match else "unknown"
 
 
-def report(root: str, patterns, cache=None, if_exists: bool = False, other=None) -> dict:
+def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None) -> dict:
+    """The probe's answer for root. expect: the digest the controller wants; when the tree differs from it (a
+    sync will follow) the host's rsync version is reported too, otherwise that check is skipped."""
     expanded = os.path.expanduser(root)
     out = {
         "root": os.path.realpath(expanded),
@@ -364,24 +377,27 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None)
     out["refused"] = refusal(out["root"], out["home"], os.path.realpath(os.path.expanduser(other)) if other else None)
     if out["refused"]:
         return out
-    out["rsync"] = rsync_version()
     if not out["exists"]:
         if not if_exists and os.path.lexists(expanded):
             out["errors"]["."] = "not a directory"
+        if expect:
+            out["rsync"] = rsync_version()
         return out
     digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded))
     out.update(digest=digest, files={rel: list(v) for rel, v in files.items()}, errors=errors)
+    if expect and digest != expect:
+        out["rsync"] = rsync_version()
     return out
 
 
 def main(argv) -> int:
-    usage = "usage: treehash.py ROOT [--cache FILE] [--other DIR] [--if-exists] < rules.json\n"
+    usage = "usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] < rules.json\n"
     args = list(argv)
-    cache, if_exists, other = None, False, None
+    cache, if_exists, other, expect = None, False, None, None
     if "--if-exists" in args:
         args.remove("--if-exists")
         if_exists = True
-    for flag in ("--cache", "--other"):
+    for flag in ("--cache", "--other", "--expect"):
         if flag in args:
             i = args.index(flag)
             if i + 1 >= len(args):
@@ -389,8 +405,10 @@ def main(argv) -> int:
                 return 2
             if flag == "--cache":
                 cache = args[i + 1]
-            else:
+            elif flag == "--other":
                 other = args[i + 1]
+            else:
+                expect = args[i + 1]
             del args[i : i + 2]
     if len(args) != 1:
         sys.stderr.write(usage)
@@ -404,7 +422,7 @@ def main(argv) -> int:
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
         return 2
-    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other)) + "\n")
+    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other, expect)) + "\n")
     return 0
 
 

@@ -216,7 +216,13 @@ def test_treehash_script_reads_rules_from_stdin_and_reports_home(tmp_path):
     data = json.loads(done.stdout)
     assert data["exists"] and list(data["files"]) == ["x.py"]
     assert data["home"] == os.path.realpath(os.environ["HOME"])
-    assert data["rsync"] and data["rsync"][0].isdigit() and data["refused"] is None  # the host's rsync, for --mkpath
+    assert data["rsync"] == "" and data["refused"] is None  # not asked: no rsync check
+    wants = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(root), "--expect", "0" * 64], input=stdin,
+                                      capture_output=True, text=True, check=True).stdout)
+    assert wants["rsync"] and wants["rsync"][0].isdigit()  # differs from what the controller expects: rsync will run
+    same = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(root), "--expect", data["digest"]], input=stdin,
+                                     capture_output=True, text=True, check=True).stdout)
+    assert same["rsync"] == ""  # identical: no rsync will run, none is looked for
     missing = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(tmp_path / "nope"), "--if-exists"],
                                         input="[]\n", capture_output=True, text=True, check=True).stdout)
     assert missing["exists"] is False and missing["files"] is None
