@@ -309,6 +309,7 @@ def finish(record: runs.RunRecord, result: GangResult, timings: dict, t0: float,
     record.update(state="succeeded" if result.ok else "failed", reason=result.reason, failed_host=result.failed_host, timings=timings)
     try:
         collect(record, fleet, console, quiet=True)
+        summarize(record)
     except Exception as exc:  # noqa: BLE001 - a failed collection must not hide the run's outcome
         console.print(f"[yellow]log collection failed: {exc}[/yellow]")
     if result.leftovers:

@@ -49,6 +49,7 @@ def test_train_on_this_machine_syncs_runs_and_records(tmp_path, local_inventory)
     assert record["state"] == "succeeded" and record["hosts"]["me"]["exit_code"] == 0
     assert record["code_hash"] and set(record["timings"]) >= {"check_s", "sync_s", "launch_s", "first_step_s", "total_s"}
     assert (run_dir / "loss.png").is_file() and (run_dir / "me" / "run" / "output.log").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["hosts"] == {"me": {"node_rank": 0, "state": "exited", "exit_code": 0}}
     assert "me r1 | rank=1/2" in done.stdout
 
 
