@@ -451,3 +451,48 @@ def test_trust_hosts_asks_for_the_key_type_already_recorded(keypair, tmp_path):
     trusted = paramiko.HostKeys()
     trusted.add("h", ecdsa.get_name(), ecdsa)
     assert hostkeys.judge("h", fetched, trusted) == "already-trusted"
+
+
+@pytest.mark.cluster
+def test_a_proxyjump_hop_is_verified_like_a_host_and_trust_hosts_reads_keys_through_it(cluster, tmp_path, private_home):
+    from mnft import inventory
+    from mnft.trust import trust_hosts
+
+    hop = cluster.hosts[0]
+    # `behind` is 127.0.0.1 as the hop sees it: the hop's own sshd, reachable only through the hop (dialled
+    # directly from here it would be this machine), so what answers proves the path taken.
+    (private_home / ".ssh").mkdir()
+    (private_home / ".ssh" / "config").write_text(
+        f"Host behind\n  HostName 127.0.0.1\n  ProxyJump root@{hop.address}\n"
+        f"Host {hop.address}\n  IdentityFile {cluster.controller_key}\n"
+    )
+    hop_trusted = tmp_path / "hop_known_hosts"
+    hop_trusted.write_text(f"{hop.address} {hop.host_key_pub}\n")
+    nothing = tmp_path / "empty_known_hosts"
+    nothing.write_text("")
+
+    def inv(known_hosts):
+        return inventory.parse(f"known_hosts: {known_hosts}\nhosts:\n  behind: {{user: root, identity: {cluster.controller_key}}}\n")
+
+    with Fleet(inv(nothing), Timeouts(connect=10)) as fleet:  # the hop's key is unknown: refused, never added
+        [result] = fleet.connect_all()
+    assert result.status is Status.HOST_KEY_REJECTED
+    assert "unknown host key ssh-ed25519" in result.error and f"for {hop.address} (ProxyJump hop to 127.0.0.1)" in result.error
+
+    with Fleet(inv(hop_trusted), Timeouts(connect=10)) as fleet:  # hop trusted, the host behind it not yet
+        [result] = fleet.connect_all()
+    assert result.status is Status.HOST_KEY_REJECTED and "for 127.0.0.1;" in result.error
+
+    [trusted] = trust_hosts(inv(hop_trusted), Timeouts(connect=10))
+    assert (trusted.known_as, trusted.state) == ("127.0.0.1", "recorded")
+    assert trusted.fingerprint == hostkeys.fingerprint(paramiko.PKey.from_type_string(*_split(hop.host_key_pub)))
+    with Fleet(inv(hop_trusted), Timeouts(connect=10, command=20)) as fleet:
+        [result] = fleet.run(Command.of("hostname"))
+    assert result.ok and result.stdout.strip() == cluster.run(hop, ["hostname"]).stdout.strip()
+
+
+def _split(public: str):
+    import base64
+
+    kind, data = public.split()[:2]
+    return kind, base64.b64decode(data)
