@@ -825,11 +825,11 @@ def plan(
             plans.append(HostPlan(host.name, "refuse", target, reason=f"refused on {host.name}: {refusal}"))
             continue
         missing_rsync = f"rsync is not installed on {host.name} (install it, e.g. `apt-get install rsync`)" if tree.rsync is None else ""
+        if tree.exists and tree.digest == local.digest and not tree.errors:  # (the probe may omit its file list then)
+            plans.append(HostPlan(host.name, "none", target, difference=Difference((), ()), reason="identical"))
+            continue
         diff = difference(local.files, tree.files if tree.exists else {})
         sending = sum(local.files[p][0] for p in diff.send)
-        if tree.exists and tree.digest == local.digest and not tree.errors:
-            plans.append(HostPlan(host.name, "none", target, difference=diff, reason="identical"))
-            continue
         if kind == "data" and host.shared_fs:
             if shared_writer is not None:
                 plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem: the copy of {shared_writer}"))

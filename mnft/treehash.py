@@ -362,7 +362,7 @@ def rsync_version():
 
 def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None) -> dict:
     """The probe's answer for root. expect: the digest the controller wants; when the tree differs from it (a
-    sync will follow) the host's rsync version is reported too, otherwise that check is skipped."""
+    sync will follow) the host's rsync version is reported too; when it is equal, the file list is left out."""
     expanded = os.path.expanduser(root)
     out = {
         "root": os.path.realpath(expanded),
@@ -385,7 +385,9 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
         return out
     digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded))
     out.update(digest=digest, files={rel: list(v) for rel, v in files.items()}, errors=errors)
-    if expect and digest != expect:
+    if expect and digest == expect and not errors:
+        out["files"] = None  # identical to what the controller has: the list would only be read to learn nothing
+    elif expect:
         out["rsync"] = rsync_version()
     return out
 

@@ -222,7 +222,7 @@ def test_treehash_script_reads_rules_from_stdin_and_reports_home(tmp_path):
     assert wants["rsync"] and wants["rsync"][0].isdigit()  # differs from what the controller expects: rsync will run
     same = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(root), "--expect", data["digest"]], input=stdin,
                                      capture_output=True, text=True, check=True).stdout)
-    assert same["rsync"] == ""  # identical: no rsync will run, none is looked for
+    assert same["rsync"] == "" and same["files"] is None  # identical: no rsync will run, no list is needed
     missing = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(tmp_path / "nope"), "--if-exists"],
                                         input="[]\n", capture_output=True, text=True, check=True).stdout)
     assert missing["exists"] is False and missing["files"] is None
