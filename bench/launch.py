@@ -39,12 +39,14 @@ def first_step(argv: list[str] | list[list[str]], env: dict, timeout: float = 60
     started = time.monotonic()
     procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in commands]
     deadline = started + timeout
+    seen: list[str] = []
     for line in procs[0].stdout:
+        seen.append(line)
         if FIRST_STEP.search(line):
             return time.monotonic() - started, procs
         if time.monotonic() > deadline:
             break
-    raise RuntimeError("no first step: " + " ".join(commands[0][:6]))
+    raise RuntimeError("no first step: " + " ".join(commands[0][:6]) + "\n" + "".join(seen[-40:]))
 
 
 def finish(procs: list[subprocess.Popen]) -> None:
@@ -90,10 +92,18 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="mnft-bench-launch-") as tmp:
         for n in (int(x) for x in args.hosts.split(",")):
-            rows.append(bench(n, args.steps, Path(tmp)))
+            try:
+                rows.append(bench(n, args.steps, Path(tmp)))
+            except RuntimeError as exc:  # one failed size (a loaded machine) must not lose the others
+                print(f"{n} hosts failed: {exc}", file=sys.stderr, flush=True)
+                rows.append({"hosts": n, "failed": str(exc).splitlines()[0]})
+                continue
             print(f"{n} hosts done", file=sys.stderr, flush=True)
     print(f"{'hosts':>5} {'mnft s':>8} {'by hand s':>10} {'ratio':>6}   {'check s':>8} {'sync s':>7} {'launch s':>9}")
     for r in rows:
+        if "failed" in r:
+            print(f"{r['hosts']:>5} failed: {r['failed']}")
+            continue
         print(f"{r['hosts']:>5} {r['mnft_s']:>8.2f} {r['hand_s']:>10.2f} {r['mnft_s'] / r['hand_s']:>6.2f}   "
               f"{r['check_s']:>8.2f} {r['sync_s']:>7.2f} {r['launch_s']:>9.2f}")
     print("goal: ratio ≤ 1.2 (mnft includes its check and sync; 'by hand' runs the same torchrun commands over ssh)")
