@@ -1,5 +1,6 @@
 """The lora and full recipes: config validation, data masking, model build, checkpoints, and 2-process
-gloo runs under torchrun (marked slow: crash + resume reproduces the uninterrupted losses, NaN guard, ...)."""
+gloo runs under torchrun (marked slow: crash + resume reproduces the uninterrupted losses, the non-finite guard
+holds every rank still, one rank all-masked, loss normalisation across splits, merged export, demo bar)."""
 
 from __future__ import annotations
 
@@ -132,6 +133,12 @@ def test_resume_null_means_no_resume_not_a_directory_named_null(value, tmp_path)
     path = tmp_path / "c.yaml"
     path.write_text("resume: null\n")
     assert load_config("lora", [f"config={path}"]).resume == "none"
+
+
+def test_overwrite_needs_a_fresh_run():
+    assert load_config("lora", ["overwrite=true"]).overwrite is True
+    with pytest.raises(ConfigError, match="config key 'overwrite' .* needs resume=none, got resume=latest"):
+        load_config("lora", ["overwrite=true", "resume=latest"])
 
 
 def test_null_for_a_string_key_is_refused_not_turned_into_the_string_none(tmp_path):

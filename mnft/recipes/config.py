@@ -161,6 +161,9 @@ def _check_values(cfg: TrainConfig) -> None:
             raise ConfigError(f"config key '{key}' must be >= 0, got {getattr(cfg, key)!r}")
     if len(cfg.adam_betas) != 2 or not all(0 <= b < 1 for b in cfg.adam_betas):
         raise ConfigError(f"config key 'adam_betas' expects two floats in [0, 1), got {cfg.adam_betas!r}")
+    if cfg.overwrite and cfg.resume != "none":
+        raise ConfigError(f"config key 'overwrite' deletes checkpoints before a fresh run: it needs resume=none, "
+                          f"got resume={cfg.resume}")
     if isinstance(cfg, LoraConfig) and not 0 <= cfg.lora_dropout < 1:
         raise ConfigError(f"config key 'lora_dropout' must be in [0, 1), got {cfg.lora_dropout!r}")
     if isinstance(cfg, LoraConfig) and not cfg.lora_target_modules:
