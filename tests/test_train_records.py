@@ -219,8 +219,11 @@ def test_tail_follow_ends_when_no_process_of_the_run_remains_even_without_an_exi
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     follower.stdin.write(pyrun.payload(agent.source()))
     follower.stdin.flush()  # stays open: the follower is still there
-    while not agent.run_pids("RK@local"):
+    for _ in range(600):  # the run is up (bounded: a run that never starts fails below, it does not hang)
+        if agent.run_pids("RK@local"):
+            break
         time.sleep(0.1)
+    assert agent.run_pids("RK@local")
     os.killpg(pgid, signal.SIGKILL)  # keeper and command die at once: nobody writes exit_code
     guard = threading.Timer(60, follower.kill)  # a follower that never ends fails the test instead of hanging it
     guard.start()
