@@ -166,7 +166,7 @@ def train(c, recipe="lora", hosts=None, set=None, env=None, env_file=None, rdzv=
 
         reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files)
         hosts, overrides, envs, env_files, resume_run = reused.hosts, reused.overrides, reused.env, reused.env_files, reused.run_id
-        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False)
+        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
     options = TrainOptions(
         launch=LaunchOptions(recipe=recipe, overrides=overrides, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume),
         check=CheckOptions(port=int(port) or None),
