@@ -148,7 +148,7 @@ def _record_fleet(run, hosts):
         "force": "launch even if the check finds problems",
         "dry_run": "print every host's exact command and environment (secrets redacted); start nothing",
         "no_sync": "do not sync the code first",
-        "src": "the tree to sync (default: the current directory)",
+        "src": "the tree to sync (default: the top of the git repository around the current directory)",
         "port": "rendezvous port (default: the inventory's; the next free one on the master if taken)",
     },
 )

@@ -392,7 +392,7 @@ def status(run_dir):
                 data = json.loads(line)
             except ValueError:
                 continue
-            if "step" in data:
+            if "step" in data and "loss" in data:  # a step's line, not the summary or a checkpoint event
                 result["last_metric"] = data
                 break
     return result
