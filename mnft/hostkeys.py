@@ -80,7 +80,7 @@ class TrustResult:
     known_as: str  # known_hosts entry name
     key_type: str
     fingerprint: str
-    state: str  # "recorded" | "already-trusted" | "changed" | "unreachable"
+    state: str  # "recorded" | "already-trusted" | "changed" | "other-type" | "unreachable"
     detail: str = ""
 
 
@@ -111,12 +111,16 @@ def fetch_host_key(hostname: str, port: int, timeout: float, sock=None, recorded
 
 
 def judge(known_as: str, key: paramiko.PKey, trusted: paramiko.HostKeys) -> str:
-    """'already-trusted', 'changed' (a different key of the same type is recorded) or 'new' (no key of this
-    type is recorded: a host known by another key type only is not a changed host)."""
+    """'already-trusted', 'new' (nothing is recorded for the host), 'changed' (a different key of the same type
+    is recorded) or 'other-type' (the host is trusted with other key types only). fetch_host_key asks for the
+    recorded types first, so a host that still presents another type does not hold its recorded key: that is
+    refused like a changed key (an attacker cannot show the real key, but can offer a type not yet recorded)."""
     recorded = trusted.lookup(known_as)
-    same_type = recorded.get(key.get_name()) if recorded is not None else None
-    if same_type is None:
+    if recorded is None or not recorded.keys():
         return "new"
+    same_type = recorded.get(key.get_name())
+    if same_type is None:
+        return "other-type"
     return "already-trusted" if same_type == key else "changed"
 
 
