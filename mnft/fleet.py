@@ -8,6 +8,8 @@ host's failure never hides another's result.
 
 from __future__ import annotations
 
+import errno
+import socket
 import sys
 import time
 import traceback
@@ -92,6 +94,17 @@ class Results:
 
 CommandFor = Command | Mapping[str, Command] | Callable[[Host], Command]
 
+
+
+_NETWORK_ERRNOS = {errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EHOSTDOWN, errno.EPIPE}
+
+
+def _network_fault(exc: BaseException) -> bool:
+    """A lost or broken connection (the host is unreachable), as opposed to a local fault such as a missing file
+    or a permission error on this machine, which is a failure with its traceback."""
+    if isinstance(exc, (paramiko.SSHException, EOFError, ConnectionError, TimeoutError, socket.gaierror)):
+        return True
+    return isinstance(exc, OSError) and exc.errno in _NETWORK_ERRNOS
 
 class Fleet:
     """Open connections to the inventory's hosts; run commands on all of them in parallel."""
@@ -196,7 +209,7 @@ class Fleet:
     def _fault(self, name: str, exc: Exception, started: float) -> HostResult:
         """An exception nothing below turned into an outcome: a lost or broken SSH session makes the host
         unreachable; anything else is a bug in mnft, failed with its traceback on stderr."""
-        if isinstance(exc, (paramiko.SSHException, OSError, EOFError)):
+        if _network_fault(exc):
             error = f"SSH error: {exc.__class__.__name__}: {exc}".splitlines()[0]
             self.mark_unreachable(name, error)
             return HostResult(name, Status.UNREACHABLE, error=error, seconds=_since(started))

@@ -24,7 +24,7 @@ from mnft import agent, pyrun
 from mnft.command import Command
 from mnft.connection import HostKeyRejected, Process, Unreachable
 from mnft.errors import MnftError
-from mnft.fleet import Fleet
+from mnft.fleet import Fleet, Status
 from mnft.launch import HostLaunch, LaunchOptions
 
 LOST_AFTER = 10.0  # seconds without any event from an agent before its host counts as lost
@@ -157,6 +157,9 @@ class Gang:
     def start(self) -> None:
         """Start every host in parallel; if any fails, stop the ones that started and raise."""
         results = self.fleet.map(lambda host: _as_result(self._start_one(host.name)), [self.fleet.inventory.host(n) for n in self.runs])
+        for r in results:  # an exception while starting (a broken SSH channel, a local error) is a failed start too
+            if r.status is not Status.OK and self.runs[r.host].state != "failed-to-start":
+                self.runs[r.host].state, self.runs[r.host].error = "failed-to-start", r.error or r.status.value
         failed = [self.runs[r.host] for r in results if self.runs[r.host].state == "failed-to-start"]
         if failed:
             self.teardown(f"{failed[0].launch.host} failed to start")

@@ -179,6 +179,19 @@ def test_a_raising_per_host_function_is_that_hosts_outcome_only():
     assert "No route to host" in results["b"].error
 
 
+def test_a_local_os_error_in_a_per_host_function_is_a_failure_not_an_unreachable_host(capsys):
+    def fn(host):
+        if host.name == "b":
+            raise PermissionError(13, "Permission denied", "/root/.mnft/runs")
+        return HostResult(host.name, Status.OK)
+
+    with Fleet(local_inventory("a", "b")) as fleet:
+        results = fleet.map(fn)
+        assert [r.status for r in results] == [Status.OK, Status.FAILED]
+        assert fleet.map(fn, [fleet.inventory.host("a")])["a"].status is Status.OK
+    assert "PermissionError" in capsys.readouterr().err  # a bug or local fault keeps its traceback
+
+
 def test_exit_code_unreachable_outranks_failed_outranks_ok():
     def results(*statuses: Status) -> Results:
         return Results({f"h{i}": HostResult(f"h{i}", s) for i, s in enumerate(statuses)})
