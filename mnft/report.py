@@ -203,11 +203,11 @@ def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
     console().print(table)
 
 
-def _loss(value) -> str:
-    """A loss for a table cell: 4 decimals, or as the recipe wrote it ("nan", "inf"), or "-" when there is none."""
+def fmt_loss(value) -> str:
+    """A loss as text: 4 decimals, or as the recipe wrote it ("nan", "inf": JSON has no NaN), or "-" for none."""
     if isinstance(value, (int, float)):
         return f"{value:.4f}"
-    return plain(str(value)) if value is not None else "-"
+    return str(value) if value is not None else "-"
 
 
 def print_status(record, states: dict[str, dict], as_json: bool) -> int:
@@ -234,7 +234,7 @@ def print_status(record, states: dict[str, dict], as_json: bool) -> int:
                 str(st.get("exit_code")) if st.get("exit_code") is not None else "-",
                 str(st.get("processes", "-")),
                 str(metric.get("step", "-")),
-                _loss(metric.get("loss")),
+                plain(fmt_loss(metric.get("loss"))),
                 f"{_time.time() - since:.0f}s ago" if since else plain(st.get("error") or "-"),
             )
         console().print(table)

@@ -29,6 +29,7 @@ from mnft.fleet import Fleet, Status
 from mnft.gang import Gang, GangError, GangInterrupted, GangResult, agent_command, agent_payload
 from mnft.inventory import Host, Inventory
 from mnft.launch import LaunchOptions
+from mnft.report import fmt_loss
 
 
 class RunFailed(MnftError):
@@ -131,7 +132,7 @@ class Display:
                     self.console.print("progress: " + progress_text(data), highlight=False, soft_wrap=True)
         elif data.get("event") == "summary":
             self.console.print(
-                f"[bold]summary[/bold]: loss {data.get('initial_loss'):.4f} -> {data.get('final_loss'):.4f}, "
+                f"[bold]summary[/bold]: loss {fmt_loss(data.get('initial_loss'))} -> {fmt_loss(data.get('final_loss'))}, "
                 f"{data.get('tokens_per_s', 0):.0f} tokens/s over {data.get('steps')} steps"
             )
 
@@ -154,6 +155,9 @@ class Reuse:
     notes: tuple[str, ...]
 
 
+NOT_REUSED = frozenset({"overwrite", "resume"})  # they decide how a run starts, and a resume starts from its checkpoint
+
+
 def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, ...], env: tuple[str, ...],
                    env_files: tuple[str, ...]) -> Reuse:
     """--resume: the previous run's hosts file, overrides and env names, unless given again (explicit flags win;
@@ -162,7 +166,7 @@ def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, .
     if hosts is None and (previous.get("inventory") or {}).get("path"):
         hosts = previous["inventory"]["path"]
         notes.append(f"--hosts {hosts}")
-    explicit = {o.partition("=")[0] for o in overrides}
+    explicit = {o.partition("=")[0] for o in overrides} | NOT_REUSED
     kept = tuple(o for o in previous.get("overrides") or () if o.partition("=")[0] not in explicit)
     if kept:
         notes.append("--set " + " --set ".join(kept))
@@ -173,6 +177,9 @@ def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, .
     kept_files = tuple(f for f in previous.get("env_files") or () if f not in env_files)
     if kept_files:
         notes.append("--env-file " + " --env-file ".join(kept_files))
+    dropped = [o for o in previous.get("overrides") or () if o.partition("=")[0] in NOT_REUSED]
+    if dropped:
+        notes.append("(not " + " ".join(dropped) + ": a resume continues from the latest checkpoint)")
     return Reuse(previous["run_id"], hosts, kept + tuple(overrides), kept_env + tuple(env), kept_files + tuple(env_files), tuple(notes))
 
 
@@ -388,7 +395,7 @@ def plot(metrics: Path, out: Path) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs = [s["step"] for s in steps]
-    ax.plot(xs, [s["loss"] for s in steps], color="tab:blue", label="loss")
+    ax.plot(xs, [float(s["loss"]) for s in steps], color="tab:blue", label="loss")  # "nan"/"inf" as written
     ax.set_xlabel("step")
     ax.set_ylabel("loss", color="tab:blue")
     ax2 = ax.twinx()
@@ -419,7 +426,8 @@ def write_back(record: runs.RunRecord, states: dict[str, dict]) -> None:
             if (info.get("state"), info.get("exit_code")) != (st["state"], st.get("exit_code")):
                 info.update(state=st["state"], exit_code=st.get("exit_code"), ended=st.get("ended"))
                 changed = True
-    ended = states and all(st.get("state") in ("exited", "killed") for st in states.values())
+    every_host = set(states) >= set(record.data["hosts"])  # a host not heard from may still be running
+    ended = every_host and all(st.get("state") in ("exited", "killed") for st in states.values())
     if ended and record.data.get("state") in ("running", "starting"):
         ok = all(st.get("state") == "exited" and st.get("exit_code") == 0 for st in states.values())
         bad = next((n for n, st in states.items() if not (st.get("state") == "exited" and st.get("exit_code") == 0)), None)
@@ -497,10 +505,10 @@ def print_summary(summary: dict, record: runs.RunRecord, console: Console) -> No
     codes = ", ".join(f"{n} {h['state']}" + (f" ({h['exit_code']})" if h.get("exit_code") is not None else "") for n, h in summary["hosts"].items())
     console.print(f"run {summary['run_id']}: {summary.get('state')}; {codes}", highlight=False)
     if summary.get("final_loss") is not None:
-        console.print(f"summary: loss {summary['initial_loss']:.4f} -> {summary['final_loss']:.4f}, {summary.get('tokens_per_s') or 0:.0f} tokens/s "
+        console.print(f"summary: loss {fmt_loss(summary['initial_loss'])} -> {fmt_loss(summary['final_loss'])}, {summary.get('tokens_per_s') or 0:.0f} tokens/s "
                       f"over {summary.get('steps')} steps", highlight=False)
     elif summary.get("last_step") is not None:
-        console.print(f"last step {summary['last_step']}: loss {summary['last_loss']:.4f}", highlight=False)
+        console.print(f"last step {summary['last_step']}: loss {fmt_loss(summary['last_loss'])}", highlight=False)
     if (record.path / "loss.png").is_file():
         console.print(f"plot: {record.path / 'loss.png'}", highlight=False)
     console.print(f"summary: {record.path / 'summary.json'}", highlight=False)

@@ -41,3 +41,31 @@ def test_a_non_finite_loss_is_shown_as_the_recipe_wrote_it(capsys):
     assert print_status(record, states, as_json=False) == 0
     out = capsys.readouterr().out
     assert "nan" in out and "2.5000" in out
+
+
+def test_a_run_that_ended_on_a_non_finite_loss_still_gets_its_summary_and_plot(tmp_path, capsys):
+    from rich.console import Console
+
+    from mnft import train
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps(line) + "\n" for line in [
+        {"step": 1, "loss": 5.0, "tokens_per_s": 100.0},
+        {"step": 2, "loss": "nan", "tokens_per_s": 90.0},
+    ]))
+    train.plot(metrics, tmp_path / "loss.png")
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    record = SimpleNamespace(path=tmp_path)
+    train.print_summary({"run_id": "R1", "state": "failed", "hosts": {}, "last_step": 2, "last_loss": "nan"}, record, Console(file=None))
+    assert "last step 2: loss nan" in capsys.readouterr().out
+
+
+def test_a_detached_run_is_not_written_back_as_ended_while_a_host_was_not_heard_from(tmp_path, monkeypatch):
+    from mnft import runs, train
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = runs.RunRecord.create("R2", state="running", hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}})
+    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}})  # b's logs could not be collected
+    assert runs.load("R2").data["state"] == "running"
+    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 0}})
+    assert runs.load("R2").data["state"] == "succeeded"

@@ -89,6 +89,13 @@ def test_resume_reuses_the_previous_hosts_overrides_and_env_names():
                             "--env WANDB_API_KEY --env MODE=fast", "--env-file /lab/secrets.env")
 
 
+def test_resume_does_not_reuse_overwrite_or_resume_which_would_refuse_or_restart_the_run():
+    previous = {**PREVIOUS, "overrides": ["max_steps=400", "overwrite=true", "resume=none"]}
+    reused = train.reuse_previous(previous, hosts=None, overrides=(), env=(), env_files=())
+    assert reused.overrides == ("max_steps=400",)
+    assert reused.notes[-1] == "(not overwrite=true resume=none: a resume continues from the latest checkpoint)"
+
+
 def test_resume_explicit_flags_win_and_overrides_merge_by_key():
     reused = train.reuse_previous(PREVIOUS, hosts="/lab/other.yaml", overrides=("max_steps=12",), env=("MODE=slow",), env_files=())
     assert reused.hosts == "/lab/other.yaml"
