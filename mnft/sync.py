@@ -804,16 +804,16 @@ def plan(
 ) -> list[HostPlan]:
     """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) in; actions out.
 
-    For data, hosts with shared_fs see one copy: the first readable shared host writes it, the others verify.
+    For data, hosts with shared_fs see one copy: a shared host that already holds it, else the first readable
+    shared host with rsync writes it; the others only verify they see it.
     """
     plans = []
     shared_writer: str | None = None
-    if kind == "data":  # a shared host that already holds the data: the others only verify they see it
-        for host in inventory.hosts:
-            tree = remote.get(host.name, (None, None))[1]
-            if host.shared_fs and tree is not None and tree.exists and tree.digest == local.digest and not tree.errors and not remote_refusal(tree):
-                shared_writer = host.name
-                break
+    if kind == "data":
+        shared = [(h.name, remote.get(h.name, (None, None))[1]) for h in inventory.hosts if h.shared_fs]
+        readable = [(name, tree) for name, tree in shared if tree is not None and not remote_refusal(tree)]
+        holder = next((name for name, t in readable if t.exists and t.digest == local.digest and not t.errors), None)
+        shared_writer = holder or next((name for name, t in readable if t.rsync is not None), None)
     for host in inventory.hosts:
         target = host.workdir if kind == "code" else host.data_dir
         result, tree = remote.get(host.name, (None, None))
@@ -830,11 +830,9 @@ def plan(
             continue
         diff = difference(local.files, tree.files if tree.exists else {})
         sending = sum(local.files[p][0] for p in diff.send)
-        if kind == "data" and host.shared_fs:
-            if shared_writer is not None:
-                plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem: the copy of {shared_writer}"))
-                continue
-            shared_writer = host.name
+        if kind == "data" and host.shared_fs and shared_writer not in (None, host.name):
+            plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem: the copy of {shared_writer}"))
+            continue
         # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
         # with the same size, a touched-back mtime could fool that check: compare contents instead.
         same_size = any(p in tree.files and tree.files[p][0] == local.files[p][0] for p in diff.send)

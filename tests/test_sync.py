@@ -452,6 +452,17 @@ def test_data_on_a_shared_filesystem_is_written_once_and_verified_by_the_others(
     assert plans["h1"].argv[-1] == "10.0.0.1:mnft-data/"
 
 
+def test_a_shared_host_without_rsync_only_verifies_and_a_shared_host_with_rsync_writes_the_copy():
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n")
+    local = local_tree({"d.bin": (5, "e" * 64)})
+    _, tree = read_ok("h1", None, root="/root/mnft-data")
+    remote = {"h1": (HostResult("h1", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync=None)),
+              "h2": (HostResult("h2", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.2.7"))}
+    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
+    assert (plans["h1"].action, plans["h2"].action) == ("verify", "rsync")
+    assert "the copy of h2" in plans["h1"].reason
+
+
 def test_a_host_without_rsync_fails_with_the_cause_and_an_old_rsync_gets_no_mkpath():
     local = local_tree({"a.py": (1, "a" * 64)})
     _, tree = read_ok("h1", None)
