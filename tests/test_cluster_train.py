@@ -69,11 +69,13 @@ def run_processes(cluster, hosts) -> dict[str, list[str]]:
 
 def wait_no_orphans(cluster, hosts, timeout: float = 40) -> None:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not run_processes(cluster, hosts):
+    while True:  # looks at least once, even when the deadline has already passed
+        survivors = run_processes(cluster, hosts)
+        if not survivors:
             return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"processes of the run survived: {survivors}")
         time.sleep(0.5)
-    raise AssertionError(f"processes of the run survived: {run_processes(cluster, hosts)}")
 
 
 def latest_record(tmp_path: Path) -> dict:
