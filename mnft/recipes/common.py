@@ -29,18 +29,28 @@ def run(recipe: str, train: Callable[[TrainConfig, mdist.Dist], None], argv: lis
         cfg = load_config(recipe, argv)
     except ConfigError as e:
         if os.environ.get("RANK", "0") == "0":  # one line for the whole job, not one per rank
-            print(f"mnft.recipes: {e}", file=sys.stderr, flush=True)
+            _error_line(e)
         return int(e.exit_code)
     d = mdist.setup()
     try:
         train(cfg, d)
-    except MnftError as e:
-        print(f"mnft.recipes: {e}", file=sys.stderr, flush=True)
+    except ConfigError as e:  # decided collectively (e.g. an output_dir with an earlier run's checkpoints)
+        if d.rank == 0:
+            _error_line(e)
+        return int(e.exit_code)
+    except MnftError as e:  # may be one rank's own (non-finite steps, a world size the checkpoint refuses)
+        _error_line(e)
         return int(e.exit_code)
     finally:
         sys.stdout.flush()
         mdist.cleanup()
     return 0
+
+
+def _error_line(e: Exception) -> None:
+    """One write, so the lines of ranks sharing a stderr pipe never run together (print writes the newline apart)."""
+    sys.stderr.write(f"mnft.recipes: {e}\n")
+    sys.stderr.flush()
 
 
 def output_dir(cfg: TrainConfig, recipe: str, d: mdist.Dist) -> Path:
