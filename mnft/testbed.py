@@ -526,6 +526,26 @@ class Cluster:
     def link_up(self, host: SimHost) -> None:
         _sh(["ip", "link", "set", host.veth, "up"])
         self._down.discard(host.name)
+        # Addresses that failed to resolve while the cable was out stay FAILED in the neighbour tables for a
+        # while ("no route to host"): forget them everywhere, as a real host would after its link came back.
+        for other in [*self.hosts, *([self.outsider] if self.outsider is not None else [])]:
+            _sh(["ip", "-n", other.ns, "neigh", "flush", "all"], check=False)
+        _sh(["ip", "neigh", "flush", "dev", self.bridge], check=False)
+        self._wait_reaches_peers(host)
+
+    def _wait_reaches_peers(self, host: SimHost, timeout: float = 15) -> None:
+        """Until every peer answers the host on TCP (a connection, or a refusal when its sshd is stopped): the next
+        test then starts on a healed link."""
+        probe = ("import socket, sys\nbad = []\nfor a in sys.argv[1:]:\n    try:\n"
+                 "        socket.create_connection((a, 22), timeout=2).close()\n    except ConnectionRefusedError:\n"
+                 "        pass\n    except OSError:\n        bad.append(a)\nprint(' '.join(bad))\n")
+        peers = [h.address for h in self.hosts if h is not host and h.name not in self._down]
+        deadline = time.monotonic() + timeout
+        while peers:
+            peers = self.run(host, [sys.executable, "-c", probe, *map(str, peers)], check=False, timeout=timeout).stdout.split()
+            if not peers or time.monotonic() > deadline:
+                return
+            time.sleep(0.3)
 
     # ------------------------------------------------------------------ commands
 
