@@ -267,11 +267,8 @@ def _overlap(a: str, b: str) -> bool:
 
 def preflight(inventory: Inventory, src: Path, kind: str = "code") -> None:
     """Refuse bad input before any host is touched: InputError (exit 2) listing every problem."""
-    problems = []
-    if not src.is_dir():
-        problems.append(f"source {src} is not a directory")
-    elif source_problem(src):
-        problems.append(source_problem(src))
+    problem = source_problem(src)
+    problems = [problem] if problem else []
     what = "workdir" if kind == "code" else "data_dir"
     for host in inventory.hosts:
         target = host.workdir if kind == "code" else host.data_dir
@@ -331,7 +328,9 @@ def default_source(start: Path | None = None) -> Path:
 
 
 def source_problem(src: Path) -> str | None:
-    """Why src cannot be the tree to copy (a walk of it would read a whole machine), or None."""
+    """Why src cannot be the tree to copy (not a directory, or one whose walk would read a whole machine), or None."""
+    if not src.is_dir():
+        return f"source {src} is not a directory"
     real = Path(os.path.realpath(src))
     home = Path(os.path.realpath(os.path.expanduser("~")))
     if str(real) == "/" or real == home or real in home.parents or str(real) in SYSTEM_DIRS:
@@ -1161,7 +1160,7 @@ def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *,
     `invoke sync` would copy (the same source and rules: code_source)."""
     try:
         source = code_source(src, extra_excludes, config=config)
-        why = source_problem(source.root) or (None if source.root.is_dir() else f"source {source.root} is not a directory")
+        why = source_problem(source.root)
         if why:
             raise InputError(why)
         local = read_local(source.root, source.excludes)
@@ -1173,8 +1172,9 @@ def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *,
         if tree is None:
             out[name] = {"hash": None, "exists": None, "matches": None, "error": result.error or "cannot read the workdir"}
             continue
-        if remote_refusal(tree):
-            out[name] = {"hash": None, "exists": None, "matches": None, "error": f"workdir refused: {remote_refusal(tree)}"}
+        refusal = remote_refusal(tree)
+        if refusal:
+            out[name] = {"hash": None, "exists": None, "matches": None, "error": f"workdir refused: {refusal}"}
             continue
         diff = difference(local.files, tree.files) if tree.exists else None
         out[name] = {
