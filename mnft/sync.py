@@ -419,14 +419,8 @@ def _glob_part(text: str) -> list[tuple[str, str]]:
             tokens.append(("glob", "?"))
             i += 1
         elif c == "[":
-            j = i + 1
-            if j < n and text[j] in "!^":
-                j += 1
-            if j < n and text[j] == "]":
-                j += 1
-            while j < n and text[j] != "]":
-                j += 1
-            if j >= n:
+            j = treehash.bracket_end(text, i)
+            if j is None:
                 tokens.append(("lit", c))
                 i += 1
             else:

@@ -57,6 +57,19 @@ def source() -> str:
 # ------------------------------------------------------------------------------------------------ rules
 
 
+def bracket_end(text: str, i: int) -> int | None:
+    """The index of the `]` closing the class that opens at text[i] (`[!...]`, `[^...]`, `[]...]` as git and
+    rsync read them), or None when it is never closed (then the `[` is a literal)."""
+    j, n = i + 1, len(text)
+    if j < n and text[j] in "!^":
+        j += 1
+    if j < n and text[j] == "]":
+        j += 1
+    while j < n and text[j] != "]":
+        j += 1
+    return j if j < n else None
+
+
 def _glob_regex(pattern: str) -> str:
     """rsync wildmatch subset -> regex (`*` stays inside a component, `**` crosses `/`)."""
     if not any(c in pattern for c in WILDCARDS):
@@ -81,14 +94,8 @@ def _glob_regex(pattern: str) -> str:
             i += 1
             continue
         if c == "[":
-            j = i + 1
-            if j < n and pattern[j] in "!^":
-                j += 1
-            if j < n and pattern[j] == "]":
-                j += 1
-            while j < n and pattern[j] != "]":
-                j += 1
-            if j >= n:  # no closing bracket: a literal "["
+            j = bracket_end(pattern, i)
+            if j is None:  # no closing bracket: a literal "["
                 out.append(re.escape(c))
                 i += 1
                 continue
