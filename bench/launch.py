@@ -9,7 +9,13 @@ For 2, 4 and 8 simulated hosts (network namespaces with sshd, mnft.testbed), sid
   in parallel (the loop a lab writes by hand), timed the same way.
 
 A warm-up run first builds the tiny model on every host, so neither side pays for it. Needs root.
+
+--steady: the cost while training, for a user's own script (bench/assets/steady_ddp.py, a hand-written DDP loop):
+`mnft train -- steady_ddp.py` vs the same torchrun commands started by hand over ssh, each timed by the script's
+own per-step clock on rank 0; the median step time after a warm-up of 10 steps, repeated --repeat times in turns.
+
 Usage: python bench/launch.py [--hosts 2,4,8] [--steps 3]
+       python bench/launch.py --steady [--hosts 2] [--steps 80] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -84,11 +90,69 @@ def bench(n: int, steps: int, work: Path) -> dict:
         cluster.teardown()
 
 
+ASSETS = REPO / "bench" / "assets"
+
+
+def step_times(output: str, warmup: int = 10) -> list[float]:
+    """Seconds between rank 0's consecutive steps, after the warm-up steps."""
+    stamps = []
+    for line in output.splitlines():
+        match = re.search(r"\{\"step\": (\d+).*\"t\": ([\d.]+)\}", line)
+        if match:
+            stamps.append((int(match.group(1)), float(match.group(2))))
+    stamps.sort()
+    return [b[1] - a[1] for a, b in zip(stamps, stamps[1:]) if a[0] >= warmup]
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    return values[len(values) // 2] if values else float("nan")
+
+
+def steady(n: int, steps: int, repeat: int, work: Path, width: int = 512) -> dict:
+    cluster = Cluster.create(n, work / f"s{n}", outsider=False)
+    try:
+        inv = cluster.write_inventory(work / f"sinv{n}.yaml")
+        env = dict(os.environ, HOME=str(work / "home"), MNFT_RUNS_DIR=str(work / f"sruns{n}"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        (work / "home").mkdir(exist_ok=True)
+        mnft = [sys.executable, "-c", "from mnft.cli import main; main()", "train", "--hosts", str(inv), "--src", str(ASSETS),
+                "--env", "OMP_NUM_THREADS", "--", "steady_ddp.py", "--steps", str(steps), "--width", str(width)]
+        mnft_times, hand_times = [], []
+        for _ in range(repeat):
+            done = subprocess.run(mnft, env=env, capture_output=True, text=True, timeout=900)
+            if done.returncode != 0:
+                raise RuntimeError("mnft run failed: " + done.stdout[-2000:] + done.stderr[-2000:])
+            mnft_times.append(median(step_times(done.stdout)))
+            record = json.loads((sorted((work / f"sruns{n}").iterdir())[-1] / "run.json").read_text())
+            loop = []
+            for host in cluster.hosts:
+                info = record["hosts"][host.name]
+                exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in info["env"].items())
+                loop.append(cluster.ssh_argv(host, ["sh", "-c", f"cd {info['cwd']} && env {exports} {info['command']}"]))
+            procs = [subprocess.Popen(c, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in loop]
+            outputs = [p.communicate(timeout=900)[0] for p in procs]
+            hand_times.append(median(step_times(outputs[0])))
+        return {"hosts": n, "width": width, "mnft_step_s": median(mnft_times), "hand_step_s": median(hand_times), "runs": repeat}
+    finally:
+        cluster.teardown()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hosts", default="2,4,8")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steady", action="store_true", help="steady-state step time of a user script, mnft vs by hand")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--width", default="512", help="--steady: the model's width(s), comma-separated (a wider model: a longer step)")
     args = parser.parse_args()
+    if args.steady:
+        with tempfile.TemporaryDirectory(prefix="mnft-bench-steady-") as tmp:
+            rows = [steady(int(x), max(args.steps, 30), args.repeat, Path(tmp), int(w)) for x in args.hosts.split(",") for w in args.width.split(",")]
+        print(f"{'hosts':>5} {'width':>6} {'mnft step ms':>13} {'by hand step ms':>16} {'ratio':>6}")
+        for r in rows:
+            print(f"{r['hosts']:>5} {r['width']:>6} {r['mnft_step_s'] * 1000:>13.2f} {r['hand_step_s'] * 1000:>16.2f} {r['mnft_step_s'] / r['hand_step_s']:>6.3f}")
+        print(f"median of {args.repeat} runs each, taking turns; goal: ratio ≤ 1.02 (mnft costs nothing while training)")
+        return 0
     rows = []
     with tempfile.TemporaryDirectory(prefix="mnft-bench-launch-") as tmp:
         for n in (int(x) for x in args.hosts.split(",")):

@@ -9,13 +9,16 @@
                            still carrying the run id; print what was killed and what remains
     status RUN_DIR         state, exit code, last metrics line
     tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
-    pack RUN_DIR [FILE…]   the run directory and extra files as a base64 tar.gz (for invoke logs)
+    pack RUN_DIR [PATH…]   the run directory and extra paths (files, directories, globs) as a base64 tar.gz
+                           (for invoke logs)
+    checkpoints DIR        a checkpoints directory's entries and their files (for a resume)
 
 A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py. Secrets
 arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
 Processes are found by the recorded process group and by MNFT_RUN_ID in their environment, never by name.
 """
 
+import glob
 import json
 import os
 import select
@@ -236,22 +239,167 @@ def keep(run_dir):
     return code
 
 
+# ---------------------------------------------------------------------------------------------------- samples
+
+SAMPLE_EVERY = 5.0  # seconds between an attached run's samples
+WINDOW = 20  # steps per rank a sample's medians are taken over
+
+
+def _cpu_times():
+    """(all jiffies, idle jiffies) of the host from /proc/stat."""
+    with open("/proc/stat") as fh:
+        values = [int(v) for v in fh.readline().split()[1:]]
+    return sum(values), values[3] + (values[4] if len(values) > 4 else 0)
+
+
+def _process_ticks(pids):
+    """CPU clock ticks (user + system) the processes used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def parse_gpu_util(text):
+    """`nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits` -> [{index, util, mem_mib}]."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0].isdigit():
+            try:
+                out.append({"index": int(parts[0]), "util": float(parts[1]), "mem_mib": float(parts[2])})
+            except ValueError:
+                continue
+    return out
+
+
+def gpu_util():
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=5)
+    except Exception:  # noqa: BLE001
+        return []
+    return parse_gpu_util(done.stdout) if done.returncode == 0 else []
+
+
+def _median(values):
+    values = sorted(values)
+    n = len(values)
+    return (values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2) if n else None
+
+
+def rank_window(lines_by_rank):
+    """Per rank, the medians of its last steps' timings (the recipes' timings-rank<R>.jsonl lines)."""
+    out = {}
+    for rank, records in lines_by_rank.items():
+        records = list(records)[-WINDOW:]
+        if not records:
+            continue
+        out[str(rank)] = {"step": records[-1].get("step"), "n": len(records),
+                          **{k: _median([r[k] for r in records if isinstance(r.get(k), (int, float))]) for k in ("step_s", "compute_s", "comm_s")}}
+    return out
+
+
+def _timing_record(line):
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and "step" in data and "compute_s" in data and "rank" in data else None
+
+
+class Sampler:
+    """What straggler detection needs from this host: CPU use (the host's, and the run's share of the CPUs it may
+    use), GPU use (nvidia-smi), and each local rank's recent step timings (the recipes' timing files)."""
+
+    def __init__(self, tag, timings=None):
+        import collections
+
+        self.tag = tag
+        self.pattern = _path(timings) if timings else None
+        self.tails = {p: _Tail(p, from_end=True) for p in glob.glob(self.pattern)} if self.pattern else {}
+        self.window = collections.defaultdict(lambda: collections.deque(maxlen=WINDOW))
+        self.prev = None
+        try:
+            self.cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = os.cpu_count() or 1
+
+    def _timings(self):
+        if self.pattern:
+            for path in glob.glob(self.pattern):
+                if path not in self.tails:
+                    self.tails[path] = _Tail(path)  # a file that appeared after the start: all of it is this run's
+            for tail in self.tails.values():
+                for line in tail.lines():
+                    record = _timing_record(line)
+                    if record is not None:
+                        self.window[record["rank"]].append(record)
+        return rank_window(self.window)
+
+    def sample(self):
+        now = time.time()
+        out = {"t": now, "cpu": None, "run_cpu": None}
+        try:
+            total, idle = _cpu_times()
+        except (OSError, ValueError, IndexError):
+            total = idle = None
+        ticks = _process_ticks(run_pids(self.tag)) if self.tag else 0
+        if self.prev is not None and total is not None and self.prev[1] is not None:
+            then, prev_total, prev_idle, prev_ticks = self.prev
+            if total > prev_total:
+                out["cpu"] = round(100.0 * (1 - (idle - prev_idle) / float(total - prev_total)), 1)
+            if now > then:
+                out["run_cpu"] = round(100.0 * (ticks - prev_ticks) / os.sysconf("SC_CLK_TCK") / ((now - then) * self.cpus), 1)
+        self.prev = (now, total, idle, ticks)
+        out["gpus"] = gpu_util()
+        out["ranks"] = self._timings()
+        return out
+
+
 # ---------------------------------------------------------------------------------------------------- launch
 
 
 class _Tail:
     """New complete lines of a file. from_end: skip what it holds now (a resumed job appends to its old
-    metrics.jsonl: those lines are history, not this run's progress). A file that shrank is read again from 0."""
+    metrics.jsonl: those lines are history, not this run's progress). A file that shrank is read again from 0.
+    A path with glob characters follows the newest matching file (torchtune's logs/log_<time>.txt); a file that
+    appears only after the start is read from its beginning."""
 
     def __init__(self, path, from_end=False):
-        self.path, self.pos, self.buf = path, 0, b""
+        self.pattern, self.pos, self.buf = path, 0, b""
+        self.path = self._resolve()
+        self.skipped = set()
         if from_end:
+            for old in (glob.glob(path) if _is_glob(path) else [path]):
+                self.skipped.add(old)
             try:
-                self.pos = os.path.getsize(path)
+                self.pos = os.path.getsize(self.path) if self.path else 0
             except OSError:
                 pass
 
+    def _resolve(self):
+        if not _is_glob(self.pattern):
+            return self.pattern
+        found = [p for p in glob.glob(self.pattern) if os.path.isfile(p)]
+        return max(found, key=lambda p: (os.path.getmtime(p), p)) if found else None
+
     def lines(self):
+        current = self._resolve()
+        if current != self.path:  # a newer file of the pattern: read it from its start
+            self.path, self.pos, self.buf = current, 0, b""
+        if self.path is None:
+            return []
         try:
             with open(self.path, "rb") as fh:
                 if os.fstat(fh.fileno()).st_size < self.pos:
@@ -264,6 +412,10 @@ class _Tail:
         self.buf += data
         *done, self.buf = self.buf.split(b"\n")
         return [line.decode("utf-8", "replace") for line in done]
+
+
+def _is_glob(path):
+    return any(c in path for c in "*?[")
 
 
 def launch():
@@ -313,6 +465,9 @@ def launch():
 
 def supervise(spec, run_dir, keeper, metrics=None):
     out = _Tail(os.path.join(run_dir, "output.log"))
+    sampler = Sampler(spec.get("tag"), spec.get("timings"))
+    sampler.sample()  # the first reading: CPU use is measured from here
+    last_sample = time.time()
     deadman = float(spec.get("deadman") or 15)
     grace = float(spec.get("grace") or 10)
     last_control = last_hb = time.time()
@@ -325,10 +480,7 @@ def supervise(spec, run_dir, keeper, metrics=None):
         for line in out.lines():
             emit("line", text=line)
         for line in metrics.lines() if metrics is not None else ():
-            try:
-                emit("metric", data=json.loads(line))
-            except ValueError:
-                pass
+            emit("mline", text=line)  # the controller parses it with the job's metrics format
 
     try:
         while True:
@@ -361,6 +513,9 @@ def supervise(spec, run_dir, keeper, metrics=None):
             if time.time() - last_hb >= 1.0:
                 emit("hb", t=time.time())
                 last_hb = time.time()
+            if time.time() - last_sample >= SAMPLE_EVERY:
+                emit("sample", **sampler.sample())
+                last_sample = time.time()
     except (BrokenPipeError, OSError):
         # Our stdout is gone: the controller (or the link to it) is lost. Leave nothing running.
         terminate(run_dir, grace, keeper)
@@ -383,19 +538,46 @@ def status(run_dir):
         "processes": len(alive),
         "started": float(_read(os.path.join(run_dir, "started"), "0") or 0) or None,
         "ended": float(_read(os.path.join(run_dir, "ended"), "0") or 0) or None,
-        "last_metric": None,
+        # the last lines of the metrics file and of the output: the controller finds the last step in them
+        "metric_lines": _last_lines(_Tail(_path(spec["metrics"])).path, STATUS_LINES) if spec.get("metrics") else [],
+        "output_lines": _last_lines(os.path.join(run_dir, "output.log"), STATUS_LINES),
     }
-    if spec.get("metrics"):
-        lines = _Tail(_path(spec["metrics"])).lines()
-        for line in reversed(lines):
-            try:
-                data = json.loads(line)
-            except ValueError:
-                continue
-            if "step" in data and "loss" in data:  # a step's line, not the summary or a checkpoint event
-                result["last_metric"] = data
-                break
+    if state == "running":
+        result["sample"] = status_sample(spec)
     return result
+
+
+def status_sample(spec, interval=0.5):
+    """A sample for `status`: CPU use over a short interval, and each rank's last steps from its timing file."""
+    sampler = Sampler(spec.get("tag"))
+    sampler.sample()
+    time.sleep(interval)
+    sample = sampler.sample()
+    by_rank = {}
+    for path in glob.glob(_path(spec["timings"])) if spec.get("timings") else []:
+        for line in _last_lines(path, WINDOW):
+            record = _timing_record(line)
+            if record is not None:
+                by_rank.setdefault(record["rank"], []).append(record)
+    sample["ranks"] = rank_window(by_rank)
+    return sample
+
+
+STATUS_LINES = 200
+
+
+def _last_lines(path, n, chunk=1 << 16):
+    """The last n lines of a file, reading only its end."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(max(0, size - chunk * 4))
+            data = fh.read()
+    except OSError:
+        return []
+    return [line.decode("utf-8", "replace") for line in data.split(b"\n")[-n - 1:] if line][-n:]
 
 
 def tail(run_dir, n, follow):
@@ -427,13 +609,86 @@ def tail(run_dir, n, follow):
             return 0
 
 
+LIST_FILES = 100000  # files listed per checkpoint directory at most
+
+
+def list_checkpoints(root):
+    """The top-level entries of a checkpoints directory: for each, whether it is a directory, a link's target,
+    and its files with their sizes (relative to the entry; a file entry lists itself as "")."""
+    root = _path(root)
+    out = {"root": root, "exists": os.path.isdir(root), "entries": {}}
+    if not out["exists"]:
+        return out
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        entry = {"dir": os.path.isdir(full) and not os.path.islink(full), "link": os.readlink(full) if os.path.islink(full) else None, "files": {}}
+        if entry["dir"]:
+            for base, dirs, files in os.walk(full):
+                for f in files:
+                    if len(entry["files"]) >= LIST_FILES:
+                        break
+                    path = os.path.join(base, f)
+                    try:
+                        entry["files"][os.path.relpath(path, full)] = os.lstat(path).st_size
+                    except OSError:
+                        continue
+                    if f == "meta.json":  # mnft's recipes: which rank wrote it, in a world of how many
+                        meta = _small_json(path)
+                        if meta is not None:
+                            entry.setdefault("meta", {})[os.path.relpath(path, full)] = meta
+        elif os.path.isfile(full) and entry["link"] is None:
+            entry["files"][""] = os.path.getsize(full)
+        out["entries"][name] = entry
+    return out
+
+
+def _small_json(path, limit=65536):
+    try:
+        if os.path.getsize(path) > limit:
+            return None
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return {k: data[k] for k in ("rank", "world_size", "step") if k in data} if isinstance(data, dict) else None
+
+
+PACK_EXTRA_BYTES = 64 << 20  # collected files besides the run directory, at most (they travel base64 in one line)
+
+
+def _base(pattern):
+    """The directory part of a glob before its first glob character: a/b/c-*/x -> a/b."""
+    head = pattern
+    for c in "*?[":
+        head = head.split(c, 1)[0]
+    return head.rstrip("/") if head.endswith("/") else os.path.dirname(head)
+
+
+def _extra_files(pattern):
+    """(path, name inside the archive) of a file, every file under a directory, or the files a glob matches."""
+    path = _path(pattern)
+    if _is_glob(path):
+        base = _base(path)
+        for found in sorted(glob.glob(path, recursive=True)):
+            if os.path.isfile(found):
+                yield found, os.path.relpath(found, base)
+    elif os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for name in sorted(files):
+                yield os.path.join(root, name), os.path.relpath(os.path.join(root, name), path)
+    elif os.path.isfile(path):
+        yield path, os.path.basename(path)
+
+
 def pack(run_dir, extras):
-    """The run directory (and extra files, e.g. rank 0's metrics) as one base64 tar.gz in a JSON line."""
+    """The run directory and extra paths (files, directories, globs: the job's metrics) as one base64 tar.gz in a
+    JSON line; extra i goes under extra/<i>/."""
     import base64
     import io
     import tarfile
 
     buf = io.BytesIO()
+    left_out = []
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         def keep(info):
             name = os.path.basename(info.name)
@@ -441,11 +696,16 @@ def pack(run_dir, extras):
 
         if os.path.isdir(run_dir):
             tar.add(run_dir, arcname="run", filter=keep)
-        for extra in extras:
-            path = _path(extra)
-            if os.path.isfile(path):
-                tar.add(path, arcname="extra/" + os.path.basename(path))
-    print(json.dumps({"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir)}))
+        budget = PACK_EXTRA_BYTES
+        for index, extra in enumerate(extras):
+            for path, name in _extra_files(extra):
+                size = os.path.getsize(path)
+                if size > budget:
+                    left_out.append(path)
+                    continue
+                budget -= size
+                tar.add(path, arcname="extra/%d/%s" % (index, name))
+    print(json.dumps({"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir), "left_out": left_out}))
     return 0
 
 
@@ -463,6 +723,9 @@ def main(argv):
         return 0
     if mode == "status":
         print(json.dumps(status(_path(args[0]))))
+        return 0
+    if mode == "checkpoints":
+        print(json.dumps(list_checkpoints(args[0])))
         return 0
     if mode == "pack":
         return pack(_path(args[0]), args[1:])

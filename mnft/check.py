@@ -33,6 +33,7 @@ class CheckOptions:
     port_search: int = 20
     code: bool = True  # hash each host's workdir (when it exists) and compare it with the local tree
     code_src: str | None = None  # the local tree; default: sync.default_source() (the git top level)
+    required_files: tuple[str, ...] = ()  # files every host must hold (a job's script outside the synced tree)
 
     def __post_init__(self) -> None:
         """Bad arguments are bad input (exit 2), refused before any host is touched."""
@@ -337,8 +338,28 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
         report.problems.append(Problem(inventory.master_name, "master_addr", why, "set 'iface' (or an IPv4 'address') for the master in the inventory"))
     if options.network:
         gather_network(fleet, report, options)
+    if options.required_files:
+        report.problems.extend(missing_files(fleet, [h for h in inventory.hosts if h.name in facts], options.required_files))
     report.problems.extend(evaluate(inventory, facts, report, options))
     return report
+
+
+def missing_files(fleet: Fleet, hosts: list[Host], paths: tuple[str, ...]) -> list[Problem]:
+    """A problem for each host that lacks one of the files (`test -f`, relative paths in the workdir)."""
+    problems = []
+    for path in paths:
+        def command(host: Host, path: str = path) -> Command:
+            return Command.of("test", "-f", path, cwd=None if path.startswith(("/", "~")) else host.workdir)
+
+        for result in fleet.run(command, hosts=hosts):
+            if result.status is Status.OK:
+                continue
+            if result.status is Status.FAILED and result.exit_code == 1:
+                problems.append(Problem(result.host, "script", f"{path} does not exist on this host",
+                                        "copy it there (or use a path inside the synced tree, relative to it)"))
+            else:
+                problems.append(Problem(result.host, "script", f"cannot tell whether {path} exists: {result.error}", "check the host"))
+    return problems
 
 
 # ------------------------------------------------------------------------------------------------ rules (pure)
@@ -383,6 +404,24 @@ def reference_label(inventory: Inventory, name: str | None) -> str:
     return f"{name}'s (the first host that answered; the master {inventory.master_name} did not)"
 
 
+# packages with a rule of their own above (its message and fix say more than a version pair)
+ENV_RULE_IGNORES = ("torch",)
+
+
+def environment_drift(name: str, facts: dict, reference: dict, label: str) -> Problem | None:
+    """Rule "environment identical across hosts": the installed distributions (read from metadata by the probe)
+    against the reference host's, naming each differing package: `numpy 2.1.0 (master: 1.26.4); extra: foo 0.3`."""
+    from mnft.environment import compare
+
+    mine, theirs = facts.get("dists"), reference.get("dists")
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return None
+    diff = compare(mine, theirs, ignore=ENV_RULE_IGNORES)
+    if diff.empty:
+        return None
+    return Problem(name, "env", diff.describe(label), "make the hosts' environments identical from one lock: invoke provision --hosts FILE")
+
+
 def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, options: CheckOptions) -> list[Problem]:
     problems: list[Problem] = []
     master = inventory.master_name
@@ -401,6 +440,9 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             for key, label, _ in SAME_EVERYWHERE:
                 if mine[key] != reference[key] and not (key == "torch" and mine[key] is None):
                     problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from {ref_label} {reference[key] or 'none'}", FIXES[key].format(value=reference[key])))
+            drift = environment_drift(host.name, f, facts[ref_name], "master" if ref_name == master else ref_name)
+            if drift is not None:
+                problems.append(drift)
         gpus = (f.get("nvidia") or {}).get("gpus") or []
         if uses_gpu:
             if len(gpus) < host.slots:

@@ -1,4 +1,13 @@
-"""Invoke glue: an optional positional argument (`invoke logs [RUN]`).
+"""Invoke glue: the `mnft` console command, the verbatim words after `--`, and an optional positional argument
+(`invoke logs [RUN]`).
+
+`mnft` is an Invoke Program over mnft's task collection (as Fabric's `fab` is over Fabric's): the same tasks,
+options, help and exit codes as `invoke TASK` in the mnft checkout, from any directory (the user's own
+repository). `mnft --version`; `mnft --print-completion-script bash|zsh|fish` for shell completion.
+
+Invoke hands a task the words after `--` only as one space-joined string (`core.remainder`), which loses the
+boundaries between arguments. `remainder()` gives the list itself: from mnft's Program when it parsed the
+command line, else from sys.argv, which Invoke's own Program parses when run as `invoke`.
 
 Invoke's parser treats every positional argument as required (pyinvoke/invoke#159, open since 2014): while
 parsing, a positional without a value *eats* the next token; when the task's context is completed, a positional
@@ -11,8 +20,40 @@ from __future__ import annotations
 
 import sys
 
-from invoke import Task
+from invoke import Config, Program, Task
 from invoke.parser import Argument
+
+_ARGV: list[str] | None = None  # the command line mnft's Program parsed
+
+
+def remainder() -> list[str]:
+    """The words after the first `--` of the command line, exactly as given (Invoke's parser splits there too)."""
+    argv = _ARGV if _ARGV is not None else sys.argv
+    return list(argv[argv.index("--") + 1:]) if "--" in argv else []
+
+
+class MnftConfig(Config):
+    """Configuration files named mnft.yaml (/etc/mnft.yaml, ~/.mnft.yaml) and MNFT_* variables for existing keys."""
+
+    prefix = "mnft"
+
+
+class MnftProgram(Program):
+    def normalize_argv(self, argv) -> None:
+        global _ARGV
+        super().normalize_argv(argv)
+        _ARGV = list(self.argv)
+
+
+def program() -> MnftProgram:
+    from mnft import __version__
+    from mnft.tasks import ns
+
+    return MnftProgram(name="mnft", binary="mnft", binary_names=["mnft"], namespace=ns, version=__version__, config_class=MnftConfig)
+
+
+def main() -> None:
+    program().run()
 
 _COMPLETING = "complete_context"  # invoke.parser.ParseMachine's method that reports missing positionals
 

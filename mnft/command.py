@@ -19,9 +19,15 @@ REDACTED = "***"
 
 
 def is_secret_name(name: str) -> bool:
-    """True when an environment variable's name says its value must never be printed or put on a command line."""
-    upper = name.upper()
-    return any(marker in upper for marker in SECRET_MARKERS)
+    """True when an environment variable's name says its value must never be printed or put on a command line.
+
+    A word of the name (split at `_`) that is a marker, ends in one (APIKEY, HFTOKEN) or is its plural (KEYS) is
+    secret; a word that merely begins with one is not (TOKENIZERS_PARALLELISM, KEYBOARD_LAYOUT are settings)."""
+    for word in name.upper().split("_"):
+        for marker in SECRET_MARKERS:
+            if word.endswith(marker) or word == marker + "S":
+                return True
+    return False
 
 
 def check_env_name(name: str) -> str:

@@ -8,6 +8,7 @@ known_hosts file and refuse unknown or changed host keys.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import queue
 import signal
@@ -25,6 +26,12 @@ import paramiko
 from mnft.errors import InputError
 from mnft.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
 from mnft.inventory import Host
+
+# paramiko's transport thread logs what it raises (e.g. "Error reading SSH protocol banner" from a port that is
+# not SSH) with a traceback through Python's last-resort handler; mnft reports the same failure as one row
+# (unreachable: …). A handler here keeps the last resort quiet; an application that configures logging still
+# receives paramiko's records.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,23 @@ from mnft.launch import HostLaunch, LaunchOptions
 LOST_AFTER = 10.0  # seconds without any event from an agent before its host counts as lost
 HEARTBEAT_EVERY = 2.0
 START_TIMEOUT = 60.0
-TAIL = 20
+TAIL = 200  # output lines kept per host: enough for a rank's traceback
 # torchrun --tee prefixes each worker line: with mnft's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE "[rank<global rank>]:"
 # (the rank torch actually gave the worker: with --rdzv c10d it is not the inventory order), else torchrun's
 # default "[default<local rank>]:" (older runs)
 RANK_PREFIX = re.compile(r"^\[(rank|default)(\d+)\]:(.*)$", re.S)
+# torchrun's tee prints a worker's unfinished stderr line (a progress bar's \r update) and then another worker
+# line after it on the same line: "[rank0]: 60%|███ | 12/20[rank0]:{'loss': …}"
+EMBEDDED_PREFIX = re.compile(r"\[(rank|default)(\d+)\]:")
+
+
+# what a rank raises when a peer is gone rather than on its own: gloo and NCCL on a closed or reset connection, the
+# TCPStore losing its server, the collective watchdog, a worker SIGTERMed by its own torchrun
+COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|NCCL communicator was aborted"
+    r"|ncclRemoteError|DistNetworkError|failed to recv, got 0 bytes|Watchdog caught collective operation timeout"
+    r"|Signal 15 \(SIGTERM\) received")
+SETTLE = 5.0  # seconds to wait for the root cause after a host failed as a victim of another
 
 
 class GangError(MnftError):
@@ -86,8 +98,58 @@ def split_rank(text: str, rank_offset: int) -> tuple[int | None, str]:
     return (number if match.group(1) == "rank" else rank_offset + number), match.group(3)
 
 
-def rank_line(launch: HostLaunch, text: str) -> tuple[int | None, str]:
-    return split_rank(text, launch.rank_offset)
+def split_ranks(text: str, rank_offset: int) -> list[tuple[int | None, str]]:
+    """An output line -> each piece with the global rank of the worker that wrote it (several pieces when torchrun
+    glued a worker's unfinished line and the next one together). torch prefixes a worker's uncaught traceback
+    with "[rankN]: " itself, which torchrun's own prefix then precedes: "[rank1]:[rank1]:   File …" is one piece,
+    "  File …"."""
+    parts = EMBEDDED_PREFIX.split(text)
+    out: list[tuple[int | None, str]] = [(None, parts[0])] if parts[0] or len(parts) == 1 else []
+    nested = False
+    for i in range(1, len(parts), 3):
+        number = int(parts[i + 1])
+        rank = number if parts[i] == "rank" else rank_offset + number
+        piece = parts[i + 2]
+        if nested and out and out[-1] == (rank, ""):
+            out.pop()
+            piece = piece[1:] if piece.startswith(" ") else piece
+        out.append((rank, piece))
+        nested = piece == ""
+    return out
+
+
+def failure_excerpt(tail: list[tuple[int | None, str]], limit: int = 40) -> tuple[int | None, list[str]]:
+    """The rank that failed first on a host and its traceback, from the host's last output lines.
+
+    torchrun's own summary names the root cause ("rank: 1 (local_rank: 1)" under "Root Cause"); else the last
+    traceback on the host is taken. Returns (rank or None, the traceback's lines: at most `limit`, its end kept)."""
+    rank = None
+    for i, (_, text) in enumerate(tail):
+        if "Root Cause" in text:
+            for _, later in tail[i:i + 8]:
+                match = re.search(r"\brank\s*:\s*(\d+)", later)
+                if match:
+                    rank = int(match.group(1))
+                    break
+    starts = [i for i, (r, text) in enumerate(tail) if text.lstrip().startswith("Traceback (most recent call last)")
+              and (rank is None or r == rank)]
+    if not starts:
+        return rank, []
+    start = starts[-1]
+    owner = tail[start][0]
+    lines = [text for r, text in tail[start:] if r == owner]
+    end = next((i + 1 for i, text in enumerate(lines) if i > 0 and text and not text.startswith((" ", "\t", "Traceback"))), len(lines))
+    return (owner if rank is None else rank), lines[:end][-limit:]
+
+
+def collateral(run: HostRun) -> bool:
+    """Whether the host's run failed only because another's did (see COLLATERAL): judged on its failed rank's
+    traceback, else on its last output lines."""
+    if run.state != "exited":
+        return False
+    _, trace = failure_excerpt(list(run.tail))
+    text = "\n".join(trace[-3:]) if trace else "\n".join(text for _, text in list(run.tail)[-30:])
+    return bool(COLLATERAL.search(text))
 
 
 class Gang:
@@ -101,6 +163,9 @@ class Gang:
         *,
         on_line: Callable[[str, int | None, str], None] = lambda host, rank, text: None,
         on_metric: Callable[[dict], None] = lambda data: None,
+        on_sample: Callable[[str, dict], None] = lambda host, sample: None,
+        parse_metric: Callable[[str], dict | None] = lambda text: None,
+        metrics_from_output: bool = False,
     ) -> None:
         self.fleet = fleet
         self.run_id = run_id
@@ -108,7 +173,9 @@ class Gang:
         self.secrets = secrets
         self.runs = {l.host: HostRun(l) for l in launches}
         self.events: "queue.Queue[tuple[str, dict]]" = queue.Queue()
-        self.on_line, self.on_metric = on_line, on_metric
+        self.on_line, self.on_metric, self.on_sample = on_line, on_metric, on_sample
+        self.parse_metric = parse_metric  # the job's metrics format: a line of rank 0's output or metrics file -> a record
+        self.metrics_from_output = metrics_from_output  # rank 0's output lines carry the metrics (no metrics file)
         self._stop_heartbeat = threading.Event()
         self.first_step_at: float | None = None
 
@@ -136,7 +203,7 @@ class Gang:
                     break
                 continue
             if stream == "stderr":
-                run.tail.append(line.rstrip("\n"))
+                run.tail.append((None, line.rstrip("\n")))
                 continue
             event = _parse(line)
             if event.get("event") == "started":
@@ -151,7 +218,7 @@ class Gang:
                 run.error = event.get("message", "")
                 break
         run.state = "failed-to-start"
-        run.error = run.error or "the agent did not start: " + (" | ".join(run.tail) or "no output")
+        run.error = run.error or "the agent did not start: " + (" | ".join(text for _, text in run.tail) or "no output")
         return run
 
     def start(self) -> None:
@@ -193,17 +260,18 @@ class Gang:
         run.last_seen = time.monotonic()
         kind = event.get("event")
         if kind == "line":
-            rank, text = rank_line(run.launch, event.get("text", ""))
-            run.tail.append(text)
-            self.on_line(name, rank, text)
+            for rank, text in split_ranks(event.get("text", ""), run.launch.rank_offset):
+                run.tail.append((rank, text))
+                self.on_line(name, rank, text)
+                if self.metrics_from_output and rank == 0:
+                    self._metric(self.parse_metric(text))
         elif kind == "stderr":
-            run.tail.append(event["text"])
+            run.tail.append((None, event["text"]))
             self.on_line(name, None, event["text"])
-        elif kind == "metric":
-            data = event.get("data") or {}
-            if "step" in data and self.first_step_at is None:
-                self.first_step_at = time.time()
-            self.on_metric(data)
+        elif kind == "mline":
+            self._metric(self.parse_metric(event.get("text", "")))
+        elif kind == "sample":
+            self.on_sample(name, {k: v for k, v in event.items() if k != "event"})
         elif kind == "exit":
             run.state, run.exit_code, run.ended_at = "exited", int(event.get("code", 1)), time.time()
             if run.exit_code != 0:
@@ -216,12 +284,21 @@ class Gang:
                 return f"{name}: connection lost"
         return None
 
+    def _metric(self, data: dict | None) -> None:
+        if not data:
+            return
+        if "loss" in data and self.first_step_at is None:
+            self.first_step_at = time.time()
+        self.on_metric(data)
+
     def _lost(self, run: HostRun, why: str) -> None:
         """The host is gone: its own agent tears its run down (dead-man switch); later phases skip it."""
         run.state, run.error, run.ended_at = "lost", why, time.time()
         self.fleet.mark_unreachable(run.launch.host, why)
 
-    def wait(self) -> GangResult:
+    def wait(self, tick: Callable[[], None] = lambda: None) -> GangResult:
+        """Supervise until every host's run ended or one failed (then tear the gang down). tick: called about
+        twice a second (the display's clock)."""
         reason = None
         failed = None
         try:
@@ -230,10 +307,11 @@ class Gang:
                     name, event = self.events.get(timeout=0.5)
                 except queue.Empty:
                     name, event = None, None
+                tick()
                 if name is not None:
                     why = self._handle(name, event)
                     if why:
-                        reason, failed = why, name
+                        reason, failed = self._root_cause(name, why, tick)
                         break
                 now = time.monotonic()
                 silent = [r for r in self.runs.values() if r.state == "running" and now - r.last_seen > LOST_AFTER]
@@ -254,6 +332,25 @@ class Gang:
             return GangResult(True, None, "every host finished", self.runs, self.first_step_at)
         leftovers = self.teardown(reason)
         return GangResult(False, failed, reason, self.runs, self.first_step_at, leftovers)
+
+    def _root_cause(self, name: str, why: str, tick: Callable[[], None]) -> tuple[str, str]:
+        """The host whose failure caused the others'. A rank that crashes closes its connections, and its peers'
+        ranks then fail on them ("Connection closed by peer"): the victims' torchrun can exit before the crasher's.
+        When the first failure is such a victim, wait up to SETTLE seconds for the host that failed on its own."""
+        if not collateral(self.runs[name]):
+            return why, name
+        deadline = time.monotonic() + SETTLE
+        while time.monotonic() < deadline and not all(r.done for r in self.runs.values()):
+            try:
+                other, event = self.events.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                tick()
+                continue
+            tick()
+            other_why = self._handle(other, event)
+            if other_why and not collateral(self.runs[other]):
+                return other_why, other
+        return why, name
 
     # ---------------------------------------------------------------------------------------------- teardown
 

@@ -46,9 +46,13 @@ HOST_DEFAULTS: dict[str, Any] = {
     "connection": "ssh",
     "shared_fs": False,
     "become": False,
+    "venv": "~/mnft-env",  # where `invoke provision` keeps the environment (a link); "none": never provisioned
+    "spare": False,  # checked and synced with the others, but trains only when `train --max-restarts` replaces a lost host
 }
 HOST_KEYS = tuple(HOST_DEFAULTS)
-TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port")
+TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port", "perf")
+# `perf:` (mnft YAML) / `mnft_perf` (Ansible all vars): thresholds and absolute floors of `invoke check --perf`
+PERF_KEYS = ("link_ratio", "compute_ratio", "rtt_ratio", "busbw_ratio", "min_link_gbps", "min_busbw_gbps", "min_tflops", "max_rtt_ms")
 ANSIBLE_KEYS = {
     "ansible_host": "address",
     "ansible_ssh_host": "address",
@@ -110,6 +114,9 @@ class Host:
     connection: str = "ssh"
     shared_fs: bool = False
     become: bool = False
+    venv: str | None = "~/mnft-env"
+    base_python: str | None = None  # set when `python` is the provisioned environment's: the inventory's own python
+    spare: bool = False
 
     @property
     def is_local(self) -> bool:
@@ -128,6 +135,7 @@ class Inventory:
     known_hosts: Path | None = None
     rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT
     ignored: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> user vars mnft does not use
+    perf: dict[str, float] = field(default_factory=dict)  # check --perf thresholds and floors (PERF_KEYS)
 
     @property
     def master(self) -> Host:
@@ -146,6 +154,18 @@ class Inventory:
     def only(self, names: Iterable[str]) -> "Inventory":
         wanted = set(names)
         return replace(self, hosts=tuple(h for h in self.hosts if h.name in wanted))
+
+    @property
+    def spares(self) -> tuple[Host, ...]:
+        return tuple(h for h in self.hosts if h.spare)
+
+    def gang(self, names: Iterable[str] | None = None) -> "Inventory":
+        """The hosts that train, in this order (default: every host but the spares), each ranked by its position
+        here; the master stays when it is one of them, else the first takes its place."""
+        order = list(names) if names is not None else [h.name for h in self.hosts if not h.spare]
+        hosts = tuple(replace(self.host(n), rank=i) for i, n in enumerate(order))
+        master = self.master_name if self.master_name in order else order[0]
+        return replace(self, hosts=hosts, master_name=master)
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -222,7 +242,7 @@ def _parse_mnft(doc: dict, path: Path | None, where: str) -> Inventory:
             raise InputError(f"{where}{line_of(hosts_doc, name)}: host {name!r}: settings must be a mapping, got {settings!r}")
         _check_keys(settings, where, f"host {name!r}")
         raw.append((str(name), {**common, **settings}, settings))
-    return _build(
+    inv = _build(
         raw,
         path,
         where,
@@ -231,6 +251,7 @@ def _parse_mnft(doc: dict, path: Path | None, where: str) -> Inventory:
         known_hosts=doc.get("known_hosts"),
         rendezvous_port=doc.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
     )
+    return replace(inv, perf=_perf(doc.get("perf"), f"{where}{line_of(doc, 'perf') if 'perf' in doc else ''}", "perf"))
 
 
 def _check_keys(settings: dict, where: str, what: str) -> None:
@@ -376,10 +397,26 @@ def _parse_ansible(doc: dict, path: Path | None, where: str) -> Inventory:
         known_hosts=all_vars.get("mnft_known_hosts"),
         rendezvous_port=all_vars.get("mnft_rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
     )
-    return replace(inv, ignored=ignored)
+    return replace(inv, ignored=ignored, perf=_perf(all_vars.get("mnft_perf"), where, "mnft_perf"))
 
 
-MNFT_ANSIBLE_GLOBALS = ("mnft_master", "mnft_known_hosts", "mnft_rendezvous_port")
+MNFT_ANSIBLE_GLOBALS = ("mnft_master", "mnft_known_hosts", "mnft_rendezvous_port", "mnft_perf")
+
+
+def _perf(value: Any, where: str, key: str) -> dict[str, float]:
+    """The perf check's thresholds: a mapping of PERF_KEYS to numbers > 0 (None: the defaults)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: key {key!r}: expected a mapping of {', '.join(PERF_KEYS)}")
+    out = {}
+    for name, number in value.items():
+        if name not in PERF_KEYS:
+            raise InputError(f"{where}: key {key!r}: unknown key {name!r}{suggest(str(name), PERF_KEYS)} (known: {', '.join(PERF_KEYS)})")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number or number <= 0:
+            raise InputError(f"{where}: key {key}.{name}: {number!r} must be a number > 0")
+        out[str(name)] = float(number)
+    return out
 
 
 def _ansible_key_known(key: str) -> bool:
@@ -494,11 +531,15 @@ def _build(
         seen_targets[target] = name
         hosts.append(host)
     if master is None:
-        master_name = hosts[0].name
+        master_name = next((h.name for h in hosts if not h.spare), hosts[0].name)
     elif str(master) in seen_names:
         master_name = str(master)
     else:
         raise InputError(f"{where}: key 'master': {master!r} is not a host of this inventory{suggest(str(master), seen_names)}")
+    if all(h.spare for h in hosts):
+        raise InputError(f"{where}: every host is a spare (spare: true): at least one must train")
+    if next(h for h in hosts if h.name == master_name).spare:
+        raise InputError(f"{where}: key 'master': {master_name!r} is a spare; the master trains from the start (set spare: false, or choose another master)")
     port = _port(rendezvous_port, where, "inventory", "rendezvous_port")
     kh = None
     if known_hosts is not None:
@@ -527,6 +568,8 @@ def _port(value: Any, where: str, what: str, key: str) -> int:
 HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}$")
 # An address is a host name or an IPv4/IPv6 address (an IPv6 zone such as fe80::1%eth0 included).
 ADDRESS = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%-]{0,252}$")
+# Processes per node: GPUs per server (8, 16) or CPU processes; beyond this a value is a typo, not a machine.
+MAX_SLOTS = 1024
 # A Linux interface name (IFNAMSIZ: at most 15 characters): it is written into nftables rules loaded as root.
 IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 
@@ -567,8 +610,8 @@ def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) 
     if connection not in CONNECTIONS:
         raise InputError(f"{at('connection')}: {what}: key 'connection': unknown connection type {connection!r} (use one of: {', '.join(CONNECTIONS)})")
     slots = values["slots"]
-    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-        raise InputError(f"{at('slots')}: {what}: key 'slots': {slots!r} must be a whole number ≥ 1 (processes on this node)")
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise InputError(f"{at('slots')}: {what}: key 'slots': {slots!r} must be a whole number from 1 to {MAX_SLOTS} (processes on this node)")
     port = None if values["port"] is None else _port(values["port"], at("port"), what, "port")
     address = text("address") or name
     if address.startswith("-"):
@@ -579,6 +622,13 @@ def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) 
     if iface is not None and not IFACE.match(iface):
         raise InputError(f"{at('iface')}: {what}: key 'iface': {iface!r} is not a network interface name (at most 15 of A-Z a-z 0-9 _ . : @ -)")
     user = text("user")
+    venv = values["venv"]
+    if venv is False or (isinstance(venv, str) and venv.strip().lower() in ("none", "false", "no")):
+        venv = None
+    else:
+        venv = text("venv", allow_none=False)
+        if not (venv.startswith("/") or venv.startswith("~/")) or venv.rstrip("/") in ("", "~"):
+            raise InputError(f"{at('venv')}: {what}: key 'venv': {venv!r} must be an absolute path or start with '~/' (or be none)")
     if connection == "local":
         address = "localhost" if values["address"] is None else address
         user = user or getpass.getuser()
@@ -597,4 +647,6 @@ def _validate_host(name: str, rank: int, settings: dict, own: dict, where: str) 
         connection=connection,
         shared_fs=flag("shared_fs"),
         become=flag("become"),
+        venv=venv,
+        spare=flag("spare"),
     )

@@ -48,7 +48,7 @@ from mnft.steps.base import (
 )
 
 ENTRY_KEYS = ("name", "tags")
-DEFAULT_PLAYBOOK = Path(__file__).resolve().parent.parent / "playbooks" / "setup.yaml"
+DEFAULT_PLAYBOOK = Path(__file__).resolve().parent / "playbooks" / "setup.yaml"  # installed with the package
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,38 @@ class _Nvidia:
         return result
 
 
+def _distributions() -> dict:
+    """name -> version of every distribution the interpreter sees (first on sys.path wins, as for imports), from
+    the Name/Version headers of each .dist-info/METADATA or .egg-info/PKG-INFO: nothing is imported or fully parsed.
+    For the check's "environment identical across hosts" rule."""
+    found = {}
+    for entry in sys.path:
+        try:
+            names = sorted(os.listdir(entry or "."))
+        except OSError:
+            continue
+        for name in names:
+            if not name.endswith((".dist-info", ".egg-info")):
+                continue
+            path = os.path.join(entry or ".", name)
+            meta = os.path.join(path, "METADATA" if name.endswith(".dist-info") else "PKG-INFO")
+            dist_name = version = None
+            try:
+                with open(meta, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        if line.startswith("Name:"):
+                            dist_name = line.split(":", 1)[1].strip()
+                        elif line.startswith("Version:"):
+                            version = line.split(":", 1)[1].strip()
+                        if not line.strip() or (dist_name and version):
+                            break
+            except OSError:
+                continue
+            if dist_name and version:
+                found.setdefault(re.sub(r"[-_.]+", "-", dist_name).lower(), version)
+    return found
+
+
 def _memory() -> dict:
     values = {}
     with open("/proc/meminfo", encoding="ascii") as f:
@@ -462,6 +494,7 @@ def facts(workdir: str = "~") -> dict:
     out["nvidia"] = _guard(errors, "nvidia", nvidia.result)
     out["clock"] = None
     out["rsync"] = _guard(errors, "rsync", shutil.which, "rsync")
+    out["dists"] = _guard(errors, "dists", _distributions)
     out["timings"] = {"total_s": None, "torch_s": round(torch_s, 4)}
     out["errors"] = errors
     out["clock"] = time.time()

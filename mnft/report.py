@@ -210,15 +210,18 @@ def fmt_loss(value) -> str:
     return str(value) if value is not None else "-"
 
 
-def print_status(record, states: dict[str, dict], as_json: bool) -> int:
-    """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable."""
+def print_status(record, states: dict[str, dict], as_json: bool, live: dict | None = None) -> int:
+    """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable.
+    live: what the run's attached supervisor says (its attempt, when restarting: healthy while it recovers)."""
     from mnft.errors import ExitCode
 
     if as_json:
-        print_json({"run": record.run_id, "hosts": states})
+        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {})})
     else:
-        table = Table(title=plain(f"run {record.run_id} ({record.data.get('recipe')}, {len(states)} hosts)"))
-        for col in ("host", "node_rank", "state", "exit code", "processes", "step", "loss", "since"):
+        job = record.data.get("job") or {}
+        label = job.get("name") or (f"recipe {record.data.get('recipe')}" if record.data.get("recipe") else " ".join(job.get("entry") or ["?"]))
+        table = Table(title=plain(f"run {record.run_id} ({label}, {len(states)} hosts)"))
+        for col in ("host", "node_rank", "state", "exit code", "processes", "step", "loss", "since", "last line"):
             table.add_column(col)
         import time as _time
 
@@ -233,15 +236,25 @@ def print_status(record, states: dict[str, dict], as_json: bool) -> int:
                 Text(state, style=style),
                 str(st.get("exit_code")) if st.get("exit_code") is not None else "-",
                 str(st.get("processes", "-")),
-                str(metric.get("step", "-")),
+                str(metric["step"]) if metric.get("step") is not None else "-",
                 plain(fmt_loss(metric.get("loss"))),
                 f"{_time.time() - since:.0f}s ago" if since else plain(st.get("error") or "-"),
+                plain((st.get("last_line") or "")[-60:] or "-"),
             )
         console().print(table)
+        if live and live.get("max_restarts"):
+            console().print(plain(f"attempt {live.get('attempt')}/{live['max_restarts'] + 1}: {live.get('state')}"
+                                  + (f" ({live['note']})" if live.get("note") else ""), "yellow" if (live.get("attempt") or 1) > 1 else ""))
+        for name, st in states.items():
+            if st.get("meaning"):
+                console().print(plain(f"{name}: exit code {st.get('exit_code')}: {st['meaning']}", "yellow"))
+            if st.get("straggler"):
+                console().print(plain(f"straggler {name}: {st['straggler']['why']} — see docs/perf.md", "bold yellow"))
     if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
         return ExitCode.UNREACHABLE
     healthy = all(st.get("state") == "running" or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
-    return ExitCode.OK if healthy else ExitCode.FAILED
+    recovering = bool(live) and live.get("state") in ("waiting", "starting", "running")
+    return ExitCode.OK if healthy or recovering else ExitCode.FAILED
 
 
 def print_stop(record, result: dict[str, dict], as_json: bool) -> int:

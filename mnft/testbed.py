@@ -48,10 +48,15 @@ __all__ = [
     "ClusterCommandError",
     "check_prerequisites",
     "DEFAULT_FAMILY",
+    "cpu_shares",
 ]
 
 DEFAULT_FAMILY = "mnft"
 SUBNET_FIRST_OCTETS = "10.213"
+# The whole test bed range routes nowhere unless a bridge claims a /24 of it: an address whose cluster is already
+# gone fails at once ("No route to host") instead of following the default route off this machine.
+RANGE_BLACKHOLE = f"{SUBNET_FIRST_OCTETS}.0.0/16"
+BLACKHOLE_METRIC = 4242
 BRIDGE_OCTET = 1
 FIRST_HOST_OCTET = 11
 OUTSIDER_OCTET = 250
@@ -102,6 +107,7 @@ class SimHost:
     host_key_pub: str  # "ssh-ed25519 AAAA…" (no comment)
     port: int
     veth: str  # root-side end of the host's veth pair
+    cpus: tuple[int, ...] = ()  # the CPUs this host's processes run on (its "cores"); () = every CPU
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -112,6 +118,27 @@ def _sh(argv: Sequence[str], *, check: bool = True, input: str | None = None, ti
     if check and proc.returncode != 0:
         raise ClusterError(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
+
+
+def cpu_shares(n_hosts: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
+    """The CPUs each simulated host owns, as a machine owns its cores: an equal, disjoint share when there are
+    enough CPUs (2 hosts on 2 CPUs: one each; 1 host: both), otherwise one CPU each, dealt round-robin.
+
+    Without this every host sees (and torch sizes its intra-op pool to) all of the machine's CPUs, and N hosts'
+    workers oversubscribe them N-fold: spinning OpenMP threads then wait for descheduled ones, which made a
+    2-host × 1-process run 5-17× slower than 1 host × 2 processes (issue 13, docs/perf.md)."""
+    cpus = sorted(cpus)
+    if not cpus or n_hosts < 1:
+        return [()] * max(0, n_hosts)
+    if n_hosts <= len(cpus):
+        each = len(cpus) // n_hosts
+        return [tuple(cpus[i * each:(i + 1) * each]) for i in range(n_hosts)]
+    return [(cpus[i % len(cpus)],) for i in range(n_hosts)]
+
+
+def _pinned(cpus: tuple[int, ...], argv: list[str]) -> list[str]:
+    """argv run on `cpus` (taskset execs, so a Popen's pid stays the command's; children inherit the mask)."""
+    return ["taskset", "-c", ",".join(map(str, cpus)), *argv] if cpus else argv
 
 
 def _ip_batch(lines: Iterable[str], *, ns: str | None = None, force: bool = False) -> subprocess.CompletedProcess:
@@ -125,7 +152,7 @@ def check_prerequisites() -> None:
         raise ClusterUnavailable("the testbed needs Linux network namespaces")
     if os.geteuid() != 0:
         raise ClusterUnavailable("the testbed needs root (network namespaces, bind mounts)")
-    for tool in ("ip", "unshare", "nsenter", "mount", "ssh"):
+    for tool in ("ip", "unshare", "nsenter", "mount", "ssh", "taskset"):
         if shutil.which(tool) is None:
             raise ClusterUnavailable(f"the testbed needs `{tool}` on PATH")
     if not os.access(SSHD, os.X_OK):
@@ -216,6 +243,13 @@ def _kill_netns(ns: str, keep: Iterable[int] = ()) -> None:
     _reap(seen, time.monotonic() + 0.5)
 
 
+def _ensure_range_blackhole() -> None:
+    """A high-metric blackhole route for the test bed's range (left in place: it only ever drops traffic)."""
+    shown = _sh(["ip", "-4", "route", "show", "type", "blackhole", RANGE_BLACKHOLE], check=False).stdout
+    if not shown.strip():
+        _sh(["ip", "-4", "route", "add", "blackhole", RANGE_BLACKHOLE, "metric", str(BLACKHOLE_METRIC)])
+
+
 def _used_ipv4_networks() -> list[ipaddress.IPv4Network]:
     nets = []
     out = _sh(["ip", "-4", "-o", "addr", "show"], check=False).stdout
@@ -224,6 +258,8 @@ def _used_ipv4_networks() -> list[ipaddress.IPv4Network]:
     out = _sh(["ip", "-4", "route", "show", "table", "all"], check=False).stdout
     for line in out.splitlines():
         words = line.split()
+        if words[:2] == ["blackhole", RANGE_BLACKHOLE]:
+            continue  # the range's own safety net, not a network in use
         if words and words[0] in ("unicast", "local", "broadcast", "blackhole", "unreachable", "prohibit"):
             words = words[1:]
         if not words or words[0] == "default":
@@ -265,7 +301,7 @@ class Cluster:
     known_hosts: Path
     python: str
 
-    def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None):
+    def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -284,14 +320,18 @@ class Cluster:
         self._down: set[str] = set()
         self._lock = threading.Lock()
         self._torn_down = False
+        self.share_cpus = share_cpus
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def create(
-        cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None
+        cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
+
+        Each host runs on its own share of the machine's CPUs (`cpu_shares`), as a real machine has its own cores;
+        `share_cpus=True` lets every host use every CPU (the old behaviour, which oversubscribes them).
 
         Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
         tearing down whatever was built).
@@ -306,7 +346,7 @@ class Cluster:
         if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
             raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
         workdir.mkdir(parents=True, exist_ok=True)
-        cluster = cls(prefix=prefix, workdir=workdir)
+        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus)
         atexit.register(cluster.teardown)
         try:
             cluster._build(n_hosts, outsider)
@@ -319,11 +359,15 @@ class Cluster:
         if any(ns.startswith(self.prefix + "-") for ns in _list_netns()):
             raise ClusterError(f"namespaces named {self.prefix}-* already exist: pick another prefix")
         with _allocation_lock():
+            _ensure_range_blackhole()
             self.subnet = _free_subnet(self.prefix)
             net = self.subnet
             self.bridge_address = str(net.network_address + BRIDGE_OCTET)
             self.hosts = [self._host(f"h{i}", f"{self.prefix}-h{i}", net.network_address + FIRST_HOST_OCTET + i - 1,
                                      f"{self.prefix}-v{i}") for i in range(1, n_hosts + 1)]
+            if not self.share_cpus:  # each host owns its cores (cpu_shares); the outsider keeps every CPU
+                for host, cpus in zip(self.hosts, cpu_shares(len(self.hosts), os.sched_getaffinity(0))):
+                    host.cpus = cpus
             if outsider:
                 self.outsider = self._host("out", f"{self.prefix}-out", net.network_address + OUTSIDER_OCTET,
                                            f"{self.prefix}-vo")
@@ -436,8 +480,8 @@ class Cluster:
     def _spawn_anchor(self, host: SimHost) -> None:
         """The host's "machine": a process holding its private mount and UTS namespaces for the cluster's life,
         so sshd can stop and start and `run` keeps working while sshd is down."""
-        argv = ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--uts", "--propagation", "private",
-                "sh", "-c", self._mount_script(host)]
+        argv = _pinned(host.cpus, ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--uts", "--propagation", "private",
+                                   "sh", "-c", self._mount_script(host)])
         # ip netns exec and unshare exec without forking, and sh execs sleep: the Popen pid is the anchor's.
         self._anchors[host.name] = subprocess.Popen(
             argv, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -458,8 +502,8 @@ class Cluster:
     def _spawn_sshd(self, host: SimHost) -> None:
         log = host.root / "run" / "sshd.log"
         self._log_offsets[host.name] = log.stat().st_size if log.exists() else 0
-        argv = ["nsenter", "-t", str(self._anchors[host.name].pid), "-n", "-m", "-u", "--",
-                SSHD, "-D", "-f", "/etc/ssh/sshd_config", "-E", "/run/sshd.log"]
+        argv = _pinned(host.cpus, ["nsenter", "-t", str(self._anchors[host.name].pid), "-n", "-m", "-u", "--",
+                                   SSHD, "-D", "-f", "/etc/ssh/sshd_config", "-E", "/run/sshd.log"])
         # nsenter execs without forking (no pid namespace), so the Popen pid is the sshd listener's pid.
         with open(host.root / "sshd.stderr", "ab") as stderr:
             self._sshd[host.name] = subprocess.Popen(
@@ -559,8 +603,8 @@ class Cluster:
             return ["ip", "netns", "exec", host.ns] + envs + list(argv)
         pid = anchor.pid
         # cd after entering: nsenter --wd would resolve the path in the caller's mount namespace (the real /root).
-        return (["nsenter", "-t", str(pid), "-n", "-m", "-u", "--"] + envs
-                + ["/bin/sh", "-c", 'cd "$HOME" && exec "$@"', "sh"] + list(argv))
+        return _pinned(host.cpus, ["nsenter", "-t", str(pid), "-n", "-m", "-u", "--"] + envs
+                       + ["/bin/sh", "-c", 'cd "$HOME" && exec "$@"', "sh"] + list(argv))
 
     def run(
         self, host: SimHost, argv: Sequence[str], *, check: bool = True, timeout: float = 30,

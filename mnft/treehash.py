@@ -165,7 +165,8 @@ def escape_literal(relpath: str) -> str:
 # ------------------------------------------------------------------------------------------------ hashing
 
 
-def _sha256_file(path: str) -> str:
+def sha256_file(path) -> str:
+    """A file's sha256, read in chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
@@ -284,7 +285,7 @@ def tree_hash(root, excludes=(), cache=None):
             sha = hit[4]
         else:
             try:
-                sha = _sha256_file(full)
+                sha = sha256_file(full)
             except OSError as exc:
                 errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
                 continue

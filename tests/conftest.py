@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CLUSTER_TIMEOUT = 300  # seconds, per cluster test
+CLUSTER_TIMEOUT = 600  # seconds, per cluster test (a recovery test on a loaded 2-core CI box takes 2-3 min)
 SESSION_HOSTS = 4
 
 if str(ROOT) not in sys.path:  # tests run from a checkout without `pip install -e .`

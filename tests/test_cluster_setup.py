@@ -302,7 +302,7 @@ def test_an_unreachable_host_is_reported_and_joins_the_mesh_on_the_next_run(fres
     book = playbook(tmp_path, TEST_BOOK)
     h1, h2, h3 = cluster.hosts
     cluster.link_down(h3)
-    code, report = setup_json(tmp_path, inventory, book, "--connect-timeout", "3")
+    code, report = setup_json(tmp_path, inventory, book, "--connect-timeout", "5")
     assert code == 4, json.dumps(report, indent=1)
     assert set(statuses(report)[h3.name].values()) == {"unreachable"}
     assert all(s in ("ok", "changed") for name in (h1.name, h2.name) for s in statuses(report)[name].values())
@@ -323,7 +323,7 @@ def test_an_unreachable_host_is_reported_and_joins_the_mesh_on_the_next_run(fres
 
     # down again: its previous entries stay (names, peers, mesh), nothing is rewritten with a guessed address
     cluster.link_down(h3)
-    code, report = setup_json(tmp_path, inventory, book, "--connect-timeout", "3")
+    code, report = setup_json(tmp_path, inventory, book, "--connect-timeout", "5")
     assert code == 4, json.dumps(report, indent=1)
     assert any(note.startswith(f"{h3.name} was not reached: its address on eth0 is taken from the previous setup ({h3.address})")
                for note in report["notes"]), report["notes"]

@@ -17,11 +17,17 @@ import time
 from pathlib import Path
 
 import pytest
+from runhelpers import (
+    latest_record,
+    run_processes,
+    wait_for_output,
+    wait_listening,
+    wait_no_orphans,
+)
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-RUN_MARKERS = ("torch.distributed.run", "mnft.recipes", "agent.py", "mnft-script")
 
 
 def cli_env(tmp_path: Path) -> dict[str, str]:
@@ -42,45 +48,6 @@ def start_invoke(tmp_path: Path, *args: str, env: dict | None = None) -> subproc
         [sys.executable, "-m", "invoke", "-r", str(REPO), *args],
         cwd=REPO, env=env or cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
-
-
-def wait_for_output(proc: subprocess.Popen, pattern: str, timeout: float = 180) -> list[str]:
-    """Read the controller's output until a line matches (e.g. the first training step)."""
-    seen = []
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        seen.append(line)
-        if re.search(pattern, line):
-            return seen
-    raise AssertionError(f"{pattern!r} never appeared:\n" + "".join(seen[-30:]))
-
-
-def run_processes(cluster, hosts) -> dict[str, list[str]]:
-    out = {}
-    for host in hosts:
-        procs = [cmd for _, cmd in cluster.processes(host) if any(m in cmd for m in RUN_MARKERS)]
-        if procs:
-            out[host.name] = procs
-    return out
-
-
-def wait_no_orphans(cluster, hosts, timeout: float = 40) -> None:
-    deadline = time.monotonic() + timeout
-    while True:  # looks at least once, even when the deadline has already passed
-        survivors = run_processes(cluster, hosts)
-        if not survivors:
-            return
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"processes of the run survived: {survivors}")
-        time.sleep(0.5)
-
-
-def latest_record(tmp_path: Path) -> dict:
-    runs = sorted((tmp_path / "runs").iterdir())
-    return json.loads((runs[-1] / "run.json").read_text())
 
 
 def latest_complete_checkpoint(cluster, hosts, job_id: str) -> int | None:
@@ -159,7 +126,7 @@ def test_c10d_labels_each_line_with_the_rank_torch_chose_and_follows_rank_0_wher
     record = latest_record(tmp_path)
     run_dir = tmp_path / "runs" / record["run_id"]
     rank0_host = next(host for host, _, rank, _, _ in labelled if rank == "0")
-    assert (run_dir / rank0_host / "extra" / "metrics.jsonl").is_file() and (run_dir / "loss.png").stat().st_size > 0
+    assert (run_dir / rank0_host / "extra" / "0" / "metrics.jsonl").is_file() and (run_dir / "loss.png").stat().st_size > 0
     assert "first_step_s" in record["timings"]  # rank 0's metrics were followed on its host
     assert "summary: loss" in done.stdout
 
@@ -305,7 +272,7 @@ def test_a_stale_process_on_the_rendezvous_port_makes_train_take_the_next_free_p
     master = trained_cluster.hosts[0]
     holder = trained_cluster.popen(master, [sys.executable, "-c", "import socket,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); s.bind(('0.0.0.0', 29500)); s.listen(); time.sleep(300)"])
     try:
-        time.sleep(1)
+        wait_listening(trained_cluster, master, 29500)
         inv = inventory(trained_cluster, tmp_path, 2)
         done = invoke(tmp_path, *train_args(inv, "--no-sync", steps=4))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -385,7 +352,7 @@ def test_logs_follow_a_detached_run_to_its_end_then_collect_everything(trained_c
     collected = invoke(tmp_path, "logs", run_id)
     assert collected.returncode == 0, collected.stdout + collected.stderr
     run_dir = tmp_path / "runs" / run_id
-    assert (run_dir / "h1" / "extra" / "metrics.jsonl").is_file() and (run_dir / "loss.png").is_file()
+    assert (run_dir / "h1" / "extra" / "0" / "metrics.jsonl").is_file() and (run_dir / "loss.png").is_file()
     assert (run_dir / "h2" / "run" / "torchrun").is_dir()  # per-rank logs
     assert "summary: loss" in collected.stdout
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -47,7 +47,12 @@ def test_injection_payloads_are_data_in_one_and_two_shell_layers(tmp_path, paylo
         assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["HF_TOKEN", "WANDB_API_KEY", "aws_secret_access_key", "DB_PASSWORD"])
+def test_settings_that_merely_begin_with_a_secret_word_are_not_secrets():
+    for name in ("TOKENIZERS_PARALLELISM", "KEYBOARD_LAYOUT", "PASSWORDLESS_LOGIN"):
+        assert not is_secret_name(name)
+
+
+@pytest.mark.parametrize("name", ["HF_TOKEN", "WANDB_API_KEY", "aws_secret_access_key", "DB_PASSWORD", "APIKEY", "SSH_KEYS", "GH_CREDENTIALS"])
 def test_secret_named_variables_never_go_on_a_command_line(name):
     assert is_secret_name(name)
     with pytest.raises(InputError, match=f"{name} looks secret"):

@@ -203,7 +203,7 @@ def test_bad_port_is_refused(port):
     assert "host 'a'" in msg and "'port'" in msg and "is not a port number" in msg
 
 
-@pytest.mark.parametrize("slots", [0, -2, 1.5, "eight"])
+@pytest.mark.parametrize("slots", [0, -2, 1.5, "eight", 99999999999999999999, 1025])
 def test_non_positive_or_non_integer_slots_are_refused(slots):
     msg = error_of(f"hosts:\n  a: {{slots: {slots!r}}}\n".replace("'", '"'))
     assert "host 'a': key 'slots'" in msg and "must be a whole number" in msg

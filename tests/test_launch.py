@@ -11,15 +11,16 @@ import pytest
 
 from mnft import agent, inventory, launch, pyrun
 from mnft.errors import InputError
+from mnft.job import recipe_job
 from mnft.launch import LaunchOptions
 
 INV = inventory.parse("vars: {slots: 2, python: /opt/py/bin/python, workdir: /srv/mnft}\nhosts:\n  a: {address: 10.0.0.1}\n  b: {address: 10.0.0.2, iface: ib0}\n")
 
 
-def plan(inv=INV, **options):
+def plan(inv=INV, recipe="lora", overrides=(), job=None, latest_checkpoint=None, **options):
     return launch.plan(
-        inv, master_addr="10.0.0.1", port=29501, run_id="R1", job_id="J1", options=LaunchOptions(**options),
-        ifaces={"a": "eth0", "b": "eth9"}, env={"MY": "x"}, secret_names=("HF_TOKEN",),
+        inv, master_addr="10.0.0.1", port=29501, run_id="R1", job_id="J1", options=LaunchOptions(job=job or recipe_job(recipe, overrides), **options),
+        ifaces={"a": "eth0", "b": "eth9"}, env={"MY": "x"}, secret_names=("HF_TOKEN",), latest_checkpoint=latest_checkpoint,
     )
 
 
@@ -94,6 +95,15 @@ def start_agent(tmp_path, argv, run_id="R9", detach=False, deadman=30.0):
     return proc, started["pgid"]
 
 
+def settled_pids(tag: str, count: int, timeout: float = 20.0) -> list[int]:
+    """The run's processes once at least `count` of them are up (a detached run's command starts after its agent
+    returned)."""
+    deadline = time.monotonic() + timeout
+    while len(pids := agent.run_pids(tag)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
+
+
 def alive(pid):
     try:
         with open(f"/proc/{pid}/stat") as fh:
@@ -120,7 +130,8 @@ def test_agent_reports_the_exit_code_and_hands_secrets_over_in_a_deleted_0600_fi
 def test_closing_the_agents_stdin_kills_the_whole_process_group(tmp_path):
     child = "import subprocess,sys,time; subprocess.Popen([sys.executable,'-c','import time; time.sleep(300)']); print('up', flush=True); time.sleep(300)"
     proc, pgid = start_agent(tmp_path, [sys.executable, "-c", child])
-    time.sleep(1.5)
+    while json.loads(proc.stdout.readline()) != {"event": "line", "text": "up"}:  # the command and its child are up
+        pass
     pids = agent.run_pids("R9@local")
     assert len(pids) >= 3  # keeper, the command, its child
     proc.stdin.close()  # the controller (or the link to it) is gone
@@ -136,8 +147,7 @@ def test_stop_kills_only_its_own_run(tmp_path):
     one, _ = start_agent(tmp_path / "one", sleep, run_id="ONE", detach=True)
     two, _ = start_agent(tmp_path / "two", sleep, run_id="TWO", detach=True)
     one.wait(timeout=10), two.wait(timeout=10)  # detached: the agents return at once, the runs go on
-    time.sleep(0.5)
-    two_pids = agent.run_pids("TWO@local")
+    two_pids = settled_pids("TWO@local", 2)  # its keeper and its command
     assert agent.run_pids("ONE@local") and two_pids
     result = agent.terminate(str(tmp_path / "one" / "run"), grace=2)
     assert result["remaining"] == [] and agent.run_pids("ONE@local") == []

@@ -22,7 +22,7 @@ PROBE = Path(probe.__file__)
 
 FACT_KEYS = {
     "probe_version", "hostname", "fqdn", "os", "kernel", "arch", "python", "torch", "nccl", "cudnn", "nvidia",
-    "cpu_count", "memory", "disk", "interfaces", "clock", "rsync", "timings", "errors",
+    "cpu_count", "memory", "disk", "interfaces", "clock", "rsync", "dists", "timings", "errors",
 }
 
 GPU_CSV = """\

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 from mnft.recipes import checkpointing, common, data, model
 from mnft.recipes.config import ConfigError, RecipeError, load_config
@@ -213,20 +214,82 @@ def test_all_masked_batch_gives_zero_loss_and_finite_zero_grads():
 def test_batches_resume_at_the_same_position():
     rows = [([i], [i]) for i in range(40)]
     a = data.Batches(rows, 3, rank=1, world_size=2, seed=0, pad_id=0)
-    taken = [a.next()["input_ids"].tolist() for _ in range(9)]  # crosses an epoch boundary (6 per epoch)
+    taken, positions = [], []
+    for _ in range(9):  # crosses an epoch boundary (6 per epoch)
+        positions.append(a.position())
+        taken.append(a.next()["input_ids"].tolist())
+    assert positions[4] == {"epoch": 0, "offset": 4 * 3 * 2} and positions[7] == {"epoch": 1, "offset": 3 * 2}
     b = data.Batches(rows, 3, rank=1, world_size=2, seed=0, pad_id=0)
-    b.seek({"epoch": 0, "index": 4})
+    b.seek(positions[4])
     assert [b.next()["input_ids"].tolist() for _ in range(5)] == taken[4:]
     assert taken[0] != taken[6]  # set_epoch reshuffles
 
 
+def epoch_permutation(n: int, epoch: int, seed: int = 0) -> list[int]:
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, shuffle=True, seed=seed)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
+@pytest.mark.parametrize("n,world,mbs", [(40, 2, 3), (41, 3, 2), (10, 4, 2), (7, 1, 7)])
+def test_batches_deal_what_the_distributed_sampler_deals(n, world, mbs):
+    rows = [([i], [i]) for i in range(n)]
+    for rank in range(world):
+        b = data.Batches(rows, mbs, rank=rank, world_size=world, seed=5, pad_id=0)
+        got = [i for _ in range(3 * (n // world // mbs)) for i in b.next()["rows"]]  # three epochs
+        want = []
+        for epoch in range(3):
+            sampler = DistributedSampler(range(n), num_replicas=world, rank=rank, shuffle=True, seed=5, drop_last=True)
+            sampler.set_epoch(epoch)
+            dealt = list(sampler)
+            want += dealt[: len(dealt) // mbs * mbs]
+        assert got == want, rank
+
+
+def test_batches_continue_the_epoch_on_another_world_size_without_repeating_a_row():
+    """2 ranks x 3 rows take 4 micro-batches (24 rows of 40), then 3 ranks x 2 rows continue the same epoch's
+    permutation at row 24: 16 rows left, 5 per rank (2 micro-batches each), the last row too few for 3 ranks."""
+    rows = [([i], [i]) for i in range(40)]
+    old = [data.Batches(rows, 3, rank=r, world_size=2, seed=0, pad_id=0) for r in range(2)]
+    seen = [i for _ in range(4) for b in old for i in b.next()["rows"]]
+    position = old[0].position()
+    assert position == old[1].position() == {"epoch": 0, "offset": 24}
+    perm = epoch_permutation(40, 0)
+    assert sorted(seen) == sorted(perm[:24])
+    new = [data.Batches(rows, 2, rank=r, world_size=3, seed=0, pad_id=0) for r in range(3)]
+    for b in new:
+        b.seek(position)
+    first = [b.next()["rows"] for b in new]
+    assert first == [[perm[24 + r], perm[24 + r + 3]] for r in range(3)]  # rank r: offset + r + 3j
+    second = [b.next()["rows"] for b in new]
+    assert second == [[perm[30 + r], perm[33 + r]] for r in range(3)]
+    assert sorted(seen + [i for ids in first + second for i in ids]) == sorted(perm[:36])  # no row twice, none skipped but the tail
+    assert new[0].position() == {"epoch": 0, "offset": 36}
+    assert [b.next()["rows"] for b in new] == [epoch_permutation(40, 1)[r::3][:2] for r in range(3)]  # next epoch as usual
+
+
+def test_the_position_survives_a_second_change_of_world_size():
+    rows = [([i], [i]) for i in range(60)]
+    a = data.Batches(rows, 2, rank=0, world_size=3, seed=1, pad_id=0)
+    a.next(), a.next()  # 12 rows on 3 ranks
+    b = data.Batches(rows, 4, rank=1, world_size=2, seed=1, pad_id=0)
+    b.seek(a.position())
+    b.next()  # 8 more on 2 ranks
+    assert b.position() == {"epoch": 0, "offset": 20}
+    c = data.Batches(rows, 5, rank=0, world_size=1, seed=1, pad_id=0)
+    c.seek(b.position())
+    assert c.next()["rows"] == epoch_permutation(60, 0, seed=1)[20:25]
+
+
 # ------------------------------------------------------------------ checkpoints
 
-def fake_checkpoint(root: Path, step: int, rank: int, world_size: int = 2, complete: bool = True) -> None:
+def fake_checkpoint(root: Path, step: int, rank: int, world_size: int = 2, complete: bool = True,
+                    save_id: str | None = None) -> None:
     d = checkpointing.step_dir(root, step) / (f"rank-{rank}" if complete else f"rank-{rank}.tmp-x")
     d.mkdir(parents=True)
     if complete:
-        (d / "meta.json").write_text(json.dumps({"step": step, "world_size": world_size}))
+        meta = {"step": step, "world_size": world_size, **({"save_id": save_id} if save_id else {})}
+        (d / "meta.json").write_text(json.dumps(meta))
 
 
 def test_incomplete_checkpoint_is_not_listed(tmp_path):
@@ -237,19 +300,108 @@ def test_incomplete_checkpoint_is_not_listed(tmp_path):
     assert checkpointing.complete_steps(tmp_path, rank=1) == {}
 
 
-def test_latest_refuses_a_different_world_size(tmp_path, world_of_one):
-    fake_checkpoint(tmp_path, 2, rank=0, world_size=2)
-    with pytest.raises(RecipeError, match="written by 2 ranks but this run has 1"):
+def test_latest_on_another_world_size_reads_one_replica_per_rank_when_the_state_is_replicated(tmp_path, world_of_one):
+    """lora: every rank dir holds the whole state, so rank 0 of a world of one resumes from its own rank-0."""
+    fake_checkpoint(tmp_path, 2, rank=0, world_size=2, save_id="a")
+    resume = checkpointing.resolve("latest", tmp_path, rank=0, world_size=1, replicated=True)
+    assert (resume.path, resume.step, resume.world_size, resume.new_world_size) == (tmp_path / "step-2", 2, 2, 1)
+    assert resume.sources(0) == (0,) and resume.skipped == "" and resume.rng_state({"x": 1}, 0) == {"x": 1}
+
+
+def test_a_lora_rank_whose_own_dir_is_gone_reads_another_replica_and_gets_a_fresh_rng_stream(tmp_path, world_of_one):
+    """The node of old rank 0 was lost; mnft copied what the others held (rank-1) here."""
+    fake_checkpoint(tmp_path, 4, rank=1, world_size=1, save_id="a")  # a (malformed) dir of a world of 1: ignored
+    fake_checkpoint(tmp_path, 2, rank=1, world_size=2, save_id="b")
+    resume = checkpointing.resolve("latest", tmp_path, rank=0, world_size=1, replicated=True)
+    assert (resume.step, resume.sources(0)) == (2, (1,))
+    saved = {"python": __import__("random").getstate(), "torch": torch.get_rng_state()}
+    assert not torch.equal(resume.rng_state(saved, 0)["torch"], saved["torch"])
+
+
+def test_latest_on_another_world_size_without_every_shard_is_one_line_naming_what_is_missing_where(tmp_path, world_of_one):
+    """full: each rank dir holds a shard; without rank-1 here nothing can be resumed: exit 2, nothing guessed."""
+    fake_checkpoint(tmp_path, 2, rank=0, world_size=2, save_id="a")
+    with pytest.raises(ConfigError) as e:
         checkpointing.resolve("latest", tmp_path, rank=0, world_size=1)
+    assert str(e.value) == (
+        f"resume=latest: checkpoint {tmp_path}/step-2 was written by 2 ranks and this run has 1: resuming it needs "
+        f"all 2 rank dirs (rank-0 .. rank-1) on each node, but {socket.gethostname()}:{tmp_path}/step-2 lacks "
+        "rank-1 (new rank 0); copy them there (invoke train --resume does) or resume with 2 ranks")
+    assert e.value.exit_code == 2
+    fake_checkpoint(tmp_path, 2, rank=1, world_size=2, save_id="a")  # copied here, as mnft does before a resume
+    resume = checkpointing.resolve("latest", tmp_path, rank=0, world_size=1)
+    assert resume.step == 2 and resume.sources(0) == (0, 1)
+
+
+def test_latest_never_mixes_rank_dirs_of_different_saves_of_a_step(tmp_path, world_of_one):
+    """step-4's rank-1 here is a stale copy from another save: step-4 is not complete, step-2 is."""
+    for rank in (0, 1):
+        fake_checkpoint(tmp_path, 2, rank=rank, world_size=2, save_id="a")
+    fake_checkpoint(tmp_path, 4, rank=0, world_size=2, save_id="b")
+    fake_checkpoint(tmp_path, 4, rank=1, world_size=2, save_id="stale")
+    resume = checkpointing.resolve("latest", tmp_path, rank=0, world_size=1)
+    assert resume.step == 2
+    assert resume.skipped.startswith(f"newer checkpoint {tmp_path}/step-4 was written by 2 ranks")
+
+
+def test_latest_on_the_same_world_size_prefers_its_own_save(tmp_path, world_of_one):
+    fake_checkpoint(tmp_path, 6, rank=0, world_size=1, save_id="new")
+    fake_checkpoint(tmp_path, 6, rank=1, world_size=3, save_id="old")  # left by an earlier, larger world
+    resume = checkpointing.resolve("latest", tmp_path, rank=0, world_size=1)
+    assert (resume.step, resume.world_size, resume.sources(0)) == (6, 1, (0,))
+
+
+def test_a_rank_new_to_the_run_gets_a_derived_rng_stream_and_old_ranks_keep_theirs(tmp_path):
+    saved = {"python": __import__("random").getstate(), "torch": torch.get_rng_state()}
+    grow = checkpointing.Resume(tmp_path, 40, world_size=2, new_world_size=4, replicated=True)
+    assert grow.rng_state(saved, 1) is saved
+    before = torch.get_rng_state()
+    two, three = grow.rng_state(saved, 2), grow.rng_state(saved, 3)
+    assert torch.equal(torch.get_rng_state(), before)  # the process's own stream is left alone
+    assert torch.equal(two["torch"], grow.rng_state(saved, 2)["torch"])  # deterministic
+    assert not torch.equal(two["torch"], three["torch"]) and not torch.equal(two["torch"], saved["torch"])
+    later = checkpointing.Resume(tmp_path, 60, world_size=2, new_world_size=4, replicated=True)
+    assert not torch.equal(later.rng_state(saved, 2)["torch"], two["torch"])
 
 
 def test_latest_without_checkpoints_starts_fresh(tmp_path, world_of_one):
     assert checkpointing.resolve("latest", tmp_path / "none", rank=0, world_size=1) is None
 
 
-def test_resume_path_refuses_a_different_world_size(tmp_path, world_of_one):
-    fake_checkpoint(tmp_path, 2, rank=0, world_size=2)
-    with pytest.raises(RecipeError, match="step-2 was written by 2 ranks but this run has 1"):
+def test_a_changed_world_or_global_batch_is_one_line_and_an_event_and_nothing_else_is(tmp_path, capsys):
+    from mnft.recipes import metrics
+
+    log = metrics.Metrics(tmp_path, True, 10, tensorboard=False, resumed=False)
+    position = {"epoch": 1, "offset": 960}
+    same = checkpointing.Resume(tmp_path / "step-40", 40, world_size=2, new_world_size=2, replicated=True)
+    checkpointing.announce(same, {"global_batch": 16}, 16, position, log)
+    assert capsys.readouterr().out == ""
+    checkpointing.announce(same, {"global_batch": 16}, 32, position, log)  # micro_batch_size doubled
+    assert capsys.readouterr().out == ("resumed: step-40 was written by 2 ranks, resuming on 2: global batch 16 -> 32 "
+                                       "rows per step; data continues epoch 1 at row 960\n")
+    shrink = checkpointing.Resume(tmp_path / "step-40", 40, world_size=3, new_world_size=2, replicated=False)
+    checkpointing.announce(shrink, {"global_batch": 24}, 16, position, log)
+    assert capsys.readouterr().out.startswith("resharded: step-40 was written by 3 ranks, resuming on 2: global batch 24 -> 16")
+    log.close()
+    events = [{k: v for k, v in r.items() if k != "time"} for r in records(tmp_path / "metrics.jsonl")]
+    assert events[-1] == {"event": "reshard", "step": 40, "from_world_size": 3, "to_world_size": 2,
+                          "from_global_batch": 24, "to_global_batch": 16, "data": position}
+    assert len(events) == 2
+
+
+def test_resume_path_on_another_world_size_names_the_missing_rank_dirs(tmp_path, world_of_one):
+    fake_checkpoint(tmp_path, 2, rank=1, world_size=2, save_id="a")
+    with pytest.raises(ConfigError, match=r"^resume=.*step-2: checkpoint .*step-2 was written by 2 ranks and this "
+                                          r"run has 1: .* lacks rank-0 \(new rank 0\)"):
+        checkpointing.resolve(str(tmp_path / "step-2"), tmp_path / "elsewhere", rank=0, world_size=1)
+    fake_checkpoint(tmp_path, 2, rank=0, world_size=2, save_id="a")
+    resume = checkpointing.resolve(str(tmp_path / "step-2"), tmp_path / "elsewhere", rank=0, world_size=1)
+    assert (resume.path, resume.step, resume.world_size) == (tmp_path / "step-2", 2, 2)
+
+
+def test_resume_path_without_this_ranks_dir_on_the_same_world_size_is_refused(tmp_path, world_of_one):
+    (tmp_path / "step-2").mkdir()
+    with pytest.raises(RecipeError, match=r"no complete checkpoint for rank\(s\) \[0\]"):
         checkpointing.resolve(str(tmp_path / "step-2"), tmp_path / "elsewhere", rank=0, world_size=1)
 
 
@@ -260,6 +412,19 @@ def test_prune_keeps_last_k_of_this_rank(tmp_path):
     checkpointing.prune(tmp_path, rank=0, keep_last=2, current=6)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
     assert [p.name for p in (tmp_path / "step-6").iterdir()] == ["rank-0"]
+
+
+def test_prune_removes_copies_of_other_ranks_once_this_rank_keeps_enough_of_its_own(tmp_path):
+    """Copies made for a resume (rank-1, rank-2 of step-3 here) have no owner on this node: they go with the
+    step once it is older than the checkpoints kept; never before this rank holds keep_last of its own."""
+    for rank in (1, 2):
+        fake_checkpoint(tmp_path, 3, rank=rank, world_size=3)
+    fake_checkpoint(tmp_path, 6, rank=0, world_size=1)
+    checkpointing.prune(tmp_path, rank=0, keep_last=2, current=6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-3", "step-6"]
+    fake_checkpoint(tmp_path, 9, rank=0, world_size=1)
+    checkpointing.prune(tmp_path, rank=0, keep_last=2, current=9)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-6", "step-9"]
 
 
 def test_prune_never_deletes_the_step_just_written_nor_later_steps(tmp_path):
@@ -358,6 +523,110 @@ def test_kill_then_resume_reproduces_uninterrupted_losses(recipe, layout, home, 
     else:  # the gathered full model loads with from_pretrained
         net, _ = model.load(main / "model", torch.float32)
         assert sum(p.numel() for p in net.parameters()) > 0
+
+
+def launch(recipe: str, home: Path, world: int, *args: str) -> subprocess.CompletedProcess:
+    return torchrun(recipe, home, *args, nproc=world) if world > 1 else single(recipe, home, *args)
+
+
+def replicate(out: Path, step: int, ranks: int) -> None:
+    """What mnft does before a resume when nodes share no filesystem: every rank dir of the step on every node
+    (here: in every rank's ``output_dir``)."""
+    parts = {p.name: p for r in range(ranks) for p in (out / str(r) / "checkpoints" / f"step-{step}").glob("rank-*")}
+    for r in range(ranks):
+        for name, part in parts.items():
+            if not (out / str(r) / "checkpoints" / f"step-{step}" / name).exists():
+                shutil.copytree(part, out / str(r) / "checkpoints" / f"step-{step}" / name)
+
+
+def exported(recipe: str, out: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    folder = out / ("adapter" if recipe == "lora" else "model")
+    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+
+def step_records(path: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in records(path) if "event" not in r}  # a re-run step's later line wins
+
+
+def in_order(per_rank: list[list[int]]) -> list[int]:
+    """A step's rows in the order of the epoch's permutation: rank r of W took positions r, r + W, r + 2W, ..."""
+    return [ids[t] for t in range(len(per_rank[0])) for ids in per_rank]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("recipe,before,after", [("lora", 2, 1), ("lora", 1, 2), ("full", 2, 1)])
+def test_a_checkpoint_resumes_on_another_world_size_with_the_same_state_and_the_data_continued(
+        recipe, before, after, home, tmp_path):
+    """Per-rank output dirs emulate nodes that share no filesystem. 40 rows, a global batch of 8 rows (8 / W per
+    rank, constant lr): 5 steps an epoch. A run on ``before`` ranks saves step 3; ``after`` ranks resume it:
+    - without the old rank dirs they need where they run (full: all of them; lora: their own old rank's, or
+      rank-0's for a new rank) the resume is refused in one line, exit 2, nothing touched;
+    - with them copied (as mnft does) the state is the saved one: the model exported at once equals the model
+      exported at step 3; steps 4-6 reproduce the losses and the rows of an uninterrupted 1 x 8 run (the loss is
+      normalised by the global token count, so 2 ranks x 4 rows and 1 x 8 are the same step), and step 6 starts
+      epoch 1;
+    - a second change, back to ``before`` ranks with a global batch of 4, continues epoch 1 at row 8 and says so
+      in a line and a ``reshard`` event."""
+    lines = (REPO / "mnft" / "recipes" / "assets" / "instruct.jsonl").read_text().splitlines()[:40]
+    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
+    args = [f"data_path={tmp_path}/d.jsonl", "save_every=3", "keep_last=3", "warmup_steps=0", "min_lr_ratio=1",
+            "tensorboard=false", "debug_sample_ids=true", "log_every=1"] + (["lora_dropout=0"] if recipe == "lora" else [])
+    out, metrics_file = tmp_path / "run", tmp_path / "run" / "0" / "metrics.jsonl"
+
+    def run(world: int, batch: int, *extra: str) -> subprocess.CompletedProcess:
+        return launch(recipe, home, world, f"output_dir={out}/{{rank}}", f"micro_batch_size={batch // world}", *args, *extra)
+
+    ref = launch(recipe, home, 1, f"output_dir={tmp_path}/ref", "micro_batch_size=8", "max_steps=6", *args)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    want = step_records(tmp_path / "ref" / "metrics.jsonl")
+    res = run(before, 8, "max_steps=3")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    saved = exported(recipe, out / "0")
+
+    if recipe == "full" or after > before:
+        res = run(after, 8, "max_steps=3", "resume=latest")
+        assert res.returncode == (2 if after == 1 else 1), res.stderr[-3000:]  # torchrun: 1 when a child fails
+        errors = [line for line in res.stderr.splitlines() if line.startswith("mnft.recipes:")]
+        lacking, new_rank = ("rank-1", 0) if recipe == "full" else ("rank-0", 1)
+        assert len(errors) == 1 and errors[0].startswith(
+            f"mnft.recipes: resume=latest: checkpoint {out}/0/checkpoints/step-3 was written by {before} ranks and "
+            f"this run has {after}: resuming it needs "), errors
+        assert (f"but {socket.gethostname()}:{out}/{new_rank}/checkpoints/step-3 lacks {lacking} (new rank {new_rank}); "
+                f"copy them there (invoke train --resume does) or resume with {before} ranks") in errors[0]
+        assert not (out / str(new_rank) / "checkpoints" / "step-3" / lacking).exists()
+        replicate(out, 3, max(before, after))
+    res = run(after, 8, "max_steps=3", "resume=latest")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (f"resharded: step-3 was written by {before} ranks, resuming on {after}: global batch 8 -> 8 rows per "
+            "step; data continues epoch 0 at row 24") in res.stdout
+    now = exported(recipe, out / "0")
+    assert now.keys() == saved.keys() and all(torch.equal(now[k], saved[k]) for k in saved)
+
+    res = run(after, 8, "max_steps=6", "resume=latest")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    got = step_records(metrics_file)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert got[step]["loss"] == pytest.approx(want[step]["loss"], abs=1e-5), step
+        assert in_order(got[step]["sample_ids"]) == want[step]["sample_ids"][0], step
+    assert in_order(got[6]["sample_ids"]) == epoch_permutation(40, 1)[:8]
+
+    replicate(out, 6, max(before, after))
+    res = run(before, 4, "max_steps=9", "resume=latest")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (f"resharded: step-6 was written by {after} ranks, resuming on {before}: global batch 8 -> 4 rows per "
+            "step; data continues epoch 1 at row 8") in res.stdout
+    event = [r for r in records(metrics_file) if r.get("event") == "reshard"][-1]
+    assert {k: v for k, v in event.items() if k != "time"} == {
+        "event": "reshard", "step": 6, "from_world_size": after, "to_world_size": before, "from_global_batch": 8,
+        "to_global_batch": 4, "data": {"epoch": 1, "offset": 8}}
+    got = step_records(metrics_file)
+    for step in (7, 8, 9):
+        assert in_order(got[step]["sample_ids"]) == epoch_permutation(40, 1)[8 + 4 * (step - 7): 12 + 4 * (step - 7)]
+    assert [r for r in records(metrics_file) if r.get("event") == "summary"][-1]["steps"] == 9
 
 
 @pytest.mark.slow

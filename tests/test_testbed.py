@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 import subprocess
@@ -201,7 +202,10 @@ def test_processes_lists_what_runs_on_a_host_but_not_its_sshd(healthy_cluster):
     assert cluster.processes(host) == []
     proc = ssh(cluster, host, ["sh", "-c", "nohup sleep 300 >/dev/null 2>&1 & echo $!"])
     pid = int(proc.stdout)
-    assert (pid, "sleep 300") in cluster.processes(host)
+    deadline = time.monotonic() + 10  # `$!` is known at the fork: the child is `sleep 300` once it has exec'd
+    while (pid, "sleep 300") not in cluster.processes(host):
+        assert time.monotonic() < deadline, cluster.processes(host)
+        time.sleep(0.1)
     cluster.kill_strays(host)
     assert cluster.processes(host) == []
 
@@ -293,8 +297,13 @@ def test_teardown_leaves_no_namespace_link_or_process_and_is_idempotent(fresh_cl
     host = fresh.hosts[0]
     stray = int(ssh(fresh, host, ["sh", "-c", "nohup sleep 300 >/dev/null 2>&1 & echo $!"]).stdout)
     fresh.popen(fresh.outsider, ["sleep", "300"])
-    pids = [stray, fresh.sshd_pid(host), fresh.sshd_pid(fresh.hosts[1])]
-    pids += [pid for pid, _ in fresh.processes(fresh.outsider)]
+    outsiders: list[int] = []
+    for _ in range(100):  # the child enters the namespace just after the fork: wait until it is there
+        outsiders = [pid for pid, cmd in fresh.processes(fresh.outsider) if "sleep" in cmd]
+        if outsiders:
+            break
+        time.sleep(0.05)
+    pids = [stray, fresh.sshd_pid(host), fresh.sshd_pid(fresh.hosts[1]), *outsiders]
     assert all(_alive(p) for p in pids) and len(pids) == 4
     fresh.teardown()
     assert _leftovers(fresh.prefix) == ([], [])
@@ -302,6 +311,20 @@ def test_teardown_leaves_no_namespace_link_or_process_and_is_idempotent(fresh_cl
     ps = subprocess.run(["ps", "-eo", "pid,stat,args"], capture_output=True, text=True).stdout
     assert str(fresh.workdir) not in ps
     fresh.teardown()  # idempotent, silent
+
+
+def test_an_address_of_a_cluster_already_gone_fails_at_once_instead_of_leaving_the_machine(testbed, fresh_cluster_factory):
+    import socket
+
+    fresh = fresh_cluster_factory(1)
+    gone = fresh.hosts[0].address
+    fresh.teardown()
+    route = subprocess.run(["ip", "-4", "route", "get", gone], capture_output=True, text=True)
+    assert route.returncode != 0 and "via" not in route.stdout  # never the default route
+    with pytest.raises(OSError) as err:
+        socket.create_connection((gone, 22), timeout=10)
+    assert err.value.errno == errno.EINVAL  # dropped by the blackhole route at once, not a timeout
+    assert testbed.RANGE_BLACKHOLE in subprocess.run(["ip", "-4", "route", "show", "type", "blackhole"], capture_output=True, text=True).stdout
 
 
 def test_two_clusters_coexist_on_distinct_names_and_subnets(cluster, fresh_cluster_factory):

@@ -16,7 +16,7 @@ import time
 import pytest
 from rich.console import Console
 
-from mnft import agent, inventory, launch, pyrun, runs, train
+from mnft import agent, control, inventory, launch, pyrun, runlogs, runs, train
 from mnft.errors import ExitCode, InputError
 from mnft.gang import split_rank
 from mnft.launch import LaunchOptions
@@ -83,7 +83,7 @@ PREVIOUS = {
 def test_resume_reuses_the_previous_hosts_overrides_and_env_names():
     reused = train.reuse_previous(PREVIOUS, hosts=None, overrides=(), env=(), env_files=())
     assert reused.hosts == "/lab/inv.yaml" and reused.run_id == PREVIOUS["run_id"]
-    assert reused.overrides == ("max_steps=400", "save_every=4")
+    assert reused.job.extra_args == ("max_steps=400", "save_every=4")
     assert reused.env == ("WANDB_API_KEY", "MODE=fast") and reused.env_files == ("/lab/secrets.env",)
     assert reused.notes == ("--hosts /lab/inv.yaml", "--set max_steps=400 --set save_every=4",
                             "--env WANDB_API_KEY --env MODE=fast", "--env-file /lab/secrets.env")
@@ -92,14 +92,14 @@ def test_resume_reuses_the_previous_hosts_overrides_and_env_names():
 def test_resume_does_not_reuse_overwrite_or_resume_which_would_refuse_or_restart_the_run():
     previous = {**PREVIOUS, "overrides": ["max_steps=400", "overwrite=true", "resume=none"]}
     reused = train.reuse_previous(previous, hosts=None, overrides=(), env=(), env_files=())
-    assert reused.overrides == ("max_steps=400",)
+    assert reused.job.extra_args == ("max_steps=400",)
     assert reused.notes[-1] == "(not overwrite=true resume=none: a resume continues from the latest checkpoint)"
 
 
 def test_resume_explicit_flags_win_and_overrides_merge_by_key():
     reused = train.reuse_previous(PREVIOUS, hosts="/lab/other.yaml", overrides=("max_steps=12",), env=("MODE=slow",), env_files=())
     assert reused.hosts == "/lab/other.yaml"
-    assert reused.overrides == ("save_every=4", "max_steps=12")
+    assert reused.job.extra_args == ("save_every=4", "max_steps=12")
     assert reused.env == ("WANDB_API_KEY", "MODE=slow")
     assert not any(n.startswith("--hosts") for n in reused.notes)
 
@@ -136,17 +136,17 @@ def record_with(tmp_path, monkeypatch, state="running"):
 
 def test_status_writes_a_detached_runs_end_into_its_record(tmp_path, monkeypatch):
     record = record_with(tmp_path, monkeypatch)
-    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "running"}})
+    control.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "running"}})
     saved = json.loads((record.path / "run.json").read_text())
     assert saved["state"] == "running" and saved["hosts"]["a"]["exit_code"] == 0 and saved["hosts"]["b"]["state"] == "running"
-    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 3, "ended": 5.0}})
+    control.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 3, "ended": 5.0}})
     saved = json.loads((record.path / "run.json").read_text())
     assert saved["state"] == "failed" and saved["failed_host"] == "b" and saved["hosts"]["b"] == {"node_rank": 1, "state": "exited", "exit_code": 3, "ended": 5.0}
 
 
 def test_a_detached_run_that_exited_0_everywhere_is_recorded_succeeded(tmp_path, monkeypatch):
     record = record_with(tmp_path, monkeypatch)
-    train.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 0}})
+    control.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 0}})
     assert json.loads((record.path / "run.json").read_text())["state"] == "succeeded"
 
 
@@ -155,12 +155,12 @@ def test_logs_writes_summary_json_from_the_collected_files(tmp_path, monkeypatch
     for name, code in (("a", "0"), ("b", "0")):
         (record.path / name / "run").mkdir(parents=True)
         (record.path / name / "run" / "exit_code").write_text(code + "\n")
-    (record.path / "b" / "extra").mkdir()  # rank 0 ran on b (c10d): its metrics are the run's
-    (record.path / "b" / "extra" / "metrics.jsonl").write_text(
+    (record.path / "b" / "extra" / "0").mkdir(parents=True)  # rank 0 ran on b (c10d): its metrics are the run's
+    (record.path / "b" / "extra" / "0" / "metrics.jsonl").write_text(
         '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0, "skipped_steps": 0}\n'
         '{"event": "summary", "initial_loss": 2.5, "final_loss": 2.0, "tokens_per_s": 99.0, "steps": 2}\n')
-    train.write_back(record, train.collected_states(record))
-    summary = train.summarize(record)
+    control.write_back(record, runlogs.collected_states(record))
+    summary = runlogs.summarize(record)
     assert json.loads((record.path / "summary.json").read_text()) == summary
     assert summary["state"] == "succeeded" and summary["metrics_host"] == "b"
     assert summary["hosts"] == {"a": {"node_rank": 0, "state": "exited", "exit_code": 0}, "b": {"node_rank": 1, "state": "exited", "exit_code": 0}}
@@ -174,6 +174,50 @@ def test_lines_are_labelled_with_the_rank_torch_gave_the_worker():
     assert split_rank("[rank5]:hello", rank_offset=0) == (5, "hello")  # mnft's template: the global rank
     assert split_rank("[default1]:hello", rank_offset=4) == (5, "hello")  # torchrun's default: local rank
     assert split_rank("plain", rank_offset=4) == (None, "plain")
+
+
+def test_pieces_of_a_glued_line_keep_their_ranks_and_torchs_own_prefix_is_dropped():
+    from mnft.gang import split_ranks
+
+    assert split_ranks("[rank0]: 40%|####  | 8/20[rank0]:{'loss': '4.69'}", 0) == [(0, " 40%|####  | 8/20"), (0, "{'loss': '4.69'}")]
+    assert split_ranks("[rank3]:[rank3]:   File \"t.py\", line 8", 0) == [(3, '  File "t.py", line 8')]
+    assert split_ranks("[default0]:a[default1]:b", 4) == [(4, "a"), (5, "b")]
+    assert split_ranks("no prefix", 0) == [(None, "no prefix")]
+
+
+def test_the_failed_rank_and_its_traceback_are_found_in_a_hosts_output():
+    from mnft.gang import failure_excerpt
+
+    tail = [(None, "ARGV []"), (2, "Traceback (most recent call last):"), (2, '  File "/w/ddp.py", line 8, in <module>'),
+            (2, "    raise ValueError('boom')"), (2, "ValueError: boom"), (3, "Traceback (most recent call last):"),
+            (3, "  File \"x\""), (3, "RuntimeError: Connection closed by peer"), (None, "Root Cause (first observed failure):"),
+            (None, "[0]:"), (None, "  time      : 2026-11-23_06:07:37"), (None, "  host      : h2"), (None, "  rank      : 2 (local_rank: 0)")]
+    assert failure_excerpt(tail) == (2, ["Traceback (most recent call last):", '  File "/w/ddp.py", line 8, in <module>',
+                                         "    raise ValueError('boom')", "ValueError: boom"])
+    assert failure_excerpt([(None, "Killed")]) == (None, [])
+
+
+def test_an_exit_code_the_job_declares_resumable_is_recorded_as_such(tmp_path, monkeypatch):
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    job = {"entry": ["llava/train/train_mem.py"], "resume": {"layout": "hf", "exit_codes": [124]}}
+    record = runs.RunRecord.create("R3", state="running", job=job, hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}})
+    control.write_back(record, {"a": {"state": "exited", "exit_code": 124}, "b": {"state": "exited", "exit_code": 124}})
+    saved = runs.load("R3").data
+    assert saved["state"] == "resumable" and "asks to be resumed" in saved["reason"]
+
+
+def test_a_job_without_metrics_shows_its_time_and_last_line():
+    out = io.StringIO()
+    clock = Clock()
+    display = train.Display(Console(file=out, force_terminal=False, width=200), 8, every_s=30.0, clock=clock)
+    display.line("h1", 0, "loading shards")
+    display.tick()
+    clock.now = 31.0
+    display.line("h1", 0, "epoch 1 done")
+    display.tick()
+    assert out.getvalue().splitlines()[-1] == "progress: running 31s, no metrics found; last line: epoch 1 done"
+    display.metric({"loss": 2.5, "epoch": 0.1, "step": None})  # the first metrics are shown at once, clock or not
+    assert out.getvalue().splitlines()[-1] == "progress: loss 2.5000  epoch 0.10"
 
 
 def test_c10d_watches_rank_0_metrics_on_every_host_and_static_on_the_master():
@@ -260,9 +304,9 @@ def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_others_warns():
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=200)
     result = {"h1": {"killed": [1234], "remaining": [], **report}, "h2": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": []}}
-    assert train.gpu_verdict(result, ExitCode.OK, console) == ExitCode.FAILED
+    assert control.gpu_verdict(result, ExitCode.OK, console) == ExitCode.FAILED
     assert "h1: a GPU is still held by the run: pid 1234 (15360 MiB)" in out.getvalue()
     assert "h1: warning: GPUs held by other processes (not this run's): pid 5678 (812 MiB), pid 9 (? MiB)" in out.getvalue()
     others_only = {"h1": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": ["pid 5678 (812 MiB)"]}}
-    assert train.gpu_verdict(others_only, ExitCode.OK, None) == ExitCode.OK
+    assert control.gpu_verdict(others_only, ExitCode.OK, None) == ExitCode.OK
     assert agent.gpu_report(None, set())["gpu_error"] == "nvidia-smi failed"

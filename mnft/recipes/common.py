@@ -115,6 +115,16 @@ def rank_checksums(params: list[torch.nn.Parameter]) -> list[float]:
     return everyone
 
 
+def sample_ids(micro: list[dict]) -> list[list[int]]:
+    """Every rank's dataset row ids of this step's micro-batches, in order, gathered on all ranks (collective).
+
+    Test aid (``debug_sample_ids``): shows which rows each rank trained on, e.g. across a resume on another
+    world size."""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, [i for b in micro for i in b["rows"]])
+    return everyone
+
+
 def crash_now(step: int) -> None:
     """Fault injection (``debug_crash_after_step``): die like a killed process, no cleanup."""
     print(f"mnft.recipes: debug_crash_after_step={step}: exiting hard", file=sys.stderr, flush=True)

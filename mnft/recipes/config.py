@@ -68,6 +68,7 @@ class TrainConfig:
     debug_inf_grad_steps: list[int] = field(default_factory=list)
     debug_crash_after_step: int = 0
     debug_rank_checksums: bool = False
+    debug_sample_ids: bool = False  # every rank's dataset row ids of the step go into each metrics line
 
 
 @dataclass(frozen=True)

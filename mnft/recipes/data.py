@@ -91,7 +91,16 @@ def trained_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 @dataclass
 class Batches:
-    """This rank's micro-batches, epoch after epoch; ``position`` is all that is needed to resume."""
+    """This rank's micro-batches, epoch after epoch; ``position`` is all that is needed to resume, on any world size.
+
+    An epoch's order is the ``DistributedSampler`` permutation (``shuffle``, ``seed + epoch``). Rank r of W takes the
+    permutation's positions ``start + r + W*j`` for as many j as every rank can (``drop_last``: the ragged tail is
+    left), ``micro_batch_size`` at a time. From ``start = 0`` that is exactly what ``DistributedSampler(W, r,
+    drop_last=True)`` deals rank r. After k micro-batches on every rank the epoch's consumed rows are the contiguous
+    prefix ``[0, start + W*k*micro_batch_size)`` of the permutation, so the position is stored as that global
+    ``offset``: a resume on W' ranks continues the epoch at ``start = offset`` (no row repeated or skipped, except
+    the tail too short for W' ranks), and the next epoch starts at 0 as usual.
+    """
 
     rows: list
     micro_batch_size: int
@@ -100,7 +109,8 @@ class Batches:
     seed: int
     pad_id: int
     epoch: int = 0
-    index: int = 0  # micro-batches already taken from this epoch
+    start: int = 0  # position in the epoch's permutation where this world began (0, or where a resume continued)
+    index: int = 0  # micro-batches this rank took since start
 
     def __post_init__(self) -> None:
         per_rank = len(self.rows) // self.world_size
@@ -110,23 +120,27 @@ class Batches:
         self._order: list[int] | None = None
 
     def _epoch_order(self) -> list[int]:
-        sampler = DistributedSampler(self.rows, num_replicas=self.world_size, rank=self.rank, shuffle=True,
-                                     seed=self.seed, drop_last=True)
+        """This rank's rows for the rest of the epoch: positions start + rank + world_size*j of the permutation."""
+        sampler = DistributedSampler(self.rows, num_replicas=1, rank=0, shuffle=True, seed=self.seed, drop_last=False)
         sampler.set_epoch(self.epoch)
-        return list(sampler)
+        permutation = list(sampler)  # the sampler's own shuffle: the order every world size deals from
+        per_rank = (len(permutation) - self.start) // self.world_size
+        return permutation[self.start + self.rank::self.world_size][:per_rank]
 
-    def next(self) -> dict[str, torch.Tensor]:
+    def next(self) -> dict:
+        """The next micro-batch (collated tensors, plus ``rows``: the dataset row ids in it)."""
         if self._order is None:
             self._order = self._epoch_order()
         if (self.index + 1) * self.micro_batch_size > len(self._order):  # drop the ragged tail
-            self.epoch, self.index, self._order = self.epoch + 1, 0, None
+            self.epoch, self.start, self.index, self._order = self.epoch + 1, 0, 0, None
             return self.next()
         take = self._order[self.index * self.micro_batch_size: (self.index + 1) * self.micro_batch_size]
         self.index += 1
-        return collate([self.rows[i] for i in take], self.pad_id)
+        return {**collate([self.rows[i] for i in take], self.pad_id), "rows": take}
 
     def position(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "index": self.index}
+        """The epoch and the global offset into its permutation: the same on every rank, valid on any world size."""
+        return {"epoch": self.epoch, "offset": self.start + self.world_size * self.index * self.micro_batch_size}
 
     def seek(self, position: dict[str, int]) -> None:
-        self.epoch, self.index, self._order = int(position["epoch"]), int(position["index"]), None
+        self.epoch, self.start, self.index, self._order = int(position["epoch"]), int(position["offset"]), 0, None

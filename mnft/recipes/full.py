@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from mnft.recipes import checkpointing, common, data, metrics, model
+from mnft.recipes import checkpointing, common, data, metrics, model, timing
 from mnft.recipes import dist as mdist
 from mnft.recipes.config import FullConfig, RecipeError
 
@@ -63,6 +63,7 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
         return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
                 "data": batches.position(), "rng": mdist.rng_state()}
 
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * d.world_size
     ckpt_root = out / "checkpoints"
     resume_from = checkpointing.resolve(cfg.resume, ckpt_root, d.rank, d.world_size, cfg.overwrite)
     step, skipped, history = 0, 0, {"initial_loss": None, "recent": []}
@@ -72,14 +73,18 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
         set_state_dict(net, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         scheduler.load_state_dict(state["scheduler"])
         batches.seek(state["data"])
-        mdist.set_rng_state(state["rng"])
+        mdist.set_rng_state(resume_from.rng_state(state["rng"], d.rank))  # a rank new to the run: derived
         step, skipped, history = meta["step"], meta["skipped_steps"], meta["history"]
     log = metrics.Metrics(out, d.is_main, cfg.max_steps, cfg.tensorboard, resumed=resume_from is not None)
+    timer = timing.StepTimer(out, d.rank, d.node_rank, d.local_rank, resumed=resume_from is not None)  # every rank
+    timer.start_info(d.world_size, d.device)
     if d.is_main:
         where = f"resuming from {resume_from}" if resume_from else "starting at step 0"
         print(f"full: {n_total:,} parameters on rank 0 (FSDP2 shards), {len(rows)} rows, world {d.world_size}, "
               f"{'bf16' if bf16 else 'fp32'}, {where}, output {out}", flush=True)
         log.event("start", recipe=RECIPE, resumed_from_step=step, world_size=d.world_size)
+        if resume_from is not None:
+            checkpointing.announce(resume_from, meta, global_batch, batches.position(), log)
 
     # ---------------------------------------------------------------- train loop
     recent = collections.deque(history["recent"], maxlen=5)
@@ -88,9 +93,12 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
     while step < cfg.max_steps:
         step += 1
         t0 = time.perf_counter()
-        micro = [batches.next() for _ in range(cfg.grad_accum_steps)]
+        timer.begin()
+        with timer.data():
+            micro = [batches.next() for _ in range(cfg.grad_accum_steps)]
         local_tokens = sum(data.trained_tokens(b) for b in micro)
-        (global_tokens,) = mdist.all_reduce([local_tokens], d.device)
+        with timer.comm():
+            (global_tokens,) = mdist.all_reduce([local_tokens], d.device)
         denom = max(global_tokens, 1.0)  # no trained token anywhere: loss 0, grads 0, never 0/0
         loss_sum = torch.zeros((), device=d.device)
         for i, b in enumerate(micro):
@@ -108,7 +116,9 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
             common.poison_grad(list(net.parameters()))
         grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), cfg.max_grad_norm)
         grad_norm = grad_norm.full_tensor().item() if hasattr(grad_norm, "full_tensor") else grad_norm.item()
-        total_loss, any_bad = mdist.all_reduce([loss_sum.item(), float(not math.isfinite(grad_norm))], d.device)
+        flags = [loss_sum.item(), float(not math.isfinite(grad_norm))]
+        with timer.comm():
+            total_loss, any_bad = mdist.all_reduce(flags, d.device)
         loss = total_loss / denom
         if global_tokens == 0:
             pass  # nothing to learn from: no update (AdamW would still move weights by momentum/decay)
@@ -121,6 +131,7 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         dt = time.perf_counter() - t0
+        figures = timer.end()
         tokens_total, time_total = tokens_total + global_tokens, time_total + dt
         ok = global_tokens > 0 and math.isfinite(loss) and not any_bad
         if ok:
@@ -128,8 +139,9 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
             recent.append(loss)
         show = step % cfg.log_every == 0 or step == cfg.max_steps or not ok  # progress line; JSONL every step
         checks = {"rank_checksums": common.rank_checksums(list(net.parameters()))} if cfg.debug_rank_checksums else {}
+        checks |= {"sample_ids": common.sample_ids(micro)} if cfg.debug_sample_ids else {}
         log.step(step, loss, lr, grad_norm, global_tokens / dt, int(global_tokens), skipped,
-                 metrics.peak_memory_mb(d.device), show=show, skipped=not ok and global_tokens > 0, **checks)
+                 metrics.peak_memory_mb(d.device), show=show, skipped=not ok and global_tokens > 0, **checks, **figures)
         if consecutive_bad >= cfg.max_consecutive_skips:
             raise RecipeError(
                 f"{consecutive_bad} steps in a row had a non-finite loss or grad norm (last at step {step}: "
@@ -137,14 +149,17 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
                 "or use fp32 (mixed_precision=fp32)")
 
         # ------------------------------------------------------------ checkpoint
+        ckpt_start = time.perf_counter()
         if cfg.save_every and step % cfg.save_every == 0:
             history["recent"] = list(recent)
             checkpointing.save(ckpt_root, step, checkpoint_state(),
-                               {"skipped_steps": skipped, "history": history, "recipe": RECIPE},
+                               {"skipped_steps": skipped, "history": history, "recipe": RECIPE,
+                                "global_batch": global_batch},
                                d.rank, d.world_size, cfg.keep_last)
             if d.is_main:
                 print(f"checkpoint step-{step} complete", flush=True)
                 log.event("checkpoint", step=step, path=str(checkpointing.step_dir(ckpt_root, step)))
+        timer.write(step, figures, time.perf_counter() - ckpt_start if cfg.save_every and step % cfg.save_every == 0 else 0.0)
         if step == cfg.debug_crash_after_step:
             common.crash_now(step)
 
@@ -160,6 +175,7 @@ def train(cfg: FullConfig, d: mdist.Dist) -> None:
             print(f"saved model to {out / 'model'}", flush=True)
             log.event("saved", model=str(out / "model"))
     log.close()
+    timer.close()
     dist.barrier()
 
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from mnft.recipes import checkpointing, common, data, metrics, model
+from mnft.recipes import checkpointing, common, data, metrics, model, timing
 from mnft.recipes import dist as mdist
 from mnft.recipes.config import LoraConfig, RecipeError
 
@@ -69,8 +69,10 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
                 "data": batches.position(), "rng": mdist.rng_state()}
 
+    global_batch = cfg.micro_batch_size * cfg.grad_accum_steps * d.world_size
     ckpt_root = out / "checkpoints"
-    resume_from = checkpointing.resolve(cfg.resume, ckpt_root, d.rank, d.world_size, cfg.overwrite)
+    resume_from = checkpointing.resolve(cfg.resume, ckpt_root, d.rank, d.world_size, cfg.overwrite,
+                                         replicated=True)  # DDP: every rank dir holds all adapters
     step, skipped, history = 0, 0, {"initial_loss": None, "recent": []}
     if resume_from is not None:
         state = checkpoint_state()
@@ -79,15 +81,21 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                        options=adapters_only)
         scheduler.load_state_dict(state["scheduler"])
         batches.seek(state["data"])
-        mdist.set_rng_state(state["rng"])
+        mdist.set_rng_state(resume_from.rng_state(state["rng"], d.rank))  # a rank new to the run: derived
         step, skipped, history = meta["step"], meta["skipped_steps"], meta["history"]
     log = metrics.Metrics(out, d.is_main, cfg.max_steps, cfg.tensorboard, resumed=resume_from is not None)
+    timer = timing.StepTimer(out, d.rank, d.node_rank, d.local_rank, resumed=resume_from is not None)  # every rank
+    timer.start_info(d.world_size, d.device)
+    if isinstance(ddp, DDP):
+        ddp.register_comm_hook(None, timer.ddp_hook())  # the default all-reduce, timed
     if d.is_main:
         where = f"resuming from {resume_from}" if resume_from else "starting at step 0"
         print(f"lora: {n_train:,} trainable / {n_total:,} parameters, {len(rows)} rows, world {d.world_size}, "
               f"{where}, output {out}", flush=True)
         log.event("start", recipe=RECIPE, resumed_from_step=step, world_size=d.world_size,
                   trainable_params=n_train, total_params=n_total)
+        if resume_from is not None:
+            checkpointing.announce(resume_from, meta, global_batch, batches.position(), log)
 
     # ---------------------------------------------------------------- train loop
     recent = collections.deque(history["recent"], maxlen=5)
@@ -96,9 +104,12 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
     while step < cfg.max_steps:
         step += 1
         t0 = time.perf_counter()
-        micro = [batches.next() for _ in range(cfg.grad_accum_steps)]
+        timer.begin()
+        with timer.data():
+            micro = [batches.next() for _ in range(cfg.grad_accum_steps)]
         local_tokens = sum(data.trained_tokens(b) for b in micro)
-        (global_tokens,) = mdist.all_reduce([local_tokens], d.device)
+        with timer.comm():
+            (global_tokens,) = mdist.all_reduce([local_tokens], d.device)
         denom = max(global_tokens, 1.0)  # no trained token anywhere: loss 0, grads 0, never 0/0
         loss_sum = torch.zeros((), device=d.device)
         for i, b in enumerate(micro):
@@ -112,12 +123,15 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                 if step in cfg.debug_nan_steps and d.rank == d.world_size - 1:  # one rank only: all must skip
                     s = s * float("nan")
                 # DDP averages gradients over ranks, hence * world_size: the sum over all ranks / global tokens
-                (s * d.world_size / denom).backward()
+                with timer.synced_backward() if last and isinstance(ddp, DDP) else nullcontext():
+                    (s * d.world_size / denom).backward()
             loss_sum += s.detach()
         if step in cfg.debug_inf_grad_steps and d.rank == d.world_size - 1:  # finite loss, inf grad
             common.poison_grad(trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
-        total_loss, any_bad = mdist.all_reduce([loss_sum.item(), float(not math.isfinite(grad_norm))], d.device)
+        flags = [loss_sum.item(), float(not math.isfinite(grad_norm))]
+        with timer.comm():
+            total_loss, any_bad = mdist.all_reduce(flags, d.device)
         loss = total_loss / denom
         if global_tokens == 0:
             pass  # nothing to learn from: no update (AdamW would still move weights by momentum/decay)
@@ -130,6 +144,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         dt = time.perf_counter() - t0
+        figures = timer.end()
         tokens_total, time_total = tokens_total + global_tokens, time_total + dt
         ok = global_tokens > 0 and math.isfinite(loss) and not any_bad
         if ok:
@@ -137,8 +152,9 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
             recent.append(loss)
         show = step % cfg.log_every == 0 or step == cfg.max_steps or not ok  # progress line; JSONL every step
         checks = {"rank_checksums": common.rank_checksums(trainable)} if cfg.debug_rank_checksums else {}
+        checks |= {"sample_ids": common.sample_ids(micro)} if cfg.debug_sample_ids else {}
         log.step(step, loss, lr, grad_norm, global_tokens / dt, int(global_tokens), skipped,
-                 metrics.peak_memory_mb(d.device), show=show, skipped=not ok and global_tokens > 0, **checks)
+                 metrics.peak_memory_mb(d.device), show=show, skipped=not ok and global_tokens > 0, **checks, **figures)
         if consecutive_bad >= cfg.max_consecutive_skips:
             raise RecipeError(
                 f"{consecutive_bad} steps in a row had a non-finite loss or grad norm (last at step {step}: "
@@ -146,14 +162,17 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                 "or use fp32 (mixed_precision=fp32)")
 
         # ------------------------------------------------------------ checkpoint
+        ckpt_start = time.perf_counter()
         if cfg.save_every and step % cfg.save_every == 0:
             history["recent"] = list(recent)
             checkpointing.save(ckpt_root, step, checkpoint_state(),
-                               {"skipped_steps": skipped, "history": history, "recipe": RECIPE},
+                               {"skipped_steps": skipped, "history": history, "recipe": RECIPE,
+                                "global_batch": global_batch},
                                d.rank, d.world_size, cfg.keep_last)
             if d.is_main:
                 print(f"checkpoint step-{step} complete", flush=True)
                 log.event("checkpoint", step=step, path=str(checkpointing.step_dir(ckpt_root, step)))
+        timer.write(step, figures, time.perf_counter() - ckpt_start if cfg.save_every and step % cfg.save_every == 0 else 0.0)
         if step == cfg.debug_crash_after_step:
             common.crash_now(step)
 
@@ -172,6 +191,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
                                                          if cfg.export_merged else ""), flush=True)
         log.event("saved", adapter=str(out / "adapter"), merged=str(out / "merged") if cfg.export_merged else None)
     log.close()
+    timer.close()
     dist.barrier()
 
 

@@ -1,0 +1,61 @@
+"""What the cluster tests of `train` share: reading a controller's output, finding a run's processes on a host
+(inside its namespace, by what they run), and the latest run record."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from pathlib import Path
+
+RUN_MARKERS = ("torch.distributed.run", "mnft.recipes", "agent.py", "mnft-script")
+
+
+def wait_for_output(proc: subprocess.Popen, pattern: str, timeout: float = 180) -> list[str]:
+    """Read the controller's output until a line matches (e.g. the first training step)."""
+    seen = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if re.search(pattern, line):
+            return seen
+    raise AssertionError(f"{pattern!r} never appeared:\n" + "".join(seen[-40:]))
+
+
+def wait_listening(cluster, host, port: int, timeout: float = 30) -> None:
+    """Until something listens on the TCP port inside the host's namespace."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if f":{port} " in cluster.run(host, ["ss", "-Hltn"]).stdout:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"nothing listens on {port} in {host.name}")
+
+
+def run_processes(cluster, hosts, markers=RUN_MARKERS) -> dict[str, list[str]]:
+    out = {}
+    for host in hosts:
+        procs = [cmd for _, cmd in cluster.processes(host) if any(m in cmd for m in markers)]
+        if procs:
+            out[host.name] = procs
+    return out
+
+
+def wait_no_orphans(cluster, hosts, timeout: float = 40, markers=RUN_MARKERS) -> None:
+    deadline = time.monotonic() + timeout
+    while True:  # looks at least once, even when the deadline has already passed
+        survivors = run_processes(cluster, hosts, markers)
+        if not survivors:
+            return
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"processes of the run survived: {survivors}")
+        time.sleep(0.5)
+
+
+def latest_record(tmp_path: Path) -> dict:
+    runs = sorted((tmp_path / "runs").iterdir())
+    return json.loads((runs[-1] / "run.json").read_text())

@@ -1,0 +1,87 @@
+"""Before a resume: the latest complete checkpoint by the job's layout, in the union of the hosts' files (pure)."""
+
+from __future__ import annotations
+
+
+import pytest
+
+from mnft import agent, checkpoints, treehash
+from mnft.job import ResumeRule
+
+
+def listing(**entries):
+    """An agent `checkpoints` answer: entry name -> its files (or a link target)."""
+    out = {}
+    for name, files in entries.items():
+        if isinstance(files, str):
+            out[name] = {"dir": False, "link": files, "files": {}}
+        else:
+            out[name] = {"dir": True, "link": None, "files": {f: 10 for f in files}}
+    return {"exists": True, "entries": out}
+
+
+HF = ResumeRule(layout="hf")
+
+
+def test_hf_takes_the_newest_checkpoint_whose_trainer_state_exists_on_some_host():
+    # h1 (rank 0) wrote model and trainer_state.json; h2 only its RNG state; checkpoint-30 was cut short
+    h1 = listing(**{"checkpoint-10": ["model.safetensors", "trainer_state.json", "rng_state_0.pth"],
+                    "checkpoint-20": ["model.safetensors", "trainer_state.json", "rng_state_0.pth"],
+                    "checkpoint-30": ["model.safetensors"], "runs": ["events"]})
+    h2 = listing(**{"checkpoint-20": ["rng_state_1.pth"], "checkpoint-30": ["rng_state_1.pth"], "checkpoint-5": ["rng_state_1.pth"]})
+    choice = checkpoints.choose(HF, {"h1": h1, "h2": h2})
+    assert choice.name == "checkpoint-20" and choice.considered == ["checkpoint-30"]
+    assert sorted(choice.union) == ["checkpoint-20/model.safetensors", "checkpoint-20/rng_state_0.pth", "checkpoint-20/rng_state_1.pth",
+                                    "checkpoint-20/trainer_state.json"]
+    assert checkpoints.transfers(choice) == {
+        "h1": {"checkpoint-20/rng_state_1.pth": "h2"},
+        "h2": {"checkpoint-20/model.safetensors": "h1", "checkpoint-20/rng_state_0.pth": "h1", "checkpoint-20/trainer_state.json": "h1"},
+    }
+
+
+def test_numbers_are_compared_as_numbers_and_no_complete_checkpoint_means_a_fresh_start():
+    h1 = listing(**{"checkpoint-9": ["trainer_state.json"], "checkpoint-10": ["trainer_state.json"]})
+    assert checkpoints.choose(HF, {"h1": h1}).name == "checkpoint-10"
+    empty = checkpoints.choose(HF, {"h1": listing(**{"checkpoint-3": ["model.safetensors"]}), "h2": {"exists": False, "entries": {}}})
+    assert empty.name is None and empty.considered == ["checkpoint-3"]
+
+
+def test_torchtune_prefers_the_newest_epoch_then_steps_and_a_glob_rule_uses_its_marker():
+    tt = ResumeRule(layout="torchtune")
+    h1 = listing(epoch_0=["recipe_state.pt"], epoch_1=["model.safetensors"], step_900=["recipe_state.pt"])
+    assert checkpoints.choose(tt, {"h1": h1}).name == "epoch_0"
+    assert checkpoints.choose(tt, {"h1": listing(step_100=["recipe_state.pt"], step_200=["x"])}).name == "step_100"
+    rule = ResumeRule(layout="glob", pattern="ckpt_*", marker="DONE")
+    assert checkpoints.choose(rule, {"h1": listing(ckpt_2=["DONE"], ckpt_11=["DONE"], ckpt_12=["w.pt"], other_99=["DONE"])}).name == "ckpt_11"
+
+
+def test_sana_follows_latest_pth_and_copies_the_link_with_its_target():
+    h1 = {"exists": True, "entries": {"latest.pth": {"dir": False, "link": "/root/w/checkpoints/epoch_1_step_500.pth", "files": {}},
+                                       "epoch_1_step_500.pth": {"dir": False, "link": None, "files": {"": 99}},
+                                       "epoch_1_step_600.pth": {"dir": False, "link": None, "files": {"": 50}}}}
+    choice = checkpoints.choose(ResumeRule(layout="sana"), {"h1": h1, "h2": {"exists": True, "entries": {}}})
+    assert choice.name == "epoch_1_step_500.pth" and set(choice.paths) == {"epoch_1_step_500.pth", "latest.pth"}
+    assert checkpoints.transfers(choice) == {"h2": {"epoch_1_step_500.pth": "h1", "latest.pth": "h1"}}
+
+
+def test_a_listed_path_that_leaves_the_checkpoints_directory_is_refused():
+    bad = {"exists": True, "entries": {"checkpoint-1": {"dir": True, "link": None, "files": {"trainer_state.json": 1, "../../.ssh/authorized_keys": 9}}}}
+    with pytest.raises(checkpoints.CheckpointError, match="not a plain path inside the checkpoints directory"):
+        checkpoints.choose(HF, {"h1": bad})
+
+
+def test_files_of_one_name_that_differ_between_hosts_are_a_conflict():
+    trees = {"h1": {"c/a": (1, "x"), "c/b": (2, "y")}, "h2": {"c/a": (1, "x")}, "h3": {"c/b": (2, "z")}}
+    assert checkpoints.conflicts(trees) == ["c/b differs between h1 and h3"]
+
+
+def test_the_agent_lists_a_checkpoints_directory_and_the_hash_reads_only_the_chosen_checkpoint(tmp_path):
+    for name in ("checkpoint-10", "checkpoint-20"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "trainer_state.json").write_text(name)
+    (tmp_path / "latest.pth").symlink_to("checkpoint-20")
+    found = agent.list_checkpoints(str(tmp_path))
+    assert found["entries"]["checkpoint-10"] == {"dir": True, "link": None, "files": {"trainer_state.json": 13}}
+    assert found["entries"]["latest.pth"]["link"] == "checkpoint-20"
+    _, files, _ = treehash.tree_hash(tmp_path, checkpoints.hash_rules(("checkpoint-20",)))
+    assert sorted(files) == ["checkpoint-20/trainer_state.json"]

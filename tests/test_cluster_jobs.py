@@ -1,0 +1,230 @@
+"""A lab's own training code through mnft, on a real simulated cluster: the `mnft` command run from the user's
+repository (a temporary git repo, not mnft's checkout), plain DDP, a module entry point with hostile arguments,
+a rank that fails, a script with children, and an HF Trainer script resumed without a shared filesystem."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import runhelpers
+from runhelpers import latest_record, wait_for_output
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parent.parent
+MNFT = [sys.executable, "-c", "from mnft.cli import main; main()"]  # the console command's entry point
+MARKERS = ("torch.distributed.run", "agent.py", "mnft-script", "mnft-grandchild", "ddp.py", "spawner.py", "train_tiny.py", "userpkg")
+
+DDP = '''\
+import json, os, sys, time
+import torch, torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+print("ARGV " + json.dumps(sys.argv[1:]), flush=True)
+if os.environ.get("FAIL_RANK") == str(rank):
+    raise ValueError(f"boom on rank {rank}")
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+g = torch.Generator().manual_seed(rank)
+for step in range(1, int(os.environ.get("STEPS", "8")) + 1):
+    x = torch.randn(32, 8, generator=g)
+    loss = ((model(x) - x.sum(1, keepdim=True)) ** 2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if rank == 0:
+        print(json.dumps({"step": step, "loss": loss.item()}), flush=True)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0")))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+SPAWNER = '''\
+import os, subprocess, sys, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+child = [sys.executable, "-c", "import time; time.sleep(600)", "mnft-grandchild"]
+subprocess.Popen(child)                                  # a plain child
+subprocess.Popen(child, start_new_session=True)          # one that left the process group
+if os.fork() == 0:                                       # a double-forked daemon
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, child)
+    os._exit(0)
+print(f"spawned rank {dist.get_rank()}", flush=True)
+time.sleep(600)
+'''
+
+
+# ------------------------------------------------------------------------------------------ fixtures
+
+
+@pytest.fixture
+def user_repo(tmp_path):
+    """The lab's own project: a git repository with its training scripts, nothing of mnft's."""
+    repo = tmp_path / "lab-project"
+    (repo / "userpkg").mkdir(parents=True)
+    (repo / "ddp.py").write_text(DDP)
+    (repo / "spawner.py").write_text(SPAWNER)
+    (repo / "userpkg" / "__init__.py").write_text("")
+    # what matters here is how the arguments arrive, not a process group (gloo's teardown can abort a rank at
+    # exit under load, torch's race, not ours): print them on every rank and exit
+    (repo / "userpkg" / "train.py").write_text('import json, sys\nprint("ARGV " + json.dumps(sys.argv[1:]), flush=True)\n')
+    (repo / "examples" / "hf_trainer").mkdir(parents=True)
+    (repo / "jobs").mkdir()
+    shutil.copy(REPO / "examples" / "hf_trainer" / "train_tiny.py", repo / "examples" / "hf_trainer" / "train_tiny.py")
+    shutil.copy(REPO / "examples" / "jobs" / "hf_trainer.yaml", repo / "jobs" / "hf_trainer.yaml")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    return repo
+
+
+def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    home = tmp_path / "controller-home"
+    home.mkdir(exist_ok=True)
+    return dict(os.environ, HOME=str(home), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1", **extra)
+
+
+def mnft(repo: Path, tmp_path: Path, *args: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MNFT, *args], cwd=repo, env=cli_env(tmp_path, **env), capture_output=True, text=True, timeout=timeout)
+
+
+def start_mnft(repo: Path, tmp_path: Path, *args: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([*MNFT, *args], cwd=repo, env=cli_env(tmp_path, **env), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def wait_no_orphans(cluster, hosts, timeout: float = 40) -> None:
+    runhelpers.wait_no_orphans(cluster, hosts, timeout, MARKERS)
+
+
+def inventory(cluster, tmp_path, n, **overrides) -> str:
+    return str(cluster.write_inventory(tmp_path / "inv.yaml", hosts=cluster.hosts[:n], slots=overrides.pop("slots", 1), **overrides))
+
+
+# ------------------------------------------------------------------------------------------ tests
+
+
+def test_a_plain_ddp_script_from_the_users_repo_trains_with_logs_and_metrics(healthy_cluster, tmp_path, user_repo):
+    inv = inventory(healthy_cluster, tmp_path, 2)
+    done = mnft(user_repo, tmp_path, "train", "--hosts", inv, "--env", "STEPS=8", "--", "ddp.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = latest_record(tmp_path)
+    run_dir = tmp_path / "runs" / record["run_id"]
+    assert record["state"] == "succeeded" and record["job"]["kind"] == "script" and record["job"]["entry"] == ["ddp.py"]
+    for name, rank in (("h1", 0), ("h2", 1)):
+        assert "ARGV []" in (run_dir / name / "run" / "output.log").read_text()
+        assert re.search(rf"^{name} r{rank} *\| ARGV \[\]", done.stdout, re.M)
+    # the lab's tree was synced, not mnft's
+    assert (healthy_cluster.hosts[1].home / "mnft" / "ddp.py").is_file()
+    assert not (healthy_cluster.hosts[1].home / "mnft" / "mnft" / "recipes").exists()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_step"] == 8 and summary["metrics_host"] == "h1" and isinstance(summary["final_loss"], float)
+    assert (run_dir / "loss.png").stat().st_size > 0 and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 8
+    wait_no_orphans(healthy_cluster, healthy_cluster.hosts[:2])
+
+
+NASTY = ["two words", "it's \"quoted\"", "$(touch PWNED-sub)", "`touch PWNED-tick`", "a; touch PWNED-semi", "new\nline", "{output_dir}", "*"]
+
+
+def test_a_module_entry_point_gets_hostile_arguments_verbatim_on_every_rank_and_runs_nothing(healthy_cluster, tmp_path, user_repo):
+    inv = inventory(healthy_cluster, tmp_path, 2, slots=2)
+    done = mnft(user_repo, tmp_path, "train", "--hosts", inv, "--env", "STEPS=2", "--", "-m", "userpkg.train", *NASTY)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / latest_record(tmp_path)["run_id"]
+    seen = {}
+    for name in ("h1", "h2"):
+        for line in (run_dir / name / "run" / "output.log").read_text().splitlines():
+            match = re.match(r"^\[rank(\d)\]:ARGV (.*)$", line)
+            if match:
+                seen[int(match.group(1))] = json.loads(match.group(2))
+    assert seen == {rank: NASTY for rank in range(4)}  # byte for byte, on every rank of every host
+    places = [tmp_path, user_repo, Path("/tmp")] + [p for h in healthy_cluster.hosts[:2] for p in (h.home, h.home / "mnft", h.root / "tmp")]
+    assert not [p for place in places for p in place.glob("PWNED*")]
+
+
+def test_a_rank_that_fails_tears_the_gang_down_naming_its_host_and_traceback(healthy_cluster, tmp_path, user_repo):
+    inv = inventory(healthy_cluster, tmp_path, 3)
+    done = mnft(user_repo, tmp_path, "train", "--hosts", inv, "--env", "FAIL_RANK=1", "--env", "STEPS=400", "--", "ddp.py")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"run \S+ failed: h2: torchrun exited with code 1 \(rank 1: ValueError: boom on rank 1\)", done.stdout + done.stderr), done.stdout[-3000:]
+    assert re.search(r"h2 r1\| +raise ValueError", done.stdout)  # the traceback, labelled with host and rank
+    record = latest_record(tmp_path)
+    assert record["failed_host"] == "h2" and record["failed_rank"] == 1 and record["traceback"][-1] == "ValueError: boom on rank 1"
+    wait_no_orphans(healthy_cluster, healthy_cluster.hosts[:3], timeout=30)
+
+
+def test_a_script_with_children_leaves_none_after_stop_and_after_ctrl_c(healthy_cluster, tmp_path, user_repo):
+    hosts = healthy_cluster.hosts[:2]
+    inv = inventory(healthy_cluster, tmp_path, 2)
+    started = mnft(user_repo, tmp_path, "train", "--hosts", inv, "--detach", "--", "spawner.py")
+    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+    run_id = started.stdout.strip().splitlines()[-1]
+    deadline = time.monotonic() + 120
+    while sum("mnft-grandchild" in cmd for h in hosts for _, cmd in healthy_cluster.processes(h)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert sum("mnft-grandchild" in cmd for h in hosts for _, cmd in healthy_cluster.processes(h)) == 6  # 3 per host
+    stopped = mnft(user_repo, tmp_path, "stop", run_id, "--grace", "3")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    wait_no_orphans(healthy_cluster, hosts, timeout=5)
+
+    proc = start_mnft(user_repo, tmp_path, "train", "--hosts", inv, "--no-sync", "--", "spawner.py")
+    wait_for_output(proc, r"spawned rank")
+    deadline = time.monotonic() + 60
+    while sum("mnft-grandchild" in cmd for h in hosts for _, cmd in healthy_cluster.processes(h)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=90)
+    assert proc.returncode == 130
+    wait_no_orphans(healthy_cluster, hosts, timeout=30)
+
+
+def test_hf_trainer_metrics_and_resume_from_a_checkpoint_only_one_host_had(healthy_cluster, tmp_path, user_repo):
+    hosts = healthy_cluster.hosts[:2]
+    inv = inventory(healthy_cluster, tmp_path, 2)
+    job = ["--job", "jobs/hf_trainer.yaml"]
+    started = mnft(user_repo, tmp_path, "train", "--hosts", inv, *job, "--detach", "--", "--step_sleep", "0.3")
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+    run_id = started.stdout.strip().splitlines()[-1]
+    job_id = latest_record(tmp_path)["job_id"]
+    outputs = [h.home / "mnft" / "outputs" / job_id for h in hosts]
+    deadline = time.monotonic() + 240
+    while not (outputs[0] / "checkpoint-20" / "trainer_state.json").is_file() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert (outputs[0] / "checkpoint-20" / "trainer_state.json").is_file(), "no checkpoint-20 within 240 s"
+    stopped = mnft(user_repo, tmp_path, "stop", run_id)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    wait_no_orphans(healthy_cluster, hosts, timeout=10)
+    latest = max(int(p.parent.name.split("-")[1]) for p in outputs[0].glob("checkpoint-*/trainer_state.json"))
+    # no shared filesystem: the second host holds only its own RNG state of that checkpoint
+    assert sorted(p.name for p in (outputs[1] / f"checkpoint-{latest}").iterdir()) == ["rng_state_1.pth"]
+
+    done = mnft(user_repo, tmp_path, "train", "--resume", timeout=400)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert f"resuming from checkpoint-{latest}: " in done.stdout and "file(s) to h2" in done.stdout
+    resumed = latest_record(tmp_path)
+    assert resumed["job_id"] == job_id and resumed["checkpoint"]["name"] == f"checkpoint-{latest}"
+    for name in ("h1", "h2"):
+        command = resumed["hosts"][name]["command"]
+        assert command.endswith(f"--step_sleep 0.3 --resume_from_checkpoint /root/mnft/outputs/{job_id}/checkpoint-{latest}"), command
+    # made whole before the launch: h2 got the model, optimizer, trainer state…; h1 got h2's RNG state
+    assert resumed["checkpoint"]["copied"] == {"h1": 1, "h2": 8}
+    assert re.search(rf"rank 0: resume_from_checkpoint=/root/mnft/outputs/{job_id}/checkpoint-{latest}", done.stdout)
+    state = json.loads((outputs[0] / "trainer_state.json").read_text())
+    assert state["global_step"] == 60
+    run_dir = tmp_path / "runs" / resumed["run_id"]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["last_step"] == 60 and isinstance(summary["final_loss"], float) and summary["final_loss"] < summary["initial_loss"]
+    assert summary["metrics_source"].startswith("h1: ") and "trainer_state.json" in summary["metrics_source"]
+    assert (run_dir / "loss.png").stat().st_size > 0
+    assert "progress: loss" in done.stdout  # the dict lines became the progress line

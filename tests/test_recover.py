@@ -1,0 +1,86 @@
+"""Recovery rules (mnft.recover), pure: what was seen of a failed attempt in, a cause and a decision out."""
+
+from __future__ import annotations
+
+from mnft.recover import Attempt, Cause, Policy, Seen, classify, killed_pids, next_gang, oom_killed, should_restart, worker_exits
+
+SUMMARY = ["Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-23_07:51:04", "  host      : h2",
+           "  rank      : 3 (local_rank: 1)", "  exitcode  : -9 (pid: 8081)", "  error_file: <N/A>"]
+
+
+def test_torchruns_summary_gives_each_failed_workers_rank_and_exit_code_or_signal():
+    (worker,) = worker_exits(SUMMARY)
+    assert (worker.rank, worker.code, worker.signal) == (3, -9, "SIGKILL")
+    assert worker_exits(["  rank      : 1 (local_rank: 1)", "  exitcode  : 124 (pid: 7)"])[0].signal is None
+
+
+def test_causes_in_order_lost_host_resume_code_non_finite_startup_signal_failed():
+    assert classify(Seen("h2", "lost", None, first_step=True, last_step=40)).kind == "host-lost"
+    resume = classify(Seen("h2", "exited", 1, tail=("  rank      : 1", "  exitcode  : 124 (pid: 7)"), resume_codes=(124,), first_step=True))
+    assert resume.kind == "resume-exit" and not resume.counted
+    assert classify(Seen("h1", "exited", 1, first_step=True, last_step=12, last_loss=float("nan"))).kind == "non-finite"
+    startup = classify(Seen("h1", "exited", 1, traceback=("Traceback (most recent call last):", "ModuleNotFoundError: No module named 'x'")))
+    assert startup.kind == "startup" and not startup.retried
+    killed = classify(Seen("h2", "exited", 1, tail=tuple(SUMMARY), first_step=True, last_step=30, oom=True))
+    assert killed.kind == "signal" and killed.detail == "h2 rank 3 was killed by SIGKILL (the kernel's OOM killer: out of memory)"
+    failed = classify(Seen("h2", "exited", 1, traceback=("RuntimeError: boom",), first_step=True, last_step=7))
+    assert (failed.kind, failed.detail, failed.step) == ("failed", "h2 exited with code 1: RuntimeError: boom", 7)
+
+
+def test_an_import_error_after_steps_were_seen_is_a_failure_not_a_startup_one():
+    cause = classify(Seen("h1", "exited", 1, traceback=("ImportError: lazy plugin",), first_step=True, last_step=100))
+    assert cause.kind == "failed" and cause.retried
+
+
+def cause(kind="failed", step=10, code=1, detail="h2 exited with code 1: RuntimeError: boom", host="h2") -> Cause:
+    return Cause(kind, host, detail, step, code)
+
+
+def test_restarts_are_counted_except_resume_codes_and_stop_when_used_up():
+    policy = Policy(max_restarts=1)
+    assert should_restart(Policy(max_restarts=0), [], cause()).restart is False
+    assert should_restart(policy, [], cause()).restart is True
+    used = [Attempt(1, ("h1", "h2"), cause(step=5), counted=True)]
+    assert should_restart(policy, used, cause(step=9)).why == "--max-restarts 1 used up"
+    resume = cause("resume-exit", step=20, code=124)
+    decision = should_restart(policy, used, resume)
+    assert decision.restart and not decision.counted
+
+
+def test_the_same_failure_at_the_same_step_twice_is_deterministic():
+    history = [Attempt(1, ("h1",), cause(step=10), counted=True)]
+    assert should_restart(Policy(max_restarts=5), history, cause(step=10)).restart is False
+    assert should_restart(Policy(max_restarts=5), history, cause(step=11)).restart is True
+    assert should_restart(Policy(max_restarts=5), history, cause(step=10, detail="h2 exited with code 1: OSError: disk")).restart is True
+    stuck = [Attempt(1, ("h1",), cause("resume-exit", step=20, code=124), counted=False)]
+    assert should_restart(Policy(max_restarts=5), stuck, cause("resume-exit", step=20, code=124)).restart is False  # no progress
+
+
+def test_startup_and_non_finite_failures_are_never_retried():
+    assert "would fail again" in should_restart(Policy(max_restarts=5), [], cause("startup", step=None)).why
+    assert "diverged" in should_restart(Policy(max_restarts=5), [], cause("non-finite")).why
+
+
+def test_backoff_doubles_up_to_its_cap():
+    assert [Policy(backoff_s=5, backoff_max_s=30).backoff(n) for n in (1, 2, 3, 4, 5)] == [5, 10, 20, 30, 30]
+
+
+def test_a_lost_host_that_answers_again_keeps_its_place_else_a_spare_takes_it():
+    assert next_gang(("h1", "h2", "h3"), ["h2"], {"h2"}, ["h4"], None, True).hosts == ("h1", "h2", "h3")
+    gang = next_gang(("h1", "h2", "h3"), ["h2"], set(), ["h4"], None, False)
+    assert gang.hosts == ("h1", "h4", "h3") and gang.replaced == {"h2": "h4"} and gang.why == "h2 replaced by the spare h4"
+
+
+def test_without_a_spare_the_gang_shrinks_only_when_allowed():
+    shrunk = next_gang(("h1", "h2", "h3"), ["h2"], set(), [], 2, True)
+    assert shrunk.hosts == ("h1", "h3") and shrunk.dropped == ("h2",)
+    assert next_gang(("h1", "h2", "h3"), ["h2"], set(), [], None, True).hosts is None  # --min-nodes not set
+    assert "fewer than --min-nodes 3" in next_gang(("h1", "h2", "h3"), ["h2"], set(), [], 3, True).why
+    assert "not elastic" in next_gang(("h1", "h2", "h3"), ["h2"], set(), [], 2, False).why
+
+
+def test_a_sigkill_is_the_oom_killers_when_the_kernel_log_names_the_workers_pid():
+    assert killed_pids(SUMMARY) == [8081]
+    log = "[ 812.1] Out of memory: Killed process 8081 (python) total-vm:912kB\n"
+    assert oom_killed(log, [8081]) and not oom_killed(log, [808]) and not oom_killed("", [8081])
+    assert oom_killed("oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=8081,uid=0", [8081])
