@@ -238,8 +238,9 @@ def _parsed(results) -> dict[str, dict]:
 
 
 def hash_rules(paths: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[str]:
-    """Tree hash rules that read the checkpoint's entries of the checkpoints directory and nothing else."""
-    return [f"- {x}" for x in exclude] + [r for p in paths for r in (f"+ /{p}", f"+ /{p}/**")] + ["*"]
+    """Tree hash rules that read the checkpoint's entries of the checkpoints directory and nothing else (the
+    treehash's syntax: a bare pattern excludes, `+ PATTERN` includes, the first match decides)."""
+    return list(exclude) + [r for p in paths for r in (f"+ /{p}", f"+ /{p}/**")] + ["*"]
 
 
 def _hash_trees(fleet: Fleet, hosts: list[Host], dirs: dict[str, str], paths: tuple[str, ...],
@@ -255,6 +256,16 @@ def _hash_trees(fleet: Fleet, hosts: list[Host], dirs: dict[str, str], paths: tu
             raise CheckpointError(f"{host}: cannot read the checkpoint: " + "; ".join(f"{k}: {v}" for k, v in data["errors"].items()))
         trees[host] = {rel: tuple(v) for rel, v in (data.get("files") or {}).items()}
     return trees
+
+
+def _difference(host: str, files: dict[str, tuple[int, str]], union: dict[str, tuple[int, str]]) -> str:
+    """How a host's files of the checkpoint differ from what every host should hold, naming the first file."""
+    lacks = sorted(p for p in union if p not in files)
+    extra = sorted(p for p in files if p not in union)
+    other = sorted(p for p in union if p in files and tuple(files[p]) != tuple(union[p]))
+    parts = [f"{kind} {len(paths)} file(s), e.g. {paths[0]}" for kind, paths in
+             (("lacks", lacks), ("holds another", extra), ("holds other content in", other)) if paths]
+    return f"{host} " + " and ".join(parts)
 
 
 def _rsync(argv: list[str]) -> None:
@@ -331,7 +342,7 @@ def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Conso
     union = {}
     for files in trees.values():
         union.update(files)
-    differ = [f"{h}: {len(set(union.items()) ^ set(files.items()))} file(s)" for h, files in after.items() if dict(files) != union]
+    differ = [_difference(h, files, union) for h, files in after.items() if dict(files) != union]
     if differ:
         raise CheckpointError(f"checkpoint {choice.name} differs between hosts after copying ({', '.join(differ)})")
     shown = ", ".join(f"{n} file(s) to {h}" for h, n in copied.items()) or "every host held all of it"

@@ -85,3 +85,23 @@ def test_the_agent_lists_a_checkpoints_directory_and_the_hash_reads_only_the_cho
     assert found["entries"]["latest.pth"]["link"] == "checkpoint-20"
     _, files, _ = treehash.tree_hash(tmp_path, checkpoints.hash_rules(("checkpoint-20",)))
     assert sorted(files) == ["checkpoint-20/trainer_state.json"]
+
+
+def test_a_crashed_saves_temp_dir_is_neither_hashed_nor_copied(tmp_path):
+    # h2 was killed mid-save of step 36: its rank-1 part is only a temp dir; ranks 0 and 2 completed theirs
+    step = tmp_path / "step-36"
+    (step / "rank-1.tmp-k3j9").mkdir(parents=True)
+    (step / "rank-1.tmp-k3j9" / "__0_0.distcp").write_bytes(b"half")
+    (step / "rank-0").mkdir()
+    (step / "rank-0" / "meta.json").write_text('{"rank": 0, "world_size": 3, "step": 36}')
+    listing = agent.list_checkpoints(str(tmp_path))
+    choice = checkpoints.choose(ResumeRule(layout="mnft"), {"h1": listing}, needs="any")
+    assert choice.name == "step-36" and sorted(choice.union) == ["step-36/rank-0/meta.json"]
+    _, files, _ = treehash.tree_hash(tmp_path, checkpoints.hash_rules(choice.paths, choice.exclude))
+    assert sorted(files) == ["step-36/rank-0/meta.json"]
+
+
+def test_a_host_that_still_differs_after_copying_is_named_with_a_file():
+    union = {"s/a": (1, "x"), "s/b": (2, "y")}
+    assert checkpoints._difference("h3", {"s/a": (1, "x"), "s/c": (3, "z")}, union) == \
+        "h3 lacks 1 file(s), e.g. s/b and holds another 1 file(s), e.g. s/c"
