@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import queue
+import shlex
 import signal
 import socket
 import subprocess
@@ -32,6 +34,23 @@ from mnft.inventory import Host
 # (unreachable: …). A handler here keeps the last resort quiet; an application that configures logging still
 # receives paramiko's records.
 logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+# Closing an SSH channel does not stop a command that has no pty, and sshd refuses 'signal' requests without
+# privilege separation: a remote command the controller gave up on would run on forever. So a command run with a
+# timeout is stopped by the host itself, this long after the controller's own timeout (the controller's clock
+# starts after it sent the command's input; a slow link must not make the host stop first).
+REMOTE_GRACE = 10.0
+REMOTE_KILL_AFTER = 5  # seconds from the host's SIGTERM to SIGKILL
+
+
+def bounded(command: str, timeout: float, grace: float = REMOTE_GRACE) -> str:
+    """The command for a remote shell, under the host's coreutils `timeout` (which signals its whole process
+    group: the command's children too; a child that started its own session, such as a run's keeper, is not
+    touched). A host without `timeout` runs the command unbounded, as before."""
+    inner = shlex.quote(command)
+    limit = max(1, math.ceil(timeout + grace))
+    return (f"command -v timeout >/dev/null 2>&1 && exec timeout -k {REMOTE_KILL_AFTER} {limit} sh -c {inner}"
+            f" || exec sh -c {inner}")
 
 
 @dataclass(frozen=True)
@@ -273,6 +292,9 @@ class SshConnection(Connection):
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise Unreachable(f"cannot open a session: {exc}") from None
         return _SshProcess(channel, command)
+
+    def run(self, command: str, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
+        return self.start(command if timeout is None else bounded(command, timeout)).communicate(stdin, timeout)
 
     def close(self) -> None:
         self.fabric.close()
