@@ -43,8 +43,19 @@ def test_a_rank_failing_on_a_closed_connection_is_collateral_and_one_raising_on_
     assert not collateral(lost)  # a host that is gone is a cause, never a victim
 
 
+TWO_HOSTS = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
+
+
 def gang_of(tmp_path, fleet) -> Gang:
     return Gang(fleet, [launch("h1", 0, tmp_path), launch("h2", 1, tmp_path)], "R", LaunchOptions(grace=0.5), {})
+
+
+def first_failure(gang: Gang) -> tuple[str, str]:
+    """Hand the gang its events until one is a failure: the host it came from and what the gang made of it."""
+    host, event = gang.events.get()
+    while (why := gang._handle(host, event)) is None:
+        host, event = gang.events.get()
+    return host, why
 
 
 def feed(gang: Gang, host: str, rank: int, lines: list[str], code: int) -> None:
@@ -55,14 +66,11 @@ def feed(gang: Gang, host: str, rank: int, lines: list[str], code: int) -> None:
 
 @pytest.mark.timeout(30)
 def test_the_host_that_crashed_is_named_though_its_victim_exited_first(tmp_path):
-    inv = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
-    with Fleet(inv) as fleet:
+    with Fleet(TWO_HOSTS) as fleet:
         gang = gang_of(tmp_path, fleet)
         feed(gang, "h1", 0, VICTIM, 1)
         feed(gang, "h2", 1, CRASH, 1)
-        host, event = gang.events.get()
-        while (why := gang._handle(host, event)) is None:
-            host, event = gang.events.get()
+        host, why = first_failure(gang)
         assert host == "h1"
         assert gang._root_cause(host, why, lambda: None) == ("h2: torchrun exited with code 1", "h2")
 
@@ -70,26 +78,20 @@ def test_the_host_that_crashed_is_named_though_its_victim_exited_first(tmp_path)
 @pytest.mark.timeout(30)
 def test_a_victim_stays_the_named_host_when_nobody_else_fails_within_the_settle_time(tmp_path, monkeypatch):
     monkeypatch.setattr("mnft.gang.SETTLE", 0.3)
-    inv = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
-    with Fleet(inv) as fleet:
+    with Fleet(TWO_HOSTS) as fleet:
         gang = gang_of(tmp_path, fleet)
         feed(gang, "h1", 0, VICTIM, 1)
-        host, event = gang.events.get()
-        while (why := gang._handle(host, event)) is None:
-            host, event = gang.events.get()
+        host, why = first_failure(gang)
         assert gang._root_cause(host, why, lambda: None) == ("h1: torchrun exited with code 1", "h1")
 
 
 @pytest.mark.timeout(30)
 def test_a_first_failure_of_its_own_is_decided_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr("mnft.gang.SETTLE", 60.0)
-    inv = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
-    with Fleet(inv) as fleet:
+    with Fleet(TWO_HOSTS) as fleet:
         gang = gang_of(tmp_path, fleet)
         feed(gang, "h2", 1, CRASH, 1)
         feed(gang, "h1", 0, VICTIM, 1)
-        host, event = gang.events.get()
-        while (why := gang._handle(host, event)) is None:
-            host, event = gang.events.get()
+        host, why = first_failure(gang)
         assert gang._root_cause(host, why, lambda: None) == ("h2: torchrun exited with code 1", "h2")
         assert not gang.events.empty()  # h1's events were not waited for
