@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -97,7 +98,8 @@ def main() -> int:
         parsed = lockfile.load(lock)
         house = Wheelhouse(Path(env["MNFT_HOME"]) / "wheelhouse")
         libc = os.confstr("CS_GNU_LIBC_VERSION").split()[1]
-        wheels = house.resolve(parsed, [Platform(parsed.python or "3.11", os.uname().machine, "glibc", libc)])
+        here = Platform(parsed.python or "3.11", os.uname().machine, "glibc", libc)
+        wheels = house.resolve(parsed, {here: parsed.pins_for(lockfile.marker_environment(platform.python_version(), here.arch))})
         files = [w.file for ws in wheels.values() for w in ws.values()]
         wheel_bytes = sum((house.root / f).stat().st_size for f in files)
 

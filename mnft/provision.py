@@ -440,13 +440,15 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
     uv_bin = _uv_binary(plans, todo)
     uv_size = uv_bin.stat().st_size
     groups: dict[Platform, list[Host]] = {}
+    wanted: dict[Platform, list[Pin]] = {}  # per platform the pins its hosts' plans chose (their own marker values)
     for host in todo:
         groups.setdefault(plans[host.name].platform, []).append(host)
+        wanted.setdefault(plans[host.name].platform, []).extend(plans[host.name].pins)
     house = Wheelhouse(options.wheelhouse)
     wheels: dict[Platform, dict[str, Wheel]] = {p: {} for p in groups}
     if not options.online:
         say("resolving the lock into wheels on this machine")
-        wheels = house.resolve(lock, list(groups), offline=options.offline, find_links=options.find_links, progress=say)
+        wheels = house.resolve(lock, wanted, offline=options.offline, find_links=options.find_links, progress=say)
     # disk, checked before anything is copied: bad input, nothing changed anywhere
     for host in todo:
         f = facts[host.name]

@@ -121,7 +121,7 @@ def classify(seen: Seen) -> Cause:
     if seen.host_state == "lost":
         return Cause("host-lost", host, f"{host} stopped answering (link cut or machine down)", step)
     workers = worker_exits(list(seen.tail))
-    first = workers[0] if workers else None
+    first = workers[-1] if workers else None  # torchrun lists the root cause (first observed failure) last
     code = first.code if first else seen.exit_code
     who = f"{host} rank {first.rank}" if first and first.rank is not None else f"{host}"
     if code in seen.resume_codes or (seen.exit_code in seen.resume_codes and not workers):

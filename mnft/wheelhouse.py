@@ -19,7 +19,7 @@ import zipfile
 from dataclasses import dataclass
 from email.parser import HeaderParser
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from packaging import tags as ptags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
@@ -152,14 +152,15 @@ class Wheelhouse:
             os.replace(tmp, target)
         return path.name
 
-    def resolve(self, lock: Lock, platforms: Iterable[Platform], *, offline: bool = False, find_links: Iterable[str] = (),
+    def resolve(self, lock: Lock, wanted: Mapping[Platform, Iterable[Pin]], *, offline: bool = False, find_links: Iterable[str] = (),
                 progress=None) -> dict[Platform, dict[str, Wheel]]:
-        """Every pin's wheel for every platform: from the wheelhouse, else the lock's local paths, else pip
-        download. Raises InputError naming a package without a wheel for a platform, or a hash mismatch."""
+        """A wheel for every pin each platform needs (the pins the hosts' plans chose by their own marker values):
+        from the wheelhouse, else the lock's local paths, else pip download. Raises InputError naming a package
+        without a wheel for a platform, or a hash mismatch."""
         self.root.mkdir(parents=True, exist_ok=True)
         out: dict[Platform, dict[str, Wheel]] = {}
-        for platform in platforms:
-            pins = lock.pins_for(platform_environment(platform))
+        for platform, needed in wanted.items():
+            pins = tuple(dict.fromkeys(needed))
             chosen, missing = select(pins, self.files(), platform)
             local = [p for p in missing if p.paths]
             for pin in local:
@@ -224,12 +225,6 @@ class Wheelhouse:
                 raise InputError(f"{lock.path}: no wheel of {match.group(1)} for platform {platform.describe()} in {self._sources(lock, find_links)}")
             lines = [ln for ln in text.strip().splitlines() if ln.strip()]
             raise InputError(f"{lock.path}: pip download failed: {lines[-1] if lines else 'exit %d' % done.returncode}")
-
-
-def platform_environment(platform: Platform) -> dict[str, str]:
-    from mnft.lockfile import marker_environment
-
-    return marker_environment(platform.python + ".0", platform.arch)
 
 
 def _wheel_metadata(path: Path) -> dict:

@@ -14,6 +14,14 @@ def test_torchruns_summary_gives_each_failed_workers_rank_and_exit_code_or_signa
     assert worker_exits(["  rank      : 1 (local_rank: 1)", "  exitcode  : 124 (pid: 7)"])[0].signal is None
 
 
+def test_with_two_failed_workers_the_root_cause_decides_not_the_peer_torchrun_lists_first():
+    # torchrun's summary: the other failures under "Failures:", the first observed one last, under "Root Cause"
+    tail = ("Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : -15 (pid: 9)",
+            "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)", "  exitcode  : 124 (pid: 8)")
+    cause = classify(Seen("h2", "exited", 1, tail=tail, resume_codes=(124,), first_step=True))
+    assert (cause.kind, cause.code) == ("resume-exit", 124) and "h2 rank 0" in cause.detail
+
+
 def test_causes_in_order_lost_host_resume_code_non_finite_startup_signal_failed():
     assert classify(Seen("h2", "lost", None, first_step=True, last_step=40)).kind == "host-lost"
     resume = classify(Seen("h2", "exited", 1, tail=("  rank      : 1", "  exitcode  : 124 (pid: 7)"), resume_codes=(124,), first_step=True))
