@@ -699,12 +699,15 @@ def pack(run_dir, extras):
         budget = PACK_EXTRA_BYTES
         for index, extra in enumerate(extras):
             for path, name in _extra_files(extra):
-                size = os.path.getsize(path)
-                if size > budget:
-                    left_out.append(path)
+                try:  # a dangling link, or a file the job removed since it was listed, is skipped, not fatal
+                    size = os.path.getsize(path)
+                    if size > budget:
+                        left_out.append(path)
+                        continue
+                    tar.add(path, arcname="extra/%d/%s" % (index, name))
+                except OSError:
                     continue
                 budget -= size
-                tar.add(path, arcname="extra/%d/%s" % (index, name))
     print(json.dumps({"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir), "left_out": left_out}))
     return 0
 

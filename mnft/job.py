@@ -323,6 +323,8 @@ def _resume(data: Any, where: str, at: str) -> ResumeRule:
     if not isinstance(codes, list) or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 255 for c in codes):
         raise InputError(f"{line('exit_codes')}: resume.exit_codes: expected a list of exit codes 1-255, got {codes!r}")
     args = _strings(data.get("args"), line("args"), "resume.args")
+    for a in args:  # a malformed placeholder is bad input here too, before fields_of reads the fields
+        check_placeholders(a, f"{line('args')}: resume.args", resume_args=True)
     uses_latest = any("latest_checkpoint" in fields_of(a) for a in args)
     if uses_latest and layout in ("none", "mnft"):
         raise InputError(f"{line('args')}: resume.args use {{latest_checkpoint}}: set resume.layout (hf, torchtune, sana or glob) so mnft can find it")

@@ -666,13 +666,15 @@ class Run:
             report = checks.gather(fleet, replace(self.options.check, port=port, find_free_port=True))
         bad = [h.name for h in gang.hosts if report.status(h.name) != Status.OK.value]
         record.data["attempts"][-1]["recheck_s"] = round(time.monotonic() - t, 3)
+        reason = None
         if bad and not self.options.force:
             details = "; ".join(f"{p.host}: {p.field}: {p.message}" for p in report.problems if p.severity == "error" and p.host in bad)
             reason = f"the re-check before attempt {len(record.data['attempts']) + 1} failed on {', '.join(bad)}" + (f" ({details})" if details else "")
+        elif report.master_addr is None:
+            reason = f"cannot tell the new master's address before attempt {len(record.data['attempts']) + 1}"
+        if reason is not None:  # the record says why the run ended, not "running"
             record.update(state="failed", reason=attempts_note(record.data["attempts"], reason))
             raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
-        if report.master_addr is None:
-            raise RunFailed(f"run {record.run_id}: cannot tell the new master's address before the next attempt")
         self.ifaces.update({name: reach.iface for name, reach in report.reach.items()})
         return report.master_addr, chosen_port(report)
 

@@ -105,3 +105,4 @@ def test_a_host_that_still_differs_after_copying_is_named_with_a_file():
     union = {"s/a": (1, "x"), "s/b": (2, "y")}
     assert checkpoints._difference("h3", {"s/a": (1, "x"), "s/c": (3, "z")}, union) == \
         "h3 lacks 1 file(s), e.g. s/b and holds another 1 file(s), e.g. s/c"
+

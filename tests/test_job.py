@@ -121,6 +121,7 @@ def test_a_job_survives_the_run_record(tmp_path):
     ("script: a.py\nargs: ['{world_size:>4}']\n", "bad placeholder"),
     ("script: a.py\nargs: ['{latest_checkpoint}']\n", "known only when resuming"),
     ("script: a.py\nresume: {args: ['{latest_checkpoint}']}\n", "set resume.layout"),
+    ("script: a.py\nresume: {layout: hf, args: ['--resume={latest_checkpoint']}\n", "bad placeholder"),
     ("script: a.py\nmodule: b\n", "exactly one of 'script', 'module' or 'recipe'"),
     ("args: [a]\n", "exactly one of"),
     ("script: a.py\nenv: {HF_TOKEN: abc}\n", "HF_TOKEN is a secret"),

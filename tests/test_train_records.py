@@ -310,3 +310,18 @@ def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_others_warns():
     others_only = {"h1": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": ["pid 5678 (812 MiB)"]}}
     assert control.gpu_verdict(others_only, ExitCode.OK, None) == ExitCode.OK
     assert agent.gpu_report(None, set())["gpu_error"] == "nvidia-smi failed"
+
+
+def test_the_agent_packs_a_metrics_directory_with_a_dangling_link_skipping_the_link(tmp_path, capsys):
+    import base64
+    import tarfile
+
+    (tmp_path / "run").mkdir()
+    metrics = tmp_path / "tb"
+    metrics.mkdir()
+    (metrics / "events.out").write_text("e")
+    (metrics / "gone").symlink_to(tmp_path / "nowhere")
+    assert agent.pack(str(tmp_path / "run"), [str(metrics)]) == 0
+    reply = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    names = tarfile.open(fileobj=io.BytesIO(base64.b64decode(reply["tar"]))).getnames()
+    assert "extra/0/events.out" in names and not any(n.endswith("gone") for n in names)
