@@ -23,7 +23,6 @@ import fnmatch
 import json
 import os
 import re
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -301,7 +300,6 @@ def _copy(fleet: Fleet, dirs: dict[str, str], plan: dict[str, dict[str, str]]) -
             listing.write_bytes(b"".join(p.encode() + b"\0" for p in sorted(files)))
             _rsync(_rsync_base(host, ssh, listing) + ["--mkpath", str(stage) + "/", sync.remote_spec(host, dirs[target])])
             total += sum((stage / p).lstat().st_size for p in files)
-        shutil.rmtree(stage, ignore_errors=True)
     return total
 
 

@@ -294,7 +294,7 @@ class SshConnection(Connection):
         return _SshProcess(channel, command)
 
     def run(self, command: str, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
-        return self.start(command if timeout is None else bounded(command, timeout)).communicate(stdin, timeout)
+        return super().run(command if timeout is None else bounded(command, timeout), stdin, timeout)
 
     def close(self) -> None:
         self.fabric.close()

@@ -87,13 +87,6 @@ class Lock:
     def pins_for(self, environment: dict[str, str]) -> tuple[Pin, ...]:
         return tuple(p for p in self.pins if p.applies(environment))
 
-    @property
-    def needs_internet(self) -> bool:
-        """True when a wheel may have to come from an http(s) index (not only local find-links/paths)."""
-        if self.no_index:
-            return False
-        return True
-
     def indexes(self) -> list[str]:
         urls = [self.index_url] if self.index_url else []
         urls += list(self.extra_index_urls)
