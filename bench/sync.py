@@ -30,7 +30,7 @@ from statistics import median
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mnft import inventory as inventory_mod  # noqa: E402
-from mnft import sync  # noqa: E402
+from mnft import rsync, source, sync  # noqa: E402
 from mnft.testbed import Cluster  # noqa: E402
 
 
@@ -89,7 +89,7 @@ def main() -> int:
     src.mkdir()
     total = generate(src, args.files, args.mb)
     rules_file = work / "rules"
-    rules_file.write_bytes(sync.rules_file_bytes(sync.exclude_rules(src)[0]))  # the baseline skips what mnft skips
+    rules_file.write_bytes(rsync.rules_file_bytes(source.exclude_rules(src)[0]))  # the baseline skips what mnft skips
     print(f"tree: {args.files} files, {total / 2**20:.1f} MiB, {args.hosts} hosts, {args.reps} repetitions, "
           f"{os.cpu_count()} cores (shared: read the ratios)", flush=True)
     Cluster.cleanup_stale()

@@ -32,7 +32,7 @@ class CheckOptions:
     find_free_port: bool = False  # train: take the next free port on the master when the rendezvous port is taken
     port_search: int = 20
     code: bool = True  # hash each host's workdir (when it exists) and compare it with the local tree
-    code_src: str | None = None  # the local tree; default: sync.default_source() (the git top level)
+    code_src: str | None = None  # the local tree; default: source.default_source() (the git top level)
     required_files: tuple[str, ...] = ()  # files every host must hold (a job's script outside the synced tree)
 
     def __post_init__(self) -> None:

@@ -32,9 +32,11 @@ from rich.console import Console
 
 from mnft import pyrun
 from mnft.errors import ExitCode, MnftError
-from mnft.fleet import Fleet
+from mnft.fleet import Fleet, Status
 from mnft.inventory import Host
 from mnft.job import ResumeRule
+from mnft.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
+from mnft.sync import hash_command, hash_stdin
 
 LAYOUT_RULES = {
     "hf": (re.compile(r"^checkpoint-(\d+)$"), "trainer_state.json"),
@@ -245,10 +247,8 @@ def hash_rules(paths: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[st
 def _hash_trees(fleet: Fleet, hosts: list[Host], dirs: dict[str, str], paths: tuple[str, ...],
                 exclude: tuple[str, ...] = ()) -> dict[str, dict[str, tuple[int, str]]]:
     """Each host's files of the checkpoint with sizes and sha256 (sync's tree hash, limited to the checkpoint)."""
-    from mnft import sync
-
-    stdin = sync.hash_stdin(hash_rules(paths, exclude))
-    results = fleet.run(lambda h: sync.hash_command(h, dirs[h.name], if_exists=True), stdin=stdin, hosts=hosts)
+    stdin = hash_stdin(hash_rules(paths, exclude))
+    results = fleet.run(lambda h: hash_command(h, dirs[h.name], if_exists=True), stdin=stdin, hosts=hosts)
     trees = {}
     for host, data in _parsed(results).items():
         if data.get("errors"):
@@ -268,19 +268,15 @@ def _difference(host: str, files: dict[str, tuple[int, str]], union: dict[str, t
 
 
 def _rsync(argv: list[str]) -> None:
-    from mnft import sync
-
-    outcome = sync.run_rsync(argv)
-    status, error = sync.classify(outcome.exit_code, outcome.stderr)
-    if status != sync.SyncStatus.CHANGED:
+    outcome = run_rsync(argv)
+    status, error = classify(outcome.exit_code, outcome.stderr)
+    if status is not Status.OK:
         raise CheckpointError(f"copying the checkpoint failed: {error}")
 
 
 def _copy(fleet: Fleet, dirs: dict[str, str], plan: dict[str, dict[str, str]]) -> int:
     """Pull each needed file from its source host into a local staging tree, push to the hosts that lack it."""
-    from mnft import sync
-
-    ssh = sync.SshSettings.for_inventory(fleet.inventory)
+    ssh = SshSettings.for_inventory(fleet.inventory)
     total = 0
     with tempfile.TemporaryDirectory(prefix="mnft-ckpt-") as tmp:
         stage = Path(tmp) / "stage"
@@ -293,22 +289,20 @@ def _copy(fleet: Fleet, dirs: dict[str, str], plan: dict[str, dict[str, str]]) -
             host = fleet.inventory.host(source)
             listing = Path(tmp) / f"pull-{source}"
             listing.write_bytes(b"".join(p.encode() + b"\0" for p in sorted(paths)))
-            _rsync(_rsync_base(host, ssh, listing) + [sync.remote_spec(host, dirs[source]), str(stage) + "/"])
+            _rsync(_rsync_base(host, ssh, listing) + [remote_spec(host, dirs[source]), str(stage) + "/"])
         for target, files in plan.items():
             host = fleet.inventory.host(target)
             listing = Path(tmp) / f"push-{target}"
             listing.write_bytes(b"".join(p.encode() + b"\0" for p in sorted(files)))
-            _rsync(_rsync_base(host, ssh, listing) + ["--mkpath", str(stage) + "/", sync.remote_spec(host, dirs[target])])
+            _rsync(_rsync_base(host, ssh, listing) + ["--mkpath", str(stage) + "/", remote_spec(host, dirs[target])])
             total += sum((stage / p).lstat().st_size for p in files)
     return total
 
 
 def _rsync_base(host: Host, ssh, listing: Path) -> list[str]:
-    from mnft import sync
-
-    argv = ["rsync", "-a", "-s", "--from0", f"--files-from={listing}", f"--timeout={sync.RSYNC_IO_TIMEOUT}"]
+    argv = ["rsync", "-a", "-s", "--from0", f"--files-from={listing}", f"--timeout={RSYNC_IO_TIMEOUT}"]
     if not host.is_local:
-        argv += ["-e", sync.ssh_command(host, ssh)]
+        argv += ["-e", ssh_command(host, ssh)]
     return argv
 
 

@@ -42,6 +42,7 @@ from mnft.fleet import Fleet, HostResult, Status
 from mnft.hostkeys import mnft_home
 from mnft.inventory import Host, Inventory
 from mnft.lockfile import Lock, Pin
+from mnft.report import fmt_size
 from mnft.wheelhouse import Platform, Wheel, Wheelhouse
 
 FACTS_TIMEOUT = 60.0
@@ -390,7 +391,7 @@ def provision(inventory: Inventory, options: ProvisionOptions = ProvisionOptions
 def _src(options: ProvisionOptions) -> Path:
     if options.src is not None:
         return options.src
-    from mnft.sync import default_source
+    from mnft.source import default_source
 
     return default_source()
 
@@ -457,7 +458,7 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
         need = disk_needed(wheels[plans[host.name].platform], held, uv_size, uv_held)
         free = (f.get("disk") or {}).get("free_bytes")
         if isinstance(free, int) and free < need:
-            raise InputError(f"host {host.name}: {_size(free)} free at {(f.get('disk') or {}).get('path')}, provisioning needs {_size(need)} "
+            raise InputError(f"host {host.name}: {fmt_size(free)} free at {(f.get('disk') or {}).get('path')}, provisioning needs {fmt_size(need)} "
                              "(wheels to copy + the unpacked environment): free disk or set 'venv' to a larger disk; nothing was changed on any host")
     targets = {h.name: host_root(h.venv) + "/dist" for h in todo}
     prepared = fleet.run(lambda h: script_command(h, "prepare", h.venv), stdin=_script_payload(), hosts=todo, timeout=FACTS_TIMEOUT)
@@ -485,7 +486,7 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
             report.wheelhouse_bytes += uv_size + sum(w.size for w in wheels[plat].values())
             use_relay = options.relay and relay.mesh_ready(hosts, {h.name: facts[h.name].get("mesh") or [] for h in hosts})
             report.relay = report.relay or use_relay
-            say(f"sending uv and {len(wheels[plat])} wheel(s) ({_size(report.wheelhouse_bytes)}) to {len(hosts)} host(s)"
+            say(f"sending uv and {len(wheels[plat])} wheel(s) ({fmt_size(report.wheelhouse_bytes)}) to {len(hosts)} host(s)"
                 + (" through the mesh (relay)" if use_relay else " from this machine"))
             delivered.update(relay.distribute(fleet, inventory, stage, targets, hosts, relay=use_relay,
                                               on_done=lambda d: say(f"  {d.host}: {d.status} (from {d.via or '-'})" + (f": {d.error}" if d.error else ""))))
@@ -645,14 +646,6 @@ def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float
     return report
 
 
-def _size(n: int | float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 # ------------------------------------------------------------------------------------------------ printing
 
 
@@ -706,5 +699,5 @@ def print_report(report: ProvisionReport, as_json: bool, out=None) -> None:
     if not report.rollback and report.changed == 0 and report.exit_code() == ExitCode.OK:
         out.print(plain(f"nothing to do: every host's environment matches {report.lock.path.name if report.lock else 'the lock'} (0 changed, {report.seconds:.2f}s)", style="green"))
     elif not report.rollback:
-        sent = f"; the controller sent {_size(report.controller_bytes)} for a wheelhouse of {_size(report.wheelhouse_bytes)}" if report.wheelhouse_bytes else ""
+        sent = f"; the controller sent {fmt_size(report.controller_bytes)} for a wheelhouse of {fmt_size(report.wheelhouse_bytes)}" if report.wheelhouse_bytes else ""
         out.print(plain(f"{report.changed} host(s) changed in {report.seconds:.1f}s" + (" (relayed over the mesh)" if report.relay else "") + sent))

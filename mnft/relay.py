@@ -22,7 +22,8 @@ from typing import Callable, Mapping, Sequence
 from mnft.command import Command
 from mnft.fleet import Fleet, Status
 from mnft.inventory import Host, Inventory
-from mnft.sync import SshSettings, classify, normalize_target, remote_spec, run_rsync, ssh_command, SyncStatus
+from mnft.rsync import SshSettings, classify, remote_spec, run_rsync, ssh_command
+from mnft.targets import normalize_target
 
 CONTROLLER = "controller"
 RELAY_SSH = "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4"
@@ -102,7 +103,7 @@ def distribute(fleet: Fleet, inventory: Inventory, src: Path, targets: Mapping[s
         d = deliveries[name]
         d.controller_bytes += outcome.bytes_sent
         d.seconds += round(time.monotonic() - started, 3)
-        d.status = "ok" if status == SyncStatus.CHANGED else status
+        d.status = status.value
         d.via, d.error = CONTROLLER, error
 
     def from_peer(sender: str, name: str) -> None:

@@ -15,6 +15,7 @@ from mnft.connection import fabric_connection, ssh_target, Timeouts
 from mnft.fleet import Results, Status
 from mnft.hostkeys import TrustResult
 from mnft.inventory import Inventory
+from mnft.sync import SHOWN_DIFFERENCES, Difference, SyncReport, SyncStatus
 
 STATUS_STYLE = {
     "ok": "green",
@@ -43,6 +44,15 @@ def status_text(status: str) -> Text:
 def plain(value: Any, style: str = "") -> Text:
     """A cell or title from data (host names, paths, errors): never read as rich markup ("a[/b]", "[bold]x")."""
     return Text("-" if value is None else str(value), style=style)
+
+
+def fmt_size(n: int | float) -> str:
+    """Bytes for a person: 512 B, 1.5 MiB, 43.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
 
 
 # ------------------------------------------------------------------------------------------------ inventory
@@ -172,6 +182,38 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     for p in problems:
         style = "yellow" if p.severity == "warning" else "red"
         out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}\n    fix: {p.fix}"))
+
+
+# ------------------------------------------------------------------------------------------------ sync
+
+
+def print_sync(report: SyncReport, as_json: bool) -> None:
+    if as_json:
+        print_json(report.to_json())
+        return
+    out = console()
+    verb = "would sync" if report.dry_run else "sync"
+    table = Table(title=f"{verb} {report.kind}: {report.src} ({report.local_files} files, {fmt_size(report.local_bytes)}, hash {report.local_hash[:12]})")
+    for col in ("host", "status", "target", "files", "deleted", "bytes sent", "hash match", "seconds", "detail"):
+        table.add_column(col)
+    for h in report.hosts.values():
+        match = "-" if h.remote_hash is None else ("yes" if h.remote_hash == report.local_hash else "NO")
+        files = len(h.would_send) if report.dry_run else h.files_changed
+        deleted = len(h.would_delete) if report.dry_run else h.files_deleted
+        table.add_row(
+            h.host, Text(h.status, style="bold red") if h.status == SyncStatus.REFUSED else status_text(h.status), h.target, str(files), str(deleted), fmt_size(h.bytes_sent),
+            Text(match, style={"yes": "green", "NO": "bold red"}.get(match, "")), f"{h.seconds:.2f}", h.error,
+        )
+    out.print(table)
+    for h in report.hosts.values():
+        if report.dry_run and (h.would_send or h.would_delete):
+            out.print(f"[bold]{h.host}[/bold]:")
+            for line in Difference(tuple(h.would_send), tuple(h.would_delete)).describe():
+                out.print(f"  {line.replace('differs: ', 'send: ').replace('extra: ', 'delete: ')}", highlight=False, markup=False)
+        if h.differing:
+            out.print(f"[red]{h.host}[/red]: files that differ:")
+            for line in h.differing[:SHOWN_DIFFERENCES]:
+                out.print(f"  {line}", highlight=False, markup=False)
 
 
 # ------------------------------------------------------------------------------------------------ generic

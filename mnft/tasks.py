@@ -295,7 +295,8 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     refused target, found before the sync or by a host's probe (nothing touched there), 4 a host unreachable or
     its key rejected. --dry-run lists per host what would be sent and deleted (--no-delete: nothing deleted).
     """
-    from mnft.sync import print_sync, sync_code, sync_data
+    from mnft.report import print_sync
+    from mnft.sync import sync_code, sync_data
 
     options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=list(exclude or []), workers=int(workers),
                    config=c.config)  # sync.exclude from the config is added by mnft.sync, as for check and train

@@ -283,7 +283,7 @@ def entry_problem(job: Job, src: Path | None, synced: bool) -> tuple[str | None,
         return None, script
     if not synced:
         return None, script
-    from mnft.sync import default_source
+    from mnft.source import default_source
 
     root = src or default_source()
     path = root / script
@@ -297,7 +297,7 @@ def source_for(job: Job, src: Path | None) -> Path | None:
     recipe runs mnft's own code, so from a repository that lacks it, mnft's checkout is synced instead."""
     if src is not None or not job.recipe:
         return src
-    from mnft.sync import PROJECT_DIR, default_source
+    from mnft.source import PROJECT_DIR, default_source
 
     try:
         top = default_source()

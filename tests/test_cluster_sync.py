@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from mnft import inventory as inventory_mod
-from mnft import sync
+from mnft import source, sync
 from mnft.errors import ExitCode, InputError
 from mnft.fleet import Fleet
 
@@ -65,13 +65,13 @@ def test_every_host_holds_the_identical_tree(cluster, tmp_path):
     report = sync.sync_code(inv, src, progress=False)
     assert report.ok, report.summary()
     assert report.exit_code() == ExitCode.OK
-    local_digest, local_files = sync.tree_hash(src)
+    local_digest, local_files = source.tree_hash(src)
     assert report.local_hash == local_digest
     for sim in cluster.hosts:
         assert report.hosts[sim.name].status == "changed"
         assert report.hosts[sim.name].remote_hash == local_digest
         copy = host_tree(sim, workdir)
-        assert sync.tree_hash(copy, sync.ALWAYS_EXCLUDES)[1] == local_files  # read from outside, independently
+        assert source.tree_hash(copy, source.ALWAYS_EXCLUDES)[1] == local_files  # read from outside, independently
         # ignored files stayed home
         for rel in ("train.log", "build", "runs", "pkg/sub/local.cfg", "pkg/__pycache__"):
             assert not (copy / rel).exists(), rel
@@ -145,10 +145,10 @@ def test_a_workdir_and_source_with_spaces_and_shell_metacharacters_copy_verbatim
     inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:2])
     report = sync.sync_code(inv, src, progress=False)
     assert report.ok, report.summary()
-    local = sync.tree_hash(src)
+    local = source.tree_hash(src)
     for sim in cluster.hosts[:2]:
         copy = host_tree(sim, workdir)
-        assert copy.is_dir() and sync.tree_hash(copy, sync.exclude_rules(src)[0]) == local
+        assert copy.is_dir() and source.tree_hash(copy, source.exclude_rules(src)[0]) == local
         assert report.hosts[sim.name].remote_hash == local[0]
     again = sync.sync_code(inv, src, progress=False, dry_run=True)
     assert {h.status for h in again.hosts.values()} == {"ok"}

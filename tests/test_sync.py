@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from mnft import sync, treehash
+from mnft import gitignore, rsync, source, sync, targets, treehash
 from mnft.errors import ExitCode, InputError
 from mnft.fleet import HostResult, Status
 from mnft.inventory import parse
 
 KNOWN = ("/etc/ssh/ssh_known_hosts", "/ctl/.ssh/known_hosts", "/ctl/lab kh", "/ctl/.mnft/known_hosts")
-SSH = sync.SshSettings(KNOWN)
+SSH = rsync.SshSettings(KNOWN)
 RULES_FILE = "/tmp/mnft-sync-x/excludes"
 INJECTION = ["; rm -rf ~", "$(id)", "`id`", "a\nb", "it's", 'say "hi"', "sp ace", "-rf", "*", "a|b&c>d"]
 
@@ -96,9 +96,9 @@ def test_git_decides_ignored_files_including_nested_gitignore_and_negation(tmp_p
         "a.log": "l", "keep.log": "k", "build/out.bin": "b", "docs/x.tmp": "t", "deep/docs/x.tmp": "kept",
         "runs/r1/log.txt": "r", "mod/__pycache__/m.cpython-311.pyc": "c", ".venv/bin/python": "p",
     }))
-    rules, how = sync.exclude_rules(src)
+    rules, how = source.exclude_rules(src)
     assert how == "git"
-    _, files = sync.tree_hash(src, rules)
+    _, files = source.tree_hash(src, rules)
     # `docs/*.tmp` has a middle slash: git anchors it to the .gitignore's directory (rsync's parser would not)
     assert sorted(files) == [".gitignore", "deep/docs/x.tmp", "keep.log", "pkg/.gitignore", "pkg/code.py"]
     # the patterns themselves are the rules (first match wins, so git's last line comes first): a host's own
@@ -128,23 +128,23 @@ def test_translated_ignore_patterns_alone_decide_like_git(tmp_path):
     src = git_repo(write(tmp_path / "src", {**IGNORE_CORPUS, **{rel: rel for rel in CANDIDATES}}))
     shipped = subprocess.run(["git", "ls-files", "-z", "--others", "--exclude-standard"], cwd=src, capture_output=True, check=True).stdout
     by_git = sorted(os.fsdecode(p) for p in shipped.split(b"\0") if p)
-    _, _, patterns, _ = sync.git_view(src)
-    assert sorted(sync.tree_hash(src, (".git", *patterns))[1]) == by_git
+    _, _, patterns, _ = gitignore.git_view(src)
+    assert sorted(source.tree_hash(src, (".git", *patterns))[1]) == by_git
     assert "x.log" not in by_git and "keep.log" in by_git and "pkg/important.log" in by_git  # the corpus bites
 
 
 def test_rsync_and_the_hash_apply_the_translated_rules_alike(tmp_path):
     """Host-only files: rsync --delete removes exactly those the hash counts, and keeps those it leaves out."""
     src = git_repo(write(tmp_path / "src", {**IGNORE_CORPUS, "code.py": "c"}))
-    rules, _ = sync.exclude_rules(src)
+    rules, _ = source.exclude_rules(src)
     dst = write(tmp_path / "dst", {rel: "host only" for rel in CANDIDATES})
-    counted = set(sync.tree_hash(dst, rules)[1]) - {"code.py"}
+    counted = set(source.tree_hash(dst, rules)[1]) - {"code.py"}
     rules_file = tmp_path / "rules"
-    rules_file.write_bytes(sync.rules_file_bytes(rules))
+    rules_file.write_bytes(rsync.rules_file_bytes(rules))
     subprocess.run(["rsync", "-a", "--delete", "--from0", f"--filter=merge {rules_file}", f"{src}/", f"{dst}/"], check=True)
     survivors = {str(p.relative_to(dst)) for p in dst.rglob("*") if p.is_file()}
     assert survivors == {rel for rel in CANDIDATES if rel not in counted} | set(IGNORE_CORPUS) | {"code.py"}
-    assert sync.tree_hash(dst, rules) == sync.tree_hash(src, rules)
+    assert source.tree_hash(dst, rules) == source.tree_hash(src, rules)
 
 
 def test_a_tracked_file_that_matches_an_ignore_pattern_is_still_shipped(tmp_path):
@@ -152,24 +152,24 @@ def test_a_tracked_file_that_matches_an_ignore_pattern_is_still_shipped(tmp_path
     subprocess.run(["git", "add", "-f", "fixture.log", "build/keep.txt"], cwd=src, check=True)
     (src / "build" / "junk.o").write_text("j")
     (src / "other.log").write_text("o")
-    rules, _ = sync.exclude_rules(src)
-    assert sorted(sync.tree_hash(src, rules)[1]) == [".gitignore", "a.py", "build/keep.txt", "fixture.log"]
+    rules, _ = source.exclude_rules(src)
+    assert sorted(source.tree_hash(src, rules)[1]) == [".gitignore", "a.py", "build/keep.txt", "fixture.log"]
     assert "+ /fixture.log" in rules and "+ /build/" in rules
 
 
 def test_gitignore_applies_to_a_tree_outside_any_repository(tmp_path):
     src = write(tmp_path / "plain", {".gitignore": "*.ckpt\n", "train.py": "x", "big.ckpt": "w"})
-    rules, how = sync.exclude_rules(src)
+    rules, how = source.exclude_rules(src)
     assert how == "git (no repository)"
-    assert sorted(sync.tree_hash(src, rules)[1]) == [".gitignore", "train.py"]
+    assert sorted(source.tree_hash(src, rules)[1]) == [".gitignore", "train.py"]
 
 
 def test_extra_excludes_are_added_and_checked(tmp_path):
     src = git_repo(write(tmp_path / "src", {"a.py": "x", "notes/n.md": "n"}))
-    rules, _ = sync.exclude_rules(src, ["notes/"])
-    assert sorted(sync.tree_hash(src, rules)[1]) == ["a.py"]
+    rules, _ = source.exclude_rules(src, ["notes/"])
+    assert sorted(source.tree_hash(src, rules)[1]) == ["a.py"]
     with pytest.raises(InputError):
-        sync.exclude_rules(src, ["bad\npattern"])
+        source.exclude_rules(src, ["bad\npattern"])
 
 
 # ------------------------------------------------------------------------------------------------ tree hash
@@ -178,21 +178,21 @@ def test_extra_excludes_are_added_and_checked(tmp_path):
 def test_tree_hash_is_paths_sizes_and_content(tmp_path):
     a = write(tmp_path / "a", {"x.py": "one", "d/y.py": "two"})
     b = write(tmp_path / "b", {"d/y.py": "two", "x.py": "one"})
-    da, fa = sync.tree_hash(a, ())
-    db, fb = sync.tree_hash(b, ())
+    da, fa = source.tree_hash(a, ())
+    db, fb = source.tree_hash(b, ())
     assert da == db and fa == fb
     assert fa["x.py"][0] == 3 and len(fa["x.py"][1]) == 64
     (b / "x.py").write_text("uno")  # same size, other content
-    assert sync.tree_hash(b, ())[0] != da
+    assert source.tree_hash(b, ())[0] != da
     os.rename(b / "x.py", b / "z.py")
-    assert sync.tree_hash(b, ())[0] != da
+    assert source.tree_hash(b, ())[0] != da
 
 
 def test_tree_hash_counts_symlinks_as_links_and_skips_excluded_dirs(tmp_path):
     root = write(tmp_path / "t", {"real.py": "r", "runs/out.txt": "o"})
     os.symlink("real.py", root / "link.py")
     os.symlink("/nonexistent/dir", root / "dangling")
-    _, files = sync.tree_hash(root, sync.ALWAYS_EXCLUDES)
+    _, files = source.tree_hash(root, source.ALWAYS_EXCLUDES)
     assert sorted(files) == ["dangling", "link.py", "real.py"]
     assert files["link.py"][0] == len("real.py")
 
@@ -234,12 +234,12 @@ def test_treehash_script_reads_rules_from_stdin_and_reports_home(tmp_path):
 @pytest.mark.parametrize("target", ["", "  ", "/", "//", "/./", "~", "~/", "~/.", "~/x/..", "~/../other", "/root", "/home/alice",
                                     "/home/alice/", "/Users/bob", "/etc", "/usr", "mnft", "./mnft", "~bob/mnft", "~/a\nb"])
 def test_dangerous_targets_are_refused(target):
-    assert sync.target_problem(target) is not None
+    assert targets.target_problem(target) is not None
 
 
 @pytest.mark.parametrize("target", ["~/mnft", "~/.cache/mnft/work", "/data/mnft", "/home/alice/mnft", "/srv/lab/mnft", "~/with space/$(id)"])
 def test_own_directories_are_accepted(target):
-    assert sync.target_problem(target) is None
+    assert targets.target_problem(target) is None
 
 
 class ExplodingFleet:
@@ -259,16 +259,16 @@ def test_preflight_refuses_before_any_host_is_touched(tmp_path):
 def test_preflight_refuses_overlapping_workdir_and_data_dir_and_a_missing_source(tmp_path):
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1, workdir: ~/mnft, data_dir: ~/mnft/data}\n")
     with pytest.raises(InputError, match="overlap"):
-        sync.preflight(inv, tmp_path)
+        targets.preflight(inv, tmp_path)
     with pytest.raises(InputError, match="not a directory"):
-        sync.preflight(inventory("hosts:\n  h1: {address: 10.0.0.1}\n"), tmp_path / "missing")
+        targets.preflight(inventory("hosts:\n  h1: {address: 10.0.0.1}\n"), tmp_path / "missing")
 
 
 def test_local_target_inside_the_source_is_refused(tmp_path):
     src = write(tmp_path / "src", {"a.py": "x"})
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: {src / 'copy'}}}\n")
     with pytest.raises(InputError, match="overlap"):
-        sync.preflight(inv, src)
+        targets.preflight(inv, src)
 
 
 @pytest.mark.parametrize("link_to, why", [("/", "resolves to /"), ("HOME", "home directory"), ("HOME/..", "contains the home"),
@@ -282,7 +282,7 @@ def test_the_probe_refuses_a_dangerous_real_target_before_walking_anything(link_
     out = treehash.report(str(workdir), [])
     assert why in out["refused"] and out["files"] is None
     tree = sync.RemoteTree.from_json(out)
-    assert why in sync.remote_refusal(tree)
+    assert why in targets.remote_refusal(tree.root, tree.home, tree.refused)
 
 
 def test_the_probe_refuses_a_workdir_that_overlaps_the_data_dir_by_real_path(tmp_path):
@@ -308,8 +308,7 @@ def test_a_refusal_found_on_a_host_is_bad_input_like_one_found_before(tmp_path, 
     [("/", "/root", True), ("/root", "/root", True), ("/home", "/home/al", True), ("/root/mnft", "/root", False), ("/data/x", "/root", False)],
 )
 def test_host_side_refusal_uses_real_paths(root, home, refused):
-    tree = sync.RemoteTree(root, home, True, None, {})
-    assert (sync.remote_refusal(tree) is not None) is refused
+    assert (targets.remote_refusal(root, home) is not None) is refused
 
 
 # ------------------------------------------------------------------------------------------------ rendering
@@ -317,7 +316,7 @@ def test_host_side_refusal_uses_real_paths(root, home, refused):
 
 def test_ssh_command_verifies_host_keys_like_mnft():
     host = one_host(address="10.0.0.1", port=2222, user="lab", identity="/keys/id ed")
-    assert sync.ssh_command(host, SSH) == (
+    assert rsync.ssh_command(host, SSH) == (
         "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes "
         "-o 'UserKnownHostsFile=/etc/ssh/ssh_known_hosts /ctl/.ssh/known_hosts \"/ctl/lab kh\" /ctl/.mnft/known_hosts' "
         "-o GlobalKnownHostsFile=/etc/ssh/ssh_known_hosts -o VerifyHostKeyDNS=no -o KnownHostsCommand=none "
@@ -328,7 +327,7 @@ def test_ssh_command_verifies_host_keys_like_mnft():
 
 def test_ssh_paths_keep_a_literal_percent_and_old_openssh_gets_no_knownhostscommand():
     host = one_host(address="10.0.0.1", identity="/keys/100%id")
-    command = sync.ssh_command(host, sync.SshSettings(("/kh/50%known",), clear_known_hosts_command=False))
+    command = rsync.ssh_command(host, rsync.SshSettings(("/kh/50%known",), clear_known_hosts_command=False))
     assert "-o UserKnownHostsFile=/kh/50%%known " in command and "-i /keys/100%%id " in command
     assert "KnownHostsCommand" not in command and "-o VerifyHostKeyDNS=no" in command
 
@@ -339,8 +338,8 @@ def test_the_rendered_ssh_options_are_what_openssh_applies_over_a_hostile_ssh_co
 
     config = tmp_path / "config"
     config.write_text("Host *\n  VerifyHostKeyDNS yes\n  KnownHostsCommand /bin/echo trust-me\n  StrictHostKeyChecking no\n")
-    settings = sync.SshSettings((str(tmp_path / "k%h"),), clear_known_hosts_command=sync.ssh_accepts("KnownHostsCommand=none"))
-    words = shlex.split(sync.ssh_command(one_host(address="10.0.0.1"), settings))
+    settings = rsync.SshSettings((str(tmp_path / "k%h"),), clear_known_hosts_command=rsync.ssh_accepts("KnownHostsCommand=none"))
+    words = shlex.split(rsync.ssh_command(one_host(address="10.0.0.1"), settings))
     shown = subprocess.run([words[0], "-G", "-F", str(config), *words[1:], "10.0.0.1"], capture_output=True, text=True, check=True).stdout
     assert "verifyhostkeydns false" in shown and "stricthostkeychecking true" in shown
     assert f"userknownhostsfile {tmp_path}/k%h" in shown
@@ -350,19 +349,19 @@ def test_the_rendered_ssh_options_are_what_openssh_applies_over_a_hostile_ssh_co
 
 def test_ssh_command_leaves_port_user_and_key_to_ssh_config_when_unset():
     host = one_host(address="gpu1")
-    command = sync.ssh_command(host, sync.SshSettings(("/k",)))
+    command = rsync.ssh_command(host, rsync.SshSettings(("/k",)))
     assert command.endswith("-o ServerAliveCountMax=4")
     assert " -p " not in command and " -l " not in command and " -i " not in command
 
 
 def test_ssh_command_refuses_known_hosts_paths_it_cannot_quote():
     with pytest.raises(InputError):
-        sync.ssh_command(one_host(address="a"), sync.SshSettings(('/x"y',)))
+        rsync.ssh_command(one_host(address="a"), rsync.SshSettings(('/x"y',)))
 
 
 def test_rsync_argv_is_exact():
     host = one_host(address="10.0.0.1", user="root", port=22)
-    assert sync.rsync_argv(host, Path("/repo"), "~/mnft", RULES_FILE, sync.SshSettings(("/k",))) == (
+    assert rsync.rsync_argv(host, Path("/repo"), "~/mnft", RULES_FILE, rsync.SshSettings(("/k",))) == (
         "rsync", "-a", "-s", "--mkpath", "--from0", f"--filter=merge {RULES_FILE}", "--timeout=120", "--stats",
         "--out-format=%i %l %n", "--delete",
         "-e", "ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -o UserKnownHostsFile=/k "
@@ -374,7 +373,7 @@ def test_rsync_argv_is_exact():
 
 def test_local_host_gets_a_local_rsync_without_ssh(private_home):
     host = inventory("hosts:\n  me: {connection: local, workdir: ~/.cache/mnft/work}\n").hosts[0]
-    argv = sync.rsync_argv(host, Path("/repo"), host.workdir, RULES_FILE, SSH, delete=False)
+    argv = rsync.rsync_argv(host, Path("/repo"), host.workdir, RULES_FILE, SSH, delete=False)
     assert "-e" not in argv and "--delete" not in argv
     assert argv[-2:] == ("/repo/", f"{private_home}/.cache/mnft/work/")
 
@@ -385,26 +384,26 @@ def test_metacharacters_in_paths_stay_one_argument(payload):
         return  # refused as a target (control character): covered above
     host = one_host(address="10.0.0.1")
     target = f"/data/{payload}/w"
-    argv = sync.rsync_argv(host, Path(f"/src/{payload}"), target, RULES_FILE, SSH)
+    argv = rsync.rsync_argv(host, Path(f"/src/{payload}"), target, RULES_FILE, SSH)
     assert argv[-2] == f"/src/{payload}/"
     assert argv[-1] == f"10.0.0.1:/data/{payload}/w/"
     assert "-s" in argv  # the remote path reaches rsync through the protocol, never a shell
 
 
 def test_remote_spec_brackets_ipv6_and_keeps_absolute_paths():
-    assert sync.remote_spec(one_host(address="fe80::1"), "/w") == "[fe80::1]:/w/"
-    assert sync.remote_spec(one_host(address="h"), "~/a//b/") == "h:a/b/"
+    assert rsync.remote_spec(one_host(address="fe80::1"), "/w") == "[fe80::1]:/w/"
+    assert rsync.remote_spec(one_host(address="h"), "~/a//b/") == "h:a/b/"
 
 
 def test_rules_file_is_nul_separated_so_any_path_fits():
-    assert sync.rules_file_bytes(["runs/", "/a\nb", "+ /keep.log"]) == b"- runs/\0- /a\nb\0+ /keep.log\0"
+    assert rsync.rules_file_bytes(["runs/", "/a\nb", "+ /keep.log"]) == b"- runs/\0- /a\nb\0+ /keep.log\0"
 
 
 # ------------------------------------------------------------------------------------------------ planning
 
 
-def local_tree(files: dict[str, tuple[int, str]]) -> sync.LocalTree:
-    return sync.LocalTree(Path("/repo"), ("runs/",), treehash.digest_of(files), files, "git")
+def local_tree(files: dict[str, tuple[int, str]]) -> source.LocalTree:
+    return source.LocalTree(Path("/repo"), ("runs/",), treehash.digest_of(files), files, "git")
 
 
 def read_ok(name: str, files: dict | None, root: str = "/root/mnft", home: str = "/root") -> tuple[HostResult, sync.RemoteTree]:
@@ -519,7 +518,7 @@ def test_difference_names_changed_missing_and_extra_files():
 @pytest.mark.parametrize(
     "code, stderr, status",
     [
-        (0, "", "changed"),
+        (0, "", "ok"),
         (255, "ssh: connect to host 10.0.0.9 port 22: Connection refused\nrsync: connection unexpectedly closed", "unreachable"),
         (255, "Host key verification failed.\r\nrsync: connection unexpectedly closed", "host-key-rejected"),
         (11, 'rsync: [receiver] write failed on "/w/big": No space left on device (28)\nrsync error: error in file IO (code 11)', "failed"),
@@ -532,7 +531,7 @@ def test_difference_names_changed_missing_and_extra_files():
     ],
 )
 def test_rsync_outcomes_are_classified(code, stderr, status):
-    got, error = sync.classify(code, stderr)
+    got, error = rsync.classify(code, stderr)
     assert got == status
     if status == "failed" and code == 12:
         assert "not installed" in error or "stopped" in error  # reached, then broke: never "unreachable"
@@ -541,8 +540,8 @@ def test_rsync_outcomes_are_classified(code, stderr, status):
 
 
 def test_stats_parsing_handles_thousands_separators():
-    assert sync.parse_stats("Number of files: 3\nTotal bytes sent: 1,234,567\nTotal bytes received: 35\n") == 1234567
-    assert sync.parse_stats("nothing") == 0
+    assert rsync.parse_stats("Number of files: 3\nTotal bytes sent: 1,234,567\nTotal bytes received: 35\n") == 1234567
+    assert rsync.parse_stats("nothing") == 0
 
 
 def test_report_exit_codes_and_json():
@@ -606,10 +605,10 @@ def test_ignored_files_that_exist_only_on_the_host_survive_and_are_no_drift(tmp_
 def test_the_default_source_is_the_repository_top_not_the_current_directory(tmp_path, monkeypatch):
     repo = git_repo(write(tmp_path / "proj", {"train.py": "t", "docs/index.md": "d"}))
     monkeypatch.chdir(repo / "docs")
-    assert sync.default_source() == repo
-    assert sync.code_source().root == repo
+    assert source.default_source() == repo
+    assert source.code_source().root == repo
     monkeypatch.chdir(tmp_path)  # outside any repository: mnft's own project, never the current directory
-    assert sync.default_source() == sync.PROJECT_DIR
+    assert source.default_source() == source.PROJECT_DIR
 
 
 def test_sync_from_a_subdirectory_mirrors_the_whole_project(tmp_path, monkeypatch):
@@ -634,10 +633,10 @@ def test_a_source_that_is_the_home_or_root_is_refused_before_any_walk(where, pri
 def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, private_home, monkeypatch):
     """invoke's sync.exclude (here the user's ~/.invoke.yaml) reaches every caller, not only `invoke sync`."""
     (private_home / ".invoke.yaml").write_text("sync:\n  exclude: [notes/, '*.bak']\n")
-    assert sync.configured_excludes() == ("notes/", "*.bak")
-    assert sync.configured_excludes({"sync": {"exclude": ["x/"]}}) == ("x/",)  # a task's own config wins
+    assert source.configured_excludes() == ("notes/", "*.bak")
+    assert source.configured_excludes({"sync": {"exclude": ["x/"]}}) == ("x/",)  # a task's own config wins
     with pytest.raises(InputError, match="sync.exclude"):
-        sync.configured_excludes({"sync": {"exclude": "notes/"}})
+        source.configured_excludes({"sync": {"exclude": "notes/"}})
     src = git_repo(write(tmp_path / "src", {"a.py": "a", "notes/n.md": "n", "old.bak": "b"}))
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
@@ -654,7 +653,7 @@ def test_a_data_sync_gets_the_timeout_it_is_given(tmp_path, monkeypatch):
     data = write(tmp_path / "data", {"d.bin": "x"})
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/w', data_dir: '{tmp_path}/d'}}\n")
     seen = []
-    real = sync.run_rsync
+    real = rsync.run_rsync
     monkeypatch.setattr(sync, "run_rsync", lambda argv, on_item=None, timeout=0: seen.append(timeout) or real(argv, on_item, timeout))
     assert sync.sync_data(inv, data, progress=False, timeout=7200.0).ok
     assert seen == [7200.0]
