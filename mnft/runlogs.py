@@ -150,9 +150,10 @@ def _metrics_in(base: Path, data: dict, job) -> tuple[list[dict], str | None]:
         if fmt == "tensorboard":
             found, source = scrape.tensorboard(extra), f"{host}: TensorBoard events"
         elif fmt == "hf":
-            states = sorted(extra.rglob("trainer_state.json"), key=lambda p: len(scrape.trainer_state(p)))
-            if states:
-                found, source = scrape.trainer_state(states[-1]), f"{host}: {states[-1].relative_to(extra)}"
+            states = [(scrape.trainer_state(p), p) for p in sorted(extra.rglob("trainer_state.json"))]
+            if states:  # the one with the longest log_history: the newest checkpoint's
+                found, path = max(states, key=lambda s: len(s[0]))
+                source = f"{host}: {path.relative_to(extra)}"
         else:
             parse = scrape.LineParser(fmt, job.metrics.regex)
             files = sorted(p for p in extra.rglob("*") if p.is_file() and not p.name.startswith(TIMING_PREFIX))

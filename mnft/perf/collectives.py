@@ -201,12 +201,6 @@ def start_allreduce(fleet: Fleet, master_addr: str, port: int, ifaces: dict[str,
     return Pending(fleet, run, processes, started, timeout)
 
 
-def run_allreduce(fleet: Fleet, master_addr: str, port: int, ifaces: dict[str, str | None], sizes: list[int],
-                  budget: float, compute: float, timeout: float, launcher: str = "direct", limit: float | None = None) -> CollectiveRun:
-    """Start and release at once."""
-    return start_allreduce(fleet, master_addr, port, ifaces, sizes, budget, compute, timeout, launcher, limit).release()
-
-
 def _wait_ready(process: Process, ranks: int, deadline: float) -> str | None:
     """None when `ranks` ranks said they are ready; else why not (the launcher ended: its error; or the deadline)."""
     ready = 0

@@ -132,13 +132,7 @@ def prune(root: Path, rank: int, keep_last: int, current: int) -> None:
 
     Other ranks on the same filesystem prune concurrently, so every listing tolerates vanished entries."""
     steps = sorted(s for s in complete_steps(root, rank) if s <= current)
-    for step in steps[:-keep_last]:
-        shutil.rmtree(step_dir(root, step) / f"rank-{rank}", ignore_errors=True)
-        try:
-            step_dir(root, step).rmdir()  # succeeds for the last rank on this filesystem to remove its part
-        except OSError:
-            pass
-    if len(steps) >= keep_last:
+    if len(steps) >= keep_last:  # keep_last >= 1 (config)
         oldest_kept = steps[-keep_last]
         for entry in list(root.iterdir()) if root.is_dir() else []:
             m = STEP_RE.match(entry.name)
