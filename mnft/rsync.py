@@ -21,8 +21,6 @@ from mnft.targets import normalize_target
 
 
 SSH_CONNECT_TIMEOUT = 10
-
-
 RSYNC_IO_TIMEOUT = 120  # rsync --timeout: seconds without any data before a transfer is abandoned
 
 
@@ -154,8 +152,6 @@ _UNREACHABLE = re.compile(
 
 
 _NO_RSYNC = re.compile(r"rsync: (command )?not found|rsync: No such file or directory")
-
-
 _HOST_KEY = re.compile(r"Host key verification failed|REMOTE HOST IDENTIFICATION HAS CHANGED|No .* host key is known")
 
 

@@ -20,8 +20,6 @@ from mnft.hostkeys import mnft_home
 
 
 ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info")
-
-
 DATA_EXCLUDES: tuple[str, ...] = ()
 
 

@@ -18,8 +18,6 @@ from mnft.inventory import Inventory
 # system directories too. A remote target that *resolves* to the home or an ancestor of it is refused per host.
 SYSTEM_DIRS = frozenset({"/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/mnt", "/media", "/opt", "/proc", "/root",
                          "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/var", "/Users", "/usr/local", "/var/tmp", "/var/lib"})
-
-
 HOME_LIKE = re.compile(r"^/(home|Users)/[^/]+$")
 
 
