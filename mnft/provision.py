@@ -225,7 +225,7 @@ def base_python(host: Host) -> str:
 
 def script_command(host: Host, *args: str) -> Command:
     """envhost on the host's base Python (never the environment's: it may be the broken one being replaced)."""
-    return Command(tuple([base_python(host), "-c", pyrun.BOOTSTRAP, *args]))
+    return pyrun.command(host, *args, python=base_python(host))
 
 
 def facts_command(host: Host, want: str | None) -> Command:

@@ -7,6 +7,8 @@ After the script is read, stdin stays open: a script can watch it and stop when 
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from mnft.command import Command
 from mnft.inventory import Host
 
@@ -16,9 +18,10 @@ BOOTSTRAP = (
 )
 
 
-def command(host: Host, *args: str, cwd: str | None = None) -> Command:
-    """`python -c BOOTSTRAP ARGS…`: sys.argv[1:] of the script is ARGS."""
-    return Command(tuple([host.python, "-c", BOOTSTRAP, *args]), cwd=cwd)
+def command(host: Host, *args: str, cwd: str | None = None, env: Mapping[str, str] | None = None, python: str | None = None) -> Command:
+    """`python -c BOOTSTRAP ARGS…`: sys.argv[1:] of the script is ARGS. python: another interpreter than the
+    host's (provision runs on the base Python)."""
+    return Command(tuple([python or host.python, "-c", BOOTSTRAP, *args]), tuple((env or {}).items()), cwd)
 
 
 def payload(source: str) -> bytes:

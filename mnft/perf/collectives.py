@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Callable
 
 from mnft import pyrun
-from mnft.command import Command
 from mnft.connection import CommandTimeout, Process, Unreachable
 from mnft.fleet import Fleet, HostResult, Status
 from mnft.inventory import Host, Inventory
@@ -191,7 +190,7 @@ def start_allreduce(fleet: Fleet, master_addr: str, port: int, ifaces: dict[str,
     for host in inventory.hosts:
         argv = torchrun_argv(host, inventory, master_addr, port, entry_args, launcher)
         argv.insert(1, "--hold")
-        command = Command(tuple([host.python, "-c", pyrun.BOOTSTRAP, *argv]), tuple(host_env(host.iface or ifaces.get(host.name)).items()))
+        command = pyrun.command(host, *argv, env=host_env(host.iface or ifaces.get(host.name)))
         try:
             processes[host.name] = fleet.start(host, command)
             processes[host.name].write(payload)
