@@ -27,9 +27,13 @@ METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalis
 TIMING_PREFIX = "timings-rank"  # each rank's step timings (mnft/recipes/timing.py), collected from every host
 
 
-def collect(record: runs.RunRecord, fleet: Fleet, console: Console, quiet: bool = False) -> dict[str, str]:
+Metrics = tuple[list[dict], dict | None, str | None]  # run_metrics: rank 0's steps, its summary, where from
+
+
+def collect(record: runs.RunRecord, fleet: Fleet, console: Console, quiet: bool = False) -> Metrics:
     """Copy every host's run directory (and the job's metrics files) into runs/<id>/<host>/, then write the
-    normalised metrics and loss.png; outcome per host."""
+    normalised metrics and loss.png; each host's outcome is printed unless quiet. Returns the metrics, for
+    summarize."""
     hosts = record.data["hosts"]
 
     def command(host: Host):
@@ -48,7 +52,8 @@ def collect(record: runs.RunRecord, fleet: Fleet, console: Console, quiet: bool 
         with tarfile.open(fileobj=io.BytesIO(base64.b64decode(data["tar"])), mode="r:gz") as tar:
             tar.extractall(dest, filter="data")
         outcome[result.host] = "ok" + (f" (left out, too large: {', '.join(data['left_out'])})" if data.get("left_out") else "")
-    steps, _, source = run_metrics(record)
+    metrics = run_metrics(record)
+    steps, _, source = metrics
     if steps:
         plot(steps, record.path / "loss.png", f"{record.run_id}: loss" + (f" ({source})" if source else ""), restarts(record.data))
     timings = rank_timings(record)
@@ -59,7 +64,7 @@ def collect(record: runs.RunRecord, fleet: Fleet, console: Console, quiet: bool 
             console.print(f"{name}: {state}", highlight=False)
         if not steps:
             console.print(no_metrics_hint(record.data), highlight=False)
-    return outcome
+    return metrics
 
 
 def no_metrics_hint(data: dict) -> str:
@@ -109,7 +114,7 @@ def _views(record: runs.RunRecord) -> list[tuple[Path, dict]]:
     return views + [(record.path, record.data)]
 
 
-def run_metrics(record: runs.RunRecord) -> tuple[list[dict], dict | None, str | None]:
+def run_metrics(record: runs.RunRecord) -> Metrics:
     """Rank 0's step records (and its summary, if it wrote one) from what `logs` collected, over every attempt of
     the run (a step done again after a restart: the later attempt's record), written to runs/<id>/metrics.jsonl;
     and where they came from (host and source)."""
@@ -282,8 +287,9 @@ def collected_states(record: runs.RunRecord) -> dict[str, dict]:
     return out
 
 
-def summarize(record: runs.RunRecord) -> dict:
-    """runs/<id>/summary.json: the run's outcome per host and its training numbers (from the collected logs)."""
+def summarize(record: runs.RunRecord, metrics: Metrics | None = None) -> dict:
+    """runs/<id>/summary.json: the run's outcome per host and its training numbers (from the collected logs;
+    metrics: what collect returned, else read again)."""
     states = collected_states(record)
     hosts = {name: {"node_rank": info.get("node_rank"), "state": states.get(name, {}).get("state", info.get("state")),
                     "exit_code": states.get(name, {}).get("exit_code", info.get("exit_code"))}
@@ -292,7 +298,7 @@ def summarize(record: runs.RunRecord) -> dict:
     summary: dict[str, Any] = {"run_id": record.run_id, "job_id": record.data.get("job_id"), "job": job.label, "recipe": job.recipe,
                                "state": record.data.get("state"), "reason": record.data.get("reason"), "hosts": hosts,
                                "timings": record.data.get("timings")}
-    steps, final, source = run_metrics(record)
+    steps, final, source = metrics if metrics is not None else run_metrics(record)
     if steps:
         summary["metrics_host"] = source.split(":", 1)[0] if source else None
         summary["metrics_source"] = source
@@ -333,7 +339,7 @@ def print_summary(summary: dict, record: runs.RunRecord, console: Console) -> No
 # ------------------------------------------------------------------------------------------------ reading the output
 
 
-def merged_tail(record: runs.RunRecord, lines: int, console: Console) -> None:
+def merged_tail(record: runs.RunRecord, lines: int, console: Console, metrics: Metrics | None = None) -> None:
     """The last lines of every host's collected output, prefixed with host and rank, host after host (output.log
     carries no timestamps, so lines of different hosts cannot be put in time order), then the summary."""
     for name in record.data["hosts"]:
@@ -347,7 +353,7 @@ def merged_tail(record: runs.RunRecord, lines: int, console: Console) -> None:
             label = f"{name} r{rank}" if rank is not None else name
             console.print(Text.assemble((f"{label}| ", "dim"), text), highlight=False, soft_wrap=True)
     write_back(record, collected_states(record))
-    print_summary(summarize(record), record, console)
+    print_summary(summarize(record, metrics), record, console)
 
 
 def follow(record: runs.RunRecord, fleet: Fleet, console: Console) -> int:

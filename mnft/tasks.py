@@ -238,8 +238,8 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
     with fleet:
         if follow:
             return follow_logs(record, fleet, _console())
-        collect(record, fleet, _console())
-    merged_tail(record, int(lines), _console())
+        metrics = collect(record, fleet, _console())
+    merged_tail(record, int(lines), _console(), metrics)
 
 
 @task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})

@@ -751,8 +751,7 @@ def finish(record: runs.RunRecord, result: GangResult, timings: dict, t0: float,
     record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
                   failed_rank=rank, traceback=trace or None, timings=timings)
     try:
-        collect(record, fleet, console, quiet=True)
-        summarize(record)
+        summarize(record, collect(record, fleet, console, quiet=True))
     except Exception as exc:  # noqa: BLE001 - a failed collection must not hide the run's outcome
         console.print(f"[yellow]log collection failed: {exc}[/yellow]")
     if result.leftovers:
