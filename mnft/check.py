@@ -404,8 +404,8 @@ def reference_label(inventory: Inventory, name: str | None) -> str:
     return f"{name}'s (the first host that answered; the master {inventory.master_name} did not)"
 
 
-# packages with a rule of their own above (its message and fix say more than a version pair)
-ENV_RULE_IGNORES = ("torch",)
+# packages with a rule of their own above (its message and fix say more than a version pair): reported once
+ENV_RULE_IGNORES = ("torch", "nvidia-nccl-cu11", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
 
 
 def environment_drift(name: str, facts: dict, reference: dict, label: str) -> Problem | None:

@@ -68,6 +68,15 @@ def test_python_patch_releases_may_differ():
     assert run({"a": facts(), "b": facts(python__version="3.11.9"), "c": facts()}) == []
 
 
+def test_a_package_with_a_rule_of_its_own_is_reported_once_and_other_packages_by_the_environment_rule():
+    dists = {"torch": "2.13.0+cu124", "nvidia-nccl-cu12": "2.21.5", "numpy": "2.1.0"}
+    drifted = {"torch": "2.12.0+cu124", "nvidia_nccl_cu12": "2.18.1", "numpy": "2.1.0"}
+    problems = run({"a": facts(dists=dists), "b": facts(dists=dict(dists, numpy="1.26.4")),
+                    "c": facts(dists=drifted, torch__version="2.12.0+cu124", nccl="2.18.1")})
+    assert fields_of(problems) == [("b", "env"), ("c", "nccl"), ("c", "torch")]
+    assert "numpy 1.26.4" in next(p.message for p in problems if p.field == "env")
+
+
 def test_driver_and_cuda_drift_are_found():
     problems = run({"a": facts(), "b": facts(nvidia__driver="535.1"), "c": facts(torch__cuda="12.1")})
     assert fields_of(problems) == [("b", "driver"), ("c", "cuda")]
