@@ -235,9 +235,10 @@ def tensorboard(directory: Path) -> list[dict[str, Any]]:
         acc = EventAccumulator(str(run), size_guidance={SCALARS: 0})
         acc.Reload()
         tags = acc.Tags().get("scalars", [])
+        loss_tag = _loss_tag(tags)
         for tag in tags:
             name = tag.rsplit("/", 1)[-1].lower()
-            key = "loss" if name in ("loss", "train_loss") and tag == _loss_tag(tags) else ("lr" if name in ("lr", "learning_rate") else tag)
+            key = "loss" if name in ("loss", "train_loss") and tag == loss_tag else ("lr" if name in ("lr", "learning_rate") else tag)
             for event in acc.Scalars(tag):
                 by_step.setdefault(int(event.step), {})[key] = event.value
     return [r for r in (record(step, values) for step, values in sorted(by_step.items())) if r is not None]
