@@ -12,9 +12,9 @@ verify.
 Layouts (the job's resume.layout): hf `checkpoint-N` holding trainer_state.json (written last); torchtune
 `epoch_N` (else `step_N`) holding recipe_state.pt; sana the target of `latest.pth` (replaced only after a save
 completed); glob a pattern and a marker file; mnft (the recipes) `step-N/rank-R/` each complete when its
-meta.json exists (written last), the step resumable when the ranks the recipe needs are there: any one rank for
-lora (DDP: every rank holds the same adapters and optimizer state), every rank of the world that wrote it for full
-(FSDP shards). A host lost for good takes its own files with it, so only what the others hold can be made whole.
+meta.json exists (written last), the newest step every rank of the world that wrote it completed; for lora
+(DDP: every rank holds the same adapters and optimizer state) a step some ranks completed when no step has them
+all. A host lost for good takes its own files with it, so only what the others hold can be made whole.
 """
 
 from __future__ import annotations
@@ -141,27 +141,44 @@ def choose(rule: ResumeRule, listings: dict[str, dict], needs: str = "all") -> C
 
 
 def _choose_mnft(entries: dict[str, dict], needs: str) -> Choice:
-    """The recipes' step-N/rank-R/: the newest step whose complete rank parts (meta.json) in the union are what
-    the recipe needs (any one rank, or all ranks of the world that wrote the step)."""
-    names = {name for e in entries.values() for name, v in e.items() if v.get("dir") and MNFT_STEP.match(name)}
-    considered = []
-    for name in sorted(names, key=_number, reverse=True):
-        held = {host: _files(name, e[name]) for host, e in entries.items() if name in e}
+    """The recipes' step-N/rank-R/: the newest step that every rank of the world that wrote it completed (its
+    meta.json) in the union of the hosts' files, so that each rank continues its own state and RNG stream.
+
+    lora (needs "any": every rank holds the same adapters and optimizer state) also resumes from a step that only
+    some ranks completed, when no step of the newest step's world has them all: a host lost for good took its
+    parts of every step with it. A step whose save a crash cut short on a host that is still there is passed
+    over for the one before it: resuming it would give that rank another rank's replica and a new RNG stream,
+    and the run would no longer be the one it would have been without the crash."""
+    names = sorted((name for e in entries.values() for name, v in e.items() if v.get("dir") and MNFT_STEP.match(name)),
+                   key=_number, reverse=True)
+    steps: list[tuple[str, dict[int, int]]] = []  # newest first: the steps some rank completed, rank -> world size
+    for name in dict.fromkeys(names):
         metas: dict[int, int] = {}
         for e in entries.values():
             for rel, meta in ((e.get(name) or {}).get("meta") or {}).items():
                 match = re.match(r"^rank-(\d+)/meta\.json$", rel)
                 if match and isinstance(meta.get("world_size"), int):
                     metas[int(match.group(1))] = meta["world_size"]
-        world = max(metas.values(), default=0)
-        if metas and (needs == "any" or set(range(world)) <= set(metas)):
-            union: dict[str, int] = {}
-            for files in held.values():
-                union.update({p: size for p, size in files.items() if _complete_rank(p, metas)})
-            return Choice(name, (name,), union, {h: {p: v for p, v in held.get(h, {}).items() if p in union} for h in entries}, considered,
-                          exclude=("rank-*.tmp-*",))
-        considered.append(name)
-    return Choice(None, considered=considered)
+        if metas:
+            steps.append((name, metas))
+
+    def whole(metas: dict[int, int], world: int | None = None) -> bool:
+        return set(range(max(metas.values()))) <= set(metas) and world in (None, max(metas.values()))
+
+    chosen = next(((n, m) for n, m in steps if whole(m)), None)
+    if needs == "any" and steps:
+        newest_world = max(steps[0][1].values())
+        chosen = next(((n, m) for n, m in steps if whole(m, newest_world)), steps[0])
+    considered = [n for n in dict.fromkeys(names) if chosen is None or _number(n) > _number(chosen[0])]
+    if chosen is None:
+        return Choice(None, considered=considered)
+    name, metas = chosen
+    held = {host: _files(name, e[name]) for host, e in entries.items() if name in e}
+    union: dict[str, int] = {}
+    for files in held.values():
+        union.update({p: size for p, size in files.items() if _complete_rank(p, metas)})
+    return Choice(name, (name,), union, {h: {p: v for p, v in held.get(h, {}).items() if p in union} for h in entries}, considered,
+                  exclude=("rank-*.tmp-*",))
 
 
 def _complete_rank(path: str, metas: dict[int, int]) -> bool:

@@ -101,6 +101,41 @@ def test_a_crashed_saves_temp_dir_is_neither_hashed_nor_copied(tmp_path):
     assert sorted(files) == ["step-36/rank-0/meta.json"]
 
 
+def steps_listing(parts: dict[int, tuple[int, ...]], world: int = 3) -> dict:
+    """The agent's listing of a checkpoints directory holding, per step, the complete parts of these ranks."""
+    return {"exists": True, "entries": {
+        f"step-{step}": {"dir": True, "link": None,
+                         "files": {f"rank-{r}/{f}": 10 for r in ranks for f in ("meta.json", "__0_0.distcp")},
+                         "meta": {f"rank-{r}/meta.json": {"rank": r, "world_size": world} for r in ranks}}
+        for step, ranks in parts.items()}}
+
+
+@pytest.mark.parametrize("needs", ["any", "all"])
+def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_before_that_every_rank_completed(needs):
+    """h2 was killed while it wrote step 40; h1 and h3 completed theirs. Resuming step 40 would give h2's rank
+    another rank's replica and a new RNG stream: the step before continues every rank's own state (exact)."""
+    listings = {"h1": steps_listing({36: (0,), 40: (0,)}), "h2": steps_listing({36: (1,)}), "h3": steps_listing({36: (2,), 40: (2,)})}
+    choice = checkpoints.choose(ResumeRule(layout="mnft"), listings, needs=needs)
+    assert choice.name == "step-36" and choice.considered == ["step-40"]
+    assert sorted({p.split("/")[1] for p in choice.union}) == ["rank-0", "rank-1", "rank-2"]
+
+
+def test_lora_resumes_a_step_some_ranks_completed_when_a_host_lost_for_good_took_its_parts_of_every_step():
+    """h2 is gone (a spare holds nothing yet): no step has all 3 ranks. lora's ranks are replicas, so the newest
+    step of the others serves; full's shards cannot be made whole."""
+    listings = {"h1": steps_listing({36: (0,), 40: (0,)}), "h3": steps_listing({36: (2,), 40: (2,)}), "h4": steps_listing({})}
+    lora = checkpoints.choose(ResumeRule(layout="mnft"), listings, needs="any")
+    assert lora.name == "step-40" and checkpoints.transfers(lora)["h4"] == {p: "h1" if "rank-0" in p else "h3" for p in lora.union}
+    assert checkpoints.choose(ResumeRule(layout="mnft"), listings, needs="all").name is None
+
+
+def test_a_complete_step_of_an_older_world_does_not_outrank_the_newest_world_for_lora():
+    """The gang shrank from 3 ranks to 2 after step 20, then lost a host: step 40 (world 2, one part left) is
+    resumed, not the older step 20 that all 3 ranks of the earlier world completed."""
+    listings = {"h1": {"exists": True, "entries": {**steps_listing({20: (0, 1, 2)})["entries"], **steps_listing({40: (0,)}, world=2)["entries"]}}}
+    assert checkpoints.choose(ResumeRule(layout="mnft"), listings, needs="any").name == "step-40"
+
+
 def test_a_host_that_still_differs_after_copying_is_named_with_a_file():
     union = {"s/a": (1, "x"), "s/b": (2, "y")}
     assert checkpoints._difference("h3", {"s/a": (1, "x"), "s/c": (3, "z")}, union) == \

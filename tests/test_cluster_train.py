@@ -50,15 +50,16 @@ def start_invoke(tmp_path: Path, *args: str, env: dict | None = None) -> subproc
     )
 
 
-def latest_resumable_checkpoint(cluster, hosts, job_id: str) -> int | None:
-    """The newest step that some rank saved completely (its rank-R/meta.json), read on the hosts' disks. For lora
-    one rank's part is enough: under DDP every rank holds the same adapters and optimizer state, so a step whose
-    save a kill cut short on one host still resumes from the others' parts (what mnft's resume picks)."""
-    steps: set[int] = set()
+def latest_complete_checkpoint(cluster, hosts, job_id: str) -> int | None:
+    """The newest step every rank saved completely (its rank-R/meta.json), read on the hosts' disks: what a resume
+    on the same hosts continues from (a step whose save a kill cut short on one host is passed over, so that
+    every rank goes on with its own state and RNG stream)."""
+    steps = None
     for rank, host in enumerate(hosts):  # one process per host: host i holds rank i
         root = host.home / "mnft" / "outputs" / job_id / "checkpoints"
-        steps |= {int(p.parent.parent.name.split("-")[1]) for p in root.glob(f"step-*/rank-{rank}/meta.json")}
-    return max(steps, default=None)
+        mine = {int(p.parent.parent.name.split("-")[1]) for p in root.glob(f"step-*/rank-{rank}/meta.json")}
+        steps = mine if steps is None else steps & mine
+    return max(steps) if steps else None
 
 
 @pytest.fixture
@@ -186,7 +187,7 @@ def test_killed_torchrun_tears_down_every_host_and_resume_finishes(trained_clust
     first = latest_record(tmp_path)
     assert first["failed_host"] == "h2" and first["state"] == "failed"
     assert first["hosts"]["h2"]["exit_code"] == 137
-    latest = latest_resumable_checkpoint(trained_cluster, trained_cluster.hosts[:3], first["job_id"])
+    latest = latest_complete_checkpoint(trained_cluster, trained_cluster.hosts[:3], first["job_id"])
     assert latest is not None and latest >= 4
 
     # --resume alone: the hosts file, the overrides and the env names come from the failed run's record

@@ -318,6 +318,43 @@ def test_a_lora_rank_whose_own_dir_is_gone_reads_another_replica_and_gets_a_fres
     assert not torch.equal(resume.rng_state(saved, 0)["torch"], saved["torch"])
 
 
+def three_nodes(monkeypatch, tmp_path, shared: bool = False) -> list[Path]:
+    """Each rank's checkpoints dir on its own node (or one shared dir): agree_latest's all-gather answered from them."""
+    roots = [tmp_path / ("shared" if shared else f"n{r}") for r in range(3)]
+    monkeypatch.setattr(checkpointing, "_gather", lambda _: [(checkpointing.held_steps(r), f"n{i}", str(r)) for i, r in enumerate(roots)])
+    return roots
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_lora_save_cut_short_on_one_node_resumes_the_step_every_rank_saved_with_its_own_state(monkeypatch, tmp_path, shared):
+    """Rank 1's save of step 40 was killed (a temp dir); ranks 0 and 2 completed theirs. Step 40 would give rank 1
+    another rank's replica and a new RNG stream; step 36 lets every rank continue its own (exact)."""
+    roots = three_nodes(monkeypatch, tmp_path, shared)
+    for rank in range(3):
+        fake_checkpoint(roots[rank], 36, rank, world_size=3, save_id="a")
+        fake_checkpoint(roots[rank], 40, rank, world_size=3, save_id="b", complete=rank != 1)
+    for rank in range(3):
+        resume = checkpointing.agree_latest(roots[rank], rank, world_size=3, replicated=True)
+        assert (resume.step, resume.sources(rank)) == (36, (rank,))
+        saved = {"torch": torch.get_rng_state()}
+        assert resume.rng_state(saved, rank) is saved  # its own stream goes on
+        # on a shared filesystem rank 1 could have read a replica of step 40: the note says why it did not
+        assert resume.skipped.startswith("newer step-40 lacks the own dir of rank(s) 1 (a save cut short)") if shared else resume.skipped == ""
+
+
+def test_a_lora_node_lost_for_good_resumes_the_newest_step_from_a_replica(monkeypatch, tmp_path):
+    """Old rank 1's node was replaced by a spare that holds nothing of its own: no step has rank 1's dir, so step 40
+    is resumed, rank 1 reading rank 0's replica (mnft copied it there)."""
+    roots = three_nodes(monkeypatch, tmp_path)
+    for rank in (0, 2):
+        for step in (36, 40):
+            fake_checkpoint(roots[rank], step, rank, world_size=3, save_id=f"s{step}")
+    for step in (36, 40):
+        fake_checkpoint(roots[1], step, 0, world_size=3, save_id=f"s{step}")
+    resume = checkpointing.agree_latest(roots[1], 1, world_size=3, replicated=True)
+    assert (resume.step, resume.sources(1), resume.skipped) == (40, (0,), "")
+
+
 def test_latest_on_another_world_size_without_every_shard_is_one_line_naming_what_is_missing_where(tmp_path, world_of_one):
     """full: each rank dir holds a shard; without rank-1 here nothing can be resumed: exit 2, nothing guessed."""
     fake_checkpoint(tmp_path, 2, rank=0, world_size=2, save_id="a")

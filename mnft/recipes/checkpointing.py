@@ -16,9 +16,10 @@ ranks of that save agreed on, so dirs of one save are never mixed with another r
 of it (world size W, save id), every rank can read, where it runs, the ``rank-R`` dirs of that save it needs:
 ``full`` with the same world size its own ``rank-R`` (as always), on another world size (resharding, see
 ``mnft.recipes.reshard``) all W dirs; ``lora`` (the dirs are replicas) its own old rank's dir or, when that is
-not there (a rank new to the run, or its host lost), any one dir of that save. ``mnft`` copies the dirs to every
-node before a resume; without them a resume on another world size fails with a one-line error naming what is
-missing where. ``latest`` is the newest complete step, agreed by an all-gather, so all ranks resume from it.
+not there (a rank new to the run, or its host lost), any one dir of that save -- but on the same world size only
+when no step has every rank's own dir: a save cut short on one node is passed over for the step before it, so
+every rank continues its own state and RNG stream. ``mnft`` copies the dirs to every node before a resume;
+without them a resume on another world size fails with a one-line error naming what is missing where. ``latest`` is the newest complete step, agreed by an all-gather, so all ranks resume from it.
 A fresh run (``resume=none``) refuses an output dir that already holds complete checkpoints (``overwrite=true``
 deletes them), so two runs' steps are never pruned or resumed as one.
 """
@@ -205,21 +206,37 @@ def agree_latest(root: Path, rank: int, world_size: int, replicated: bool = Fals
 
     A newer step that another world size wrote but whose dirs are not where this world needs them is passed
     over with a note (as a same-world step complete on some ranks only always was); when nothing is complete
-    and such a step exists, the resume is refused (ConfigError, exit 2) naming the missing dirs and where."""
+    and such a step exists, the resume is refused (ConfigError, exit 2) naming the missing dirs and where.
+    Replicated state (lora) on the same world size: a step where a rank would read another rank's replica (its
+    own dir was cut short by a crash) is passed over for the newest step where every rank reads its own dir, so
+    each continues its own state and RNG stream; when no step of this world has that (a host lost for good),
+    the replica serves."""
     everyone = _gather((held_steps(root), socket.gethostname(), str(root)))
-    passed = []
+    passed: list[str] = []
+    newest = None  # the newest step this world can read: (step, writer, this rank's view, note)
     for step in sorted({s for steps, _, _ in everyone for s in steps}, reverse=True):
         views = [steps.get(step, {}) for steps, _, _ in everyone]
-        places = [(None, host, str(step_dir(Path(r), step))) for _, host, r in everyone]
         writer = reshard.pick(views, replicated)
-        if writer is not None:
-            note = f"newer {passed[0]}" if passed else ""
-            mine = views[rank]
-            return Resume(step_dir(root, step), step, writer[0], world_size, replicated, note,
-                          frozenset(x for x, w in mine.items() if w == writer))
-        other = [w for w in reshard.writers(views) if w[0] != world_size]
-        if other:
-            passed.append(_unreadable(step_dir(root, step), other[0], views, places, replicated))
+        if writer is None:
+            other = [w for w in reshard.writers(views) if w[0] != world_size]
+            if other:
+                places = [(None, host, str(step_dir(Path(r), step))) for _, host, r in everyone]
+                passed.append(_unreadable(step_dir(root, step), other[0], views, places, replicated))
+            continue
+        found = (step, writer, views[rank], f"newer {passed[0]}" if passed else "")
+        lacking = sorted(reshard.missing(views, writer, replicated=False)) if replicated and writer[0] == world_size else []
+        if newest is None and lacking:  # look on for a step where every rank reads its own dir
+            newest = found
+            passed.append(f"{step_dir(root, step).name} lacks the own dir of rank(s) {', '.join(map(str, lacking))} (a save "
+                          "cut short), and resuming it would give that rank another rank's replica and a new RNG stream")
+            continue
+        if newest is None or (writer[0] == world_size and not lacking):
+            newest = found
+            break
+    if newest is not None:
+        step, writer, mine, note = newest
+        return Resume(step_dir(root, step), step, writer[0], world_size, replicated, note,
+                      frozenset(x for x, w in mine.items() if w == writer))
     if passed:
         raise ConfigError(f"resume=latest: {passed[0]}")
     return None
