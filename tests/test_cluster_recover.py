@@ -217,6 +217,48 @@ def test_killed_workers_restart_on_the_same_hosts_from_the_checkpoint_with_the_u
     assert not list(h["h4"].home.glob(f"mnft/outputs/{record['job_id']}/checkpoints/step-*"))  # the spare was not used
 
 
+def newest_part(host, job_id: str, rank: int) -> int:
+    parts = (host.home / "mnft" / "outputs" / job_id / "checkpoints").glob(f"step-*/rank-{rank}/meta.json")
+    return max(int(p.parent.parent.name.split("-")[1]) for p in parts)
+
+
+def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_both_ranks_saved_and_equals_the_uninterrupted_run(healthy_cluster, tmp_path):
+    """A kill that lands while h2 writes step N leaves a temp dir where h2's part of N would be. The window is
+    milliseconds wide, so the test makes that state by hand when the kill missed it. Resuming N would give h2's rank
+    h1's replica and a new RNG stream for its dropout. The resume takes the step before, which both ranks saved,
+    and finishes with the uninterrupted run's adapters, byte for byte."""
+    h = {x.name: x for x in healthy_cluster.hosts}
+    inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
+    reference = mnft(REPO, tmp_path, *recipe_args(inv))
+    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
+    uninterrupted = latest_record(tmp_path)
+
+    proc = start_mnft(tmp_path, *recipe_args(inv))
+    wait_for_output(proc, r"step +10/16")
+    for pid in workers(healthy_cluster, h["h2"]):
+        os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-3000:]
+    job = latest_record(tmp_path)["job_id"]
+    on_h1, on_h2 = newest_part(h["h1"], job, 0), newest_part(h["h2"], job, 1)
+    if on_h1 == on_h2:  # the kill came between saves: cut h2's part of the newest step short
+        step = h["h2"].home / "mnft" / "outputs" / job / "checkpoints" / f"step-{on_h2}"
+        (step / "rank-1").rename(step / "rank-1.tmp-cut")
+        expected = on_h2 - 4
+    else:  # the kill came during h2's save
+        assert on_h1 == on_h2 + 4
+        expected = on_h2
+
+    done = mnft(REPO, tmp_path, "train", "--src", str(REPO), "--resume")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"resuming from step-{expected}" in done.stdout, done.stdout[-3000:]
+    resumed = latest_record(tmp_path)
+    adapter = "mnft/outputs/{}/adapter/adapter_model.safetensors"
+    digest = [hashlib.sha256((h["h1"].home / adapter.format(run["job_id"])).read_bytes()).hexdigest() for run in (resumed, uninterrupted)]
+    assert digest[0] == digest[1]
+    assert summary(tmp_path, resumed)["final_loss"] == summary(tmp_path, uninterrupted)["final_loss"]
+
+
 def test_a_host_cut_off_is_replaced_by_the_spare_and_left_with_nothing_running(healthy_cluster, tmp_path):
     h = {x.name: x for x in healthy_cluster.hosts}
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2", "h3", "h4"], spare={"h4": True})
