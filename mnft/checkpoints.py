@@ -149,10 +149,10 @@ def _choose_mnft(entries: dict[str, dict], needs: str) -> Choice:
     parts of every step with it. A step whose save a crash cut short on a host that is still there is passed
     over for the one before it: resuming it would give that rank another rank's replica and a new RNG stream,
     and the run would no longer be the one it would have been without the crash."""
-    names = sorted((name for e in entries.values() for name, v in e.items() if v.get("dir") and MNFT_STEP.match(name)),
+    names = sorted({name for e in entries.values() for name, v in e.items() if v.get("dir") and MNFT_STEP.match(name)},
                    key=_number, reverse=True)
     steps: list[tuple[str, dict[int, int]]] = []  # newest first: the steps some rank completed, rank -> world size
-    for name in dict.fromkeys(names):
+    for name in names:
         metas: dict[int, int] = {}
         for e in entries.values():
             for rel, meta in ((e.get(name) or {}).get("meta") or {}).items():
@@ -162,14 +162,15 @@ def _choose_mnft(entries: dict[str, dict], needs: str) -> Choice:
         if metas:
             steps.append((name, metas))
 
-    def whole(metas: dict[int, int], world: int | None = None) -> bool:
-        return set(range(max(metas.values()))) <= set(metas) and world in (None, max(metas.values()))
+    def whole(metas: dict[int, int]) -> bool:
+        return set(range(max(metas.values()))) <= set(metas)
 
-    chosen = next(((n, m) for n, m in steps if whole(m)), None)
-    if needs == "any" and steps:
-        newest_world = max(steps[0][1].values())
-        chosen = next(((n, m) for n, m in steps if whole(m, newest_world)), steps[0])
-    considered = [n for n in dict.fromkeys(names) if chosen is None or _number(n) > _number(chosen[0])]
+    if needs == "any" and steps:  # the newest step's world with every rank, else that step from replicas
+        world = max(steps[0][1].values())
+        chosen = next(((n, m) for n, m in steps if max(m.values()) == world and whole(m)), steps[0])
+    else:
+        chosen = next(((n, m) for n, m in steps if whole(m)), None)
+    considered = [n for n in names if chosen is None or _number(n) > _number(chosen[0])]
     if chosen is None:
         return Choice(None, considered=considered)
     name, metas = chosen

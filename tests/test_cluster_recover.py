@@ -185,6 +185,11 @@ def workers(cluster, host) -> list[int]:
     return [pid for pid, cmd in cluster.processes(host) if "mnft.recipes.lora" in cmd and "torch.distributed.run" not in cmd]
 
 
+def adapter_digest(host, record: dict) -> str:
+    """sha256 of a finished run's adapters on a host (a byte diff of two safetensors files would take pytest minutes)."""
+    return hashlib.sha256((host.home / "mnft" / "outputs" / record["job_id"] / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+
 def test_killed_workers_restart_on_the_same_hosts_from_the_checkpoint_with_the_uninterrupted_loss(healthy_cluster, tmp_path):
     # two training hosts + a spare: the recovered run equals the uninterrupted one bit for bit (with three ranks
     # it agrees to ~1e-7 relative: see docs/recovery.md, "Exactness")
@@ -208,9 +213,7 @@ def test_killed_workers_restart_on_the_same_hosts_from_the_checkpoint_with_the_u
     assert first["steps_lost"] == first["steps"][1] - second["resumed_step"] and second["steps"][0] == second["resumed_step"] + 1
     assert re.search(r"attempt 2/3: the same hosts", out), out[-3000:]
     # same world size, CPU: exactly the uninterrupted run's adapters, byte for byte, and its loss
-    adapter = "mnft/outputs/{}/adapter/adapter_model.safetensors"
-    digest = [hashlib.sha256((h["h1"].home / adapter.format(run["job_id"])).read_bytes()).hexdigest() for run in (record, uninterrupted)]
-    assert digest[0] == digest[1]
+    assert adapter_digest(h["h1"], record) == adapter_digest(h["h1"], uninterrupted)
     assert summary(tmp_path, record)["final_loss"] == expected
     run_dir = tmp_path / "runs" / record["run_id"]
     assert (run_dir / "attempt-1" / "h2" / "run" / "output.log").is_file() and (run_dir / "loss.png").stat().st_size > 0
@@ -253,9 +256,7 @@ def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_both_ranks_save
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resuming from step-{expected}" in done.stdout, done.stdout[-3000:]
     resumed = latest_record(tmp_path)
-    adapter = "mnft/outputs/{}/adapter/adapter_model.safetensors"
-    digest = [hashlib.sha256((h["h1"].home / adapter.format(run["job_id"])).read_bytes()).hexdigest() for run in (resumed, uninterrupted)]
-    assert digest[0] == digest[1]
+    assert adapter_digest(h["h1"], resumed) == adapter_digest(h["h1"], uninterrupted)
     assert summary(tmp_path, resumed)["final_loss"] == summary(tmp_path, uninterrupted)["final_loss"]
 
 

@@ -19,7 +19,8 @@ of it (world size W, save id), every rank can read, where it runs, the ``rank-R`
 not there (a rank new to the run, or its host lost), any one dir of that save -- but on the same world size only
 when no step has every rank's own dir: a save cut short on one node is passed over for the step before it, so
 every rank continues its own state and RNG stream. ``mnft`` copies the dirs to every node before a resume;
-without them a resume on another world size fails with a one-line error naming what is missing where. ``latest`` is the newest complete step, agreed by an all-gather, so all ranks resume from it.
+without them a resume on another world size fails with a one-line error naming what is missing where.
+``latest`` is the newest complete step, agreed by an all-gather, so all ranks resume from it.
 A fresh run (``resume=none``) refuses an output dir that already holds complete checkpoints (``overwrite=true``
 deletes them), so two runs' steps are never pruned or resumed as one.
 """
@@ -225,14 +226,13 @@ def agree_latest(root: Path, rank: int, world_size: int, replicated: bool = Fals
             continue
         found = (step, writer, views[rank], f"newer {passed[0]}" if passed else "")
         lacking = sorted(reshard.missing(views, writer, replicated=False)) if replicated and writer[0] == world_size else []
-        if newest is None and lacking:  # look on for a step where every rank reads its own dir
+        if not lacking and (newest is None or writer[0] == world_size):
+            newest = found
+            break
+        if newest is None:  # some rank would read a replica: look on for a step where every rank reads its own dir
             newest = found
             passed.append(f"{step_dir(root, step).name} lacks the own dir of rank(s) {', '.join(map(str, lacking))} (a save "
                           "cut short), and resuming it would give that rank another rank's replica and a new RNG stream")
-            continue
-        if newest is None or (writer[0] == world_size and not lacking):
-            newest = found
-            break
     if newest is not None:
         step, writer, mine, note = newest
         return Resume(step_dir(root, step), step, writer[0], world_size, replicated, note,
