@@ -3,7 +3,7 @@
 
     python bench/fanout.py [--sizes 4,16,32] [--reps 3] [--skip-ansible] [--profile]
 
-Needs root (mnft.testbed), pdsh, and ansible-core (`pip install -e .[bench]`). Every tool runs the same work on
+Needs root (testbed), pdsh, and ansible-core (`pip install -e .[bench]`). Every tool runs the same work on
 every host: the interpreter the inventory names runs mnft's stdlib-only probe (`probe.py facts`). mnft ships the
 probe on stdin (`python - facts`, one SSH round-trip); pdsh and Ansible run a copy placed in each host's home
 beforehand. All three use the same key and known_hosts with strict host key checking, 32 connections at once.
@@ -39,14 +39,14 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
-from mnft import inventory as inventory_mod  # noqa: E402
-from mnft import probe  # noqa: E402
-from mnft.check import gather_facts  # noqa: E402
-from mnft.connection import Timeouts  # noqa: E402
-from mnft.fleet import Fleet  # noqa: E402
-from mnft.testbed import Cluster  # noqa: E402
+from mnft.hosts import inventory as inventory_mod  # noqa: E402
+from mnft.check import probe  # noqa: E402
+from mnft.check.gather import gather_facts  # noqa: E402
+from mnft.hosts.connection import Timeouts  # noqa: E402
+from mnft.hosts.fleet import Fleet  # noqa: E402
+from testbed import Cluster  # noqa: E402
 
 FORKS = 32
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Time from command to the first training step: `invoke train --recipe lora` vs a hand-written ssh loop.
 
-For 2, 4 and 8 simulated hosts (network namespaces with sshd, mnft.testbed), side by side in one run:
+For 2, 4 and 8 simulated hosts (network namespaces with sshd, testbed), side by side in one run:
 
 * mnft: `invoke train --recipe lora --hosts INV` (check + sync + launch + gang supervision), timed from the
   command until rank 0 prints its first step; the run record's check and sync seconds are shown separately;
@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
-from mnft.testbed import Cluster  # noqa: E402
+from testbed import Cluster  # noqa: E402
 
 FIRST_STEP = re.compile(r"step +1/")
 
@@ -115,7 +115,7 @@ def steady(n: int, steps: int, repeat: int, work: Path, width: int = 512) -> dic
         inv = cluster.write_inventory(work / f"sinv{n}.yaml")
         env = dict(os.environ, HOME=str(work / "home"), MNFT_RUNS_DIR=str(work / f"sruns{n}"), PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         (work / "home").mkdir(exist_ok=True)
-        mnft = [sys.executable, "-c", "from mnft.cli import main; main()", "train", "--hosts", str(inv), "--src", str(ASSETS),
+        mnft = [sys.executable, "-c", "from mnft.cli.main import main; main()", "train", "--hosts", str(inv), "--src", str(ASSETS),
                 "--env", "OMP_NUM_THREADS", "--", "steady_ddp.py", "--steps", str(steps), "--width", str(width)]
         mnft_times, hand_times = [], []
         for _ in range(repeat):

@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
-from mnft import pyrun  # noqa: E402
+from mnft.hosts import pyrun  # noqa: E402
 from mnft.perf import linkagent  # noqa: E402
-from mnft.testbed import Cluster  # noqa: E402
+from testbed import Cluster  # noqa: E402
 
 
 def agent_figure(cluster, a, b, seconds: float) -> float:

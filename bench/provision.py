@@ -33,9 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
-from mnft.testbed import Cluster  # noqa: E402
+from testbed import Cluster  # noqa: E402
 
 BASE_PYTHON = "/usr/bin/python3"
 REQUIREMENTS = "transformers\npyyaml\ntokenizers\nsafetensors\nnumpy\n"
@@ -91,8 +91,8 @@ def main() -> int:
         if done.returncode != 0:
             sys.exit(f"setup failed: {done.stdout[-2000:]}{done.stderr[-2000:]}")
         # the controller's wheelhouse first (every method starts from the same wheels here), untimed
-        from mnft import lockfile
-        from mnft.wheelhouse import Platform, Wheelhouse
+        from mnft.env import lockfile
+        from mnft.env.wheelhouse import Platform, Wheelhouse
 
         os.environ["MNFT_HOME"] = env["MNFT_HOME"]
         parsed = lockfile.load(lock)

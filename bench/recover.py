@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Automatic recovery, measured: kill one host's lora workers mid-run (or cut its link) and time the way back.
 
-On a fresh simulated cluster (3 training hosts + 1 spare, mnft.testbed), side by side in one run:
+On a fresh simulated cluster (3 training hosts + 1 spare, testbed), side by side in one run:
 
 * reference: `train --recipe lora` uninterrupted (the final loss to compare with);
 * recovered: the same with `--max-restarts 2`; at step --kill-at one host's workers are SIGKILLed (--cut: its
@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
-from mnft.testbed import Cluster  # noqa: E402
+from testbed import Cluster  # noqa: E402
 
 
 def run(argv: list[str], env: dict, on_line=None) -> tuple[int, str]:

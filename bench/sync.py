@@ -27,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from statistics import median
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "tests")]  # mnft; the test bed
 
-from mnft import inventory as inventory_mod  # noqa: E402
-from mnft import rsync, source, sync  # noqa: E402
-from mnft.testbed import Cluster  # noqa: E402
+from mnft.hosts import inventory as inventory_mod  # noqa: E402
+from mnft.sync import rsync, source, mirror  # noqa: E402
+from testbed import Cluster  # noqa: E402
 
 
 def generate(root: Path, files: int, total_mb: int, seed: int = 7) -> int:
@@ -101,21 +101,21 @@ def main() -> int:
             wipe(cluster, "/root/bench-mnft", "/root/bench-plain")
 
             def mnft_first_sync():
-                report, seconds = timed(lambda: sync.sync_code(inv, src, progress=False))
+                report, seconds = timed(lambda: mirror.sync_code(inv, src, progress=False))
                 assert report.ok and {h.status for h in report.hosts.values()} == {"changed"}, report.summary()
                 firsts.append(seconds)
 
             order = [lambda: plains.append(plain_rsync(cluster, src, "/root/bench-plain", rules_file)), mnft_first_sync]
             for step in order if rep % 2 == 0 else reversed(order):
                 step()
-            noop, t_noop = timed(lambda: sync.sync_code(inv, src, progress=False))
+            noop, t_noop = timed(lambda: mirror.sync_code(inv, src, progress=False))
             assert noop.ok and {h.status for h in noop.hosts.values()} == {"ok"}, noop.summary()
             noops.append(t_noop)
             changed = src / f"pkg{rep % 20:02d}" / f"mod{rep % 7}" / f"file{rep:05d}.py"
             data = bytearray(changed.read_bytes())
             data[len(data) // 2] ^= 0xFF
             changed.write_bytes(bytes(data))
-            one, t_one = timed(lambda: sync.sync_code(inv, src, progress=False))
+            one, t_one = timed(lambda: mirror.sync_code(inv, src, progress=False))
             assert one.ok and all(h.files_changed == 1 for h in one.hosts.values()), one.summary()
             ones.append(t_one)
             sents.append(max(h.bytes_sent for h in one.hosts.values()))

@@ -1,7 +1,7 @@
-"""Shared fixtures. The `cluster` suite (-m cluster) runs on a simulated cluster from mnft.testbed.
+"""Shared fixtures. The `cluster` suite (-m cluster) runs on a simulated cluster from testbed.
 
 Fixtures:
-  testbed                 session: the mnft.testbed module, or a skip with the reason this machine can't run it
+  testbed                 session: the testbed module, or a skip with the reason this machine can't run it
   cluster                 session: 4 hosts h1..h4 + an outsider, built once, always torn down
   healthy_cluster         function: the session cluster, restored after the test (link up, original host keys,
                           sshd running, stray processes killed) — use it in any test that breaks a host
@@ -40,8 +40,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _testbed():
-    """Import mnft.testbed, or skip with the reason the machine cannot run it."""
-    from mnft import testbed
+    """Import testbed, or skip with the reason the machine cannot run it."""
+    import testbed
 
     try:
         testbed.check_prerequisites()
@@ -54,7 +54,7 @@ def _testbed():
 
 class _TerminateAsInterrupt:
     """While a cluster exists, SIGTERM (CI cancelling, `timeout`) unwinds like Ctrl-C so finalizers tear it
-    down; atexit in mnft.testbed is the last resort. SIGKILL leaves leftovers: cleanup_stale() at next start."""
+    down; atexit in testbed is the last resort. SIGKILL leaves leftovers: cleanup_stale() at next start."""
 
     def __enter__(self) -> None:
         self.previous = None
@@ -72,7 +72,7 @@ class _TerminateAsInterrupt:
 
 @pytest.fixture(scope="session")
 def testbed():
-    """The mnft.testbed module, or a skip saying why this machine cannot run it."""
+    """The testbed module, or a skip saying why this machine cannot run it."""
     return _testbed()
 
 

@@ -6,10 +6,11 @@ import copy
 
 import pytest
 
-from mnft import inventory
-from mnft.check import CheckOptions, CheckReport, Reach, evaluate, master_address
-from mnft.errors import ExitCode, InputError
-from mnft.fleet import HostResult, Status
+from mnft.hosts import inventory
+from mnft.check.findings import CheckOptions, CheckReport, Reach
+from mnft.check.rules import evaluate, master_address
+from mnft.core.errors import ExitCode, InputError
+from mnft.hosts.fleet import HostResult, Status
 
 GIB = 1024**3
 
@@ -167,7 +168,7 @@ def test_bad_check_arguments_are_bad_input_before_any_host(kwargs, flag):
 
 @pytest.mark.parametrize("kwargs, flag", [({"connect": 0}, "--connect-timeout"), ({"connect": -3.0}, "--connect-timeout"), ({"command": 0.0}, "--timeout"), ({"connect": float("inf")}, "--connect-timeout")])
 def test_non_positive_timeouts_are_bad_input(kwargs, flag):
-    from mnft.connection import Timeouts
+    from mnft.hosts.connection import Timeouts
 
     with pytest.raises(InputError, match=f"^{flag}: .* must be a number of seconds > 0"):
         Timeouts(**kwargs)
@@ -182,7 +183,7 @@ def test_good_check_arguments_pass():
 
 
 def test_clock_skew_accounts_for_the_probe_reading_its_clock_at_its_end():
-    from mnft.check import clock_skew
+    from mnft.check.rules import clock_skew
 
     # Controller: sent at 1000.0, answer at 1005.0. The probe ran 4.5 s (a slow nvidia-smi) and read its clock
     # at its end; 0.5 s of transport/startup is split 0.25 before and 0.25 after. A host whose clock agrees
@@ -194,7 +195,7 @@ def test_clock_skew_accounts_for_the_probe_reading_its_clock_at_its_end():
 
 
 def test_a_slow_probe_is_no_clock_problem():
-    from mnft.check import clock_skew
+    from mnft.check.rules import clock_skew
 
     skew = {name: clock_skew(1004.75, 1000.0, 1005.0, 4.5) for name in ("a", "b")} | {"c": clock_skew(1000.3, 1000.0, 1000.5, 0.1)}
     report = CheckReport(INV, {n: HostResult(n, Status.OK) for n in "abc"}, {n: facts() for n in "abc"}, skew=skew)
@@ -205,7 +206,7 @@ def test_a_slow_probe_is_no_clock_problem():
 
 
 def test_drift_is_found_when_the_master_is_unreachable_against_the_first_host_that_answered():
-    from mnft.check import reference_host
+    from mnft.check.findings import reference_host
 
     outcomes = {"a": HostResult("a", Status.UNREACHABLE, error="no route"), "b": HostResult("b", Status.OK), "c": HostResult("c", Status.OK)}
     data = {"b": facts(), "c": facts(torch__version="2.12.0+cu124", nvidia__driver="535.1")}
@@ -218,7 +219,7 @@ def test_drift_is_found_when_the_master_is_unreachable_against_the_first_host_th
 
 
 def test_the_master_is_the_reference_when_it_answered():
-    from mnft.check import reference_host
+    from mnft.check.findings import reference_host
 
     assert reference_host(INV, {"c": facts(), "a": facts()}) == "a"
     assert reference_host(INV, {}) is None

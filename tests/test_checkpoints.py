@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from mnft import agent, checkpoints, treehash
-from mnft.job import ResumeRule
+from mnft.run import agent, checkpoints
+from mnft.sync import treehash
+from mnft.run.job import ResumeRule
 
 
 def listing(**entries):

@@ -355,10 +355,10 @@ def test_injection_payloads_in_the_inventory_never_execute(healthy_cluster, tmp_
 
 
 def test_injection_payloads_in_environment_values_arrive_verbatim(cluster, tmp_path, monkeypatch):
-    from mnft import inventory as inv_mod
-    from mnft.command import Command
-    from mnft.connection import Timeouts
-    from mnft.fleet import Fleet
+    from mnft.hosts import inventory as inv_mod
+    from mnft.hosts.command import Command
+    from mnft.hosts.connection import Timeouts
+    from mnft.hosts.fleet import Fleet
 
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("MNFT_HOME", str(tmp_path / "mnft-home"))

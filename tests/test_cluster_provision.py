@@ -158,8 +158,9 @@ def test_a_failed_install_leaves_that_host_on_its_previous_environment(fresh_clu
     assert imported(cluster, h2, "alpha") == ["1.1"]
 
     # the controller's connection lost before the switch (the script's stdin closed): the build is thrown away
-    from mnft import envhost, pyrun
-    from mnft.wheelhouse import Wheelhouse
+    from mnft.env import envhost
+    from mnft.hosts import pyrun
+    from mnft.env.wheelhouse import Wheelhouse
 
     house = Wheelhouse(wheelhouse)
     spec = {"venv": "~/mnft-env", "id": "lost-connection", "python": BASE_PYTHON, "watch_stdin": True,

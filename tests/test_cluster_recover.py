@@ -23,7 +23,7 @@ from runhelpers import latest_record, wait_for_output, wait_no_orphans
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-MNFT = [sys.executable, "-c", "from mnft.cli import main; main()"]
+MNFT = [sys.executable, "-c", "from mnft.cli.main import main; main()"]
 MARKERS = ("torch.distributed.run", "agent.py", "flaky.py", "broken.py", "mnft.recipes")
 
 FLAKY = '''\

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mnft.steps import blocks, hosts_file
+from mnft.setup.steps import blocks, hosts_file
 
 pytestmark = pytest.mark.cluster
 
@@ -233,7 +233,7 @@ def test_setup_mesh_names_firewall_idempotent_check_and_undo(fresh_cluster_facto
 
 
 def _ports(text: str) -> set[int]:
-    from mnft.steps.reserved_ports import parse_ports
+    from mnft.setup.steps.reserved_ports import parse_ports
 
     return parse_ports(text)
 

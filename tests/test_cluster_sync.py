@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft import inventory as inventory_mod
-from mnft import source, sync
-from mnft.errors import ExitCode, InputError
-from mnft.fleet import Fleet
+from mnft.hosts import inventory as inventory_mod
+from mnft.sync import source, mirror
+from mnft.core.errors import ExitCode, InputError
+from mnft.hosts.fleet import Fleet
 
 pytestmark = pytest.mark.cluster
 
@@ -62,7 +62,7 @@ def test_every_host_holds_the_identical_tree(cluster, tmp_path):
     src = make_src(tmp_path)
     workdir = "/root/sync-identical"
     inv, _ = inv_for(cluster, tmp_path, workdir)
-    report = sync.sync_code(inv, src, progress=False)
+    report = mirror.sync_code(inv, src, progress=False)
     assert report.ok, report.summary()
     assert report.exit_code() == ExitCode.OK
     local_digest, local_files = source.tree_hash(src)
@@ -82,7 +82,7 @@ def test_every_host_holds_the_identical_tree(cluster, tmp_path):
     # the layout lets `cd workdir && python -m pkg.hello` work
     done = cluster.run(cluster.hosts[0], ["sh", "-c", f"cd {workdir} && {cluster.python} -m pkg.hello"])
     assert "hello from pkg.hello" in done.stdout
-    again = sync.sync_code(inv, src, progress=False)
+    again = mirror.sync_code(inv, src, progress=False)
     assert {h.status for h in again.hosts.values()} == {"ok"} and all(h.bytes_sent == 0 for h in again.hosts.values())
 
 
@@ -90,25 +90,26 @@ def test_drift_on_one_host_is_detected_by_check_and_sync_then_repaired(cluster, 
     src = make_src(tmp_path)
     workdir = "/root/sync-drift"
     inv, _ = inv_for(cluster, tmp_path, workdir)
-    assert sync.sync_code(inv, src, progress=False).ok
+    assert mirror.sync_code(inv, src, progress=False).ok
     drifted = cluster.hosts[1]
     cluster.run(drifted, ["sh", "-c", f"echo 'lr: 1' > {workdir}/pkg/sub/shipped.cfg && touch {workdir}/pkg/stray.py"])
     with Fleet(inv) as fleet:
-        hashes = sync.code_hashes(fleet, inv.hosts, src)
+        hashes = mirror.code_hashes(fleet, inv.hosts, src)
     assert hashes[drifted.name]["matches"] is False
     assert hashes[drifted.name]["differing"] == ["differs: pkg/sub/shipped.cfg", "extra: pkg/stray.py"]
     assert all(hashes[s.name]["matches"] for s in cluster.hosts if s is not drifted)
-    from mnft.check import CheckOptions, gather
+    from mnft.check.findings import CheckOptions
+    from mnft.check.gather import gather
 
     with Fleet(inv) as fleet:
         checked = gather(fleet, CheckOptions(network=False, code_src=str(src)))
     assert checked.to_json()["hosts"][drifted.name]["code_hash"]["matches"] is False
     assert [p.field for p in checked.problems if p.host == drifted.name and p.field == "code"] == ["code"]
-    dry = sync.sync_code(inv, src, progress=False, dry_run=True)
+    dry = mirror.sync_code(inv, src, progress=False, dry_run=True)
     assert dry.hosts[drifted.name].would_send == ["pkg/sub/shipped.cfg"]
     assert dry.hosts[drifted.name].would_delete == ["pkg/stray.py"]
     assert (host_tree(drifted, workdir) / "pkg/stray.py").exists()  # a dry run changes nothing
-    fixed = sync.sync_code(inv, src, progress=False)
+    fixed = mirror.sync_code(inv, src, progress=False)
     assert fixed.ok
     assert fixed.hosts[drifted.name].status == "changed" and fixed.hosts[drifted.name].files_deleted == 1
     assert {fixed.hosts[s.name].status for s in cluster.hosts if s is not drifted} == {"ok"}
@@ -120,20 +121,21 @@ def test_outputs_and_logs_a_host_wrote_that_match_gitignore_survive_and_are_no_d
     (src / ".gitignore").write_text("*.log\nbuild/\ncheckpoints/\n")
     workdir = "/root/sync-outputs"
     inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:2])
-    assert sync.sync_code(inv, src, progress=False).ok
+    assert mirror.sync_code(inv, src, progress=False).ok
     sim = cluster.hosts[0]
     own = ["checkpoints/step100.pt", "train.log", "pkg/eval/loss.log", "build/cache.bin", "pkg/sub/local.cfg"]
     cluster.run(sim, ["sh", "-c", "cd \"$1\" && for f in \"$@\"; do mkdir -p \"$(dirname \"$f\")\" && echo host-made > \"$f\"; done", "sh", workdir, *own])
-    dry = sync.sync_code(inv, src, progress=False, dry_run=True)
+    dry = mirror.sync_code(inv, src, progress=False, dry_run=True)
     assert dry.hosts[sim.name].would_delete == [] and dry.hosts[sim.name].status == "ok"
     with Fleet(inv) as fleet:
-        assert sync.code_hashes(fleet, inv.hosts, src)[sim.name]["matches"] is True
-    from mnft.check import CheckOptions, gather
+        assert mirror.code_hashes(fleet, inv.hosts, src)[sim.name]["matches"] is True
+    from mnft.check.findings import CheckOptions
+    from mnft.check.gather import gather
 
     with Fleet(inv) as fleet:
         checked = gather(fleet, CheckOptions(network=False, code_src=str(src)))
     assert not [p for p in checked.problems if p.field == "code"]
-    again = sync.sync_code(inv, src, progress=False)
+    again = mirror.sync_code(inv, src, progress=False)
     assert again.ok and {h.status for h in again.hosts.values()} == {"ok"}
     for rel in own:
         assert (host_tree(sim, workdir) / rel).read_text() == "host-made\n", rel
@@ -143,14 +145,14 @@ def test_a_workdir_and_source_with_spaces_and_shell_metacharacters_copy_verbatim
     src = make_src(tmp_path / "sync dir" / "$(touch PWNED); `touch PWNED2` & 'q'")
     workdir = "/root/sync w $(touch PWNED); `touch PWNED2` | 'q' \"dq\""
     inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:2])
-    report = sync.sync_code(inv, src, progress=False)
+    report = mirror.sync_code(inv, src, progress=False)
     assert report.ok, report.summary()
     local = source.tree_hash(src)
     for sim in cluster.hosts[:2]:
         copy = host_tree(sim, workdir)
         assert copy.is_dir() and source.tree_hash(copy, source.exclude_rules(src)[0]) == local
         assert report.hosts[sim.name].remote_hash == local[0]
-    again = sync.sync_code(inv, src, progress=False, dry_run=True)
+    again = mirror.sync_code(inv, src, progress=False, dry_run=True)
     assert {h.status for h in again.hosts.values()} == {"ok"}
     marked = [p for base in (tmp_path, *[s.root for s in cluster.hosts]) for p in base.rglob("PWNED*")]
     marked += [p for base in (ROOT, Path.cwd()) for p in base.glob("PWNED*")]  # a controller-side shell's cwd
@@ -162,11 +164,11 @@ def test_a_modification_rsync_cannot_see_is_still_caught_by_the_hash(cluster, tm
     src = make_src(tmp_path)
     workdir = "/root/sync-sneaky"
     inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:1])
-    assert sync.sync_code(inv, src, progress=False).ok
+    assert mirror.sync_code(inv, src, progress=False).ok
     sim = cluster.hosts[0]
     path = f"{workdir}/pkg/sub/shipped.cfg"
     cluster.run(sim, ["sh", "-c", f"t=$(stat -c %Y {path}); echo 'lr: 9e-4' > {path}; touch -d @$t {path}"])
-    report = sync.sync_code(inv, src, progress=False)
+    report = mirror.sync_code(inv, src, progress=False)
     assert report.ok, report.summary()
     assert (host_tree(sim, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1e-4\n"
 
@@ -176,7 +178,7 @@ def test_dangerous_targets_are_refused_before_any_host_is_touched(cluster, tmp_p
     for target in ("/root", "~", "/", "~/.", "/root/x/.."):
         path = cluster.write_inventory(tmp_path / "bad.yaml", workdir={"h2": target})
         with pytest.raises(InputError) as exc:
-            sync.sync_code(inventory_mod.load(path), src, progress=False)
+            mirror.sync_code(inventory_mod.load(path), src, progress=False)
         assert exc.value.exit_code == ExitCode.BAD_INPUT
         assert not (cluster.hosts[0].home / "mnft" / "odd").exists()  # h1 (a fine target) was not touched either
     done = subprocess.run([sys.executable, "-m", "invoke", "sync", "--hosts", str(path), "--src", str(src)], cwd=ROOT,
@@ -192,7 +194,7 @@ def test_a_target_that_resolves_to_home_is_refused_on_that_host_only(healthy_clu
     cluster.run(sim, ["ln", "-sfn", "/root", "/root/home-link"])
     try:
         path = cluster.write_inventory(tmp_path / "inv.yaml", cluster.hosts[:2], workdir={"h1": "/root/home-link", "h2": "/root/sync-link-ok"})
-        report = sync.sync_code(inventory_mod.load(path), src, progress=False)
+        report = mirror.sync_code(inventory_mod.load(path), src, progress=False)
         assert report.hosts["h1"].status == "refused" and "home directory" in report.hosts["h1"].error
         assert report.exit_code() == ExitCode.BAD_INPUT
         assert report.hosts["h2"].status == "changed"
@@ -210,7 +212,7 @@ def test_one_unreachable_and_one_failing_host_do_not_stop_the_others(healthy_clu
     cluster.stop_sshd(dead)
     cluster.run(broken, ["sh", "-c", f"rm -rf {workdir} && echo not-a-dir > {workdir}"])  # the target is a file
     try:
-        report = sync.sync_code(inv, src, progress=False)
+        report = mirror.sync_code(inv, src, progress=False)
         assert report.hosts[dead.name].status == "unreachable" and report.hosts[dead.name].error
         assert report.hosts[broken.name].status == "failed" and report.hosts[broken.name].error
         for sim in cluster.hosts[:2]:
@@ -236,20 +238,20 @@ def test_data_goes_to_data_dir_once_on_a_shared_filesystem(cluster, tmp_path):
     # h1 and h2 "share" a filesystem: both point at h1's data dir through the path h1 writes (simulated by
     # giving h2 a data_dir that already holds the same copy after h1's sync: a bind would need root in-host).
     path = cluster.write_inventory(tmp_path / "inv.yaml", [h1, h3], workdir="/root/sync-data-code", data_dir="/root/sync-data")
-    report = sync.sync_data(inventory_mod.load(path), data, progress=False)
+    report = mirror.sync_data(inventory_mod.load(path), data, progress=False)
     assert report.ok, report.summary()
     for sim in (h1, h3):
         assert report.hosts[sim.name].status == "changed"
         assert (sim.home / "sync-data" / "shards" / "2.jsonl").read_text() == '{"i": 2}\n'
     shared = cluster.write_inventory(tmp_path / "shared.yaml", [h1, h2], workdir="/root/sync-data-code", data_dir="/root/sync-data-shared",
                                      shared_fs=True)
-    report = sync.sync_data(inventory_mod.load(shared), data, progress=False)
+    report = mirror.sync_data(inventory_mod.load(shared), data, progress=False)
     # h2 does not really share h1's disk here: the writer is h1, and h2 must say it cannot see the data
     assert report.hosts["h1"].status == "changed"
     assert report.hosts["h2"].status == "failed" and "host h2 does not see the shared data at /root/sync-data-shared" in report.hosts["h2"].error
     assert not (h2.home / "sync-data-shared").exists()
     # the next run: h1 already holds the data, so h2 (still without the mount) verifies and fails again, uncopied
-    again = sync.sync_data(inventory_mod.load(shared), data, progress=False)
+    again = mirror.sync_data(inventory_mod.load(shared), data, progress=False)
     assert again.hosts["h1"].status == "ok"
     assert again.hosts["h2"].status == "failed" and "host h2 does not see the shared data" in again.hosts["h2"].error
     assert not (h2.home / "sync-data-shared").exists()

@@ -17,12 +17,12 @@ from pathlib import Path
 import paramiko
 import pytest
 
-from mnft import hostkeys
-from mnft.command import Command
-from mnft.connection import Timeouts, Unreachable, bounded, open_connection
-from mnft.errors import ExitCode, InputError, MnftError
-from mnft.fleet import Fleet, HostResult, Results, Status
-from mnft.inventory import parse
+from mnft.hosts import hostkeys
+from mnft.hosts.command import Command
+from mnft.hosts.connection import Timeouts, Unreachable, bounded, open_connection
+from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.hosts.fleet import Fleet, HostResult, Results, Status
+from mnft.hosts.inventory import parse
 
 
 @pytest.fixture(autouse=True)
@@ -128,7 +128,7 @@ class _FaultyConnection:
 
     def run(self, command, stdin=None, timeout=None):
         if self.exc is None:
-            from mnft.connection import Completed
+            from mnft.hosts.connection import Completed
 
             return Completed(0, "fine\n", "")
         raise self.exc
@@ -138,7 +138,7 @@ class _FaultyConnection:
 
 
 def test_one_hosts_ssh_fault_or_mnft_bug_never_hides_the_others(monkeypatch, capsys):
-    import mnft.fleet
+    import mnft.hosts.fleet
 
     faults = {
         "a": None,
@@ -154,7 +154,7 @@ def test_one_hosts_ssh_fault_or_mnft_bug_never_hides_the_others(monkeypatch, cap
             raise opened[host.name]
         return _FaultyConnection(host, faults[host.name])
 
-    monkeypatch.setattr(mnft.fleet, "open_connection", fake_open)
+    monkeypatch.setattr(mnft.hosts.fleet, "open_connection", fake_open)
     with Fleet(local_inventory("a", "b", "c", "d", "e", "f")) as fleet:
         results = fleet.run(Command.of("true"))
         assert [r.status for r in results] == [Status.OK, Status.UNREACHABLE, Status.UNREACHABLE, Status.FAILED, Status.OK, Status.UNREACHABLE]
@@ -337,8 +337,8 @@ def test_an_unreadable_known_hosts_file_is_bad_input_naming_it(tmp_path):
 def test_every_proxyjump_hop_rejects_unknown_keys_and_trusts_the_same_files(private_home, keypair, tmp_path):
     import fabric
 
-    from mnft.connection import fabric_connection, gateway_hops
-    from mnft.inventory import Host
+    from mnft.hosts.connection import fabric_connection, gateway_hops
+    from mnft.hosts.inventory import Host
 
     key, _ = keypair
     (private_home / ".ssh").mkdir()
@@ -369,7 +369,7 @@ def test_key_types_already_trusted_for_a_host_are_asked_for_first():
 
 @pytest.mark.cluster
 def test_one_connection_per_host_serves_every_phase(cluster, tmp_path):
-    from mnft import inventory
+    from mnft.hosts import inventory
 
     inv = inventory.load(cluster.write_inventory(tmp_path / "inventory.yaml"))
     with Fleet(inv, Timeouts(connect=10, command=30)) as fleet:
@@ -383,7 +383,7 @@ def test_one_connection_per_host_serves_every_phase(cluster, tmp_path):
 
 @pytest.mark.cluster
 def test_a_host_key_missing_from_every_file_is_rejected_not_added(cluster, tmp_path):
-    from mnft import inventory
+    from mnft.hosts import inventory
 
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -397,8 +397,8 @@ def test_a_host_key_missing_from_every_file_is_rejected_not_added(cluster, tmp_p
 
 @pytest.mark.cluster
 def test_trust_hosts_dry_run_shows_fingerprints_and_records_nothing(cluster, tmp_path):
-    from mnft import inventory
-    from mnft.trust import trust_hosts
+    from mnft.hosts import inventory
+    from mnft.hosts.trust import trust_hosts
 
     empty = tmp_path / "known_hosts"
     empty.write_text("")
@@ -432,7 +432,7 @@ def test_a_bounded_command_past_its_time_is_stopped_with_its_children(tmp_path):
 def test_a_timed_out_remote_command_does_not_stay_running(healthy_cluster, tmp_path):
     # closing the channel does not stop a command without a pty and this sshd refuses 'signal' requests, so the
     # host's own timeout stops it, REMOTE_GRACE (10 s) after the controller gave up
-    from mnft import inventory
+    from mnft.hosts import inventory
 
     cluster = healthy_cluster
     host = cluster.hosts[0]
@@ -482,8 +482,8 @@ def test_trust_hosts_asks_for_the_key_type_already_recorded(keypair, tmp_path):
 
 @pytest.mark.cluster
 def test_a_proxyjump_hop_is_verified_like_a_host_and_trust_hosts_reads_keys_through_it(cluster, tmp_path, private_home):
-    from mnft import inventory
-    from mnft.trust import trust_hosts
+    from mnft.hosts import inventory
+    from mnft.hosts.trust import trust_hosts
 
     hop = cluster.hosts[0]
     # `behind` is 127.0.0.1 as the hop sees it: the hop's own sshd, reachable only through the hop (dialled

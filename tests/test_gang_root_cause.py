@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft.fleet import Fleet
-from mnft.gang import Gang, HostRun, collateral
-from mnft.inventory import parse
-from mnft.launch import HostLaunch, LaunchOptions
+from mnft.hosts.fleet import Fleet
+from mnft.run.gang import Gang, HostRun, collateral
+from mnft.hosts.inventory import parse
+from mnft.run.launch import HostLaunch, LaunchOptions
 
 VICTIM = ["Traceback (most recent call last):", '  File "/root/mnft/flaky.py", line 17, in <module>',
           "    dist.all_reduce(torch.ones(1))",
@@ -77,7 +77,7 @@ def test_the_host_that_crashed_is_named_though_its_victim_exited_first(tmp_path)
 
 @pytest.mark.timeout(30)
 def test_a_victim_stays_the_named_host_when_nobody_else_fails_within_the_settle_time(tmp_path, monkeypatch):
-    monkeypatch.setattr("mnft.gang.SETTLE", 0.3)
+    monkeypatch.setattr("mnft.run.gang.SETTLE", 0.3)
     with Fleet(TWO_HOSTS) as fleet:
         gang = gang_of(tmp_path, fleet)
         feed(gang, "h1", 0, VICTIM, 1)
@@ -87,7 +87,7 @@ def test_a_victim_stays_the_named_host_when_nobody_else_fails_within_the_settle_
 
 @pytest.mark.timeout(30)
 def test_a_first_failure_of_its_own_is_decided_at_once(tmp_path, monkeypatch):
-    monkeypatch.setattr("mnft.gang.SETTLE", 60.0)
+    monkeypatch.setattr("mnft.run.gang.SETTLE", 60.0)
     with Fleet(TWO_HOSTS) as fleet:
         gang = gang_of(tmp_path, fleet)
         feed(gang, "h2", 1, CRASH, 1)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import paramiko
 import pytest
 
-from mnft.fleet import Fleet
-from mnft.gang import Gang, GangError
-from mnft.inventory import parse
-from mnft.launch import HostLaunch, LaunchOptions
+from mnft.hosts.fleet import Fleet
+from mnft.run.gang import Gang, GangError
+from mnft.hosts.inventory import parse
+from mnft.run.launch import HostLaunch, LaunchOptions
 
 
 def launch(host: str, rank: int, tmp_path) -> HostLaunch:

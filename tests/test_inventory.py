@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mnft import inventory
-from mnft.errors import InputError
+from mnft.hosts import inventory
+from mnft.core.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -235,7 +235,7 @@ MARKUP = ["a[/b]", "[bold]x", "[gpu01]:2222", "[red]oops[/red]"]
 
 
 def test_invoke_inventory_prints_values_that_look_like_markup_verbatim(capsys):
-    from mnft import report
+    from mnft.hosts import report
 
     hosts = tuple(
         inventory.Host(name=name, rank=rank, address="localhost", user="u", connection="local", workdir=f"~/w{name}", python=name)
@@ -251,17 +251,18 @@ def test_invoke_inventory_prints_values_that_look_like_markup_verbatim(capsys):
 
 
 def test_check_and_trust_tables_print_names_and_errors_verbatim(capsys):
-    from mnft import report
-    from mnft.check import CheckReport, Problem
-    from mnft.fleet import HostResult, Status
-    from mnft.hostkeys import TrustResult
+    from mnft.check.report import print_check
+    from mnft.hosts.report import print_trust
+    from mnft.check.findings import CheckReport, Problem
+    from mnft.hosts.fleet import HostResult, Status
+    from mnft.hosts.hostkeys import TrustResult
 
     hosts = tuple(inventory.Host(name=name, rank=rank, address="localhost", connection="local") for rank, name in enumerate(MARKUP))
     inv = inventory.Inventory(None, "mnft", hosts, MARKUP[0])
     outcomes = {h.name: HostResult(h.name, Status.UNREACHABLE, error=f"no route to {h.name}") for h in hosts}
     rep = CheckReport(inv, outcomes, {}, problems=[Problem("[bold]x", "disk", "full at [/tmp]", "free [b]space")])
-    report.print_check(rep, as_json=False)
-    report.print_trust([TrustResult("[gpu01]:2222", "[gpu01]:2222", "ssh-ed25519", "SHA256:x", "recorded")], as_json=False)
+    print_check(rep, as_json=False)
+    print_trust([TrustResult("[gpu01]:2222", "[gpu01]:2222", "ssh-ed25519", "SHA256:x", "recorded")], as_json=False)
     out = capsys.readouterr().out
     for name in MARKUP:
         assert f"no route to {name}" in out
@@ -385,7 +386,7 @@ def ssh_home(tmp_path, monkeypatch):
 
 
 def test_ssh_config_supplies_what_the_inventory_leaves_out(ssh_home):
-    from mnft import report
+    from mnft.hosts import report
 
     (ssh_home / ".ssh" / "config").write_text(
         "Host gpu01\n  HostName 10.3.0.1\n  User lab\n  Port 2201\n  IdentityFile ~/.ssh/lab_key\n"
@@ -400,8 +401,8 @@ def test_ssh_config_supplies_what_the_inventory_leaves_out(ssh_home):
 
 
 def test_two_aliases_for_one_machine_in_ssh_config_are_refused_before_any_connection(ssh_home):
-    from mnft.connection import Timeouts
-    from mnft.fleet import Fleet
+    from mnft.hosts.connection import Timeouts
+    from mnft.hosts.fleet import Fleet
 
     (ssh_home / ".ssh" / "config").write_text("Host a b\n  HostName 10.3.0.9\n  User lab\n")
     inv = parse("hosts:\n  a: {}\n  b: {}\n")

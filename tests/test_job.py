@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from mnft import inventory, launch
-from mnft.errors import InputError
-from mnft.job import cli_job, from_record, load_job_file, recipe_job
-from mnft.launch import LaunchOptions
+from mnft.hosts import inventory
+from mnft.run import launch
+from mnft.core.errors import InputError
+from mnft.run.job import cli_job, from_record, load_job_file, recipe_job
+from mnft.run.launch import LaunchOptions
 
 INV = inventory.parse("vars: {slots: 2, python: /opt/py/bin/python, workdir: /srv/w}\nhosts:\n  a: {address: 10.0.0.1}\n  b: {address: 10.0.0.2}\n")
 NASTY = ["two words", "it's \"quoted\"", "$(touch /tmp/PWNED)", "a;b", "line1\nline2", "`id`", "{output_dir}", "--lr=1e-4", ""]

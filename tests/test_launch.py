@@ -9,10 +9,11 @@ import time
 
 import pytest
 
-from mnft import agent, inventory, launch, pyrun
-from mnft.errors import InputError
-from mnft.job import recipe_job
-from mnft.launch import LaunchOptions
+from mnft.hosts import inventory, pyrun
+from mnft.run import agent, launch
+from mnft.core.errors import InputError
+from mnft.run.job import recipe_job
+from mnft.run.launch import LaunchOptions
 
 INV = inventory.parse("vars: {slots: 2, python: /opt/py/bin/python, workdir: /srv/mnft}\nhosts:\n  a: {address: 10.0.0.1}\n  b: {address: 10.0.0.2, iface: ib0}\n")
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mnft import inventory, pyrun
-from mnft.errors import InputError
+from mnft.hosts import inventory, pyrun
+from mnft.core.errors import InputError
 from mnft.perf import linkagent, schedule, torchlaunch
 from mnft.perf.collectives import parse_figures, torchrun_argv
 from mnft.perf.evaluate import Thresholds, evaluate, slow_links
@@ -349,8 +349,8 @@ def wait_until_gone(port: int, seconds: float = 30) -> None:
 @pytest.mark.timeout(120)
 def test_ranks_started_early_run_when_released_after_other_work(tmp_path, monkeypatch):
     """The overlap's shape: start (the ranks import torch), do other work, release: figures as without a hold."""
-    from mnft.connection import Timeouts
-    from mnft.fleet import Fleet
+    from mnft.hosts.connection import Timeouts
+    from mnft.hosts.fleet import Fleet
     from mnft.perf.collectives import start_allreduce
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -371,8 +371,8 @@ def test_ranks_started_early_run_when_released_after_other_work(tmp_path, monkey
 def test_a_host_whose_torch_worker_cannot_start_fails_alone_and_nobody_is_released(tmp_path, monkeypatch):
     """b's Python is missing: b fails, named, with its shell's error; a's ranks (started and held) are stopped
     instead of waiting for b at the rendezvous until the timeout; nothing is left running."""
-    from mnft.connection import Timeouts
-    from mnft.fleet import Fleet
+    from mnft.hosts.connection import Timeouts
+    from mnft.hosts.fleet import Fleet
     from mnft.perf.collectives import start_allreduce
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -391,8 +391,8 @@ def test_a_host_whose_torch_worker_cannot_start_fails_alone_and_nobody_is_releas
 def test_when_one_host_fails_after_the_release_the_others_are_stopped_not_left_to_time_out(tmp_path, monkeypatch):
     """b's gloo cannot use its interface (a typo in 'iface'): b fails at the rendezvous; a, which would wait for
     b until the collectives' timeout (90 s here), is stopped a few seconds later and says why."""
-    from mnft.connection import Timeouts
-    from mnft.fleet import Fleet
+    from mnft.hosts.connection import Timeouts
+    from mnft.hosts.fleet import Fleet
     from mnft.perf.collectives import start_allreduce
 
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -492,7 +492,7 @@ def test_the_heatmap_png_is_written_with_the_blamed_host(tmp_path):
 
 
 def test_simulated_hosts_get_disjoint_cpu_shares_like_machines():
-    from mnft.testbed import cpu_shares
+    from testbed import cpu_shares
 
     assert cpu_shares(1, [0, 1]) == [(0, 1)]
     assert cpu_shares(2, [0, 1]) == [(0,), (1,)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from mnft import probe
+from mnft.check import probe
 
 PROBE = Path(probe.__file__)
 
@@ -310,7 +310,7 @@ def test_listen_connect_round_trip_and_closing_stdin_stops_the_listener():
 
 
 def test_listener_started_through_the_controller_bootstrap_stops_when_stdin_closes():
-    from mnft import pyrun
+    from mnft.hosts import pyrun
 
     port = free_tcp_port()
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "listen", str(port), "20", "--bind", "127.0.0.1"],

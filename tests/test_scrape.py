@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from mnft import scrape
-from mnft.errors import InputError
-from mnft.scrape import LineParser
+from mnft.run import scrape
+from mnft.core.errors import InputError
+from mnft.run.scrape import LineParser
 
 
 def test_hf_trainer_dict_lines():

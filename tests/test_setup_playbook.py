@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from mnft import inventory, playbook as pb
-from mnft.command import Command
-from mnft.errors import ExitCode, InputError
-from mnft.steps.base import CHANGED, FAILED, OK, UNREACHABLE, Become, Outcome
+from mnft.hosts import inventory
+from mnft.setup import playbook as pb
+from mnft.hosts.command import Command
+from mnft.core.errors import ExitCode, InputError
+from mnft.setup.steps.base import CHANGED, FAILED, OK, UNREACHABLE, Become, Outcome
 
 REPO = Path(__file__).resolve().parent.parent
 KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIHmmG8d00K67NVM4V28ABcNoqg7v++t1D2xVakQTFag2 ctl@x\n"

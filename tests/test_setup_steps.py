@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from mnft.steps import authorized_keys as ak
-from mnft.steps import blocks, firewall, hosts_file, mesh, reserved_ports
-from mnft.steps.base import Param, check_value
+from mnft.setup.steps import authorized_keys as ak
+from mnft.setup.steps import blocks, firewall, hosts_file, mesh, reserved_ports
+from mnft.setup.steps.base import Param, check_value
 
 CONTROLLER = ("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIHmmG8d00K67NVM4V28ABcNoqg7v++t1D2xVakQTFag2")
 OTHER_KEY = "ssh-rsa AAAAB3NzaC1yc2EAAAADAQABAAABAQC7 alice@laptop"
@@ -149,7 +149,7 @@ def test_undo_removes_only_mnfts_controller_line():
 
 
 def test_bad_public_key_file_is_input_error():
-    from mnft.errors import InputError
+    from mnft.core.errors import InputError
 
     with pytest.raises(InputError, match="not an OpenSSH public key"):
         ak.parse_public_key("-----BEGIN OPENSSH PRIVATE KEY-----\n", "id")
@@ -288,7 +288,7 @@ def test_undo_keeps_a_key_replaced_since_mnft_generated_it():
 
 
 def test_keygen_records_what_it_made_and_never_claims_a_private_key_it_found(tmp_path):
-    from mnft.steps import remote
+    from mnft.setup.steps import remote
 
     mine = tmp_path / "mine"
     out = remote.op_keygen({"path": str(mine), "comment": "mnft-mesh@h1"})
@@ -463,7 +463,7 @@ echo reverted >> "$dir/log"
 
 @pytest.fixture
 def fake_nft(tmp_path, monkeypatch):
-    from mnft.steps import remote
+    from mnft.setup.steps import remote
 
     monkeypatch.setattr(remote, "STATE_DIR", str(tmp_path / "state"))
     nft = tmp_path / "nft"
@@ -485,7 +485,7 @@ def _wait_for(path, what: str) -> None:
 def test_a_cancel_that_comes_while_the_revert_runs_reports_reverted_not_cancelled(fake_nft, tmp_path):
     import threading
 
-    from mnft.steps import remote
+    from mnft.setup.steps import remote
 
     armed = remote.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 0, "nft": str(fake_nft)})
     _wait_for(tmp_path / "reverting", "the revert")  # the sleeper holds the lock and runs `nft -f <revert>`
@@ -500,7 +500,7 @@ def test_a_cancel_that_comes_while_the_revert_runs_reports_reverted_not_cancelle
 
 
 def test_a_cancel_before_the_delay_disarms_the_revert_for_good(fake_nft, tmp_path):
-    from mnft.steps import remote
+    from mnft.setup.steps import remote
 
     armed = remote.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 600, "nft": str(fake_nft)})
     assert remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": True}

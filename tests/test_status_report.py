@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from mnft import agent, control
-from mnft.report import print_status
+from mnft.run import agent, control
+from mnft.run.report import print_status
 
 
 def finished_run(tmp_path, metric_lines):
@@ -59,55 +59,55 @@ def test_a_non_finite_loss_is_shown_as_the_recipe_wrote_it(capsys):
 def test_a_run_that_ended_on_a_non_finite_loss_still_gets_its_summary_and_plot(tmp_path, capsys):
     from rich.console import Console
 
-    from mnft import runlogs
+    from mnft.run import logs
 
-    runlogs.plot([{"step": 1, "loss": 5.0, "tokens_per_s": 100.0}, {"step": 2, "loss": "nan", "tokens_per_s": 90.0}], tmp_path / "loss.png", "R1")
+    logs.plot([{"step": 1, "loss": 5.0, "tokens_per_s": 100.0}, {"step": 2, "loss": "nan", "tokens_per_s": 90.0}], tmp_path / "loss.png", "R1")
     assert (tmp_path / "loss.png").stat().st_size > 0
     record = SimpleNamespace(path=tmp_path, data={"recipe": "lora"})
-    runlogs.print_summary({"run_id": "R1", "state": "failed", "hosts": {}, "last_step": 2, "last_loss": "nan"}, record, Console(file=None))
+    logs.print_summary({"run_id": "R1", "state": "failed", "hosts": {}, "last_step": 2, "last_loss": "nan"}, record, Console(file=None))
     assert "last step 2: loss nan" in capsys.readouterr().out
 
 
 def test_a_detached_run_is_not_written_back_as_ended_while_a_host_was_not_heard_from(tmp_path, monkeypatch):
-    from mnft import runs
+    from mnft.run import records
 
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
-    record = runs.RunRecord.create("R2", state="running", hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}})
+    record = records.RunRecord.create("R2", state="running", hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}})
     control.write_back(record, {"a": {"state": "exited", "exit_code": 0}})  # b's logs could not be collected
-    assert runs.load("R2").data["state"] == "running"
+    assert records.load("R2").data["state"] == "running"
     control.write_back(record, {"a": {"state": "exited", "exit_code": 0}, "b": {"state": "exited", "exit_code": 0}})
-    assert runs.load("R2").data["state"] == "succeeded"
+    assert records.load("R2").data["state"] == "succeeded"
 
 
 def test_logs_of_a_script_without_metrics_say_so_and_how_to_set_a_source(tmp_path, monkeypatch, capsys):
     from rich.console import Console
 
-    from mnft import runlogs, runs
+    from mnft.run import logs, records
 
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
-    record = runs.RunRecord.create("R4", state="succeeded", job={"entry": ["train.py"]}, hosts={"a": {"node_rank": 0}},
+    record = records.RunRecord.create("R4", state="succeeded", job={"entry": ["train.py"]}, hosts={"a": {"node_rank": 0}},
                                    inventory={"hosts": [{"slots": 1}]})
     (record.path / "a" / "run").mkdir(parents=True)
     (record.path / "a" / "run" / "output.log").write_text("[rank0]:epoch 1 done\n")
     (record.path / "a" / "run" / "exit_code").write_text("0\n")
-    runlogs.merged_tail(record, 5, Console(file=None, width=300))
+    logs.merged_tail(record, 5, Console(file=None, width=300))
     out = capsys.readouterr().out
     assert "no metrics found for train.py (format auto, in rank 0's output): set the job file's metrics" in out
     assert not (record.path / "loss.png").exists()
 
 
 def test_logs_of_an_hf_script_plot_its_dict_lines_when_no_trainer_state_was_collected(tmp_path, monkeypatch):
-    from mnft import runlogs, runs
+    from mnft.run import logs, records
 
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
-    record = runs.RunRecord.create("R5", state="succeeded", job={"entry": ["run_clm.py"], "metrics": {"format": "hf"}},
+    record = records.RunRecord.create("R5", state="succeeded", job={"entry": ["run_clm.py"], "metrics": {"format": "hf"}},
                                    hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}}, inventory={"hosts": [{"slots": 1}, {"slots": 1}]})
     for name, rank in (("a", 0), ("b", 1)):
         (record.path / name / "run").mkdir(parents=True)
         (record.path / name / "run" / "output.log").write_text(
             f"[rank{rank}]: 10%|#         | 1/10[rank{rank}]:{{'loss': '{3.0 + rank}', 'epoch': '0.1'}}\n"
             f"[rank{rank}]:{{'loss': '{2.0 + rank}', 'epoch': '0.2'}}\n")
-    steps, _, source = runlogs.run_metrics(record)
+    steps, _, source = logs.run_metrics(record)
     assert [(s["index"], s["loss"]) for s in steps] == [(1, 3.0), (2, 2.0)] and source == "a: rank 0's output"
-    summary = runlogs.summarize(record)
+    summary = logs.summarize(record)
     assert (summary["initial_loss"], summary["final_loss"], summary["last_step"]) == (3.0, 2.0, 2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from mnft import agent, straggler
-from mnft.straggler import Watch
+from mnft.run import agent, straggler
+from mnft.run.straggler import Watch
 
 
 def sample(compute=None, run_cpu=None, gpus=(), t=0.0):

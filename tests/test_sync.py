@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft import gitignore, rsync, source, sync, targets, treehash
-from mnft.errors import ExitCode, InputError
-from mnft.fleet import HostResult, Status
-from mnft.inventory import parse
+from mnft.sync import gitignore, rsync, source, mirror, targets, treehash
+from mnft.core.errors import ExitCode, InputError
+from mnft.hosts.fleet import HostResult, Status
+from mnft.hosts.inventory import parse
 
 KNOWN = ("/etc/ssh/ssh_known_hosts", "/ctl/.ssh/known_hosts", "/ctl/lab kh", "/ctl/.mnft/known_hosts")
 SSH = rsync.SshSettings(KNOWN)
@@ -251,7 +251,7 @@ def test_preflight_refuses_before_any_host_is_touched(tmp_path):
     src = write(tmp_path / "src", {"a.py": "x"})
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2, workdir: '~/'}\n  h3: {address: 10.0.0.3, workdir: /}\n")
     with pytest.raises(InputError) as exc:
-        sync.sync_code(inv, src, fleet=ExplodingFleet(), progress=False)
+        mirror.sync_code(inv, src, fleet=ExplodingFleet(), progress=False)
     assert exc.value.exit_code == ExitCode.BAD_INPUT
     assert "'h2'" in str(exc.value) and "'h3'" in str(exc.value) and "'h1'" not in str(exc.value)
 
@@ -281,7 +281,7 @@ def test_the_probe_refuses_a_dangerous_real_target_before_walking_anything(link_
     monkeypatch.setattr(treehash, "tree_hash", lambda *a, **k: pytest.fail("the probe walked a refused target"))
     out = treehash.report(str(workdir), [])
     assert why in out["refused"] and out["files"] is None
-    tree = sync.RemoteTree.from_json(out)
+    tree = mirror.RemoteTree.from_json(out)
     assert why in targets.remote_refusal(tree.root, tree.home, tree.refused)
 
 
@@ -297,7 +297,7 @@ def test_a_refusal_found_on_a_host_is_bad_input_like_one_found_before(tmp_path, 
     src = write(tmp_path / "src", {"a.py": "a"})
     os.symlink(private_home, tmp_path / "link")
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/link', data_dir: '{tmp_path}/d'}}\n")
-    report = sync.sync_code(inv, src, progress=False)
+    report = mirror.sync_code(inv, src, progress=False)
     assert report.hosts["me"].status == "refused" and "home directory" in report.hosts["me"].error
     assert report.exit_code() == ExitCode.BAD_INPUT
     assert not (private_home / "a.py").exists()  # nothing landed in the home
@@ -406,9 +406,9 @@ def local_tree(files: dict[str, tuple[int, str]]) -> source.LocalTree:
     return source.LocalTree(Path("/repo"), ("runs/",), treehash.digest_of(files), files, "git")
 
 
-def read_ok(name: str, files: dict | None, root: str = "/root/mnft", home: str = "/root") -> tuple[HostResult, sync.RemoteTree]:
+def read_ok(name: str, files: dict | None, root: str = "/root/mnft", home: str = "/root") -> tuple[HostResult, mirror.RemoteTree]:
     exists = files is not None
-    tree = sync.RemoteTree(root, home, exists, treehash.digest_of(files) if exists else None, files or {})
+    tree = mirror.RemoteTree(root, home, exists, treehash.digest_of(files) if exists else None, files or {})
     return HostResult(name, Status.OK), tree
 
 
@@ -424,11 +424,11 @@ def test_plan_from_data():
         "h3": read_ok("h3", {"a.py": (1, "a" * 64), "b.py": (2, "c" * 64), "old.py": (3, "d" * 64)}),
         "h4": (HostResult("h4", Status.UNREACHABLE, error="connection refused by 10.0.0.4"), None),
     }
-    plans = {p.host: p for p in sync.plan(inventory(FOUR), local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
+    plans = {p.host: p for p in mirror.plan(inventory(FOUR), local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
     assert plans["h1"].action == "none" and plans["h1"].argv == ()
     assert plans["h2"].action == "rsync" and plans["h2"].difference.send == ("a.py", "b.py") and plans["h2"].bytes_to_send == 3
     assert plans["h2"].argv[-1] == "10.0.0.2:mnft/"
-    assert plans["h3"].difference == sync.Difference(("b.py",), ("old.py",))
+    assert plans["h3"].difference == mirror.Difference(("b.py",), ("old.py",))
     # b.py differs with the same size: rsync's size+mtime quick check could skip it, so contents are compared
     assert "--checksum" in plans["h3"].argv and "--checksum" not in plans["h2"].argv
     assert plans["h4"].action == "skip" and "refused" in plans["h4"].reason
@@ -438,7 +438,7 @@ def test_plan_refuses_a_target_that_resolves_to_the_home():
     local = local_tree({"a.py": (1, "a" * 64)})
     remote = {"h1": read_ok("h1", {}, root="/root", home="/root")}
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1, workdir: ~/link-to-home}\n")
-    (p,) = sync.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)
+    (p,) = mirror.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)
     assert p.action == "refuse" and "home directory" in p.reason
 
 
@@ -446,7 +446,7 @@ def test_data_on_a_shared_filesystem_is_written_once_and_verified_by_the_others(
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n  h3: {address: 10.0.0.3}\n")
     local = local_tree({"d.bin": (5, "e" * 64)})
     remote = {n: read_ok(n, None, root="/root/mnft-data") for n in ("h1", "h2", "h3")}
-    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
+    plans = {p.host: p for p in mirror.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
     assert [plans[n].action for n in ("h1", "h2", "h3")] == ["rsync", "verify", "rsync"]
     assert plans["h1"].argv[-1] == "10.0.0.1:mnft-data/"
 
@@ -455,9 +455,9 @@ def test_a_shared_host_without_rsync_only_verifies_and_a_shared_host_with_rsync_
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n")
     local = local_tree({"d.bin": (5, "e" * 64)})
     _, tree = read_ok("h1", None, root="/root/mnft-data")
-    remote = {"h1": (HostResult("h1", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync=None)),
-              "h2": (HostResult("h2", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.2.7"))}
-    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
+    remote = {"h1": (HostResult("h1", Status.OK), mirror.RemoteTree(tree.root, tree.home, False, None, {}, rsync=None)),
+              "h2": (HostResult("h2", Status.OK), mirror.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.2.7"))}
+    plans = {p.host: p for p in mirror.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
     assert (plans["h1"].action, plans["h2"].action) == ("verify", "rsync")
     assert "the copy of h2" in plans["h1"].reason
 
@@ -465,11 +465,11 @@ def test_a_shared_host_without_rsync_only_verifies_and_a_shared_host_with_rsync_
 def test_a_host_without_rsync_fails_with_the_cause_and_an_old_rsync_gets_no_mkpath():
     local = local_tree({"a.py": (1, "a" * 64)})
     _, tree = read_ok("h1", None)
-    remote = {"h1": (HostResult("h1", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync=None)),
-              "h2": (HostResult("h2", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.1.3")),
-              "h3": (HostResult("h3", Status.OK), sync.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.2.7"))}
+    remote = {"h1": (HostResult("h1", Status.OK), mirror.RemoteTree(tree.root, tree.home, False, None, {}, rsync=None)),
+              "h2": (HostResult("h2", Status.OK), mirror.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.1.3")),
+              "h3": (HostResult("h3", Status.OK), mirror.RemoteTree(tree.root, tree.home, False, None, {}, rsync="3.2.7"))}
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2}\n  h3: {address: 10.0.0.3}\n")
-    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
+    plans = {p.host: p for p in mirror.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
     assert plans["h1"].action == "fail" and "rsync is not installed on h1" in plans["h1"].reason
     assert "--mkpath" not in plans["h2"].argv and "--mkpath" in plans["h3"].argv
 
@@ -480,7 +480,7 @@ def test_when_one_shared_host_already_holds_the_data_no_other_shared_host_gets_a
     local = local_tree(files)
     remote = {"h1": read_ok("h1", dict(files), root="/root/mnft-data"), "h2": read_ok("h2", None, root="/root/mnft-data"),
               "h3": read_ok("h3", None, root="/root/mnft-data")}
-    plans = {p.host: p for p in sync.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
+    plans = {p.host: p for p in mirror.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
     assert [plans[n].action for n in ("h1", "h2", "h3")] == ["none", "verify", "rsync"]  # h2 lost the mount: no copy of its own
 
 
@@ -492,14 +492,14 @@ def shared_pair(tmp_path, b_dir: str):
 def test_shared_data_is_written_once_then_only_verified_and_a_host_without_the_mount_fails(tmp_path):
     data = write(tmp_path / "dataset", {"shards/0.jsonl": "{}\n", "shards/1.jsonl": "[]\n"})
     inv = shared_pair(tmp_path, f"{tmp_path}/shared")  # both see one directory: a real shared filesystem
-    first = sync.sync_data(inv, data, progress=False)
+    first = mirror.sync_data(inv, data, progress=False)
     assert first.ok, first.summary()
     assert (first.hosts["a"].status, first.hosts["b"].status) == ("changed", "ok")
     assert first.hosts["b"].bytes_sent == 0 and first.hosts["b"].remote_hash == first.local_hash
-    second = sync.sync_data(inv, data, progress=False)
+    second = mirror.sync_data(inv, data, progress=False)
     assert {h.status for h in second.hosts.values()} == {"ok"}
     lost = shared_pair(tmp_path, f"{tmp_path}/mnt-gone/data")  # b's mount is gone: its path is empty
-    report = sync.sync_data(lost, data, progress=False)
+    report = mirror.sync_data(lost, data, progress=False)
     assert report.hosts["a"].status == "ok"
     assert report.hosts["b"].status == "failed" and report.exit_code() == ExitCode.FAILED
     assert f"host b does not see the shared data at {tmp_path}/mnt-gone/data" in report.hosts["b"].error
@@ -507,8 +507,8 @@ def test_shared_data_is_written_once_then_only_verified_and_a_host_without_the_m
 
 
 def test_difference_names_changed_missing_and_extra_files():
-    diff = sync.difference({"a": (1, "x"), "b": (1, "y")}, {"a": (1, "z"), "c": (1, "w")})
-    assert diff == sync.Difference(("a", "b"), ("c",))
+    diff = mirror.difference({"a": (1, "x"), "b": (1, "y")}, {"a": (1, "z"), "c": (1, "w")})
+    assert diff == mirror.Difference(("a", "b"), ("c",))
     assert diff.describe() == ["differs: a", "differs: b", "extra: c"]
 
 
@@ -546,15 +546,15 @@ def test_stats_parsing_handles_thousands_separators():
 
 def test_report_exit_codes_and_json():
     hosts = {
-        "h1": sync.HostSync("h1", "ok", "~/mnft", remote_hash="d"),
-        "h2": sync.HostSync("h2", "failed", "~/mnft", remote_hash="e", differing=["differs: a.py"], error="differs after the sync: 1 file(s)"),
+        "h1": mirror.HostSync("h1", "ok", "~/mnft", remote_hash="d"),
+        "h2": mirror.HostSync("h2", "failed", "~/mnft", remote_hash="e", differing=["differs: a.py"], error="differs after the sync: 1 file(s)"),
     }
-    report = sync.SyncReport("code", Path("/repo"), "d", 1, 1, hosts)
+    report = mirror.SyncReport("code", Path("/repo"), "d", 1, 1, hosts)
     assert report.exit_code() == ExitCode.FAILED and not report.ok
     data = report.to_json()
     assert data["hosts"]["h1"]["hash_match"] is True and data["hosts"]["h2"]["hash_match"] is False
     assert "h2: failed" in report.summary()
-    hosts["h3"] = sync.HostSync("h3", "unreachable", "~/mnft", error="no answer")
+    hosts["h3"] = mirror.HostSync("h3", "unreachable", "~/mnft", error="no answer")
     assert report.exit_code() == ExitCode.UNREACHABLE
 
 
@@ -562,19 +562,19 @@ def test_local_host_sync_end_to_end_and_drift_repair(tmp_path):
     src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\n", "pkg/a.py": "a", "x.log": "l", "it's $(id).py": "q"}))
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
-    first = sync.sync_code(inv, src, progress=False)
+    first = mirror.sync_code(inv, src, progress=False)
     assert first.ok and first.hosts["me"].status == "changed" and first.hosts["me"].remote_hash == first.local_hash
     assert sorted(p.name for p in (dst / "w").iterdir()) == [".gitignore", "it's $(id).py", "pkg"]
     (dst / "w" / "runs").mkdir()
     (dst / "w" / "runs" / "keep.txt").write_text("outputs survive")
-    assert sync.sync_code(inv, src, progress=False).hosts["me"].status == "ok"
+    assert mirror.sync_code(inv, src, progress=False).hosts["me"].status == "ok"
     (dst / "w" / "pkg" / "a.py").write_text("drift")
     (dst / "w" / "stray.py").write_text("s")
-    dry = sync.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
+    dry = mirror.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
     assert (dry.status, dry.would_send, dry.would_delete) == ("would-change", ["pkg/a.py"], ["stray.py"])
-    kept = sync.sync_code(inv, src, progress=False, dry_run=True, delete=False).hosts["me"]
+    kept = mirror.sync_code(inv, src, progress=False, dry_run=True, delete=False).hosts["me"]
     assert (kept.status, kept.would_send, kept.would_delete) == ("would-change", ["pkg/a.py"], [])  # --no-delete deletes nothing
-    fixed = sync.sync_code(inv, src, progress=False)
+    fixed = mirror.sync_code(inv, src, progress=False)
     assert fixed.hosts["me"].status == "changed" and fixed.ok
     assert (dst / "w" / "pkg" / "a.py").read_text() == "a" and not (dst / "w" / "stray.py").exists()
     assert (dst / "w" / "runs" / "keep.txt").exists()
@@ -585,16 +585,16 @@ def test_ignored_files_that_exist_only_on_the_host_survive_and_are_no_drift(tmp_
     src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\ncheckpoints/\n", "train.py": "t", "pkg/.gitignore": "cache.db\n", "pkg/m.py": "m"}))
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
-    assert sync.sync_code(inv, src, progress=False).ok
+    assert mirror.sync_code(inv, src, progress=False).ok
     made = write(dst / "w", {"checkpoints/step100.pt": "weights", "train.log": "loss 1.0", "sub/deep/eval.log": "e", "pkg/cache.db": "c"})
-    dry = sync.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
+    dry = mirror.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
     assert (dry.status, dry.would_send, dry.would_delete) == ("ok", [], [])
-    again = sync.sync_code(inv, src, progress=False)
+    again = mirror.sync_code(inv, src, progress=False)
     assert again.hosts["me"].status == "ok" and again.ok
     for rel in ("checkpoints/step100.pt", "train.log", "sub/deep/eval.log", "pkg/cache.db"):
         assert (made / rel).exists(), rel
     (dst / "w" / "stray.py").write_text("s")  # not ignored: still mirrored away
-    fixed = sync.sync_code(inv, src, progress=False)
+    fixed = mirror.sync_code(inv, src, progress=False)
     assert fixed.hosts["me"].files_deleted == 1 and not (dst / "w" / "stray.py").exists()
     assert (made / "checkpoints/step100.pt").exists() and (made / "train.log").exists()
 
@@ -616,7 +616,7 @@ def test_sync_from_a_subdirectory_mirrors_the_whole_project(tmp_path, monkeypatc
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
     monkeypatch.chdir(repo / "docs")
-    report = sync.sync_code(inv, None, progress=False)
+    report = mirror.sync_code(inv, None, progress=False)
     assert report.ok and report.src == repo
     assert (dst / "w" / "train.py").exists() and (dst / "w" / "docs" / "index.md").exists()
 
@@ -626,12 +626,12 @@ def test_a_source_that_is_the_home_or_root_is_refused_before_any_walk(where, pri
     src = private_home if where == "home" else Path("/")
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/w', data_dir: '{tmp_path}/d'}}\n")
     with pytest.raises(InputError, match="give the project directory"):
-        sync.sync_code(inv, src, progress=False)
-    assert sync.code_hashes(None, inv.hosts, src)["me"]["error"].startswith("source ")
+        mirror.sync_code(inv, src, progress=False)
+    assert mirror.code_hashes(None, inv.hosts, src)["me"]["error"].startswith("source ")
 
 
 def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, private_home, monkeypatch):
-    """invoke's sync.exclude (here the user's ~/.invoke.yaml) reaches every caller, not only `invoke sync`."""
+    """invoke's mirror.exclude (here the user's ~/.invoke.yaml) reaches every caller, not only `invoke sync`."""
     (private_home / ".invoke.yaml").write_text("sync:\n  exclude: [notes/, '*.bak']\n")
     assert source.configured_excludes() == ("notes/", "*.bak")
     assert source.configured_excludes({"sync": {"exclude": ["x/"]}}) == ("x/",)  # a task's own config wins
@@ -640,12 +640,12 @@ def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, priva
     src = git_repo(write(tmp_path / "src", {"a.py": "a", "notes/n.md": "n", "old.bak": "b"}))
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
-    report = sync.sync_code(inv, src, progress=False)  # what train calls, with no excludes of its own
+    report = mirror.sync_code(inv, src, progress=False)  # what train calls, with no excludes of its own
     assert report.ok and sorted(p.name for p in (dst / "w").iterdir()) == ["a.py"]
-    from mnft.fleet import Fleet
+    from mnft.hosts.fleet import Fleet
 
     with Fleet(inv) as fleet:
-        hashes = sync.code_hashes(fleet, inv.hosts, src)  # what check calls
+        hashes = mirror.code_hashes(fleet, inv.hosts, src)  # what check calls
     assert hashes["me"]["matches"] is True and hashes["me"]["local_hash"] == report.local_hash
 
 
@@ -654,8 +654,8 @@ def test_a_data_sync_gets_the_timeout_it_is_given(tmp_path, monkeypatch):
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/w', data_dir: '{tmp_path}/d'}}\n")
     seen = []
     real = rsync.run_rsync
-    monkeypatch.setattr(sync, "run_rsync", lambda argv, on_item=None, timeout=0: seen.append(timeout) or real(argv, on_item, timeout))
-    assert sync.sync_data(inv, data, progress=False, timeout=7200.0).ok
+    monkeypatch.setattr(mirror, "run_rsync", lambda argv, on_item=None, timeout=0: seen.append(timeout) or real(argv, on_item, timeout))
+    assert mirror.sync_data(inv, data, progress=False, timeout=7200.0).ok
     assert seen == [7200.0]
 
 
@@ -670,7 +670,7 @@ def test_the_progress_display_shows_files_and_bytes_per_host(tmp_path):
     (tmp_path / "r" / "a.py").write_text("a" * 3000)  # gpu-right already holds one file
     os.utime(tmp_path / "r" / "a.py", ns=(os.stat(src / "a.py").st_atime_ns, os.stat(src / "a.py").st_mtime_ns))
     shown = Console(record=True, width=120, force_terminal=False)
-    report = sync.sync_code(inv, src, progress=shown)
+    report = mirror.sync_code(inv, src, progress=shown)
     assert report.ok
     text = shown.export_text()
     lines = {line.split()[0]: line for line in text.splitlines() if line.startswith("gpu-")}

@@ -1,4 +1,4 @@
-"""The simulated cluster (mnft.testbed), specified by what a multi-host test may rely on."""
+"""The simulated cluster (testbed), specified by what a multi-host test may rely on."""
 
 from __future__ import annotations
 
@@ -100,7 +100,7 @@ def test_run_enters_the_same_view_an_ssh_session_has(cluster):
 
 
 def test_run_raises_with_output_on_failure(cluster):
-    from mnft.testbed import ClusterCommandError
+    from testbed import ClusterCommandError
 
     with pytest.raises(ClusterCommandError) as info:
         cluster.run(cluster.hosts[0], ["sh", "-c", "echo oops >&2; exit 3"])
@@ -231,7 +231,7 @@ def test_write_inventory_emits_the_mnft_format(cluster, tmp_path):
 
 
 def test_written_inventory_loads_with_mnft_inventory(cluster, tmp_path):
-    inventory = pytest.importorskip("mnft.inventory")
+    inventory = pytest.importorskip("mnft.hosts.inventory")
     loaded = inventory.load(cluster.write_inventory(tmp_path / "inv.yaml"))
     assert [h.name for h in loaded.hosts] == [h.name for h in cluster.hosts]
 
@@ -342,8 +342,8 @@ def test_cleanup_stale_removes_a_crashed_run_but_not_live_clusters(testbed, clus
         f"""
         import sys, time
         from pathlib import Path
-        sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
-        from mnft.testbed import Cluster
+        sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+        from testbed import Cluster
         Cluster.create(2, Path({str(tmp_path)!r}), prefix={prefix!r})
         print("ready", flush=True)
         time.sleep(600)
@@ -383,7 +383,7 @@ def test_create_and_teardown_timing(testbed, tmp_path, n_hosts, capsys):
 
 
 def test_prerequisites_fail_early_with_a_clear_reason_when_not_root(monkeypatch):
-    from mnft import testbed
+    import testbed
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(testbed.ClusterUnavailable, match="root"):

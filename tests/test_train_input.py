@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-MNFT = [sys.executable, "-c", "from mnft.cli import main; main()"]
+MNFT = [sys.executable, "-c", "from mnft.cli.main import main; main()"]
 
 
 @pytest.fixture
@@ -34,7 +34,7 @@ def run(repo: Path, tmp_path: Path, *args: str, timeout: float = 120) -> subproc
 
 def test_the_console_command_is_mnfts_program():
     (script,) = entry_points(group="console_scripts", name="mnft")
-    assert script.value == "mnft.cli:main"
+    assert script.value == "mnft.cli.main:main"
 
 
 def test_version_and_help_work_outside_the_checkout(repo, tmp_path):

@@ -16,10 +16,11 @@ import time
 import pytest
 from rich.console import Console
 
-from mnft import agent, control, inventory, launch, pyrun, runlogs, runs, train
-from mnft.errors import ExitCode, InputError
-from mnft.gang import split_rank
-from mnft.launch import LaunchOptions
+from mnft.hosts import inventory, pyrun
+from mnft.run import agent, control, launch, logs, records, train
+from mnft.core.errors import ExitCode, InputError
+from mnft.run.gang import split_rank
+from mnft.run.launch import LaunchOptions
 
 # ------------------------------------------------------------------------------------------- secrets
 
@@ -106,10 +107,10 @@ def test_resume_explicit_flags_win_and_overrides_merge_by_key():
 
 def test_resume_and_default_run_skip_runs_that_never_started(tmp_path, monkeypatch):
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
-    runs.RunRecord.create("20260101-000000-aaaa", state="failed", launched=True)
-    runs.RunRecord.create("20260101-000001-bbbb", state="refused", launched=False)
+    records.RunRecord.create("20260101-000000-aaaa", state="failed", launched=True)
+    records.RunRecord.create("20260101-000001-bbbb", state="refused", launched=False)
     assert train.previous_run(None).run_id == "20260101-000000-aaaa"
-    assert runs.load(None).run_id == "20260101-000001-bbbb"  # without a preference: simply the latest
+    assert records.load(None).run_id == "20260101-000001-bbbb"  # without a preference: simply the latest
     assert train.previous_run("20260101-000001-bbbb").run_id == "20260101-000001-bbbb"  # named: that one
 
 
@@ -131,7 +132,7 @@ def test_the_agent_does_not_replay_a_resumed_jobs_old_metrics(tmp_path):
 
 def record_with(tmp_path, monkeypatch, state="running"):
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
-    return runs.RunRecord.create("R1", state=state, launched=True, hosts={"a": {"node_rank": 0, "state": "running"}, "b": {"node_rank": 1, "state": "running"}})
+    return records.RunRecord.create("R1", state=state, launched=True, hosts={"a": {"node_rank": 0, "state": "running"}, "b": {"node_rank": 1, "state": "running"}})
 
 
 def test_status_writes_a_detached_runs_end_into_its_record(tmp_path, monkeypatch):
@@ -159,8 +160,8 @@ def test_logs_writes_summary_json_from_the_collected_files(tmp_path, monkeypatch
     (record.path / "b" / "extra" / "0" / "metrics.jsonl").write_text(
         '{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.0, "skipped_steps": 0}\n'
         '{"event": "summary", "initial_loss": 2.5, "final_loss": 2.0, "tokens_per_s": 99.0, "steps": 2}\n')
-    control.write_back(record, runlogs.collected_states(record))
-    summary = runlogs.summarize(record)
+    control.write_back(record, logs.collected_states(record))
+    summary = logs.summarize(record)
     assert json.loads((record.path / "summary.json").read_text()) == summary
     assert summary["state"] == "succeeded" and summary["metrics_host"] == "b"
     assert summary["hosts"] == {"a": {"node_rank": 0, "state": "exited", "exit_code": 0}, "b": {"node_rank": 1, "state": "exited", "exit_code": 0}}
@@ -177,7 +178,7 @@ def test_lines_are_labelled_with_the_rank_torch_gave_the_worker():
 
 
 def test_pieces_of_a_glued_line_keep_their_ranks_and_torchs_own_prefix_is_dropped():
-    from mnft.gang import split_ranks
+    from mnft.run.gang import split_ranks
 
     assert split_ranks("[rank0]: 40%|####  | 8/20[rank0]:{'loss': '4.69'}", 0) == [(0, " 40%|####  | 8/20"), (0, "{'loss': '4.69'}")]
     assert split_ranks("[rank3]:[rank3]:   File \"t.py\", line 8", 0) == [(3, '  File "t.py", line 8')]
@@ -186,7 +187,7 @@ def test_pieces_of_a_glued_line_keep_their_ranks_and_torchs_own_prefix_is_droppe
 
 
 def test_the_failed_rank_and_its_traceback_are_found_in_a_hosts_output():
-    from mnft.gang import failure_excerpt
+    from mnft.run.gang import failure_excerpt
 
     tail = [(None, "ARGV []"), (2, "Traceback (most recent call last):"), (2, '  File "/w/ddp.py", line 8, in <module>'),
             (2, "    raise ValueError('boom')"), (2, "ValueError: boom"), (3, "Traceback (most recent call last):"),
@@ -200,9 +201,9 @@ def test_the_failed_rank_and_its_traceback_are_found_in_a_hosts_output():
 def test_an_exit_code_the_job_declares_resumable_is_recorded_as_such(tmp_path, monkeypatch):
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
     job = {"entry": ["llava/train/train_mem.py"], "resume": {"layout": "hf", "exit_codes": [124]}}
-    record = runs.RunRecord.create("R3", state="running", job=job, hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}})
+    record = records.RunRecord.create("R3", state="running", job=job, hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}})
     control.write_back(record, {"a": {"state": "exited", "exit_code": 124}, "b": {"state": "exited", "exit_code": 124}})
-    saved = runs.load("R3").data
+    saved = records.load("R3").data
     assert saved["state"] == "resumable" and "asks to be resumed" in saved["reason"]
 
 

@@ -1,6 +1,6 @@
 """Collectives with the training stack: torch.distributed on every host running mnft.perf.allreduce, bounded.
 
-A small launcher, kept apart so it can later go through the generic job plan (mnft.launch): `torchrun_argv` is
+A small launcher, kept apart so it can later go through the generic job plan (mnft.run.launch): `torchrun_argv` is
 pure (host and cluster in, argument list out); `start_allreduce` ships the stdlib launcher (mnft.perf.torchlaunch)
 and the entry script over SSH stdin to every host with `--hold`: the ranks start and import torch (most of their
 start-up) while the controller measures something else, then say they are ready and wait. `Pending.release` waits
@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mnft import pyrun
-from mnft.connection import CommandTimeout, Process, Unreachable
-from mnft.fleet import Fleet, HostResult, Status
-from mnft.inventory import Host, Inventory
+from mnft.hosts import pyrun
+from mnft.hosts.connection import CommandTimeout, Process, Unreachable
+from mnft.hosts.fleet import Fleet, HostResult, Status
+from mnft.hosts.inventory import Host, Inventory
 from mnft.perf import torchlaunch
 
 ENTRY = Path(__file__).with_name("allreduce.py")  # shipped, never imported here: it imports torch (seconds)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field, fields
 
-from mnft.check import Problem
-from mnft.errors import InputError
+from mnft.check.findings import Problem
+from mnft.core.errors import InputError
 
 
 @dataclass(frozen=True)

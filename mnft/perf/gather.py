@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from mnft.check import CheckReport
-from mnft.errors import InputError
-from mnft.fleet import Fleet
+from mnft.check.findings import CheckReport
+from mnft.core.errors import InputError
+from mnft.hosts.fleet import Fleet
 from mnft.perf import schedule
 from mnft.perf.collectives import CollectiveRun, Pending, start_allreduce
 from mnft.perf.evaluate import Evaluation, Thresholds, evaluate, slow_links
@@ -214,7 +214,7 @@ def measure(fleet: Fleet, report: CheckReport, options: PerfOptions = PerfOption
         for name, row in perf.evaluation.rows.items():
             row.iface, row.address = perf.links.ifaces.get(name), perf.links.addresses.get(name)
     if perf.collectives is not None and perf.collectives.figures is None:
-        from mnft.check import Problem
+        from mnft.check.findings import Problem
 
         for name, why in perf.collectives.not_started.items():  # these hosts, by name: the others only waited for them
             perf.evaluation.problems.append(Problem(name, "collectives", f"the torch worker did not start: {why}",
@@ -229,6 +229,6 @@ def measure(fleet: Fleet, report: CheckReport, options: PerfOptions = PerfOption
 
 
 def default_output_dir() -> Path:
-    from mnft.runs import runs_root
+    from mnft.run.records import runs_root
 
     return runs_root() / ("perf-" + time.strftime("%Y%m%d-%H%M%S"))

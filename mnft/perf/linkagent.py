@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mnft link agent: TCP round-trip time and throughput between two hosts, with the standard library only.
 
-The controller ships this file to every host (mnft.pyrun) and keeps one agent per host for the whole link
+The controller ships this file to every host (mnft.hosts.pyrun) and keeps one agent per host for the whole link
 matrix. An agent serves peers on an ephemeral port of its cluster address and, on command, measures its link to
 another agent. Throughput is always counted by the receiver (bytes between its first byte and the sender's
 end), so a socket buffer filling up never counts as bandwidth.

@@ -13,11 +13,12 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from mnft import pyrun
-from mnft.check import CheckReport, ipv4_of
-from mnft.connection import Process
-from mnft.fleet import Fleet
-from mnft.inventory import Host
+from mnft.hosts import pyrun
+from mnft.check.findings import CheckReport
+from mnft.check.rules import ipv4_of
+from mnft.hosts.connection import Process
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.inventory import Host
 from mnft.perf import linkagent
 from mnft.perf.schedule import round_robin
 

@@ -4,7 +4,7 @@
     torchlaunch.py torchrun [--hold] TORCHRUN_ARG... -- SCRIPT_ARG...
     torchlaunch.py direct [--hold] --nnodes N --nproc-per-node G --node-rank I --master-addr A --master-port P -- SCRIPT_ARG...
 
-Reads the entry script on stdin (a decimal length, a newline, the source: what mnft.pyrun.payload makes),
+Reads the entry script on stdin (a decimal length, a newline, the source: what mnft.hosts.pyrun.payload makes),
 writes it into a private temporary directory and runs it:
 
 - torchrun: `python -m torch.distributed.run TORCHRUN_ARG... SCRIPT SCRIPT_ARG...`, as training does;

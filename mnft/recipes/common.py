@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mnft.errors import MnftError
+from mnft.core.errors import MnftError
 from mnft.recipes import dist as mdist
 from mnft.recipes.config import ConfigError, TrainConfig, load_config
 from mnft.recipes.data import IGNORE

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from mnft.errors import InputError, MnftError
+from mnft.core.errors import InputError, MnftError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 

@@ -1,0 +1,90 @@
+"""The check as a person reads it (a row per host, versions that differ in red, then each problem with its fix),
+or as JSON."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from mnft.check.findings import GIB, CheckReport, reference_host
+from mnft.check.rules import comparable
+from mnft.core.output import STATUS_STYLE, console, plain, print_json, status_text
+from mnft.hosts.fleet import Status
+
+
+def _gpus(facts: dict) -> str:
+    gpus = (facts.get("nvidia") or {}).get("gpus") or []
+    if not gpus:
+        return "0"
+    names = {g.get("name") for g in gpus}
+    return f"{len(gpus)}× {', '.join(sorted(n for n in names if n))}"
+
+
+def _code(code: dict | None) -> Text:
+    """The workdir's code hash (short) and whether it matches the local tree; '-' when there is no workdir."""
+    if not code or not code.get("exists") or not code.get("hash"):
+        return Text("-" if not code or not code.get("error") else "?", style="dim")
+    same = code.get("matches")
+    return Text(code["hash"][:10] + (" =" if same else " ≠"), style="green" if same else "bold red")
+
+
+def print_check(report: CheckReport, as_json: bool) -> None:
+    if as_json:
+        print_json(report.to_json())
+        return
+    inv = report.inventory
+    ref_name = reference_host(inv, report.facts)
+    reference = comparable(report.facts[ref_name]) if ref_name is not None else {}
+    table = Table(title=plain(f"check: {len(inv.hosts)} hosts, master {inv.master_name} ({report.master_addr or '?'}:{report.port or inv.rendezvous_port})"))
+    for col in ("rank", "host", "status", "python", "torch", "cuda", "nccl", "driver", "gpus/slots", "disk free", "iface", "reach master", "clock", "code"):
+        table.add_column(col)
+    for host in inv.hosts:
+        status = report.status(host.name)
+        facts = report.facts.get(host.name)
+        if facts is None:
+            outcome = report.outcomes[host.name]
+            table.add_row(str(host.rank), plain(host.name), status_text(status), Text(outcome.error or "", style="dim"), *[""] * 10)
+            continue
+        mine = comparable(facts)
+
+        def cell(key: str) -> Text:
+            value = mine[key]
+            differs = bool(reference) and host.name != ref_name and value != reference.get(key)
+            return Text(str(value) if value is not None else "-", style="bold red" if differs else "")
+
+        disk = facts.get("disk") or {}
+        free = disk.get("free_bytes")
+        reach = report.reach.get(host.name)
+        iface = host.iface or (reach.iface if reach else None) or "-"
+        reach_text = Text("-") if reach is None else Text("yes" if reach.ok else "NO", style="green" if reach.ok else "bold red")
+        skew = report.skew.get(host.name)
+        table.add_row(
+            str(host.rank),
+            plain(host.name + (" *" if host.name == inv.master_name else "")),
+            status_text(status),
+            cell("python"),
+            cell("torch"),
+            cell("cuda"),
+            cell("nccl"),
+            cell("driver"),
+            plain(f"{_gpus(facts)}/{host.slots}"),
+            f"{free / GIB:.1f} GiB" if isinstance(free, int) else "-",
+            plain(iface),
+            reach_text,
+            f"{skew:+.2f}s" if skew is not None else "-",
+            _code(report.code.get(host.name)),
+        )
+    out = console()
+    out.print(table)
+    if ref_name is not None and ref_name != inv.master_name:
+        out.print(plain(f"versions compared with {ref_name}, the first host that answered (the master {inv.master_name} did not)", style="yellow"))
+    problems = report.problems
+    unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK]
+    if not problems and not unreachable:
+        out.print("[green]every host can join the job[/green]")
+        return
+    for outcome in unreachable:
+        out.print(Text.assemble((f"{outcome.host}: {outcome.status.value}", STATUS_STYLE[outcome.status.value]), f": {outcome.error}"))
+    for p in problems:
+        style = "yellow" if p.severity == "warning" else "red"
+        out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}\n    fix: {p.fix}"))

@@ -1,0 +1,182 @@
+"""The check's rules, pure: a host's facts in, problems with their fix out; and the facts read for a purpose
+(an interface's address, the master's address peers use, a clock's skew)."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from mnft.env.diff import compare
+from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
+from mnft.hosts.inventory import Host, Inventory
+
+
+
+def clock_skew(clock: float, before: float, after: float, probe_total: float | None) -> float:
+    """The host's clock minus this machine's, from a probe that read its clock as its last step.
+
+    Of the round-trip [before, after], the probe itself ran `probe_total` seconds and read the clock at its end;
+    the rest (sending, starting Python, returning the output) is split evenly around it. So the clock was read
+    at after - (rtt - probe_total) / 2, not at the midpoint, which would be off by about half the probe's run
+    time (a 4.5 s nvidia-smi read as 2.3 s of skew). The error is at most half the non-probe time."""
+    rtt = after - before
+    if probe_total is None or not 0 <= probe_total <= rtt:
+        return round(clock - (before + after) / 2, 3)
+    return round(clock - (after - (rtt - probe_total) / 2), 3)
+
+
+def ipv4_of(facts: dict, iface: str) -> list[str]:
+    for entry in facts.get("interfaces") or []:
+        if entry.get("name") == iface:
+            return [a.split("/")[0] for a in entry.get("ipv4") or []]
+    return []
+
+
+def iface_of_address(facts: dict, address: str) -> str | None:
+    for entry in facts.get("interfaces") or []:
+        if any(a.split("/")[0] == address for a in entry.get("ipv4") or []):
+            return entry.get("name")
+    return None
+
+
+def _is_ipv4(text: str) -> bool:
+    try:
+        ipaddress.IPv4Address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def master_address(inventory: Inventory, facts: dict | None) -> tuple[str | None, str | None]:
+    """The address peers use to reach the master: (address, None) or (None, why not). Never 127.x for peers."""
+    master = inventory.master
+    multi = len(inventory.hosts) > 1
+    if not multi and master.is_local:
+        return "127.0.0.1", None
+    if facts is None:
+        return None, "the master's facts are missing"
+    if master.iface:
+        addrs = ipv4_of(facts, master.iface)
+        if not addrs:
+            names = ", ".join(i["name"] for i in facts.get("interfaces") or [])
+            return None, f"interface {master.iface!r} has no IPv4 address on the master (it has: {names})"
+        return addrs[0], None
+    if _is_ipv4(master.address) and not ipaddress.IPv4Address(master.address).is_loopback:
+        return master.address, None
+    candidates = [
+        a.split("/")[0]
+        for entry in facts.get("interfaces") or []
+        if entry.get("up") and entry.get("name") != "lo"
+        for a in entry.get("ipv4") or []
+        if not ipaddress.IPv4Address(a.split("/")[0]).is_loopback
+    ]
+    if len(candidates) == 1:
+        return candidates[0], None
+    if not candidates:
+        return None, "the master has no non-loopback IPv4 address"
+    return None, f"the master has several addresses ({', '.join(candidates)}): set 'iface' in the inventory"
+
+
+def source_address(host: Host, facts: dict | None) -> str | None:
+    if host.iface and facts:
+        addrs = ipv4_of(facts, host.iface)
+        return addrs[0] if addrs else None
+    return None
+
+
+SAME_EVERYWHERE = (
+    ("python", "Python", lambda f: _minor((f.get("python") or {}).get("version"))),
+    ("torch", "torch", lambda f: (f.get("torch") or {}).get("version")),
+    ("cuda", "CUDA (torch build)", lambda f: (f.get("torch") or {}).get("cuda")),
+    ("nccl", "NCCL", lambda f: f.get("nccl")),
+    ("driver", "NVIDIA driver", lambda f: (f.get("nvidia") or {}).get("driver")),
+)
+
+
+FIXES = {
+    "python": "use the same Python minor version on every host (set 'python' per host in the inventory)",
+    "torch": "install the same torch build everywhere, e.g. pip install torch=={value}",
+    "cuda": "install the torch build for the same CUDA everywhere (the +cuXXX wheel the master has)",
+    "nccl": "install the same nvidia-nccl package as the master (it comes with the torch wheel)",
+    "driver": "upgrade or downgrade the NVIDIA driver to the master's version",
+}
+
+
+def _minor(version: str | None) -> str | None:
+    return ".".join(version.split(".")[:2]) if version else None
+
+
+def comparable(facts: dict) -> dict[str, Any]:
+    """The values that must be identical on every host."""
+    return {key: get(facts) for key, _, get in SAME_EVERYWHERE}
+
+
+# packages with a rule of their own above (its message and fix say more than a version pair): reported once
+ENV_RULE_IGNORES = ("torch", "nvidia-nccl-cu11", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
+
+
+def environment_drift(name: str, facts: dict, reference: dict, label: str) -> Problem | None:
+    """Rule "environment identical across hosts": the installed distributions (read from metadata by the probe)
+    against the reference host's, naming each differing package: `numpy 2.1.0 (master: 1.26.4); extra: foo 0.3`."""
+    mine, theirs = facts.get("dists"), reference.get("dists")
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return None
+    diff = compare(mine, theirs, ignore=ENV_RULE_IGNORES)
+    if diff.empty:
+        return None
+    return Problem(name, "env", diff.describe(label), "make the hosts' environments identical from one lock: invoke provision --hosts FILE")
+
+
+def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, options: CheckOptions) -> list[Problem]:
+    problems: list[Problem] = []
+    master = inventory.master_name
+    ref_name = reference_host(inventory, facts)
+    reference = comparable(facts[ref_name]) if ref_name is not None else None
+    ref_label = reference_label(inventory, ref_name)
+    uses_gpu = any((f.get("torch") or {}).get("cuda") or (f.get("nvidia") or {}).get("gpus") for f in facts.values())
+    for host in inventory.hosts:
+        f = facts.get(host.name)
+        if f is None:
+            continue
+        mine = comparable(f)
+        if (f.get("torch") or {}).get("version") is None:
+            problems.append(Problem(host.name, "torch", f"torch is not installed for {(f.get('python') or {}).get('executable') or host.python}", "pip install torch in the Python the inventory names ('python')"))
+        if reference is not None and host.name != ref_name:
+            for key, label, _ in SAME_EVERYWHERE:
+                if mine[key] != reference[key] and not (key == "torch" and mine[key] is None):
+                    problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from {ref_label} {reference[key] or 'none'}", FIXES[key].format(value=reference[key])))
+            drift = environment_drift(host.name, f, facts[ref_name], "master" if ref_name == master else ref_name)
+            if drift is not None:
+                problems.append(drift)
+        gpus = (f.get("nvidia") or {}).get("gpus") or []
+        if uses_gpu:
+            if len(gpus) < host.slots:
+                problems.append(Problem(host.name, "gpus", f"{len(gpus)} GPU(s) for {host.slots} slot(s)", "lower 'slots' for this host or fix the GPUs (nvidia-smi)"))
+            busy = [g for g in gpus if g.get("processes")]
+            for gpu in busy:
+                pids = ", ".join(str(p.get("pid")) for p in gpu["processes"])
+                problems.append(Problem(host.name, "gpus", f"GPU {gpu.get('index')} is held by process(es) {pids}", "stop the old run (invoke stop) or those processes before training", "warning"))
+        disk = f.get("disk") or {}
+        free = disk.get("free_bytes")
+        if isinstance(free, int) and free < options.min_free_gb * GIB:
+            problems.append(Problem(host.name, "disk", f"{free / GIB:.1f} GiB free at {disk.get('path')} (floor {options.min_free_gb:g} GiB)", "free disk space or point 'workdir' at a larger disk"))
+        if not f.get("rsync"):
+            problems.append(Problem(host.name, "rsync", "rsync is not installed", "install rsync (apt-get install rsync / dnf install rsync)"))
+        if host.iface and not ipv4_of(f, host.iface):
+            names = ", ".join(i.get("name", "?") for i in f.get("interfaces") or [])
+            problems.append(Problem(host.name, "iface", f"interface {host.iface!r} does not exist or has no IPv4 address (has: {names})", "set 'iface' to the cluster network's interface (ip -br addr)"))
+        skew = report.skew.get(host.name)
+        ref_skew = report.skew.get(ref_name) if ref_name is not None else None
+        if skew is not None and ref_skew is not None and abs(skew - ref_skew) > options.max_clock_skew_s:
+            problems.append(Problem(host.name, "clock", f"clock differs from {ref_label} by {skew - ref_skew:+.1f}s", "enable time sync (chrony / systemd-timesyncd) on every host"))
+    if options.network and report.master_addr and master in facts:
+        if report.port_free is False:
+            problems.append(Problem(master, "port", f"rendezvous port {report.port} is not free on the master: {report.port_error}", "stop what holds it (ss -ltnp) or choose another port (rendezvous_port / --port)"))
+        for host in inventory.hosts:
+            reach = report.reach.get(host.name)
+            if reach is not None and not reach.ok:
+                via = f" from {reach.source}" if reach.source else (f" from {host.iface}" if host.iface else "")
+                problems.append(Problem(host.name, "network", f"cannot reach the master {report.master_addr}:{report.port}{via}: {reach.error}", "open the port on the master's firewall for the peers (invoke setup), or set 'iface' to the cluster interface"))
+        if len(inventory.hosts) > 1 and ipaddress.IPv4Address(report.master_addr).is_loopback:
+            problems.append(Problem(master, "master_addr", f"the master's address {report.master_addr} is a loopback address peers cannot reach", "set the master's 'address' or 'iface' to the cluster network"))
+    return problems

@@ -1,0 +1,382 @@
+"""mnft's command line: thin Invoke tasks that parse arguments, call mnft, and map errors to exit codes.
+
+The same collection serves `mnft TASK …` (the console command, mnft.cli.main.main) and `invoke TASK …` in the mnft
+checkout (its tasks.py imports `ns` from here). Run `mnft --list` for the tasks and `mnft --help TASK` for each
+one's options.
+"""
+
+from __future__ import annotations
+
+from functools import wraps
+from pathlib import Path
+
+from invoke import Collection, Exit, task
+
+from mnft.cli.parsing import OptionalPositionalTask, remainder
+
+DEFAULT_INVENTORY = Path(__file__).resolve().parent / "local.yaml"  # this machine only, no SSH
+
+
+def _mnft_errors(fn):
+    """Expected errors become one line and their exit code; a bug keeps its traceback."""
+
+    @wraps(fn)
+    def wrapper(*args, **kwargs):
+        from mnft.core.errors import ExitCode, MnftError
+
+        try:
+            code = fn(*args, **kwargs)
+        except MnftError as exc:
+            raise Exit(f"mnft: {exc}", code=int(exc.exit_code)) from None
+        except KeyboardInterrupt:
+            raise Exit("mnft: interrupted", code=int(ExitCode.INTERRUPTED)) from None
+        if code:
+            raise Exit(code=int(code))
+
+    return wrapper
+
+
+def _inventory(hosts: str | None):
+    from mnft.hosts import inventory
+    from mnft.env.provision import effective
+
+    return effective(inventory.load(hosts or DEFAULT_INVENTORY))  # a provisioned host uses its environment's python
+
+
+def _timeouts(connect_timeout: float, timeout: float):
+    from mnft.hosts.connection import Timeouts
+
+    return Timeouts(connect=connect_timeout, command=timeout)
+
+
+@task(help={"hosts": "inventory file (mnft YAML, Ansible YAML or hostfile); default: the embedded inventory/local.yaml", "json": "machine-readable output"})
+@_mnft_errors
+def inventory(c, hosts=None, json=False):
+    """Print the effective per-host settings: what each host will actually use."""
+    from mnft.hosts.report import print_inventory
+
+    print_inventory(_inventory(hosts), json)
+
+
+@task(
+    help={
+        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "json": "machine-readable output (per host: outcome, facts, problems)",
+        "port": "rendezvous port to test (default: the inventory's, 29500)",
+        "min_free_gb": "free disk floor at each host's workdir, GiB",
+        "max_clock_skew": "largest clock difference to the master, seconds",
+        "no_network": "skip the rendezvous port test",
+        "connect_timeout": "seconds to wait for each SSH connection",
+        "timeout": "seconds each remote command may take",
+        "perf": "also measure speed: link matrix (TCP Gbit/s, RTT), matmul TFLOP/s per device, all_reduce busbw (docs/perf.md)",
+        "perf_out": "with --perf: directory for perf.json and links.png (default: runs/perf-<time>)",
+        "perf_launcher": "with --perf: direct (default: the ranks with torchrun's environment, without its agent: half the start-up) or torchrun (as training)",
+    }
+)
+@_mnft_errors
+def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0, no_network=False, connect_timeout=10.0, timeout=60.0,
+          perf=False, perf_out=None, perf_launcher="direct"):
+    """Prove every host can join one training job: same Python/torch/CUDA/NCCL/driver, disk, rsync, interface, port, clock.
+
+    Exit codes: 0 every host ok, 1 some host failed a check, 2 bad input, 4 some host unreachable or its key rejected.
+    """
+    from mnft.check.findings import CheckOptions
+    from mnft.check.gather import gather
+    from mnft.hosts.fleet import Fleet
+    from mnft.check.report import print_check
+
+    inv = _inventory(hosts)
+    options = CheckOptions(min_free_gb=float(min_free_gb), max_clock_skew_s=float(max_clock_skew), port=int(port) or None, network=not no_network)
+    if perf:
+        from mnft.perf.gather import PerfOptions
+
+        perf_options = PerfOptions(launcher=perf_launcher)  # bad input before any host is touched
+    with Fleet(inv, _timeouts(connect_timeout, timeout)) as fleet:
+        report = gather(fleet, options)
+        if perf:
+            from mnft.perf.report import check_perf
+
+            return check_perf(fleet, report, json, Path(perf_out) if perf_out else None, perf_options)
+    print_check(report, json)
+    return report.exit_code()
+
+
+@task(
+    name="trust-hosts",
+    help={
+        "hosts": "inventory file",
+        "dry_run": "show the keys and fingerprints without recording them",
+        "json": "machine-readable output",
+        "connect_timeout": "seconds to wait for each host",
+    },
+)
+@_mnft_errors
+def trust_hosts(c, hosts=None, dry_run=False, json=False, connect_timeout=10.0):
+    """Trust the hosts' SSH keys on purpose: record new keys in ~/.mnft/known_hosts and print their fingerprints.
+
+    Compare the printed fingerprints with `ssh-keygen -lf /etc/ssh/ssh_host_ed25519_key.pub` on each host.
+    A changed key is never recorded (possible man-in-the-middle): remove the old one first.
+    """
+    from mnft.core.errors import ExitCode
+    from mnft.hosts.report import print_trust
+    from mnft.hosts.trust import trust_hosts as trust
+
+    results = trust(_inventory(hosts), _timeouts(connect_timeout, 30.0), dry_run=dry_run)
+    print_trust(results, json)
+    if any(r.state in ("unreachable", "changed", "other-type") for r in results):
+        return ExitCode.UNREACHABLE
+    return ExitCode.OK
+
+
+def _console():
+    from mnft.core.output import console
+
+    return console()
+
+
+def _record_fleet(run, hosts):
+    """The run record and a fleet over its inventory snapshot (or --hosts when given)."""
+    from mnft.run import records
+    from mnft.core.errors import InputError
+    from mnft.hosts.fleet import Fleet
+    from mnft.run.train import from_snapshot, launched
+
+    record = records.load(run, launched)
+    if not launched(record.data):
+        raise InputError(f"{record.path}: run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
+    inv = _inventory(hosts) if hosts else from_snapshot(record.data["inventory"])
+    return record, Fleet(inv)
+
+
+def _job(recipe, job_file, entry, overrides):
+    """The job from --recipe, --job FILE and/or the words after `--` (verbatim): exactly one entry point."""
+    from mnft.run import job as jobs
+    from mnft.core.errors import InputError
+
+    if recipe and (job_file or entry):
+        raise InputError(f"--recipe {recipe} runs mnft's recipe: leave out " + ("--job" if job_file else "the script after --")
+                         + " (or leave out --recipe to run your own script)")
+    if job_file:
+        job = jobs.load_job_file(Path(job_file)).with_extra(tuple(entry))
+        if overrides and not job.recipe:
+            raise InputError("--set is for mnft's recipes: pass your script's arguments after --")
+        return job.with_extra(jobs.parse_overrides(overrides)) if job.recipe else job
+    if entry:
+        if overrides:
+            raise InputError("--set is for mnft's recipes: pass your script's arguments after --")
+        return jobs.cli_job(entry)
+    return jobs.recipe_job(recipe or "lora", tuple(overrides))
+
+
+@task(
+    iterable=["set", "env", "env_file"],
+    help={
+        "recipe": "one of mnft's recipes: lora or full (the default when no script or job is given)",
+        "job": "a job file (YAML): your script, its arguments, env, resume rule and metrics; see docs/jobs.md",
+        "hosts": "inventory file; default: the embedded inventory/local.yaml (this machine)",
+        "set": "recipe override key=value (repeat)",
+        "env": "environment for the run: NAME (value from here) or NAME=VALUE (repeat); secret names (TOKEN/KEY/SECRET/PASSWORD) only as NAME",
+        "env_file": "NAME=VALUE lines for the run, file mode 0600 (repeat): the way to pass secrets not in this environment",
+        "rdzv": "static (node_rank from the inventory) or c10d",
+        "detach": "start, print the run id and return; the run goes on",
+        "resume": "continue the latest run's job (or --resume-run ID's) from its latest complete checkpoint",
+        "resume_run": "the run to continue",
+        "force": "launch even if the check finds problems",
+        "dry_run": "print every host's exact command and environment (secrets redacted); start nothing",
+        "no_sync": "do not sync the code first",
+        "src": "the tree to sync (default: the top of the git repository around the current directory)",
+        "port": "rendezvous port (default: the inventory's; the next free one on the master if taken)",
+        "max_restarts": "after a failure, restart the gang from the latest checkpoint up to N times (a lost host is "
+                        "waited for, then replaced by a spare: true host or dropped with --min-nodes); 0: stop at once",
+        "min_nodes": "with --max-restarts: continue on fewer hosts (at least this many) when a lost host has no spare "
+                     "(recipes; a job file must say elastic: true)",
+    },
+)
+@_mnft_errors
+def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
+          resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0):
+    """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
+    (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
+    ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
+    from mnft.check.findings import CheckOptions
+    from mnft.core.errors import InputError
+    from mnft.run.launch import LaunchOptions
+    from mnft.run.recover import Policy
+    from mnft.run.train import TrainOptions, train as run_train
+
+    overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
+    if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
+        from mnft.run.train import previous_run, reuse_previous
+
+        if job or entry or recipe:
+            raise InputError("--resume continues the recorded job: leave out --recipe, --job and the script (start a new run to change them)")
+        reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files)
+        hosts, the_job, envs, env_files, resume_run = reused.hosts, reused.job, reused.env, reused.env_files, reused.run_id
+        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
+    else:
+        the_job = _job(recipe, job, entry, overrides)
+    options = TrainOptions(
+        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume),
+        check=CheckOptions(port=int(port) or None),
+        force=force,
+        src=Path(src) if src else None,
+        sync=not no_sync,
+        dry_run=dry_run,
+        resume_run=resume_run,
+        recovery=Policy(max_restarts=max_restarts, min_nodes=min_nodes or None),  # invoke parses both as int
+    )
+    return run_train(_inventory(hosts), options, _console())
+
+
+
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "follow": "keep printing new lines until the run ends", "lines": "lines per host", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def logs(c, run=None, follow=False, lines=20, hosts=None):
+    """Collect every host's logs and metrics into runs/<id>/<host>/, write loss.png, print a merged tail."""
+    from mnft.run.logs import collect, follow as follow_logs, merged_tail
+
+    record, fleet = _record_fleet(run, hosts)
+    with fleet:
+        if follow:
+            return follow_logs(record, fleet, _console())
+        metrics = collect(record, fleet, _console())
+    merged_tail(record, int(lines), _console(), metrics)
+
+
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def status(c, run=None, json=False, hosts=None):
+    """A table per host: running / exited with code / unreachable, step, loss, since. Exit 0 only when healthy."""
+    from mnft.run.report import print_status
+    from mnft.run.control import status as run_status
+
+    from mnft.run.control import supervisor
+
+    record, fleet = _record_fleet(run, hosts)
+    with fleet:
+        states = run_status(record, fleet)
+    return print_status(record, states, json, supervisor(record))
+
+
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def stop(c, run=None, grace=10.0, json=False, hosts=None):
+    """Kill exactly that run's process groups on every host (by recorded group and run id), verify none remain."""
+    from mnft.run.report import print_stop
+    from mnft.run.control import stop as run_stop
+
+    record, fleet = _record_fleet(run, hosts)
+    with fleet:
+        result = run_stop(record, fleet, float(grace))
+    code = print_stop(record, result, json)
+    from mnft.run.control import gpu_verdict
+
+    return gpu_verdict(result, code, None if json else _console())
+
+
+@task(
+    iterable=["exclude"],
+    help={
+        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "src": "the tree to copy (default: the top of the git repository around the current directory)",
+        "data": "copy this data directory to every host's data_dir instead of the code (shared_fs hosts: once)",
+        "exclude": "one more rsync exclude pattern (repeat); also invoke.yaml's sync.exclude list",
+        "dry_run": "list what would change per host; copy nothing",
+        "no_delete": "keep files that exist only on the hosts",
+        "json": "machine-readable output (per host: status, files, bytes, hash)",
+        "workers": "rsyncs at once",
+        "timeout": "with --data: seconds each host's rsync may take in all (default 3600)",
+    },
+)
+@_mnft_errors
+def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16, timeout=3600.0):
+    """Copy the code (or --data) to every host in parallel and prove each copy by its tree hash.
+
+    Exit codes: 0 every host identical, 1 a host failed or differs (the files are named), 2 bad input or a
+    refused target, found before the sync or by a host's probe (nothing touched there), 4 a host unreachable or
+    its key rejected. --dry-run lists per host what would be sent and deleted (--no-delete: nothing deleted).
+    """
+    from mnft.sync.report import print_sync
+    from mnft.sync.mirror import sync_code, sync_data
+
+    options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=list(exclude or []), workers=int(workers),
+                   config=c.config)  # sync.exclude from the config is added by mnft.sync.mirror, as for check and train
+    inv = _inventory(hosts)
+    if data:
+        report = sync_data(inv, Path(data), timeout=float(timeout), **options)
+    else:
+        report = sync_code(inv, Path(src) if src else None, **options)
+    print_sync(report, json)
+    return report.exit_code()
+
+
+@task(
+    iterable=["only"],
+    help={
+        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "playbook": "the playbook (default: playbooks/setup.yaml)",
+        "check": "print what each step would change on each host; change nothing",
+        "only": "run only this step (step, step name or tag: trust, names, firewall, ports); repeat or comma-separate",
+        "undo": "remove exactly what mnft's steps added (in reverse order)",
+        "json": "machine-readable output (per host and step: status, changes, error)",
+        "connect_timeout": "seconds to wait for each SSH connection",
+        "timeout": "seconds each remote call may take",
+    },
+)
+@_mnft_errors
+def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json=False, connect_timeout=10.0, timeout=120.0):
+    """Prepare the hosts for multi-node jobs: controller key, node-to-node SSH mesh, /etc/hosts, peers-only firewall.
+
+    Idempotent: a second run reports 0 changed. Exit codes: 0 ok, 1 a step failed on some host, 2 bad playbook or
+    inventory (nothing applied anywhere), 4 some host unreachable or its key rejected.
+    """
+    from mnft.setup import playbook as pb
+
+    book = pb.load(playbook or pb.DEFAULT_PLAYBOOK)
+    chosen = [w for item in (only or []) for w in item.split(",")]
+    report = pb.run(_inventory(hosts), book, check=check, undo=undo, only=chosen or None, timeouts=_timeouts(connect_timeout, timeout))
+    pb.print_report(report, json)
+    return report.exit_code()
+
+
+@task(
+    iterable=["find_links"],
+    help={
+        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "lock": "the lock file (requirements.lock or pylock.toml); default: the one at the top of --src",
+        "src": "the project tree whose lock is the default (default: the git top level around the current directory)",
+        "dry_run": "per host what would be installed, upgraded and removed; change nothing",
+        "rollback": "switch every host back to its previous environment",
+        "online": "hosts install straight from the lock's index (they need internet); still exactly pinned",
+        "offline": "this machine uses no index either: only the wheelhouse, the lock's local wheels and --find-links",
+        "find_links": "a local directory of wheels for this machine's fetch (repeat)",
+        "wheelhouse": "where this machine keeps the wheels (default: $MNFT_HOME/wheelhouse)",
+        "python": "the Python X.Y to build with when the lock does not name one (default: the master's)",
+        "no_relay": "send the wheels from this machine to every host, even with the SSH mesh",
+        "json": "machine-readable output",
+        "connect_timeout": "seconds to wait for each SSH connection",
+    },
+)
+@_mnft_errors
+def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False, online=False, offline=False, find_links=None,
+              wheelhouse=None, python=None, no_relay=False, json=False, connect_timeout=10.0):
+    """The same Python environment on every host, from a lock file: offline, atomic, verified, idempotent.
+
+    Exit codes: 0 every host matches the lock, 1 a host failed (it keeps its previous environment), 2 bad input
+    (nothing changed on any host), 4 a host unreachable or its key rejected.
+    """
+    from mnft.env.provision import ProvisionOptions, print_report, print_table, provision as run
+    from mnft.core.output import console, plain
+
+    options = ProvisionOptions(lock=Path(lock) if lock else None, src=Path(src) if src else None, dry_run=dry_run, rollback=rollback,
+                               online=online, offline=offline, find_links=tuple(find_links or ()), wheelhouse=Path(wheelhouse) if wheelhouse else None,
+                               python=python, relay=not no_relay)
+    err = console(stderr=True)
+    say = (lambda message: None) if json else (lambda message: err.print(plain(message, style="dim")))
+    show = None if json else (lambda title, outcomes, report: print_table(title, outcomes, report))
+    report = run(_inventory(hosts), options, say=say, show=show, timeouts=_timeouts(connect_timeout, 60.0))
+    print_report(report, json)
+    return report.exit_code()
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision)

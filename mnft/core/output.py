@@ -1,0 +1,55 @@
+"""What a person reads on the terminal, for every command: the console, cells and titles taken from data
+(never read as rich markup), status colours, sizes, losses; and JSON for machines."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+STATUS_STYLE = {
+    "ok": "green",
+    "changed": "yellow",
+    "failed": "red",
+    "unreachable": "magenta",
+    "host-key-rejected": "bold red",
+    "recorded": "yellow",
+    "already-trusted": "green",
+    "changed-key": "bold red",
+}
+
+
+def console(stderr: bool = False) -> Console:
+    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False, default=str) + "\n")
+
+
+def status_text(status: str) -> Text:
+    return Text(status, style=STATUS_STYLE.get(status, ""))
+
+
+def plain(value: Any, style: str = "") -> Text:
+    """A cell or title from data (host names, paths, errors): never read as rich markup ("a[/b]", "[bold]x")."""
+    return Text("-" if value is None else str(value), style=style)
+
+
+def fmt_size(n: int | float) -> str:
+    """Bytes for a person: 512 B, 1.5 MiB, 43.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def fmt_loss(value) -> str:
+    """A loss as text: 4 decimals, or as the recipe wrote it ("nan", "inf": JSON has no NaN), or "-" for none."""
+    if isinstance(value, (int, float)):
+        return f"{value:.4f}"
+    return str(value) if value is not None else "-"

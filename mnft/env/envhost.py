@@ -1,0 +1,449 @@
+#!/usr/bin/env python3
+"""mnft provision, the host side: read a host's environment facts, build an environment, switch, roll back.
+
+The controller ships this file's source (see `source()`) to the host's base Python (mnft.hosts.pyrun) and reads one
+JSON object from stdout. Standard library only, Python >= 3.8; nothing here imports an installed package.
+
+Layout on the host, for a `venv` of ~/mnft-env:
+
+    ~/mnft-env              a symbolic link to the current environment (replaced atomically: rename(2))
+    ~/mnft-env.d/envs/ID/   the environments: the current one and the previous one (for --rollback)
+    ~/mnft-env.d/previous   a link to the previous environment
+    ~/mnft-env.d/dist/      what the controller (or a peer) sent: uv and wheels/*.whl
+    ~/mnft-env.d/cache/     uv's cache (links into the environments, so a rebuild costs little disk)
+
+    facts VENV [--python P]... [--want X.Y]   Pythons, platform, disk, the environment's distributions, the mesh
+    prepare VENV                               create the dist directory (before wheels are sent)
+    install SPEC_JSON                          build a new environment beside the current one, verify, switch
+    rollback VENV                              switch back to the previous environment
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+RECORD = ".mnft-env.json"
+MESH_BEGIN = "# BEGIN mnft mesh"
+MESH_END = "# END mnft mesh"
+MESH_KEY = "~/.ssh/mnft_mesh_ed25519"
+VERSION_SCRIPT = "import platform,sys;print(platform.python_version());print(sys.implementation.name)"
+
+
+def source() -> str:
+    with open(__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+def _emit(obj) -> None:
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def root_of(venv: str) -> str:
+    return os.path.abspath(os.path.expanduser(venv)).rstrip("/") + ".d"
+
+
+def _existing_parent(path: str) -> str:
+    while not os.path.isdir(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _read_json(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def site_packages(env: str):
+    found = sorted(glob.glob(os.path.join(env, "lib", "python*", "site-packages")))
+    return found[0] if found else None
+
+
+def env_python_version(env: str):
+    try:
+        with open(os.path.join(env, "pyvenv.cfg"), encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition("=")
+                if key.strip() in ("version_info", "version"):
+                    return value.strip()
+    except OSError:
+        return None
+    return None
+
+
+def distributions(env: str) -> dict:
+    """name -> version of every distribution installed in the environment, from its metadata (nothing imported)."""
+    import importlib.metadata as metadata
+
+    site = site_packages(env)
+    if site is None:
+        return {}
+    out = {}
+    for dist in metadata.distributions(path=[site]):
+        name = dist.metadata["Name"]
+        if name:
+            out[canonical(name)] = dist.version
+    return out
+
+
+def describe_env(path: str) -> dict:
+    """What is at an environment path (a link to an environment, a directory someone made, nothing)."""
+    info = {"path": path, "exists": os.path.lexists(path), "is_link": os.path.islink(path), "target": None, "record": None,
+            "python": None, "dists": None, "complete": False}
+    if not info["exists"]:
+        return info
+    real = os.path.realpath(path)
+    info["target"] = real
+    if not os.path.isdir(real):
+        return info
+    info["record"] = _read_json(os.path.join(real, RECORD))
+    info["complete"] = info["record"] is not None
+    info["python"] = env_python_version(real)
+    try:
+        info["dists"] = distributions(real)
+    except Exception as exc:  # noqa: BLE001 - a broken environment is a fact, not a crash
+        info["error"] = "cannot read its distributions: %s" % exc
+    return info
+
+
+def _python_version(python: str):
+    exe = python if "/" in python else shutil.which(python)
+    if exe is None:
+        return None
+    exe = os.path.expanduser(exe)
+    try:
+        done = subprocess.run([exe, "-I", "-c", VERSION_SCRIPT], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, universal_newlines=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.split()
+    if done.returncode != 0 or len(lines) < 2:
+        return None
+    return {"path": exe, "version": lines[0], "implementation": lines[1]}
+
+
+def _libc():
+    try:
+        name = os.confstr("CS_GNU_LIBC_VERSION")  # "glibc 2.36"
+        if name and name.startswith("glibc "):
+            return {"libc": "glibc", "version": name.split()[1]}
+    except (ValueError, OSError):
+        pass
+    musl = glob.glob("/lib/ld-musl-*.so.1")
+    if musl:
+        try:
+            err = subprocess.run([musl[0]], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 universal_newlines=True, timeout=5).stderr
+            match = re.search(r"Version (\d+\.\d+)", err)
+            return {"libc": "musl", "version": match.group(1) if match else None}
+        except (OSError, subprocess.SubprocessError):
+            return {"libc": "musl", "version": None}
+    return {"libc": None, "version": None}
+
+
+def mesh_peers() -> list:
+    """The host names of mnft's mesh block in ~/.ssh/config (empty when `invoke setup` made no mesh here)."""
+    if not os.path.exists(os.path.expanduser(MESH_KEY)):
+        return []
+    try:
+        with open(os.path.expanduser("~/.ssh/config"), encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return []
+    inside, names = False, []
+    for line in text.splitlines():
+        if line.startswith(MESH_BEGIN):
+            inside = True
+        elif line.startswith(MESH_END):
+            inside = False
+        elif inside and line.split()[:1] == ["Host"]:
+            names += line.split()[1:]
+    return names
+
+
+def facts(venv: str, pythons: list, want) -> dict:
+    """pythons[0] is the interpreter running this script (the controller starts the script with it)."""
+    root = root_of(venv)
+    out = {"arch": platform.machine(), "system": platform.system(), "libc": _libc(), "root": root}
+    candidates, seen = [], set()
+    for python in pythons + (["python%s" % want] if want else []):
+        if python in seen:
+            continue
+        seen.add(python)
+        if python == pythons[0]:  # the interpreter running this script: no need to start it again
+            found = {"path": sys.executable, "version": platform.python_version(), "implementation": sys.implementation.name}
+        else:
+            found = _python_version(python)
+        candidates.append(dict(found or {}, name=python, found=found is not None))
+        if found and want and found["version"].startswith(want + ".") and found["implementation"] == "cpython":
+            break  # the wanted version is there: no need to start more interpreters
+    out["pythons"] = candidates
+    usage = shutil.disk_usage(_existing_parent(root))
+    out["disk"] = {"path": _existing_parent(root), "free_bytes": usage.free}
+    path = os.path.abspath(os.path.expanduser(venv))
+    out["env"] = describe_env(path)
+    out["env"]["managed"] = (not out["env"]["exists"]) or (out["env"]["is_link"] and (out["env"]["target"] or "").startswith(root + "/envs/"))
+    out["previous"] = describe_env(os.path.join(root, "previous"))
+    out["previous"].pop("dists", None)
+    dist = os.path.join(root, "dist")
+    files = {}
+    for name in (os.listdir(os.path.join(dist, "wheels")) if os.path.isdir(os.path.join(dist, "wheels")) else []):
+        try:
+            files[name] = os.path.getsize(os.path.join(dist, "wheels", name))
+        except OSError:
+            pass
+    out["dist"] = {"path": dist, "wheels": files, "uv": os.path.getsize(os.path.join(dist, "uv")) if os.path.isfile(os.path.join(dist, "uv")) else None}
+    out["mesh"] = mesh_peers()
+    out["rsync"] = shutil.which("rsync")
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ changing
+
+
+class Failure(Exception):
+    pass
+
+
+def _lock(root: str):
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise Failure("another mnft provision is running on this host (%s/.lock is held)" % root) from None
+    return fd
+
+
+def _switch(link: str, target: str) -> None:
+    """Point `link` at `target` atomically: a new link beside it, renamed over it."""
+    tmp = "%s.mnft-tmp-%d" % (link, os.getpid())
+    if os.path.lexists(tmp):
+        os.unlink(tmp)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+
+
+def _prune(root: str, keep: set) -> list:
+    """Remove environments that are neither current nor previous (an interrupted build among them)."""
+    removed = []
+    envs = os.path.join(root, "envs")
+    for name in sorted(os.listdir(envs)) if os.path.isdir(envs) else []:
+        path = os.path.join(envs, name)
+        if os.path.realpath(path) not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _run(argv: list, env: dict, what: str, timeout: float) -> None:
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True, env=env, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise Failure("%s timed out after %ds" % (what, timeout)) from None
+    except OSError as exc:
+        raise Failure("%s: %s" % (what, exc.strerror or exc)) from None
+    if done.returncode != 0:
+        lines = [ln.strip() for ln in (done.stderr.strip() or done.stdout.strip()).splitlines() if ln.strip()]
+        useful = [ln for ln in lines if not ln.startswith(("hint:", "help:"))] or lines
+        detail = "; ".join(useful[-3:]) if useful else "exit %d" % done.returncode
+        raise Failure("%s failed: %s" % (what, detail))
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def install(spec: dict) -> dict:
+    """Build spec's environment in envs/ID beside the current one; verify its distributions; switch the link.
+    Any failure removes the new directory and leaves the link (the current environment) as it was."""
+    started = time.monotonic()
+    venv = os.path.abspath(os.path.expanduser(spec["venv"]))
+    root = root_of(spec["venv"])
+    if os.path.lexists(venv) and not os.path.islink(venv):
+        raise Failure("%s exists and is not mnft's link: move it away (mnft never replaces an environment it did not make)" % venv)
+    new = os.path.join(root, "envs", spec["id"])
+    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", spec["id"]) or os.path.lexists(new):
+        raise Failure("environment id %r is not new on this host" % spec["id"])
+    fd = _lock(root)
+    dist = os.path.join(root, "dist")
+    uv = os.path.join(dist, "uv")
+    env = dict(os.environ, UV_CACHE_DIR=os.path.join(root, "cache"), UV_NO_CONFIG="1", UV_PYTHON_DOWNLOADS="never", UV_OFFLINE="1",
+               UV_NO_PROGRESS="1", UV_LINK_MODE="hardlink")
+    env.pop("VIRTUAL_ENV", None)
+    current = os.path.realpath(venv) if os.path.lexists(venv) else None
+    previous_link = os.path.join(root, "previous")
+    try:
+        _prune(root, {p for p in (current, os.path.realpath(previous_link) if os.path.lexists(previous_link) else None) if p})
+        os.makedirs(os.path.dirname(new), exist_ok=True)
+        if not os.access(uv, os.X_OK):
+            os.chmod(uv, 0o755)
+        timeout = float(spec.get("timeout", 3600))
+        if spec.get("online"):
+            env.pop("UV_OFFLINE")
+        _run([uv, "venv", "--quiet", "--python", spec["python"], new], env, "uv venv", timeout)
+        requirements = os.path.join(new, "mnft-requirements.txt")
+        with open(requirements, "w", encoding="utf-8") as f:
+            for wheel in spec["wheels"]:
+                hashes = ["sha256:" + wheel["sha256"]] if wheel.get("sha256") else list(wheel.get("hashes") or [])
+                f.write("%s==%s%s\n" % (wheel["name"], wheel["version"], "".join(" --hash=" + h for h in hashes)))
+        every_hash = all(w.get("sha256") or w.get("hashes") for w in spec["wheels"])
+        argv = [uv, "pip", "sync", "--quiet", "--python", os.path.join(new, "bin", "python")] + (["--require-hashes"] if every_hash else [])
+        if spec.get("online"):  # straight from the lock's index (and its find-links), still exactly pinned
+            if spec.get("no_index"):
+                argv.append("--no-index")
+            for i, url in enumerate(spec.get("indexes") or []):
+                argv += ["--index-url" if i == 0 else "--extra-index-url", url]
+            for link in spec.get("find_links") or []:
+                argv += ["--find-links", link]
+        else:
+            argv += ["--offline", "--no-index", "--find-links", os.path.join(dist, "wheels")]
+        _run(argv + [requirements], env, "uv pip sync", timeout)
+        found = distributions(new)
+        wanted = {canonical(w["name"]): w.get("installed_version") for w in spec["wheels"]}
+        wrong = ["%s %s (lock: %s)" % (n, found[n], v) for n, v in sorted(wanted.items()) if v and n in found and found[n] != v]
+        missing = sorted(n for n in wanted if n not in found)
+        extra = sorted(n for n in found if n not in wanted)
+        if wrong or missing or extra:
+            raise Failure("the new environment does not match the lock: " + "; ".join(
+                wrong + (["missing: " + ", ".join(missing)] if missing else []) + (["extra: " + ", ".join(extra)] if extra else [])))
+        record = {"id": spec["id"], "lock": spec.get("lock"), "python": env_python_version(new), "dists": found, "created": time.time()}
+        with open(os.path.join(new, RECORD), "w", encoding="utf-8") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if spec.get("watch_stdin") and _controller_gone():
+            raise Failure("the controller's connection was lost before the switch: the previous environment stays")
+        if current and os.path.isdir(current):
+            _switch(previous_link, current)
+        _switch(venv, new)
+    except BaseException as exc:
+        shutil.rmtree(new, ignore_errors=True)
+        if isinstance(exc, Failure) and "does not match" not in str(exc):
+            _drop_damaged(dist, spec["wheels"])
+        if isinstance(exc, OSError):
+            raise Failure(_oserror(exc)) from None
+        raise
+    finally:
+        os.close(fd)
+    kept = {new}
+    if os.path.lexists(previous_link):
+        kept.add(os.path.realpath(previous_link))
+    removed = _prune(root, kept)
+    return {"ok": True, "env": new, "previous": current, "removed": removed, "dists": found, "seconds": round(time.monotonic() - started, 3)}
+
+
+def _controller_gone() -> bool:
+    """True when stdin (the SSH channel the controller keeps open after sending this script) has reached EOF."""
+    import select
+
+    try:
+        readable, _, _ = select.select([0], [], [], 0)
+        return bool(readable) and os.read(0, 65536) == b""
+    except (OSError, ValueError):
+        return False
+
+
+def _drop_damaged(dist: str, wheels: list) -> None:
+    """After a failed install, delete wheels whose bytes do not match the lock's hash, so the next run sends them."""
+    for wheel in wheels:
+        path = os.path.join(dist, "wheels", wheel.get("file") or "")
+        try:
+            if os.path.isfile(path) and _sha256(path) != wheel["sha256"]:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
+def _oserror(exc: OSError) -> str:
+    if exc.errno == errno.ENOSPC:
+        return "no space left on the device (%s)" % (exc.filename or "")
+    return "%s: %s" % (exc.filename or "", exc.strerror or exc)
+
+
+def rollback(venv: str) -> dict:
+    venv = os.path.abspath(os.path.expanduser(venv))
+    root = venv.rstrip("/") + ".d"
+    previous_link = os.path.join(root, "previous")
+    if not os.path.lexists(previous_link) or not os.path.isfile(os.path.join(os.path.realpath(previous_link), RECORD)):
+        raise Failure("no previous environment to roll back to (%s)" % previous_link)
+    if os.path.lexists(venv) and not os.path.islink(venv):
+        raise Failure("%s exists and is not mnft's link" % venv)
+    fd = _lock(root)
+    try:
+        target = os.path.realpath(previous_link)
+        current = os.path.realpath(venv) if os.path.lexists(venv) else None
+        _switch(venv, target)
+        if current and os.path.isdir(current):
+            _switch(previous_link, current)
+    finally:
+        os.close(fd)
+    return {"ok": True, "env": target, "previous": current, "dists": distributions(target)}
+
+
+def prepare(venv: str) -> dict:
+    root = root_of(venv)
+    os.makedirs(os.path.join(root, "dist", "wheels"), exist_ok=True)
+    return {"ok": True, "root": root}
+
+
+def main(argv: list) -> int:
+    if not argv or argv[0] not in ("facts", "prepare", "install", "rollback"):
+        sys.stderr.write("usage: envhost.py facts|prepare|install|rollback ...\n")
+        return 2
+    mode = argv[0]
+    try:
+        if mode == "facts":
+            pythons, want, rest = [], None, list(argv[2:])
+            while rest:
+                flag = rest.pop(0)
+                if flag == "--python" and rest:
+                    pythons.append(rest.pop(0))
+                elif flag == "--want" and rest:
+                    want = rest.pop(0)
+                else:
+                    sys.stderr.write("envhost: unknown argument %r\n" % flag)
+                    return 2
+            _emit(facts(argv[1], pythons, want))
+        elif mode == "prepare":
+            _emit(prepare(argv[1]))
+        elif mode == "install":
+            _emit(install(json.loads(argv[1])))
+        else:
+            _emit(rollback(argv[1]))
+    except Failure as exc:
+        _emit({"ok": False, "error": str(exc)})
+    except OSError as exc:
+        _emit({"ok": False, "error": _oserror(exc)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,703 @@
+"""`invoke provision`: the same Python environment on every host, from a lock file, offline, verified.
+
+Read state → plan → apply, as everywhere in mnft:
+
+* facts (one round-trip per host, `mnft.env.envhost` shipped to the host's base Python): the Pythons it has, CPU
+  arch, libc, free disk, the environment now at its `venv` (installed distributions read from metadata), the
+  wheels it already holds, whether `invoke setup`'s SSH mesh is there;
+* plan (pure, `plan_host`): per host nothing / build a new environment (what is installed, upgraded, removed) /
+  refused (no such Python, not mnft's directory) / skipped (unreachable). Every refusal is bad input: exit 2
+  before anything changes on any host, as are a package without a wheel for a host's platform and a disk too
+  small for what would be copied and unpacked;
+* apply: the controller resolves the lock once into wheel files per host platform (`mnft.env.wheelhouse`); the
+  wheels and uv reach the hosts through the mesh (`mnft.sync.relay`: the controller uploads them about once), and
+  every host builds the new environment beside the current one with `uv venv` + `uv pip sync --offline`,
+  verifies it and switches a link (`mnft.env.envhost`). A failure leaves the host on its previous environment.
+
+The controller records, per host, the environment it provisioned (`$MNFT_HOME/provision/hosts.json`);
+`effective()` makes that environment's Python the one check/train/sync use on that host.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform as local_platform
+import re
+import secrets
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from mnft.env import envhost, lockfile
+from mnft.hosts import pyrun
+from mnft.hosts.command import Command
+from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
+from mnft.env.diff import Changes, EnvDiff, against_lock, fingerprint
+from mnft.core.errors import ExitCode, InputError
+from mnft.hosts.fleet import Fleet, HostResult, Status
+from mnft.hosts.hostkeys import mnft_home
+from mnft.hosts.inventory import Host, Inventory
+from mnft.env.lockfile import Lock, Pin
+from mnft.core.output import fmt_size
+from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
+
+FACTS_TIMEOUT = 60.0
+INSTALL_TIMEOUT = 3600.0
+DISK_MARGIN = 64 * 1024**2  # bytes kept free beyond what the copy and the unpacked environment take
+
+
+@dataclass(frozen=True)
+class ProvisionOptions:
+    lock: Path | None = None  # default: lockfile.default_lock(src)
+    src: Path | None = None  # the project tree holding the default lock
+    dry_run: bool = False
+    rollback: bool = False
+    online: bool = False  # hosts install straight from the lock's index (still exactly pinned)
+    offline: bool = False  # the controller must not use an http(s) index either: wheelhouse / find-links only
+    find_links: tuple[str, ...] = ()  # extra local wheel directories for the controller's fetch
+    wheelhouse: Path | None = None  # default: $MNFT_HOME/wheelhouse
+    python: str | None = None  # the Python X.Y when the lock does not say it
+    relay: bool = True  # relay over the mesh when it is there
+
+    def __post_init__(self) -> None:
+        if self.online and self.offline:
+            raise InputError("--online and --offline contradict each other: choose one")
+        if self.python is not None and not _is_minor(self.python):
+            raise InputError(f"--python {self.python!r}: give a version as X.Y (e.g. 3.11)")
+        if self.rollback and (self.online or self.offline or self.find_links):
+            raise InputError("--rollback switches back to the previous environment: it takes no lock or fetch options")
+
+
+def _is_minor(text: str) -> bool:
+    parts = text.split(".")
+    return len(parts) == 2 and all(p.isdigit() for p in parts)
+
+
+# ------------------------------------------------------------------------------------------------ plan (pure)
+
+
+@dataclass
+class HostPlan:
+    host: str
+    action: str  # none | install | rollback | refuse | skip
+    reason: str = ""
+    python: str | None = None  # the base interpreter the environment is built from
+    python_version: str | None = None  # its full version
+    platform: Platform | None = None
+    pins: tuple[Pin, ...] = ()
+    diff: EnvDiff = field(default_factory=EnvDiff)  # the environment now against the lock
+    changes: Changes = field(default_factory=Changes)
+
+
+def choose_python(facts: Mapping[str, Any], minor: str) -> dict | None:
+    """The first Python of the wanted X.Y (CPython) the host has: the inventory's first, then pythonX.Y."""
+    for candidate in facts.get("pythons") or []:
+        if candidate.get("found") and candidate.get("implementation") == "cpython" and str(candidate.get("version", "")).startswith(minor + "."):
+            return candidate
+    return None
+
+
+def env_state(facts: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
+    """(Python version, installed name -> version) of the host's current environment (none: (None, {}))."""
+    env = facts.get("env") or {}
+    if not env.get("exists") or env.get("dists") is None:
+        return None, {}
+    return env.get("python"), dict(env["dists"])
+
+
+def plan_host(host: Host, outcome: HostResult | None, facts: Mapping[str, Any] | None, lock: Lock, minor: str) -> HostPlan:
+    """What provisioning does on one host. Pure: its facts and the lock in, an action out."""
+    if facts is None:
+        return HostPlan(host.name, "skip", (outcome.error if outcome is not None else "") or "no facts")
+    if host.venv is None:
+        return HostPlan(host.name, "refuse", f"host {host.name}: 'venv' is none in the inventory: it is not provisioned")
+    env = facts.get("env") or {}
+    if env.get("exists") and not env.get("managed"):
+        return HostPlan(host.name, "refuse", f"host {host.name}: {env.get('path')} exists and is not an environment mnft made: "
+                                             "move it away or set 'venv' in the inventory to another path")
+    chosen = choose_python(facts, minor)
+    if chosen is None:
+        tried = ", ".join(f"{c.get('name')} ({c.get('version') or 'not found'})" for c in facts.get("pythons") or [])
+        return HostPlan(host.name, "refuse", f"host {host.name} has no Python {minor} (tried: {tried}): install python{minor} there "
+                                             f"or set 'python' in the inventory to one")
+    plat = Platform(minor, facts.get("arch") or "", (facts.get("libc") or {}).get("libc"), (facts.get("libc") or {}).get("version"))
+    pins = lock.pins_for(lockfile.marker_environment(chosen["version"], plat.arch))
+    env_python, installed = env_state(facts)
+    diff = against_lock(installed, pins)
+    if env_python and ".".join(env_python.split(".")[:2]) != minor:
+        diff = replace(diff, python=(".".join(env_python.split(".")[:2]), minor))
+    base = HostPlan(host.name, "none", python=chosen["path"], python_version=chosen["version"], platform=plat, pins=pins, diff=diff,
+                    changes=Changes.of(diff))
+    if env.get("exists") and env.get("complete") and diff.empty:
+        base.reason = "matches the lock"
+        return base
+    base.action = "install"
+    base.reason = "no environment yet" if not env.get("exists") else ("incomplete environment" if not env.get("complete") else "differs from the lock")
+    return base
+
+
+def plan_rollback(host: Host, outcome: HostResult | None, facts: Mapping[str, Any] | None) -> HostPlan:
+    if facts is None:
+        return HostPlan(host.name, "skip", (outcome.error if outcome is not None else "") or "no facts")
+    previous = facts.get("previous") or {}
+    if not previous.get("complete"):
+        return HostPlan(host.name, "refuse", f"host {host.name}: no previous environment to roll back to")
+    return HostPlan(host.name, "rollback", f"back to {os.path.basename(previous.get('target') or '')}")
+
+
+def disk_needed(wheels: Mapping[str, Wheel], held: Mapping[str, int], uv_size: int, uv_held: bool) -> int:
+    """Bytes a host needs free: the wheels it does not hold yet, uv, and the unpacked environment."""
+    sending = sum(w.size for w in wheels.values() if held.get(w.file) != w.size) + (0 if uv_held else uv_size)
+    return sending + sum(w.unpacked for w in wheels.values()) + DISK_MARGIN
+
+
+# ------------------------------------------------------------------------------------------------ the controller's record
+
+
+def state_path() -> Path:
+    return mnft_home() / "provision" / "hosts.json"
+
+
+def host_key(host: Host) -> str:
+    """Whose record: the SSH target (user@address:port), or local:<name> for a local host."""
+    if host.is_local:
+        return f"local:{host.name}"
+    return f"{host.user or ''}@{host.address}:{host.port or 22}"
+
+
+def load_state() -> dict[str, dict]:
+    try:
+        data = json.loads(state_path().read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{state_path()}: cannot read mnft's provision record ({exc}): delete it and run invoke provision again") from None
+    return data if isinstance(data, dict) else {}
+
+
+def save_state(updates: Mapping[str, dict | None]) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = load_state()
+    for key, value in updates.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def host_root(venv: str) -> str:
+    """mnft's directory beside the environment link, as the host spells it (`~/mnft-env` -> `~/mnft-env.d`)."""
+    return venv.rstrip("/") + ".d"
+
+
+def env_python(venv: str) -> str:
+    return venv.rstrip("/") + "/bin/python"
+
+
+def effective(inventory: Inventory, state: Mapping[str, dict] | None = None) -> Inventory:
+    """The inventory with each provisioned host's `python` set to its environment's interpreter (the host's
+    own `python` kept as `base_python`, the one environments are built from). A host whose `venv` changed since,
+    or is none, keeps its `python`."""
+    state = load_state() if state is None else state
+    hosts = []
+    for host in inventory.hosts:
+        record = state.get(host_key(host))
+        if host.venv is not None and host.base_python is None and record and record.get("venv") == host.venv:
+            host = replace(host, python=env_python(host.venv), base_python=host.python)
+        hosts.append(host)
+    return replace(inventory, hosts=tuple(hosts))
+
+
+def base_python(host: Host) -> str:
+    return host.base_python or host.python
+
+
+# ------------------------------------------------------------------------------------------------ reading
+
+
+def script_command(host: Host, *args: str) -> Command:
+    """envhost on the host's base Python (never the environment's: it may be the broken one being replaced)."""
+    return pyrun.command(host, *args, python=base_python(host))
+
+
+def facts_command(host: Host, want: str | None) -> Command:
+    return script_command(host, "facts", host.venv or "~/mnft-env", "--python", base_python(host), *(["--want", want] if want else []))
+
+
+def _script_payload() -> bytes:
+    return pyrun.payload(envhost.source())
+
+
+def parse_reply(result: HostResult) -> dict | None:
+    """The host script's JSON object, or None (the result is then failed with the reason): as for the probe."""
+    return pyrun.reply(result, "the provision script")
+
+
+def gather(fleet: Fleet, hosts: list[Host], want: str | None) -> tuple[dict[str, HostResult], dict[str, dict]]:
+    payload = _script_payload()
+    results = fleet.run(lambda h: facts_command(h, want), stdin=payload, hosts=hosts, timeout=FACTS_TIMEOUT)
+    facts = {}
+    for result in results:
+        data = parse_reply(result)
+        if data is not None:
+            facts[result.host] = data
+    return dict(results.by_host), facts
+
+
+def wanted_python(lock: Lock, options: ProvisionOptions, inventory: Inventory, facts: Mapping[str, dict]) -> str | None:
+    """The lock's Python X.Y; else --python; else the master's base Python (or the first host that answered)."""
+    if lock.python:
+        return lock.python
+    if options.python:
+        return options.python
+    for name in [inventory.master_name, *(h.name for h in inventory.hosts)]:
+        pythons = (facts.get(name) or {}).get("pythons") or []
+        if pythons and pythons[0].get("found"):
+            return ".".join(pythons[0]["version"].split(".")[:2])
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ report
+
+
+@dataclass
+class HostOutcome:
+    host: str
+    status: str  # ok | changed | would-change | rolled-back | failed | unreachable | host-key-rejected | refused
+    action: str = "none"
+    error: str = ""
+    before: EnvDiff | None = None
+    after: EnvDiff | None = None
+    changes: Changes = field(default_factory=Changes)
+    python: str | None = None
+    env: str | None = None  # the environment directory in use after the run
+    fingerprint: str | None = None
+    via: str = ""  # who sent the wheels: controller / a peer
+    controller_bytes: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "status": self.status, "action": self.action, "error": self.error or None,
+            "before": self.before.to_json() if self.before else None, "after": self.after.to_json() if self.after else None,
+            "install": self.changes.install, "upgrade": self.changes.upgrade, "remove": self.changes.remove,
+            "python": self.python, "env": self.env, "fingerprint": self.fingerprint, "via": self.via or None,
+            "controller_bytes": self.controller_bytes, "seconds": self.seconds, "notes": self.notes,
+        }
+
+
+@dataclass
+class ProvisionReport:
+    inventory: Inventory
+    lock: Lock | None
+    python: str | None
+    hosts: dict[str, HostOutcome]
+    dry_run: bool = False
+    rollback: bool = False
+    relay: bool = False
+    wheelhouse_bytes: int = 0  # the wheels (and uv) sent to the hosts, once
+    controller_bytes: int = 0  # what the controller's rsyncs sent in all
+    seconds: float = 0.0
+
+    @property
+    def changed(self) -> int:
+        return sum(1 for o in self.hosts.values() if o.status in ("changed", "rolled-back"))
+
+    def exit_code(self) -> ExitCode:
+        statuses = [o.status for o in self.hosts.values()]
+        if any(s in ("unreachable", "host-key-rejected") for s in statuses):
+            return ExitCode.UNREACHABLE
+        if any(s == "failed" for s in statuses):
+            return ExitCode.FAILED
+        return ExitCode.OK
+
+    def to_json(self) -> dict:
+        return {
+            "inventory": str(self.inventory.path) if self.inventory.path else None,
+            "lock": str(self.lock.path) if self.lock else None, "lock_sha256": self.lock.digest if self.lock else None,
+            "python": self.python, "dry_run": self.dry_run, "rollback": self.rollback, "relay": self.relay,
+            "changed": self.changed, "wheelhouse_bytes": self.wheelhouse_bytes, "controller_bytes": self.controller_bytes,
+            "seconds": self.seconds, "exit_code": int(self.exit_code()),
+            "hosts": {name: o.to_json() for name, o in self.hosts.items()},
+        }
+
+
+# ------------------------------------------------------------------------------------------------ the whole run
+
+
+Say = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+def provision(inventory: Inventory, options: ProvisionOptions = ProvisionOptions(), *, say: Say = _quiet,
+              show: Callable[[str, dict[str, HostOutcome], ProvisionReport], None] | None = None,
+              timeouts: Timeouts = Timeouts(connect=10, command=FACTS_TIMEOUT)) -> ProvisionReport:
+    """read -> plan -> (dry run: stop) -> fetch -> relay -> install -> verify -> record."""
+    started = time.monotonic()
+    if options.rollback:
+        return _rollback(inventory, say, timeouts, started)
+    lock = lockfile.load(options.lock or lockfile.default_lock(_src(options)))
+    for name in options.find_links:
+        if not re.match(r"^https?://", name) and not Path(name).is_dir():
+            raise InputError(f"--find-links {name}: not a directory")
+    inventory = effective(inventory)  # base_python known for hosts provisioned before
+    with Fleet(inventory, timeouts) as fleet:
+        say(f"reading {len(inventory.hosts)} host(s)")
+        want = lock.python or options.python
+        outcomes, facts = gather(fleet, list(inventory.hosts), want)
+        minor = wanted_python(lock, options, inventory, facts)
+        if minor is None:
+            raise InputError(f"{lock.path}: no host answered with its Python version and the lock does not name one: pass --python X.Y")
+        if want is None:  # hosts whose first Python is another version: look for pythonX.Y there
+            again = [h for h in inventory.hosts if h.name in facts and choose_python(facts[h.name], minor) is None]
+            if again:
+                more_outcomes, more = gather(fleet, again, minor)
+                outcomes.update(more_outcomes)
+                facts.update(more)
+        plans = {h.name: plan_host(h, outcomes.get(h.name), facts.get(h.name), lock, minor) for h in inventory.hosts}
+        _refuse(plans)
+        report = ProvisionReport(inventory, lock, minor, {}, dry_run=options.dry_run)
+        before = {name: _outcome_of(plans[name], outcomes.get(name), facts.get(name)) for name in plans}
+        if show is not None:
+            show("before", before, report)
+        todo = [h for h in inventory.hosts if plans[h.name].action == "install"]
+        if options.dry_run or not todo:
+            report.hosts = {n: _dry(o, plans[n]) for n, o in before.items()} if options.dry_run else before
+            _record(inventory, facts, plans, report, lock)
+            report.seconds = round(time.monotonic() - started, 3)
+            return report
+        report.hosts = before
+        _apply(fleet, inventory, lock, options, plans, facts, todo, report, say)
+        after_outcomes, after_facts = gather(fleet, todo, minor)
+        for host in todo:
+            _verify(report.hosts[host.name], plans[host.name], after_outcomes.get(host.name), after_facts.get(host.name))
+        _record(inventory, {**facts, **after_facts}, plans, report, lock)
+    report.seconds = round(time.monotonic() - started, 3)
+    return report
+
+
+def _src(options: ProvisionOptions) -> Path:
+    if options.src is not None:
+        return options.src
+    from mnft.sync.source import default_source
+
+    return default_source()
+
+
+def _refuse(plans: Mapping[str, HostPlan]) -> None:
+    refused = [p for p in plans.values() if p.action == "refuse"]
+    if refused:
+        more = f" (and {len(refused) - 1} more host(s) refused)" if len(refused) > 1 else ""
+        raise InputError(refused[0].reason + more + "; nothing was changed on any host")
+
+
+def _outcome_of(plan: HostPlan, result: HostResult | None, facts: dict | None) -> HostOutcome:
+    if plan.action == "skip":
+        status = result.status.value if result is not None and result.status is not Status.OK else "failed"
+        return HostOutcome(plan.host, status, "skip", error=plan.reason)
+    env = (facts or {}).get("env") or {}
+    py, dists = env_state(facts or {})
+    return HostOutcome(plan.host, "ok", plan.action, before=plan.diff, changes=plan.changes, python=py, env=env.get("target"),
+                       fingerprint=fingerprint(py, dists) if env.get("exists") else None)
+
+
+def _dry(outcome: HostOutcome, plan: HostPlan) -> HostOutcome:
+    if plan.action == "install":
+        outcome.status = "would-change"
+    return outcome
+
+
+def _env_id(lock: Lock) -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{lock.digest[:10]}-{secrets.token_hex(2)}"
+
+
+def _uv_binary(plans: Mapping[str, HostPlan], todo: list[Host]) -> Path:
+    try:
+        import uv
+    except ImportError:
+        raise InputError("the uv package is not installed on this machine: pip install uv") from None
+    here = local_platform.machine()
+    other = [h.name for h in todo if plans[h.name].platform and plans[h.name].platform.arch != here]
+    if other:
+        raise InputError(f"host {other[0]} is {plans[other[0]].platform.arch}, this controller {here}: mnft ships the controller's own uv binary, "
+                         "so provision hosts of another CPU architecture from a controller of theirs")
+    return Path(uv.find_uv_bin())
+
+
+def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOptions, plans: dict[str, HostPlan], facts: dict[str, dict],
+           todo: list[Host], report: ProvisionReport, say: Say) -> None:
+    uv_bin = _uv_binary(plans, todo)
+    uv_size = uv_bin.stat().st_size
+    groups: dict[Platform, list[Host]] = {}
+    wanted: dict[Platform, list[Pin]] = {}  # per platform the pins its hosts' plans chose (their own marker values)
+    for host in todo:
+        groups.setdefault(plans[host.name].platform, []).append(host)
+        wanted.setdefault(plans[host.name].platform, []).extend(plans[host.name].pins)
+    house = Wheelhouse(options.wheelhouse)
+    wheels: dict[Platform, dict[str, Wheel]] = {p: {} for p in groups}
+    if not options.online:
+        say("resolving the lock into wheels on this machine")
+        wheels = house.resolve(lock, wanted, offline=options.offline, find_links=options.find_links, progress=say)
+    # disk, checked before anything is copied: bad input, nothing changed anywhere
+    for host in todo:
+        f = facts[host.name]
+        held = (f.get("dist") or {}).get("wheels") or {}
+        uv_held = (f.get("dist") or {}).get("uv") == uv_size
+        need = disk_needed(wheels[plans[host.name].platform], held, uv_size, uv_held)
+        free = (f.get("disk") or {}).get("free_bytes")
+        if isinstance(free, int) and free < need:
+            raise InputError(f"host {host.name}: {fmt_size(free)} free at {(f.get('disk') or {}).get('path')}, provisioning needs {fmt_size(need)} "
+                             "(wheels to copy + the unpacked environment): free disk or set 'venv' to a larger disk; nothing was changed on any host")
+    targets = {h.name: host_root(h.venv) + "/dist" for h in todo}
+    prepared = fleet.run(lambda h: script_command(h, "prepare", h.venv), stdin=_script_payload(), hosts=todo, timeout=FACTS_TIMEOUT)
+    ready = []
+    for host in todo:
+        result = prepared[host.name]
+        data = parse_reply(result)
+        if data is None or not data.get("ok"):
+            _fail(report.hosts[host.name], result, data)
+        else:
+            ready.append(host)
+    from mnft.sync import relay
+
+    delivered: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="mnft-stage-", dir=_stage_parent(house)) as tmp:
+        for plat, hosts in groups.items():
+            hosts = [h for h in hosts if h in ready]
+            if not hosts:
+                continue
+            stage = Path(tmp) / hashlib.sha256(repr(plat).encode()).hexdigest()[:12]
+            (stage / "wheels").mkdir(parents=True)
+            os.symlink(uv_bin, stage / "uv")
+            for wheel in wheels[plat].values():
+                os.symlink(house.root / wheel.file, stage / "wheels" / wheel.file)
+            report.wheelhouse_bytes += uv_size + sum(w.size for w in wheels[plat].values())
+            use_relay = options.relay and relay.mesh_ready(hosts, {h.name: facts[h.name].get("mesh") or [] for h in hosts})
+            report.relay = report.relay or use_relay
+            say(f"sending uv and {len(wheels[plat])} wheel(s) ({fmt_size(report.wheelhouse_bytes)}) to {len(hosts)} host(s)"
+                + (" through the mesh (relay)" if use_relay else " from this machine"))
+            delivered.update(relay.distribute(fleet, inventory, stage, targets, hosts, relay=use_relay,
+                                              on_done=lambda d: say(f"  {d.host}: {d.status} (from {d.via or '-'})" + (f": {d.error}" if d.error else ""))))
+    installable = []
+    for host in ready:
+        d = delivered.get(host.name)
+        outcome = report.hosts[host.name]
+        if d is None:
+            continue
+        outcome.via, outcome.controller_bytes, outcome.notes = d.via, d.controller_bytes, list(d.notes)
+        report.controller_bytes += d.controller_bytes
+        if d.ok:
+            installable.append(host)
+        else:
+            outcome.status = d.status if d.status in ("unreachable", "host-key-rejected") else "failed"
+            outcome.error = "sending the wheels failed: " + d.error
+    say(f"building the environment on {len(installable)} host(s)")
+    env_id = _env_id(lock)
+
+    def spec(host: Host) -> Command:
+        plan = plans[host.name]
+        chosen = wheels[plan.platform]
+        body = {"venv": host.venv, "id": env_id, "python": plan.python, "lock": lock.digest, "online": options.online,
+                "indexes": lock.indexes(), "find_links": list(lock.find_links), "no_index": lock.no_index, "timeout": INSTALL_TIMEOUT,
+                "watch_stdin": True,  # a lost connection before the switch leaves the previous environment
+                "wheels": [_wheel_spec(pin, chosen.get(pin.name)) for pin in plan.pins]}
+        return script_command(host, "install", json.dumps(body, separators=(",", ":")))
+
+    payload = _script_payload()
+    results = fleet.map(lambda h: _install_on(fleet, h, spec(h), payload, INSTALL_TIMEOUT + 60), installable)
+    for host in installable:
+        result = results[host.name]
+        data = parse_reply(result)
+        outcome = report.hosts[host.name]
+        outcome.seconds = result.seconds
+        if data is None or not data.get("ok"):
+            _fail(outcome, result, data)
+            outcome.error += f"; {host.name} keeps its previous environment"
+        else:
+            outcome.status, outcome.env = "changed", data.get("env")
+
+
+def _install_on(fleet: Fleet, host: Host, command: Command, payload: bytes, timeout: float) -> HostResult:
+    """Run the install script with its stdin kept open (unlike Fleet.run_one): the script switches the link only
+    while the controller is still connected, so a connection lost mid-build leaves the previous environment."""
+    started = time.monotonic()
+    try:
+        process = fleet.start(host, command)
+    except HostKeyRejected as exc:
+        return HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc))
+    except Unreachable as exc:
+        return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
+    try:
+        process.write(payload)
+        done = process.wait(timeout)
+    except CommandTimeout as exc:
+        return HostResult(host.name, Status.FAILED, error=f"command {exc}", seconds=round(time.monotonic() - started, 3))
+    except Unreachable as exc:
+        fleet.mark_unreachable(host.name, str(exc))
+        return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=round(time.monotonic() - started, 3))
+    finally:
+        try:
+            process.close_stdin()
+        except Exception:  # noqa: BLE001 - the channel may be gone already
+            pass
+    status = Status.OK if done.exit_code == 0 else Status.FAILED
+    result = HostResult(host.name, status, done.exit_code, done.stdout, done.stderr, seconds=round(time.monotonic() - started, 3))
+    if status is Status.FAILED:
+        result.error = f"exit code {done.exit_code}" + (f": {result.tail(1)}" if result.tail(1) else "")
+    return result
+
+
+def _wheel_spec(pin: Pin, wheel: Wheel | None) -> dict:
+    if wheel is None:  # --online: the index serves it; the lock's hashes (if any) are checked by uv
+        return {"name": pin.name, "version": pin.version, "sha256": None, "hashes": sorted(pin.hashes), "file": None, "installed_version": None}
+    return {"name": pin.name, "version": wheel.installed_version or wheel.version, "sha256": wheel.sha256, "file": wheel.file,
+            "installed_version": wheel.installed_version}
+
+
+def _fail(outcome: HostOutcome, result: HostResult, data: dict | None) -> None:
+    if data is None:
+        outcome.status = result.status.value if result.status is not Status.OK else "failed"
+        outcome.error = result.error or "failed"
+    else:
+        outcome.status, outcome.error = "failed", data.get("error") or "failed"
+
+
+def _stage_parent(house: Wheelhouse) -> str:
+    """The staging directory's parent: beside the wheelhouse (same filesystem), created when missing."""
+    parent = house.root.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    return str(parent)
+
+
+def _verify(outcome: HostOutcome, plan: HostPlan, result: HostResult | None, facts: dict | None) -> None:
+    """After the run: the host's environment, read again, against the lock."""
+    if facts is None:
+        if outcome.status == "changed":
+            outcome.status = result.status.value if result is not None and result.status is not Status.OK else "failed"
+            outcome.error = "verification failed: " + ((result.error if result else "") or "no facts")
+        return
+    py, dists = env_state(facts)
+    outcome.after = against_lock(dists, plan.pins)
+    if py and ".".join(py.split(".")[:2]) != plan.platform.python:
+        outcome.after = replace(outcome.after, python=(".".join(py.split(".")[:2]), plan.platform.python))
+    outcome.python, outcome.env = py, (facts.get("env") or {}).get("target")
+    outcome.fingerprint = fingerprint(py, dists)
+    if outcome.status == "changed" and not outcome.after.empty:
+        outcome.status = "failed"
+        outcome.error = "the environment differs from the lock after provisioning: " + outcome.after.describe("lock")
+
+
+def _record(inventory: Inventory, facts: Mapping[str, dict], plans: Mapping[str, HostPlan], report: ProvisionReport, lock: Lock) -> None:
+    """Remember, per host whose environment matches the lock now, that its environment is the one to use."""
+    if report.dry_run:
+        return
+    updates = {}
+    for host in inventory.hosts:
+        outcome = report.hosts.get(host.name)
+        if outcome is None or outcome.status not in ("ok", "changed") or host.name not in facts:
+            continue
+        if outcome.status == "ok" and plans[host.name].action != "none":
+            continue
+        py, dists = env_state(facts[host.name])
+        updates[host_key(host)] = {"host": host.name, "venv": host.venv, "python": env_python(host.venv), "lock": lock.digest,
+                                   "fingerprint": fingerprint(py, dists), "at": time.time()}
+    if updates:
+        save_state(updates)
+
+
+def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float) -> ProvisionReport:
+    inventory = effective(inventory)
+    with Fleet(inventory, timeouts) as fleet:
+        outcomes, facts = gather(fleet, list(inventory.hosts), None)
+        plans = {h.name: plan_rollback(h, outcomes.get(h.name), facts.get(h.name)) for h in inventory.hosts}
+        _refuse(plans)
+        report = ProvisionReport(inventory, None, None, {}, rollback=True)
+        todo = [h for h in inventory.hosts if plans[h.name].action == "rollback"]
+        say(f"switching {len(todo)} host(s) back to their previous environment")
+        results = fleet.run(lambda h: script_command(h, "rollback", h.venv), stdin=_script_payload(), hosts=todo, timeout=FACTS_TIMEOUT)
+        for host in inventory.hosts:
+            plan = plans[host.name]
+            if plan.action == "skip":
+                report.hosts[host.name] = _outcome_of(plan, outcomes.get(host.name), None)
+                continue
+            result = results[host.name]
+            data = parse_reply(result)
+            outcome = HostOutcome(host.name, "rolled-back", "rollback")
+            if data is None or not data.get("ok"):
+                _fail(outcome, result, data)
+            else:
+                outcome.env = data.get("env")
+                outcome.fingerprint = fingerprint((facts[host.name].get("previous") or {}).get("python"), data.get("dists") or {})
+                outcome.notes.append(plan.reason)
+            report.hosts[host.name] = outcome
+    report.seconds = round(time.monotonic() - started, 3)
+    return report
+
+
+# ------------------------------------------------------------------------------------------------ printing
+
+
+def print_table(title: str, hosts: Mapping[str, HostOutcome], report: ProvisionReport, out=None) -> None:
+    """One row per host: status, Python, environment fingerprint, how it differs from the lock."""
+    from rich.table import Table
+    from rich.text import Text
+
+    from mnft.core.output import console, plain, status_text
+
+    out = out or console()
+    table = Table(title=plain(title))
+    for col in ("host", "status", "python", "env", "differs from the lock"):
+        table.add_column(col)
+    for name, o in hosts.items():
+        diff = o.after if o.after is not None else o.before
+        if o.error:
+            detail = Text(o.error, style="red")
+        elif diff is None:
+            detail = Text("-", style="dim")
+        elif diff.empty:
+            detail = Text("identical", style="green")
+        else:
+            detail = plain(diff.describe("lock"), style="yellow")
+        table.add_row(plain(name), status_text(o.status), plain(o.python), plain(o.fingerprint[:12] if o.fingerprint else None), detail)
+    out.print(table)
+
+
+def print_report(report: ProvisionReport, as_json: bool, out=None) -> None:
+    from mnft.core.output import console, plain, print_json
+
+    if as_json:
+        print_json(report.to_json())
+        return
+    out = out or console()
+    if report.dry_run:
+        for name, o in report.hosts.items():
+            if o.status == "would-change":
+                c = o.changes
+                parts = [f"install {', '.join(c.install)}" if c.install else "", f"upgrade {', '.join(c.upgrade)}" if c.upgrade else "",
+                         f"remove {', '.join(c.remove)}" if c.remove else ""]
+                out.print(plain(f"{name}: would build a new environment: " + ("; ".join(p for p in parts if p) or "rebuild (incomplete)")))
+        out.print(plain(f"dry run: {sum(o.status == 'would-change' for o in report.hosts.values())} host(s) would change; nothing was changed"))
+        return
+    quiet = not report.rollback and report.changed == 0 and report.exit_code() == ExitCode.OK  # the "before" table said it all
+    if not quiet:
+        print_table("rollback" if report.rollback else "after", report.hosts, report, out)
+    for name, o in report.hosts.items():
+        for note in o.notes:
+            out.print(plain(f"{name}: {note}", style="dim"))
+    if not report.rollback and report.changed == 0 and report.exit_code() == ExitCode.OK:
+        out.print(plain(f"nothing to do: every host's environment matches {report.lock.path.name if report.lock else 'the lock'} (0 changed, {report.seconds:.2f}s)", style="green"))
+    elif not report.rollback:
+        sent = f"; the controller sent {fmt_size(report.controller_bytes)} for a wheelhouse of {fmt_size(report.wheelhouse_bytes)}" if report.wheelhouse_bytes else ""
+        out.print(plain(f"{report.changed} host(s) changed in {report.seconds:.1f}s" + (" (relayed over the mesh)" if report.relay else "") + sent))

@@ -1,0 +1,412 @@
+"""The one connection factory: a verified SSH connection (Fabric/paramiko) or the local machine.
+
+Both kinds start a shell command string (rendered by `mnft.hosts.command`) and give back a `Process` with the same
+interface: write stdin, read lines as they come, wait with a timeout, close. SSH connections load every trusted
+known_hosts file and refuse unknown or changed host keys.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import queue
+import shlex
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import fabric
+import paramiko
+
+from mnft.core.errors import InputError
+from mnft.hosts.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
+from mnft.hosts.inventory import Host
+
+# paramiko's transport thread logs what it raises (e.g. "Error reading SSH protocol banner" from a port that is
+# not SSH) with a traceback through Python's last-resort handler; mnft reports the same failure as one row
+# (unreachable: …). A handler here keeps the last resort quiet; an application that configures logging still
+# receives paramiko's records.
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
+
+# Closing an SSH channel does not stop a command that has no pty, and sshd refuses 'signal' requests without
+# privilege separation: a remote command the controller gave up on would run on forever. So a command run with a
+# timeout is stopped by the host itself, this long after the controller's own timeout (the controller's clock
+# starts after it sent the command's input; a slow link must not make the host stop first).
+REMOTE_GRACE = 10.0
+REMOTE_KILL_AFTER = 5  # seconds from the host's SIGTERM to SIGKILL
+
+
+def bounded(command: str, timeout: float, grace: float = REMOTE_GRACE) -> str:
+    """The command for a remote shell, under the host's coreutils `timeout` (which signals its whole process
+    group: the command's children too; a child that started its own session, such as a run's keeper, is not
+    touched). A host without `timeout` runs the command unbounded, as before."""
+    inner = shlex.quote(command)
+    limit = max(1, math.ceil(timeout + grace))
+    return (f"command -v timeout >/dev/null 2>&1 && exec timeout -k {REMOTE_KILL_AFTER} {limit} sh -c {inner}"
+            f" || exec sh -c {inner}")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    connect: float = 10.0
+    command: float = 120.0
+
+    def __post_init__(self) -> None:
+        for name, flag in (("connect", "--connect-timeout"), ("command", "--timeout")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise InputError(f"{flag}: {value!r} must be a number of seconds > 0")
+
+
+class Unreachable(Exception):
+    """The host could not be reached or authenticated (DNS, refused, timeout, auth, lost connection)."""
+
+
+class HostKeyRejected(Exception):
+    """The host's key is unknown or changed."""
+
+
+class CommandTimeout(Exception):
+    pass
+
+
+@dataclass
+class Completed:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+
+class Process:
+    """A running command: stdout/stderr are read by background threads into line queues."""
+
+    def __init__(self) -> None:
+        self.lines: "queue.Queue[tuple[str, str | None]]" = queue.Queue()
+        self._out: list[str] = []
+        self._err: list[str] = []
+        self._readers: list[threading.Thread] = []
+
+    # -- implemented by the two kinds
+    def write(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close_stdin(self) -> None:
+        raise NotImplementedError
+
+    def _wait_exit(self, timeout: float | None) -> int | None:
+        raise NotImplementedError
+
+    def terminate(self) -> None:
+        raise NotImplementedError
+
+    # -- shared
+    def _reader(self, stream: str, chunks) -> None:
+        buf = b""
+        sink = self._out if stream == "stdout" else self._err
+        try:
+            for chunk in chunks:
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    text = line.decode(errors="replace") + "\n"
+                    sink.append(text)
+                    self.lines.put((stream, text))
+        finally:
+            if buf:
+                text = buf.decode(errors="replace")
+                sink.append(text)
+                self.lines.put((stream, text))
+            self.lines.put((stream, None))
+
+    def _start_readers(self, stdout_chunks, stderr_chunks) -> None:
+        for name, chunks in (("stdout", stdout_chunks), ("stderr", stderr_chunks)):
+            thread = threading.Thread(target=self._reader, args=(name, chunks), daemon=True)
+            thread.start()
+            self._readers.append(thread)
+
+    def readline(self, timeout: float) -> tuple[str, str | None] | None:
+        """The next (stream, line) pair; line None means that stream ended; None on timeout."""
+        try:
+            return self.lines.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def stream(self) -> Iterator[tuple[str, str]]:
+        """Every line as it arrives, until both streams end."""
+        ended = 0
+        while ended < 2:
+            stream, line = self.lines.get()
+            if line is None:
+                ended += 1
+            else:
+                yield stream, line
+
+    def wait(self, timeout: float | None = None) -> Completed:
+        code = self._wait_exit(timeout)
+        if code is None:
+            self.terminate()
+            raise CommandTimeout(f"timed out after {timeout:g}s")
+        for thread in self._readers:
+            thread.join(timeout=5)
+        return Completed(code, "".join(self._out), "".join(self._err))
+
+    def communicate(self, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
+        if stdin:
+            self.write(stdin)
+        self.close_stdin()
+        return self.wait(timeout)
+
+
+class _LocalProcess(Process):
+    def __init__(self, command: str, env: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.popen = subprocess.Popen(
+            ["/bin/sh", "-c", command],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # its own process group: terminate() reaches every child
+            env=env,
+        )
+        self._start_readers(iter(lambda: self.popen.stdout.read1(65536), b""), iter(lambda: self.popen.stderr.read1(65536), b""))
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.popen.stdin.write(data)
+            self.popen.stdin.flush()
+        except BrokenPipeError:
+            pass  # the command ended without reading all its input: its exit status says why
+
+    def close_stdin(self) -> None:
+        try:
+            self.popen.stdin.close()
+        except BrokenPipeError:
+            pass
+
+    def _wait_exit(self, timeout):
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def terminate(self) -> None:
+        try:
+            os.killpg(self.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+
+
+def _channel_chunks(recv, channel: paramiko.Channel):
+    while True:
+        try:
+            data = recv(65536)
+        except (socket.timeout, OSError, EOFError, paramiko.SSHException):
+            return
+        if not data:
+            return
+        yield data
+
+
+class _SshProcess(Process):
+    def __init__(self, channel: paramiko.Channel, command: str) -> None:
+        super().__init__()
+        self.channel = channel
+        channel.exec_command(command)
+        self._start_readers(_channel_chunks(channel.recv, channel), _channel_chunks(channel.recv_stderr, channel))
+
+    def write(self, data: bytes) -> None:
+        try:
+            self.channel.sendall(data)
+        except (OSError, EOFError, paramiko.SSHException):
+            if not self._transport_alive():
+                raise Unreachable("connection lost while sending the command's input") from None
+            # The command ended without reading all its input (e.g. "python: not found"): its exit status says why.
+
+    def close_stdin(self) -> None:
+        try:
+            self.channel.shutdown_write()
+        except (OSError, EOFError, paramiko.SSHException):
+            pass
+
+    def _transport_alive(self) -> bool:
+        transport = self.channel.get_transport()
+        return transport is not None and transport.is_active()
+
+    def _wait_exit(self, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            slice_ = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            if self.channel.status_event.wait(slice_):
+                break
+            if not self._transport_alive():
+                raise Unreachable("connection lost while the command ran")
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
+        if self.channel.exit_status == -1 and not self._transport_alive():
+            raise Unreachable("connection lost while the command ran")
+        return self.channel.recv_exit_status()
+
+    def terminate(self) -> None:
+        self.channel.close()
+
+
+class Connection:
+    """One open session to one host."""
+
+    def __init__(self, host: Host) -> None:
+        self.host = host
+
+    def start(self, command: str) -> Process:
+        raise NotImplementedError
+
+    def run(self, command: str, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
+        return self.start(command).communicate(stdin, timeout)
+
+    def close(self) -> None:
+        pass
+
+
+class LocalConnection(Connection):
+    def start(self, command: str) -> Process:
+        return _LocalProcess(command)
+
+
+class SshConnection(Connection):
+    def __init__(self, host: Host, conn: fabric.Connection) -> None:
+        super().__init__(host)
+        self.fabric = conn
+
+    def start(self, command: str) -> Process:
+        transport = self.fabric.client.get_transport()
+        if transport is None or not transport.is_active():
+            raise Unreachable("connection lost")
+        try:
+            channel = transport.open_session(timeout=30)
+        except (paramiko.SSHException, EOFError, OSError) as exc:
+            raise Unreachable(f"cannot open a session: {exc}") from None
+        return _SshProcess(channel, command)
+
+    def run(self, command: str, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
+        return super().run(command if timeout is None else bounded(command, timeout), stdin, timeout)
+
+    def close(self) -> None:
+        self.fabric.close()
+        for hop in gateway_hops(self.fabric):  # Fabric leaves the ProxyJump hops open
+            hop.close()
+
+
+def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | None = None, known_hosts: list | None = None) -> fabric.Connection:
+    """A Fabric connection object (not yet open) with ~/.ssh/config honoured and Fabric's auto-add host-key policy
+    replaced by a rejecting one, on the host and on every ProxyJump hop before it (Fabric builds those hops
+    itself, with auto-add). With `known_hosts`, every trusted file is loaded into each of them."""
+    connect_kwargs: dict = {
+        "banner_timeout": timeouts.connect,
+        "auth_timeout": timeouts.connect,
+        "channel_timeout": timeouts.connect,
+    }
+    if host.identity:
+        connect_kwargs["key_filename"] = [os.path.expanduser(host.identity)]
+    conn = fabric.Connection(
+        host.address,
+        user=host.user,
+        port=host.port,
+        # A copy per connection: fabric.Connection writes into its config (inline_ssh_env), which makes invoke
+        # rebuild that config's data; on a config shared by threads, another host's connect sees it half-built.
+        config=config.clone() if config is not None else None,
+        connect_timeout=max(1, int(round(timeouts.connect))),
+        connect_kwargs=connect_kwargs,
+    )
+    for hop in [conn, *gateway_hops(conn)]:
+        hop.client.set_missing_host_key_policy(RejectUnknownHostKey())
+        if hop is not conn:  # the hops were built from ~/.ssh/config alone: give them the same time limits
+            hop.connect_timeout = conn.connect_timeout
+            for key in ("banner_timeout", "auth_timeout", "channel_timeout"):
+                hop.connect_kwargs[key] = timeouts.connect
+        for path in known_hosts or []:
+            load_known_hosts(hop.client, path)
+    return conn
+
+
+def gateway_hops(conn: fabric.Connection) -> list[fabric.Connection]:
+    """The ProxyJump hops in front of a connection, nearest first. (A ProxyCommand gateway is a local command
+    that only carries bytes: the host's own key is still verified end to end.)"""
+    hops = []
+    gateway = conn.gateway
+    while isinstance(gateway, fabric.Connection):
+        hops.append(gateway)
+        gateway = gateway.gateway
+    return hops
+
+
+def load_known_hosts(client: paramiko.SSHClient, path) -> None:
+    """Load one trusted known_hosts file (missing is fine); unreadable or corrupt is one error naming it."""
+    path = Path(path)
+    if not path.exists():
+        return
+    try:
+        client.load_system_host_keys(str(path))
+    except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
+        raise InputError(f"{path}: cannot read known_hosts: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def ssh_target(conn: fabric.Connection) -> tuple[str, int, str]:
+    """(hostname, port, user) after ~/.ssh/config: what is actually dialled."""
+    return conn.host, conn.port, conn.user
+
+
+def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: fabric.Config | None = None) -> Connection:
+    """Open a verified connection, or raise Unreachable / HostKeyRejected with a one-line reason."""
+    if host.is_local:
+        return LocalConnection(host)
+    conn = fabric_connection(host, timeouts, config, known_hosts)
+    hostname, port, _ = ssh_target(conn)
+    name = known_name(hostname, port)
+    try:
+        conn.open()
+    except UnknownHostKey as exc:
+        conn.close()
+        # exc.hostname is the known_hosts name of the host that presented the key: the host or a ProxyJump hop.
+        raise HostKeyRejected(
+            f"unknown host key {exc.key.get_name()} {fingerprint(exc.key)} for {exc.hostname}"
+            f"{'' if exc.hostname == name else f' (ProxyJump hop to {name})'}; "
+            f"if that is the host's real key, trust it on purpose: invoke trust-hosts --hosts <inventory>"
+        ) from None
+    except paramiko.BadHostKeyException as exc:
+        conn.close()
+        changed = name if exc.hostname in (hostname, name) else exc.hostname  # else a ProxyJump hop
+        via = "" if changed == name else f" (ProxyJump hop to {name})"
+        raise HostKeyRejected(
+            f"HOST KEY CHANGED for {changed}{via}: it now presents {fingerprint(exc.key)}, trusted is "
+            f"{fingerprint(exc.expected_key)}; someone may be intercepting the connection (man-in-the-middle). "
+            f"If the host was reinstalled, remove the old key (ssh-keygen -R '{changed}') and run invoke trust-hosts"
+        ) from None
+    except paramiko.AuthenticationException as exc:
+        conn.close()
+        raise Unreachable(f"authentication failed for {conn.user}@{name}: {exc}") from None
+    except paramiko.ssh_exception.NoValidConnectionsError as exc:
+        conn.close()
+        # paramiko folds "refused" and "no route to host" into one exception: tell them apart for the fix.
+        if all(getattr(err, "errno", None) == errno.ECONNREFUSED for err in exc.errors.values()):
+            raise Unreachable(f"connection refused by {name}: is sshd running there and the port open?") from None
+        raise Unreachable(f"no route to {name} (host down, cable/link, firewall, or wrong address)") from None
+    except (socket.timeout, TimeoutError):
+        conn.close()
+        raise Unreachable(f"no answer from {name} within {timeouts.connect:g}s (host down, firewall, or wrong address)") from None
+    except socket.gaierror as exc:
+        conn.close()
+        raise Unreachable(f"cannot resolve {hostname!r}: {exc.strerror}") from None
+    except (OSError, EOFError, paramiko.SSHException) as exc:
+        conn.close()
+        raise Unreachable(f"cannot connect to {name}: {exc or exc.__class__.__name__}") from None
+    return SshConnection(host, conn)
+
+
+def elapsed(since: float) -> float:
+    return round(time.monotonic() - since, 3)

@@ -1,0 +1,137 @@
+"""Host keys: which keys are trusted, and the explicit, recorded act of trusting a new host.
+
+Trusted keys come from the system (/etc/ssh/ssh_known_hosts), the user (~/.ssh/known_hosts), a known_hosts file
+the inventory names, and mnft's own file ($MNFT_HOME/known_hosts, default ~/.mnft/known_hosts), which is the only
+one mnft ever writes, and only from `invoke trust-hosts`. An unknown key is refused; a changed key is always
+refused. Never paramiko's auto-add policy.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+
+import paramiko
+
+from mnft.core.errors import InputError
+
+SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
+
+
+def mnft_home() -> Path:
+    return Path(os.environ.get("MNFT_HOME") or Path.home() / ".mnft")
+
+
+def mnft_known_hosts() -> Path:
+    return mnft_home() / "known_hosts"
+
+
+def known_hosts_files(extra: Path | None = None) -> list[Path]:
+    """Every known_hosts file that is trusted, in the order they are read."""
+    files = [SYSTEM_KNOWN_HOSTS, Path.home() / ".ssh" / "known_hosts"]
+    if extra is not None:
+        files.append(extra)
+    files.append(mnft_known_hosts())
+    return files
+
+
+def load_trusted(files: list[Path]) -> paramiko.HostKeys:
+    keys = paramiko.HostKeys()
+    for path in files:
+        if path.exists():
+            try:
+                keys.load(str(path))
+            except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
+                raise InputError(f"{path}: cannot read known_hosts: {getattr(exc, 'strerror', None) or exc}") from None
+    return keys
+
+
+def known_name(hostname: str, port: int) -> str:
+    """The name a host's key is recorded under in known_hosts (OpenSSH's convention)."""
+    return hostname if port == 22 else f"[{hostname}]:{port}"
+
+
+def fingerprint(key: paramiko.PKey) -> str:
+    """OpenSSH's SHA256 fingerprint, as `ssh-keygen -lf` prints it."""
+    digest = hashlib.sha256(key.asbytes()).digest()
+    return "SHA256:" + base64.b64encode(digest).decode().rstrip("=")
+
+
+class UnknownHostKey(paramiko.SSHException):
+    def __init__(self, hostname: str, key: paramiko.PKey):
+        super().__init__(f"unknown host key for {hostname}")
+        self.hostname, self.key = hostname, key
+
+
+class RejectUnknownHostKey(paramiko.MissingHostKeyPolicy):
+    """Refuse every host whose key is not already trusted; the message says how to trust it on purpose."""
+
+    def missing_host_key(self, client, hostname, key):  # noqa: D401 - paramiko's signature
+        raise UnknownHostKey(hostname, key)
+
+
+@dataclass(frozen=True)
+class TrustResult:
+    name: str  # inventory host name
+    known_as: str  # known_hosts entry name
+    key_type: str
+    fingerprint: str
+    state: str  # "recorded" | "already-trusted" | "changed" | "other-type" | "unreachable"
+    detail: str = ""
+
+
+def preferred_key_types(recorded: list[str], available: tuple[str, ...]) -> list[str]:
+    """The host key algorithms to offer, the recorded types first (as paramiko's SSHClient does), so that a host
+    known by one key type is asked for that key and not judged on another type it also has."""
+    first: list[str] = []
+    for name in recorded:
+        candidates = ["rsa-sha2-512", "rsa-sha2-256", "ssh-rsa"] if name == "ssh-rsa" else [name]
+        first += [c for c in candidates if c in available and c not in first]
+    return first + [t for t in available if t not in first]
+
+
+def fetch_host_key(hostname: str, port: int, timeout: float, sock=None, recorded: list[str] = ()) -> paramiko.PKey:
+    """The key the server presents, read without authenticating (nothing is trusted by reading it). `sock` is a
+    channel through a ProxyJump hop or a ProxyCommand; `recorded` the key types already trusted for the host."""
+    if sock is None:
+        sock = socket.create_connection((hostname, port), timeout=timeout)
+    transport = paramiko.Transport(sock)
+    try:
+        transport.banner_timeout = timeout
+        options = transport.get_security_options()
+        options.key_types = preferred_key_types(list(recorded), tuple(options.key_types))
+        transport.start_client(timeout=timeout)
+        return transport.get_remote_server_key()
+    finally:
+        transport.close()
+
+
+def judge(known_as: str, key: paramiko.PKey, trusted: paramiko.HostKeys) -> str:
+    """'already-trusted', 'new' (nothing is recorded for the host), 'changed' (a different key of the same type
+    is recorded) or 'other-type' (the host is trusted with other key types only). fetch_host_key asks for the
+    recorded types first, so a host that still presents another type does not hold its recorded key: that is
+    refused like a changed key (an attacker cannot show the real key, but can offer a type not yet recorded)."""
+    recorded = trusted.lookup(known_as)
+    if recorded is None or not recorded.keys():
+        return "new"
+    same_type = recorded.get(key.get_name())
+    if same_type is None:
+        return "other-type"
+    return "already-trusted" if same_type == key else "changed"
+
+
+def recorded_types(known_as: str, trusted: paramiko.HostKeys) -> list[str]:
+    recorded = trusted.lookup(known_as)
+    return list(recorded.keys()) if recorded is not None else []
+
+
+def record(path: Path, known_as: str, key: paramiko.PKey) -> None:
+    """Append one key to mnft's known_hosts file (0600, directory 0700)."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    with os.fdopen(fd, "a") as fh:
+        fh.write(f"{known_as} {key.get_name()} {key.get_base64()}\n")

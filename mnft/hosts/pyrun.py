@@ -1,0 +1,45 @@
+"""Run a stdlib-only Python script on a host in one round-trip, leaving the script's stdin free.
+
+The host's Python gets a one-line bootstrap on its command line; the script follows on stdin, length-prefixed.
+After the script is read, stdin stays open: a script can watch it and stop when the controller closes it
+(which also happens when the SSH connection drops).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+from mnft.hosts.command import Command
+from mnft.hosts.fleet import HostResult, Status
+from mnft.hosts.inventory import Host
+
+BOOTSTRAP = (
+    "import sys;n=int(sys.stdin.buffer.readline());s=sys.stdin.buffer.read(n);"
+    "exec(compile(s,'mnft-script','exec'),{'__name__':'__main__','__source__':s})"
+)
+
+
+def command(host: Host, *args: str, cwd: str | None = None, env: Mapping[str, str] | None = None, python: str | None = None) -> Command:
+    """`python -c BOOTSTRAP ARGS…`: sys.argv[1:] of the script is ARGS. python: another interpreter than the
+    host's (provision runs on the base Python)."""
+    return Command(tuple([python or host.python, "-c", BOOTSTRAP, *args]), tuple((env or {}).items()), cwd)
+
+
+def payload(source: str) -> bytes:
+    data = source.encode()
+    return b"%d\n" % len(data) + data
+
+
+def reply(result: HostResult, what: str) -> dict | None:
+    """The JSON object a script printed as its last line, or None: a host that failed stays failed, and one that
+    printed no JSON object is marked failed with `what` ("the probe") and its last line as the reason."""
+    if not result.ok:
+        return None
+    try:
+        data = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        result.status = Status.FAILED
+        result.error = f"{what} printed no JSON: " + (result.tail(1) or "no output")
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,85 @@
+"""The inventory's effective settings, per-host results and host-key trust outcomes, as tables or JSON."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from rich.table import Table
+from rich.text import Text
+
+from mnft.core.output import console, plain, print_json, status_text
+from mnft.hosts.connection import Timeouts, fabric_connection, ssh_target
+from mnft.hosts.fleet import Results
+from mnft.hosts.hostkeys import TrustResult
+from mnft.hosts.inventory import Inventory
+
+
+def effective_settings(inventory: Inventory) -> list[dict[str, Any]]:
+    """Per host, what will actually be used: inventory values completed by ~/.ssh/config and defaults."""
+    rows = []
+    for host in inventory.hosts:
+        row = host.settings()
+        row["master"] = host.name == inventory.master_name
+        if not host.is_local:
+            conn = fabric_connection(host, Timeouts())
+            row["address"], row["port"], row["user"] = ssh_target(conn)
+            if not host.identity:
+                identity = conn.ssh_config.get("identityfile")
+                row["identity"] = identity[0] if identity else None
+        rows.append(row)
+    return rows
+
+
+def print_inventory(inventory: Inventory, as_json: bool) -> None:
+    rows = effective_settings(inventory)
+    if as_json:
+        print_json({
+            "inventory": str(inventory.path) if inventory.path else None,
+            "format": inventory.format,
+            "master": inventory.master_name,
+            "rendezvous_port": inventory.rendezvous_port,
+            "known_hosts": str(inventory.known_hosts) if inventory.known_hosts else None,
+            "world_size": inventory.world_size,
+            "hosts": rows,
+            "ignored_vars": {k: list(v) for k, v in inventory.ignored.items()},
+        })
+        return
+    columns = ["rank", "name", "connection", "address", "port", "user", "identity", "python", "slots", "iface", "workdir", "data_dir", "shared_fs", "become"]
+    table = Table(title=plain(f"{inventory.path or 'inventory'} ({inventory.format}): {len(rows)} hosts, world size {inventory.world_size}, rendezvous port {inventory.rendezvous_port}"))
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        cells = [plain(row[c]) for c in columns]
+        if row["master"]:
+            cells[1].append(" (master)")
+        table.add_row(*cells)
+    out = console()
+    out.print(table)
+    for name, keys in inventory.ignored.items():
+        out.print(plain(f"{name}: ignored vars not used by mnft: {', '.join(keys)}", style="dim"))
+
+
+def print_results(title: str, results: Results, as_json: bool) -> None:
+    if as_json:
+        print_json({r.host: {"status": r.status.value, "exit_code": r.exit_code, "error": r.error or None, "seconds": r.seconds} for r in results})
+        return
+    table = Table(title=plain(title))
+    for col in ("host", "status", "seconds", "detail"):
+        table.add_column(col)
+    for r in results:
+        table.add_row(plain(r.host), status_text(r.status.value), f"{r.seconds:.2f}", plain(r.error or ""))
+    console().print(table)
+
+
+def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
+    results = list(results)
+    if as_json:
+        print_json([r.__dict__ for r in results])
+        return
+    table = Table(title="host keys")
+    for col in ("host", "known as", "type", "fingerprint", "result"):
+        table.add_column(col)
+    for r in results:
+        style = {"recorded": "yellow", "already-trusted": "green"}.get(r.state, "bold red")
+        table.add_row(plain(r.name), plain(r.known_as), plain(r.key_type), plain(r.fingerprint), Text(r.state + (f": {r.detail}" if r.detail else ""), style=style))
+    console().print(table)

@@ -1,0 +1,18 @@
+"""`invoke train` and a run's life afterwards: launch, supervise, recover, status, stop, logs.
+
+    job          what torchrun starts on every host, how it resumes, where its metrics come from (data)
+    launch       one torchrun command per host (pure: inventory, job and facts in, commands out)
+    agent        the host side of a run: start under a keeper, stream events, stop (stdlib only)
+    gang         every host's agent started in parallel and supervised as one gang
+    train        the launch sequence: check, sync, resume point, plan, gang, recovery, finish
+    progress     the live progress lines a person reads while a run goes
+    rerun        a previous run's settings reused (`--resume`, `logs`/`status` of an old run)
+    recover      why an attempt failed and what to do next (pure rules)
+    straggler    which host holds the gang back (pure rules over the agents' samples)
+    checkpoints  the latest complete checkpoint, made whole on every host before a resume
+    scrape       training metrics from what a job writes (pure parsers)
+    records      runs/<id>/run.json: the local record of a run
+    control      a started run afterwards: status and stop on every host
+    logs         `invoke logs`: every host's logs and metrics collected, summary and loss plot
+    report       the status and stop tables
+"""

@@ -1,0 +1,756 @@
+#!/usr/bin/env python3
+"""mnft run agent: the host side of a training run. Standard library only; shipped to hosts with mnft.hosts.pyrun.
+
+    launch                 read a JSON spec line from stdin, start the run under a keeper, then (attached) stream
+                           events as JSON lines and obey the controller: "hb" lines keep it alive, "stop" or EOF
+                           or no heartbeat for `deadman` seconds tears the run's process group down
+    keep RUN_DIR           (internal) session leader of the run: runs the command, records its exit code
+    stop RUN_DIR [GRACE]   kill that run's process group (recorded pgid, verified by run id), then any process
+                           still carrying the run id; print what was killed and what remains
+    status RUN_DIR         state, exit code, last metrics line
+    tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
+    pack RUN_DIR [PATH…]   the run directory and extra paths (files, directories, globs) as a base64 tar.gz
+                           (for invoke logs)
+    checkpoints DIR        a checkpoints directory's entries and their files (for a resume)
+
+A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py. Secrets
+arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
+Processes are found by the recorded process group and by MNFT_RUN_ID in their environment, never by name.
+"""
+
+import glob
+import json
+import os
+import select
+import signal
+import sys
+import time
+
+RUN_ID_VAR = "MNFT_RUN_ID"
+TAG_VAR = "MNFT_RUN_TAG"  # run id @ inventory host name: what processes are found (and killed) by
+
+
+def emit(event, **fields):
+    fields["event"] = event
+    sys.stdout.write(json.dumps(fields) + "\n")
+    sys.stdout.flush()
+
+
+def _path(p):
+    return os.path.abspath(os.path.expanduser(p))
+
+
+def _expand(value):
+    """`~/x` (or `key=~/x`) means the home directory of the user the run belongs to."""
+    if value == "~" or value.startswith("~/"):
+        return os.path.expanduser(value)
+    key, sep, rest = value.partition("=")
+    if sep and (rest == "~" or rest.startswith("~/")):
+        return key + "=" + os.path.expanduser(rest)
+    return value
+
+
+def _write(path, text, mode=0o600):
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+
+
+def _read(path, default=None):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return default
+
+
+# ---------------------------------------------------------------------------------------------------- processes
+
+
+def _environ_has(pid, tag):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            env = fh.read().split(b"\0")
+    except OSError:
+        return False
+    return (TAG_VAR + "=" + tag).encode() in env
+
+
+def run_pids(tag):
+    """Every live process whose environment carries this run id (this agent excluded)."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and int(name) != os.getpid() and _environ_has(int(name), tag):
+            try:
+                with open("/proc/%s/stat" % name) as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        continue  # a zombie holds nothing
+            except OSError:
+                continue
+            pids.append(int(name))
+    return sorted(pids)
+
+
+def _group_alive(pgid):
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def terminate(run_dir, grace=10.0, keeper=None):
+    """SIGTERM the run's process group, SIGKILL after `grace`, then any leftover carrying the run id."""
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
+    tag = spec.get("tag")
+    pgid = int(_read(os.path.join(run_dir, "pgid"), "0") or 0)
+    killed = []
+    seen = run_pids(tag) if tag else []  # the run's processes before the kill: a GPU one of them still holds is ours
+    if pgid and tag and (_environ_has(pgid, tag) or _group_alive(pgid) and keeper is not None):
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+            killed.append(pgid)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + grace
+    while time.time() < deadline:
+        if keeper is not None:
+            keeper.poll()
+        if not (pgid and _group_alive(pgid)) and not (tag and run_pids(tag)):
+            break
+        time.sleep(0.1)
+    if pgid and _group_alive(pgid):
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if tag:
+        for pid in run_pids(tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except ProcessLookupError:
+                pass
+    if keeper is not None:
+        try:
+            keeper.wait(timeout=5)
+        except Exception:  # noqa: BLE001
+            pass
+    time.sleep(0.1)
+    remaining = run_pids(tag) if tag else []
+    return dict({"killed": killed, "remaining": remaining}, **gpu_report(gpu_apps(), set(killed) | set(remaining) | set(seen)))
+
+
+def parse_compute_apps(text):
+    """`nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader,nounits` -> [{pid, memory_mib}]."""
+    apps = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if not parts or not parts[0].isdigit():
+            continue
+        memory = parts[1] if len(parts) > 1 else ""
+        apps.append({"pid": int(parts[0]), "memory_mib": int(memory) if memory.isdigit() else None})
+    return apps
+
+
+def gpu_apps():
+    """The processes holding a GPU on this host ([] without nvidia-smi), or None if nvidia-smi failed."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10)
+    except Exception:  # noqa: BLE001
+        return None
+    return parse_compute_apps(done.stdout) if done.returncode == 0 else None
+
+
+def gpu_report(apps, run_pids_seen):
+    """Split GPU holders into the run's (a failed stop) and others' (a warning: the GPUs are not free)."""
+    if apps is None:
+        return {"gpus_held": [], "gpus_other": [], "gpu_error": "nvidia-smi failed"}
+    mine = set(run_pids_seen)
+
+    def show(app):
+        return "pid %d (%s MiB)" % (app["pid"], app["memory_mib"] if app["memory_mib"] is not None else "?")
+
+    return {
+        "gpus_held": [show(a) for a in apps if a["pid"] in mine],
+        "gpus_other": [show(a) for a in apps if a["pid"] not in mine],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- keeper
+
+
+def _reap_group(tag, grace=5.0):
+    """After the command ended: its workers may live on (torchrun killed with SIGKILL leaves them). End them."""
+    try:
+        os.killpg(os.getpgid(0), signal.SIGTERM)  # our own SIGTERM handler ignores it
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + grace
+    while run_pids(tag) and time.time() < deadline:
+        time.sleep(0.1)
+    for pid in run_pids(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def keep(run_dir):
+    """Session leader of the run (pgid = our pid): run the command, record its exit code."""
+    import subprocess
+
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json")))
+    env = dict(os.environ)
+    env.update({k: _expand(v) for k, v in (spec.get("env") or {}).items()})
+    secrets_file = os.path.join(run_dir, "secrets.json")
+    if os.path.exists(secrets_file):
+        try:
+            with open(secrets_file) as fh:
+                env.update(json.load(fh))
+        finally:
+            os.unlink(secrets_file)
+    env[RUN_ID_VAR] = spec["run_id"]
+    env[TAG_VAR] = spec["tag"]
+    signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is for the command; we record its end
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
+    try:
+        child = subprocess.Popen([_expand(a) for a in spec["argv"]], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
+        code = child.wait()
+    except OSError as exc:
+        print("mnft: cannot start %s: %s" % (spec["argv"][0], exc), flush=True)
+        code = 127
+    if code < 0:
+        code = 128 - code
+    _reap_group(spec["tag"])
+    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
+    _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
+    return code
+
+
+# ---------------------------------------------------------------------------------------------------- samples
+
+SAMPLE_EVERY = 5.0  # seconds between an attached run's samples
+WINDOW = 20  # steps per rank a sample's medians are taken over
+
+
+def _cpu_times():
+    """(all jiffies, idle jiffies) of the host from /proc/stat."""
+    with open("/proc/stat") as fh:
+        values = [int(v) for v in fh.readline().split()[1:]]
+    return sum(values), values[3] + (values[4] if len(values) > 4 else 0)
+
+
+def _process_ticks(pids):
+    """CPU clock ticks (user + system) the processes used so far."""
+    total = 0
+    for pid in pids:
+        try:
+            with open("/proc/%d/stat" % pid) as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except (OSError, IndexError, ValueError):
+            continue
+    return total
+
+
+def parse_gpu_util(text):
+    """`nvidia-smi --query-gpu=index,utilization.gpu,memory.used --format=csv,noheader,nounits` -> [{index, util, mem_mib}]."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and parts[0].isdigit():
+            try:
+                out.append({"index": int(parts[0]), "util": float(parts[1]), "mem_mib": float(parts[2])})
+            except ValueError:
+                continue
+    return out
+
+
+def gpu_util():
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=5)
+    except Exception:  # noqa: BLE001
+        return []
+    return parse_gpu_util(done.stdout) if done.returncode == 0 else []
+
+
+def _median(values):
+    values = sorted(values)
+    n = len(values)
+    return (values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2) if n else None
+
+
+def rank_window(lines_by_rank):
+    """Per rank, the medians of its last steps' timings (the recipes' timings-rank<R>.jsonl lines)."""
+    out = {}
+    for rank, records in lines_by_rank.items():
+        records = list(records)[-WINDOW:]
+        if not records:
+            continue
+        out[str(rank)] = {"step": records[-1].get("step"), "n": len(records),
+                          **{k: _median([r[k] for r in records if isinstance(r.get(k), (int, float))]) for k in ("step_s", "compute_s", "comm_s")}}
+    return out
+
+
+def _timing_record(line):
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) and "step" in data and "compute_s" in data and "rank" in data else None
+
+
+class Sampler:
+    """What straggler detection needs from this host: CPU use (the host's, and the run's share of the CPUs it may
+    use), GPU use (nvidia-smi), and each local rank's recent step timings (the recipes' timing files)."""
+
+    def __init__(self, tag, timings=None):
+        import collections
+
+        self.tag = tag
+        self.pattern = _path(timings) if timings else None
+        self.tails = {p: _Tail(p, from_end=True) for p in glob.glob(self.pattern)} if self.pattern else {}
+        self.window = collections.defaultdict(lambda: collections.deque(maxlen=WINDOW))
+        self.prev = None
+        try:
+            self.cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            self.cpus = os.cpu_count() or 1
+
+    def _timings(self):
+        if self.pattern:
+            for path in glob.glob(self.pattern):
+                if path not in self.tails:
+                    self.tails[path] = _Tail(path)  # a file that appeared after the start: all of it is this run's
+            for tail in self.tails.values():
+                for line in tail.lines():
+                    record = _timing_record(line)
+                    if record is not None:
+                        self.window[record["rank"]].append(record)
+        return rank_window(self.window)
+
+    def sample(self):
+        now = time.time()
+        out = {"t": now, "cpu": None, "run_cpu": None}
+        try:
+            total, idle = _cpu_times()
+        except (OSError, ValueError, IndexError):
+            total = idle = None
+        ticks = _process_ticks(run_pids(self.tag)) if self.tag else 0
+        if self.prev is not None and total is not None and self.prev[1] is not None:
+            then, prev_total, prev_idle, prev_ticks = self.prev
+            if total > prev_total:
+                out["cpu"] = round(100.0 * (1 - (idle - prev_idle) / float(total - prev_total)), 1)
+            if now > then:
+                out["run_cpu"] = round(100.0 * (ticks - prev_ticks) / os.sysconf("SC_CLK_TCK") / ((now - then) * self.cpus), 1)
+        self.prev = (now, total, idle, ticks)
+        out["gpus"] = gpu_util()
+        out["ranks"] = self._timings()
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------- launch
+
+
+class _Tail:
+    """New complete lines of a file. from_end: skip what it holds now (a resumed job appends to its old
+    metrics.jsonl: those lines are history, not this run's progress). A file that shrank is read again from 0.
+    A path with glob characters follows the newest matching file (torchtune's logs/log_<time>.txt); a file that
+    appears only after the start is read from its beginning."""
+
+    def __init__(self, path, from_end=False):
+        self.pattern, self.pos, self.buf = path, 0, b""
+        self.path = self._resolve()
+        self.skipped = set()
+        if from_end:
+            for old in (glob.glob(path) if _is_glob(path) else [path]):
+                self.skipped.add(old)
+            try:
+                self.pos = os.path.getsize(self.path) if self.path else 0
+            except OSError:
+                pass
+
+    def _resolve(self):
+        if not _is_glob(self.pattern):
+            return self.pattern
+        found = [p for p in glob.glob(self.pattern) if os.path.isfile(p)]
+        return max(found, key=lambda p: (os.path.getmtime(p), p)) if found else None
+
+    def lines(self):
+        current = self._resolve()
+        if current != self.path:  # a newer file of the pattern: read it from its start
+            self.path, self.pos, self.buf = current, 0, b""
+        if self.path is None:
+            return []
+        try:
+            with open(self.path, "rb") as fh:
+                if os.fstat(fh.fileno()).st_size < self.pos:
+                    self.pos, self.buf = 0, b""
+                fh.seek(self.pos)
+                data = fh.read()
+        except OSError:
+            return []
+        self.pos += len(data)
+        self.buf += data
+        *done, self.buf = self.buf.split(b"\n")
+        return [line.decode("utf-8", "replace") for line in done]
+
+
+def _is_glob(path):
+    return any(c in path for c in "*?[")
+
+
+def launch():
+    import subprocess
+
+    spec = json.loads(sys.stdin.buffer.readline())
+    run_dir = _path(spec["run_dir"])
+    secrets = spec.pop("secrets", None) or {}
+    if not os.path.isdir(_path(spec.get("cwd") or "~")):
+        emit("error", message="working directory %s does not exist (run invoke sync first)" % spec.get("cwd"))
+        return 2
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    public = dict(spec, run_dir=run_dir)
+    _write(os.path.join(run_dir, "spec.json"), json.dumps(public, indent=1))
+    secrets_file = os.path.join(run_dir, "secrets.json")
+    # rank 0's metrics from their end now, before the run starts (resumed job: the old lines are history)
+    metrics = _Tail(_path(spec["metrics"]), from_end=True) if spec.get("metrics") else None
+    keeper = None
+    try:
+        if secrets:
+            _write(secrets_file, json.dumps(secrets))
+        own = os.path.join(run_dir, "agent.py")
+        _write(own, SOURCE, 0o600)
+        log = open(os.path.join(run_dir, "output.log"), "ab")
+        env = dict(os.environ)
+        env[RUN_ID_VAR] = spec["run_id"]
+        env[TAG_VAR] = spec["tag"]
+        keeper = subprocess.Popen(
+            [sys.executable, own, "keep", run_dir],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=run_dir,
+        )
+    finally:
+        if keeper is None and os.path.exists(secrets_file):
+            os.unlink(secrets_file)  # no keeper will read it: never leave a secret behind
+    _write(os.path.join(run_dir, "pgid"), "%d\n" % keeper.pid, 0o644)
+    emit("started", pgid=keeper.pid, run_dir=run_dir, hostname=os.uname()[1])
+    if spec.get("detach"):
+        return 0
+    return supervise(spec, run_dir, keeper, metrics)
+
+
+def supervise(spec, run_dir, keeper, metrics=None):
+    out = _Tail(os.path.join(run_dir, "output.log"))
+    sampler = Sampler(spec.get("tag"), spec.get("timings"))
+    sampler.sample()  # the first reading: CPU use is measured from here
+    last_sample = time.time()
+    deadman = float(spec.get("deadman") or 15)
+    grace = float(spec.get("grace") or 10)
+    last_control = last_hb = time.time()
+    stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
+    pending = b""
+    reason = None
+
+    def forward():
+        """New output lines and metrics since the last call, as events."""
+        for line in out.lines():
+            emit("line", text=line)
+        for line in metrics.lines() if metrics is not None else ():
+            emit("mline", text=line)  # the controller parses it with the job's metrics format
+
+    try:
+        while True:
+            ready, _, _ = select.select([stdin], [], [], 0.2)
+            if ready:
+                data = os.read(stdin.fileno(), 4096)
+                if not data:
+                    reason = "controller closed the connection"
+                else:
+                    last_control = time.time()
+                    pending += data
+                    if b"stop" in pending:
+                        reason = "stopped by the controller"
+                    pending = pending[-16:]
+            if reason is None and time.time() - last_control > deadman:
+                reason = "no heartbeat from the controller for %gs" % deadman
+            forward()
+            if reason is not None:
+                result = terminate(run_dir, grace, keeper)
+                forward()
+                emit("stopped", reason=reason, **result)
+                return 0
+            code = keeper.poll()
+            if code is not None:
+                time.sleep(0.1)
+                forward()
+                recorded = _read(os.path.join(run_dir, "exit_code"))
+                emit("exit", code=int(recorded) if recorded else 128 + 9)
+                return 0
+            if time.time() - last_hb >= 1.0:
+                emit("hb", t=time.time())
+                last_hb = time.time()
+            if time.time() - last_sample >= SAMPLE_EVERY:
+                emit("sample", **sampler.sample())
+                last_sample = time.time()
+    except (BrokenPipeError, OSError):
+        # Our stdout is gone: the controller (or the link to it) is lost. Leave nothing running.
+        terminate(run_dir, grace, keeper)
+        return 0
+
+
+# ---------------------------------------------------------------------------------------------------- queries
+
+
+def status(run_dir):
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
+    if not spec:
+        return {"state": "unknown", "error": "no run at %s" % run_dir}
+    code = _read(os.path.join(run_dir, "exit_code"))
+    alive = run_pids(spec.get("tag") or spec["run_id"])
+    state = "exited" if code is not None else ("running" if alive else "killed")
+    result = {
+        "state": state,
+        "exit_code": int(code) if code is not None else None,
+        "processes": len(alive),
+        "started": float(_read(os.path.join(run_dir, "started"), "0") or 0) or None,
+        "ended": float(_read(os.path.join(run_dir, "ended"), "0") or 0) or None,
+        # the last lines of the metrics file and of the output: the controller finds the last step in them
+        "metric_lines": _last_lines(_Tail(_path(spec["metrics"])).path, STATUS_LINES) if spec.get("metrics") else [],
+        "output_lines": _last_lines(os.path.join(run_dir, "output.log"), STATUS_LINES),
+    }
+    if state == "running":
+        result["sample"] = status_sample(spec)
+    return result
+
+
+def status_sample(spec, interval=0.5):
+    """A sample for `status`: CPU use over a short interval, and each rank's last steps from its timing file."""
+    sampler = Sampler(spec.get("tag"))
+    sampler.sample()
+    time.sleep(interval)
+    sample = sampler.sample()
+    by_rank = {}
+    for path in glob.glob(_path(spec["timings"])) if spec.get("timings") else []:
+        for line in _last_lines(path, WINDOW):
+            record = _timing_record(line)
+            if record is not None:
+                by_rank.setdefault(record["rank"], []).append(record)
+    sample["ranks"] = rank_window(by_rank)
+    return sample
+
+
+STATUS_LINES = 200
+
+
+def _last_lines(path, n, chunk=1 << 16):
+    """The last n lines of a file, reading only its end."""
+    if not path:
+        return []
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            fh.seek(max(0, size - chunk * 4))
+            data = fh.read()
+    except OSError:
+        return []
+    return [line.decode("utf-8", "replace") for line in data.split(b"\n")[-n - 1:] if line][-n:]
+
+
+def tail(run_dir, n, follow):
+    t = _Tail(os.path.join(run_dir, "output.log"))
+    lines = t.lines()
+    for line in lines[-n:] if n else lines:
+        emit("line", text=line)
+    if not follow:
+        return 0
+    code_file = os.path.join(run_dir, "exit_code")
+    tag = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}").get("tag")
+    gone = 0  # polls in a row with no process of the run alive
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], 0.5)
+        if ready and not os.read(sys.stdin.fileno(), 4096):
+            return 0
+        for line in t.lines():
+            emit("line", text=line)
+        alive = run_pids(tag) if tag else []
+        gone = 0 if alive else gone + 1
+        ended = os.path.exists(code_file)
+        # the keeper records exit_code; a keeper killed with SIGKILL never does: then stop once nothing of the
+        # run has been alive for a few polls (not at once: the exit code may be being written)
+        if (ended and not alive) or gone >= 4:
+            for line in t.lines():
+                emit("line", text=line)
+            code = _read(code_file)
+            emit("exit", code=int(code) if code else None, reason=None if code else "no process of the run remains and it recorded no exit code (its keeper was killed)")
+            return 0
+
+
+LIST_FILES = 100000  # files listed per checkpoint directory at most
+
+
+def list_checkpoints(root):
+    """The top-level entries of a checkpoints directory: for each, whether it is a directory, a link's target,
+    and its files with their sizes (relative to the entry; a file entry lists itself as "")."""
+    root = _path(root)
+    out = {"root": root, "exists": os.path.isdir(root), "entries": {}}
+    if not out["exists"]:
+        return out
+    for name in sorted(os.listdir(root)):
+        full = os.path.join(root, name)
+        entry = {"dir": os.path.isdir(full) and not os.path.islink(full), "link": os.readlink(full) if os.path.islink(full) else None, "files": {}}
+        if entry["dir"]:
+            for base, dirs, files in os.walk(full):
+                for f in files:
+                    if len(entry["files"]) >= LIST_FILES:
+                        break
+                    path = os.path.join(base, f)
+                    try:
+                        entry["files"][os.path.relpath(path, full)] = os.lstat(path).st_size
+                    except OSError:
+                        continue
+                    if f == "meta.json":  # mnft's recipes: which rank wrote it, in a world of how many
+                        meta = _small_json(path)
+                        if meta is not None:
+                            entry.setdefault("meta", {})[os.path.relpath(path, full)] = meta
+        elif os.path.isfile(full) and entry["link"] is None:
+            entry["files"][""] = os.path.getsize(full)
+        out["entries"][name] = entry
+    return out
+
+
+def _small_json(path, limit=65536):
+    try:
+        if os.path.getsize(path) > limit:
+            return None
+        with open(path) as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return {k: data[k] for k in ("rank", "world_size", "step") if k in data} if isinstance(data, dict) else None
+
+
+PACK_EXTRA_BYTES = 64 << 20  # collected files besides the run directory, at most (they travel base64 in one line)
+
+
+def _base(pattern):
+    """The directory part of a glob before its first glob character: a/b/c-*/x -> a/b."""
+    head = pattern
+    for c in "*?[":
+        head = head.split(c, 1)[0]
+    return head.rstrip("/") if head.endswith("/") else os.path.dirname(head)
+
+
+def _extra_files(pattern):
+    """(path, name inside the archive) of a file, every file under a directory, or the files a glob matches."""
+    path = _path(pattern)
+    if _is_glob(path):
+        base = _base(path)
+        for found in sorted(glob.glob(path, recursive=True)):
+            if os.path.isfile(found):
+                yield found, os.path.relpath(found, base)
+    elif os.path.isdir(path):
+        for root, _, files in os.walk(path):
+            for name in sorted(files):
+                yield os.path.join(root, name), os.path.relpath(os.path.join(root, name), path)
+    elif os.path.isfile(path):
+        yield path, os.path.basename(path)
+
+
+def pack(run_dir, extras):
+    """The run directory and extra paths (files, directories, globs: the job's metrics) as one base64 tar.gz in a
+    JSON line; extra i goes under extra/<i>/."""
+    import base64
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    left_out = []
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        def keep(info):
+            name = os.path.basename(info.name)
+            return None if name in ("agent.py", "secrets.json") else info
+
+        if os.path.isdir(run_dir):
+            tar.add(run_dir, arcname="run", filter=keep)
+        budget = PACK_EXTRA_BYTES
+        for index, extra in enumerate(extras):
+            for path, name in _extra_files(extra):
+                try:  # a dangling link, or a file the job removed since it was listed, is skipped, not fatal
+                    size = os.path.getsize(path)
+                    if size > budget:
+                        left_out.append(path)
+                        continue
+                    tar.add(path, arcname="extra/%d/%s" % (index, name))
+                except OSError:
+                    continue
+                budget -= size
+    print(json.dumps({"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir), "left_out": left_out}))
+    return 0
+
+
+def main(argv):
+    if not argv:
+        sys.stderr.write(__doc__)
+        return 2
+    mode, args = argv[0], argv[1:]
+    if mode == "launch":
+        return launch()
+    if mode == "keep":
+        return keep(args[0])
+    if mode == "stop":
+        print(json.dumps(terminate(_path(args[0]), float(args[1]) if len(args) > 1 else 10.0)))
+        return 0
+    if mode == "status":
+        print(json.dumps(status(_path(args[0]))))
+        return 0
+    if mode == "checkpoints":
+        print(json.dumps(list_checkpoints(args[0])))
+        return 0
+    if mode == "pack":
+        return pack(_path(args[0]), args[1:])
+    if mode == "tail":
+        follow = "--follow" in args
+        rest = [a for a in args if a != "--follow"]
+        return tail(_path(rest[0]), int(rest[1]) if len(rest) > 1 else 0, follow)
+    sys.stderr.write("unknown mode %r\n" % mode)
+    return 2
+
+
+def source():
+    """This script's text: given by mnft.hosts.pyrun's bootstrap when shipped, else read from the file."""
+    shipped = globals().get("__source__")
+    if shipped:
+        return shipped.decode()
+    with open(__file__) as fh:
+        return fh.read()
+
+
+SOURCE = source()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,360 @@
+"""The latest complete checkpoint of a job, made whole on every host before a resume.
+
+Without a shared filesystem a checkpoint ends up spread over the hosts: HF Trainer on 2 hosts writes model,
+optimizer and trainer_state.json on rank 0's host, and only rng_state_1.pth on the other. A resume there finds
+no model. So before a resume mnft reads every host's checkpoints directory (read), picks the newest checkpoint
+that is complete in the union of the hosts' files by the job's layout (pure), copies each missing file from a
+host that has it to the hosts that lack it (rsync through this machine, host keys verified as for sync) and
+proves with each host's tree hash that every host now holds the same files (apply, verify). Files of the same
+name that differ between hosts are refused: mnft would not know which is right. Hosts with shared_fs only
+verify.
+
+Layouts (the job's resume.layout): hf `checkpoint-N` holding trainer_state.json (written last); torchtune
+`epoch_N` (else `step_N`) holding recipe_state.pt; sana the target of `latest.pth` (replaced only after a save
+completed); glob a pattern and a marker file; mnft (the recipes) `step-N/rank-R/` each complete when its
+meta.json exists (written last), the newest step every rank of the world that wrote it completed; for lora
+(DDP: every rank holds the same adapters and optimizer state) a step some ranks completed when no step has them
+all. A host lost for good takes its own files with it, so only what the others hold can be made whole.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from mnft.hosts import pyrun
+from mnft.core.errors import ExitCode, MnftError
+from mnft.hosts.fleet import Fleet, Status
+from mnft.hosts.inventory import Host
+from mnft.run.job import ResumeRule
+from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
+from mnft.sync.mirror import hash_command, hash_stdin
+
+LAYOUT_RULES = {
+    "hf": (re.compile(r"^checkpoint-(\d+)$"), "trainer_state.json"),
+    "torchtune": (re.compile(r"^(?:epoch|step)_(\d+)$"), "recipe_state.pt"),
+}
+SANA_LINK = "latest.pth"
+MNFT_STEP = re.compile(r"^step-(\d+)$")
+# which ranks' parts of a step an mnft recipe needs to resume (mnft/recipes/checkpointing.py says the same)
+RECIPE_NEEDS = {"lora": "any", "full": "all"}
+
+
+class CheckpointError(MnftError):
+    exit_code = ExitCode.FAILED
+
+
+@dataclass
+class Choice:
+    """The checkpoint to resume from (None: none complete) and, per host, the files it holds of it."""
+
+    name: str | None
+    paths: tuple[str, ...] = ()  # top-level entries of the checkpoints directory that make up the checkpoint
+    union: dict[str, int] = field(default_factory=dict)  # file (relative to the checkpoints dir) -> size
+    held: dict[str, dict[str, int]] = field(default_factory=dict)  # host -> its files of the checkpoint
+    considered: list[str] = field(default_factory=list)  # incomplete newer candidates, for the message
+    exclude: tuple[str, ...] = ()  # rsync patterns of files inside the checkpoint that are not part of it
+
+
+@dataclass
+class Found:
+    name: str | None
+    copied: dict[str, int] = field(default_factory=dict)  # host -> files copied to it
+    bytes_copied: int = 0
+    note: str = ""
+
+    def to_record(self) -> dict[str, Any]:
+        return {"name": self.name, "copied": self.copied, "bytes_copied": self.bytes_copied, "note": self.note}
+
+
+# ------------------------------------------------------------------------------------------------ choose (pure)
+
+
+def _files(entry_name: str, entry: dict) -> dict[str, int]:
+    """An entry's files relative to the checkpoints directory (a path leaving it is refused: it would be copied
+    to, and from, outside the checkpoints directory of another host)."""
+    out = {}
+    for rel, size in (entry.get("files") or {}).items():
+        path = entry_name if rel == "" else f"{entry_name}/{rel}"
+        if path.startswith("/") or ".." in path.split("/") or "\0" in path or "\n" in path:
+            raise CheckpointError(f"a host listed the checkpoint file {path!r}, which is not a plain path inside the checkpoints directory")
+        out[path] = size
+    return out
+
+
+def _number(name: str) -> tuple[int, str]:
+    found = re.findall(r"\d+", name)
+    return (int(found[-1]) if found else -1, name)
+
+
+def candidates(rule: ResumeRule, names: set[str]) -> list[str]:
+    """The entry names the layout counts as checkpoints, newest first."""
+    if rule.layout in LAYOUT_RULES:
+        pattern = LAYOUT_RULES[rule.layout][0]
+        found = [n for n in names if pattern.match(n)]
+        if rule.layout == "torchtune":  # the newest epoch_N, else the newest step_N (research: torchtune's rule)
+            epochs = sorted((n for n in found if n.startswith("epoch_")), key=_number, reverse=True)
+            steps = sorted((n for n in found if n.startswith("step_")), key=_number, reverse=True)
+            return epochs + steps
+        return sorted(found, key=_number, reverse=True)
+    if rule.layout == "glob":
+        return sorted((n for n in names if fnmatch.fnmatchcase(n, rule.pattern or "")), key=_number, reverse=True)
+    return []
+
+
+def step_of(name: str | None) -> int | None:
+    """The training step a checkpoint's name gives (checkpoint-40, step_40, step-40, epoch_2 -> 2), if any."""
+    if not name:
+        return None
+    found = re.findall(r"\d+", os.path.basename(name.rstrip("/")))
+    return int(found[-1]) if found else None
+
+
+def choose(rule: ResumeRule, listings: dict[str, dict], needs: str = "all") -> Choice:
+    """The newest checkpoint complete in the union of every host's files. Pure: listings (the agent's
+    `checkpoints` answer per host) in, the choice out. needs: for the mnft layout, "any" or "all" ranks."""
+    entries = {host: (listing.get("entries") or {}) for host, listing in listings.items()}
+    if rule.layout == "sana":
+        return _choose_sana(entries)
+    if rule.layout == "mnft":
+        return _choose_mnft(entries, needs)
+    marker = LAYOUT_RULES[rule.layout][1] if rule.layout in LAYOUT_RULES else rule.marker
+    names = {name for e in entries.values() for name, v in e.items() if v.get("dir")}
+    considered = []
+    for name in candidates(rule, names):
+        held = {host: _files(name, e[name]) for host, e in entries.items() if name in e}
+        union: dict[str, int] = {}
+        for files in held.values():
+            union.update(files)
+        if f"{name}/{marker}" in union:
+            return Choice(name, (name,), union, {h: held.get(h, {}) for h in listings}, considered)
+        considered.append(name)
+    return Choice(None, considered=considered)
+
+
+def _choose_mnft(entries: dict[str, dict], needs: str) -> Choice:
+    """The recipes' step-N/rank-R/: the newest step that every rank of the world that wrote it completed (its
+    meta.json) in the union of the hosts' files, so that each rank continues its own state and RNG stream.
+
+    lora (needs "any": every rank holds the same adapters and optimizer state) also resumes from a step that only
+    some ranks completed, when no step of the newest step's world has them all: a host lost for good took its
+    parts of every step with it. A step whose save a crash cut short on a host that is still there is passed
+    over for the one before it: resuming it would give that rank another rank's replica and a new RNG stream,
+    and the run would no longer be the one it would have been without the crash."""
+    names = sorted({name for e in entries.values() for name, v in e.items() if v.get("dir") and MNFT_STEP.match(name)},
+                   key=_number, reverse=True)
+    steps: list[tuple[str, dict[int, int]]] = []  # newest first: the steps some rank completed, rank -> world size
+    for name in names:
+        metas: dict[int, int] = {}
+        for e in entries.values():
+            for rel, meta in ((e.get(name) or {}).get("meta") or {}).items():
+                match = re.match(r"^rank-(\d+)/meta\.json$", rel)
+                if match and isinstance(meta.get("world_size"), int):
+                    metas[int(match.group(1))] = meta["world_size"]
+        if metas:
+            steps.append((name, metas))
+
+    def whole(metas: dict[int, int]) -> bool:
+        return set(range(max(metas.values()))) <= set(metas)
+
+    if needs == "any" and steps:  # the newest step's world with every rank, else that step from replicas
+        world = max(steps[0][1].values())
+        chosen = next(((n, m) for n, m in steps if max(m.values()) == world and whole(m)), steps[0])
+    else:
+        chosen = next(((n, m) for n, m in steps if whole(m)), None)
+    considered = [n for n in names if chosen is None or _number(n) > _number(chosen[0])]
+    if chosen is None:
+        return Choice(None, considered=considered)
+    name, metas = chosen
+    held = {host: _files(name, e[name]) for host, e in entries.items() if name in e}
+    union: dict[str, int] = {}
+    for files in held.values():
+        union.update({p: size for p, size in files.items() if _complete_rank(p, metas)})
+    return Choice(name, (name,), union, {h: {p: v for p, v in held.get(h, {}).items() if p in union} for h in entries}, considered,
+                  exclude=("rank-*.tmp-*",))
+
+
+def _complete_rank(path: str, metas: dict[int, int]) -> bool:
+    """A file of a rank part that is complete (a crashed save's rank-R.tmp-* is not copied)."""
+    match = re.match(r"^step-\d+/rank-(\d+)/", path)
+    return bool(match) and int(match.group(1)) in metas
+
+
+def _choose_sana(entries: dict[str, dict]) -> Choice:
+    """Sana: latest.pth is a link to the newest complete checkpoint (a .pth file under DDP, a directory under
+    FSDP); the link is replaced only after the save returned."""
+    for host, e in entries.items():
+        link = (e.get(SANA_LINK) or {}).get("link")
+        if not link:
+            continue
+        name = os.path.basename(link.rstrip("/"))
+        if name not in e:
+            continue
+        held = {h: {**_files(name, x[name]), **({SANA_LINK: 0} if SANA_LINK in x else {})} for h, x in entries.items() if name in x}
+        union: dict[str, int] = {SANA_LINK: 0}
+        for files in held.values():
+            union.update(files)
+        return Choice(name, (name, SANA_LINK), union, {h: held.get(h, {}) for h in entries}, [])
+    return Choice(None)
+
+
+def transfers(choice: Choice) -> dict[str, dict[str, str]]:
+    """For each host that lacks files of the checkpoint: file -> the host to copy it from (the first that has
+    it, in inventory order)."""
+    plan: dict[str, dict[str, str]] = {}
+    for host, files in choice.held.items():
+        for path in sorted(choice.union):
+            if path not in files:
+                source = next(h for h, f in choice.held.items() if path in f)
+                plan.setdefault(host, {})[path] = source
+    return plan
+
+
+def conflicts(trees: dict[str, dict[str, tuple[int, str]]]) -> list[str]:
+    """Files of the same name whose content differs between hosts (by the tree hash)."""
+    seen: dict[str, tuple[str, tuple[int, str]]] = {}
+    out = []
+    for host, files in trees.items():
+        for path, value in files.items():
+            if path in seen and tuple(seen[path][1]) != tuple(value):
+                out.append(f"{path} differs between {seen[path][0]} and {host}")
+            else:
+                seen.setdefault(path, (host, value))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ read, apply
+
+
+def _agent_json(fleet: Fleet, hosts: list[Host], args_of) -> dict[str, dict]:
+    from mnft.run import agent
+
+    results = fleet.run(lambda h: pyrun.command(h, *args_of(h)), stdin=pyrun.payload(agent.source()), hosts=hosts)
+    return _parsed(results)
+
+
+def _parsed(results) -> dict[str, dict]:
+    out, bad = {}, []
+    for r in results:
+        if r.ok:
+            try:
+                out[r.host] = json.loads(r.stdout.strip().splitlines()[-1])
+                continue
+            except (ValueError, IndexError):
+                r.error = "no answer"
+        bad.append(f"{r.host}: {r.status.value}: {r.error}")
+    if bad:
+        raise CheckpointError("cannot read the checkpoints on every host (" + "; ".join(bad) + "): a resume needs every host's files")
+    return out
+
+
+def hash_rules(paths: tuple[str, ...], exclude: tuple[str, ...] = ()) -> list[str]:
+    """Tree hash rules that read the checkpoint's entries of the checkpoints directory and nothing else (the
+    treehash's syntax: a bare pattern excludes, `+ PATTERN` includes, the first match decides)."""
+    return list(exclude) + [r for p in paths for r in (f"+ /{p}", f"+ /{p}/**")] + ["*"]
+
+
+def _hash_trees(fleet: Fleet, hosts: list[Host], dirs: dict[str, str], paths: tuple[str, ...],
+                exclude: tuple[str, ...] = ()) -> dict[str, dict[str, tuple[int, str]]]:
+    """Each host's files of the checkpoint with sizes and sha256 (sync's tree hash, limited to the checkpoint)."""
+    stdin = hash_stdin(hash_rules(paths, exclude))
+    results = fleet.run(lambda h: hash_command(h, dirs[h.name], if_exists=True), stdin=stdin, hosts=hosts)
+    trees = {}
+    for host, data in _parsed(results).items():
+        if data.get("errors"):
+            raise CheckpointError(f"{host}: cannot read the checkpoint: " + "; ".join(f"{k}: {v}" for k, v in data["errors"].items()))
+        trees[host] = {rel: tuple(v) for rel, v in (data.get("files") or {}).items()}
+    return trees
+
+
+def _difference(host: str, files: dict[str, tuple[int, str]], union: dict[str, tuple[int, str]]) -> str:
+    """How a host's files of the checkpoint differ from what every host should hold, naming the first file."""
+    lacks = sorted(p for p in union if p not in files)
+    extra = sorted(p for p in files if p not in union)
+    other = sorted(p for p in union if p in files and tuple(files[p]) != tuple(union[p]))
+    parts = [f"{kind} {len(paths)} file(s), e.g. {paths[0]}" for kind, paths in
+             (("lacks", lacks), ("holds another", extra), ("holds other content in", other)) if paths]
+    return f"{host} " + " and ".join(parts)
+
+
+def _rsync(argv: list[str]) -> None:
+    outcome = run_rsync(argv)
+    status, error = classify(outcome.exit_code, outcome.stderr)
+    if status is not Status.OK:
+        raise CheckpointError(f"copying the checkpoint failed: {error}")
+
+
+def _copy(fleet: Fleet, dirs: dict[str, str], plan: dict[str, dict[str, str]]) -> int:
+    """Pull each needed file from its source host into a local staging tree, push to the hosts that lack it."""
+    ssh = SshSettings.for_inventory(fleet.inventory)
+    total = 0
+    with tempfile.TemporaryDirectory(prefix="mnft-ckpt-") as tmp:
+        stage = Path(tmp) / "stage"
+        stage.mkdir()
+        pulls: dict[str, set[str]] = {}
+        for files in plan.values():
+            for path, source in files.items():
+                pulls.setdefault(source, set()).add(path)
+        for source, paths in pulls.items():
+            host = fleet.inventory.host(source)
+            listing = Path(tmp) / f"pull-{source}"
+            listing.write_bytes(b"".join(p.encode() + b"\0" for p in sorted(paths)))
+            _rsync(_rsync_base(host, ssh, listing) + [remote_spec(host, dirs[source]), str(stage) + "/"])
+        for target, files in plan.items():
+            host = fleet.inventory.host(target)
+            listing = Path(tmp) / f"push-{target}"
+            listing.write_bytes(b"".join(p.encode() + b"\0" for p in sorted(files)))
+            _rsync(_rsync_base(host, ssh, listing) + ["--mkpath", str(stage) + "/", remote_spec(host, dirs[target])])
+            total += sum((stage / p).lstat().st_size for p in files)
+    return total
+
+
+def _rsync_base(host: Host, ssh, listing: Path) -> list[str]:
+    argv = ["rsync", "-a", "-s", "--from0", f"--files-from={listing}", f"--timeout={RSYNC_IO_TIMEOUT}"]
+    if not host.is_local:
+        argv += ["-e", ssh_command(host, ssh)]
+    return argv
+
+
+def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Console, needs: str = "all") -> Found:
+    """Find the job's latest complete checkpoint and make it the same on every host (or only verify it, shared_fs)."""
+    hosts = [fleet.inventory.host(name) for name in dirs]
+    listings = _agent_json(fleet, hosts, lambda h: ("checkpoints", dirs[h.name]))
+    choice = choose(rule, listings, needs)
+    if choice.name is None:
+        note = (f"no complete checkpoint ({rule.layout}) in {', '.join(sorted(set(dirs.values())))}"
+                + (f" (incomplete: {', '.join(choice.considered[:5])})" if choice.considered else "") + ": the run starts fresh")
+        console.print(f"[yellow]{note}[/yellow]", highlight=False)
+        return Found(None, note=note)
+    shared = [h for h in hosts if h.shared_fs]
+    if len(shared) == len(hosts):
+        missing = [h.name for h in hosts if set(choice.union) - set(choice.held.get(h.name, {}))]
+        if missing:
+            raise CheckpointError(f"checkpoint {choice.name}: shared_fs hosts {', '.join(missing)} do not see all of it: is the shared filesystem mounted?")
+        console.print(f"resuming from {choice.name} (shared filesystem: verified on every host)", highlight=False)
+        return Found(choice.name, note="shared filesystem")
+    trees = _hash_trees(fleet, hosts, dirs, choice.paths, choice.exclude)
+    clash = conflicts(trees)
+    if clash:
+        raise CheckpointError(f"checkpoint {choice.name} cannot be made whole: " + "; ".join(clash[:3]) + " (remove the wrong copy by hand)")
+    plan = transfers(choice)
+    copied = {host: len(files) for host, files in plan.items()}
+    total = _copy(fleet, dirs, plan) if plan else 0
+    after = _hash_trees(fleet, hosts, dirs, choice.paths, choice.exclude)
+    union = {}
+    for files in trees.values():
+        union.update(files)
+    differ = [_difference(h, files, union) for h, files in after.items() if dict(files) != union]
+    if differ:
+        raise CheckpointError(f"checkpoint {choice.name} differs between hosts after copying ({', '.join(differ)})")
+    shown = ", ".join(f"{n} file(s) to {h}" for h, n in copied.items()) or "every host held all of it"
+    console.print(f"resuming from {choice.name}: {shown}; verified on {len(hosts)} hosts", highlight=False)
+    return Found(choice.name, copied, total, note=shown)

@@ -1,0 +1,177 @@
+"""A started run, afterwards: `invoke status` and `invoke stop` (by run id, on every host of the run), and what they
+learn written back into the run record (a detached run has no controller to record its end)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+from rich.console import Console
+
+from mnft.run import records
+from mnft.core.errors import ExitCode
+from mnft.hosts.fleet import Fleet
+from mnft.run.gang import agent_command, agent_payload, split_rank, split_ranks
+from mnft.run.job import Job, from_record, recipe_job
+from mnft.run.scrape import for_job_output
+
+
+def job_of(data: dict) -> Job:
+    """The job a run record ran (a record from before jobs: its recipe and overrides)."""
+    if data.get("job"):
+        return from_record(data["job"])
+    return replace(recipe_job(data.get("recipe") or "lora"), extra_args=tuple(data.get("overrides") or ()))
+
+
+def rank_offset(data: dict, host: str) -> int:
+    """Global rank of the host's local rank 0 under static rendezvous (its position in the inventory)."""
+    return sum(h["slots"] for h in data["inventory"]["hosts"][: data["hosts"][host]["node_rank"]])
+
+
+def query(record: records.RunRecord, fleet: Fleet, mode: str, *args: str):
+    hosts = record.data["hosts"]
+    return fleet.run(
+        lambda host: agent_command(fleet, host.name, mode, hosts[host.name]["run_dir"], *args),
+        stdin=agent_payload(),
+        hosts=[h for h in fleet.inventory.hosts if h.name in hosts and hosts[h.name].get("run_dir")],
+    )
+
+
+def write_back(record: records.RunRecord, states: dict[str, dict]) -> None:
+    """A detached run's end, as status/logs see it on the hosts, goes into its record: per host state and exit
+    code, and the run's state once every host has ended (succeeded only if every host exited 0)."""
+    changed = False
+    for name, st in states.items():
+        if st.get("state") in ("exited", "killed") and name in record.data["hosts"]:
+            info = record.data["hosts"][name]
+            if (info.get("state"), info.get("exit_code")) != (st["state"], st.get("exit_code")):
+                info.update(state=st["state"], exit_code=st.get("exit_code"), ended=st.get("ended"))
+                changed = True
+    every_host = set(states) >= set(record.data["hosts"])  # a host not heard from may still be running
+    ended = every_host and all(st.get("state") in ("exited", "killed") for st in states.values())
+    if ended and record.data.get("state") in ("running", "starting"):
+        ok = all(st.get("state") == "exited" and st.get("exit_code") == 0 for st in states.values())
+        bad = next((n for n, st in states.items() if not (st.get("state") == "exited" and st.get("exit_code") == 0)), None)
+        if ok:
+            record.data.update(state="succeeded", failed_host=None, reason="every host finished")
+        else:
+            code = states[bad].get("exit_code")
+            meaning = exit_meaning(job_of(record.data), code)
+            record.data.update(state="resumable" if meaning else "failed", failed_host=bad,
+                               reason=f"{bad}: {states[bad].get('state')} (exit code {code}{': ' + meaning if meaning else ''})")
+        changed = True
+    if changed:
+        record.save()
+
+
+def exit_meaning(job: Job, code: int | None) -> str | None:
+    """What the job says an exit code means: its "stopped on its own timer, resume me" codes (VILA's 124)."""
+    if code is not None and code in job.resume.exit_codes:
+        return "the job stopped on its own and asks to be resumed (invoke train --resume)"
+    return None
+
+
+def last_metric(data: dict, host: str, state: dict) -> dict | None:
+    """The last training step a host's agent saw: in the metrics file's lines, else in rank 0's output lines."""
+    job = job_of(data)
+    if job.metrics.format == "none":
+        return None
+    parse = for_job_output(job.metrics.format, job.metrics.regex)
+    for line in reversed(state.get("metric_lines") or []):
+        found = parse(line)
+        if found and "loss" in found:
+            return found
+    offset = rank_offset(data, host) if host in data.get("hosts", {}) and data.get("inventory") else 0
+    for line in reversed(state.get("output_lines") or []):
+        for rank, text in reversed(split_ranks(line, offset)):
+            if rank == 0:
+                found = parse(text)
+                if found and "loss" in found:
+                    return found
+    return None
+
+
+LIVE_FRESH_S = 30.0  # live.json older than this: its supervisor is gone (killed without cleaning up)
+
+
+def supervisor(record: records.RunRecord, now: float | None = None) -> dict | None:
+    """What the run's attached supervisor (`invoke train` still running) says now: its attempt, hosts and the
+    stragglers it names over a sustained window (mnft.run.train.Live); None without one."""
+    import time
+
+    try:
+        live = json.loads((record.path / "live.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(live, dict) or (now or time.time()) - float(live.get("updated") or 0) > LIVE_FRESH_S:
+        return None
+    return live
+
+
+def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
+    """Each host's state, its last metrics, and whether it is the gang's straggler: as the run's supervisor names
+    them when one is attached (sustained over several samples), else from the hosts' samples now (mnft.run.straggler,
+    over the ranks' recent steps and the hosts' utilisation)."""
+    from mnft.run import straggler
+
+    out = {}
+    for result in query(record, fleet, "status"):
+        if result.ok:
+            state = json.loads(result.stdout.strip().splitlines()[-1])
+            metric = last_metric(record.data, result.host, state)
+            state.pop("metric_lines", None)
+            lines = state.pop("output_lines", None) or []
+            state["last_metric"] = metric
+            state["last_line"] = split_rank(lines[-1], 0)[1] if lines else None
+            meaning = exit_meaning(job_of(record.data), state.get("exit_code"))
+            if meaning:
+                state["meaning"] = meaning
+            out[result.host] = state
+        else:
+            out[result.host] = {"state": result.status.value, "error": result.error}
+    live = supervisor(record)
+    if live is not None:
+        for found in live.get("stragglers") or []:
+            if found.get("host") in out:
+                out[found["host"]]["straggler"] = found
+        return out  # the supervisor records the run's end itself (and between attempts every host has ended)
+    for found in straggler.find({h: st["sample"] for h, st in out.items() if st.get("sample")}):
+        out[found.host]["straggler"] = found.to_json()
+    write_back(record, out)
+    return out
+
+
+def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[str, dict]:
+    out = {}
+    for result in query(record, fleet, "stop", str(grace)):
+        if result.ok:
+            out[result.host] = json.loads(result.stdout.strip().splitlines()[-1])
+        else:
+            out[result.host] = {"state": result.status.value, "error": result.error}
+    stopped = all(isinstance(v.get("remaining"), list) and not v["remaining"] for v in out.values())
+    if stopped:
+        for name in out:
+            info = record.data["hosts"].get(name, {})
+            if info.get("state") in ("running", "starting"):
+                info["state"] = "stopped"
+    record.update(state="stopped" if stopped and record.data.get("state") in ("running", "starting") else record.data.get("state"),
+                  stop={n: {k: v.get(k) for k in ("killed", "remaining", "gpus_held", "gpus_other", "error")} for n, v in out.items()})
+    return out
+
+
+def gpu_verdict(result: dict[str, dict], code: int, console: Console | None) -> int:
+    """After `stop`: a GPU still held by a process of the run fails the stop; one held by another process is a
+    warning (the GPUs are not free for the next run)."""
+    held = {n: r["gpus_held"] for n, r in result.items() if r.get("gpus_held")}
+    other = {n: r["gpus_other"] for n, r in result.items() if r.get("gpus_other")}
+    if console is not None:
+        for name, apps in held.items():
+            console.print(f"[bold red]{name}: a GPU is still held by the run: {', '.join(apps)}[/bold red]", highlight=False)
+        for name, apps in other.items():
+            console.print(f"[yellow]{name}: warning: GPUs held by other processes (not this run's): {', '.join(apps)}[/yellow]", highlight=False)
+        for name, r in result.items():
+            if r.get("gpu_error"):
+                console.print(f"[yellow]{name}: warning: could not ask the GPUs: {r['gpu_error']}[/yellow]", highlight=False)
+    if held and code == ExitCode.OK:
+        return ExitCode.FAILED
+    return code

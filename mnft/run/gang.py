@@ -1,0 +1,415 @@
+"""Gang supervision: start every host's run in parallel and treat them as one.
+
+Each host runs mnft.run.agent `launch` over its own SSH session: the agent starts torchrun under a keeper in a new
+process group and streams JSON events (output lines, rank 0's metrics, a heartbeat every second, the exit code).
+The controller writes a heartbeat to every agent; an agent that stops hearing it (controller gone, link cut)
+tears its own run down. When any host's run exits non-zero, its agent stops answering, or the user presses
+Ctrl-C, the controller tells every other agent to stop (SIGTERM to the run's process group, SIGKILL after a
+grace period, then anything still carrying the run id) and sweeps each reachable host once more to prove
+nothing of the run is left. It never waits for a collective timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mnft.hosts import pyrun
+from mnft.run import agent
+from mnft.hosts.command import Command
+from mnft.hosts.connection import HostKeyRejected, Process, Unreachable
+from mnft.core.errors import MnftError
+from mnft.hosts.fleet import Fleet, Status
+from mnft.run.launch import HostLaunch, LaunchOptions
+
+LOST_AFTER = 10.0  # seconds without any event from an agent before its host counts as lost
+HEARTBEAT_EVERY = 2.0
+START_TIMEOUT = 60.0
+TAIL = 200  # output lines kept per host: enough for a rank's traceback
+# torchrun --tee prefixes each worker line: with mnft's TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE "[rank<global rank>]:"
+# (the rank torch actually gave the worker: with --rdzv c10d it is not the inventory order), else torchrun's
+# default "[default<local rank>]:" (older runs)
+RANK_PREFIX = re.compile(r"^\[(rank|default)(\d+)\]:(.*)$", re.S)
+# torchrun's tee prints a worker's unfinished stderr line (a progress bar's \r update) and then another worker
+# line after it on the same line: "[rank0]: 60%|███ | 12/20[rank0]:{'loss': …}"
+EMBEDDED_PREFIX = re.compile(r"\[(rank|default)(\d+)\]:")
+
+
+# what a rank raises when a peer is gone rather than on its own: gloo and NCCL on a closed or reset connection, the
+# TCPStore losing its server, the collective watchdog, a worker SIGTERMed by its own torchrun
+COLLATERAL = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|NCCL communicator was aborted"
+    r"|ncclRemoteError|DistNetworkError|failed to recv, got 0 bytes|Watchdog caught collective operation timeout"
+    r"|Signal 15 \(SIGTERM\) received")
+SETTLE = 5.0  # seconds to wait for the root cause after a host failed as a victim of another
+
+
+class GangError(MnftError):
+    pass
+
+
+@dataclass
+class HostRun:
+    launch: HostLaunch
+    process: Process | None = None
+    state: str = "starting"  # starting | running | exited | stopped | lost | failed-to-start
+    exit_code: int | None = None
+    error: str = ""
+    last_seen: float = field(default_factory=time.monotonic)
+    started_at: float | None = None
+    ended_at: float | None = None
+    tail: deque = field(default_factory=lambda: deque(maxlen=TAIL))
+    stop_report: dict | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.state in ("exited", "stopped", "lost", "failed-to-start")
+
+
+@dataclass
+class GangResult:
+    ok: bool
+    failed_host: str | None
+    reason: str
+    hosts: dict[str, HostRun]
+    first_step_at: float | None = None
+    leftovers: dict[str, list[int]] = field(default_factory=dict)
+
+
+def agent_command(fleet: Fleet, host_name: str, *args: str) -> Command:
+    return pyrun.command(fleet.inventory.host(host_name), *args)
+
+
+def agent_payload() -> bytes:
+    return pyrun.payload(agent.source())
+
+
+def split_rank(text: str, rank_offset: int) -> tuple[int | None, str]:
+    """A worker's output line -> (its global rank, the text without torchrun's prefix)."""
+    match = RANK_PREFIX.match(text)
+    if not match:
+        return None, text
+    number = int(match.group(2))
+    return (number if match.group(1) == "rank" else rank_offset + number), match.group(3)
+
+
+def split_ranks(text: str, rank_offset: int) -> list[tuple[int | None, str]]:
+    """An output line -> each piece with the global rank of the worker that wrote it (several pieces when torchrun
+    glued a worker's unfinished line and the next one together). torch prefixes a worker's uncaught traceback
+    with "[rankN]: " itself, which torchrun's own prefix then precedes: "[rank1]:[rank1]:   File …" is one piece,
+    "  File …"."""
+    parts = EMBEDDED_PREFIX.split(text)
+    out: list[tuple[int | None, str]] = [(None, parts[0])] if parts[0] or len(parts) == 1 else []
+    nested = False
+    for i in range(1, len(parts), 3):
+        number = int(parts[i + 1])
+        rank = number if parts[i] == "rank" else rank_offset + number
+        piece = parts[i + 2]
+        if nested and out and out[-1] == (rank, ""):
+            out.pop()
+            piece = piece[1:] if piece.startswith(" ") else piece
+        out.append((rank, piece))
+        nested = piece == ""
+    return out
+
+
+def failure_excerpt(tail: list[tuple[int | None, str]], limit: int = 40) -> tuple[int | None, list[str]]:
+    """The rank that failed first on a host and its traceback, from the host's last output lines.
+
+    torchrun's own summary names the root cause ("rank: 1 (local_rank: 1)" under "Root Cause"); else the last
+    traceback on the host is taken. Returns (rank or None, the traceback's lines: at most `limit`, its end kept)."""
+    rank = None
+    for i, (_, text) in enumerate(tail):
+        if "Root Cause" in text:
+            for _, later in tail[i:i + 8]:
+                match = re.search(r"\brank\s*:\s*(\d+)", later)
+                if match:
+                    rank = int(match.group(1))
+                    break
+    starts = [i for i, (r, text) in enumerate(tail) if text.lstrip().startswith("Traceback (most recent call last)")
+              and (rank is None or r == rank)]
+    if not starts:
+        return rank, []
+    start = starts[-1]
+    owner = tail[start][0]
+    lines = [text for r, text in tail[start:] if r == owner]
+    end = next((i + 1 for i, text in enumerate(lines) if i > 0 and text and not text.startswith((" ", "\t", "Traceback"))), len(lines))
+    return (owner if rank is None else rank), lines[:end][-limit:]
+
+
+def collateral(run: HostRun) -> bool:
+    """Whether the host's run failed only because another's did (see COLLATERAL): judged on its failed rank's
+    traceback, else on its last output lines."""
+    if run.state != "exited":
+        return False
+    _, trace = failure_excerpt(list(run.tail))
+    text = "\n".join(trace[-3:]) if trace else "\n".join(text for _, text in list(run.tail)[-30:])
+    return bool(COLLATERAL.search(text))
+
+
+class Gang:
+    def __init__(
+        self,
+        fleet: Fleet,
+        launches: list[HostLaunch],
+        run_id: str,
+        options: LaunchOptions,
+        secrets: dict[str, str],
+        *,
+        on_line: Callable[[str, int | None, str], None] = lambda host, rank, text: None,
+        on_metric: Callable[[dict], None] = lambda data: None,
+        on_sample: Callable[[str, dict], None] = lambda host, sample: None,
+        parse_metric: Callable[[str], dict | None] = lambda text: None,
+        metrics_from_output: bool = False,
+    ) -> None:
+        self.fleet = fleet
+        self.run_id = run_id
+        self.options = options
+        self.secrets = secrets
+        self.runs = {l.host: HostRun(l) for l in launches}
+        self.events: "queue.Queue[tuple[str, dict]]" = queue.Queue()
+        self.on_line, self.on_metric, self.on_sample = on_line, on_metric, on_sample
+        self.parse_metric = parse_metric  # the job's metrics format: a line of rank 0's output or metrics file -> a record
+        self.metrics_from_output = metrics_from_output  # rank 0's output lines carry the metrics (no metrics file)
+        self._stop_heartbeat = threading.Event()
+        self.first_step_at: float | None = None
+
+    # ---------------------------------------------------------------------------------------------- start
+
+    def _start_one(self, name: str) -> HostRun:
+        run = self.runs[name]
+        host = self.fleet.inventory.host(name)
+        try:
+            process = self.fleet.start(host, agent_command(self.fleet, name, "launch"))
+            spec = run.launch.spec(self.run_id, self.secrets, self.options)
+            process.write(agent_payload() + json.dumps(spec).encode() + b"\n")
+        except (Unreachable, HostKeyRejected) as exc:
+            run.state, run.error = "failed-to-start", str(exc)
+            return run
+        run.process = process
+        deadline = time.monotonic() + START_TIMEOUT
+        while time.monotonic() < deadline:
+            item = process.readline(timeout=max(0.0, deadline - time.monotonic()))
+            if item is None:
+                break
+            stream, line = item
+            if line is None:
+                if stream == "stdout":
+                    break
+                continue
+            if stream == "stderr":
+                run.tail.append((None, line.rstrip("\n")))
+                continue
+            event = _parse(line)
+            if event.get("event") == "started":
+                run.state, run.started_at = "running", time.time()
+                run.last_seen = time.monotonic()
+                if self.options.detach:
+                    process.close_stdin()
+                else:
+                    threading.Thread(target=self._reader, args=(name, process), daemon=True).start()
+                return run
+            if event.get("event") == "error":
+                run.error = event.get("message", "")
+                break
+        run.state = "failed-to-start"
+        run.error = run.error or "the agent did not start: " + (" | ".join(text for _, text in run.tail) or "no output")
+        return run
+
+    def start(self) -> None:
+        """Start every host in parallel; if any fails, stop the ones that started and raise."""
+        results = self.fleet.map(lambda host: _as_result(self._start_one(host.name)), [self.fleet.inventory.host(n) for n in self.runs])
+        for r in results:  # an exception while starting (a broken SSH channel, a local error) is a failed start too
+            if r.status is not Status.OK and self.runs[r.host].state != "failed-to-start":
+                self.runs[r.host].state, self.runs[r.host].error = "failed-to-start", r.error or r.status.value
+        failed = [self.runs[r.host] for r in results if self.runs[r.host].state == "failed-to-start"]
+        if failed:
+            self.teardown(f"{failed[0].launch.host} failed to start")
+            names = ", ".join(f"{r.launch.host}: {r.error}" for r in failed)
+            raise GangError(f"run {self.run_id} did not start on every host ({names}); the others were stopped")
+        if not self.options.detach:
+            threading.Thread(target=self._heartbeat, daemon=True).start()
+
+    def _reader(self, name: str, process: Process) -> None:
+        for stream, line in process.stream():
+            if stream == "stdout":
+                self.events.put((name, _parse(line)))
+            else:
+                self.events.put((name, {"event": "stderr", "text": line.rstrip("\n")}))
+        self.events.put((name, {"event": "eof"}))
+
+    def _heartbeat(self) -> None:
+        while not self._stop_heartbeat.wait(HEARTBEAT_EVERY):
+            for run in self.runs.values():
+                if run.state == "running" and run.process is not None:
+                    try:
+                        run.process.write(b"hb\n")
+                    except Exception:  # noqa: BLE001 - a dead channel shows up as a lost host
+                        pass
+
+    # ---------------------------------------------------------------------------------------------- supervise
+
+    def _handle(self, name: str, event: dict) -> str | None:
+        """Apply one event; return a failure reason when the gang must be torn down."""
+        run = self.runs[name]
+        run.last_seen = time.monotonic()
+        kind = event.get("event")
+        if kind == "line":
+            for rank, text in split_ranks(event.get("text", ""), run.launch.rank_offset):
+                run.tail.append((rank, text))
+                self.on_line(name, rank, text)
+                if self.metrics_from_output and rank == 0:
+                    self._metric(self.parse_metric(text))
+        elif kind == "stderr":
+            run.tail.append((None, event["text"]))
+            self.on_line(name, None, event["text"])
+        elif kind == "mline":
+            self._metric(self.parse_metric(event.get("text", "")))
+        elif kind == "sample":
+            self.on_sample(name, {k: v for k, v in event.items() if k != "event"})
+        elif kind == "exit":
+            run.state, run.exit_code, run.ended_at = "exited", int(event.get("code", 1)), time.time()
+            if run.exit_code != 0:
+                return f"{name}: torchrun exited with code {run.exit_code}"
+        elif kind == "stopped":
+            run.state, run.ended_at, run.stop_report = "stopped", time.time(), event
+        elif kind == "eof":
+            if not run.done:
+                self._lost(run, "connection to the host's agent lost")
+                return f"{name}: connection lost"
+        return None
+
+    def _metric(self, data: dict | None) -> None:
+        if not data:
+            return
+        if "loss" in data and self.first_step_at is None:
+            self.first_step_at = time.time()
+        self.on_metric(data)
+
+    def _lost(self, run: HostRun, why: str) -> None:
+        """The host is gone: its own agent tears its run down (dead-man switch); later phases skip it."""
+        run.state, run.error, run.ended_at = "lost", why, time.time()
+        self.fleet.mark_unreachable(run.launch.host, why)
+
+    def wait(self, tick: Callable[[], None] = lambda: None) -> GangResult:
+        """Supervise until every host's run ended or one failed (then tear the gang down). tick: called about
+        twice a second (the display's clock)."""
+        reason = None
+        failed = None
+        try:
+            while not all(r.done for r in self.runs.values()):
+                try:
+                    name, event = self.events.get(timeout=0.5)
+                except queue.Empty:
+                    name, event = None, None
+                tick()
+                if name is not None:
+                    why = self._handle(name, event)
+                    if why:
+                        reason, failed = self._root_cause(name, why, tick)
+                        break
+                now = time.monotonic()
+                silent = [r for r in self.runs.values() if r.state == "running" and now - r.last_seen > LOST_AFTER]
+                if silent:
+                    run = silent[0]
+                    self._lost(run, f"no heartbeat for {LOST_AFTER:g}s")
+                    reason, failed = f"{run.launch.host}: no heartbeat from its agent for {LOST_AFTER:g}s (host down or link cut)", run.launch.host
+                    break
+        except KeyboardInterrupt:
+            reason = "interrupted (Ctrl-C)"
+            leftovers = self.teardown(reason)
+            raise GangInterrupted(GangResult(False, None, reason, self.runs, self.first_step_at, leftovers)) from None
+        except BaseException:
+            self.teardown("the controller failed")  # a bug here must not leave the run going on any host
+            raise
+        if reason is None:
+            self._stop_heartbeat.set()
+            return GangResult(True, None, "every host finished", self.runs, self.first_step_at)
+        leftovers = self.teardown(reason)
+        return GangResult(False, failed, reason, self.runs, self.first_step_at, leftovers)
+
+    def _root_cause(self, name: str, why: str, tick: Callable[[], None]) -> tuple[str, str]:
+        """The host whose failure caused the others'. A rank that crashes closes its connections, and its peers'
+        ranks then fail on them ("Connection closed by peer"): the victims' torchrun can exit before the crasher's.
+        When the first failure is such a victim, wait up to SETTLE seconds for the host that failed on its own."""
+        if not collateral(self.runs[name]):
+            return why, name
+        deadline = time.monotonic() + SETTLE
+        while time.monotonic() < deadline and not all(r.done for r in self.runs.values()):
+            try:
+                other, event = self.events.get(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                tick()
+                continue
+            tick()
+            other_why = self._handle(other, event)
+            if other_why and not collateral(self.runs[other]):
+                return other_why, other
+        return why, name
+
+    # ---------------------------------------------------------------------------------------------- teardown
+
+    def teardown(self, reason: str) -> dict[str, list[int]]:
+        """Stop every host's run that is still going, then sweep every reachable host by run id."""
+        for run in self.runs.values():
+            if run.state in ("running", "starting") and run.process is not None:
+                try:
+                    run.process.write(b"stop\n")
+                except Exception:  # noqa: BLE001
+                    pass
+        deadline = time.monotonic() + self.options.grace + 10
+        while time.monotonic() < deadline and any(r.state in ("running", "starting") and r.process is not None for r in self.runs.values()):
+            try:
+                name, event = self.events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            self._handle(name, event)
+        self._stop_heartbeat.set()
+        for run in self.runs.values():
+            if run.process is not None:
+                run.process.close_stdin()
+        return self.sweep([r.launch for r in self.runs.values() if r.state != "lost"])
+
+    def sweep(self, launches: list[HostLaunch]) -> dict[str, list[int]]:
+        """`agent stop` on each host: kills what is left of the run, returns the pids still alive per host."""
+        by_name = {l.host: l for l in launches}
+        hosts = [self.fleet.inventory.host(n) for n in by_name]
+        results = self.fleet.run(
+            lambda host: agent_command(self.fleet, host.name, "stop", by_name[host.name].run_dir, str(self.options.grace)),
+            stdin=agent_payload(),
+            hosts=hosts,
+            timeout=self.options.grace + 20,
+        )
+        leftovers = {}
+        for result in results:
+            if result.ok:
+                data = _parse(result.stdout.strip().splitlines()[-1] if result.stdout.strip() else "{}")
+                if data.get("remaining"):
+                    leftovers[result.host] = data["remaining"]
+        return leftovers
+
+
+class GangInterrupted(Exception):
+    def __init__(self, result: GangResult):
+        super().__init__(result.reason)
+        self.result = result
+
+
+def _parse(line: str) -> dict:
+    try:
+        data = json.loads(line)
+    except ValueError:
+        return {"event": "line", "text": line.rstrip("\n")}
+    return data if isinstance(data, dict) else {"event": "line", "text": line.rstrip("\n")}
+
+
+def _as_result(run: HostRun):
+    from mnft.hosts.fleet import HostResult, Status
+
+    return HostResult(run.launch.host, Status.OK if run.state == "running" else Status.FAILED, error=run.error)

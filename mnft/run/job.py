@@ -1,0 +1,405 @@
+"""A job is data: what torchrun starts on every host, how it resumes, where its metrics come from.
+
+mnft's recipes and a lab's own training script are the same kind of value. A job comes from the command line
+(`-- SCRIPT.py ARGS…`, `-- -m package.module ARGS…`, `--recipe lora`) or from a job file (YAML, validated as
+strictly as an inventory). `mnft.run.launch.plan` turns a job and an inventory into one torchrun command per host.
+
+Arguments given on the command line are passed verbatim: never split again, never expanded, never run by a
+shell. A job file's values may carry placeholders that mnft fills in per run and host (`{output_dir}`,
+`{world_size}`, …, see PLACEHOLDERS); `{{` and `}}` are literal braces. An unknown placeholder is bad input.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from mnft.core import yamlfile
+from mnft.hosts.command import check_env_name, is_secret_name
+from mnft.core.errors import InputError
+
+RECIPES = ("lora", "full")
+RESERVED_KEYS = ("output_dir", "resume")  # recipe settings mnft sets itself
+OVERRIDE = re.compile(r"^([A-Za-z_][A-Za-z0-9_.]*)=(.*)$", re.S)
+
+# Filled in by mnft for every host of a run (mnft.run.launch.plan). latest_checkpoint only on resume.
+PLACEHOLDERS = {
+    "output_dir": "the job's output directory on the host (<workdir>/outputs/<job_id>): the same job id across resumes",
+    "run_id": "this run's id (a resume gets a new one)",
+    "job_id": "the job's id: the first run's id, kept by every resume",
+    "nnodes": "number of hosts",
+    "nproc_per_node": "processes on this host (its slots)",
+    "world_size": "processes in all (sum of slots)",
+    "node_rank": "this host's node rank",
+    "master_addr": "the master's cluster address",
+    "master_port": "the rendezvous port",
+    "workdir": "the synced source tree on the host",
+    "data_dir": "the host's data directory",
+    "latest_checkpoint": "the latest complete checkpoint (only in resume.args)",
+}
+RESUME_ONLY = frozenset({"latest_checkpoint"})
+
+# Checkpoint layouts mnft can find "the latest complete checkpoint" in (see mnft.run.checkpoints).
+LAYOUTS = ("hf", "torchtune", "sana", "glob", "mnft", "none")
+# Metrics formats (see mnft.run.scrape).
+METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "tensorboard", "regex", "mnft", "none")
+
+# torchrun options mnft sets itself (or that would break supervision, logs or ranks): a job may not set them.
+TORCHRUN_OWN = (
+    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--node-rank", "--node_rank", "--master-addr", "--master_addr",
+    "--master-port", "--master_port", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
+    "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--standalone", "--max-restarts", "--max_restarts",
+    "--tee", "-t", "--redirects", "-r", "--log-dir", "--log_dir", "--logs-specs", "--logs_specs", "-m", "--module",
+    "--no-python", "--no_python", "--run-path", "--run_path", "--local-ranks-filter", "--local_ranks_filter",
+)
+
+JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic")
+RESUME_KEYS = ("layout", "checkpoints", "pattern", "marker", "args", "exit_codes")
+METRICS_KEYS = ("format", "path", "regex")
+
+
+@dataclass(frozen=True)
+class ResumeRule:
+    """How a job continues from its latest checkpoint.
+
+    layout: where "the latest complete checkpoint" is (hf: checkpoint-N holding trainer_state.json; torchtune:
+    epoch_N/step_N holding recipe_state.pt; sana: the target of latest.pth; glob: `pattern` + `marker`; mnft: the
+    recipes find it themselves; none: mnft does not look). args: appended on resume, only when a complete
+    checkpoint was found (for layout none/mnft: always). exit_codes: the job's "stopped on its own, resume me".
+    """
+
+    layout: str = "none"
+    checkpoints: str = "{output_dir}"
+    pattern: str | None = None
+    marker: str | None = None
+    args: tuple[str, ...] = ()
+    exit_codes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class MetricsSource:
+    """Where rank 0's training metrics are: its output (path None) or a file / directory on its host."""
+
+    format: str = "auto"
+    path: str | None = None
+    regex: str | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    entry: tuple[str, ...]  # torchrun's positional part: ("train.py",) or ("-m", "pkg.train")
+    args: tuple[str, ...] = ()  # the job file's arguments (placeholders filled in per host)
+    extra_args: tuple[str, ...] = ()  # the command line's arguments: verbatim, after args
+    env: tuple[tuple[str, str], ...] = ()  # NAME -> value (placeholders filled in); never a secret
+    pass_env: tuple[str, ...] = ()  # names whose values come from the controller's environment (secrets too)
+    resume: ResumeRule = ResumeRule()
+    metrics: MetricsSource = MetricsSource()
+    torchrun: tuple[str, ...] = ()  # extra torchrun options, before the entry point
+    name: str | None = None
+    recipe: str | None = None  # lora / full: one of mnft's own recipes
+    source: str | None = None  # the job file, for messages and the run record
+    elastic: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "recipe" if self.recipe else ("module" if self.entry[0] == "-m" else "script")
+
+    @property
+    def script(self) -> str | None:
+        return None if self.kind != "script" else self.entry[0]
+
+    @property
+    def label(self) -> str:
+        if self.recipe:
+            return f"recipe {self.recipe}"
+        return self.name or (f"-m {self.entry[1]}" if self.kind == "module" else self.entry[0])
+
+    def with_extra(self, extra: tuple[str, ...]) -> "Job":
+        return replace(self, extra_args=self.extra_args + tuple(extra))
+
+    def to_record(self) -> dict[str, Any]:
+        """The job as run.json keeps it (a resume rebuilds the same job from it)."""
+        return {
+            "kind": self.kind, "name": self.name, "recipe": self.recipe, "source": self.source, "entry": list(self.entry),
+            "args": list(self.args), "extra_args": list(self.extra_args), "env": dict(self.env), "pass_env": list(self.pass_env),
+            "resume": {"layout": self.resume.layout, "checkpoints": self.resume.checkpoints, "pattern": self.resume.pattern,
+                       "marker": self.resume.marker, "args": list(self.resume.args), "exit_codes": list(self.resume.exit_codes)},
+            "metrics": {"format": self.metrics.format, "path": self.metrics.path, "regex": self.metrics.regex},
+            "torchrun": list(self.torchrun), "elastic": self.elastic,
+        }
+
+
+def from_record(data: Mapping[str, Any]) -> Job:
+    resume, metrics = data.get("resume") or {}, data.get("metrics") or {}
+    return Job(
+        entry=tuple(data["entry"]), args=tuple(data.get("args") or ()), extra_args=tuple(data.get("extra_args") or ()),
+        env=tuple((data.get("env") or {}).items()), pass_env=tuple(data.get("pass_env") or ()),
+        resume=ResumeRule(resume.get("layout", "none"), resume.get("checkpoints") or "{output_dir}", resume.get("pattern"),
+                          resume.get("marker"), tuple(resume.get("args") or ()), tuple(resume.get("exit_codes") or ())),
+        metrics=MetricsSource(metrics.get("format", "auto"), metrics.get("path"), metrics.get("regex")),
+        torchrun=tuple(data.get("torchrun") or ()), name=data.get("name"), recipe=data.get("recipe"), source=data.get("source"),
+        elastic=bool(data.get("elastic")),
+    )
+
+
+# ------------------------------------------------------------------------------------------------ the three sources
+
+
+def recipe_job(recipe: str, overrides: tuple[str, ...] = ()) -> Job:
+    """mnft's own recipe as a job: `-m mnft.recipes.<name> output_dir=… key=value…`, resumed by `resume=latest`
+    (each rank finds its own latest complete checkpoint), metrics in the recipe's metrics.jsonl."""
+    if recipe not in RECIPES:
+        raise InputError(f"--recipe {recipe!r}: unknown recipe (choose from: {', '.join(RECIPES)})")
+    return Job(
+        entry=("-m", f"mnft.recipes.{recipe}"),
+        args=("output_dir={output_dir}",),
+        extra_args=parse_overrides(overrides),
+        resume=ResumeRule(layout="mnft", checkpoints="{output_dir}/checkpoints", args=("resume=latest",)),
+        metrics=MetricsSource("mnft", "{output_dir}/metrics.jsonl"),
+        recipe=recipe,
+        elastic=True,
+    )
+
+
+def parse_overrides(overrides: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    """--set key=value for a recipe: well-formed, and not one mnft sets itself."""
+    out = []
+    for item in overrides:
+        match = OVERRIDE.match(item)
+        if not match:
+            raise InputError(f"recipe override {item!r}: expected key=value")
+        if match.group(1) in RESERVED_KEYS:
+            raise InputError(f"recipe override {item!r}: {match.group(1)} is set by mnft (use --resume to continue a run)")
+        out.append(item)
+    return tuple(out)
+
+
+def cli_job(argv: list[str] | tuple[str, ...]) -> Job:
+    """`-- SCRIPT.py ARGS…` or `-- -m package.module ARGS…`: the entry point and its arguments, verbatim."""
+    argv = tuple(argv)
+    if not argv:
+        raise InputError("nothing after --: give the entry point, e.g. -- train.py --lr 1e-4 or -- -m package.train")
+    if argv[0] in ("-m", "--module"):
+        if len(argv) < 2 or not _module_name(argv[1]):
+            raise InputError(f"-- -m {argv[1] if len(argv) > 1 else ''}: expected a module name like package.train")
+        return Job(entry=("-m", argv[1]), extra_args=argv[2:])
+    return Job(entry=(_script_path(argv[0], "the entry point after --"),), extra_args=argv[1:])
+
+
+def _module_name(text: str) -> bool:
+    return bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", text))
+
+
+def _script_path(text: str, where: str) -> str:
+    if not isinstance(text, str) or not text or text.startswith("-"):
+        raise InputError(f"{where}: {text!r} is not a script path (give SCRIPT.py, or -m package.module)")
+    if "\n" in text or "\x00" in text:
+        raise InputError(f"{where}: the script path must be a single line")
+    return text
+
+
+def load_job_file(path: Path) -> Job:
+    """A job file: strict YAML (unknown keys refused with a suggestion), placeholders checked."""
+    where = str(path)
+    doc = yamlfile.load(yamlfile.read_text(path, "job file", "--job"), where)
+    if not isinstance(doc, dict) or not doc:
+        raise InputError(f"{where}: a job file is a mapping with 'script' or 'module' (see docs/jobs.md)")
+    _known(doc, JOB_KEYS, where, "")
+    at = lambda key, m=doc: f"{where}{yamlfile.line_of(m, key)}"  # noqa: E731
+
+    entries = [k for k in ("script", "module", "recipe") if doc.get(k) is not None]
+    if len(entries) != 1:
+        raise InputError(f"{where}: give exactly one of 'script', 'module' or 'recipe' (found: {', '.join(entries) or 'none'})")
+    args = _strings(doc.get("args"), at("args"), "args")
+    if doc.get("recipe") is not None:
+        base = recipe_job(_text(doc["recipe"], at("recipe"), "recipe"), ())
+        entry, args = base.entry, base.args + args
+    elif doc.get("module") is not None:
+        module = _text(doc["module"], at("module"), "module")
+        if not _module_name(module):
+            raise InputError(f"{at('module')}: key 'module': {module!r} is not a module name like package.train")
+        entry = ("-m", module)
+    else:
+        entry = (_script_path(_text(doc["script"], at("script"), "script"), f"{at('script')}: key 'script'"),)
+
+    env, pass_env = _env(doc.get("env"), doc.get("pass_env"), where, at)
+    resume = _resume(doc.get("resume"), where, at("resume")) if doc.get("resume") is not None else None
+    metrics = _metrics(doc.get("metrics"), where, at("metrics")) if doc.get("metrics") is not None else None
+    torchrun = _torchrun(_strings(doc.get("torchrun"), at("torchrun"), "torchrun"), at("torchrun"))
+    elastic = doc.get("elastic", False)
+    if not isinstance(elastic, bool):
+        raise InputError(f"{at('elastic')}: key 'elastic': expected true or false, got {elastic!r}")
+    name = doc.get("name")
+    if name is not None:
+        name = _text(name, at("name"), "name")
+    job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic)
+    if doc.get("recipe") is not None:
+        job = replace(job, recipe=doc["recipe"], resume=recipe_job(doc["recipe"]).resume, metrics=recipe_job(doc["recipe"]).metrics)
+    if resume is not None:
+        job = replace(job, resume=resume)
+    if metrics is not None:
+        job = replace(job, metrics=metrics)
+    for key, values in (("args", job.args), ("env", [v for _, v in job.env]), ("resume.args", job.resume.args),
+                        ("resume.checkpoints", [job.resume.checkpoints]), ("metrics.path", [job.metrics.path or ""])):
+        for value in values:
+            check_placeholders(value, f"{where}: {key}", resume_args=key == "resume.args")
+    return job
+
+
+def _known(mapping: dict, keys: tuple[str, ...], where: str, prefix: str) -> None:
+    for key in mapping:
+        if key not in keys:
+            raise InputError(f"{where}{yamlfile.line_of(mapping, key)}: unknown key {prefix}{key!r}{yamlfile.suggest(str(key), keys)} "
+                             f"(known: {', '.join(keys)})")
+
+
+def _text(value: Any, at: str, key: str) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)) or str(value) == "":
+        raise InputError(f"{at}: key {key!r}: expected text, got {value!r}")
+    return str(value)
+
+
+def _strings(value: Any, at: str, key: str) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise InputError(f"{at}: key {key!r}: expected a list of arguments (one YAML list item each), got {type(value).__name__}")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, (str, int, float)):
+            raise InputError(f"{at}: key {key!r}: {item!r} is not a plain argument (text or a number)")
+        out.append(str(item))
+    return tuple(out)
+
+
+def _env(env: Any, pass_env: Any, where: str, at) -> tuple[tuple[tuple[str, str], ...], tuple[str, ...]]:
+    pairs = []
+    if env is not None:
+        if not isinstance(env, dict):
+            raise InputError(f"{at('env')}: key 'env': expected a mapping NAME: value")
+        for name, value in env.items():
+            try:
+                check_env_name(name)
+            except InputError:
+                raise InputError(f"{where}{yamlfile.line_of(env, name)}: env: {name!r} is not a variable name (letters, digits, _)") from None
+            if is_secret_name(name):
+                raise InputError(f"{where}{yamlfile.line_of(env, name)}: env: {name} is a secret: never write its value in a job file; "
+                                 f"list it under pass_env (its value then comes from your environment or --env-file)")
+            if isinstance(value, bool):
+                value = "1" if value else "0"
+            if value is None or not isinstance(value, (str, int, float)):
+                raise InputError(f"{where}{yamlfile.line_of(env, name)}: env: {name}: expected a value (text or a number)")
+            pairs.append((name, str(value)))
+    names = _strings(pass_env, at("pass_env"), "pass_env")
+    for name in names:
+        try:
+            check_env_name(name)
+        except InputError:
+            raise InputError(f"{at('pass_env')}: pass_env: {name!r} is not a variable name (letters, digits, _)") from None
+    return tuple(pairs), names
+
+
+def _resume(data: Any, where: str, at: str) -> ResumeRule:
+    if not isinstance(data, dict):
+        raise InputError(f"{at}: key 'resume': expected a mapping (layout, checkpoints, args, exit_codes, …)")
+    _known(data, RESUME_KEYS, where, "resume.")
+    line = lambda key: f"{where}{yamlfile.line_of(data, key)}"  # noqa: E731
+    layout = data.get("layout", "none")
+    if layout not in LAYOUTS:
+        raise InputError(f"{line('layout')}: resume.layout {layout!r}: use one of {', '.join(LAYOUTS)}")
+    pattern = data.get("pattern")
+    marker = data.get("marker")
+    if layout == "glob" and not (isinstance(pattern, str) and pattern and isinstance(marker, str) and marker):
+        raise InputError(f"{line('layout')}: resume.layout glob needs 'pattern' (e.g. step_*) and 'marker' (the file written last)")
+    if layout != "glob" and (pattern is not None or marker is not None):
+        raise InputError(f"{line('pattern' if pattern is not None else 'marker')}: resume.pattern/marker go with layout glob")
+    for value, key in ((pattern, "pattern"), (marker, "marker")):
+        if value is not None and ("/" in value.strip("/") if key == "pattern" else value.startswith("/") or ".." in value.split("/")):
+            raise InputError(f"{line(key)}: resume.{key} {value!r}: a name inside the checkpoints directory")
+    codes = data.get("exit_codes") or []
+    if not isinstance(codes, list) or any(isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 255 for c in codes):
+        raise InputError(f"{line('exit_codes')}: resume.exit_codes: expected a list of exit codes 1-255, got {codes!r}")
+    args = _strings(data.get("args"), line("args"), "resume.args")
+    for a in args:  # a malformed placeholder is bad input here too, before fields_of reads the fields
+        check_placeholders(a, f"{line('args')}: resume.args", resume_args=True)
+    uses_latest = any("latest_checkpoint" in fields_of(a) for a in args)
+    if uses_latest and layout in ("none", "mnft"):
+        raise InputError(f"{line('args')}: resume.args use {{latest_checkpoint}}: set resume.layout (hf, torchtune, sana or glob) so mnft can find it")
+    checkpoints = data.get("checkpoints", "{output_dir}")
+    checkpoints = _text(checkpoints, line("checkpoints"), "resume.checkpoints")
+    return ResumeRule(layout, checkpoints, pattern, marker, args, tuple(codes))
+
+
+def _metrics(data: Any, where: str, at: str) -> MetricsSource:
+    if isinstance(data, str):
+        data = {"format": data}
+    if not isinstance(data, dict):
+        raise InputError(f"{at}: key 'metrics': expected a format name or a mapping (format, path, regex)")
+    _known(data, METRICS_KEYS, where, "metrics.")
+    line = lambda key: f"{where}{yamlfile.line_of(data, key)}"  # noqa: E731
+    fmt = data.get("format", "auto")
+    if fmt not in METRIC_FORMATS:
+        raise InputError(f"{line('format')}: metrics.format {fmt!r}: use one of {', '.join(METRIC_FORMATS)}")
+    path = data.get("path")
+    if path is not None:
+        path = _text(path, line("path"), "metrics.path")
+    regex = data.get("regex")
+    if fmt == "regex":
+        from mnft.run.scrape import compile_regex
+
+        compile_regex(regex, line("regex"))
+    elif regex is not None:
+        raise InputError(f"{line('regex')}: metrics.regex goes with format regex")
+    if fmt == "tensorboard" and not path:
+        raise InputError(f"{line('format')}: metrics format tensorboard needs 'path': the directory of the event files")
+    return MetricsSource(fmt, path, regex)
+
+
+def _torchrun(options: tuple[str, ...], at: str) -> tuple[str, ...]:
+    for option in options:
+        flag = option.split("=", 1)[0]
+        if flag in TORCHRUN_OWN:
+            raise InputError(f"{at}: torchrun option {flag} is set by mnft (nodes, ranks, rendezvous, restarts and logs are its job)")
+        if not option.startswith("-") and options.index(option) == 0:
+            raise InputError(f"{at}: torchrun: {option!r} is not an option (the entry point goes in 'script' or 'module')")
+    return options
+
+
+# ------------------------------------------------------------------------------------------------ placeholders
+
+
+def fields_of(template: str) -> list[str]:
+    """The placeholder names in a template (`{{`/`}}` are literal braces); a malformed one is a ValueError."""
+    names = []
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if spec or conversion:
+            raise ValueError(f"{{{name}}} takes no format spec or conversion")
+        names.append(name)
+    return names
+
+
+def check_placeholders(template: str, where: str, *, resume_args: bool = False) -> None:
+    try:
+        names = fields_of(template)
+    except ValueError as exc:
+        raise InputError(f"{where}: {template!r}: bad placeholder ({exc}); write {{{{ and }}}} for literal braces") from None
+    for name in names:
+        if name not in PLACEHOLDERS:
+            raise InputError(f"{where}: {template!r}: unknown placeholder {{{name}}} (known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
+        if name in RESUME_ONLY and not resume_args:
+            raise InputError(f"{where}: {template!r}: {{{name}}} is known only when resuming: use it in resume.args")
+
+
+def fill(template: str, values: Mapping[str, Any]) -> str:
+    """A template with its placeholders filled in (checked when the job was loaded)."""
+    return template.format_map(_Values(values))
+
+
+class _Values(dict):
+    def __missing__(self, key: str) -> str:
+        raise InputError(f"placeholder {{{key}}} has no value in this run")

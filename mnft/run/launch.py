@@ -1,0 +1,289 @@
+"""Plan a run: one torchrun command per host, pure (inventory and facts in, commands and env out).
+
+Every host gets: nnodes, nproc_per_node = its slots, node_rank = its inventory position, the master's cluster
+address (never 127.x for a multi-node job), the rendezvous port, NCCL/GLOO_SOCKET_IFNAME from the inventory's
+`iface` or the interface that reached the master during the check, the environment allowlist, and the recipe's
+overrides. Secrets (names containing TOKEN/KEY/SECRET/PASSWORD) never enter a command line: they travel to the
+host inside the agent's stdin and land in a 0600 file the run's keeper reads and deletes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets as _secrets
+import shlex
+import time
+from dataclasses import dataclass, field
+
+from mnft.hosts.command import REDACTED, check_env_name, is_secret_name
+from mnft.core.errors import InputError
+from mnft.hosts.inventory import Host, Inventory
+from mnft.run.job import Job, fill, parse_overrides, recipe_job
+
+# torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)
+RANK_TEMPLATE = "[rank${rank}]:"
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Passed through from the controller's environment when set there (secret ones as secrets).
+TIMINGS = "timings-rank*.jsonl"  # each rank's step timings, in the recipes' output_dir on its own host
+PASSTHROUGH = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "WANDB_PROJECT", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")
+
+
+def new_run_id(now: float | None = None) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now or time.time()))
+    return f"{stamp}-{_secrets.token_hex(2)}"
+
+
+def attempt_id(run_id: str, attempt: int) -> str:
+    """What names attempt k of a run on the hosts (its run directory, its processes' tag): the run id for the
+    first, `<run id>-a<k>` after a restart (mnft.run.recover), so each attempt keeps its own logs."""
+    return run_id if attempt <= 1 else f"{run_id}-a{attempt}"
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    job: Job = field(default_factory=lambda: recipe_job("lora"))
+    rdzv: str = "static"  # static | c10d
+    env: tuple[str, ...] = ()  # NAME or NAME=VALUE, from --env (NAME=VALUE refused for secret names)
+    env_files: tuple[str, ...] = ()  # --env-file: NAME=VALUE lines, the file 0600
+    detach: bool = False
+    resume: bool = False
+    deadman: float = 15.0  # a host's agent tears its run down after this long without the controller
+    grace: float = 10.0  # SIGTERM -> SIGKILL
+
+
+@dataclass(frozen=True)
+class HostLaunch:
+    host: str
+    node_rank: int
+    rank_offset: int  # global rank of this host's local rank 0 (static rendezvous; c10d decides at run time)
+    slots: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+    secret_names: tuple[str, ...]
+    cwd: str
+    run_dir: str
+    output_dir: str
+    metrics: str | None  # rank 0's metrics file its agent follows (static: the master only; c10d: wherever rank 0 lands)
+    collect: tuple[str, ...] = ()  # files / directories / globs `invoke logs` brings back besides the run directory
+    checkpoints: str | None = None  # the job's checkpoints directory on this host
+    timings: str | None = None  # the per-rank step timings this host's ranks write (mnft's recipes), a glob
+
+    def spec(self, run_id: str, secrets: dict[str, str], options: LaunchOptions) -> dict:
+        """What the host agent receives on stdin (the only place secret values travel)."""
+        return {
+            "run_id": run_id,
+            "tag": f"{run_id}@{self.host}",
+            "run_dir": self.run_dir,
+            "argv": list(self.argv),
+            "cwd": self.cwd,
+            "env": self.env,
+            "secrets": {name: secrets[name] for name in self.secret_names},
+            "metrics": self.metrics,
+            "timings": self.timings,
+            "detach": options.detach,
+            "deadman": options.deadman,
+            "grace": options.grace,
+        }
+
+    def display(self) -> dict:
+        """The command and environment as a person or a run record may see them (secrets redacted)."""
+        env = dict(self.env)
+        env.update({name: REDACTED for name in self.secret_names})
+        return {"command": shlex.join(self.argv), "env": env, "cwd": self.cwd, "run_dir": self.run_dir}
+
+
+def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str, ...] = ()) -> tuple[dict[str, str], dict[str, str]]:
+    """--env NAME (value from this environment) or NAME=VALUE, --env-file FILE, plus the passthrough list: (plain, secret).
+
+    A secret name (TOKEN/KEY/SECRET/PASSWORD) given as NAME=VALUE is refused: the value would sit on this machine's
+    command line (/proc/<pid>/cmdline, readable by every local user) -- and with inventory/local.yaml this machine
+    is a training host.
+    """
+    plain: dict[str, str] = {}
+    secret: dict[str, str] = {}
+    chosen: dict[str, str] = {name: environ[name] for name in PASSTHROUGH if name in environ}
+    for path in files:
+        chosen.update(read_env_file(path))
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        check_env_name(name)
+        if sep and is_secret_name(name):
+            raise InputError(
+                f"--env {name}=…: {name} is a secret and would be visible on this machine's command line; "
+                f"use --env {name} (value from this environment) or --env-file FILE (mode 0600)"
+            )
+        if not sep:
+            if name not in environ:
+                hint = "--env-file FILE" if is_secret_name(name) else f"--env {name}=VALUE"
+                raise InputError(f"--env {name}: not set in this environment (set it, or use {hint})")
+            value = environ[name]
+        chosen[name] = value
+    for name, value in chosen.items():
+        (secret if is_secret_name(name) else plain)[name] = value
+    return plain, secret
+
+
+def read_env_file(path: str) -> dict[str, str]:
+    """NAME=VALUE lines (blank lines and # comments skipped); the file must be readable by its owner only."""
+    try:
+        mode = os.stat(path).st_mode
+        text = open(path, encoding="utf-8").read()
+    except OSError as exc:
+        raise InputError(f"--env-file {path}: {exc.strerror or exc}") from None
+    if mode & 0o077:
+        raise InputError(f"--env-file {path}: mode {mode & 0o777:04o} lets others read it: chmod 600 {shlex.quote(path)}")
+    out = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        name, sep, value = line.removeprefix("export ").partition("=")
+        name = name.strip()
+        if not sep or not ENV_NAME_RE.match(name):
+            raise InputError(f"--env-file {path}:{number}: expected NAME=VALUE")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            value = value[1:-1]
+        out[name] = value
+    return out
+
+
+def _join(base: str, *parts: str) -> str:
+    return "/".join([base.rstrip("/"), *parts])
+
+
+def host_path(host: Host, path: str) -> str:
+    """A job's path on a host: absolute or ~/… as given, else relative to the synced tree (the workdir)."""
+    return path if path.startswith(("/", "~")) else _join(host.workdir, path)
+
+
+def output_dir(host: Host, job_id: str) -> str:
+    return _join(host.workdir, "outputs", job_id)
+
+
+def placeholders(inventory: Inventory, host: Host, *, master_addr: str, port: int, run_id: str, job_id: str,
+                 latest_checkpoint: str | None = None) -> dict[str, str]:
+    """What a job's placeholders mean on one host (mnft.run.job.PLACEHOLDERS)."""
+    values = {
+        "output_dir": output_dir(host, job_id), "run_id": run_id, "job_id": job_id, "nnodes": str(len(inventory.hosts)),
+        "nproc_per_node": str(host.slots), "world_size": str(inventory.world_size), "node_rank": str(host.rank),
+        "master_addr": master_addr, "master_port": str(port), "workdir": host.workdir, "data_dir": host.data_dir,
+    }
+    if latest_checkpoint is not None:
+        values["latest_checkpoint"] = latest_checkpoint
+    return values
+
+
+def collected(fmt: str, path: str) -> tuple[str, ...]:
+    """What `invoke logs` brings back of a metrics path: a TensorBoard directory's event files, HF's
+    trainer_state.json files (not the checkpoints beside them), else the file (or glob) itself."""
+    if fmt == "tensorboard":
+        return (_join(path, "**", "events.out.tfevents.*"),)
+    if fmt == "hf":
+        return (_join(path, "trainer_state.json"), _join(path, "checkpoint-*", "trainer_state.json"))
+    return (path,)
+
+
+def resume_args(job: Job, resuming: bool, latest_checkpoint: str | None) -> bool:
+    """Whether a run passes the job's resume arguments: on resume, when the job's layout needs no checkpoint found
+    by mnft (none, mnft: the job finds its own) or one was found. Never without one: HF's
+    resume_from_checkpoint=True and GR00T's --resume raise when there is none."""
+    if not resuming:
+        return False
+    return job.resume.layout in ("none", "mnft") or latest_checkpoint is not None
+
+
+def plan(
+    inventory: Inventory,
+    *,
+    master_addr: str,
+    port: int,
+    run_id: str,
+    job_id: str,
+    options: LaunchOptions,
+    ifaces: dict[str, str | None],
+    env: dict[str, str],
+    secret_names: tuple[str, ...],
+    latest_checkpoint: str | None = None,
+    attempt: int = 1,
+) -> list[HostLaunch]:
+    """One torchrun command per host for the job: `python -m torch.distributed.run <mnft's flags> <the job's torchrun
+    options> <entry point> <job args> <command-line args> [<resume args>]`, with its environment.
+
+    latest_checkpoint: on resume, the checkpoint mnft found (relative to the job's checkpoints directory), the
+    value of {latest_checkpoint}. attempt: the attempt number after automatic restarts (its own run directory,
+    MNFT_ATTEMPT in the job's environment).
+    """
+    job = options.job
+    if options.rdzv not in ("static", "c10d"):
+        raise InputError(f"--rdzv {options.rdzv!r}: use static or c10d")
+    hosts = inventory.hosts
+    if options.rdzv == "static" and len({h.slots for h in hosts}) > 1:
+        raise InputError(
+            f"{inventory.path}: hosts have different slots ({', '.join(f'{h.name}={h.slots}' for h in hosts)}): "
+            "static rendezvous needs the same slots everywhere; use --rdzv c10d"
+        )
+    if len(hosts) > 1 and master_addr.startswith("127."):
+        raise InputError(f"the master's address {master_addr} is a loopback address peers cannot reach: set 'iface' for the master")
+    if job.recipe:
+        parse_overrides(job.extra_args)
+    with_resume = resume_args(job, options.resume, latest_checkpoint)
+    launches = []
+    offset = 0
+    for host in hosts:
+        run_dir = _join(host.workdir, "runs", attempt_id(run_id, attempt))
+        values = placeholders(inventory, host, master_addr=master_addr, port=port, run_id=run_id, job_id=job_id)
+        if latest_checkpoint is not None:
+            values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values)), latest_checkpoint)
+        argv = [
+            host.python, "-m", "torch.distributed.run",
+            "--nnodes", str(len(hosts)),
+            "--nproc-per-node", str(host.slots),
+        ]
+        if options.rdzv == "static":
+            argv += ["--node-rank", str(host.rank), "--master-addr", master_addr, "--master-port", str(port)]
+        else:
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", job_id]
+        argv += [*job.torchrun, "--max-restarts", "0", "--tee", "3", "--log-dir", _join(run_dir, "torchrun")]
+        argv += [*job.entry, *(fill(a, values) for a in job.args), *job.extra_args]
+        if with_resume:
+            argv += [fill(a, values) for a in job.resume.args]
+        host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": host.workdir, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_TEMPLATE,
+                    "MNFT_OUTPUT_DIR": values["output_dir"], "MNFT_JOB_ID": job_id, "MNFT_ATTEMPT": str(attempt)}
+        host_env.update({name: fill(value, values) for name, value in job.env})
+        host_env.update(env)
+        iface = host.iface or ifaces.get(host.name)
+        if iface:
+            host_env["NCCL_SOCKET_IFNAME"] = iface
+            host_env["GLOO_SOCKET_IFNAME"] = iface
+        source = job.metrics
+        # static: the master is node 0, so rank 0's files are there; c10d: torch picks the ranks, so every host's
+        # agent watches the path and only rank 0's host has it
+        rank0_here = options.rdzv == "c10d" or host.name == inventory.master_name
+        metrics_path = host_path(host, fill(source.path, values)) if source.path else None
+        timings = _join(values["output_dir"], TIMINGS) if job.recipe else None  # mnft/recipes/timing.py writes them
+        launches.append(
+            HostLaunch(
+                host=host.name,
+                node_rank=host.rank,
+                rank_offset=offset,
+                slots=host.slots,
+                argv=tuple(argv),
+                env=host_env,
+                secret_names=secret_names,
+                cwd=host.workdir,
+                run_dir=run_dir,
+                output_dir=values["output_dir"],
+                metrics=metrics_path if rank0_here and source.format not in ("hf", "tensorboard", "none") else None,
+                collect=(collected(source.format, metrics_path) if metrics_path and rank0_here else ()) + ((timings,) if timings else ()),
+                checkpoints=host_path(host, fill(job.resume.checkpoints, values)),
+                timings=timings,
+            )
+        )
+        offset += host.slots
+    return launches
+
+
+def environ() -> dict[str, str]:
+    return dict(os.environ)

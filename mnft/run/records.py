@@ -1,0 +1,78 @@
+"""Local run records: runs/<id>/run.json (inventory snapshot, facts, code hash, per-host commands with secrets
+redacted, timings, exit codes), written as the run goes; runs/<id>/<host>/ holds the collected logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mnft.core.errors import InputError
+
+
+def runs_root() -> Path:
+    return Path(os.environ.get("MNFT_RUNS_DIR") or "runs")
+
+
+@dataclass
+class RunRecord:
+    path: Path  # runs/<id>
+    data: dict[str, Any]
+
+    @property
+    def run_id(self) -> str:
+        return self.data["run_id"]
+
+    @classmethod
+    def create(cls, run_id: str, **data: Any) -> "RunRecord":
+        path = runs_root() / run_id
+        path.mkdir(parents=True, exist_ok=False)
+        record = cls(path, {"run_id": run_id, "created": time.time(), **data})
+        record.save()
+        return record
+
+    def save(self) -> None:
+        tmp = self.path / "run.json.tmp"
+        tmp.write_text(json.dumps(self.data, indent=2, default=str) + "\n")
+        os.replace(tmp, self.path / "run.json")
+
+    def update(self, **data: Any) -> None:
+        self.data.update(data)
+        self.save()
+
+    def set_host(self, host: str, **data: Any) -> None:
+        self.data.setdefault("hosts", {}).setdefault(host, {}).update(data)
+        self.save()
+
+
+def all_runs() -> list[str]:
+    root = runs_root()
+    if not root.is_dir():
+        return []
+    return sorted(p.name for p in root.iterdir() if (p / "run.json").is_file())
+
+
+def load(run_id: str | None = None, prefer=None) -> RunRecord:
+    """A run by id, or the latest one (the latest for which `prefer(data)` holds, when there is one)."""
+    runs = all_runs()
+    if run_id is None:
+        if not runs:
+            raise InputError(f"{runs_root()}: no runs recorded yet (start one with invoke train)")
+        run_id = runs[-1]
+        if prefer is not None:
+            for candidate in reversed(runs):
+                try:
+                    data = json.loads((runs_root() / candidate / "run.json").read_text())
+                except (OSError, ValueError):
+                    continue
+                if prefer(data):
+                    run_id = candidate
+                    break
+    path = runs_root() / run_id
+    if not (path / "run.json").is_file():
+        hint = f" (latest: {runs[-1]})" if runs else ""
+        raise InputError(f"{path}: no such run{hint}")
+    return RunRecord(path, json.loads((path / "run.json").read_text()))

@@ -1,0 +1,232 @@
+"""Automatic recovery (`invoke train --max-restarts N`): why an attempt failed and what to do next. Pure rules:
+what the supervisor saw of the failed attempt in, a cause and a decision out; mnft.run.train does the waiting, the
+re-check and the relaunch.
+
+Causes, in the order they are recognised:
+  host-lost    a host's agent stopped answering (link cut, machine down): the host is waited for, then reused,
+               replaced by a spare, or dropped (--min-nodes)
+  resume-exit  a worker exited with a code the job declared as "stopped on its own, resume me" (VILA's 124):
+               restarted without counting against N, unless it made no progress since the previous attempt
+  non-finite   the job stopped because its loss or gradients were not finite: never retried (it diverged; a
+               person lowers the learning rate or skips the data)
+  startup      a failure before the first training step (an import error, a bad argument): never retried, it
+               would fail again
+  signal       a worker was killed by a signal (SIGKILL, with the kernel's OOM note when the host's log says so)
+  failed       a worker exited with an error code
+A failure with the same cause at the same step as the attempt before is deterministic: stop.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+# torchrun's error summary, per failed worker: "rank      : 3 (local_rank: 1)" then "exitcode  : -6 (pid: 8081)"
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+SIGNALS = {1: "SIGHUP", 2: "SIGINT", 4: "SIGILL", 6: "SIGABRT", 7: "SIGBUS", 8: "SIGFPE", 9: "SIGKILL", 11: "SIGSEGV",
+           13: "SIGPIPE", 15: "SIGTERM"}
+STARTUP_ERRORS = ("ModuleNotFoundError", "ImportError", "SyntaxError", "IndentationError", "FileNotFoundError",
+                  "ConfigError", "usage:", "error: unrecognized arguments", "error: argument")
+NON_FINITE = re.compile(r"non-finite|not finite|\bnan\b loss|loss is nan|loss became (nan|inf)", re.I)
+RECIPE_CONFIG_EXIT = 2  # mnft's recipes: bad input (a ConfigError) exits 2 on every rank
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    rank: int | None
+    code: int
+
+    @property
+    def signal(self) -> str | None:
+        return SIGNALS.get(-self.code, f"signal {-self.code}") if self.code < 0 else None
+
+
+def worker_exits(lines: list[str]) -> list[WorkerExit]:
+    """The failed workers torchrun's error summary lists (rank and exit code; negative: killed by that signal)."""
+    out, rank = [], None
+    for text in lines:
+        match = _RANK.match(text)
+        if match:
+            rank = int(match.group(1))
+            continue
+        match = _EXITCODE.match(text)
+        if match:
+            out.append(WorkerExit(rank, int(match.group(1))))
+            rank = None
+    return out
+
+
+_PID = re.compile(r"^\s*exitcode\s*:\s*-9\s*\(pid:\s*(\d+)\)")
+
+
+def killed_pids(lines: list[str]) -> list[int]:
+    """The pids of workers torchrun says were killed by SIGKILL (the OOM killer's signal)."""
+    return [int(m.group(1)) for m in (_PID.match(t) for t in lines) if m]
+
+
+def oom_killed(kernel_log: str, pids: list[int]) -> bool:
+    """Whether the kernel's log says the OOM killer killed one of these pids."""
+    return any(re.search(rf"(Killed process {pid}\b|oom-kill:.*\bpid={pid}\b)", kernel_log) for pid in pids)
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the supervisor saw of a failed attempt (mnft.run.train gathers it)."""
+
+    failed_host: str | None
+    host_state: str | None  # the failed host's run: lost | exited | failed-to-start
+    exit_code: int | None  # torchrun's
+    tail: tuple[str, ...] = ()  # the failed host's last output lines
+    traceback: tuple[str, ...] = ()
+    first_step: bool = False  # a training step was seen in this attempt
+    last_step: int | None = None
+    last_loss: float | None = None
+    resume_codes: tuple[int, ...] = ()
+    oom: bool = False  # the host's kernel log says it killed one of the run's processes for memory
+
+
+@dataclass(frozen=True)
+class Cause:
+    kind: str  # host-lost | resume-exit | non-finite | startup | signal | failed
+    host: str | None
+    detail: str  # one line for a person
+    step: int | None = None  # the last training step seen
+    code: int | None = None  # the worker's exit code (negative: signal)
+
+    @property
+    def retried(self) -> bool:
+        return self.kind not in ("non-finite", "startup")
+
+    @property
+    def counted(self) -> bool:
+        return self.kind != "resume-exit"
+
+    def same(self, other: "Cause") -> bool:
+        """The same failure: same kind and code (and host, for a lost host) at the same step."""
+        return (self.kind, self.code, self.step, self.host if self.kind == "host-lost" else None, self._what()) == (
+            other.kind, other.code, other.step, other.host if other.kind == "host-lost" else None, other._what())
+
+    def _what(self) -> str:
+        return self.detail.rsplit(": ", 1)[-1] if self.kind in ("failed", "startup") else ""
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "host": self.host, "detail": self.detail, "step": self.step, "code": self.code}
+
+
+def classify(seen: Seen) -> Cause:
+    host = seen.failed_host
+    step = seen.last_step
+    if seen.host_state == "lost":
+        return Cause("host-lost", host, f"{host} stopped answering (link cut or machine down)", step)
+    workers = worker_exits(list(seen.tail))
+    first = workers[-1] if workers else None  # torchrun lists the root cause (first observed failure) last
+    code = first.code if first else seen.exit_code
+    who = f"{host} rank {first.rank}" if first and first.rank is not None else f"{host}"
+    if code in seen.resume_codes or (seen.exit_code in seen.resume_codes and not workers):
+        return Cause("resume-exit", host, f"{who} exited {code}: the job asks to be resumed", step, code)
+    last = seen.traceback[-1] if seen.traceback else ""
+    text = " ".join(seen.traceback[-3:]) + " " + " ".join(seen.tail[-20:])
+    if (seen.last_loss is not None and not math.isfinite(seen.last_loss)) or NON_FINITE.search(text):
+        return Cause("non-finite", host, f"{who}: the loss or gradients were not finite" + (f" at step {step}" if step else ""), step, code)
+    startup = any(marker in last for marker in STARTUP_ERRORS) or code == RECIPE_CONFIG_EXIT
+    if not seen.first_step and startup:
+        return Cause("startup", host, f"{who} failed before the first step: {last or f'exit code {code}'}", step, code)
+    if first is not None and first.signal:
+        oom = " (the kernel's OOM killer: out of memory)" if seen.oom else ""
+        return Cause("signal", host, f"{who} was killed by {first.signal}{oom}", step, code)
+    return Cause("failed", host, f"{who} exited with code {code}" + (f": {last}" if last else ""), step, code)
+
+
+# ------------------------------------------------------------------------------------------------ the decision
+
+
+@dataclass(frozen=True)
+class Policy:
+    max_restarts: int = 0
+    min_nodes: int | None = None  # shrink to no fewer hosts than this when a lost host has no spare (None: never)
+    backoff_s: float = 5.0  # before attempt 2; doubled each attempt, at most backoff_max_s
+    backoff_max_s: float = 60.0
+    reuse_wait_s: float = 20.0  # how long a lost host may take to answer again before it is replaced
+
+    def backoff(self, restarts: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, restarts - 1))
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """An ended attempt as the decision needs it."""
+
+    number: int
+    hosts: tuple[str, ...]
+    cause: Cause | None
+    counted: bool
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    why: str
+    counted: bool = True
+
+
+def should_restart(policy: Policy, history: list[Attempt], cause: Cause) -> Decision:
+    """Restart after this cause? history: the attempts before the one that just failed (oldest first)."""
+    used = sum(1 for a in history if a.counted) + (1 if cause.counted else 0)
+    if policy.max_restarts <= 0:
+        return Decision(False, "no restarts allowed (--max-restarts 0)")
+    if not cause.retried:
+        return Decision(False, {"startup": "a failure before the first step would fail again: not retried",
+                                "non-finite": "the run diverged: not retried (lower the learning rate, or resume by hand)"}[cause.kind])
+    previous = history[-1].cause if history else None
+    if previous is not None and cause.same(previous):
+        return Decision(False, f"the same failure at the same step as attempt {history[-1].number}: deterministic, not retried")
+    if cause.kind == "resume-exit":
+        if previous is not None and previous.kind == "resume-exit" and cause.step is not None and cause.step == previous.step:
+            return Decision(False, "the job asked to be resumed again without a step of progress: not retried")
+        return Decision(True, "the job asked to be resumed (not counted against --max-restarts)", counted=False)
+    if used > policy.max_restarts:
+        return Decision(False, f"--max-restarts {policy.max_restarts} used up")
+    return Decision(True, f"restart {used} of {policy.max_restarts}")
+
+
+@dataclass(frozen=True)
+class Gang:
+    """The hosts of the next attempt, and what changed."""
+
+    hosts: tuple[str, ...] | None  # None: no gang can be formed
+    replaced: dict[str, str] = field(default_factory=dict)  # lost host -> the spare in its place
+    dropped: tuple[str, ...] = ()
+    why: str = ""
+
+
+def next_gang(gang: tuple[str, ...], lost: list[str], back: set[str], spares: list[str], min_nodes: int | None,
+              elastic: bool) -> Gang:
+    """Hosts that answered again keep their place; a lost host gets a spare's place (in order); without a spare
+    the gang shrinks when the job allows it and at least min_nodes remain; else no gang."""
+    hosts = list(gang)
+    replaced: dict[str, str] = {}
+    dropped: list[str] = []
+    free = [s for s in spares if s not in gang]
+    for name in lost:
+        if name in back:
+            continue
+        if free:
+            spare = free.pop(0)
+            hosts[hosts.index(name)] = spare
+            replaced[name] = spare
+        else:
+            hosts.remove(name)
+            dropped.append(name)
+    notes = [f"{a} replaced by the spare {b}" for a, b in replaced.items()]
+    if dropped:
+        if not elastic:
+            return Gang(None, replaced, tuple(dropped), f"{', '.join(dropped)} lost and no spare left; the job is not elastic "
+                        "(a job file's `elastic: true` allows running on fewer hosts)")
+        if min_nodes is None or len(hosts) < min_nodes:
+            need = "--min-nodes is not set" if min_nodes is None else f"fewer than --min-nodes {min_nodes} would remain"
+            return Gang(None, replaced, tuple(dropped), f"{', '.join(dropped)} lost and no spare left; {need}")
+        notes.append(f"{', '.join(dropped)} dropped: continuing on {len(hosts)} hosts")
+    notes += [f"{n} answers again: reused" for n in lost if n in back]
+    return Gang(tuple(hosts), replaced, tuple(dropped), "; ".join(notes) or "the same hosts")

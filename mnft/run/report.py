@@ -1,0 +1,72 @@
+"""A run's status and stop as tables (a row per host) or JSON, and the exit code each implies."""
+
+from __future__ import annotations
+
+import time
+
+from rich.table import Table
+from rich.text import Text
+
+from mnft.core.errors import ExitCode
+from mnft.core.output import console, fmt_loss, plain, print_json
+
+
+def print_status(record, states: dict[str, dict], as_json: bool, live: dict | None = None) -> int:
+    """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable.
+    live: what the run's attached supervisor says (its attempt, when restarting: healthy while it recovers)."""
+    if as_json:
+        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {})})
+    else:
+        job = record.data.get("job") or {}
+        label = job.get("name") or (f"recipe {record.data.get('recipe')}" if record.data.get("recipe") else " ".join(job.get("entry") or ["?"]))
+        table = Table(title=plain(f"run {record.run_id} ({label}, {len(states)} hosts)"))
+        for col in ("host", "node_rank", "state", "exit code", "processes", "step", "loss", "since", "last line"):
+            table.add_column(col)
+        for name, st in states.items():
+            metric = st.get("last_metric") or {}
+            since = st.get("ended") or st.get("started")
+            state = st.get("state", "?")
+            style = {"running": "green", "exited": "green" if st.get("exit_code") == 0 else "red"}.get(state, "magenta")
+            table.add_row(
+                plain(name),
+                str(record.data["hosts"][name]["node_rank"]),
+                Text(state, style=style),
+                str(st.get("exit_code")) if st.get("exit_code") is not None else "-",
+                str(st.get("processes", "-")),
+                str(metric["step"]) if metric.get("step") is not None else "-",
+                plain(fmt_loss(metric.get("loss"))),
+                f"{time.time() - since:.0f}s ago" if since else plain(st.get("error") or "-"),
+                plain((st.get("last_line") or "")[-60:] or "-"),
+            )
+        console().print(table)
+        if live and live.get("max_restarts"):
+            console().print(plain(f"attempt {live.get('attempt')}/{live['max_restarts'] + 1}: {live.get('state')}"
+                                  + (f" ({live['note']})" if live.get("note") else ""), "yellow" if (live.get("attempt") or 1) > 1 else ""))
+        for name, st in states.items():
+            if st.get("meaning"):
+                console().print(plain(f"{name}: exit code {st.get('exit_code')}: {st['meaning']}", "yellow"))
+            if st.get("straggler"):
+                console().print(plain(f"straggler {name}: {st['straggler']['why']} — see docs/perf.md", "bold yellow"))
+    if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
+        return ExitCode.UNREACHABLE
+    healthy = all(st.get("state") == "running" or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
+    recovering = bool(live) and live.get("state") in ("waiting", "starting", "running")
+    return ExitCode.OK if healthy or recovering else ExitCode.FAILED
+
+
+def print_stop(record, result: dict[str, dict], as_json: bool) -> int:
+    if as_json:
+        print_json({"run": record.run_id, "hosts": result})
+    else:
+        table = Table(title=plain(f"stop run {record.run_id}"))
+        for col in ("host", "killed", "remaining", "gpus held"):
+            table.add_column(col)
+        for name, r in result.items():
+            if "remaining" not in r:
+                table.add_row(plain(name), Text(r.get("state", "?"), style="magenta"), plain(r.get("error", "")), "")
+                continue
+            table.add_row(plain(name), ", ".join(map(str, r["killed"])) or "-", Text(", ".join(map(str, r["remaining"])) or "none", style="red" if r["remaining"] else "green"), ", ".join(map(str, r.get("gpus_held") or [])) or "-")
+        console().print(table)
+    if any("remaining" not in r for r in result.values()):
+        return ExitCode.UNREACHABLE
+    return ExitCode.FAILED if any(r["remaining"] for r in result.values()) else ExitCode.OK

@@ -1,0 +1,260 @@
+"""Training metrics from what a job already writes: its rank-0 output lines, a log file, trainer_state.json,
+TensorBoard event files. Pure parsers (text in, records out) plus the readers for files `invoke logs` collected.
+
+A record is `{"step": int | None, "loss": float | "nan" | "inf", …}` with the job's other numbers under their own
+names (`lr` for any learning rate). A step of None means the format does not say it (HF Trainer's console lines:
+their step is in trainer_state.json's log_history). A summary (HF's `{'train_runtime': …}`) is
+`{"event": "summary", …}`.
+
+Formats (research/user_scripts.md):
+  hf         `{'loss': 2.3145, 'grad_norm': 1.873, 'learning_rate': 4.9e-05, 'epoch': 0.01}` (Python dict repr)
+  torchtune  `Step 10 | loss:1.2345 lr:2e-05 tokens_per_second_per_gpu:123.4` (its log file); tqdm `1|10|Loss: 1.23`
+  sana       `… Epoch: 0 | Global Step: 50 | … lr:1.0e-04, Cap: …, s:(1024, 1024), loss:0.1234, grad_norm:0.5` (ANSI colours)
+  jsonl      one JSON object a line with a loss (mnft's recipes: format mnft)
+  regex      a user regex with named groups: loss required, step and any others optional
+  auto       jsonl, hf, torchtune, sana: the first that matches a line
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Iterable
+
+from mnft.core.errors import InputError
+
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|NaN|Inf|-inf)"
+TORCHTUNE_STEP = re.compile(r"^Step (\d+) \| (.*)$")
+TORCHTUNE_PAIR = re.compile(r"([A-Za-z_][\w/]*):(" + NUMBER + r")(?=\s|$)")
+TORCHTUNE_TQDM = re.compile(r"^(\d+)\|(\d+)\|Loss: (" + NUMBER + r")")
+SANA_STEP = re.compile(r"Global Step: (\d+)")
+SANA_VALUE = {key: re.compile(r"(?<![\w/])" + key + r":\s*(" + NUMBER + r")") for key in ("loss", "lr", "grad_norm")}
+SANA_EPOCH = re.compile(r"Epoch: (\d+)")
+LR_NAMES = ("learning_rate", "lr")
+HF_SUMMARY_KEYS = ("train_runtime", "train_loss")
+
+
+def number(value: Any) -> float | str | None:
+    """A finite float, "nan"/"inf"/"-inf" as text (JSON has no NaN), or None for what is not a number."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        value = float(value)
+    elif isinstance(value, str):
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    else:
+        return None
+    if math.isnan(value):
+        return "nan"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
+
+
+def record(step: Any, values: dict[str, Any]) -> dict[str, Any] | None:
+    """A step record from a format's raw values: numbers only, the learning rate as `lr`; None without a loss."""
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        n = number(value)
+        if n is not None:
+            out["lr" if key in LR_NAMES else key] = n
+    if "loss" not in out:
+        return None
+    try:
+        out["step"] = int(step) if step is not None else None
+    except (TypeError, ValueError):
+        out["step"] = None
+    return out
+
+
+def compile_regex(regex: Any, where: str) -> re.Pattern:
+    if not isinstance(regex, str) or not regex:
+        raise InputError(f"{where}: metrics.regex: give a regular expression with a named group 'loss', e.g. step (?P<step>\\d+) loss (?P<loss>\\S+)")
+    try:
+        pattern = re.compile(regex)
+    except re.error as exc:
+        raise InputError(f"{where}: metrics.regex {regex!r}: {exc}") from None
+    if "loss" not in pattern.groupindex:
+        raise InputError(f"{where}: metrics.regex {regex!r} needs a named group 'loss' ((?P<loss>…)); 'step' and others are optional")
+    return pattern
+
+
+# ------------------------------------------------------------------------------------------------ one line
+
+
+def hf_line(text: str) -> dict[str, Any] | None:
+    text = text.strip()
+    if not (text.startswith("{") and text.endswith("}")) or "'" not in text:
+        return None
+    try:
+        data = ast.literal_eval(text)
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        data = _hf_with_nan(text)
+    if not isinstance(data, dict):
+        return None
+    if any(k in data for k in HF_SUMMARY_KEYS) and "loss" not in data:
+        summary = {k: number(v) for k, v in data.items() if number(v) is not None}
+        return {"event": "summary", **summary}
+    return record(data.get("step"), {k: v for k, v in data.items() if k != "step"})
+
+
+def _hf_with_nan(text: str) -> Any:
+    """HF prints a NaN loss as `nan` (not a Python literal): read those values as floats."""
+    try:
+        return ast.literal_eval(re.sub(r"(?<=: )(-?(?:nan|inf))(?=[,}])", r"'\1'", text))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return None
+
+
+def torchtune_line(text: str) -> dict[str, Any] | None:
+    text = text.strip()
+    match = TORCHTUNE_STEP.match(text)
+    if match:
+        return record(match.group(1), dict(TORCHTUNE_PAIR.findall(match.group(2))))
+    match = TORCHTUNE_TQDM.match(text)
+    if match:
+        return record(match.group(2), {"epoch": match.group(1), "loss": match.group(3)})
+    return None
+
+
+def sana_line(text: str) -> dict[str, Any] | None:
+    text = ANSI.sub("", text)
+    step = SANA_STEP.search(text)
+    if not step:
+        return None
+    values = {}
+    for key, pattern in SANA_VALUE.items():
+        found = pattern.findall(text)
+        if found:
+            values[key] = found[-1]  # the caption comes before the numbers and may itself say "loss:"
+    epoch = SANA_EPOCH.search(text)
+    if epoch:
+        values["epoch"] = epoch.group(1)
+    return record(step.group(1), values)
+
+
+def json_line(text: str) -> dict[str, Any] | None:
+    text = text.strip()
+    if not text.startswith("{"):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    if data.get("event") == "summary":
+        return data
+    if "event" in data and "loss" not in data:
+        return None
+    return record(data.get("step", data.get("global_step")), {k: v for k, v in data.items() if k not in ("step", "global_step")})
+
+
+def regex_line(pattern: re.Pattern, text: str) -> dict[str, Any] | None:
+    match = pattern.search(ANSI.sub("", text))
+    if not match:
+        return None
+    groups = {k: v for k, v in match.groupdict().items() if v is not None}
+    return record(groups.pop("step", None), groups)
+
+
+def for_job_output(fmt: str, regex: str | None = None) -> "LineParser":
+    """The parser for a job's rank-0 output and metrics-file lines: its format, or any known one (auto) when its
+    metrics live in TensorBoard files (read at `logs` time)."""
+    return LineParser("auto" if fmt == "tensorboard" else fmt, regex)
+
+
+class LineParser:
+    """Parse one format's lines (or try each known format: auto)."""
+
+    def __init__(self, fmt: str = "auto", regex: str | None = None) -> None:
+        self.format = fmt
+        if fmt == "regex":
+            self.pattern = compile_regex(regex, "metrics")
+            self._one = lambda text: regex_line(self.pattern, text)
+        else:
+            self._one = {"hf": hf_line, "torchtune": torchtune_line, "sana": sana_line, "jsonl": json_line, "mnft": json_line,
+                         "auto": self._auto}.get(fmt, lambda text: None)
+
+    @staticmethod
+    def _auto(text: str) -> dict[str, Any] | None:
+        for parse in (json_line, hf_line, torchtune_line, sana_line):
+            found = parse(text)
+            if found is not None:
+                return found
+        return None
+
+    def __call__(self, text: str) -> dict[str, Any] | None:
+        # a progress bar rewrites its line with \r: each piece is a line of its own
+        for piece in reversed(text.split("\r")):
+            if piece.strip():
+                found = self._one(piece)
+                if found is not None:
+                    return found
+        return None
+
+    def lines(self, texts: Iterable[str]) -> list[dict[str, Any]]:
+        return [r for r in map(self, texts) if r is not None]
+
+
+# ------------------------------------------------------------------------------------------------ files
+
+
+def trainer_state(path: Path) -> list[dict[str, Any]]:
+    """HF Trainer's trainer_state.json: its log_history's training entries, each with its step."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for entry in data.get("log_history") or []:
+        if isinstance(entry, dict):
+            found = record(entry.get("step"), {k: v for k, v in entry.items() if k != "step"})
+            if found is not None:
+                out.append(found)
+    return out
+
+
+def tensorboard(directory: Path) -> list[dict[str, Any]]:
+    """Scalars from TensorBoard event files under a directory, read with the tensorboard package's reader.
+    The loss is the first tag that is `loss` or ends in `/loss` (train/loss, Loss/train_loss, …)."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+    except ImportError:
+        raise InputError("metrics format tensorboard needs the tensorboard package on this machine: pip install tensorboard") from None
+    by_step: dict[int, dict[str, Any]] = {}
+    runs = sorted({p.parent for p in directory.rglob("events.out.tfevents.*")})
+    for run in runs:
+        acc = EventAccumulator(str(run), size_guidance={SCALARS: 0})
+        acc.Reload()
+        tags = acc.Tags().get("scalars", [])
+        loss_tag = _loss_tag(tags)
+        for tag in tags:
+            name = tag.rsplit("/", 1)[-1].lower()
+            key = "loss" if name in ("loss", "train_loss") and tag == loss_tag else ("lr" if name in ("lr", "learning_rate") else tag)
+            for event in acc.Scalars(tag):
+                by_step.setdefault(int(event.step), {})[key] = event.value
+    return [r for r in (record(step, values) for step, values in sorted(by_step.items())) if r is not None]
+
+
+def _loss_tag(tags: list[str]) -> str | None:
+    for tag in tags:
+        if tag.lower() == "loss" or tag.lower().endswith("/loss"):
+            return tag
+    for tag in tags:
+        if tag.lower().endswith("train_loss"):
+            return tag
+    return None
+
+
+def steps_only(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Step records (no summaries), numbered where the format gave no step: 1, 2, … in order."""
+    steps = (r for r in records if "loss" in r and r.get("event") is None)
+    return [dict(r) if r.get("step") is not None else dict(r, step=None, index=index) for index, r in enumerate(steps, 1)]

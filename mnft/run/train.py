@@ -1,0 +1,770 @@
+"""`invoke train`: the launch sequence of a job (one of mnft's recipes or the lab's own script).
+
+check (refuse on a mismatch unless forced; the entry point must exist) -> sync -> on resume, the job's latest
+complete checkpoint made whole on every host -> a free rendezvous port on the master -> plan one torchrun per
+host (mnft.run.launch) -> start all in parallel under gang supervision (mnft.run.gang) -> collect logs (mnft.run.logs).
+The run record (runs/<id>/run.json) is written as it goes. What happens to a run afterwards (status, stop) is
+mnft.run.control.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from mnft.check.findings import CheckReport
+from mnft.check.gather import gather as gather_check
+from mnft.run import launch as launching
+from mnft.run import recover, records
+from mnft.check.findings import CheckOptions
+from mnft.run.control import exit_meaning, job_of
+from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.hosts.connection import Timeouts
+from mnft.hosts.fleet import Fleet, Status
+from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
+from mnft.hosts.inventory import Host, Inventory
+from mnft.run.job import Job, parse_overrides
+from mnft.run.launch import HostLaunch, LaunchOptions
+from mnft.run.recover import Policy
+from mnft.core.output import fmt_loss
+from mnft.run.scrape import for_job_output
+
+
+class RunFailed(MnftError):
+    exit_code = ExitCode.FAILED
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    launch: LaunchOptions
+    check: CheckOptions = CheckOptions()
+    force: bool = False
+    src: Path | None = None
+    sync: bool = True
+    dry_run: bool = False
+    resume_run: str | None = None
+    recovery: Policy = Policy()  # --max-restarts, --min-nodes (mnft.run.recover)
+
+
+# ------------------------------------------------------------------------------------------------ inventory snapshot
+
+
+def snapshot(inventory: Inventory) -> dict[str, Any]:
+    return {
+        "path": str(inventory.path) if inventory.path else None,
+        "format": inventory.format,
+        "master": inventory.master_name,
+        "known_hosts": str(inventory.known_hosts) if inventory.known_hosts else None,
+        "rendezvous_port": inventory.rendezvous_port,
+        "hosts": [h.settings() for h in inventory.hosts],
+    }
+
+
+def from_snapshot(data: dict[str, Any]) -> Inventory:
+    return Inventory(
+        Path(data["path"]) if data.get("path") else None,
+        data["format"],
+        tuple(Host(**h) for h in data["hosts"]),
+        data["master"],
+        Path(data["known_hosts"]) if data.get("known_hosts") else None,
+        data["rendezvous_port"],
+    )
+
+
+# ------------------------------------------------------------------------------------------------ port
+
+
+def chosen_port(report: CheckReport) -> int:
+    """The rendezvous port the check found free on the master (it searched past a taken one)."""
+    if not report.port_free:
+        raise RunFailed(f"no free rendezvous port on the master from {report.port}: {report.port_error}; stop what holds it (ss -ltnp) or set rendezvous_port")
+    return report.port
+
+
+# ------------------------------------------------------------------------------------------------ progress
+
+
+def progress_text(data: dict, elapsed: float | None = None) -> str:
+    """One line of a step record: what the job's metrics say (the step when the format gives it)."""
+    parts = [f"step {data['step']}"] if data.get("step") is not None else []
+    parts.append(f"loss {fmt_loss(data.get('loss'))}")
+    if isinstance(data.get("tokens_per_s"), (int, float)):
+        parts.append(f"{data['tokens_per_s']:.0f} tokens/s")
+    for key, fmt in (("lr", "{:.3g}"), ("grad_norm", "{:.3g}"), ("epoch", "{:.2f}")):
+        if isinstance(data.get(key), (int, float)):
+            parts.append(f"{key} " + fmt.format(data[key]))
+    if "skipped_steps" in data:
+        parts.append(f"skipped {data.get('skipped_steps', 0)}")
+    if elapsed is not None:
+        parts.append(f"{elapsed:.0f}s")
+    return "  ".join(parts)
+
+
+class Display:
+    """Live output: each line prefixed with host and rank; rank 0's metrics as a progress line.
+
+    On a terminal the progress line is a rich status line updated in place. Without one (CI, nohup, a pipe) a
+    plain `progress: …` line is printed for the first step, then every `every_steps` steps or `every_s` seconds,
+    whichever comes first, and for the last step. A job whose metrics are not found shows the time it has run
+    and its last line instead.
+    """
+
+    status = None  # a rich Status line, on a terminal
+
+    def __init__(self, console: Console, width: int, every_steps: int = 50, every_s: float = 30.0, clock=time.monotonic,
+                 on_stragglers=lambda found: None) -> None:
+        self.console = console
+        self.on_stragglers = on_stragglers  # the named stragglers changed (mnft.run.train.Live)
+        self.attempt = ""  # "attempt 2/4" after an automatic restart, shown with the progress
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+        self.width = width
+        self.last_metric: dict = {}
+        self.last_text = ""
+        self.every_steps, self.every_s, self.clock = every_steps, every_s, clock
+        self.started = clock()
+        self._printed_at: float | None = None
+        self._printed_step: int | None = None
+        self._ticked_at: float | None = None  # the last line printed without metrics
+        self._count = 0
+        from mnft.run.straggler import Watch
+
+        self.watch = Watch()
+        self._named: set[str] = set()
+
+    def line(self, host: str, rank: int | None, text: str) -> None:
+        label = f"{host} r{rank}" if rank is not None else f"{host}"
+        self.console.print(Text.assemble((f"{label:<{self.width}}| ", "dim"), text), highlight=False, soft_wrap=True)
+        if text.strip():
+            self.last_text = text.strip()[-120:]
+            if not self.last_metric and self.status is not None:
+                self.status.update(f"running {self.clock() - self.started:.0f}s, no metrics yet: {self.last_text}")
+
+    def metric(self, data: dict) -> None:
+        if data.get("event") == "summary":
+            if data.get("final_loss") is not None:
+                rate = f", {data['tokens_per_s']:.0f} tokens/s" if isinstance(data.get("tokens_per_s"), (int, float)) else ""
+                self.console.print(f"[bold]summary[/bold]: loss {fmt_loss(data.get('initial_loss'))} -> {fmt_loss(data.get('final_loss'))}"
+                                   f"{rate} over {data.get('steps')} steps")
+            return
+        if "loss" not in data:
+            return
+        self.last_metric = data
+        self._count += 1
+        step = data.get("step") if isinstance(data.get("step"), int) else self._count
+        self.first_step = step if self.first_step is None else self.first_step
+        self.last_step = step
+        if self.status is not None:
+            self.status.update(self._prefix() + progress_text(data) + self._straggler_suffix())
+        elif not self.console.is_terminal:
+            now, step = self.clock(), int(data["step"]) if data.get("step") is not None else self._count
+            due = (
+                self._printed_at is None
+                or step - (self._printed_step or 0) >= self.every_steps
+                or now - self._printed_at >= self.every_s
+                or (data.get("max_steps") is not None and step >= data["max_steps"])
+            )
+            if due:
+                self._printed_at, self._printed_step = now, step
+                self.console.print("progress: " + self._prefix() + progress_text(data), highlight=False, soft_wrap=True)
+
+    def _prefix(self) -> str:
+        return f"{self.attempt}  " if self.attempt else ""
+
+    def _straggler_suffix(self) -> str:
+        from mnft.run.straggler import text
+
+        return ("  | " + text(self.watch.current)) if self.watch.current else ""
+
+    def sample(self, host: str, sample: dict) -> None:
+        """A host's utilisation and its ranks' recent timings: name a straggler when it appears and when it is gone."""
+        self.watch.update(host, sample)
+        named = {s.host for s in self.watch.current}
+        for found in self.watch.current:
+            if found.host not in self._named:
+                self.console.print(Text(f"straggler {found.host}: {found.why}", style="bold yellow"), highlight=False, soft_wrap=True)
+        for host_name in self._named - named:
+            self.console.print(f"straggler {host_name}: back within the others' pace", highlight=False, soft_wrap=True)
+        if named != self._named:
+            self.on_stragglers(self.watch.current)
+        self._named = named
+        if self.status is not None and self.last_metric:
+            self.status.update(self._prefix() + progress_text(self.last_metric) + self._straggler_suffix())
+
+    def tick(self) -> None:
+        """Without metrics and without a terminal: the run's time and last line every `every_s` seconds."""
+        if self.last_metric or self.console.is_terminal:
+            return
+        now = self.clock()
+        if self._ticked_at is None:
+            self._ticked_at = now
+        elif now - self._ticked_at >= self.every_s:
+            self._ticked_at = now
+            self.console.print(f"progress: {self._prefix()}running {now - self.started:.0f}s, no metrics found; last line: {self.last_text}",
+                               highlight=False, soft_wrap=True)
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+def launched(data: dict) -> bool:
+    """A record of a run that was started on the hosts (not one refused by the check or stopped by sync)."""
+    return bool(data.get("launched", data.get("state") in ("running", "succeeded", "failed", "stopped", "resumable")))
+
+
+@dataclass(frozen=True)
+class Reuse:
+    run_id: str
+    hosts: str | None
+    job: Job
+    env: tuple[str, ...]
+    env_files: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+NOT_REUSED = frozenset({"overwrite", "resume"})  # they decide how a run starts, and a resume starts from its checkpoint
+
+
+def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, ...], env: tuple[str, ...],
+                   env_files: tuple[str, ...]) -> Reuse:
+    """--resume: the previous run's job, hosts file and env names, unless given again (explicit flags win; a
+    recipe's overrides merge by key). Pure: the previous run.json's data in, the values to use and what was
+    reused out."""
+    notes = []
+    if hosts is None and (previous.get("inventory") or {}).get("path"):
+        hosts = previous["inventory"]["path"]
+        notes.append(f"--hosts {hosts}")
+    job = job_of(previous)
+    if job.recipe:
+        explicit = {o.partition("=")[0] for o in parse_overrides(overrides)} | NOT_REUSED
+        kept = tuple(o for o in job.extra_args if o.partition("=")[0] not in explicit)
+        if kept:
+            notes.append("--set " + " --set ".join(kept))
+        dropped = [o for o in job.extra_args if o.partition("=")[0] in NOT_REUSED]
+        job = replace(job, extra_args=kept + tuple(overrides))
+    else:
+        if overrides:
+            raise InputError("--set is for mnft's recipes: a script's arguments are recorded with its run")
+        notes.append(f"the job {job.label}" + (" " + " ".join(job.extra_args) if job.extra_args else ""))
+    named = {e.partition("=")[0] for e in env}
+    kept_env = tuple(e for e in previous.get("env_specs") or () if e.partition("=")[0] not in named)
+    if kept_env:
+        notes.append("--env " + " --env ".join(kept_env))
+    kept_files = tuple(f for f in previous.get("env_files") or () if f not in env_files)
+    if kept_files:
+        notes.append("--env-file " + " --env-file ".join(kept_files))
+    if job.recipe and dropped:
+        notes.append("(not " + " ".join(dropped) + ": a resume continues from the latest checkpoint)")
+    return Reuse(previous["run_id"], hosts, job, kept_env + tuple(env), kept_files + tuple(env_files), tuple(notes))
+
+
+def previous_run(run_id: str | None) -> records.RunRecord:
+    """The run --resume continues: that one, or the latest that was started on the hosts."""
+    return records.load(run_id) if run_id else records.load(None, launched)
+
+
+# ------------------------------------------------------------------------------------------------ the entry point
+
+
+def entry_problem(job: Job, src: Path | None, synced: bool) -> tuple[str | None, str | None]:
+    """Is the job's script where it will be run? (bad input: the local tree lacks it, None: fine; and the path
+    each host must hold, for the check: an absolute script, or a relative one when nothing is synced)."""
+    script = job.script
+    if script is None:
+        return None, None
+    if script.startswith(("/", "~")):
+        return None, script
+    if not synced:
+        return None, script
+    from mnft.sync.source import default_source
+
+    root = src or default_source()
+    path = root / script
+    if not path.is_file():
+        return f"{script}: no such file in {root} (the tree mnft syncs; a relative script path is relative to it, run from your repository or pass --src)", None
+    return None, None
+
+
+def source_for(job: Job, src: Path | None) -> Path | None:
+    """The tree to sync: --src, else the git repository around the current directory (None: sync decides). A
+    recipe runs mnft's own code, so from a repository that lacks it, mnft's checkout is synced instead."""
+    if src is not None or not job.recipe:
+        return src
+    from mnft.sync.source import PROJECT_DIR, default_source
+
+    try:
+        top = default_source()
+    except InputError:
+        top = None
+    if top is not None and (top / "mnft" / "recipes").is_dir():
+        return top
+    if (PROJECT_DIR / "mnft" / "recipes").is_dir() and (PROJECT_DIR / "pyproject.toml").is_file():
+        return PROJECT_DIR
+    return top
+
+
+def pass_env_specs(job: Job, environ: dict[str, str], env_files: tuple[str, ...]) -> tuple[str, ...]:
+    """The job file's pass_env names as --env NAME specs; a name set nowhere is bad input."""
+    in_files: set[str] = set()
+    for path in env_files:
+        in_files |= set(launching.read_env_file(path))
+    missing = [n for n in job.pass_env if n not in environ and n not in in_files]
+    if missing:
+        raise InputError(f"{job.source or 'the job'}: pass_env {', '.join(missing)}: not set in this environment (export it, or give it with --env-file FILE)")
+    return tuple(n for n in job.pass_env if n in environ)
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+
+def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
+    timings: dict[str, float] = {}
+    t0 = time.monotonic()
+    lopts = options.launch
+    job = lopts.job
+    options = replace(options, src=source_for(job, options.src))
+    job_id = previous = None
+    if options.resume_run is not None or lopts.resume:
+        previous = previous_run(options.resume_run)
+        job_id = previous.data.get("job_id", previous.run_id)
+        lopts = replace(lopts, resume=True)
+    if job.recipe:
+        parse_overrides(job.extra_args)  # bad input fails before any host is touched
+    policy = options.recovery
+    check_recovery(policy, job, inventory, lopts)
+    environ = launching.environ()
+    env, secrets = launching.split_env(lopts.env + pass_env_specs(job, environ, lopts.env_files), environ, lopts.env_files)
+    missing, on_hosts = entry_problem(job, options.src, options.sync)
+    if missing:
+        raise InputError(missing)
+    run_id = launching.new_run_id()
+    job_id = job_id or run_id
+    record = None
+    if not options.dry_run:  # the record exists from the start: a refused or failed launch is recorded too
+        record = records.RunRecord.create(
+            run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
+            env_specs=list(lopts.env), env_files=list(lopts.env_files), rdzv=lopts.rdzv, resume=lopts.resume,
+            resumed_from=previous.run_id if previous else None, detach=lopts.detach, inventory=snapshot(inventory), hosts={},
+            timings=timings, state="checking", launched=False,
+            recovery={"max_restarts": policy.max_restarts, "min_nodes": policy.min_nodes,
+                      "spares": [h.name for h in inventory.spares]}, attempts=[],
+        )
+    with Fleet(inventory) as fleet:
+        check_options = replace(options.check, find_free_port=True, required_files=(on_hosts,) if on_hosts else ())
+        report = gather_check(fleet, check_options)
+        timings["check_s"] = round(time.monotonic() - t0, 3)
+        spares = usable_spares(inventory, report, console)
+        gang_names = tuple(h.name for h in inventory.gang().hosts)
+        refuse_bad_check(inventory.only(gang_names), report, options, record)
+        ifaces = {name: reach.iface for name, reach in report.reach.items()}
+        port = chosen_port(report)
+        run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory)
+        if options.dry_run:
+            return run.dry_run(inventory.gang(), report.master_addr, port)
+        assert record is not None
+        record.update(master_addr=report.master_addr, rendezvous_port=port, state="syncing" if options.sync else "starting")
+        code_hash = None
+        if options.sync:
+            t_sync = time.monotonic()
+            try:
+                code_hash = sync_code(inventory.only(gang_names + spares), options.src, fleet)
+            except Exception as exc:
+                timings["sync_s"] = round(time.monotonic() - t_sync, 3)
+                record.update(state="sync-failed", reason=str(exc), sync={"ok": False, "error": str(exc)}, timings=timings)
+                raise
+            timings["sync_s"] = round(time.monotonic() - t_sync, 3)
+        record.update(code_hash=code_hash, sync={"ok": True} if options.sync else None, timings=timings)
+    return run.supervise(gang_names, spares, report.master_addr, port)
+
+
+def check_recovery(policy: Policy, job: Job, inventory: Inventory, lopts: LaunchOptions) -> None:
+    """Bad recovery options are bad input, refused before any host is touched."""
+    for flag, value in (("--max-restarts", policy.max_restarts), ("--min-nodes", policy.min_nodes)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < (0 if flag == "--max-restarts" else 1)):
+            raise InputError(f"{flag} {value!r}: must be a whole number {'≥ 0' if flag == '--max-restarts' else '≥ 1'}")
+    training = len(inventory.gang().hosts)
+    if policy.min_nodes is not None:
+        if not job.elastic:
+            raise InputError(f"--min-nodes: {job.label} cannot run on fewer hosts (a job file's `elastic: true` says it can)")
+        if policy.min_nodes > training:
+            raise InputError(f"--min-nodes {policy.min_nodes}: the inventory has {training} training hosts")
+    if lopts.detach and (policy.max_restarts or inventory.spares):
+        raise InputError("--detach runs have no supervisor to restart them: drop --detach (run mnft under tmux or nohup) "
+                         "or --max-restarts" + (" and the spare hosts" if inventory.spares else ""))
+
+
+def usable_spares(inventory: Inventory, report: CheckReport, console: Console) -> tuple[str, ...]:
+    """The spares that passed the check: a spare that did not is left out (said once), it never refuses the run."""
+    out = []
+    for host in inventory.spares:
+        if report.status(host.name) == Status.OK.value:
+            out.append(host.name)
+        else:
+            why = "; ".join(f"{p.field}: {p.message}" for p in report.problems if p.host == host.name and p.severity == "error")
+            console.print(f"[yellow]spare {host.name} left out: {why or report.outcomes[host.name].error or report.status(host.name)}[/yellow]", highlight=False)
+    return tuple(out)
+
+
+def refuse_bad_check(gang: Inventory, report: CheckReport, options: TrainOptions, record: records.RunRecord | None) -> None:
+    bad = [h.name for h in gang.hosts if report.status(h.name) != Status.OK.value]
+    problems = [{"host": p.host, "field": p.field, "severity": p.severity, "message": p.message} for p in report.problems]
+    if record is not None:
+        record.update(facts=report.facts, check={"ok": not bad, "failed_hosts": bad, "problems": problems, "forced": bool(bad and options.force)})
+    if bad and not options.force:
+        from mnft.check.report import print_check
+
+        print_check(report, as_json=False)
+        details = "; ".join(
+            f"{p.host}: {p.field}: {p.message}" for p in report.problems if p.severity == "error" and p.host in bad
+        ) or "; ".join(f"{n}: {report.outcomes[n].error}" for n in bad if report.outcomes[n].error)
+        error = RunFailed(f"check failed on {', '.join(bad)} ({details}); fix it or pass --force")
+        error.exit_code = report.exit_code() or ExitCode.FAILED  # a host whose probe failed has no "problem" rows
+        if record is not None:
+            record.update(state="refused", reason=str(error))
+        raise error
+    if report.master_addr is None:
+        error = RunFailed(f"cannot tell the master's address: {next((p.message for p in report.problems if p.field == 'master_addr'), 'unknown')}")
+        if record is not None:
+            record.update(state="refused", reason=str(error))
+        raise error
+
+
+@dataclass
+class Run:
+    """One `invoke train`: its attempts, each a gang started, supervised and torn down; after a failed attempt,
+    recovery (mnft.run.recover) decides whether and on which hosts the next one starts."""
+
+    record: records.RunRecord | None
+    console: Console
+    lopts: LaunchOptions
+    options: TrainOptions
+    env: dict[str, str]
+    secrets: dict[str, str]
+    run_id: str
+    job_id: str
+    timings: dict[str, float]
+    t0: float
+    ifaces: dict[str, str | None]
+    policy: Policy
+    inventory: Inventory  # every host, spares included
+
+    def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
+        return launching.plan(
+            gang, master_addr=master_addr, port=port, run_id=self.run_id, job_id=self.job_id,
+            options=replace(self.lopts, resume=resume), ifaces=self.ifaces, env=self.env,
+            secret_names=tuple(sorted(self.secrets)), latest_checkpoint=latest, attempt=attempt,
+        )
+
+    def dry_run(self, gang: Inventory, master_addr: str, port: int) -> int:
+        job = self.lopts.job
+        for p in self.plan(gang, master_addr, port, 1, self.lopts.resume):
+            shown = p.display()
+            self.console.print(f"[bold]{p.host}[/bold] (node_rank {p.node_rank}, cwd {shown['cwd']})")
+            self.console.print("  env: " + " ".join(f"{k}={v}" for k, v in shown["env"].items()), highlight=False, soft_wrap=True)
+            self.console.print("  " + shown["command"], highlight=False, soft_wrap=True)
+        if self.lopts.resume and job.resume.layout not in ("none", "mnft"):
+            self.console.print(f"(on resume, mnft looks for the latest complete checkpoint ({job.resume.layout}) in {job.resume.checkpoints} "
+                               "and passes " + " ".join(job.resume.args) + " only when it finds one)", highlight=False, soft_wrap=True)
+        return ExitCode.OK
+
+    # -------------------------------------------------------------------------------------------- the attempts
+
+    def supervise(self, gang_names: tuple[str, ...], spares: tuple[str, ...], master_addr: str, port: int) -> int:
+        record, inventory = self.record, self.inventory
+        assert record is not None
+        history: list[recover.Attempt] = []
+        width = max(len(h.name) for h in inventory.hosts) + 4
+        live = Live(record.path, self.policy.max_restarts)
+        attempt, resume = 1, self.lopts.resume
+        try:
+            while True:
+                gang = inventory.gang(gang_names)
+                entry = {"number": attempt, "hosts": list(gang_names), "started": time.time(), "master_addr": master_addr, "port": port,
+                         "resumed": resume, "checkpoint": None, "resumed_step": None}
+                record.data["attempts"].append(entry)
+                record.update(attempt=attempt)
+                live.update(attempt=attempt, hosts=list(gang_names), state="starting")
+                with Fleet(gang) as fleet:
+                    label = attempt_label(attempt, self.policy, history) if self.policy.max_restarts else ""
+                    outcome = self.attempt(fleet, gang, master_addr, port, attempt, resume, entry, width, live, label)
+                    if outcome is None:  # detached: the hosts run on their own
+                        return ExitCode.OK
+                    result, display = outcome
+                    failed_run = result.hosts.get(result.failed_host) if result.failed_host else None
+                    entry.update(ended=time.time(), state="succeeded" if result.ok else "failed", steps=[display.first_step, display.last_step],
+                                 detected=failed_run.ended_at if failed_run is not None else None)
+                    if result.ok:
+                        live.update(state="succeeded")
+                        return finish(record, result, self.timings, self.t0, fleet, self.console)
+                    cause = recover.classify(self.seen(result, display))
+                    decision = recover.should_restart(self.policy, history, cause)
+                    entry.update(cause=cause.to_json(), decision=decision.why, counted=decision.counted if decision.restart else None)
+                    record.save()
+                    if not decision.restart:
+                        live.update(state="failed")
+                        note = attempts_note(record.data["attempts"], decision.why) if self.policy.max_restarts else None
+                        return finish(record, result, self.timings, self.t0, fleet, self.console, note)
+                    self.console.print(Text(f"attempt {attempt} failed: {cause.detail}; {decision.why}", style="bold yellow"), highlight=False, soft_wrap=True)
+                    t_logs = time.monotonic()
+                    self.keep_logs(record, fleet, attempt)
+                    entry["logs_s"] = round(time.monotonic() - t_logs, 3)
+                history.append(recover.Attempt(attempt, gang_names, cause, decision.counted))
+                wait = self.policy.backoff(sum(1 for a in history if a.counted))
+                live.update(state="waiting", note=f"attempt {attempt} failed: {cause.detail}")
+                lost = [n for n, h in result.hosts.items() if h.state == "lost"]
+                t_wait = time.monotonic()
+                back = self.wait_for(inventory, lost, wait)
+                entry["wait_s"] = round(time.monotonic() - t_wait, 3)
+                new = recover.next_gang(gang_names, lost, back, [s for s in spares if s not in lost], self.policy.min_nodes, self.lopts.job.elastic)
+                entry.update(next=new.why)
+                record.save()
+                if new.hosts is None:
+                    live.update(state="failed")
+                    reason = f"no gang for attempt {attempt + 1}: {new.why}"
+                    record.update(state="failed", reason=attempts_note(record.data["attempts"], reason))
+                    raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
+                self.console.print(f"{attempt_label(attempt + 1, self.policy, history)}: {new.why} (waited {wait:.0f}s)",
+                                   highlight=False, soft_wrap=True)
+                spares = tuple(s for s in spares if s not in new.replaced.values())
+                gang_names, attempt, resume = new.hosts, attempt + 1, True
+                master_addr, port = self.recheck(inventory.gang(gang_names), port, record)
+        finally:
+            live.close()
+
+    def attempt(self, fleet: Fleet, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, entry: dict,
+                width: int, live: "Live", label: str) -> tuple[GangResult, Display] | None:
+        record, console, job, timings = self.record, self.console, self.lopts.job, self.timings
+        plans = self.plan(gang, master_addr, port, attempt, resume)
+        if resume and job.resume.layout != "none":
+            from mnft.run import checkpoints
+
+            t_ckpt = time.monotonic()
+            try:
+                found = checkpoints.prepare(fleet, job.resume, {p.host: p.checkpoints for p in plans}, console,
+                                            checkpoints.RECIPE_NEEDS.get(job.recipe or "", "all"))
+            except MnftError as exc:
+                record.update(state="refused" if attempt == 1 else "failed", reason=str(exc))
+                raise
+            timings["checkpoint_s"] = entry["checkpoint_s"] = round(time.monotonic() - t_ckpt, 3)
+            record.update(checkpoint=found.to_record(), timings=timings)
+            entry.update(checkpoint=found.name, resumed_step=checkpoints.step_of(found.name))
+            before = record.data["attempts"][-2] if len(record.data["attempts"]) > 1 else None
+            if before is not None and (before.get("steps") or [None, None])[1] is not None:
+                # the steps the failed attempt trained past the checkpoint it leaves behind: done again now
+                before["steps_lost"] = max(0, before["steps"][1] - (entry["resumed_step"] or 0))
+            if job.resume.layout != "mnft":
+                plans = self.plan(gang, master_addr, port, attempt, resume, found.name)
+        record.update(state="starting", hosts={p.host: {"node_rank": p.node_rank, **p.display(), "output_dir": p.output_dir, "metrics": p.metrics,
+                                                        "collect": list(p.collect), "checkpoints": p.checkpoints} for p in plans})
+        title = f"run [bold]{self.run_id}[/bold]" + (f" attempt {attempt}" if attempt > 1 else "")
+        console.print(f"{title}: {job.label} on {len(plans)} hosts, world size {gang.world_size}, master {master_addr}:{port}")
+        display = Display(console, width, on_stragglers=lambda found: live.update(stragglers=[s.to_json() for s in found]))
+        display.attempt = label
+        fmt = job.metrics.format
+        gang_run = Gang(fleet, plans, launching.attempt_id(self.run_id, attempt), self.lopts, self.secrets, on_line=display.line,
+                        on_metric=display.metric, on_sample=display.sample, parse_metric=for_job_output(fmt, job.metrics.regex),
+                        metrics_from_output=fmt not in ("mnft", "none") and not any(p.metrics for p in plans))
+        t_launch = time.monotonic()
+        try:
+            gang_run.start()
+        except GangError as exc:
+            timings["launch_s"] = round(time.monotonic() - t_launch, 3)
+            for name, run in gang_run.runs.items():
+                record.data["hosts"][name].update(state=run.state, error=run.error or None, started=run.started_at,
+                                                  last_lines=[text for _, text in list(run.tail)[-8:]])
+            record.update(state="failed", launched=True, reason=str(exc), timings=timings)
+            raise
+        timings["launch_s"] = round(time.monotonic() - t_launch, 3)
+        for p in plans:
+            record.data["hosts"][p.host].update(state="running", started=gang_run.runs[p.host].started_at)
+        record.update(state="running", launched=True, timings=timings)
+        live.update(state="running")
+        if self.lopts.detach:
+            console.print(f"detached: follow with `invoke logs -f {self.run_id}`, stop with `invoke stop {self.run_id}`")
+            print(self.run_id)
+            return None
+        try:
+            with (console.status("waiting for the first step…") if console.is_terminal else nullcontext()) as display.status:
+                result = gang_run.wait(tick=lambda: (display.tick(), live.beat()))
+        except GangInterrupted as exc:
+            record.update(stragglers=display.watch.seen)
+            entry.update(ended=time.time(), state="interrupted", steps=[display.first_step, display.last_step])
+            try:
+                finish(record, exc.result, timings, self.t0, fleet, console)
+            except RunFailed:
+                pass
+            raise KeyboardInterrupt from None
+        record.update(stragglers={**record.data.get("stragglers", {}), **display.watch.seen})
+        if result.first_step_at is not None:
+            entry["first_step_s"] = round(result.first_step_at - entry["started"], 3)
+        return result, display
+
+    def seen(self, result: GangResult, display: Display) -> recover.Seen:
+        """What the supervisor saw of the failed attempt, for recover.classify."""
+        failed = result.hosts.get(result.failed_host) if result.failed_host else None
+        tail = [text for _, text in list(failed.tail)] if failed is not None else []
+        _, trace = failure_excerpt(list(failed.tail)) if failed is not None else (None, [])
+        loss = display.last_metric.get("loss") if display.last_metric else None
+        try:
+            loss = float(loss) if loss is not None else None
+        except (TypeError, ValueError):
+            loss = None
+        return recover.Seen(
+            failed_host=result.failed_host, host_state=failed.state if failed is not None else None,
+            exit_code=failed.exit_code if failed is not None else None, tail=tuple(tail), traceback=tuple(trace),
+            first_step=display.first_step is not None or result.first_step_at is not None,
+            last_step=display.last_step, last_loss=loss, resume_codes=self.lopts.job.resume.exit_codes,
+            oom=self.oom(result.failed_host, tail),
+        )
+
+    def oom(self, host: str | None, tail: list[str]) -> bool:
+        """Whether the host's kernel log (where this user may read it) says the OOM killer killed a worker."""
+        pids = recover.killed_pids(tail)
+        if host is None or not pids:
+            return False
+        from mnft.hosts.command import Command
+
+        with Fleet(self.inventory.only([host]), Timeouts(connect=5.0)) as fleet:
+            (result,) = list(fleet.run(lambda h: Command(("dmesg",)), timeout=10))
+        return result.ok and recover.oom_killed(result.stdout, pids)
+
+    def keep_logs(self, record: records.RunRecord, fleet: Fleet, attempt: int) -> None:
+        """A failed attempt's logs into runs/<id>/attempt-<k>/<host>/ before the next one starts."""
+        from mnft.run.logs import keep_attempt
+
+        try:
+            keep_attempt(record, fleet, attempt, self.console)
+        except Exception as exc:  # noqa: BLE001 - logs that cannot be brought back must not stop the recovery
+            self.console.print(f"[yellow]attempt {attempt}'s logs were not collected: {exc}[/yellow]", highlight=False)
+
+    def wait_for(self, inventory: Inventory, lost: list[str], backoff: float) -> set[str]:
+        """Wait the backoff; meanwhile (and for at most reuse_wait_s) ask each lost host whether it answers again."""
+        deadline = time.monotonic() + max(backoff, self.policy.reuse_wait_s if lost else 0.0)
+        earliest = time.monotonic() + backoff
+        back: set[str] = set()
+        while True:
+            pending = [n for n in lost if n not in back]
+            if pending:
+                with Fleet(inventory.only(pending), Timeouts(connect=5.0)) as probe:
+                    back |= {r.host for r in probe.connect_all() if r.ok}
+            now = time.monotonic()
+            if now >= earliest and (len(back) == len(lost) or now >= deadline):
+                return back
+            time.sleep(min(2.0, max(0.1, (earliest if now < earliest else deadline) - now)))
+
+    def recheck(self, gang: Inventory, port: int, record: records.RunRecord) -> tuple[str, int]:
+        """A quick re-check of the next gang (reachable, same stack, code, a free port on its master)."""
+        t = time.monotonic()
+        with Fleet(gang) as fleet:
+            report = gather_check(fleet, replace(self.options.check, port=port, find_free_port=True))
+        bad = [h.name for h in gang.hosts if report.status(h.name) != Status.OK.value]
+        record.data["attempts"][-1]["recheck_s"] = round(time.monotonic() - t, 3)
+        reason = None
+        if bad and not self.options.force:
+            details = "; ".join(f"{p.host}: {p.field}: {p.message}" for p in report.problems if p.severity == "error" and p.host in bad)
+            reason = f"the re-check before attempt {len(record.data['attempts']) + 1} failed on {', '.join(bad)}" + (f" ({details})" if details else "")
+        elif report.master_addr is None:
+            reason = f"cannot tell the new master's address before attempt {len(record.data['attempts']) + 1}"
+        if reason is not None:  # the record says why the run ended, not "running"
+            record.update(state="failed", reason=attempts_note(record.data["attempts"], reason))
+            raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
+        self.ifaces.update({name: reach.iface for name, reach in report.reach.items()})
+        return report.master_addr, chosen_port(report)
+
+
+def attempt_label(attempt: int, policy: Policy, history: list[recover.Attempt]) -> str:
+    """"attempt k/n": n is every attempt --max-restarts allows, plus the restarts that did not count (resume codes)."""
+    return f"attempt {attempt}/{policy.max_restarts + 1 + sum(1 for a in history if not a.counted)}"
+
+
+def attempts_note(attempts: list[dict], why: str) -> str:
+    """Each attempt's cause, then why there is no other: the one line a failed recovery ends with."""
+    causes = [f"attempt {a['number']}: {(a.get('cause') or {}).get('detail') or a.get('state', '?')}" for a in attempts if a.get("cause")]
+    if len(causes) <= 1:
+        return why
+    return "; ".join(causes) + f"; {why}"
+
+
+class Live:
+    """runs/<id>/live.json: what the attached supervisor knows now (attempt, its hosts, the stragglers it names),
+    for `invoke status` from another terminal. Rewritten on each change and every few seconds; gone when the
+    supervisor ends."""
+
+    EVERY = 5.0
+
+    def __init__(self, path: Path, max_restarts: int) -> None:
+        self.file = path / "live.json"
+        self.data: dict[str, Any] = {"pid": os.getpid(), "max_restarts": max_restarts, "stragglers": []}
+        self.written = 0.0
+
+    def update(self, **data: Any) -> None:
+        self.data.update(data)
+        self._write()
+
+    def beat(self) -> None:
+        if time.monotonic() - self.written >= self.EVERY:
+            self._write()
+
+    def _write(self) -> None:
+        self.data["updated"] = time.time()
+        tmp = self.file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data))
+        os.replace(tmp, self.file)
+        self.written = time.monotonic()
+
+    def close(self) -> None:
+        self.file.unlink(missing_ok=True)
+
+
+def sync_code(inventory: Inventory, src: Path | None, fleet: Fleet) -> str | None:
+    from mnft.sync import mirror
+
+    report = mirror.sync_code(inventory, src, fleet=fleet)  # None: the repository; configured excludes as `invoke sync`
+    if not report.ok:
+        raise RunFailed(f"sync failed: {report.summary()}")
+    return report.local_hash
+
+
+def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: float, fleet: Fleet, console: Console, note: str | None = None) -> int:
+    """The end of a run: the record's final state, logs collected, and the outcome said (note: after automatic
+    restarts, each attempt's cause and why there is no other attempt)."""
+    from mnft.run.logs import collect, summarize
+
+    if result.first_step_at is not None:
+        timings["first_step_s"] = round(result.first_step_at - record.data["created"], 3)
+    timings["total_s"] = round(time.monotonic() - t0, 3)
+    for name, run in result.hosts.items():
+        record.set_host(name, state=run.state, exit_code=run.exit_code, ended=run.ended_at, error=run.error or None,
+                        last_lines=[text for _, text in list(run.tail)[-8:]], leftover_pids=result.leftovers.get(name, []))
+    job = job_of(record.data)
+    failed = result.hosts.get(result.failed_host) if result.failed_host else None
+    meaning = exit_meaning(job, failed.exit_code) if failed is not None else None
+    rank, trace = failure_excerpt(list(failed.tail)) if failed is not None else (None, [])
+    reason = result.reason + (f": {meaning}" if meaning else "") + (f" (rank {rank}: {trace[-1]})" if trace and not meaning else "")
+    record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
+                  failed_rank=rank, traceback=trace or None, timings=timings)
+    try:
+        summarize(record, collect(record, fleet, console, quiet=True))
+    except Exception as exc:  # noqa: BLE001 - a failed collection must not hide the run's outcome
+        console.print(f"[yellow]log collection failed: {exc}[/yellow]")
+    if result.leftovers:
+        console.print(f"[bold red]processes of the run survived on: {result.leftovers}[/bold red]")
+    if result.ok:
+        console.print(f"[green]run {record.run_id} finished on every host[/green] ({timings['total_s']:.1f}s); logs in {record.path}")
+        return ExitCode.OK
+    shown = trace or ([text for _, text in list(failed.tail)[-8:]] if failed is not None else [])
+    label = f"{result.failed_host} r{rank}" if rank is not None else result.failed_host
+    lines = "\n".join(f"  {label}| {t}" for t in shown)
+    if note:
+        record.update(attempts_note=note)
+    console.print(Text.assemble((f"run {record.run_id} failed: {reason}", "bold red"), "; every host's run was stopped\n", lines))
+    raise RunFailed(f"run {record.run_id} failed: {reason}" + (f" [{note}]" if note else "")
+                    + f" (logs: {record.path})")

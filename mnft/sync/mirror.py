@@ -1,0 +1,522 @@
+"""`invoke sync`: the same code (and data) on every host, proven by a tree hash.
+
+Three layers, as everywhere in mnft:
+
+* read: the local tree (mnft.sync.source: which files, by git's rules and the configured excludes, and their hash) and
+  each host's copy (the stdlib `mnft.sync.treehash` script shipped through pyrun: real paths of the target and of the
+  home, every file's size and sha256);
+* plan (pure): per host, nothing to do / rsync with an exact argv (mnft.sync.rsync) / verify only (a shared filesystem
+  another host wrote) / refused (the target resolves to `/` or the home: mnft.sync.targets). Tested with data: trees
+  in, argv out;
+* apply: rsync on every host at once (bounded pool), progress per host, then each host hashes its copy again
+  and any difference fails that host, naming the files.
+
+The exclude rules go to rsync and to every host's hash alike, so files that exist only on a host and match
+them (checkpoints, logs) are neither deleted by --delete nor counted as drift. Printing is mnft.sync.report's.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+from mnft.hosts import pyrun
+from mnft.sync import treehash
+from mnft.hosts.command import Command
+from mnft.hosts.connection import Timeouts
+from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.hosts.fleet import Fleet, HostResult, Status
+from mnft.hosts.inventory import Host, Inventory
+from mnft.sync.rsync import SSH_CONNECT_TIMEOUT, RsyncOutcome, SshSettings, classify, rsync_argv, rules_file_bytes, run_rsync, supports_mkpath
+from mnft.sync.source import LocalTree, code_source, read_local
+from mnft.sync.targets import normalize_target, preflight, remote_refusal, source_problem
+
+HASH_TIMEOUT = 1800.0  # a first hash of a large data set reads every byte
+SHOWN_DIFFERENCES = 20
+
+
+class SyncStatus:
+    OK = "ok"  # already identical: nothing sent
+    CHANGED = "changed"  # synced and verified identical
+    WOULD_CHANGE = "would-change"  # --dry-run: differs, nothing sent
+    REFUSED = "refused"  # the target is dangerous on that host (resolves to /, the home, ...): bad input, nothing touched
+    FAILED = "failed"
+    UNREACHABLE = Status.UNREACHABLE.value
+    HOST_KEY_REJECTED = Status.HOST_KEY_REJECTED.value
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+
+@dataclass(frozen=True)
+class RemoteTree:
+    """A host's copy as its treehash probe saw it."""
+
+    root: str  # real path
+    home: str  # real path of the home
+    exists: bool
+    digest: str | None
+    files: dict[str, tuple[int, str]]
+    errors: dict[str, str] = field(default_factory=dict)
+    refused: str | None = None  # the probe's refusal, judged before it walked anything
+    rsync: str | None = ""  # the host's rsync version; None: not installed; "": not reported
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
+        files = {rel: (int(v[0]), str(v[1])) for rel, v in (data.get("files") or {}).items()}
+        return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
+                   dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""))
+
+
+@dataclass(frozen=True)
+class Difference:
+    send: tuple[str, ...]  # missing on the host or different content
+    delete: tuple[str, ...]  # on the host only
+
+    @property
+    def empty(self) -> bool:
+        return not self.send and not self.delete
+
+    def describe(self, limit: int = SHOWN_DIFFERENCES) -> list[str]:
+        lines = [f"differs: {p}" for p in self.send] + [f"extra: {p}" for p in self.delete]
+        return lines[:limit] + ([f"… {len(lines) - limit} more"] if len(lines) > limit else [])
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    host: str
+    action: str  # "none" | "rsync" | "verify" | "refuse" | "fail" (cannot sync: no rsync) | "skip" (unreachable)
+    target: str
+    argv: tuple[str, ...] = ()
+    difference: Difference | None = None
+    bytes_to_send: int = 0
+    reason: str = ""
+
+
+@dataclass
+class HostSync:
+    host: str
+    status: str
+    target: str
+    bytes_sent: int = 0
+    files_changed: int = 0
+    files_deleted: int = 0
+    remote_hash: str | None = None
+    differing: list[str] = field(default_factory=list)
+    would_send: list[str] = field(default_factory=list)
+    would_delete: list[str] = field(default_factory=list)
+    error: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status in (SyncStatus.OK, SyncStatus.CHANGED, SyncStatus.WOULD_CHANGE)
+
+
+@dataclass
+class SyncReport:
+    kind: str  # "code" | "data"
+    src: Path
+    local_hash: str
+    local_files: int
+    local_bytes: int
+    hosts: dict[str, HostSync]
+    dry_run: bool = False
+    ignore_source: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(h.ok for h in self.hosts.values())
+
+    def exit_code(self) -> ExitCode:
+        statuses = {h.status for h in self.hosts.values()}
+        if statuses & {SyncStatus.UNREACHABLE, SyncStatus.HOST_KEY_REJECTED}:
+            return ExitCode.UNREACHABLE
+        if SyncStatus.REFUSED in statuses:  # a bad target is bad input, wherever it was found
+            return ExitCode.BAD_INPUT
+        if SyncStatus.FAILED in statuses:
+            return ExitCode.FAILED
+        return ExitCode.OK
+
+    def summary(self) -> str:
+        bad = [h for h in self.hosts.values() if not h.ok]
+        if not bad:
+            return f"{len(self.hosts)} hosts hold {self.local_hash[:12]}"
+        return "; ".join(f"{h.host}: {h.status}: {h.error or ', '.join(h.differing[:3])}" for h in bad)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "src": str(self.src),
+            "local_hash": self.local_hash,
+            "local_files": self.local_files,
+            "local_bytes": self.local_bytes,
+            "dry_run": self.dry_run,
+            "ignore_source": self.ignore_source,
+            "seconds": self.seconds,
+            "exit_code": int(self.exit_code()),
+            "hosts": {name: {**asdict(h), "hash_match": h.remote_hash == self.local_hash if h.remote_hash else None} for name, h in self.hosts.items()},
+        }
+
+
+# ------------------------------------------------------------------------------------------------ read: remote
+
+
+def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None) -> Command:
+    """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap;
+    expect the local digest (a host whose copy differs also reports its rsync version)."""
+    args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
+        + (["--if-exists"] if if_exists else [])
+    return pyrun.command(host, *args)
+
+
+def hash_stdin(rules: Sequence[str]) -> bytes:
+    return pyrun.payload(treehash.source()) + (json.dumps(list(rules)) + "\n").encode()
+
+
+def parse_hash(result: HostResult) -> RemoteTree | None:
+    if not result.ok:
+        return None
+    try:
+        data = json.loads(result.stdout.strip().splitlines()[-1])
+        return RemoteTree.from_json(data)
+    except (ValueError, IndexError, TypeError, KeyError, AttributeError):
+        result.status = Status.FAILED
+        result.error = "the tree hash printed no JSON: " + (result.tail(1) or "no output")
+        return None
+
+
+def other_dir(host: Host, target: str) -> str:
+    """The host's other mnft directory: the data_dir for its workdir, the workdir for its data_dir."""
+    return host.data_dir if target == host.workdir else host.workdir
+
+
+def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
+                timeout: float = HASH_TIMEOUT, expect: str | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+    stdin = hash_stdin(rules)
+
+    def one(host: Host) -> HostResult:
+        target = targets[host.name]
+        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect)
+        return fleet.run_one(host, command, stdin=stdin, timeout=timeout)
+
+    results = fleet.map(one, hosts)
+    return {r.host: (r, parse_hash(r)) for r in results}
+
+
+# ------------------------------------------------------------------------------------------------ plan (pure)
+
+
+def difference(local: Mapping[str, tuple[int, str]], remote: Mapping[str, tuple[int, str]]) -> Difference:
+    send = tuple(sorted(p for p, v in local.items() if tuple(remote.get(p) or ()) != tuple(v)))
+    delete = tuple(sorted(p for p in remote if p not in local))
+    return Difference(send, delete)
+
+
+def plan(
+    inventory: Inventory,
+    local: LocalTree,
+    remote: Mapping[str, tuple[HostResult, RemoteTree | None]],
+    *,
+    kind: str,
+    rules_file: str,
+    ssh: SshSettings,
+    delete: bool = True,
+) -> list[HostPlan]:
+    """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) in; actions out.
+
+    For data, hosts with shared_fs see one copy: a shared host that already holds it, else the first readable
+    shared host with rsync writes it; the others only verify they see it.
+    """
+    plans = []
+    shared_writer: str | None = None
+    if kind == "data":
+        shared = [(h.name, remote.get(h.name, (None, None))[1]) for h in inventory.hosts if h.shared_fs]
+        readable = [(name, tree) for name, tree in shared if tree is not None and not remote_refusal(tree.root, tree.home, tree.refused)]
+        holder = next((name for name, t in readable if t.exists and t.digest == local.digest and not t.errors), None)
+        shared_writer = holder or next((name for name, t in readable if t.rsync is not None), None)
+    for host in inventory.hosts:
+        target = host.workdir if kind == "code" else host.data_dir
+        result, tree = remote.get(host.name, (None, None))
+        if tree is None:
+            plans.append(HostPlan(host.name, "skip", target, reason=(result.error if result is not None else "not read")))
+            continue
+        refusal = remote_refusal(tree.root, tree.home, tree.refused)
+        if refusal:
+            plans.append(HostPlan(host.name, "refuse", target, reason=f"refused on {host.name}: {refusal}"))
+            continue
+        missing_rsync = f"rsync is not installed on {host.name} (install it, e.g. `apt-get install rsync`)" if tree.rsync is None else ""
+        if tree.exists and tree.digest == local.digest and not tree.errors:  # (the probe may omit its file list then)
+            plans.append(HostPlan(host.name, "none", target, difference=Difference((), ()), reason="identical"))
+            continue
+        diff = difference(local.files, tree.files if tree.exists else {})
+        sending = sum(local.files[p][0] for p in diff.send)
+        if kind == "data" and host.shared_fs and shared_writer not in (None, host.name):
+            plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem: the copy of {shared_writer}"))
+            continue
+        # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
+        # with the same size, a touched-back mtime could fool that check: compare contents instead.
+        same_size = any(p in tree.files and tree.files[p][0] == local.files[p][0] for p in diff.send)
+        if missing_rsync:
+            plans.append(HostPlan(host.name, "fail", target, difference=diff, bytes_to_send=sending, reason=missing_rsync))
+            continue
+        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete, checksum=same_size, mkpath=supports_mkpath(tree.rsync))
+        plans.append(HostPlan(host.name, "rsync", target, argv, diff, sending))
+    return plans
+
+
+# ------------------------------------------------------------------------------------------------ apply
+
+
+class _Progress:
+    """Per-host progress (files and bytes), on stderr (or the rich Console given as `enabled`), or nothing."""
+
+    def __init__(self, enabled: Any, plans: Sequence[HostPlan]) -> None:
+        self.enabled = bool(enabled) and any(p.action == "rsync" for p in plans)
+        self.tasks: dict[str, Any] = {}
+        if not self.enabled:
+            return
+        from rich.console import Console
+        from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self.progress = Progress(
+            TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[files]}"), TimeElapsedColumn(),
+            console=enabled if isinstance(enabled, Console) else Console(stderr=True), transient=False,
+        )
+        width = max(len(p.host) for p in plans)
+        for p in plans:
+            if p.action == "rsync":
+                total_files = len(p.difference.send) if p.difference else 0
+                total = max(p.bytes_to_send, 1)
+                self.tasks[p.host] = [self.progress.add_task(p.host.ljust(width), total=total, files=f"0/{total_files} files"), 0, total_files, total]
+
+    def __enter__(self) -> "_Progress":
+        if self.enabled:
+            self.progress.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            self.progress.stop()
+
+    def item(self, host: str) -> Callable[[int, bool], None] | None:
+        if not self.enabled:
+            return None
+        lock = threading.Lock()
+
+        def on_item(size: int, deleted: bool) -> None:
+            with lock:
+                entry = self.tasks[host]
+                if not deleted:
+                    entry[1] += 1
+                self.progress.update(entry[0], advance=size, files=f"{entry[1]}/{entry[2]} files")
+
+        return on_item
+
+    def done(self, host: str, ok: bool) -> None:
+        if self.enabled and ok:  # rsync sends deltas: a finished host shows its bar full
+            entry = self.tasks[host]
+            self.progress.update(entry[0], completed=entry[3])
+
+
+def apply(plans: Sequence[HostPlan], rules: Sequence[str], rules_file: str, *, progress: bool = True, workers: int = 16,
+          timeout: float = 3600.0) -> dict[str, tuple[RsyncOutcome, float]]:
+    """Run every planned rsync, at most `workers` at once; one outcome per host."""
+    todo = [p for p in plans if p.action == "rsync"]
+    if not todo:
+        return {}
+    Path(rules_file).write_bytes(rules_file_bytes(rules))
+    outcomes: dict[str, tuple[RsyncOutcome, float]] = {}
+    with _Progress(progress, plans) as bar, ThreadPoolExecutor(max_workers=max(1, min(workers, len(todo))), thread_name_prefix="mnft-rsync") as pool:
+        def one(p: HostPlan) -> None:
+            started = time.monotonic()
+            outcome = run_rsync(p.argv, bar.item(p.host), timeout)
+            outcomes[p.host] = (outcome, round(time.monotonic() - started, 3))
+            bar.done(p.host, outcome.exit_code == 0)
+
+        for future in [pool.submit(one, p) for p in todo]:
+            future.result()
+    return outcomes
+
+
+# ------------------------------------------------------------------------------------------------ the whole sync
+
+
+def sync_tree(
+    inventory: Inventory,
+    src: Path | None,
+    *,
+    kind: str = "code",
+    fleet: Fleet | None = None,
+    progress: bool = True,
+    delete: bool = True,
+    dry_run: bool = False,
+    extra_excludes: Iterable[str] = (),
+    workers: int = 16,
+    timeout: float = 3600.0,
+    config: Mapping[str, Any] | None = None,
+) -> SyncReport:
+    """read -> plan -> apply -> verify for the code (workdir) or a data set (data_dir).
+
+    src None: the default source (see default_source); the exclude patterns are the configured ones
+    (configured_excludes, from `config` or Invoke's files) plus extra_excludes.
+    """
+    started = time.monotonic()
+    if kind == "data" and src is None:
+        raise InputError("sync --data needs the data directory")
+    source = code_source(src, extra_excludes, config=config)
+    src = source.root
+    preflight(inventory, src, kind)
+    local = read_local(src, source.excludes, kind=kind)
+    own_fleet = fleet is None
+    fleet = fleet or Fleet(inventory, Timeouts(connect=SSH_CONNECT_TIMEOUT, command=HASH_TIMEOUT))
+    targets = {h.name: (h.workdir if kind == "code" else h.data_dir) for h in inventory.hosts}
+    try:
+        with tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
+            rules_file = str(Path(tmp) / "excludes")
+            before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest)
+            plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete)
+            if dry_run:
+                hosts = {p.host: _dry_result(p, before, local, delete) for p in plans}
+            else:
+                outcomes = apply(plans, local.rules, rules_file, progress=progress, workers=workers, timeout=timeout)
+                again = [h for h in inventory.hosts if any(p.host == h.name and p.action in ("rsync", "verify") for p in plans)]
+                after = read_remote(fleet, again, targets, local.rules) if again else {}
+                hosts = {p.host: _result(p, before, outcomes.get(p.host), after.get(p.host), local, delete) for p in plans}
+    finally:
+        if own_fleet:
+            fleet.close()
+    return SyncReport(kind, local.root, local.digest, len(local.files), local.total_bytes, hosts, dry_run, local.ignore_source,
+                      round(time.monotonic() - started, 3))
+
+
+def _unread(p: HostPlan, read: tuple[HostResult, RemoteTree | None] | None) -> HostSync:
+    result = read[0] if read else None
+    status = result.status.value if result is not None else SyncStatus.FAILED
+    error = (result.error if result is not None else "") or "cannot read the host's tree"
+    if status == Status.OK.value:
+        status = SyncStatus.FAILED
+    return HostSync(p.host, status, p.target, error=error, seconds=result.seconds if result else 0.0)
+
+
+def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> HostSync:
+    if p.action == "skip":
+        return _unread(p, before.get(p.host))
+    tree = before[p.host][1]
+    if p.action == "refuse":
+        return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
+    if p.action == "fail":
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+    diff = p.difference or Difference((), ())
+    if not delete:  # --no-delete: files only on the host stay, so they are not listed as deletions
+        diff = Difference(diff.send, ())
+    if p.action == "verify":  # nothing is ever sent to it: it is checked after the shared copy is written
+        status = SyncStatus.OK if diff.empty else SyncStatus.WOULD_CHANGE
+        return HostSync(p.host, status, p.target, remote_hash=tree.digest, error="" if diff.empty else p.reason + ": verified after the sync")
+    status = SyncStatus.OK if p.action == "none" or diff.empty else SyncStatus.WOULD_CHANGE
+    return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
+                    bytes_sent=p.bytes_to_send, error=p.reason if p.action == "verify" else "")
+
+
+def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, after, local: LocalTree, delete: bool) -> HostSync:
+    if p.action == "skip":
+        return _unread(p, before.get(p.host))
+    tree = before[p.host][1]
+    if p.action == "refuse":
+        return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
+    if p.action == "fail":
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+    if p.action == "none":
+        return HostSync(p.host, SyncStatus.OK, p.target, remote_hash=tree.digest)
+    sync = HostSync(p.host, SyncStatus.CHANGED, p.target)
+    if outcome is not None:
+        ran, seconds = outcome
+        sync.bytes_sent, sync.files_changed, sync.files_deleted, sync.seconds = ran.bytes_sent, ran.files_changed, ran.files_deleted, seconds
+        status, error = classify(ran.exit_code, ran.stderr)
+        if status is not Status.OK:
+            sync.status, sync.error = status.value, error
+            return sync
+    if after is None or after[1] is None:
+        result = after[0] if after else None
+        sync.status = result.status.value if result is not None and result.status is not Status.OK else SyncStatus.FAILED
+        sync.error = "verification failed: " + ((result.error if result is not None else "") or "cannot read the host's tree")
+        return sync
+    tree = after[1]
+    sync.remote_hash = tree.digest if tree.exists else None
+    if p.action == "verify":
+        sync.status = SyncStatus.OK
+    diff = difference(local.files, tree.files if tree.exists else {})
+    if not delete:
+        diff = Difference(diff.send, ())
+    if tree.errors or not diff.empty:
+        sync.status = SyncStatus.FAILED
+        sync.differing = diff.describe(10**6) + [f"unreadable: {rel}: {e}" for rel, e in sorted(tree.errors.items())]
+        what = f"host {p.host} does not see the shared data at {p.target} ({p.reason[len('shared filesystem: '):]}): is the shared filesystem mounted?" \
+            if p.action == "verify" else "differs after the sync"
+        sync.error = f"{what}: {len(diff.send) + len(diff.delete) + len(tree.errors)} file(s): " + ", ".join(sync.differing[:3])
+    return sync
+
+
+def sync_code(inventory: Inventory, src: Path | None = None, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, config: Mapping[str, Any] | None = None) -> SyncReport:
+    """Copy the project tree at src (None: the repository, see default_source) into every host's workdir and
+    prove each copy is identical (tree hash). Configured excludes (Invoke's sync.exclude) always apply.
+
+    The launcher calls this before training; `report.ok` says whether every host holds `report.local_hash`.
+    """
+    return sync_tree(inventory, src, kind="code", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
+                     extra_excludes=extra_excludes, workers=workers, config=config)
+
+
+def sync_data(inventory: Inventory, path: Path, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, timeout: float = 3600.0,
+              config: Mapping[str, Any] | None = None) -> SyncReport:
+    """Copy a data directory into every host's data_dir; shared_fs hosts get one copy and verify they see it.
+
+    timeout: seconds each host's rsync may take in all (a large data set may need more than the default hour).
+    """
+    return sync_tree(inventory, path, kind="data", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
+                     extra_excludes=extra_excludes, workers=workers, timeout=timeout, config=config)
+
+
+# ------------------------------------------------------------------------------------------------ check
+
+
+def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *, extra_excludes: Iterable[str] = (),
+                config: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """For `invoke check`: each host's code hash when its workdir exists, and whether it matches the tree
+    `invoke sync` would copy (the same source and rules: code_source)."""
+    try:
+        source = code_source(src, extra_excludes, config=config)
+        why = source_problem(source.root)
+        if why:
+            raise InputError(why)
+        local = read_local(source.root, source.excludes)
+    except MnftError as exc:
+        return {h.name: {"hash": None, "exists": None, "matches": None, "error": str(exc)} for h in hosts}
+    read = read_remote(fleet, hosts, {h.name: h.workdir for h in hosts}, local.rules, if_exists=True)
+    out: dict[str, dict[str, Any]] = {}
+    for name, (result, tree) in read.items():
+        if tree is None:
+            out[name] = {"hash": None, "exists": None, "matches": None, "error": result.error or "cannot read the workdir"}
+            continue
+        refusal = remote_refusal(tree.root, tree.home, tree.refused)
+        if refusal:
+            out[name] = {"hash": None, "exists": None, "matches": None, "error": f"workdir refused: {refusal}"}
+            continue
+        diff = difference(local.files, tree.files) if tree.exists else None
+        out[name] = {
+            "hash": tree.digest,
+            "exists": tree.exists,
+            "matches": (tree.digest == local.digest) if tree.exists else None,
+            "local_hash": local.digest,
+            "differing": diff.describe() if diff and not diff.empty else [],
+        }
+    return out

@@ -1,0 +1,440 @@
+#!/usr/bin/env python3
+"""mnft tree hash: the identity of a directory tree (paths, sizes, sha256 of contents), here or on a host.
+
+The controller imports this module to hash its own tree and ships this file's source (see `source()`) to each
+host's Python (mnft.hosts.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
+as `python3 mnft/sync/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists]` with the exclude rules as one JSON line on stdin.
+
+Exclude rules are a subset of rsync's filter patterns, so the rules given to rsync and the ones the hash applies
+are the same strings with the same meaning:
+  * `name`          matches the last component of a path anywhere (`__pycache__`, `*.pyc`);
+  * `a/b`, `**`     a pattern with a slash (or `**`) matches the end of the path at a component boundary;
+  * `/a/b`          a leading slash anchors the pattern at the tree's root;
+  * `dir/`          a trailing slash matches directories only; an excluded directory is not descended into;
+  * wildcards `*` (not across `/`), `**` (across `/`), `?`, `[...]`; when a pattern has a wildcard, a
+    backslash makes the next character literal (rsync's rule), otherwise the pattern is literal text.
+
+  * `+ PATTERN`     an include: rules are tried in order and the first that matches decides (rsync's order).
+
+Before walking anything the probe refuses a target whose real path is /, the home or above it, inside ~/.ssh,
+a system directory (or above one, or inside /etc, /usr, ...), or overlapping the host's other mnft directory
+(`--other`): `refused` says why, and nothing is read.
+
+Output (one JSON object on stdout): root and home (real paths), whether the root exists, `refused`, the host's
+rsync version when the tree differs from `--expect` (`rsync`: null when there is none, so the controller can
+say so instead of a broken pipe; "" when not asked), files
+{relpath: [size, sha256]}, the digest, and per-path errors.
+
+Hashing is cached per root (size, mtime_ns, ctime_ns, inode -> sha256) in a file outside the tree, so a re-hash
+of an unchanged tree reads no file contents. A write through any tool changes ctime, so the cache cannot hide a
+modification short of a clock reset.
+
+Constraints, because this runs on hosts mnft does not control: Python >= 3.8 and the standard library only;
+never raises on a bad file (the error is recorded for that path); exit status 0, 2 for a bad command line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import stat
+import sys
+import tempfile
+
+CHUNK = 1 << 20
+CACHE_VERSION = 1
+WILDCARDS = "*?["
+
+
+def source() -> str:
+    """This file's source text, for the controller to ship to a host."""
+    with open(__file__, encoding="utf-8") as f:
+        return f.read()
+
+
+# ------------------------------------------------------------------------------------------------ rules
+
+
+def bracket_end(text: str, i: int) -> int | None:
+    """The index of the `]` closing the class that opens at text[i] (`[!...]`, `[^...]`, `[]...]` as git and
+    rsync read them), or None when it is never closed (then the `[` is a literal)."""
+    j, n = i + 1, len(text)
+    if j < n and text[j] in "!^":
+        j += 1
+    if j < n and text[j] == "]":
+        j += 1
+    while j < n and text[j] != "]":
+        j += 1
+    return j if j < n else None
+
+
+def _glob_regex(pattern: str) -> str:
+    """rsync wildmatch subset -> regex (`*` stays inside a component, `**` crosses `/`)."""
+    if not any(c in pattern for c in WILDCARDS):
+        return re.escape(pattern)
+    out, i, n = [], 0, len(pattern)
+    while i < n:
+        c = pattern[i]
+        if c == "\\" and i + 1 < n:
+            out.append(re.escape(pattern[i + 1]))
+            i += 2
+            continue
+        if c == "*":
+            if pattern.startswith("**", i):
+                out.append(".*")
+                i += 2
+            else:
+                out.append("[^/]*")
+                i += 1
+            continue
+        if c == "?":
+            out.append("[^/]")
+            i += 1
+            continue
+        if c == "[":
+            j = bracket_end(pattern, i)
+            if j is None:  # no closing bracket: a literal "["
+                out.append(re.escape(c))
+                i += 1
+                continue
+            body = pattern[i + 1 : j]
+            negate = body[:1] in ("!", "^")
+            if negate:
+                body = body[1:]
+            body = "".join("\\" + ch if ch in "[\\&~|" else ch for ch in body)  # literal inside the class
+            out.append("[" + ("^" if negate else "") + body + "]")
+            i = j + 1
+            continue
+        out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+class Rules:
+    """Compiled filter rules; `excluded(relpath, is_dir)` says whether rsync would leave the path out.
+
+    A rule is an exclude pattern, or `+ PATTERN` for an include; the first rule that matches decides (rsync's
+    order), and a path no rule matches is included.
+    """
+
+    def __init__(self, patterns) -> None:
+        self.patterns = list(patterns)
+        compiled = []
+        for pattern in self.patterns:
+            include = pattern.startswith("+ ")
+            if include:
+                pattern = pattern[2:]
+            if not pattern or pattern in ("/", "//"):
+                continue
+            dir_only = pattern.endswith("/")
+            body = pattern.rstrip("/") if dir_only else pattern
+            anchored = body.startswith("/")
+            if anchored:
+                body = body.lstrip("/")
+            prefix = "^" if anchored else "(?:^|.*/)"
+            compiled.append((prefix + _glob_regex(body) + "$", dir_only, include))
+        # consecutive rules of the same kind (include or exclude) are one alternation: their order among
+        # themselves cannot change the outcome, and one regex per group keeps a walk fast with many rules
+        self._groups = []
+        for regex, dir_only, include in compiled:
+            if not self._groups or self._groups[-1][0] != include:
+                self._groups.append((include, [], []))
+            self._groups[-1][2 if dir_only else 1].append(regex)
+        self._groups = [
+            (include, re.compile("|".join("(?:%s)" % r for r in any_kind), re.DOTALL) if any_kind else None,
+             re.compile("|".join("(?:%s)" % r for r in dirs), re.DOTALL) if dirs else None)
+            for include, any_kind, dirs in self._groups
+        ]
+
+    def excluded(self, relpath: str, is_dir: bool) -> bool:
+        for include, any_kind, dirs in self._groups:
+            if (any_kind is not None and any_kind.match(relpath)) or (is_dir and dirs is not None and dirs.match(relpath)):
+                return not include
+        return False
+
+
+def escape_literal(relpath: str) -> str:
+    """An rsync filter pattern that matches exactly this path (anchored at the tree's root)."""
+    if any(c in relpath for c in WILDCARDS):
+        relpath = re.sub(r"([\\*?\[])", r"\\\1", relpath)
+    return "/" + relpath
+
+
+# ------------------------------------------------------------------------------------------------ hashing
+
+
+def sha256_file(path) -> str:
+    """A file's sha256, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            chunk = fh.read(CHUNK)
+            if not chunk:
+                break
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def digest_of(files: dict) -> str:
+    """One sha256 over the sorted (path, size, sha256) entries: equal digests mean equal trees."""
+    digest = hashlib.sha256()
+    for rel in sorted(files):
+        size, sha = files[rel]
+        digest.update(rel.encode("utf-8", "surrogateescape") + b"\0" + str(size).encode() + b"\0" + sha.encode() + b"\n")
+    return digest.hexdigest()
+
+
+def _load_cache(path):
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("version") == CACHE_VERSION and isinstance(data.get("files"), dict):
+            return data["files"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    return {}
+
+
+def _save_cache(path, files) -> None:
+    if not path:
+        return
+    try:
+        folder = os.path.dirname(path)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".treehash-")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump({"version": CACHE_VERSION, "files": files}, fh)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a cache that cannot be written only costs time
+
+
+def walk(root: str, rules: Rules):
+    """(relpath, absolute path, lstat) of every non-directory entry rsync would transfer, sorted."""
+    found = []
+    errors = {}
+
+    def onerror(exc):
+        rel = os.path.relpath(exc.filename, root) if exc.filename else "."
+        errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+
+    for folder, dirs, names in os.walk(root, onerror=onerror):
+        rel_folder = os.path.relpath(folder, root)
+        rel_folder = "" if rel_folder == "." else rel_folder + "/"
+        keep = []
+        for name in sorted(dirs):
+            rel = rel_folder + name
+            full = os.path.join(folder, name)
+            try:
+                st = os.lstat(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+            if stat.S_ISLNK(st.st_mode):  # a symlink to a directory: copied as a link, not followed
+                if not rules.excluded(rel, False):
+                    found.append((rel, full, st))
+                continue
+            if not rules.excluded(rel, True):
+                keep.append(name)
+        dirs[:] = keep
+        for name in names:
+            rel = rel_folder + name
+            full = os.path.join(folder, name)
+            if rules.excluded(rel, False):
+                continue
+            try:
+                st = os.lstat(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+            if stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+                found.append((rel, full, st))
+    found.sort(key=lambda item: item[0])
+    return found, errors
+
+
+def tree_hash(root, excludes=(), cache=None):
+    """(digest, {relpath: (size, sha256)}, {relpath: error}) of the tree at root, with the exclude rules applied.
+
+    A symlink counts as its target text (size = its length), never followed. `cache` is a JSON file outside the
+    tree that remembers each file's sha256 by (size, mtime_ns, ctime_ns, inode).
+    """
+    root = os.fspath(root)
+    rules = excludes if isinstance(excludes, Rules) else Rules(excludes)
+    entries, errors = walk(root, rules)
+    old = _load_cache(cache)
+    new = {}
+    files = {}
+    for rel, full, st in entries:
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.readlink(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+            data = os.fsencode(target)
+            files[rel] = (len(data), hashlib.sha256(b"symlink\0" + data).hexdigest())
+            continue
+        key = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        hit = old.get(rel)
+        if hit and hit[:4] == key:
+            sha = hit[4]
+        else:
+            try:
+                sha = sha256_file(full)
+            except OSError as exc:
+                errors[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+                continue
+        new[rel] = key + [sha]
+        files[rel] = (st.st_size, sha)
+    if cache and new != old:
+        _save_cache(cache, new)
+    return digest_of(files), files, errors
+
+
+def default_cache(root: str) -> str:
+    """Where a host keeps the cache for a root: outside the tree, in the user's cache directory."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    key = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:20]
+    return os.path.join(base, "mnft", "treehash-%s.json" % key)
+
+
+# ------------------------------------------------------------------------------------------------ main
+
+
+# Directories a target must never be, or be above (a mirror with --delete would empty them); compared by real
+# path, so a workdir that is a symlink to one of them is caught too.
+SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
+               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/local", "/var", "/var/lib", "/var/tmp", "/Users")
+# ... nor lie inside (they never hold a workdir, and a mirror into them would replace system files)
+SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
+HOME_SECRETS = (".ssh", ".gnupg")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """path is folder or lies below it (real paths)."""
+    folder = folder.rstrip("/") or "/"
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def refusal(root: str, home: str, other=None):
+    """Why a mirror (rsync --delete) into the real path root must not happen on this host, or None.
+
+    Judged before any walk, so a target that resolves to / or the home is refused at once, not after an hour of
+    hashing. home is the real path of the home; other (optional) the real path of the host's other mnft
+    directory (the data_dir for a workdir, and the reverse), which must not overlap root.
+    """
+    if root == "/":
+        return "the target resolves to / on this host"
+    if root == home:
+        return "the target resolves to the home directory %s on this host" % home
+    if _inside(home, root):
+        return "the target %s contains the home directory %s on this host" % (root, home)
+    for name in HOME_SECRETS:
+        secret = os.path.join(home, name)
+        if _inside(root, os.path.realpath(secret)):
+            return "the target %s is inside %s on this host" % (root, secret)
+    for folder in SYSTEM_DIRS:
+        real = os.path.realpath(folder)
+        if _inside(real, root) or _inside(folder, root):
+            return "the target %s is (or contains) the system directory %s on this host" % (root, folder)
+    for folder in SYSTEM_TREES:
+        real = os.path.realpath(folder)
+        if _inside(root, real) or _inside(root, folder):
+            return "the target %s is inside the system directory %s on this host" % (root, folder)
+    if other:
+        if _inside(root, other) or _inside(other, root):
+            return "the target %s and the other mnft directory %s overlap on this host" % (root, other)
+    return None
+
+
+def rsync_version():
+    """The version of the rsync a remote shell here would start ("3.2.7"), "unknown", or None when there is none."""
+    import shutil
+    import subprocess
+
+    path = shutil.which("rsync")
+    if not path:
+        return None
+    try:
+        text = subprocess.run([path, "--version"], stdin=subprocess.DEVNULL, capture_output=True, timeout=20).stdout.decode("utf-8", "replace")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    match = re.search(r"version\s+v?(\d+(?:\.\d+)+)", text)
+    return match.group(1) if match else "unknown"
+
+
+def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None) -> dict:
+    """The probe's answer for root. expect: the digest the controller wants; when the tree differs from it (a
+    sync will follow) the host's rsync version is reported too; when it is equal, the file list is left out."""
+    expanded = os.path.expanduser(root)
+    out = {
+        "root": os.path.realpath(expanded),
+        "home": os.path.realpath(os.path.expanduser("~")),
+        "exists": os.path.isdir(expanded),
+        "digest": None,
+        "files": None,
+        "errors": {},
+        "refused": None,
+        "rsync": "",
+    }
+    out["refused"] = refusal(out["root"], out["home"], os.path.realpath(os.path.expanduser(other)) if other else None)
+    if out["refused"]:
+        return out
+    if not out["exists"]:
+        if not if_exists and os.path.lexists(expanded):
+            out["errors"]["."] = "not a directory"
+        if expect:
+            out["rsync"] = rsync_version()
+        return out
+    digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded))
+    out.update(digest=digest, files={rel: list(v) for rel, v in files.items()}, errors=errors)
+    if expect and digest == expect and not errors:
+        out["files"] = None  # identical to what the controller has: the list would only be read to learn nothing
+    elif expect:
+        out["rsync"] = rsync_version()
+    return out
+
+
+def main(argv) -> int:
+    usage = "usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] < rules.json\n"
+    args = list(argv)
+    cache, if_exists, other, expect = None, False, None, None
+    if "--if-exists" in args:
+        args.remove("--if-exists")
+        if_exists = True
+    for flag in ("--cache", "--other", "--expect"):
+        if flag in args:
+            i = args.index(flag)
+            if i + 1 >= len(args):
+                sys.stderr.write(usage)
+                return 2
+            if flag == "--cache":
+                cache = args[i + 1]
+            elif flag == "--other":
+                other = args[i + 1]
+            else:
+                expect = args[i + 1]
+            del args[i : i + 2]
+    if len(args) != 1:
+        sys.stderr.write(usage)
+        return 2
+    line = sys.stdin.readline()
+    try:
+        patterns = json.loads(line) if line.strip() else []
+    except ValueError:
+        sys.stderr.write("treehash: the rules line on stdin is not JSON\n")
+        return 2
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
+        return 2
+    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other, expect)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

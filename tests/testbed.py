@@ -1,0 +1,915 @@
+"""A simulated bare-metal cluster on one Linux machine, for the multi-host test suite and the benchmarks.
+
+Each host is a network namespace with its own `eth0` (a veth whose other end sits on a bridge in the root
+namespace), its own `sshd` with its own host key, and a private mount namespace in which `/root` (HOME),
+`/tmp`, `/etc/hosts`, `/etc/ssh` and `/run` are per-host directories under the cluster's workdir. The Python
+installation that runs this code is bound read-only into every private home, so `Cluster.python` works inside
+every host. The controller is the calling process: it reaches every host through the bridge address.
+
+    cluster = Cluster.create(4, Path("/tmp/tb"))
+    try:
+        subprocess.run(cluster.ssh_argv(cluster.hosts[0], ["hostname"]), check=True)
+        inventory = cluster.write_inventory(Path("/tmp/tb/inventory.yaml"))
+    finally:
+        cluster.teardown()
+
+Needs root, iproute2 with `ip netns`, util-linux (`unshare`, `nsenter`, `mount`) and OpenSSH (`sshd`, `ssh`).
+`check_prerequisites()` raises `ClusterUnavailable` with a one-line reason otherwise. Nothing is changed outside
+the workdir except the namespaces, veths and the bridge, all named `<prefix>-…`, which `teardown()` removes
+and `Cluster.cleanup_stale()` removes after a crashed run. See docs/testbed.md.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import ipaddress
+import os
+import pwd
+import random
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "SimHost",
+    "Cluster",
+    "ClusterUnavailable",
+    "ClusterError",
+    "ClusterCommandError",
+    "check_prerequisites",
+    "DEFAULT_FAMILY",
+    "cpu_shares",
+]
+
+DEFAULT_FAMILY = "mnft"
+SUBNET_FIRST_OCTETS = "10.213"
+# The whole test bed range routes nowhere unless a bridge claims a /24 of it: an address whose cluster is already
+# gone fails at once ("No route to host") instead of following the default route off this machine.
+RANGE_BLACKHOLE = f"{SUBNET_FIRST_OCTETS}.0.0/16"
+BLACKHOLE_METRIC = 4242
+BRIDGE_OCTET = 1
+FIRST_HOST_OCTET = 11
+OUTSIDER_OCTET = 250
+MAX_HOSTS = OUTSIDER_OCTET - FIRST_HOST_OCTET - 1
+SSHD = "/usr/sbin/sshd"
+IFACE = "eth0"
+# What OpenSSH (Debian build) puts on PATH for a non-interactive session; `run` uses the same.
+SESSION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SSHD_START_TIMEOUT = 20.0
+_PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")  # veth "<prefix>-v123" must fit in 15 characters
+_ALIAS_RE = re.compile(r"^mnft-testbed:pid=(\d+):start=(\d+)$")
+
+
+class ClusterUnavailable(RuntimeError):
+    """This machine cannot run the testbed (not root, no `ip netns`, no sshd…); the message says why."""
+
+
+class ClusterError(RuntimeError):
+    """Building or driving the testbed failed."""
+
+
+class ClusterCommandError(subprocess.CalledProcessError):
+    """`Cluster.run` with check=True saw a non-zero exit; str() includes the ends of stdout and stderr."""
+
+    def __init__(self, host: str, proc: subprocess.CompletedProcess):
+        super().__init__(proc.returncode, proc.args, proc.stdout, proc.stderr)
+        self.host = host
+
+    def __str__(self) -> str:
+        def tail(text: Any) -> str:
+            text = text.decode(errors="replace") if isinstance(text, bytes) else (text or "")
+            return "\n".join(text.rstrip().splitlines()[-15:])
+
+        return (
+            f"on {self.host}: {shlex.join(map(str, self.cmd))} exited {self.returncode}\n"
+            f"--- stdout ---\n{tail(self.stdout)}\n--- stderr ---\n{tail(self.stderr)}"
+        )
+
+
+@dataclass
+class SimHost:
+    name: str
+    ns: str
+    address: str
+    iface: str
+    home: Path  # host-side path of the private home (mounted on /root inside the host)
+    root: Path  # per-host directory: home/, tmp/, etc/hosts, etc/ssh/, run/
+    host_key_pub: str  # "ssh-ed25519 AAAA…" (no comment)
+    port: int
+    veth: str  # root-side end of the host's veth pair
+    cpus: tuple[int, ...] = ()  # the CPUs this host's processes run on (its "cores"); () = every CPU
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+
+
+def _sh(argv: Sequence[str], *, check: bool = True, input: str | None = None, timeout: float = 30) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), input=input, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"{shlex.join(argv)} exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}")
+    return proc
+
+
+def cpu_shares(n_hosts: int, cpus: Sequence[int]) -> list[tuple[int, ...]]:
+    """The CPUs each simulated host owns, as a machine owns its cores: an equal, disjoint share when there are
+    enough CPUs (2 hosts on 2 CPUs: one each; 1 host: both), otherwise one CPU each, dealt round-robin.
+
+    Without this every host sees (and torch sizes its intra-op pool to) all of the machine's CPUs, and N hosts'
+    workers oversubscribe them N-fold: spinning OpenMP threads then wait for descheduled ones, which made a
+    2-host × 1-process run 5-17× slower than 1 host × 2 processes (issue 13, docs/perf.md)."""
+    cpus = sorted(cpus)
+    if not cpus or n_hosts < 1:
+        return [()] * max(0, n_hosts)
+    if n_hosts <= len(cpus):
+        each = len(cpus) // n_hosts
+        return [tuple(cpus[i * each:(i + 1) * each]) for i in range(n_hosts)]
+    return [(cpus[i % len(cpus)],) for i in range(n_hosts)]
+
+
+def _pinned(cpus: tuple[int, ...], argv: list[str]) -> list[str]:
+    """argv run on `cpus` (taskset execs, so a Popen's pid stays the command's; children inherit the mask)."""
+    return ["taskset", "-c", ",".join(map(str, cpus)), *argv] if cpus else argv
+
+
+def _ip_batch(lines: Iterable[str], *, ns: str | None = None, force: bool = False) -> subprocess.CompletedProcess:
+    argv = ["ip"] + (["-n", ns] if ns else []) + (["-force"] if force else []) + ["-batch", "-"]
+    return _sh(argv, input="\n".join(lines) + "\n", check=not force)
+
+
+def check_prerequisites() -> None:
+    """Raise `ClusterUnavailable` naming the first missing piece; return None when the testbed can run."""
+    if not sys.platform.startswith("linux"):
+        raise ClusterUnavailable("the testbed needs Linux network namespaces")
+    if os.geteuid() != 0:
+        raise ClusterUnavailable("the testbed needs root (network namespaces, bind mounts)")
+    for tool in ("ip", "unshare", "nsenter", "mount", "ssh", "taskset"):
+        if shutil.which(tool) is None:
+            raise ClusterUnavailable(f"the testbed needs `{tool}` on PATH")
+    if not os.access(SSHD, os.X_OK):
+        raise ClusterUnavailable(f"the testbed needs OpenSSH server at {SSHD} (apt-get install openssh-server)")
+    try:
+        proc = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ClusterUnavailable(f"`ip netns list` failed: {exc}") from None
+    if proc.returncode != 0:
+        raise ClusterUnavailable(f"`ip netns` is unavailable: {proc.stderr.strip()}")
+
+
+def _ed25519_keypair(comment: str) -> tuple[bytes, str]:
+    """(OpenSSH private key PEM, "ssh-ed25519 AAAA…") made in-process: 33 ssh-keygen runs would cost more."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    key = Ed25519PrivateKey.generate()
+    private = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption()
+    )
+    public = key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH)
+    return private, public.decode()
+
+
+def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.chmod(path, mode)
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def _netns_pids(ns: str) -> list[int]:
+    proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True, timeout=10)
+    return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
+
+
+def _cmdline(pid: int) -> str | None:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
+def _reap(pids: Iterable[int], deadline: float) -> None:
+    """Wait until each of `pids` is gone or a zombie. Nothing is waitpid()ed here: a Popen's owner (the testbed
+    for sshd and anchors, the caller for `popen`) collects its own child; orphans of ssh sessions belong to
+    pid 1, which reaps them in its own time."""
+    pending = set(pids)
+    while pending and time.monotonic() < deadline:
+        pending = {pid for pid in pending if _proc_state(pid) not in (None, "Z", "X")}
+        if pending:
+            time.sleep(0.02)
+
+
+def _proc_state(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _kill_netns(ns: str, keep: Iterable[int] = ()) -> None:
+    """SIGKILL every process in `ns` (except `keep`) until none is left running."""
+    keep = set(keep)
+    seen: set[int] = set()
+    for _ in range(20):
+        pids = [p for p in _netns_pids(ns) if p not in keep]
+        if not pids:
+            break
+        seen.update(pids)
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap(pids, time.monotonic() + 2)
+    _reap(seen, time.monotonic() + 0.5)
+
+
+def _ensure_range_blackhole() -> None:
+    """A high-metric blackhole route for the test bed's range (left in place: it only ever drops traffic)."""
+    shown = _sh(["ip", "-4", "route", "show", "type", "blackhole", RANGE_BLACKHOLE], check=False).stdout
+    if not shown.strip():
+        _sh(["ip", "-4", "route", "add", "blackhole", RANGE_BLACKHOLE, "metric", str(BLACKHOLE_METRIC)])
+
+
+def _used_ipv4_networks() -> list[ipaddress.IPv4Network]:
+    nets = []
+    out = _sh(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+    for match in re.finditer(r"\binet (\S+)", out):
+        nets.append(ipaddress.IPv4Interface(match.group(1)).network)
+    out = _sh(["ip", "-4", "route", "show", "table", "all"], check=False).stdout
+    for line in out.splitlines():
+        words = line.split()
+        if words[:2] == ["blackhole", RANGE_BLACKHOLE]:
+            continue  # the range's own safety net, not a network in use
+        if words and words[0] in ("unicast", "local", "broadcast", "blackhole", "unreachable", "prohibit"):
+            words = words[1:]
+        if not words or words[0] == "default":
+            continue
+        try:
+            nets.append(ipaddress.IPv4Network(words[0], strict=False))
+        except ValueError:
+            pass
+    return nets
+
+
+def _python_paths() -> tuple[str, list[str]]:
+    """(python for the hosts, top-level directories under root's home to bind into every private home)."""
+    home = pwd.getpwuid(0).pw_dir.rstrip("/") or "/"
+    if sys.prefix != sys.base_prefix:  # a venv: keep its symlinked interpreter so its site-packages apply
+        python = os.path.join(os.path.abspath(sys.prefix), "bin", "python")
+    else:
+        python = os.path.realpath(sys.executable)
+    binds: list[str] = []
+    for path in (python, os.path.realpath(python), sys.prefix, sys.base_prefix, os.path.realpath(sys.base_prefix)):
+        path = os.path.abspath(path)
+        if path.startswith(home + "/"):
+            top = os.path.join(home, path[len(home) + 1 :].split("/", 1)[0])
+            if top not in binds:
+                binds.append(top)
+    return python, binds
+
+
+# --------------------------------------------------------------------------------------------------- Cluster
+
+
+class Cluster:
+    """A running simulated cluster. Build with `Cluster.create`; always `teardown()` (it is idempotent)."""
+
+    hosts: list[SimHost]
+    outsider: SimHost | None
+    bridge_address: str
+    controller_key: Path
+    known_hosts: Path
+    python: str
+
+    def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False):
+        self.prefix = prefix
+        self.workdir = workdir
+        self.subnet = subnet
+        self.bridge = f"{prefix}-br"
+        self.hosts = []
+        self.outsider = None
+        self.bridge_address = ""
+        self.controller_key = workdir / "controller" / "id_ed25519"
+        self.known_hosts = workdir / "controller" / "known_hosts"
+        self.python, self._python_binds = _python_paths()
+        self.home_mountpoint = pwd.getpwuid(0).pw_dir
+        self._sshd: dict[str, subprocess.Popen] = {}
+        self._anchors: dict[str, subprocess.Popen] = {}
+        self._log_offsets: dict[str, int] = {}
+        self._original_keys: dict[str, tuple[bytes, str]] = {}
+        self._down: set[str] = set()
+        self._lock = threading.Lock()
+        self._torn_down = False
+        self.share_cpus = share_cpus
+
+    # ------------------------------------------------------------------ building
+
+    @classmethod
+    def create(
+        cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False
+    ) -> "Cluster":
+        """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
+
+        Each host runs on its own share of the machine's CPUs (`cpu_shares`), as a real machine has its own cores;
+        `share_cpus=True` lets every host use every CPU (the old behaviour, which oversubscribes them).
+
+        Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
+        tearing down whatever was built).
+        """
+        check_prerequisites()
+        if not 1 <= n_hosts <= MAX_HOSTS:
+            raise ValueError(f"n_hosts must be within 1..{MAX_HOSTS}, not {n_hosts}")
+        prefix = prefix or _default_prefix()
+        if not _PREFIX_RE.match(prefix):
+            raise ValueError(f"prefix {prefix!r} must match {_PREFIX_RE.pattern} (interface names are ≤ 15 chars)")
+        workdir = Path(workdir).absolute()
+        if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
+            raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
+        workdir.mkdir(parents=True, exist_ok=True)
+        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus)
+        atexit.register(cluster.teardown)
+        try:
+            cluster._build(n_hosts, outsider)
+        except BaseException:
+            cluster.teardown()
+            raise
+        return cluster
+
+    def _build(self, n_hosts: int, outsider: bool) -> None:
+        if any(ns.startswith(self.prefix + "-") for ns in _list_netns()):
+            raise ClusterError(f"namespaces named {self.prefix}-* already exist: pick another prefix")
+        with _allocation_lock():
+            _ensure_range_blackhole()
+            self.subnet = _free_subnet(self.prefix)
+            net = self.subnet
+            self.bridge_address = str(net.network_address + BRIDGE_OCTET)
+            self.hosts = [self._host(f"h{i}", f"{self.prefix}-h{i}", net.network_address + FIRST_HOST_OCTET + i - 1,
+                                     f"{self.prefix}-v{i}") for i in range(1, n_hosts + 1)]
+            if not self.share_cpus:  # each host owns its cores (cpu_shares); the outsider keeps every CPU
+                for host, cpus in zip(self.hosts, cpu_shares(len(self.hosts), os.sched_getaffinity(0))):
+                    host.cpus = cpus
+            if outsider:
+                self.outsider = self._host("out", f"{self.prefix}-out", net.network_address + OUTSIDER_OCTET,
+                                           f"{self.prefix}-vo")
+            # The bridge comes first and carries the owner, so cleanup_stale never mistakes us for a leftover.
+            lines = [
+                f"link add {self.bridge} type bridge",
+                f"link set {self.bridge} alias mnft-testbed:pid={os.getpid()}:start={_start_time(os.getpid())}",
+                f"addr add {self.bridge_address}/{net.prefixlen} dev {self.bridge}",
+                f"link set {self.bridge} up",
+            ]
+            for host in self._all():
+                lines += [
+                    f"netns add {host.ns}",
+                    f"link add {host.veth} type veth peer name {IFACE} netns {host.ns}",
+                    f"link set {host.veth} master {self.bridge} up",
+                ]
+            _ip_batch(lines)
+        procs = [
+            (host, subprocess.Popen(["ip", "-n", host.ns, "-batch", "-"], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+            for host in self._all()
+        ]
+        for host, proc in procs:
+            out, _ = proc.communicate(
+                f"addr add {host.address}/{net.prefixlen} dev {IFACE}\nlink set {IFACE} up\nlink set lo up\n",
+                timeout=30,
+            )
+            if proc.returncode != 0:
+                raise ClusterError(f"configuring {host.ns} failed: {out.strip()}")
+        self._write_files()
+        for host in self.hosts:
+            self._spawn_anchor(host)
+        for host in self.hosts:
+            self._wait_anchor(host)
+        for host in self.hosts:
+            self._spawn_sshd(host)
+        for host in self.hosts:
+            self._wait_listening(host)
+
+    def _host(self, name: str, ns: str, address: Any, veth: str) -> SimHost:
+        root = self.workdir / name
+        return SimHost(name=name, ns=ns, address=str(address), iface=IFACE, home=root / "home", root=root,
+                       host_key_pub="", port=22, veth=veth)
+
+    def _all(self) -> list[SimHost]:
+        return self.hosts + ([self.outsider] if self.outsider else [])
+
+    def _write_files(self) -> None:
+        private, public = _ed25519_keypair(f"mnft-testbed-controller@{self.prefix}")
+        _write(self.controller_key, private, 0o600)
+        _write(self.controller_key.with_suffix(".pub"), public + "\n", 0o644)
+        os.chmod(self.controller_key.parent, 0o700)
+        etc_hosts = Path("/etc/hosts").read_text()
+        names = "".join(f"{h.address}\t{h.name}\n" for h in self.hosts)
+        for host in self._all():
+            for sub in ("home", "tmp", "etc/ssh", "run/sshd"):
+                (host.root / sub).mkdir(parents=True, exist_ok=True)
+            os.chmod(host.root / "tmp", 0o1777)
+            os.chmod(host.root / "run" / "sshd", 0o755)
+            os.chmod(host.home, 0o700)
+            own = "" if host is self.outsider else f"# mnft testbed: cluster hosts\n{names}"
+            _write(host.root / "etc" / "hosts", etc_hosts.rstrip("\n") + "\n" + own)
+            if host is self.outsider:
+                continue
+            for top in self._python_binds:
+                (host.home / os.path.basename(top)).mkdir(exist_ok=True)
+            ssh_dir = host.home / ".ssh"
+            ssh_dir.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(ssh_dir, 0o700)
+            _write(ssh_dir / "authorized_keys", public + "\n", 0o600)
+            _write(host.root / "etc" / "ssh" / "sshd_config", _sshd_config())
+            self._install_host_key(host, *_ed25519_keypair(f"root@{host.name}"))
+            self._original_keys[host.name] = (self._host_key_path(host).read_bytes(), host.host_key_pub)
+        self._write_known_hosts()
+
+    def _host_key_path(self, host: SimHost) -> Path:
+        return host.root / "etc" / "ssh" / "ssh_host_ed25519_key"
+
+    def _install_host_key(self, host: SimHost, private: bytes, public: str) -> None:
+        _write(self._host_key_path(host), private, 0o600)
+        _write(self._host_key_path(host).with_suffix(".pub"), f"{public} root@{host.name}\n", 0o644)
+        host.host_key_pub = public
+
+    def _write_known_hosts(self) -> None:
+        lines = "".join(f"{h.address} {self._original_keys[h.name][1]}\n" for h in self.hosts)
+        _write(self.known_hosts, lines, 0o644)
+
+    # ------------------------------------------------------------------ sshd
+
+    def _mount_script(self, host: SimHost) -> str:
+        q = shlex.quote
+        r = host.root
+        steps = []
+        for top in self._python_binds:  # before /root is covered: afterwards the real one is out of reach
+            target = host.home / os.path.basename(top)
+            steps += [f"mount --bind {q(top)} {q(str(target))}", f"mount -o remount,bind,ro {q(str(target))}"]
+        steps += [
+            f"mount --bind {q(str(r / 'etc' / 'hosts'))} /etc/hosts",
+            f"mount --bind {q(str(r / 'etc' / 'ssh'))} /etc/ssh",
+            f"mount --bind {q(str(r / 'run'))} /run",
+        ]
+        home = f"mount --rbind {q(str(host.home))} {q(self.home_mountpoint)}"
+        tmp = f"mount --bind {q(str(r / 'tmp'))} /tmp"
+        # Cover last whichever of HOME and /tmp holds the workdir, so every source is still visible when bound.
+        under_tmp = os.path.realpath(self.workdir).startswith("/tmp/")
+        steps += [home, tmp] if under_tmp else [tmp, home]
+        steps += [f"hostname {q(host.name)}", "echo ready", "exec sleep infinity"]
+        return "set -e\n" + "\n".join(steps)
+
+    def _spawn_anchor(self, host: SimHost) -> None:
+        """The host's "machine": a process holding its private mount and UTS namespaces for the cluster's life,
+        so sshd can stop and start and `run` keeps working while sshd is down."""
+        argv = _pinned(host.cpus, ["ip", "netns", "exec", host.ns, "unshare", "--mount", "--uts", "--propagation", "private",
+                                   "sh", "-c", self._mount_script(host)])
+        # ip netns exec and unshare exec without forking, and sh execs sleep: the Popen pid is the anchor's.
+        self._anchors[host.name] = subprocess.Popen(
+            argv, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+
+    def _wait_anchor(self, host: SimHost) -> None:
+        proc = self._anchors[host.name]
+        line = proc.stdout.readline()  # "ready" once every mount is in place; EOF if the script failed
+        proc.stdout.close()
+        if line.strip() != b"ready":
+            proc.kill()
+            proc.wait()
+            err = proc.stderr.read().decode(errors="replace").strip()
+            raise ClusterError(f"setting up the private mounts of {host.name} ({host.ns}) failed: {err}")
+        proc.stderr.close()
+
+    def _spawn_sshd(self, host: SimHost) -> None:
+        log = host.root / "run" / "sshd.log"
+        self._log_offsets[host.name] = log.stat().st_size if log.exists() else 0
+        argv = _pinned(host.cpus, ["nsenter", "-t", str(self._anchors[host.name].pid), "-n", "-m", "-u", "--",
+                                   SSHD, "-D", "-f", "/etc/ssh/sshd_config", "-E", "/run/sshd.log"])
+        # nsenter execs without forking (no pid namespace), so the Popen pid is the sshd listener's pid.
+        with open(host.root / "sshd.stderr", "ab") as stderr:
+            self._sshd[host.name] = subprocess.Popen(
+                argv, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                start_new_session=True,
+            )
+
+    def _wait_listening(self, host: SimHost, timeout: float = SSHD_START_TIMEOUT) -> None:
+        log = host.root / "run" / "sshd.log"
+        proc = self._sshd[host.name]
+        deadline = time.monotonic() + timeout
+        while True:
+            if log.exists():
+                with open(log, "rb") as f:
+                    f.seek(self._log_offsets.get(host.name, 0))
+                    if b"Server listening on 0.0.0.0 port" in f.read():
+                        return
+            if proc.poll() is not None or time.monotonic() > deadline:
+                tail = (host.root / "sshd.stderr").read_text(errors="replace")[-2000:]
+                tail += log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                why = f"exited {proc.returncode}" if proc.returncode is not None else f"not listening after {timeout}s"
+                raise ClusterError(f"sshd on {host.name} ({host.ns}) {why}:\n{tail.strip()}")
+            time.sleep(0.02)
+
+    def sshd_pid(self, host: SimHost) -> int | None:
+        """pid of the host's sshd listener, or None when it is stopped."""
+        proc = self._sshd.get(host.name)
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def start_sshd(self, host: SimHost) -> None:
+        """Start the host's sshd (no-op when running) and wait until it listens."""
+        with self._lock:
+            if self.sshd_pid(host) is None:
+                self._spawn_sshd(host)
+                self._wait_listening(host)
+
+    def stop_sshd(self, host: SimHost) -> None:
+        """Stop the listener: new connections are refused. Sessions already open live on, as on a real host."""
+        with self._lock:
+            proc = self._sshd.get(host.name)
+            if proc is None or proc.poll() is not None:
+                return
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+
+    def regenerate_host_key(self, host: SimHost) -> str:
+        """Give the host a new host key and restart its sshd; known_hosts keeps the old key. Returns the new key."""
+        self.stop_sshd(host)
+        self._install_host_key(host, *_ed25519_keypair(f"root@{host.name}"))
+        self.start_sshd(host)
+        return host.host_key_pub
+
+    # ------------------------------------------------------------------ network
+
+    def link_down(self, host: SimHost) -> None:
+        """Cut the host's cable (root-side veth down): its address stops answering, nothing is refused."""
+        _sh(["ip", "link", "set", host.veth, "down"])
+        self._down.add(host.name)
+
+    def link_up(self, host: SimHost) -> None:
+        _sh(["ip", "link", "set", host.veth, "up"])
+        self._down.discard(host.name)
+        # Addresses that failed to resolve while the cable was out stay FAILED in the neighbour tables for a
+        # while ("no route to host"): forget them everywhere, as a real host would after its link came back.
+        for other in [*self.hosts, *([self.outsider] if self.outsider is not None else [])]:
+            _sh(["ip", "-n", other.ns, "neigh", "flush", "all"], check=False)
+        _sh(["ip", "neigh", "flush", "dev", self.bridge], check=False)
+        self._wait_reaches_peers(host)
+
+    def _wait_reaches_peers(self, host: SimHost, timeout: float = 15) -> None:
+        """Until every peer answers the host on TCP (a connection, or a refusal when its sshd is stopped): the next
+        test then starts on a healed link."""
+        probe = ("import socket, sys\nbad = []\nfor a in sys.argv[1:]:\n    try:\n"
+                 "        socket.create_connection((a, 22), timeout=2).close()\n    except ConnectionRefusedError:\n"
+                 "        pass\n    except OSError:\n        bad.append(a)\nprint(' '.join(bad))\n")
+        peers = [h.address for h in self.hosts if h is not host and h.name not in self._down]
+        deadline = time.monotonic() + timeout
+        while peers:
+            peers = self.run(host, [sys.executable, "-c", probe, *map(str, peers)], check=False, timeout=timeout).stdout.split()
+            if not peers or time.monotonic() > deadline:
+                return
+            time.sleep(0.3)
+
+    # ------------------------------------------------------------------ commands
+
+    def _enter_argv(self, host: SimHost, argv: Sequence[str], env: dict[str, str] | None) -> list[str]:
+        base = {"HOME": self.home_mountpoint, "PATH": SESSION_PATH, "USER": "root", "LOGNAME": "root",
+                "SHELL": "/bin/sh", "LANG": os.environ.get("LANG", "C.UTF-8")}
+        base.update(env or {})
+        envs = ["/usr/bin/env", "-i"] + [f"{k}={v}" for k, v in base.items()]
+        anchor = self._anchors.get(host.name)
+        if anchor is None:  # the outsider: its network namespace only
+            return ["ip", "netns", "exec", host.ns] + envs + list(argv)
+        pid = anchor.pid
+        # cd after entering: nsenter --wd would resolve the path in the caller's mount namespace (the real /root).
+        return _pinned(host.cpus, ["nsenter", "-t", str(pid), "-n", "-m", "-u", "--"] + envs
+                       + ["/bin/sh", "-c", 'cd "$HOME" && exec "$@"', "sh"] + list(argv))
+
+    def run(
+        self, host: SimHost, argv: Sequence[str], *, check: bool = True, timeout: float = 30,
+        input: str | None = None, env: dict[str, str] | None = None,
+    ) -> subprocess.CompletedProcess:
+        """Run argv inside the host (net, mount and UTS namespace of its sshd: private ~, /tmp, /etc/hosts),
+        in $HOME, with the environment an ssh session gets (plus `env`). For the outsider: its net ns only."""
+        full = self._enter_argv(host, argv, env)
+        proc = subprocess.run(full, input=input, capture_output=True, text=True, timeout=timeout,
+                              stdin=None if input is not None else subprocess.DEVNULL)
+        proc.args = list(argv)
+        if check and proc.returncode != 0:
+            raise ClusterCommandError(host.name, proc)
+        return proc
+
+    def popen(self, host: SimHost, argv: Sequence[str], *, env: dict[str, str] | None = None, **kwargs: Any) -> subprocess.Popen:
+        """Like `run`, without waiting: e.g. a background process the test kills or checks for orphans."""
+        kwargs.setdefault("stdin", subprocess.DEVNULL)
+        return subprocess.Popen(self._enter_argv(host, argv, env), **kwargs)
+
+    def ssh_argv(self, host: SimHost, remote_argv: Sequence[str], *, options: Sequence[str] = (),
+                 user: str = "root") -> list[str]:
+        """An OpenSSH command line running remote_argv (each word quoted for the remote shell) on the host, with
+        the controller key and this cluster's known_hosts only (no ~/.ssh/config, no agent), strict, batch."""
+        opts = [
+            "BatchMode=yes", "StrictHostKeyChecking=yes", f"UserKnownHostsFile={self.known_hosts}",
+            "GlobalKnownHostsFile=/dev/null", "IdentitiesOnly=yes", "IdentityAgent=none",
+            "ConnectTimeout=5", "LogLevel=ERROR", "ControlMaster=no", "ControlPath=none", *options,
+        ]
+        argv = ["ssh", "-F", "/dev/null", "-i", str(self.controller_key), "-p", str(host.port)]
+        for opt in opts:
+            argv += ["-o", opt]
+        return argv + ["-l", user, host.address, "--", shlex.join(list(remote_argv))]
+
+    def processes(self, host: SimHost) -> list[tuple[int, str]]:
+        """(pid, cmdline) of every process in the host's net namespace except its sshd listener."""
+        keep = self._own_pids(host)
+        out = []
+        for pid in _netns_pids(host.ns):
+            if pid in keep:
+                continue
+            cmd = _cmdline(pid)
+            if cmd is not None and _proc_state(pid) not in ("Z", "X"):
+                out.append((pid, cmd))
+        return out
+
+    def kill_strays(self, host: SimHost) -> None:
+        """SIGKILL every process of the host except the testbed's own (anchor, sshd listener)."""
+        _kill_netns(host.ns, keep=self._own_pids(host))
+
+    def _own_pids(self, host: SimHost) -> set[int]:
+        """The testbed's own processes in a host: its sshd listener and the namespace anchor."""
+        return {proc.pid for proc in (self._sshd.get(host.name), self._anchors.get(host.name))
+                if proc is not None and proc.poll() is None}
+
+    def restore(self, hosts: Sequence[SimHost] | None = None, *, kill_strays: bool = True) -> None:
+        """Undo what tests do to hosts: link up, original host key, sshd running, (stray processes killed)."""
+        for host in hosts if hosts is not None else self.hosts:
+            if host.name in self._down:
+                self.link_up(host)
+            original_private, original_public = self._original_keys[host.name]
+            if host.host_key_pub != original_public:
+                self.stop_sshd(host)
+                self._install_host_key(host, original_private, original_public)
+            self.start_sshd(host)
+            if kill_strays:
+                self.kill_strays(host)
+        if self.outsider is not None and kill_strays:
+            _kill_netns(self.outsider.ns)
+
+    # ------------------------------------------------------------------ users
+
+    def add_user(self, name: str, *, password: str | None = None, sudo: bool = False) -> str:
+        """Add a non-root login user to every host; returns its home directory as the hosts see it.
+
+        The user logs in with the controller key. Each host gets private copies of /etc/passwd, /etc/group and
+        /etc/shadow (plus /etc/sudoers granting `name ALL=(ALL:ALL) ALL` when `sudo`, which needs sudo installed),
+        bind-mounted in its mount namespace: the real machine's files are never touched. `password` (for sudo)
+        goes to `openssl passwd` on stdin, never on a command line. The home is /tmp/home-<name> inside the host
+        (its private /tmp). Raises ClusterError when the name is taken or sudo is asked for but not installed.
+        """
+        if not re.match(r"^[a-z_][a-z0-9_-]{0,30}$", name) or name == "root":
+            raise ValueError(f"bad user name {name!r}")
+        users = {line.split(":", 1)[0]: line for line in Path("/etc/passwd").read_text().splitlines() if line}
+        if name in users:
+            raise ClusterError(f"user {name} exists on this machine: pick another name")
+        if sudo and not (shutil.which("sudo") and os.path.exists("/etc/sudoers")):
+            raise ClusterUnavailable("add_user(sudo=True) needs sudo installed (apt-get install sudo)")
+        taken = {int(line.split(":")[2]) for line in users.values() if line.count(":") >= 6}
+        uid = next(u for u in range(4200, 60000) if u not in taken)
+        home = f"/tmp/home-{name}"
+        hashed = "!"
+        if password is not None:
+            hashed = _sh(["openssl", "passwd", "-6", "-stdin"], input=password + "\n").stdout.strip()
+        files = {
+            "/etc/passwd": Path("/etc/passwd").read_text().rstrip("\n") + f"\n{name}:x:{uid}:{uid}::{home}:/bin/sh\n",
+            "/etc/group": Path("/etc/group").read_text().rstrip("\n") + f"\n{name}:x:{uid}:\n",
+            "/etc/shadow": Path("/etc/shadow").read_text().rstrip("\n") + f"\n{name}:{hashed}:19000:0:99999:7:::\n",
+        }
+        modes = {"/etc/passwd": 0o644, "/etc/group": 0o644, "/etc/shadow": 0o640, "/etc/sudoers": 0o440}
+        if sudo:
+            files["/etc/sudoers"] = f"Defaults env_reset\nroot ALL=(ALL:ALL) ALL\n{name} ALL=(ALL:ALL) ALL\n"
+        public = self.controller_key.with_suffix(".pub").read_text()
+        for host in self.hosts:
+            # under the host's private /tmp: the one place both sides see (inside, as /tmp/.mnft-users)
+            etc = host.root / "tmp" / ".mnft-users"
+            for target, text in files.items():
+                _write(etc / os.path.basename(target), text, modes[target])
+            os.chmod(etc, 0o755)
+            host_home = host.root / "tmp" / f"home-{name}"
+            _write(host_home / ".ssh" / "authorized_keys", public, 0o600)
+            for path, mode in ((host_home, 0o700), (host_home / ".ssh", 0o700), (host_home / ".ssh" / "authorized_keys", 0o600)):
+                os.chown(path, uid, uid)
+                os.chmod(path, mode)
+            mounts = [["mount", "--bind", f"/tmp/.mnft-users/{os.path.basename(target)}", target] for target in files]
+            pid = str(self._anchors[host.name].pid)
+            for argv in mounts:
+                _sh(["nsenter", "-t", pid, "-m", "--", *argv])
+        return home
+
+    # ------------------------------------------------------------------ inventory
+
+    def write_inventory(self, path: Path, hosts: list[SimHost] | None = None, **host_overrides: Any) -> Path:
+        """Write an mnft inventory for `hosts` (default: all, in order h1…hN; never the outsider).
+
+        Each keyword is an inventory key. A dict value maps host names to per-host values (hosts not named keep
+        the default); any other value replaces the default in `vars` (None removes the key). `known_hosts`,
+        `master` and `rendezvous_port` are top-level keys instead (None removes known_hosts).
+        """
+        import yaml
+
+        top: dict[str, Any] = {"known_hosts": str(self.known_hosts)}
+        defaults: dict[str, Any] = {
+            "user": "root", "port": 22, "identity": str(self.controller_key), "python": self.python,
+            "iface": IFACE, "workdir": f"{self.home_mountpoint.rstrip('/')}/mnft", "slots": 1, "connection": "ssh",
+        }
+        chosen = list(hosts) if hosts is not None else list(self.hosts)
+        entries: dict[str, dict[str, Any]] = {h.name: {"address": h.address} for h in chosen}
+        for key, value in host_overrides.items():
+            if key in ("known_hosts", "master", "rendezvous_port"):
+                top[key] = value
+            elif isinstance(value, dict):
+                unknown = set(value) - set(entries)
+                if unknown:
+                    raise ValueError(f"{key}: no such host(s) in this inventory: {sorted(unknown)}")
+                for name, one in value.items():
+                    entries[name][key] = one
+            else:
+                defaults[key] = value
+        doc = {k: v for k, v in top.items() if v is not None}
+        doc["vars"] = {k: v for k, v in defaults.items() if v is not None}
+        doc["hosts"] = entries
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(yaml.safe_dump(doc, sort_keys=False, default_flow_style=False))
+        return path
+
+    # ------------------------------------------------------------------ teardown
+
+    def teardown(self) -> None:
+        """Kill every process in every namespace, delete namespaces, veths and bridge. Idempotent, never raises;
+        files in the workdir are left for post-mortems."""
+        if self._torn_down:
+            return
+        self._torn_down = True
+        try:
+            atexit.unregister(self.teardown)
+        except Exception:
+            pass
+        try:
+            for proc in [*self._sshd.values(), *self._anchors.values()]:
+                if proc.poll() is None:
+                    proc.kill()
+            for host in self._all():
+                try:
+                    _kill_netns(host.ns)
+                except Exception:
+                    pass
+            for proc in [*self._sshd.values(), *self._anchors.values()]:
+                try:
+                    proc.wait(timeout=5)
+                except Exception:
+                    pass
+            _remove_objects([h.ns for h in self._all()], [h.veth for h in self._all()] + [self.bridge])
+        except Exception as exc:  # never raise: teardown runs in finally blocks and at exit
+            print(f"testbed: teardown of {self.prefix} incomplete: {exc}", file=sys.stderr)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.teardown()
+
+    # ------------------------------------------------------------------ stale leftovers
+
+    @classmethod
+    def cleanup_stale(cls, prefix_family: str = DEFAULT_FAMILY) -> list[str]:
+        """Remove namespaces, veths and bridges named `<prefix_family>…-…` whose owning process is gone
+        (a crashed run). Clusters whose owner still runs are left alone. Returns the prefixes removed."""
+        if not re.match(r"^[a-z][a-z0-9]*$", prefix_family):
+            raise ValueError(f"bad prefix family {prefix_family!r}")
+        pattern = re.compile(rf"^({re.escape(prefix_family)}[a-z0-9]*)-(br|h\d+|out|v\d+|vo)$")
+        groups: dict[str, dict[str, list[str]]] = {}
+        for ns in _list_netns():
+            m = pattern.match(ns)
+            if m and (m.group(2) == "out" or m.group(2).startswith("h")):
+                groups.setdefault(m.group(1), {"ns": [], "links": []})["ns"].append(ns)
+        aliases: dict[str, str] = {}
+        for name, alias in _list_links():
+            m = pattern.match(name)
+            if m and (m.group(2) == "br" or m.group(2).startswith("v")):
+                groups.setdefault(m.group(1), {"ns": [], "links": []})["links"].append(name)
+                if m.group(2) == "br":
+                    aliases[m.group(1)] = alias
+        removed = []
+        for prefix, objects in sorted(groups.items()):
+            owner = _ALIAS_RE.match(aliases.get(prefix, ""))
+            if owner and _start_time(int(owner.group(1))) == int(owner.group(2)):
+                continue  # its creator is alive: not stale
+            for ns in objects["ns"]:
+                _kill_netns(ns)
+            _remove_objects(objects["ns"], objects["links"])
+            removed.append(prefix)
+        return removed
+
+
+def _sshd_config() -> str:
+    return "\n".join([
+        "# mnft testbed: one sshd per simulated host, inside its private mount namespace",
+        "Port 22",
+        "ListenAddress 0.0.0.0",
+        "HostKey /etc/ssh/ssh_host_ed25519_key",
+        "PidFile /run/sshd.pid",
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "AuthorizedKeysFile .ssh/authorized_keys",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "UseDNS no",
+        "PrintMotd no",
+        "StrictModes yes",
+        "AcceptEnv LANG LC_*",
+        # mnft fans out many sessions at once; the default 10:30:100 drops connections at random beyond 10.
+        "MaxStartups 100:30:200",
+        "MaxSessions 64",
+        "Subsystem sftp /usr/lib/openssh/sftp-server",
+        "",
+    ])
+
+
+def _default_prefix() -> str:
+    alphabet = "0123456789abcdefghijklmnopqrstuvwxyz"
+    pid, tag = os.getpid(), ""
+    for _ in range(3):
+        pid, digit = divmod(pid, 36)
+        tag = alphabet[digit] + tag
+    return DEFAULT_FAMILY + tag + "".join(random.choice(alphabet) for _ in range(2))
+
+
+def _list_netns() -> list[str]:
+    out = _sh(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _list_links() -> list[tuple[str, str]]:
+    """(name, alias) of every link in the root namespace."""
+    out = _sh(["ip", "-o", "link", "show"], check=False).stdout
+    links = []
+    for line in out.splitlines():
+        m = re.match(r"^\d+:\s+([^:@\s]+)", line)
+        if m:
+            alias = re.search(r"\balias (\S+)", line)
+            links.append((m.group(1), alias.group(1) if alias else ""))
+    return links
+
+
+def _remove_objects(namespaces: Sequence[str], links: Sequence[str]) -> None:
+    existing_ns = set(_list_netns())
+    existing_links = {name for name, _ in _list_links()}
+    lines = [f"netns del {ns}" for ns in namespaces if ns in existing_ns]
+    lines += [f"link del {name}" for name in links if name in existing_links]
+    if lines:
+        _ip_batch(lines, force=True)
+
+
+class _allocation_lock:
+    """Serialise subnet choice + bridge creation between concurrent testbeds on one machine."""
+
+    def __enter__(self) -> None:
+        directory = "/run/lock" if os.path.isdir("/run/lock") else tempfile.gettempdir()
+        self._fd = os.open(os.path.join(directory, "mnft-testbed.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: Any) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _free_subnet(prefix: str) -> ipaddress.IPv4Network:
+    used = _used_ipv4_networks()
+    start = sum(prefix.encode()) * 7 % 250
+    for i in range(254):
+        k = (start + i) % 254 + 1
+        net = ipaddress.IPv4Network(f"{SUBNET_FIRST_OCTETS}.{k}.0/24")
+        if not any(net.overlaps(other) for other in used):
+            return net
+    raise ClusterError(f"no free /24 left in {SUBNET_FIRST_OCTETS}.0.0/16")
