@@ -338,7 +338,7 @@ def test_every_proxyjump_hop_rejects_unknown_keys_and_trusts_the_same_files(priv
     import fabric
 
     from mnft.hosts.connection import fabric_connection, gateway_hops
-    from mnft.hosts.inventory import Host
+    from mnft.hosts.settings import Host
 
     key, _ = keypair
     (private_home / ".ssh").mkdir()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mnft.hosts import inventory
+from mnft.hosts import ansible, inventory, settings
 from mnft.core.errors import InputError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -131,7 +131,7 @@ def test_ansible_top_level_groups_without_all_are_read():
     ],
 )
 def test_host_ranges_expand_like_ansible(pattern, names):
-    assert inventory.expand_host_pattern(pattern) == names
+    assert ansible.expand_host_pattern(pattern) == names
 
 
 def test_ansible_typo_of_an_mnft_key_is_an_error_not_a_silent_default():
@@ -238,10 +238,10 @@ def test_invoke_inventory_prints_values_that_look_like_markup_verbatim(capsys):
     from mnft.hosts import report
 
     hosts = tuple(
-        inventory.Host(name=name, rank=rank, address="localhost", user="u", connection="local", workdir=f"~/w{name}", python=name)
+        settings.Host(name=name, rank=rank, address="localhost", user="u", connection="local", workdir=f"~/w{name}", python=name)
         for rank, name in enumerate(MARKUP)
     )
-    inv = inventory.Inventory(Path("in[/x]v.yaml"), "mnft", hosts, MARKUP[0], ignored={MARKUP[1]: ("[/c]",)})
+    inv = settings.Inventory(Path("in[/x]v.yaml"), "mnft", hosts, MARKUP[0], ignored={MARKUP[1]: ("[/c]",)})
     report.print_inventory(inv, as_json=False)  # rich would raise MarkupError on "a[/b]" if it read it as markup
     out = capsys.readouterr().out
     for name in MARKUP:
@@ -257,8 +257,8 @@ def test_check_and_trust_tables_print_names_and_errors_verbatim(capsys):
     from mnft.hosts.fleet import HostResult, Status
     from mnft.hosts.hostkeys import TrustResult
 
-    hosts = tuple(inventory.Host(name=name, rank=rank, address="localhost", connection="local") for rank, name in enumerate(MARKUP))
-    inv = inventory.Inventory(None, "mnft", hosts, MARKUP[0])
+    hosts = tuple(settings.Host(name=name, rank=rank, address="localhost", connection="local") for rank, name in enumerate(MARKUP))
+    inv = settings.Inventory(None, "mnft", hosts, MARKUP[0])
     outcomes = {h.name: HostResult(h.name, Status.UNREACHABLE, error=f"no route to {h.name}") for h in hosts}
     rep = CheckReport(inv, outcomes, {}, problems=[Problem("[bold]x", "disk", "full at [/tmp]", "free [b]space")])
     print_check(rep, as_json=False)

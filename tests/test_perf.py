@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mnft.hosts import inventory, pyrun
+from mnft.hosts import inventory, pyrun, settings
 from mnft.core.errors import InputError
 from mnft.perf import linkagent, schedule, torchlaunch
 from mnft.perf.collectives import parse_figures, torchrun_argv
@@ -202,7 +202,7 @@ def test_ansible_inventory_sets_perf_floors_in_all_vars(tmp_path):
 
 
 def test_every_perf_key_of_the_inventory_is_a_threshold():
-    assert set(inventory.PERF_KEYS) == {f.name for f in fields(Thresholds)}
+    assert set(settings.PERF_KEYS) == {f.name for f in fields(Thresholds)}
 
 
 # ------------------------------------------------------------------------------------------------ launcher

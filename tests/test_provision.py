@@ -13,8 +13,10 @@ from mnft.check.rules import environment_drift
 from mnft.env.diff import against_lock, compare, fingerprint
 from mnft.core.errors import InputError
 from mnft.hosts.fleet import HostResult, Status
-from mnft.hosts.inventory import Host, parse
-from mnft.env.provision import disk_needed, effective, host_key, plan_host, plan_rollback
+from mnft.hosts.inventory import parse
+from mnft.hosts.settings import Host
+from mnft.env.plan import disk_needed, plan_host, plan_rollback
+from mnft.env.record import effective, host_key
 from mnft.sync.relay import mesh_ready, relay_command, rounds
 from mnft.env.wheelhouse import Platform, Wheel, select
 
@@ -151,7 +153,7 @@ def test_the_best_wheel_for_the_platform_is_chosen_and_a_missing_one_is_named():
 
 def test_the_disk_needed_counts_wheels_not_held_uv_and_the_unpacked_environment():
     wheels = {"a": Wheel("a.whl", "a", "1", "1", "0" * 64, 100, 300), "b": Wheel("b.whl", "b", "1", "1", "1" * 64, 50, 70)}
-    from mnft.env.provision import DISK_MARGIN
+    from mnft.env.plan import DISK_MARGIN
 
     assert disk_needed(wheels, {"a.whl": 100}, 1000, uv_held=False) == 50 + 1000 + 370 + DISK_MARGIN
     assert disk_needed(wheels, {"a.whl": 99, "b.whl": 50}, 1000, uv_held=True) == 100 + 370 + DISK_MARGIN

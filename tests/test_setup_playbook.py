@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from mnft.hosts import inventory
+from mnft.hosts.settings import Inventory
 from mnft.setup import playbook as pb
 from mnft.hosts.command import Command
 from mnft.core.errors import ExitCode, InputError
@@ -71,7 +72,7 @@ def test_only_selects_by_step_name_or_tag_and_rejects_unknown():
         book.select(["firewal"])
 
 
-def inv(tmp_path: Path, **extra) -> inventory.Inventory:
+def inv(tmp_path: Path, **extra) -> Inventory:
     identity = tmp_path / "id_ed25519"
     (tmp_path / "id_ed25519.pub").write_text(KEY)
     text = f"vars:\n  identity: {identity}\nhosts:\n  h1:\n    address: 10.0.0.11\n  h2:\n    address: 10.0.0.12\n"

@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 
 from mnft.hosts import inventory, pyrun
-from mnft.run import agent, control, launch, logs, records, train
+from mnft.run import agent, control, launch, logs, progress, records, rerun
 from mnft.core.errors import ExitCode, InputError
 from mnft.run.gang import split_rank
 from mnft.run.launch import LaunchOptions
@@ -82,7 +82,7 @@ PREVIOUS = {
 
 
 def test_resume_reuses_the_previous_hosts_overrides_and_env_names():
-    reused = train.reuse_previous(PREVIOUS, hosts=None, overrides=(), env=(), env_files=())
+    reused = rerun.reuse_previous(PREVIOUS, hosts=None, overrides=(), env=(), env_files=())
     assert reused.hosts == "/lab/inv.yaml" and reused.run_id == PREVIOUS["run_id"]
     assert reused.job.extra_args == ("max_steps=400", "save_every=4")
     assert reused.env == ("WANDB_API_KEY", "MODE=fast") and reused.env_files == ("/lab/secrets.env",)
@@ -92,13 +92,13 @@ def test_resume_reuses_the_previous_hosts_overrides_and_env_names():
 
 def test_resume_does_not_reuse_overwrite_or_resume_which_would_refuse_or_restart_the_run():
     previous = {**PREVIOUS, "overrides": ["max_steps=400", "overwrite=true", "resume=none"]}
-    reused = train.reuse_previous(previous, hosts=None, overrides=(), env=(), env_files=())
+    reused = rerun.reuse_previous(previous, hosts=None, overrides=(), env=(), env_files=())
     assert reused.job.extra_args == ("max_steps=400",)
     assert reused.notes[-1] == "(not overwrite=true resume=none: a resume continues from the latest checkpoint)"
 
 
 def test_resume_explicit_flags_win_and_overrides_merge_by_key():
-    reused = train.reuse_previous(PREVIOUS, hosts="/lab/other.yaml", overrides=("max_steps=12",), env=("MODE=slow",), env_files=())
+    reused = rerun.reuse_previous(PREVIOUS, hosts="/lab/other.yaml", overrides=("max_steps=12",), env=("MODE=slow",), env_files=())
     assert reused.hosts == "/lab/other.yaml"
     assert reused.job.extra_args == ("save_every=4", "max_steps=12")
     assert reused.env == ("WANDB_API_KEY", "MODE=slow")
@@ -109,9 +109,9 @@ def test_resume_and_default_run_skip_runs_that_never_started(tmp_path, monkeypat
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
     records.RunRecord.create("20260101-000000-aaaa", state="failed", launched=True)
     records.RunRecord.create("20260101-000001-bbbb", state="refused", launched=False)
-    assert train.previous_run(None).run_id == "20260101-000000-aaaa"
+    assert rerun.previous_run(None).run_id == "20260101-000000-aaaa"
     assert records.load(None).run_id == "20260101-000001-bbbb"  # without a preference: simply the latest
-    assert train.previous_run("20260101-000001-bbbb").run_id == "20260101-000001-bbbb"  # named: that one
+    assert rerun.previous_run("20260101-000001-bbbb").run_id == "20260101-000001-bbbb"  # named: that one
 
 
 def test_the_agent_does_not_replay_a_resumed_jobs_old_metrics(tmp_path):
@@ -210,7 +210,7 @@ def test_an_exit_code_the_job_declares_resumable_is_recorded_as_such(tmp_path, m
 def test_a_job_without_metrics_shows_its_time_and_last_line():
     out = io.StringIO()
     clock = Clock()
-    display = train.Display(Console(file=out, force_terminal=False, width=200), 8, every_s=30.0, clock=clock)
+    display = progress.Display(Console(file=out, force_terminal=False, width=200), 8, every_s=30.0, clock=clock)
     display.line("h1", 0, "loading shards")
     display.tick()
     clock.now = 31.0
@@ -246,7 +246,7 @@ class Clock:
 def test_without_a_terminal_the_progress_line_is_printed_every_n_steps_or_seconds():
     out = io.StringIO()
     clock = Clock()
-    display = train.Display(Console(file=out, force_terminal=False, width=200), 8, every_steps=10, every_s=30.0, clock=clock)
+    display = progress.Display(Console(file=out, force_terminal=False, width=200), 8, every_steps=10, every_s=30.0, clock=clock)
     for step in range(1, 26):
         clock.now = step * 1.0
         display.metric({"step": step, "loss": 1.0 / step, "tokens_per_s": 100.0, "skipped_steps": 0})

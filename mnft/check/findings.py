@@ -8,7 +8,7 @@ from typing import Any
 
 from mnft.core.errors import ExitCode, InputError
 from mnft.hosts.fleet import HostResult, Status
-from mnft.hosts.inventory import Inventory
+from mnft.hosts.settings import Inventory
 
 GIB = 1024**3
 

@@ -15,7 +15,7 @@ from mnft.hosts import pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Results, Status
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 
 
 

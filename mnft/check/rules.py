@@ -8,7 +8,7 @@ from typing import Any
 
 from mnft.env.diff import compare
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 
 
 

@@ -38,7 +38,7 @@ def _mnft_errors(fn):
 
 def _inventory(hosts: str | None):
     from mnft.hosts import inventory
-    from mnft.env.provision import effective
+    from mnft.env.record import effective
 
     return effective(inventory.load(hosts or DEFAULT_INVENTORY))  # a provisioned host uses its environment's python
 
@@ -139,7 +139,7 @@ def _record_fleet(run, hosts):
     from mnft.run import records
     from mnft.core.errors import InputError
     from mnft.hosts.fleet import Fleet
-    from mnft.run.train import from_snapshot, launched
+    from mnft.run.rerun import from_snapshot, launched
 
     record = records.load(run, launched)
     if not launched(record.data):
@@ -206,7 +206,7 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
 
     overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
     if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
-        from mnft.run.train import previous_run, reuse_previous
+        from mnft.run.rerun import previous_run, reuse_previous
 
         if job or entry or recipe:
             raise InputError("--resume continues the recorded job: leave out --recipe, --job and the script (start a new run to change them)")
@@ -365,7 +365,8 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     Exit codes: 0 every host matches the lock, 1 a host failed (it keeps its previous environment), 2 bad input
     (nothing changed on any host), 4 a host unreachable or its key rejected.
     """
-    from mnft.env.provision import ProvisionOptions, print_report, print_table, provision as run
+    from mnft.env.provision import ProvisionOptions, provision as run
+    from mnft.env.report import print_report, print_table
     from mnft.core.output import console, plain
 
     options = ProvisionOptions(lock=Path(lock) if lock else None, src=Path(src) if src else None, dry_run=dry_run, rollback=rollback,

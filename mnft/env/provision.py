@@ -5,7 +5,7 @@ Read state → plan → apply, as everywhere in mnft:
 * facts (one round-trip per host, `mnft.env.envhost` shipped to the host's base Python): the Pythons it has, CPU
   arch, libc, free disk, the environment now at its `venv` (installed distributions read from metadata), the
   wheels it already holds, whether `invoke setup`'s SSH mesh is there;
-* plan (pure, `plan_host`): per host nothing / build a new environment (what is installed, upgraded, removed) /
+* plan (pure, `mnft.env.plan`): per host nothing / build a new environment (what is installed, upgraded, removed) /
   refused (no such Python, not mnft's directory) / skipped (unreachable). Every refusal is bad input: exit 2
   before anything changes on any host, as are a package without a wheel for a host's platform and a disk too
   small for what would be copied and unpacked;
@@ -20,6 +20,8 @@ The controller records, per host, the environment it provisioned (`$MNFT_HOME/pr
 
 from __future__ import annotations
 
+
+
 import hashlib
 import json
 import os
@@ -28,7 +30,7 @@ import re
 import secrets
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -36,18 +38,19 @@ from mnft.env import envhost, lockfile
 from mnft.hosts import pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
-from mnft.env.diff import Changes, EnvDiff, against_lock, fingerprint
-from mnft.core.errors import ExitCode, InputError
+from mnft.env.diff import against_lock, fingerprint
+from mnft.core.errors import InputError
 from mnft.hosts.fleet import Fleet, HostResult, Status
-from mnft.hosts.hostkeys import mnft_home
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.env.lockfile import Lock, Pin
 from mnft.core.output import fmt_size
 from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
+from mnft.env.plan import HostPlan, choose_python, disk_needed, env_state, plan_host, plan_rollback
+from mnft.env.record import base_python, effective, env_python, host_key, host_root, save_state
+from mnft.env.report import HostOutcome, ProvisionReport
 
 FACTS_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
-DISK_MARGIN = 64 * 1024**2  # bytes kept free beyond what the copy and the unpacked environment take
 
 
 @dataclass(frozen=True)
@@ -80,144 +83,7 @@ def _is_minor(text: str) -> bool:
 # ------------------------------------------------------------------------------------------------ plan (pure)
 
 
-@dataclass
-class HostPlan:
-    host: str
-    action: str  # none | install | rollback | refuse | skip
-    reason: str = ""
-    python: str | None = None  # the base interpreter the environment is built from
-    python_version: str | None = None  # its full version
-    platform: Platform | None = None
-    pins: tuple[Pin, ...] = ()
-    diff: EnvDiff = field(default_factory=EnvDiff)  # the environment now against the lock
-    changes: Changes = field(default_factory=Changes)
-
-
-def choose_python(facts: Mapping[str, Any], minor: str) -> dict | None:
-    """The first Python of the wanted X.Y (CPython) the host has: the inventory's first, then pythonX.Y."""
-    for candidate in facts.get("pythons") or []:
-        if candidate.get("found") and candidate.get("implementation") == "cpython" and str(candidate.get("version", "")).startswith(minor + "."):
-            return candidate
-    return None
-
-
-def env_state(facts: Mapping[str, Any]) -> tuple[str | None, dict[str, str]]:
-    """(Python version, installed name -> version) of the host's current environment (none: (None, {}))."""
-    env = facts.get("env") or {}
-    if not env.get("exists") or env.get("dists") is None:
-        return None, {}
-    return env.get("python"), dict(env["dists"])
-
-
-def plan_host(host: Host, outcome: HostResult | None, facts: Mapping[str, Any] | None, lock: Lock, minor: str) -> HostPlan:
-    """What provisioning does on one host. Pure: its facts and the lock in, an action out."""
-    if facts is None:
-        return HostPlan(host.name, "skip", (outcome.error if outcome is not None else "") or "no facts")
-    if host.venv is None:
-        return HostPlan(host.name, "refuse", f"host {host.name}: 'venv' is none in the inventory: it is not provisioned")
-    env = facts.get("env") or {}
-    if env.get("exists") and not env.get("managed"):
-        return HostPlan(host.name, "refuse", f"host {host.name}: {env.get('path')} exists and is not an environment mnft made: "
-                                             "move it away or set 'venv' in the inventory to another path")
-    chosen = choose_python(facts, minor)
-    if chosen is None:
-        tried = ", ".join(f"{c.get('name')} ({c.get('version') or 'not found'})" for c in facts.get("pythons") or [])
-        return HostPlan(host.name, "refuse", f"host {host.name} has no Python {minor} (tried: {tried}): install python{minor} there "
-                                             f"or set 'python' in the inventory to one")
-    plat = Platform(minor, facts.get("arch") or "", (facts.get("libc") or {}).get("libc"), (facts.get("libc") or {}).get("version"))
-    pins = lock.pins_for(lockfile.marker_environment(chosen["version"], plat.arch))
-    env_python, installed = env_state(facts)
-    diff = against_lock(installed, pins)
-    if env_python and ".".join(env_python.split(".")[:2]) != minor:
-        diff = replace(diff, python=(".".join(env_python.split(".")[:2]), minor))
-    base = HostPlan(host.name, "none", python=chosen["path"], python_version=chosen["version"], platform=plat, pins=pins, diff=diff,
-                    changes=Changes.of(diff))
-    if env.get("exists") and env.get("complete") and diff.empty:
-        base.reason = "matches the lock"
-        return base
-    base.action = "install"
-    base.reason = "no environment yet" if not env.get("exists") else ("incomplete environment" if not env.get("complete") else "differs from the lock")
-    return base
-
-
-def plan_rollback(host: Host, outcome: HostResult | None, facts: Mapping[str, Any] | None) -> HostPlan:
-    if facts is None:
-        return HostPlan(host.name, "skip", (outcome.error if outcome is not None else "") or "no facts")
-    previous = facts.get("previous") or {}
-    if not previous.get("complete"):
-        return HostPlan(host.name, "refuse", f"host {host.name}: no previous environment to roll back to")
-    return HostPlan(host.name, "rollback", f"back to {os.path.basename(previous.get('target') or '')}")
-
-
-def disk_needed(wheels: Mapping[str, Wheel], held: Mapping[str, int], uv_size: int, uv_held: bool) -> int:
-    """Bytes a host needs free: the wheels it does not hold yet, uv, and the unpacked environment."""
-    sending = sum(w.size for w in wheels.values() if held.get(w.file) != w.size) + (0 if uv_held else uv_size)
-    return sending + sum(w.unpacked for w in wheels.values()) + DISK_MARGIN
-
-
 # ------------------------------------------------------------------------------------------------ the controller's record
-
-
-def state_path() -> Path:
-    return mnft_home() / "provision" / "hosts.json"
-
-
-def host_key(host: Host) -> str:
-    """Whose record: the SSH target (user@address:port), or local:<name> for a local host."""
-    if host.is_local:
-        return f"local:{host.name}"
-    return f"{host.user or ''}@{host.address}:{host.port or 22}"
-
-
-def load_state() -> dict[str, dict]:
-    try:
-        data = json.loads(state_path().read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{state_path()}: cannot read mnft's provision record ({exc}): delete it and run invoke provision again") from None
-    return data if isinstance(data, dict) else {}
-
-
-def save_state(updates: Mapping[str, dict | None]) -> None:
-    path = state_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = load_state()
-    for key, value in updates.items():
-        if value is None:
-            data.pop(key, None)
-        else:
-            data[key] = value
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def host_root(venv: str) -> str:
-    """mnft's directory beside the environment link, as the host spells it (`~/mnft-env` -> `~/mnft-env.d`)."""
-    return venv.rstrip("/") + ".d"
-
-
-def env_python(venv: str) -> str:
-    return venv.rstrip("/") + "/bin/python"
-
-
-def effective(inventory: Inventory, state: Mapping[str, dict] | None = None) -> Inventory:
-    """The inventory with each provisioned host's `python` set to its environment's interpreter (the host's
-    own `python` kept as `base_python`, the one environments are built from). A host whose `venv` changed since,
-    or is none, keeps its `python`."""
-    state = load_state() if state is None else state
-    hosts = []
-    for host in inventory.hosts:
-        record = state.get(host_key(host))
-        if host.venv is not None and host.base_python is None and record and record.get("venv") == host.venv:
-            host = replace(host, python=env_python(host.venv), base_python=host.python)
-        hosts.append(host)
-    return replace(inventory, hosts=tuple(hosts))
-
-
-def base_python(host: Host) -> str:
-    return host.base_python or host.python
 
 
 # ------------------------------------------------------------------------------------------------ reading
@@ -266,69 +132,6 @@ def wanted_python(lock: Lock, options: ProvisionOptions, inventory: Inventory, f
 
 
 # ------------------------------------------------------------------------------------------------ report
-
-
-@dataclass
-class HostOutcome:
-    host: str
-    status: str  # ok | changed | would-change | rolled-back | failed | unreachable | host-key-rejected | refused
-    action: str = "none"
-    error: str = ""
-    before: EnvDiff | None = None
-    after: EnvDiff | None = None
-    changes: Changes = field(default_factory=Changes)
-    python: str | None = None
-    env: str | None = None  # the environment directory in use after the run
-    fingerprint: str | None = None
-    via: str = ""  # who sent the wheels: controller / a peer
-    controller_bytes: int = 0
-    seconds: float = 0.0
-    notes: list[str] = field(default_factory=list)
-
-    def to_json(self) -> dict:
-        return {
-            "status": self.status, "action": self.action, "error": self.error or None,
-            "before": self.before.to_json() if self.before else None, "after": self.after.to_json() if self.after else None,
-            "install": self.changes.install, "upgrade": self.changes.upgrade, "remove": self.changes.remove,
-            "python": self.python, "env": self.env, "fingerprint": self.fingerprint, "via": self.via or None,
-            "controller_bytes": self.controller_bytes, "seconds": self.seconds, "notes": self.notes,
-        }
-
-
-@dataclass
-class ProvisionReport:
-    inventory: Inventory
-    lock: Lock | None
-    python: str | None
-    hosts: dict[str, HostOutcome]
-    dry_run: bool = False
-    rollback: bool = False
-    relay: bool = False
-    wheelhouse_bytes: int = 0  # the wheels (and uv) sent to the hosts, once
-    controller_bytes: int = 0  # what the controller's rsyncs sent in all
-    seconds: float = 0.0
-
-    @property
-    def changed(self) -> int:
-        return sum(1 for o in self.hosts.values() if o.status in ("changed", "rolled-back"))
-
-    def exit_code(self) -> ExitCode:
-        statuses = [o.status for o in self.hosts.values()]
-        if any(s in ("unreachable", "host-key-rejected") for s in statuses):
-            return ExitCode.UNREACHABLE
-        if any(s == "failed" for s in statuses):
-            return ExitCode.FAILED
-        return ExitCode.OK
-
-    def to_json(self) -> dict:
-        return {
-            "inventory": str(self.inventory.path) if self.inventory.path else None,
-            "lock": str(self.lock.path) if self.lock else None, "lock_sha256": self.lock.digest if self.lock else None,
-            "python": self.python, "dry_run": self.dry_run, "rollback": self.rollback, "relay": self.relay,
-            "changed": self.changed, "wheelhouse_bytes": self.wheelhouse_bytes, "controller_bytes": self.controller_bytes,
-            "seconds": self.seconds, "exit_code": int(self.exit_code()),
-            "hosts": {name: o.to_json() for name, o in self.hosts.items()},
-        }
 
 
 # ------------------------------------------------------------------------------------------------ the whole run
@@ -649,55 +452,3 @@ def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float
 # ------------------------------------------------------------------------------------------------ printing
 
 
-def print_table(title: str, hosts: Mapping[str, HostOutcome], report: ProvisionReport, out=None) -> None:
-    """One row per host: status, Python, environment fingerprint, how it differs from the lock."""
-    from rich.table import Table
-    from rich.text import Text
-
-    from mnft.core.output import console, plain, status_text
-
-    out = out or console()
-    table = Table(title=plain(title))
-    for col in ("host", "status", "python", "env", "differs from the lock"):
-        table.add_column(col)
-    for name, o in hosts.items():
-        diff = o.after if o.after is not None else o.before
-        if o.error:
-            detail = Text(o.error, style="red")
-        elif diff is None:
-            detail = Text("-", style="dim")
-        elif diff.empty:
-            detail = Text("identical", style="green")
-        else:
-            detail = plain(diff.describe("lock"), style="yellow")
-        table.add_row(plain(name), status_text(o.status), plain(o.python), plain(o.fingerprint[:12] if o.fingerprint else None), detail)
-    out.print(table)
-
-
-def print_report(report: ProvisionReport, as_json: bool, out=None) -> None:
-    from mnft.core.output import console, plain, print_json
-
-    if as_json:
-        print_json(report.to_json())
-        return
-    out = out or console()
-    if report.dry_run:
-        for name, o in report.hosts.items():
-            if o.status == "would-change":
-                c = o.changes
-                parts = [f"install {', '.join(c.install)}" if c.install else "", f"upgrade {', '.join(c.upgrade)}" if c.upgrade else "",
-                         f"remove {', '.join(c.remove)}" if c.remove else ""]
-                out.print(plain(f"{name}: would build a new environment: " + ("; ".join(p for p in parts if p) or "rebuild (incomplete)")))
-        out.print(plain(f"dry run: {sum(o.status == 'would-change' for o in report.hosts.values())} host(s) would change; nothing was changed"))
-        return
-    quiet = not report.rollback and report.changed == 0 and report.exit_code() == ExitCode.OK  # the "before" table said it all
-    if not quiet:
-        print_table("rollback" if report.rollback else "after", report.hosts, report, out)
-    for name, o in report.hosts.items():
-        for note in o.notes:
-            out.print(plain(f"{name}: {note}", style="dim"))
-    if not report.rollback and report.changed == 0 and report.exit_code() == ExitCode.OK:
-        out.print(plain(f"nothing to do: every host's environment matches {report.lock.path.name if report.lock else 'the lock'} (0 changed, {report.seconds:.2f}s)", style="green"))
-    elif not report.rollback:
-        sent = f"; the controller sent {fmt_size(report.controller_bytes)} for a wheelhouse of {fmt_size(report.wheelhouse_bytes)}" if report.wheelhouse_bytes else ""
-        out.print(plain(f"{report.changed} host(s) changed in {report.seconds:.1f}s" + (" (relayed over the mesh)" if report.relay else "") + sent))

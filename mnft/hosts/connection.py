@@ -27,7 +27,7 @@ import paramiko
 
 from mnft.core.errors import InputError
 from mnft.hosts.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 
 # paramiko's transport thread logs what it raises (e.g. "Error reading SSH protocol banner" from a port that is
 # not SSH) with a traceback through Python's last-resort handler; mnft reports the same failure as one row

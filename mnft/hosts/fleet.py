@@ -35,7 +35,7 @@ from mnft.hosts.connection import (
 )
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.hostkeys import known_hosts_files, load_trusted
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 
 TAIL_LINES = 8
 

@@ -12,7 +12,7 @@ from typing import Mapping
 
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import HostResult, Status
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 
 BOOTSTRAP = (
     "import sys;n=int(sys.stdin.buffer.readline());s=sys.stdin.buffer.read(n);"

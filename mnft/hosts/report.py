@@ -11,7 +11,7 @@ from mnft.core.output import console, plain, print_json, status_text
 from mnft.hosts.connection import Timeouts, fabric_connection, ssh_target
 from mnft.hosts.fleet import Results
 from mnft.hosts.hostkeys import TrustResult
-from mnft.hosts.inventory import Inventory
+from mnft.hosts.settings import Inventory
 
 
 def effective_settings(inventory: Inventory) -> list[dict[str, Any]]:

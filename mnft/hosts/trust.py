@@ -26,7 +26,7 @@ from mnft.hosts.hostkeys import (
     record,
     recorded_types,
 )
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 
 
 def trust_hosts(inventory: Inventory, timeouts: Timeouts = Timeouts(), dry_run: bool = False) -> list[TrustResult]:

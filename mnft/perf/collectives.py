@@ -22,7 +22,7 @@ from typing import Callable
 from mnft.hosts import pyrun
 from mnft.hosts.connection import CommandTimeout, Process, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.perf import torchlaunch
 
 ENTRY = Path(__file__).with_name("allreduce.py")  # shipped, never imported here: it imports torch (seconds)

@@ -18,7 +18,7 @@ from mnft.check.findings import CheckReport
 from mnft.check.rules import ipv4_of
 from mnft.hosts.connection import Process
 from mnft.hosts.fleet import Fleet
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.perf import linkagent
 from mnft.perf.schedule import round_robin
 

@@ -33,7 +33,7 @@ from rich.console import Console
 from mnft.hosts import pyrun
 from mnft.core.errors import ExitCode, MnftError
 from mnft.hosts.fleet import Fleet, Status
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.run.job import ResumeRule
 from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
 from mnft.sync.mirror import hash_command, hash_stdin

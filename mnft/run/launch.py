@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mnft.hosts.command import REDACTED, check_env_name, is_secret_name
 from mnft.core.errors import InputError
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 
 # torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)

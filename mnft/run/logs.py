@@ -20,7 +20,7 @@ from mnft.run.control import job_of, rank_offset, write_back
 from mnft.core.errors import ExitCode
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.core.output import fmt_loss
 
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)

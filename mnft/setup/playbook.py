@@ -33,7 +33,7 @@ from mnft.core.errors import ExitCode, InputError
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.connection import Timeouts
 from mnft.core import yamlfile
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.core.yamlfile import suggest
 from mnft.setup.steps import STEPS, USES_ADDRESSES
 from mnft.setup.steps.base import (

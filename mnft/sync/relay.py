@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Sequence
 
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet, Status
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.sync.rsync import SshSettings, classify, remote_spec, run_rsync, ssh_command
 from mnft.sync.targets import normalize_target
 

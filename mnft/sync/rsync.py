@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from mnft.core.errors import InputError
 from mnft.hosts.fleet import Status
 from mnft.hosts.hostkeys import SYSTEM_KNOWN_HOSTS, known_hosts_files
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.sync.targets import normalize_target
 
 

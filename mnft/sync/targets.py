@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 
 from mnft.core.errors import InputError
-from mnft.hosts.inventory import Inventory
+from mnft.hosts.settings import Inventory
 
 
 # Targets that --delete must never mirror into. The home itself and `/` are refused in any spelling; these

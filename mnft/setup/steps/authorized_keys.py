@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 from mnft.core.errors import InputError
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.setup.steps import blocks
 from mnft.setup.steps.base import Context, Outcome, Param, Plan, first_error, standard, write_op
 

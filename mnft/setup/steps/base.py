@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 from mnft.hosts import pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet, HostResult, Status
-from mnft.hosts.inventory import Host, Inventory
+from mnft.hosts.settings import Host, Inventory
 from mnft.setup.steps import remote
 
 REMOTE_TIMEOUT = 60.0

@@ -27,7 +27,7 @@ import fabric
 
 from mnft.hosts.connection import Timeouts, Unreachable, HostKeyRejected, CommandTimeout, open_connection
 from mnft.hosts.hostkeys import known_hosts_files
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.setup.steps.base import CHANGED, FAILED, Context, Outcome, Param, Plan, first_error, standard
 
 TAGS = ("firewall",)

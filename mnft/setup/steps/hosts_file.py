@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.setup.steps import blocks
 from mnft.setup.steps.base import FAILED, Context, Outcome, Param, Plan, first_error, standard, write_op
 

@@ -27,7 +27,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.setup.steps import blocks
 from mnft.setup.steps.base import CHANGED, FAILED, OK, Context, Outcome, Param, Plan, apply_plans, first_error, read_all, write_op
 

@@ -11,7 +11,7 @@ Undo removes only the ports mnft added. Needs root.
 
 from __future__ import annotations
 
-from mnft.hosts.inventory import Host
+from mnft.hosts.settings import Host
 from mnft.setup.steps.base import FAILED, Context, Outcome, Param, Plan, first_error, standard, write_op
 
 TAGS = ("ports",)

@@ -1,0 +1,278 @@
+"""One host's settings: the keys, their defaults and how each value is validated; the `Host` and `Inventory`
+values every other module reads. Validation is whole: a value that reaches a command, ~/.ssh/config or
+/etc/hosts (a name, an address, an interface) is checked here, with the file and line it came from.
+"""
+
+from __future__ import annotations
+
+import getpass
+import re
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Iterable
+
+from mnft.core.errors import InputError
+from mnft.core.yamlfile import line_of, suggest
+
+DEFAULT_RENDEZVOUS_PORT = 29500
+CONNECTIONS = ("ssh", "local")
+
+# Per-host settings, their defaults, and how a value is checked. `None` means "not set": ssh config or the
+# runtime decides (user -> ~/.ssh/config or the current user, iface -> detected from the route to the master).
+HOST_DEFAULTS: dict[str, Any] = {
+    "address": None,
+    "user": None,
+    "port": None,
+    "identity": None,
+    "python": "python3",
+    "slots": 1,
+    "iface": None,
+    "workdir": "~/mnft",
+    "data_dir": "~/mnft-data",
+    "connection": "ssh",
+    "shared_fs": False,
+    "become": False,
+    "venv": "~/mnft-env",  # where `invoke provision` keeps the environment (a link); "none": never provisioned
+    "spare": False,  # checked and synced with the others, but trains only when `train --max-restarts` replaces a lost host
+}
+HOST_KEYS = tuple(HOST_DEFAULTS)
+# `perf:` (mnft YAML) / `mnft_perf` (Ansible all vars): thresholds and absolute floors of `invoke check --perf`
+PERF_KEYS = ("link_ratio", "compute_ratio", "rtt_ratio", "busbw_ratio", "min_link_gbps", "min_busbw_gbps", "min_tflops", "max_rtt_ms")
+
+
+@dataclass(frozen=True)
+class Host:
+    """One host of the job, as the inventory says it (values not given are None or the default)."""
+
+    name: str
+    rank: int
+    address: str
+    user: str | None = None
+    port: int | None = None
+    identity: str | None = None
+    python: str = "python3"
+    slots: int = 1
+    iface: str | None = None
+    workdir: str = "~/mnft"
+    data_dir: str = "~/mnft-data"
+    connection: str = "ssh"
+    shared_fs: bool = False
+    become: bool = False
+    venv: str | None = "~/mnft-env"
+    base_python: str | None = None  # set when `python` is the provisioned environment's: the inventory's own python
+    spare: bool = False
+
+    @property
+    def is_local(self) -> bool:
+        return self.connection == "local"
+
+    def settings(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(frozen=True)
+class Inventory:
+    path: Path | None
+    format: str  # "mnft" | "ansible" | "hostfile"
+    hosts: tuple[Host, ...]
+    master_name: str
+    known_hosts: Path | None = None
+    rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT
+    ignored: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> user vars mnft does not use
+    perf: dict[str, float] = field(default_factory=dict)  # check --perf thresholds and floors (PERF_KEYS)
+
+    @property
+    def master(self) -> Host:
+        return self.host(self.master_name)
+
+    def host(self, name: str) -> Host:
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        raise KeyError(name)
+
+    @property
+    def world_size(self) -> int:
+        return sum(h.slots for h in self.hosts)
+
+    def only(self, names: Iterable[str]) -> "Inventory":
+        wanted = set(names)
+        return replace(self, hosts=tuple(h for h in self.hosts if h.name in wanted))
+
+    @property
+    def spares(self) -> tuple[Host, ...]:
+        return tuple(h for h in self.hosts if h.spare)
+
+    def gang(self, names: Iterable[str] | None = None) -> "Inventory":
+        """The hosts that train, in this order (default: every host but the spares), each ranked by its position
+        here; the master stays when it is one of them, else the first takes its place."""
+        order = list(names) if names is not None else [h.name for h in self.hosts if not h.spare]
+        hosts = tuple(replace(self.host(n), rank=i) for i, n in enumerate(order))
+        master = self.master_name if self.master_name in order else order[0]
+        return replace(self, hosts=hosts, master_name=master)
+
+
+def build(
+    raw: list[tuple[str, dict, dict]],
+    path: Path | None,
+    where: str,
+    fmt: str,
+    *,
+    master: Any,
+    known_hosts: Any,
+    rendezvous_port: Any,
+) -> Inventory:
+    hosts = []
+    seen_names: set[str] = set()
+    seen_targets: dict[tuple, str] = {}
+    for rank, (name, settings, own) in enumerate(raw):
+        if name in seen_names:
+            raise InputError(f"{where}: host {name!r}: duplicate host")
+        seen_names.add(name)
+        host = validate_host(name, rank, settings, own, where)
+        target = (host.address, host.port or 22, host.user) if not host.is_local else ("local", host.name)
+        if target in seen_targets:
+            raise InputError(
+                f"{where}: host {name!r}: duplicate host: same address, port and user as {seen_targets[target]!r}"
+            )
+        seen_targets[target] = name
+        hosts.append(host)
+    if master is None:
+        master_name = next((h.name for h in hosts if not h.spare), hosts[0].name)
+    elif str(master) in seen_names:
+        master_name = str(master)
+    else:
+        raise InputError(f"{where}: key 'master': {master!r} is not a host of this inventory{suggest(str(master), seen_names)}")
+    if all(h.spare for h in hosts):
+        raise InputError(f"{where}: every host is a spare (spare: true): at least one must train")
+    if next(h for h in hosts if h.name == master_name).spare:
+        raise InputError(f"{where}: key 'master': {master_name!r} is a spare; the master trains from the start (set spare: false, or choose another master)")
+    port = port_number(rendezvous_port, where, "inventory", "rendezvous_port")
+    kh = None
+    if known_hosts is not None:
+        if not isinstance(known_hosts, str) or not known_hosts:
+            raise InputError(f"{where}: key 'known_hosts': expected a file path, got {known_hosts!r}")
+        kh = Path(known_hosts).expanduser()
+        if not kh.is_absolute() and path is not None:
+            kh = path.parent / kh
+    return Inventory(path, fmt, tuple(hosts), master_name, kh, port)
+
+
+def port_number(value: Any, where: str, what: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)")
+    try:
+        port = int(value)
+    except ValueError:
+        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)") from None
+    if not 1 <= port <= 65535:
+        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)")
+    return port
+
+
+# A host name is a label, but it also becomes a `Host` line of ssh_config and a name in /etc/hosts: a DNS name
+# or alias, nothing ssh_config reads as a pattern (`*`, `?`, `!`), no white space or quotes, no leading '-'.
+HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}$")
+
+# An address is a host name or an IPv4/IPv6 address (an IPv6 zone such as fe80::1%eth0 included).
+ADDRESS = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%-]{0,252}$")
+
+# Processes per node: GPUs per server (8, 16) or CPU processes; beyond this a value is a typo, not a machine.
+MAX_SLOTS = 1024
+
+# A Linux interface name (IFNAMSIZ: at most 15 characters): it is written into nftables rules loaded as root.
+IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
+
+
+def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -> Host:
+    what = f"host {name!r}"
+    line = line_of(own)
+    loc = f"{where}{line}"
+    if not HOST_NAME.match(name):
+        raise InputError(
+            f"{loc}: {what}: not a valid host name (letters, digits, '.', '_', '-', not starting with '-'; "
+            f"no white space, quotes, shell or ssh_config pattern characters)"
+        )
+    values = {**HOST_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
+
+    def at(key: str) -> str:  # file:line where the key's value was set, else of the host
+        return f"{where}{line_of(own, key) if key in getattr(own, 'key_lines', {}) else line}"
+
+    def text(key: str, allow_none: bool = True) -> str | None:
+        value = values[key]
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
+            raise InputError(f"{loc}: {what}: key {key!r}: expected text, got {value!r}")
+        if "\n" in str(value) or "\x00" in str(value):
+            raise InputError(f"{loc}: {what}: key {key!r}: must be a single line")
+        return str(value)
+
+    def flag(key: str) -> bool:
+        value = values[key]
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("yes", "true", "no", "false"):
+            return value.lower() in ("yes", "true")
+        raise InputError(f"{loc}: {what}: key {key!r}: expected true or false, got {value!r}")
+
+    connection = values["connection"]
+    if connection not in CONNECTIONS:
+        raise InputError(f"{at('connection')}: {what}: key 'connection': unknown connection type {connection!r} (use one of: {', '.join(CONNECTIONS)})")
+    slots = values["slots"]
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise InputError(f"{at('slots')}: {what}: key 'slots': {slots!r} must be a whole number from 1 to {MAX_SLOTS} (processes on this node)")
+    port = None if values["port"] is None else port_number(values["port"], at("port"), what, "port")
+    address = text("address") or name
+    if address.startswith("-"):
+        raise InputError(f"{at('address')}: {what}: key 'address': {address!r} must not start with '-'")
+    if not ADDRESS.match(address):
+        raise InputError(f"{at('address')}: {what}: key 'address': {address!r} is not a host name or IP address")
+    iface = text("iface")
+    if iface is not None and not IFACE.match(iface):
+        raise InputError(f"{at('iface')}: {what}: key 'iface': {iface!r} is not a network interface name (at most 15 of A-Z a-z 0-9 _ . : @ -)")
+    user = text("user")
+    venv = values["venv"]
+    if venv is False or (isinstance(venv, str) and venv.strip().lower() in ("none", "false", "no")):
+        venv = None
+    else:
+        venv = text("venv", allow_none=False)
+        if not (venv.startswith("/") or venv.startswith("~/")) or venv.rstrip("/") in ("", "~"):
+            raise InputError(f"{at('venv')}: {what}: key 'venv': {venv!r} must be an absolute path or start with '~/' (or be none)")
+    if connection == "local":
+        address = "localhost" if values["address"] is None else address
+        user = user or getpass.getuser()
+    return Host(
+        name=name,
+        rank=rank,
+        address=address,
+        user=user,
+        port=port,
+        identity=text("identity"),
+        python=text("python", allow_none=False) or "python3",
+        slots=slots,
+        iface=iface,
+        workdir=text("workdir", allow_none=False) or "~/mnft",
+        data_dir=text("data_dir", allow_none=False) or "~/mnft-data",
+        connection=connection,
+        shared_fs=flag("shared_fs"),
+        become=flag("become"),
+        venv=venv,
+        spare=flag("spare"),
+    )
+
+
+def perf_thresholds(value: Any, where: str, key: str) -> dict[str, float]:
+    """The perf check's thresholds: a mapping of PERF_KEYS to numbers > 0 (None: the defaults)."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: key {key!r}: expected a mapping of {', '.join(PERF_KEYS)}")
+    out = {}
+    for name, number in value.items():
+        if name not in PERF_KEYS:
+            raise InputError(f"{where}: key {key!r}: unknown key {name!r}{suggest(str(name), PERF_KEYS)} (known: {', '.join(PERF_KEYS)})")
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or number != number or number <= 0:
+            raise InputError(f"{where}: key {key}.{name}: {number!r} must be a number > 0")
+        out[str(name)] = float(number)
+    return out

@@ -1,0 +1,92 @@
+"""A run started again from its record: the inventory snapshot a run keeps (so `status`, `stop` and `logs` of an
+old run reach the hosts it ran on), and `--resume`'s choice of the run it continues and of the settings it reuses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from mnft.core.errors import InputError
+from mnft.hosts.settings import Host, Inventory
+from mnft.run import records
+from mnft.run.control import job_of
+from mnft.run.job import Job, parse_overrides
+
+
+def snapshot(inventory: Inventory) -> dict[str, Any]:
+    return {
+        "path": str(inventory.path) if inventory.path else None,
+        "format": inventory.format,
+        "master": inventory.master_name,
+        "known_hosts": str(inventory.known_hosts) if inventory.known_hosts else None,
+        "rendezvous_port": inventory.rendezvous_port,
+        "hosts": [h.settings() for h in inventory.hosts],
+    }
+
+
+def from_snapshot(data: dict[str, Any]) -> Inventory:
+    return Inventory(
+        Path(data["path"]) if data.get("path") else None,
+        data["format"],
+        tuple(Host(**h) for h in data["hosts"]),
+        data["master"],
+        Path(data["known_hosts"]) if data.get("known_hosts") else None,
+        data["rendezvous_port"],
+    )
+
+
+def launched(data: dict) -> bool:
+    """A record of a run that was started on the hosts (not one refused by the check or stopped by sync)."""
+    return bool(data.get("launched", data.get("state") in ("running", "succeeded", "failed", "stopped", "resumable")))
+
+
+@dataclass(frozen=True)
+class Reuse:
+    run_id: str
+    hosts: str | None
+    job: Job
+    env: tuple[str, ...]
+    env_files: tuple[str, ...]
+    notes: tuple[str, ...]
+
+
+NOT_REUSED = frozenset({"overwrite", "resume"})  # they decide how a run starts, and a resume starts from its checkpoint
+
+
+def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, ...], env: tuple[str, ...],
+                   env_files: tuple[str, ...]) -> Reuse:
+    """--resume: the previous run's job, hosts file and env names, unless given again (explicit flags win; a
+    recipe's overrides merge by key). Pure: the previous run.json's data in, the values to use and what was
+    reused out."""
+    notes = []
+    if hosts is None and (previous.get("inventory") or {}).get("path"):
+        hosts = previous["inventory"]["path"]
+        notes.append(f"--hosts {hosts}")
+    job = job_of(previous)
+    if job.recipe:
+        explicit = {o.partition("=")[0] for o in parse_overrides(overrides)} | NOT_REUSED
+        kept = tuple(o for o in job.extra_args if o.partition("=")[0] not in explicit)
+        if kept:
+            notes.append("--set " + " --set ".join(kept))
+        dropped = [o for o in job.extra_args if o.partition("=")[0] in NOT_REUSED]
+        job = replace(job, extra_args=kept + tuple(overrides))
+    else:
+        if overrides:
+            raise InputError("--set is for mnft's recipes: a script's arguments are recorded with its run")
+        notes.append(f"the job {job.label}" + (" " + " ".join(job.extra_args) if job.extra_args else ""))
+    named = {e.partition("=")[0] for e in env}
+    kept_env = tuple(e for e in previous.get("env_specs") or () if e.partition("=")[0] not in named)
+    if kept_env:
+        notes.append("--env " + " --env ".join(kept_env))
+    kept_files = tuple(f for f in previous.get("env_files") or () if f not in env_files)
+    if kept_files:
+        notes.append("--env-file " + " --env-file ".join(kept_files))
+    if job.recipe and dropped:
+        notes.append("(not " + " ".join(dropped) + ": a resume continues from the latest checkpoint)")
+    return Reuse(previous["run_id"], hosts, job, kept_env + tuple(env), kept_files + tuple(env_files), tuple(notes))
+
+
+def previous_run(run_id: str | None) -> records.RunRecord:
+    """The run --resume continues: that one, or the latest that was started on the hosts."""
+    return records.load(run_id) if run_id else records.load(None, launched)
