@@ -41,12 +41,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
-from mnft.hosts import inventory as inventory_mod  # noqa: E402
+from testbed import Cluster  # noqa: E402
+
 from mnft.check import probe  # noqa: E402
 from mnft.check.gather import gather_facts  # noqa: E402
+from mnft.hosts import inventory as inventory_mod  # noqa: E402
 from mnft.hosts.connection import Timeouts  # noqa: E402
 from mnft.hosts.fleet import Fleet  # noqa: E402
-from testbed import Cluster  # noqa: E402
 
 FORKS = 32
 

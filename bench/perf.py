@@ -27,9 +27,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the test bed (tests/testbed.py)
 
+from testbed import Cluster  # noqa: E402
+
 from mnft.hosts import pyrun  # noqa: E402
 from mnft.perf import linkagent  # noqa: E402
-from testbed import Cluster  # noqa: E402
 
 
 def agent_figure(cluster, a, b, seconds: float) -> float:

@@ -29,9 +29,10 @@ from statistics import median
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent.parent / "tests")]  # mnft; the test bed
 
-from mnft.hosts import inventory as inventory_mod  # noqa: E402
-from mnft.sync import rsync, source, mirror  # noqa: E402
 from testbed import Cluster  # noqa: E402
+
+from mnft.hosts import inventory as inventory_mod  # noqa: E402
+from mnft.sync import mirror, rsync, source  # noqa: E402
 
 
 def generate(root: Path, files: int, total_mb: int, seed: int = 7) -> int:

@@ -6,10 +6,10 @@ import copy
 
 import pytest
 
-from mnft.hosts import inventory
 from mnft.check.findings import CheckOptions, CheckReport, Reach
 from mnft.check.rules import evaluate, master_address
 from mnft.core.errors import ExitCode, InputError
+from mnft.hosts import inventory
 from mnft.hosts.fleet import HostResult, Status
 
 GIB = 1024**3

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from mnft.run import agent, checkpoints
-from mnft.sync import treehash
 from mnft.run.job import ResumeRule
+from mnft.sync import treehash
 
 
 def listing(**entries):

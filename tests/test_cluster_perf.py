@@ -118,9 +118,9 @@ def test_a_host_whose_torch_cannot_start_is_named_alone_and_the_links_are_still_
     With the ranks started during the link matrix (overlap on) or after it (off): h3 fails, named, with the
     ImportError; the others are not blamed and their ranks are stopped instead of waiting for h3 at the
     rendezvous; the matrix is complete; nothing is left running."""
-    from mnft.hosts import inventory
     from mnft.check.findings import CheckOptions
     from mnft.check.gather import gather
+    from mnft.hosts import inventory
     from mnft.hosts.connection import Timeouts
     from mnft.hosts.fleet import Fleet
     from mnft.perf.gather import PerfOptions, measure

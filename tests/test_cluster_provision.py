@@ -9,12 +9,11 @@ import json
 import os
 import shutil
 import subprocess
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
-
 from wheelmaker import make_wheel, write_lock
 
 pytestmark = pytest.mark.cluster
@@ -159,8 +158,8 @@ def test_a_failed_install_leaves_that_host_on_its_previous_environment(fresh_clu
 
     # the controller's connection lost before the switch (the script's stdin closed): the build is thrown away
     from mnft.env import envhost
-    from mnft.hosts import pyrun
     from mnft.env.wheelhouse import Wheelhouse
+    from mnft.hosts import pyrun
 
     house = Wheelhouse(wheelhouse)
     spec = {"venv": "~/mnft-env", "id": "lost-connection", "python": BASE_PYTHON, "watch_stdin": True,

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft.hosts import inventory as inventory_mod
-from mnft.sync import source, mirror
 from mnft.core.errors import ExitCode, InputError
+from mnft.hosts import inventory as inventory_mod
 from mnft.hosts.fleet import Fleet
+from mnft.sync import mirror, source
 
 pytestmark = pytest.mark.cluster
 

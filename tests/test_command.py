@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from mnft.hosts.command import Command, is_secret_name, quote_path, redact_env
 from mnft.core.errors import InputError
+from mnft.hosts.command import Command, is_secret_name, quote_path, redact_env
 
 INJECTIONS = [
     "; touch {marker}",

@@ -17,10 +17,10 @@ from pathlib import Path
 import paramiko
 import pytest
 
+from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts import hostkeys
 from mnft.hosts.command import Command
 from mnft.hosts.connection import Timeouts, Unreachable, bounded, open_connection
-from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.fleet import Fleet, HostResult, Results, Status
 from mnft.hosts.inventory import parse
 

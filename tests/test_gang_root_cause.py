@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from mnft.hosts.fleet import Fleet
-from mnft.run.gang import Gang, HostRun, collateral
 from mnft.hosts.inventory import parse
+from mnft.run.gang import Gang, HostRun, collateral
 from mnft.run.launch import HostLaunch, LaunchOptions
 
 VICTIM = ["Traceback (most recent call last):", '  File "/root/mnft/flaky.py", line 17, in <module>',

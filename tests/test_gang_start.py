@@ -6,8 +6,8 @@ import paramiko
 import pytest
 
 from mnft.hosts.fleet import Fleet
-from mnft.run.gang import Gang, GangError
 from mnft.hosts.inventory import parse
+from mnft.run.gang import Gang, GangError
 from mnft.run.launch import HostLaunch, LaunchOptions
 
 

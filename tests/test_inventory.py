@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mnft.hosts import ansible, inventory, settings
 from mnft.core.errors import InputError
+from mnft.hosts import ansible, inventory, settings
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -251,11 +251,11 @@ def test_invoke_inventory_prints_values_that_look_like_markup_verbatim(capsys):
 
 
 def test_check_and_trust_tables_print_names_and_errors_verbatim(capsys):
-    from mnft.check.report import print_check
-    from mnft.hosts.report import print_trust
     from mnft.check.findings import CheckReport, Problem
+    from mnft.check.report import print_check
     from mnft.hosts.fleet import HostResult, Status
     from mnft.hosts.hostkeys import TrustResult
+    from mnft.hosts.report import print_trust
 
     hosts = tuple(settings.Host(name=name, rank=rank, address="localhost", connection="local") for rank, name in enumerate(MARKUP))
     inv = settings.Inventory(None, "mnft", hosts, MARKUP[0])

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from mnft.core.errors import InputError
 from mnft.hosts import inventory
 from mnft.run import launch
-from mnft.core.errors import InputError
 from mnft.run.job import cli_job, from_record, load_job_file, recipe_job
 from mnft.run.launch import LaunchOptions
 

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
+from mnft.core.errors import InputError
 from mnft.hosts import inventory, pyrun
 from mnft.run import agent, launch
-from mnft.core.errors import InputError
 from mnft.run.job import recipe_job
 from mnft.run.launch import LaunchOptions
 

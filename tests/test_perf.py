@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from mnft.hosts import inventory, pyrun, settings
 from mnft.core.errors import InputError
+from mnft.hosts import inventory, pyrun, settings
 from mnft.perf import linkagent, schedule, torchlaunch
 from mnft.perf.collectives import parse_figures, torchrun_argv
 from mnft.perf.evaluate import Thresholds, evaluate, slow_links

@@ -8,17 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from mnft.env import lockfile
 from mnft.check.rules import environment_drift
-from mnft.env.diff import against_lock, compare, fingerprint
 from mnft.core.errors import InputError
+from mnft.env import lockfile
+from mnft.env.diff import against_lock, compare, fingerprint
+from mnft.env.plan import disk_needed, plan_host, plan_rollback
+from mnft.env.record import effective, host_key
+from mnft.env.wheelhouse import Platform, Wheel, select
 from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.inventory import parse
 from mnft.hosts.settings import Host
-from mnft.env.plan import disk_needed, plan_host, plan_rollback
-from mnft.env.record import effective, host_key
 from mnft.sync.relay import mesh_ready, relay_command, rounds
-from mnft.env.wheelhouse import Platform, Wheel, select
 
 GLIBC = Platform("3.11", "x86_64", "glibc", "2.36")
 

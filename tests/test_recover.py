@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from mnft.run.recover import Attempt, Cause, Policy, Seen, classify, killed_pids, next_gang, oom_killed, should_restart, worker_exits
+from mnft.run.recover import (
+    Attempt,
+    Cause,
+    Policy,
+    Seen,
+    classify,
+    killed_pids,
+    next_gang,
+    oom_killed,
+    should_restart,
+    worker_exits,
+)
 
 SUMMARY = ["Root Cause (first observed failure):", "[0]:", "  time      : 2026-11-23_07:51:04", "  host      : h2",
            "  rank      : 3 (local_rank: 1)", "  exitcode  : -9 (pid: 8081)", "  error_file: <N/A>"]

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mnft.run import scrape
 from mnft.core.errors import InputError
+from mnft.run import scrape
 from mnft.run.scrape import LineParser
 
 

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from mnft.core.errors import ExitCode, InputError
 from mnft.hosts import inventory
+from mnft.hosts.command import Command
 from mnft.hosts.settings import Inventory
 from mnft.setup import playbook as pb
-from mnft.hosts.command import Command
-from mnft.core.errors import ExitCode, InputError
 from mnft.setup.steps.base import CHANGED, FAILED, OK, UNREACHABLE, Become, Outcome
 
 REPO = Path(__file__).resolve().parent.parent

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft.sync import gitignore, rsync, source, mirror, targets, treehash
 from mnft.core.errors import ExitCode, InputError
 from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.inventory import parse
+from mnft.sync import gitignore, mirror, rsync, source, targets, treehash
 
 KNOWN = ("/etc/ssh/ssh_known_hosts", "/ctl/.ssh/known_hosts", "/ctl/lab kh", "/ctl/.mnft/known_hosts")
 SSH = rsync.SshSettings(KNOWN)

@@ -16,9 +16,9 @@ import time
 import pytest
 from rich.console import Console
 
+from mnft.core.errors import ExitCode, InputError
 from mnft.hosts import inventory, pyrun
 from mnft.run import agent, control, launch, logs, progress, records, rerun
-from mnft.core.errors import ExitCode, InputError
 from mnft.run.gang import split_rank
 from mnft.run.launch import LaunchOptions
 

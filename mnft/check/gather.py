@@ -18,7 +18,6 @@ from mnft.hosts.fleet import Fleet, HostResult, Results, Status
 from mnft.hosts.settings import Host
 
 
-
 def probe_command(host: Host, mode: str, *args: str) -> Command:
     return pyrun.command(host, mode, *args)
 

@@ -6,10 +6,9 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
-from mnft.env.diff import compare
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
+from mnft.env.diff import compare
 from mnft.hosts.settings import Host, Inventory
-
 
 
 def clock_skew(clock: float, before: float, after: float, probe_total: float | None) -> float:

@@ -37,8 +37,8 @@ def _mnft_errors(fn):
 
 
 def _inventory(hosts: str | None):
-    from mnft.hosts import inventory
     from mnft.env.record import effective
+    from mnft.hosts import inventory
 
     return effective(inventory.load(hosts or DEFAULT_INVENTORY))  # a provisioned host uses its environment's python
 
@@ -82,8 +82,8 @@ def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0
     """
     from mnft.check.findings import CheckOptions
     from mnft.check.gather import gather
-    from mnft.hosts.fleet import Fleet
     from mnft.check.report import print_check
+    from mnft.hosts.fleet import Fleet
 
     inv = _inventory(hosts)
     options = CheckOptions(min_free_gb=float(min_free_gb), max_clock_skew_s=float(max_clock_skew), port=int(port) or None, network=not no_network)
@@ -136,9 +136,9 @@ def _console():
 
 def _record_fleet(run, hosts):
     """The run record and a fleet over its inventory snapshot (or --hosts when given)."""
-    from mnft.run import records
     from mnft.core.errors import InputError
     from mnft.hosts.fleet import Fleet
+    from mnft.run import records
     from mnft.run.rerun import from_snapshot, launched
 
     record = records.load(run, launched)
@@ -150,8 +150,8 @@ def _record_fleet(run, hosts):
 
 def _job(recipe, job_file, entry, overrides):
     """The job from --recipe, --job FILE and/or the words after `--` (verbatim): exactly one entry point."""
-    from mnft.run import job as jobs
     from mnft.core.errors import InputError
+    from mnft.run import job as jobs
 
     if recipe and (job_file or entry):
         raise InputError(f"--recipe {recipe} runs mnft's recipe: leave out " + ("--job" if job_file else "the script after --")
@@ -202,7 +202,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     from mnft.core.errors import InputError
     from mnft.run.launch import LaunchOptions
     from mnft.run.recover import Policy
-    from mnft.run.train import TrainOptions, train as run_train
+    from mnft.run.train import TrainOptions
+    from mnft.run.train import train as run_train
 
     overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
     if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
@@ -233,7 +234,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
 @_mnft_errors
 def logs(c, run=None, follow=False, lines=20, hosts=None):
     """Collect every host's logs and metrics into runs/<id>/<host>/, write loss.png, print a merged tail."""
-    from mnft.run.logs import collect, follow as follow_logs, merged_tail
+    from mnft.run.logs import collect, merged_tail
+    from mnft.run.logs import follow as follow_logs
 
     record, fleet = _record_fleet(run, hosts)
     with fleet:
@@ -247,10 +249,9 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
 @_mnft_errors
 def status(c, run=None, json=False, hosts=None):
     """A table per host: running / exited with code / unreachable, step, loss, since. Exit 0 only when healthy."""
-    from mnft.run.report import print_status
     from mnft.run.control import status as run_status
-
     from mnft.run.control import supervisor
+    from mnft.run.report import print_status
 
     record, fleet = _record_fleet(run, hosts)
     with fleet:
@@ -262,8 +263,8 @@ def status(c, run=None, json=False, hosts=None):
 @_mnft_errors
 def stop(c, run=None, grace=10.0, json=False, hosts=None):
     """Kill exactly that run's process groups on every host (by recorded group and run id), verify none remain."""
-    from mnft.run.report import print_stop
     from mnft.run.control import stop as run_stop
+    from mnft.run.report import print_stop
 
     record, fleet = _record_fleet(run, hosts)
     with fleet:
@@ -296,8 +297,8 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     refused target, found before the sync or by a host's probe (nothing touched there), 4 a host unreachable or
     its key rejected. --dry-run lists per host what would be sent and deleted (--no-delete: nothing deleted).
     """
-    from mnft.sync.report import print_sync
     from mnft.sync.mirror import sync_code, sync_data
+    from mnft.sync.report import print_sync
 
     options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=list(exclude or []), workers=int(workers),
                    config=c.config)  # sync.exclude from the config is added by mnft.sync.mirror, as for check and train
@@ -365,9 +366,10 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     Exit codes: 0 every host matches the lock, 1 a host failed (it keeps its previous environment), 2 bad input
     (nothing changed on any host), 4 a host unreachable or its key rejected.
     """
-    from mnft.env.provision import ProvisionOptions, provision as run
-    from mnft.env.report import print_report, print_table
     from mnft.core.output import console, plain
+    from mnft.env.provision import ProvisionOptions
+    from mnft.env.provision import provision as run
+    from mnft.env.report import print_report, print_table
 
     options = ProvisionOptions(lock=Path(lock) if lock else None, src=Path(src) if src else None, dry_run=dry_run, rollback=rollback,
                                online=online, offline=offline, find_links=tuple(find_links or ()), wheelhouse=Path(wheelhouse) if wheelhouse else None,

@@ -20,8 +20,6 @@ The controller records, per host, the environment it provisioned (`$MNFT_HOME/pr
 
 from __future__ import annotations
 
-
-
 import hashlib
 import json
 import os
@@ -34,20 +32,20 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from mnft.env import envhost, lockfile
-from mnft.hosts import pyrun
-from mnft.hosts.command import Command
-from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
-from mnft.env.diff import against_lock, fingerprint
 from mnft.core.errors import InputError
-from mnft.hosts.fleet import Fleet, HostResult, Status
-from mnft.hosts.settings import Host, Inventory
-from mnft.env.lockfile import Lock, Pin
 from mnft.core.output import fmt_size
-from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
+from mnft.env import envhost, lockfile
+from mnft.env.diff import against_lock, fingerprint
+from mnft.env.lockfile import Lock, Pin
 from mnft.env.plan import HostPlan, choose_python, disk_needed, env_state, plan_host, plan_rollback
 from mnft.env.record import base_python, effective, env_python, host_key, host_root, save_state
 from mnft.env.report import HostOutcome, ProvisionReport
+from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
+from mnft.hosts import pyrun
+from mnft.hosts.command import Command
+from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
+from mnft.hosts.fleet import Fleet, HostResult, Status
+from mnft.hosts.settings import Host, Inventory
 
 FACTS_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0

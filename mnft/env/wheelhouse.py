@@ -25,8 +25,8 @@ from packaging import tags as ptags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
 from mnft.core.errors import InputError
-from mnft.hosts.hostkeys import mnft_home
 from mnft.env.lockfile import Lock, Pin
+from mnft.hosts.hostkeys import mnft_home
 from mnft.sync.treehash import sha256_file
 
 LEGACY_MANYLINUX = {(2, 5): "manylinux1", (2, 12): "manylinux2010", (2, 17): "manylinux2014"}

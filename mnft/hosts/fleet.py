@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Mapping
 import fabric
 import paramiko
 
+from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.command import Command
 from mnft.hosts.connection import (
     CommandTimeout,
@@ -33,7 +34,6 @@ from mnft.hosts.connection import (
     open_connection,
     ssh_target,
 )
-from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.hostkeys import known_hosts_files, load_trusted
 from mnft.hosts.settings import Host, Inventory
 

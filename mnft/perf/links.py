@@ -13,9 +13,9 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 
-from mnft.hosts import pyrun
 from mnft.check.findings import CheckReport
 from mnft.check.rules import ipv4_of
+from mnft.hosts import pyrun
 from mnft.hosts.connection import Process
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host

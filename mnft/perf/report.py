@@ -9,8 +9,8 @@ from pathlib import Path
 from rich.table import Table
 from rich.text import Text
 
-from mnft.perf.gather import PerfReport
 from mnft.core.output import console, plain
+from mnft.perf.gather import PerfReport
 
 VERDICT_STYLE = {"ok": "green", "slow": "bold red", "failed": "red", "skipped": "magenta"}
 
@@ -146,10 +146,10 @@ def check_perf(fleet, report, as_json: bool, out_dir: Path | None = None, option
     import sys
     import time
 
-    from mnft.core.errors import ExitCode
-    from mnft.perf.gather import PerfOptions, default_output_dir, measure
     from mnft.check.report import print_check
+    from mnft.core.errors import ExitCode
     from mnft.core.output import print_json
+    from mnft.perf.gather import PerfOptions, default_output_dir, measure
 
     err = console(stderr=True)
     start = time.monotonic()

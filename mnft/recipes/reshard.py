@@ -28,8 +28,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorStorageMetadata,
+)
 
 from mnft.recipes.config import RecipeError
 

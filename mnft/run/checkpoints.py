@@ -30,13 +30,13 @@ from typing import Any
 
 from rich.console import Console
 
-from mnft.hosts import pyrun
 from mnft.core.errors import ExitCode, MnftError
+from mnft.hosts import pyrun
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Host
 from mnft.run.job import ResumeRule
-from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
 from mnft.sync.mirror import hash_command, hash_stdin
+from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
 
 LAYOUT_RULES = {
     "hf": (re.compile(r"^checkpoint-(\d+)$"), "trainer_state.json"),

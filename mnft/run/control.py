@@ -8,9 +8,9 @@ from dataclasses import replace
 
 from rich.console import Console
 
-from mnft.run import records
 from mnft.core.errors import ExitCode
 from mnft.hosts.fleet import Fleet
+from mnft.run import records
 from mnft.run.gang import agent_command, agent_payload, split_rank, split_ranks
 from mnft.run.job import Job, from_record, recipe_job
 from mnft.run.scrape import for_job_output

@@ -20,12 +20,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mnft.core.errors import MnftError
 from mnft.hosts import pyrun
-from mnft.run import agent
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Process, Unreachable
-from mnft.core.errors import MnftError
 from mnft.hosts.fleet import Fleet, Status
+from mnft.run import agent
 from mnft.run.launch import HostLaunch, LaunchOptions
 
 LOST_AFTER = 10.0  # seconds without any event from an agent before its host counts as lost

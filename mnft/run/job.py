@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from mnft.core import yamlfile
-from mnft.hosts.command import check_env_name, is_secret_name
 from mnft.core.errors import InputError
+from mnft.hosts.command import check_env_name, is_secret_name
 
 RECIPES = ("lora", "full")
 RESERVED_KEYS = ("output_dir", "resume")  # recipe settings mnft sets itself

@@ -16,8 +16,8 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
-from mnft.hosts.command import REDACTED, check_env_name, is_secret_name
 from mnft.core.errors import InputError
+from mnft.hosts.command import REDACTED, check_env_name, is_secret_name
 from mnft.hosts.settings import Host, Inventory
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 

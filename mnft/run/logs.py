@@ -15,13 +15,13 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from mnft.core.errors import ExitCode
+from mnft.core.output import fmt_loss
+from mnft.hosts.fleet import Fleet, HostResult, Status
+from mnft.hosts.settings import Host
 from mnft.run import records, scrape
 from mnft.run.control import job_of, rank_offset, write_back
-from mnft.core.errors import ExitCode
-from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
-from mnft.hosts.settings import Host
-from mnft.core.output import fmt_loss
 
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)
 TIMING_PREFIX = "timings-rank"  # each rank's step timings (mnft/recipes/timing.py), collected from every host

@@ -20,21 +20,20 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from mnft.check.findings import CheckReport
+from mnft.check.findings import CheckOptions, CheckReport
 from mnft.check.gather import gather as gather_check
-from mnft.run import launch as launching
-from mnft.run import recover, records
-from mnft.check.findings import CheckOptions
-from mnft.run.control import exit_meaning, job_of
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, Status
-from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
 from mnft.hosts.settings import Inventory
+from mnft.run import launch as launching
+from mnft.run import records, recover
+from mnft.run.control import exit_meaning, job_of
+from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
 from mnft.run.job import Job, parse_overrides
 from mnft.run.launch import HostLaunch, LaunchOptions
-from mnft.run.recover import Policy
 from mnft.run.progress import Display
+from mnft.run.recover import Policy
 from mnft.run.rerun import previous_run, snapshot
 from mnft.run.scrape import for_job_output
 

@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
-from mnft.core.errors import ExitCode, InputError
-from mnft.hosts.fleet import Fleet
-from mnft.hosts.connection import Timeouts
 from mnft.core import yamlfile
-from mnft.hosts.settings import Host, Inventory
+from mnft.core.errors import ExitCode, InputError
 from mnft.core.yamlfile import suggest
+from mnft.hosts.connection import Timeouts
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.settings import Host, Inventory
 from mnft.setup.steps import STEPS, USES_ADDRESSES
 from mnft.setup.steps.base import (
     CHANGED,

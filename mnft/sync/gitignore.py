@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from mnft.sync import treehash
 from mnft.core.errors import MnftError
+from mnft.sync import treehash
 
 
 def git(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

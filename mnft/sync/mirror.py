@@ -26,14 +26,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts import pyrun
-from mnft.sync import treehash
 from mnft.hosts.command import Command
 from mnft.hosts.connection import Timeouts
-from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.sync.rsync import SSH_CONNECT_TIMEOUT, RsyncOutcome, SshSettings, classify, rsync_argv, rules_file_bytes, run_rsync, supports_mkpath
+from mnft.sync import treehash
+from mnft.sync.rsync import (
+    SSH_CONNECT_TIMEOUT,
+    RsyncOutcome,
+    SshSettings,
+    classify,
+    rsync_argv,
+    rules_file_bytes,
+    run_rsync,
+    supports_mkpath,
+)
 from mnft.sync.source import LocalTree, code_source, read_local
 from mnft.sync.targets import normalize_target, preflight, remote_refusal, source_problem
 

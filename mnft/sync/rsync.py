@@ -19,7 +19,6 @@ from mnft.hosts.hostkeys import SYSTEM_KNOWN_HOSTS, known_hosts_files
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync.targets import normalize_target
 
-
 SSH_CONNECT_TIMEOUT = 10
 RSYNC_IO_TIMEOUT = 120  # rsync --timeout: seconds without any data before a transfer is abandoned
 

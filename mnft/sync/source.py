@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from mnft.sync import treehash
 from mnft.core.errors import InputError
-from mnft.sync.gitignore import git, git_view
 from mnft.hosts.hostkeys import mnft_home
-
+from mnft.sync import treehash
+from mnft.sync.gitignore import git, git_view
 
 ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info")
 DATA_EXCLUDES: tuple[str, ...] = ()

@@ -13,7 +13,6 @@ from pathlib import Path
 from mnft.core.errors import InputError
 from mnft.hosts.settings import Inventory
 
-
 # Targets that --delete must never mirror into. The home itself and `/` are refused in any spelling; these
 # system directories too. A remote target that *resolves* to the home or an ancestor of it is refused per host.
 SYSTEM_DIRS = frozenset({"/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib64", "/mnt", "/media", "/opt", "/proc", "/root",

@@ -25,7 +25,7 @@ import re
 
 import fabric
 
-from mnft.hosts.connection import Timeouts, Unreachable, HostKeyRejected, CommandTimeout, open_connection
+from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable, open_connection
 from mnft.hosts.hostkeys import known_hosts_files
 from mnft.hosts.settings import Host
 from mnft.setup.steps.base import CHANGED, FAILED, Context, Outcome, Param, Plan, first_error, standard

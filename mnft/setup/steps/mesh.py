@@ -29,7 +29,19 @@ from pathlib import Path
 
 from mnft.hosts.settings import Host
 from mnft.setup.steps import blocks
-from mnft.setup.steps.base import CHANGED, FAILED, OK, Context, Outcome, Param, Plan, apply_plans, first_error, read_all, write_op
+from mnft.setup.steps.base import (
+    CHANGED,
+    FAILED,
+    OK,
+    Context,
+    Outcome,
+    Param,
+    Plan,
+    apply_plans,
+    first_error,
+    read_all,
+    write_op,
+)
 
 TAGS = ("trust",)
 NEEDS_ROOT = False
