@@ -35,7 +35,7 @@ from mnft.core.yamlfile import suggest
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
-from mnft.setup.steps import STEPS, USES_ADDRESSES
+from mnft.setup.steps import authorized_keys, firewall, hosts_file, mesh, reserved_ports
 from mnft.setup.steps.base import (
     CHANGED,
     FAILED,
@@ -48,6 +48,14 @@ from mnft.setup.steps.base import (
 )
 
 ENTRY_KEYS = ("name", "tags")
+STEPS = {  # a playbook's step name -> its module
+    "authorized_keys": authorized_keys,
+    "mesh": mesh,
+    "hosts_file": hosts_file,
+    "firewall": firewall,
+    "reserved_ports": reserved_ports,
+}
+USES_ADDRESSES = ("mesh", "hosts_file", "firewall")  # steps that need every host's cluster address
 DEFAULT_PLAYBOOK = Path(__file__).resolve().parent / "setup.yaml"  # installed with the package
 
 
