@@ -602,13 +602,13 @@ def test_ignored_files_that_exist_only_on_the_host_survive_and_are_no_drift(tmp_
 # ------------------------------------------------------------------------------------------------ one source for sync, check and train
 
 
-def test_the_default_source_is_the_repository_top_not_the_current_directory(tmp_path, monkeypatch):
+def test_the_default_source_is_the_repository_top_else_the_current_directory(tmp_path, monkeypatch):
     repo = git_repo(write(tmp_path / "proj", {"train.py": "t", "docs/index.md": "d"}))
     monkeypatch.chdir(repo / "docs")
     assert source.default_source() == repo
     assert source.code_source().root == repo
-    monkeypatch.chdir(tmp_path)  # outside any repository: mnft's own project, never the current directory
-    assert source.default_source() == source.PROJECT_DIR
+    monkeypatch.chdir(tmp_path)  # outside any repository: the current directory itself, never mnft's own checkout
+    assert source.default_source() == tmp_path
 
 
 def test_sync_from_a_subdirectory_mirrors_the_whole_project(tmp_path, monkeypatch):

@@ -14,6 +14,22 @@ GIB = 1024**3
 
 
 @dataclass(frozen=True)
+class Need:
+    """A module the job needs on every host, where the job imports it, and the distribution that provides it."""
+
+    module: str  # a top-level module name: "peft"
+    where: str  # "train.py:12", or the job file's `requires:`
+    dist: str | None = None  # the distribution that provides it, where this machine knows ("PyYAML" for yaml)
+    optional: bool = False  # the job changes sys.path itself: a miss may be a false alarm (a warning)
+
+    def problem(self, host: str, python: str) -> "Problem":
+        package = self.dist or self.module
+        return Problem(host, "module", f"{self.module} is not importable by {python} (imported at {self.where})",
+                       f"add {package} to the lock and run `mnft provision` (or install {package} into that Python)",
+                       "warning" if self.optional else "error")
+
+
+@dataclass(frozen=True)
 class CheckOptions:
     min_free_gb: float = 2.0
     max_clock_skew_s: float = 2.0
@@ -25,6 +41,7 @@ class CheckOptions:
     code: bool = True  # hash each host's workdir (when it exists) and compare it with the local tree
     code_src: str | None = None  # the local tree; default: source.default_source() (the git top level)
     required_files: tuple[str, ...] = ()  # files every host must hold (a job's script outside the synced tree)
+    modules: tuple[Need, ...] = ()  # modules the job imports that every host's Python must resolve (mnft.run.needs)
 
     def __post_init__(self) -> None:
         """Bad arguments are bad input (exit 2), refused before any host is touched."""

@@ -26,8 +26,9 @@ def probe_payload() -> bytes:
     return pyrun.payload(probe.source())
 
 
-def gather_facts(fleet: Fleet, hosts: list[Host] | None = None) -> tuple[Results, dict[str, dict], dict[str, float]]:
-    """Run the facts probe everywhere. Returns outcomes, facts and each host's clock skew vs this machine."""
+def gather_facts(fleet: Fleet, hosts: list[Host] | None = None, modules: tuple[str, ...] = ()) -> tuple[Results, dict[str, dict], dict[str, float]]:
+    """Run the facts probe everywhere (with `modules`: which of them each host's Python resolves). Returns outcomes,
+    facts and each host's clock skew vs this machine."""
     source = probe_payload()
     sent: dict[str, tuple[float, float]] = {}
 
@@ -37,7 +38,8 @@ def gather_facts(fleet: Fleet, hosts: list[Host] | None = None) -> tuple[Results
         except (Unreachable, HostKeyRejected):
             pass  # run_one reports it
         before = time.time()
-        result = fleet.run_one(host, probe_command(host, "facts", "--workdir", host.workdir), stdin=source)
+        wanted = ("--modules", ",".join(modules)) if modules else ()
+        result = fleet.run_one(host, probe_command(host, "facts", "--workdir", host.workdir, *wanted), stdin=source)
         sent[host.name] = (before, time.time())
         return result
 
@@ -124,7 +126,7 @@ def _first_json_line(process, timeout: float) -> dict | None:
 
 def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
     inventory = fleet.inventory
-    outcomes, facts, skew = gather_facts(fleet)
+    outcomes, facts, skew = gather_facts(fleet, modules=tuple(sorted({n.module for n in options.modules})))
     report = CheckReport(inventory, dict(outcomes.by_host), facts, skew=skew)
     if options.code:
         from pathlib import Path

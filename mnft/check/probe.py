@@ -4,7 +4,8 @@
 The controller ships this file's source (see `source()`) to each host's Python and reads exactly one JSON
 object from stdout. It also runs as `python3 mnft/check/probe.py MODE ...`.
 
-    facts [--workdir PATH]                  what the host has: OS, Python, torch/CUDA/NCCL, GPUs, memory, disk, NICs
+    facts [--workdir PATH] [--modules A,B]  what the host has: OS, Python, torch/CUDA/NCCL, GPUs, memory, disk, NICs;
+                                            with --modules, which of those top-level modules this Python resolves
     listen PORT SECONDS [--bind ADDR]       accept TCP connections (reply b"mnft\\n") until SECONDS pass or stdin closes
     connect HOST PORT TIMEOUT [--bind ADDR] connect (from source address ADDR) and read the listener's reply
     free-port PORT [--bind ADDR]            can PORT be bound right now (SO_REUSEADDR off)?
@@ -46,7 +47,7 @@ HANGUP_GRACE = 2.0  # listen: how long to wait for a client to close after the r
 GPU_QUERY = "index,name,uuid,memory.total,memory.used,driver_version"
 APP_QUERY = "gpu_uuid,pid,process_name,used_memory"
 
-USAGE = """usage: probe.py facts [--workdir PATH]
+USAGE = """usage: probe.py facts [--workdir PATH] [--modules A,B]
        probe.py listen PORT SECONDS [--bind ADDR]
        probe.py connect HOST PORT TIMEOUT [--bind ADDR]
        probe.py free-port PORT [--bind ADDR]"""
@@ -461,7 +462,21 @@ def _fqdn(thread: threading.Thread, box: dict, deadline: float) -> str:
     return box["fqdn"]
 
 
-def facts(workdir: str = "~") -> dict:
+def modules(names: list) -> dict:
+    """Which top-level modules this Python would import, found as `import` finds them (sys.path, the meta path)
+    without importing any: name -> true/false. A finder that fails counts as not found."""
+    import importlib.util
+
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError, AttributeError):
+            out[name] = False
+    return out
+
+
+def facts(workdir: str = "~", wanted: list = ()) -> dict:
     """Everything the controller plans from. Slow parts (nvidia-smi, ip, DNS) run concurrently."""
     start = time.monotonic()
     errors = {}
@@ -495,6 +510,8 @@ def facts(workdir: str = "~") -> dict:
     out["clock"] = None
     out["rsync"] = _guard(errors, "rsync", shutil.which, "rsync")
     out["dists"] = _guard(errors, "dists", _distributions)
+    if wanted:
+        out["modules"] = _guard(errors, "modules", modules, list(wanted))
     out["timings"] = {"total_s": None, "torch_s": round(torch_s, 4)}
     out["errors"] = errors
     out["clock"] = time.time()
@@ -665,7 +682,7 @@ def _number(text: str, what: str, kind, low, high=None):
 
 
 MODES = {  # mode -> (positional names, options)
-    "facts": ((), ("--workdir",)),
+    "facts": ((), ("--workdir", "--modules")),
     "listen": (("PORT", "SECONDS"), ("--bind",)),
     "connect": (("HOST", "PORT", "TIMEOUT"), ("--bind",)),
     "free-port": (("PORT",), ("--bind",)),
@@ -712,7 +729,8 @@ def main(argv=None) -> int:
     bind = options.get("--bind")
     try:
         if mode == "facts":
-            _emit(facts(options.get("--workdir", "~")))
+            wanted = [m for m in options.get("--modules", "").split(",") if m]
+            _emit(facts(options.get("--workdir", "~"), wanted))
         elif mode == "listen":
             listen(values["PORT"], values["SECONDS"], bind or "0.0.0.0")
         elif mode == "connect":

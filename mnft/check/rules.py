@@ -164,6 +164,10 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
         if host.iface and not ipv4_of(f, host.iface):
             names = ", ".join(i.get("name", "?") for i in f.get("interfaces") or [])
             problems.append(Problem(host.name, "iface", f"interface {host.iface!r} does not exist or has no IPv4 address (has: {names})", "set 'iface' to the cluster network's interface (ip -br addr)"))
+        found = f.get("modules") or {}
+        for need in options.modules:
+            if found.get(need.module) is False:
+                problems.append(need.problem(host.name, (f.get("python") or {}).get("executable") or host.python))
         skew = report.skew.get(host.name)
         ref_skew = report.skew.get(ref_name) if ref_name is not None else None
         if skew is not None and ref_skew is not None and abs(skew - ref_skew) > options.max_clock_skew_s:

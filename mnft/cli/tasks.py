@@ -7,6 +7,7 @@ one's options.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import wraps
 from pathlib import Path
 
@@ -71,12 +72,17 @@ def inventory(c, hosts=None, json=False):
         "perf": "also measure speed: link matrix (TCP Gbit/s, RTT), matmul TFLOP/s per device, all_reduce busbw (docs/perf.md)",
         "perf_out": "with --perf: directory for perf.json and links.png (default: runs/perf-<time>)",
         "perf_launcher": "with --perf: direct (default: the ranks with torchrun's environment, without its agent: half the start-up) or torchrun (as training)",
+        "recipe": "also prove this job can start: one of mnft's recipes (lora, full)",
+        "job": "also prove this job can start: a job file (see docs/jobs.md); or give your script after -- as for train",
+        "src": "the tree train would sync (default: the top of the git repository around the current directory)",
     }
 )
 @_mnft_errors
 def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0, no_network=False, connect_timeout=10.0, timeout=60.0,
-          perf=False, perf_out=None, perf_launcher="direct"):
+          perf=False, perf_out=None, perf_launcher="direct", recipe=None, job=None, src=None):
     """Prove every host can join one training job: same Python/torch/CUDA/NCCL/driver, disk, rsync, interface, port, clock.
+    With a job (--recipe, --job FILE, or `-- SCRIPT.py ARGS…` / `-- -m pkg.mod`): also that it can start on every
+    host: its entry point is in the tree and every module it imports resolves in each host's Python.
 
     Exit codes: 0 every host ok, 1 some host failed a check, 2 bad input, 4 some host unreachable or its key rejected.
     """
@@ -86,7 +92,18 @@ def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0
     from mnft.hosts.fleet import Fleet
 
     inv = _inventory(hosts)
-    options = CheckOptions(min_free_gb=float(min_free_gb), max_clock_skew_s=float(max_clock_skew), port=int(port) or None, network=not no_network)
+    options = CheckOptions(min_free_gb=float(min_free_gb), max_clock_skew_s=float(max_clock_skew), port=int(port) or None, network=not no_network,
+                           code_src=src)
+    entry = tuple(remainder())
+    if recipe or job or entry:  # the job preflight train runs, here without launching anything
+        from mnft.run.needs import job_needs
+        from mnft.run.train import source_for
+        from mnft.sync.source import default_source
+
+        the_job = _job(recipe, job, entry, ())
+        tree = source_for(the_job, Path(src) if src else None) or default_source()
+        needs = job_needs(the_job, tree, synced=True)
+        options = replace(options, code_src=str(tree), required_files=needs.files, modules=needs.modules)
     if perf:
         from mnft.perf.gather import PerfOptions
 

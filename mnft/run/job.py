@@ -56,7 +56,9 @@ TORCHRUN_OWN = (
     "--no-python", "--no_python", "--run-path", "--run_path", "--local-ranks-filter", "--local_ranks_filter",
 )
 
-JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic")
+JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires")
+# What mnft's recipes import beyond what reading their source finds (mnft.run.needs reads the rest).
+RECIPE_REQUIRES = ("torch", "transformers", "peft", "safetensors", "yaml")
 RESUME_KEYS = ("layout", "checkpoints", "pattern", "marker", "args", "exit_codes")
 METRICS_KEYS = ("format", "path", "regex")
 
@@ -102,6 +104,7 @@ class Job:
     recipe: str | None = None  # lora / full: one of mnft's own recipes
     source: str | None = None  # the job file, for messages and the run record
     elastic: bool = False
+    requires: tuple[str, ...] = ()  # modules every host's Python must import (a job file's `requires:`, a recipe's own)
 
     @property
     def kind(self) -> str:
@@ -128,7 +131,7 @@ class Job:
             "resume": {"layout": self.resume.layout, "checkpoints": self.resume.checkpoints, "pattern": self.resume.pattern,
                        "marker": self.resume.marker, "args": list(self.resume.args), "exit_codes": list(self.resume.exit_codes)},
             "metrics": {"format": self.metrics.format, "path": self.metrics.path, "regex": self.metrics.regex},
-            "torchrun": list(self.torchrun), "elastic": self.elastic,
+            "torchrun": list(self.torchrun), "elastic": self.elastic, "requires": list(self.requires),
         }
 
 
@@ -141,7 +144,7 @@ def from_record(data: Mapping[str, Any]) -> Job:
                           resume.get("marker"), tuple(resume.get("args") or ()), tuple(resume.get("exit_codes") or ())),
         metrics=MetricsSource(metrics.get("format", "auto"), metrics.get("path"), metrics.get("regex")),
         torchrun=tuple(data.get("torchrun") or ()), name=data.get("name"), recipe=data.get("recipe"), source=data.get("source"),
-        elastic=bool(data.get("elastic")),
+        elastic=bool(data.get("elastic")), requires=tuple(data.get("requires") or ()),
     )
 
 
@@ -161,6 +164,7 @@ def recipe_job(recipe: str, overrides: tuple[str, ...] = ()) -> Job:
         metrics=MetricsSource("mnft", "{output_dir}/metrics.jsonl"),
         recipe=recipe,
         elastic=True,
+        requires=RECIPE_REQUIRES,
     )
 
 
@@ -235,9 +239,15 @@ def load_job_file(path: Path) -> Job:
     name = doc.get("name")
     if name is not None:
         name = _text(name, at("name"), "name")
-    job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic)
+    requires = _strings(doc.get("requires"), at("requires"), "requires")
+    for module in requires:
+        if not _module_name(module):
+            raise InputError(f"{at('requires')}: key 'requires': {module!r} is not a module name (the name you import, e.g. peft)")
+    job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic,
+              requires=requires)
     if doc.get("recipe") is not None:
-        job = replace(job, recipe=doc["recipe"], resume=recipe_job(doc["recipe"]).resume, metrics=recipe_job(doc["recipe"]).metrics)
+        base = recipe_job(doc["recipe"])
+        job = replace(job, recipe=doc["recipe"], resume=base.resume, metrics=base.metrics, requires=base.requires + requires)
     if resume is not None:
         job = replace(job, resume=resume)
     if metrics is not None:

@@ -32,10 +32,13 @@ from mnft.run.control import exit_meaning, job_of
 from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
 from mnft.run.job import Job, parse_overrides
 from mnft.run.launch import HostLaunch, LaunchOptions
+from mnft.run.needs import job_needs
 from mnft.run.progress import Display
 from mnft.run.recover import Policy
 from mnft.run.rerun import previous_run, snapshot
 from mnft.run.scrape import for_job_output
+from mnft.sync.source import PROJECT_DIR, default_source
+from mnft.sync.targets import source_problem
 
 
 class RunFailed(MnftError):
@@ -67,37 +70,13 @@ def chosen_port(report: CheckReport) -> int:
 # ------------------------------------------------------------------------------------------------ the entry point
 
 
-def entry_problem(job: Job, src: Path | None, synced: bool) -> tuple[str | None, str | None]:
-    """Is the job's script where it will be run? (bad input: the local tree lacks it, None: fine; and the path
-    each host must hold, for the check: an absolute script, or a relative one when nothing is synced)."""
-    script = job.script
-    if script is None:
-        return None, None
-    if script.startswith(("/", "~")):
-        return None, script
-    if not synced:
-        return None, script
-    from mnft.sync.source import default_source
-
-    root = src or default_source()
-    path = root / script
-    if not path.is_file():
-        return f"{script}: no such file in {root} (the tree mnft syncs; a relative script path is relative to it, run from your repository or pass --src)", None
-    return None, None
-
-
 def source_for(job: Job, src: Path | None) -> Path | None:
     """The tree to sync: --src, else the git repository around the current directory (None: sync decides). A
     recipe runs mnft's own code, so from a repository that lacks it, mnft's checkout is synced instead."""
     if src is not None or not job.recipe:
         return src
-    from mnft.sync.source import PROJECT_DIR, default_source
-
-    try:
-        top = default_source()
-    except InputError:
-        top = None
-    if top is not None and (top / "mnft" / "recipes").is_dir():
+    top = default_source()
+    if (top / "mnft" / "recipes").is_dir():
         return top
     if (PROJECT_DIR / "mnft" / "recipes").is_dir() and (PROJECT_DIR / "pyproject.toml").is_file():
         return PROJECT_DIR
@@ -135,9 +114,10 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
     check_recovery(policy, job, inventory, lopts)
     environ = launching.environ()
     env, secrets = launching.split_env(lopts.env + pass_env_specs(job, environ, lopts.env_files), environ, lopts.env_files)
-    missing, on_hosts = entry_problem(job, options.src, options.sync)
-    if missing:
-        raise InputError(missing)
+    tree = options.src or default_source()
+    if options.sync and (why := source_problem(tree)):
+        raise InputError(why)
+    needs = job_needs(job, tree, options.sync)  # a missing entry point: bad input, here
     run_id = launching.new_run_id()
     job_id = job_id or run_id
     record = None
@@ -151,7 +131,7 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
         )
     with Fleet(inventory) as fleet:
-        check_options = replace(options.check, find_free_port=True, required_files=(on_hosts,) if on_hosts else ())
+        check_options = replace(options.check, find_free_port=True, required_files=needs.files, modules=needs.modules)
         report = gather_check(fleet, check_options)
         timings["check_s"] = round(time.monotonic() - t0, 3)
         spares = usable_spares(inventory, report, console)
@@ -168,13 +148,13 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
         if options.sync:
             t_sync = time.monotonic()
             try:
-                code_hash = sync_code(inventory.only(gang_names + spares), options.src, fleet)
+                code_hash = sync_code(inventory.only(gang_names + spares), tree, fleet, console)
             except Exception as exc:
                 timings["sync_s"] = round(time.monotonic() - t_sync, 3)
                 record.update(state="sync-failed", reason=str(exc), sync={"ok": False, "error": str(exc)}, timings=timings)
                 raise
             timings["sync_s"] = round(time.monotonic() - t_sync, 3)
-        record.update(code_hash=code_hash, sync={"ok": True} if options.sync else None, timings=timings)
+        record.update(code_hash=code_hash, sync={"ok": True, "src": str(tree)} if options.sync else None, timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
 
 
@@ -517,12 +497,13 @@ class Live:
         self.file.unlink(missing_ok=True)
 
 
-def sync_code(inventory: Inventory, src: Path | None, fleet: Fleet) -> str | None:
+def sync_code(inventory: Inventory, src: Path, fleet: Fleet, console: Console) -> str:
     from mnft.sync import mirror
 
-    report = mirror.sync_code(inventory, src, fleet=fleet)  # None: the repository; configured excludes as `invoke sync`
+    report = mirror.sync_code(inventory, src, fleet=fleet)  # configured excludes as `invoke sync`
     if not report.ok:
         raise RunFailed(f"sync failed: {report.summary()}")
+    console.print(Text(f"synced {report.src} ({report.local_files} files, hash {report.local_hash[:12]}) to {len(inventory.hosts)} hosts"))
     return report.local_hash
 
 
@@ -551,7 +532,9 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     if result.leftovers:
         console.print(f"[bold red]processes of the run survived on: {result.leftovers}[/bold red]")
     if result.ok:
-        console.print(f"[green]run {record.run_id} finished on every host[/green] ({timings['total_s']:.1f}s); logs in {record.path}")
+        synced = (record.data.get("sync") or {}).get("src")
+        console.print(Text.assemble((f"run {record.run_id} finished on every host", "green"), f" ({timings['total_s']:.1f}s)"
+                                    + (f"; code from {synced}" if synced else "") + f"; logs in {record.path}"))
         return ExitCode.OK
     shown = trace or ([text for _, text in list(failed.tail)[-8:]] if failed is not None else [])
     label = f"{result.failed_host} r{rank}" if rank is not None else result.failed_host

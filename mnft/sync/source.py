@@ -39,10 +39,10 @@ class LocalTree:
 
 
 def default_source(start: Path | None = None) -> Path:
-    """The tree `invoke sync`, `invoke check` and `invoke train` use without --src: the top of the git repository
-    around the current directory (so `cd docs && invoke sync` still copies the whole project), else mnft's own
-    project directory (where tasks.py is). Never the current directory as such: it may be a subdirectory, whose
-    mirror with --delete would remove the rest of the workdir, or the home, whose walk would never end."""
+    """The tree `sync`, `check` and `train` use without --src: the top of the git repository around the current
+    directory (so `cd docs && mnft sync` still copies the whole project), else the current directory itself; never
+    mnft's own installation. A directory whose walk would read a whole machine (/, the home, a system directory)
+    is refused where the tree is used (mnft.sync.targets.source_problem)."""
     start = Path(start or Path.cwd())
     if shutil.which("git") is not None:
         try:
@@ -51,9 +51,7 @@ def default_source(start: Path | None = None) -> Path:
             done = None
         if done is not None and done.returncode == 0 and done.stdout.strip():
             return Path(os.fsdecode(done.stdout.strip()))
-    if (PROJECT_DIR / "tasks.py").is_file():
-        return PROJECT_DIR
-    raise InputError(f"no source tree: {start} is not inside a git repository; give --src DIR")
+    return start
 
 
 def configured_excludes(config: Mapping[str, Any] | None = None) -> tuple[str, ...]:
