@@ -27,8 +27,11 @@ def plan_resumed(job, latest):
 
 
 def entry_of(argv: tuple[str, ...]) -> list[str]:
-    """What torchrun runs: everything after its --log-dir option."""
-    return list(argv[argv.index("--log-dir") + 2:])
+    """What torchrun runs: mnft's launch wrapper in the run directory (mnft.run.entry), then the job's entry point
+    and arguments, everything after its --log-dir option."""
+    wrapper = argv[argv.index("--log-dir") + 2]
+    assert wrapper == argv[argv.index("--log-dir") + 1].rsplit("/", 1)[0] + "/entry.py"  # <run_dir>/entry.py
+    return list(argv[argv.index("--log-dir") + 3:])
 
 
 # ------------------------------------------------------------------------------------------ the command line
@@ -161,4 +164,4 @@ def test_literal_braces_are_written_twice(tmp_path):
 def test_every_shipped_example_job_is_valid_and_plans(path):
     job = load_job_file(path)
     a, b = plan(job)
-    assert a.argv[a.argv.index("--log-dir") + 2] == job.entry[0] and "{" not in " ".join(a.argv)
+    assert entry_of(a.argv)[0] == job.entry[0] and "{" not in " ".join(a.argv)

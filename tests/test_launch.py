@@ -29,8 +29,8 @@ def test_every_host_gets_its_node_rank_the_master_address_and_its_interface():
     a, b = plan(overrides=("lr=1e-4",))
     assert a.argv == (
         "/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
-        "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29501", "--max-restarts", "0",
-        "--tee", "3", "--log-dir", "/srv/mnft/runs/R1/torchrun", "-m", "mnft.recipes.lora",
+        "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29501", "--rdzv-conf", "timeout=300", "--max-restarts", "0",
+        "--tee", "3", "--log-dir", "/srv/mnft/runs/R1/torchrun", "/srv/mnft/runs/R1/entry.py", "-m", "mnft.recipes.lora",
         "output_dir=/srv/mnft/outputs/J1", "lr=1e-4",
     )
     assert b.argv[b.argv.index("--node-rank") + 1] == "1" and b.rank_offset == 2
@@ -122,7 +122,7 @@ def test_agent_reports_the_exit_code_and_hands_secrets_over_in_a_deleted_0600_fi
     proc.stdin.close()
     proc.wait(timeout=10)
     assert {"event": "line", "text": "token True 1"} in events
-    assert events[-1] == {"event": "exit", "code": 3}
+    assert events[-1] == {"event": "exit", "code": 3, "done": []}  # no rank returned from an entry point
     assert not (tmp_path / "run" / "secrets.json").exists()
     assert "hush" not in (tmp_path / "run" / "spec.json").read_text()
     assert oct((tmp_path / "run").stat().st_mode & 0o777) == "0o700"

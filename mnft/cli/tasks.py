@@ -195,6 +195,7 @@ def _job(recipe, job_file, entry, overrides):
         "env": "environment for the run: NAME (value from here) or NAME=VALUE (repeat); secret names (TOKEN/KEY/SECRET/PASSWORD) only as NAME",
         "env_file": "NAME=VALUE lines for the run, file mode 0600 (repeat): the way to pass secrets not in this environment",
         "rdzv": "static (node_rank from the inventory) or c10d",
+        "rdzv_timeout": "seconds the rendezvous waits for every host to join before the run fails naming the missing hosts (default 300)",
         "detach": "start, print the run id and return; the run goes on",
         "resume": "continue the latest run's job (or --resume-run ID's) from its latest complete checkpoint",
         "resume_run": "the run to continue",
@@ -211,7 +212,7 @@ def _job(recipe, job_file, entry, overrides):
 )
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
-          resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0):
+          resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300):
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -234,7 +235,7 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     else:
         the_job = _job(recipe, job, entry, overrides)
     options = TrainOptions(
-        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume),
+        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout),
         check=CheckOptions(port=int(port) or None),
         force=force,
         src=Path(src) if src else None,

@@ -13,7 +13,8 @@
                            (for invoke logs)
     checkpoints DIR        a checkpoints directory's entries and their files (for a resume)
 
-A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py. Secrets
+A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py, entry.py (the
+launch wrapper, mnft.run.entry) and done/rank-<R> for each rank whose entry point returned. Secrets
 arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
 Processes are found by the recorded process group and by MNFT_RUN_ID in their environment, never by name.
 """
@@ -38,6 +39,15 @@ def emit(event, **fields):
 
 def _path(p):
     return os.path.abspath(os.path.expanduser(p))
+
+
+def done_ranks(run_dir):
+    """The ranks whose entry point returned (mnft.run.entry writes done/rank-<R> in the run directory)."""
+    try:
+        names = os.listdir(os.path.join(run_dir, "done"))
+    except OSError:
+        return []
+    return sorted(int(n[5:]) for n in names if n.startswith("rank-") and n[5:].isdigit())
 
 
 def _expand(value):
@@ -424,6 +434,7 @@ def launch():
     spec = json.loads(sys.stdin.buffer.readline())
     run_dir = _path(spec["run_dir"])
     secrets = spec.pop("secrets", None) or {}
+    wrapper = spec.pop("entry", None)
     if not os.path.isdir(_path(spec.get("cwd") or "~")):
         emit("error", message="working directory %s does not exist (run invoke sync first)" % spec.get("cwd"))
         return 2
@@ -440,6 +451,8 @@ def launch():
             _write(secrets_file, json.dumps(secrets))
         own = os.path.join(run_dir, "agent.py")
         _write(own, SOURCE, 0o600)
+        if wrapper:
+            _write(os.path.join(run_dir, "entry.py"), wrapper, 0o644)
         log = open(os.path.join(run_dir, "output.log"), "ab")
         env = dict(os.environ)
         env[RUN_ID_VAR] = spec["run_id"]
@@ -501,14 +514,14 @@ def supervise(spec, run_dir, keeper, metrics=None):
             if reason is not None:
                 result = terminate(run_dir, grace, keeper)
                 forward()
-                emit("stopped", reason=reason, **result)
+                emit("stopped", reason=reason, done=done_ranks(run_dir), **result)
                 return 0
             code = keeper.poll()
             if code is not None:
                 time.sleep(0.1)
                 forward()
                 recorded = _read(os.path.join(run_dir, "exit_code"))
-                emit("exit", code=int(recorded) if recorded else 128 + 9)
+                emit("exit", code=int(recorded) if recorded else 128 + 9, done=done_ranks(run_dir))
                 return 0
             if time.time() - last_hb >= 1.0:
                 emit("hb", t=time.time())
@@ -541,6 +554,7 @@ def status(run_dir):
         # the last lines of the metrics file and of the output: the controller finds the last step in them
         "metric_lines": _last_lines(_Tail(_path(spec["metrics"])).path, STATUS_LINES) if spec.get("metrics") else [],
         "output_lines": _last_lines(os.path.join(run_dir, "output.log"), STATUS_LINES),
+        "done": done_ranks(run_dir),
     }
     if state == "running":
         result["sample"] = status_sample(spec)

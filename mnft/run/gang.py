@@ -48,6 +48,7 @@ COLLATERAL = re.compile(
     r"|ncclRemoteError|DistNetworkError|failed to recv, got 0 bytes|Watchdog caught collective operation timeout"
     r"|Signal 15 \(SIGTERM\) received")
 SETTLE = 5.0  # seconds to wait for the root cause after a host failed as a victim of another
+FINISH_GRACE = 60.0  # seconds the other hosts get to end on their own after one failed once its work was done
 
 
 class GangError(MnftError):
@@ -66,10 +67,16 @@ class HostRun:
     ended_at: float | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL))
     stop_report: dict | None = None
+    done_ranks: tuple[int, ...] = ()  # ranks whose entry point returned (mnft.run.entry's markers)
 
     @property
     def done(self) -> bool:
         return self.state in ("exited", "stopped", "lost", "failed-to-start")
+
+    @property
+    def work_done(self) -> bool:
+        """Every rank of this host returned from the job's entry point (whatever happened after, at exit)."""
+        return len(set(self.done_ranks)) >= self.launch.slots
 
 
 @dataclass
@@ -80,6 +87,7 @@ class GangResult:
     hosts: dict[str, HostRun]
     first_step_at: float | None = None
     leftovers: dict[str, list[int]] = field(default_factory=dict)
+    after_work: dict[str, str] = field(default_factory=dict)  # host -> its failure once every rank's work was done
 
 
 def agent_command(fleet: Fleet, host_name: str, *args: str) -> Command:
@@ -172,6 +180,7 @@ class Gang:
         self.run_id = run_id
         self.options = options
         self.secrets = secrets
+        self.after_work: dict[str, str] = {}
         self.runs = {l.host: HostRun(l) for l in launches}
         self.events: "queue.Queue[tuple[str, dict]]" = queue.Queue()
         self.on_line, self.on_metric, self.on_sample = on_line, on_metric, on_sample
@@ -275,10 +284,16 @@ class Gang:
             self.on_sample(name, {k: v for k, v in event.items() if k != "event"})
         elif kind == "exit":
             run.state, run.exit_code, run.ended_at = "exited", int(event.get("code", 1)), time.time()
+            run.done_ranks = tuple(event.get("done") or ())
             if run.exit_code != 0:
-                return f"{name}: torchrun exited with code {run.exit_code}"
+                why = f"{name}: torchrun exited with code {run.exit_code}"
+                if run.work_done:  # it died after its work: let the others end on their own
+                    self.after_work[name] = why
+                    return None
+                return why
         elif kind == "stopped":
             run.state, run.ended_at, run.stop_report = "stopped", time.time(), event
+            run.done_ranks = tuple(event.get("done") or ())
         elif kind == "eof":
             if not run.done:
                 self._lost(run, "connection to the host's agent lost")
@@ -302,8 +317,15 @@ class Gang:
         twice a second (the display's clock)."""
         reason = None
         failed = None
+        finish_by = None
         try:
             while not all(r.done for r in self.runs.values()):
+                if self.after_work and finish_by is None:
+                    finish_by = time.monotonic() + FINISH_GRACE
+                if finish_by is not None and time.monotonic() > finish_by:
+                    failed = next(iter(self.after_work))
+                    reason = self.after_work[failed] + f" after its work; the other hosts did not end within {FINISH_GRACE:g}s"
+                    break
                 try:
                     name, event = self.events.get(timeout=0.5)
                 except queue.Empty:
@@ -330,6 +352,8 @@ class Gang:
             raise
         if reason is None:
             self._stop_heartbeat.set()
+            if self.after_work:
+                return GangResult(True, None, "every host finished its work", self.runs, self.first_step_at, after_work=dict(self.after_work))
             return GangResult(True, None, "every host finished", self.runs, self.first_step_at)
         leftovers = self.teardown(reason)
         return GangResult(False, failed, reason, self.runs, self.first_step_at, leftovers)

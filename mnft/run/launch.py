@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from mnft.core.errors import InputError
 from mnft.hosts.command import REDACTED, check_env_name, is_secret_name
 from mnft.hosts.settings import Host, Inventory
+from mnft.run import entry
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 
 # torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)
@@ -27,6 +28,9 @@ ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Passed through from the controller's environment when set there (secret ones as secrets).
 TIMINGS = "timings-rank*.jsonl"  # each rank's step timings, in the recipes' output_dir on its own host
 PASSTHROUGH = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "WANDB_PROJECT", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")
+
+ENTRY = "entry.py"  # mnft.run.entry, written into each run directory by the agent
+ENTRY_SOURCE = entry.source()
 
 
 def new_run_id(now: float | None = None) -> str:
@@ -50,6 +54,7 @@ class LaunchOptions:
     resume: bool = False
     deadman: float = 15.0  # a host's agent tears its run down after this long without the controller
     grace: float = 10.0  # SIGTERM -> SIGKILL
+    rdzv_timeout: int = 300  # seconds the rendezvous waits for every host to join (torch's own default: 600)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,7 @@ class HostLaunch:
             "detach": options.detach,
             "deadman": options.deadman,
             "grace": options.grace,
+            "entry": ENTRY_SOURCE,  # the launch wrapper's source: the agent writes it as <run_dir>/entry.py
         }
 
     def display(self) -> dict:
@@ -218,6 +224,8 @@ def plan(
     job = options.job
     if options.rdzv not in ("static", "c10d"):
         raise InputError(f"--rdzv {options.rdzv!r}: use static or c10d")
+    if isinstance(options.rdzv_timeout, bool) or not isinstance(options.rdzv_timeout, int) or options.rdzv_timeout < 1:
+        raise InputError(f"--rdzv-timeout {options.rdzv_timeout!r}: a whole number of seconds ≥ 1")
     hosts = inventory.hosts
     if options.rdzv == "static" and len({h.slots for h in hosts}) > 1:
         raise InputError(
@@ -242,11 +250,14 @@ def plan(
             "--nproc-per-node", str(host.slots),
         ]
         if options.rdzv == "static":
-            argv += ["--node-rank", str(host.rank), "--master-addr", master_addr, "--master-port", str(port)]
+            argv += ["--node-rank", str(host.rank), "--master-addr", master_addr, "--master-port", str(port),
+                     "--rdzv-conf", f"timeout={options.rdzv_timeout}"]
         else:
-            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", job_id]
+            argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", job_id,
+                     "--rdzv-conf", f"join_timeout={options.rdzv_timeout}"]
         argv += [*job.torchrun, "--max-restarts", "0", "--tee", "3", "--log-dir", _join(run_dir, "torchrun")]
-        argv += [*job.entry, *(fill(a, values) for a in job.args), *job.extra_args]
+        # the entry point runs under mnft's wrapper (mnft.run.entry), which records each rank that finished its work
+        argv += [_join(run_dir, ENTRY), *job.entry, *(fill(a, values) for a in job.args), *job.extra_args]
         if with_resume:
             argv += [fill(a, values) for a in job.resume.args]
         host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": host.workdir, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_TEMPLATE,

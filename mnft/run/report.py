@@ -14,8 +14,9 @@ from mnft.core.output import console, fmt_loss, plain, print_json
 def print_status(record, states: dict[str, dict], as_json: bool, live: dict | None = None) -> int:
     """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable.
     live: what the run's attached supervisor says (its attempt, when restarting: healthy while it recovers)."""
+    ending = {key: record.data[key] for key in ("diagnosis", "warnings") if record.data.get(key)}
     if as_json:
-        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {})})
+        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {}), **ending})
     else:
         job = record.data.get("job") or {}
         label = job.get("name") or (f"recipe {record.data.get('recipe')}" if record.data.get("recipe") else " ".join(job.get("entry") or ["?"]))
@@ -47,6 +48,10 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                 console().print(plain(f"{name}: exit code {st.get('exit_code')}: {st['meaning']}", "yellow"))
             if st.get("straggler"):
                 console().print(plain(f"straggler {name}: {st['straggler']['why']} — see docs/perf.md", "bold yellow"))
+        if ending.get("diagnosis"):
+            console().print(Text.assemble(("cause: ", "bold red"), ending["diagnosis"]["cause"], "\n", ("fix:   ", "bold"), ending["diagnosis"]["fix"]))
+        for warning in ending.get("warnings") or ():
+            console().print(Text.assemble(("warning: ", "bold yellow"), warning["cause"], "\n", ("fix:   ", "bold"), warning["fix"]))
     if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
         return ExitCode.UNREACHABLE
     healthy = all(st.get("state") == "running" or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())

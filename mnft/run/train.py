@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Inventory
+from mnft.run import diagnose as diagnosing
 from mnft.run import launch as launching
 from mnft.run import records, recover
 from mnft.run.control import exit_meaning, job_of
@@ -138,8 +140,10 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
         gang_names = tuple(h.name for h in inventory.gang().hosts)
         refuse_bad_check(inventory.only(gang_names), report, options, record)
         ifaces = {name: reach.iface for name, reach in report.reach.items()}
+        reached = {name: reach.ok for name, reach in report.reach.items()}
         port = chosen_port(report)
-        run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory)
+        run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory, reached,
+                  {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()})
         if options.dry_run:
             return run.dry_run(inventory.gang(), report.master_addr, port)
         assert record is not None
@@ -228,6 +232,8 @@ class Run:
     ifaces: dict[str, str | None]
     policy: Policy
     inventory: Inventory  # every host, spares included
+    reached: dict[str, bool] = field(default_factory=dict)  # host -> it reached the master's port in the check
+    pythons: dict[str, str] = field(default_factory=dict)  # host -> the Python that runs the job there
 
     def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
         return launching.plan(
@@ -279,12 +285,14 @@ class Run:
                         return finish(record, result, self.timings, self.t0, fleet, self.console)
                     cause = recover.classify(self.seen(result, display))
                     decision = recover.should_restart(self.policy, history, cause)
-                    entry.update(cause=cause.to_json(), decision=decision.why, counted=decision.counted if decision.restart else None)
+                    diagnosis = self.diagnose(fleet, result, cause, display, port)
+                    entry.update(cause=cause.to_json(), diagnosis=diagnosis.to_json(), decision=decision.why,
+                                 counted=decision.counted if decision.restart else None)
                     record.save()
                     if not decision.restart:
                         live.update(state="failed")
                         note = attempts_note(record.data["attempts"], decision.why) if self.policy.max_restarts else None
-                        return finish(record, result, self.timings, self.t0, fleet, self.console, note)
+                        return finish(record, result, self.timings, self.t0, fleet, self.console, note, diagnosis)
                     self.console.print(Text(f"attempt {attempt} failed: {cause.detail}; {decision.why}", style="bold yellow"), highlight=False, soft_wrap=True)
                     t_logs = time.monotonic()
                     self.keep_logs(record, fleet, attempt)
@@ -398,6 +406,25 @@ class Run:
             oom=self.oom(result.failed_host, tail),
         )
 
+    def diagnose(self, fleet: Fleet, result: GangResult, cause: recover.Cause, display: Display, port: int) -> diagnosing.Diagnosis:
+        """The failed attempt's cause and fix, for a person (mnft.run.diagnose)."""
+        failed = result.hosts.get(result.failed_host) if result.failed_host else None
+        rank, trace = failure_excerpt(list(failed.tail)) if failed is not None else (None, [])
+        gang = fleet.inventory
+        evidence = diagnosing.Evidence(
+            cause=cause, rank=rank, trace=tuple(trace), tail=tuple(t for _, t in failed.tail) if failed is not None else (),
+            tails={name: tuple(run.tail) for name, run in result.hosts.items()},
+            ranks={name: tuple(range(run.launch.rank_offset, run.launch.rank_offset + run.launch.slots)) for name, run in result.hosts.items()},
+            python=self.pythons, reached=self.reached, port=port, master=gang.master_name,
+            straggler="; ".join(f"straggler {name}: {s.get('why')}" for name, s in display.watch.seen.items()) or None,
+        )
+        found = diagnosing.diagnose(evidence)
+        if found.kind == "address-in-use" and result.failed_host:
+            holder = port_holder(fleet, result.failed_host, port)
+            if holder:
+                found = diagnosing.diagnose(replace(evidence, holder=holder))
+        return found
+
     def oom(self, host: str | None, tail: list[str]) -> bool:
         """Whether the host's kernel log (where this user may read it) says the OOM killer killed a worker."""
         pids = recover.killed_pids(tail)
@@ -450,6 +477,7 @@ class Run:
             record.update(state="failed", reason=attempts_note(record.data["attempts"], reason))
             raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
         self.ifaces.update({name: reach.iface for name, reach in report.reach.items()})
+        self.reached.update({name: reach.ok for name, reach in report.reach.items()})
         return report.master_addr, chosen_port(report)
 
 
@@ -507,7 +535,17 @@ def sync_code(inventory: Inventory, src: Path, fleet: Fleet, console: Console) -
     return report.local_hash
 
 
-def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: float, fleet: Fleet, console: Console, note: str | None = None) -> int:
+def port_holder(fleet: Fleet, host: str, port: int) -> str | None:
+    """The process listening on a TCP port of a host, as `ss` shows it to this user ("python3 pid 4242"), or None."""
+    from mnft.hosts.command import Command
+
+    (result,) = list(fleet.run(lambda h: Command(("ss", "-H", "-tlnp", f"sport = :{port}")), hosts=[fleet.inventory.host(host)], timeout=10))
+    match = re.search(r'users:\(\("([^"]+)",pid=(\d+)', result.stdout) if result.ok else None
+    return f"{match.group(1)} pid {match.group(2)}" if match else None
+
+
+def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: float, fleet: Fleet, console: Console, note: str | None = None,
+           diagnosis: diagnosing.Diagnosis | None = None) -> int:
     """The end of a run: the record's final state, logs collected, and the outcome said (note: after automatic
     restarts, each attempt's cause and why there is no other attempt)."""
     from mnft.run.logs import collect, summarize
@@ -523,8 +561,10 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     meaning = exit_meaning(job, failed.exit_code) if failed is not None else None
     rank, trace = failure_excerpt(list(failed.tail)) if failed is not None else (None, [])
     reason = result.reason + (f": {meaning}" if meaning else "") + (f" (rank {rank}: {trace[-1]})" if trace and not meaning else "")
+    warnings = [diagnosing.after_work(name, [t for _, t in result.hosts[name].tail]) for name in result.after_work]
     record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
-                  failed_rank=rank, traceback=trace or None, timings=timings)
+                  failed_rank=rank, traceback=trace or None, timings=timings,
+                  diagnosis=diagnosis.to_json() if diagnosis else None, warnings=[w.to_json() for w in warnings] or None)
     try:
         summarize(record, collect(record, fleet, console, quiet=True))
     except Exception as exc:  # noqa: BLE001 - a failed collection must not hide the run's outcome
@@ -532,6 +572,8 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     if result.leftovers:
         console.print(f"[bold red]processes of the run survived on: {result.leftovers}[/bold red]")
     if result.ok:
+        for warning in warnings:
+            console.print(Text.assemble(("warning: ", "bold yellow"), warning.cause, "\n  fix: ", warning.fix))
         synced = (record.data.get("sync") or {}).get("src")
         console.print(Text.assemble((f"run {record.run_id} finished on every host", "green"), f" ({timings['total_s']:.1f}s)"
                                     + (f"; code from {synced}" if synced else "") + f"; logs in {record.path}"))
@@ -542,5 +584,7 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     if note:
         record.update(attempts_note=note)
     console.print(Text.assemble((f"run {record.run_id} failed: {reason}", "bold red"), "; every host's run was stopped\n", lines))
+    if diagnosis is not None:
+        console.print(Text.assemble(("cause: ", "bold"), diagnosis.cause, "\n", ("fix:   ", "bold"), diagnosis.fix))
     raise RunFailed(f"run {record.run_id} failed: {reason}" + (f" [{note}]" if note else "")
                     + f" (logs: {record.path})")

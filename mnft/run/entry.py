@@ -1,0 +1,81 @@
+"""mnft's launch wrapper: what torchrun starts on every rank in place of the job's entry point. Standard library
+only, Python >= 3.8; the host agent writes it into the run directory (mnft.run.agent).
+
+    python entry.py SCRIPT.py ARGS…        runs SCRIPT.py as `python SCRIPT.py ARGS…` would
+    python entry.py -m MODULE ARGS…        runs MODULE as `python -m MODULE ARGS…` would
+
+The entry point runs unchanged (runpy: the same sys.argv, `__main__`, `__file__` and sys.path[0] as without the
+wrapper). When it returns, or exits with status 0, the wrapper records `done/rank-<RANK>` in its own directory,
+before the interpreter's exit: so a rank that then dies while the interpreter exits (gloo's "terminate called
+without an active exception" when a script never calls destroy_process_group) is known to have finished its
+work, and mnft reports the run finished with a warning instead of failed, and never restarts it.
+"""
+
+import os
+import runpy
+import sys
+
+DONE_DIR = "done"
+
+
+def source():
+    """This file's text, for the controller to send to a host."""
+    with open(__file__, encoding="utf-8") as fh:
+        return fh.read()
+
+
+def mark_done(run_dir, rank):
+    """Record that this rank's entry point returned: an empty file, written atomically enough (create only)."""
+    folder = os.path.join(run_dir, DONE_DIR)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(os.path.join(folder, "rank-%d" % int(rank)), "w"):
+            pass
+    except (OSError, ValueError):
+        pass  # the marker is a hint for the report; never a reason to fail the job
+
+
+def done_ranks(run_dir):
+    """The ranks whose entry point returned, as recorded in run_dir (sorted)."""
+    try:
+        names = os.listdir(os.path.join(run_dir, DONE_DIR))
+    except OSError:
+        return []
+    ranks = []
+    for name in names:
+        if name.startswith("rank-") and name[5:].isdigit():
+            ranks.append(int(name[5:]))
+    return sorted(ranks)
+
+
+def main(argv):
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not argv or (argv[0] in ("-m", "--module") and len(argv) < 2):
+        sys.stderr.write("usage: entry.py SCRIPT.py ARGS... | entry.py -m MODULE ARGS...\n")
+        return 2
+    if argv[0] in ("-m", "--module"):
+        module = argv[1]
+        sys.argv = [module] + argv[2:]  # runpy puts the module's file in argv[0], as `python -m` does
+        sys.path[0] = os.getcwd()  # `python -m` puts the current directory first
+
+        def run():
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        script = argv[0]
+        sys.argv = list(argv)
+        sys.path[0] = os.path.dirname(os.path.realpath(script))  # `python SCRIPT` puts the script's directory first
+
+        def run():
+            runpy.run_path(script, run_name="__main__")
+    try:
+        run()
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            mark_done(here, os.environ.get("RANK", "0"))
+        raise
+    mark_done(here, os.environ.get("RANK", "0"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,110 @@
+"""Every bad ending named by one cause line and one fix line (mnft.run.diagnose), from what torch 2.13 and torchrun
+really print: the lines below were captured from real runs of CPU scripts (gloo) on this machine."""
+
+from __future__ import annotations
+
+from mnft.run.diagnose import Evidence, after_work, diagnose
+from mnft.run.recover import Cause, Seen, classify
+
+RANKS = {"h1": (0,), "h2": (1,)}
+
+
+def evidence(host: str, lines: list[str], *, rank: int | None = None, kind: str | None = None, tails=None, **extra) -> Evidence:
+    cause = classify(Seen(failed_host=host, host_state="exited", exit_code=1, tail=tuple(lines), traceback=tuple(lines[-3:]), first_step=True))
+    if kind is not None:
+        cause = Cause(kind, host, cause.detail)
+    return Evidence(cause=cause, rank=rank, trace=tuple(lines[-3:]), tail=tuple(lines), tails=tails or {}, ranks=RANKS, master="h1",
+                    python={"h1": "/opt/env/bin/python", "h2": "/opt/env/bin/python"}, **extra)
+
+
+def test_a_missing_module_names_host_rank_module_python_and_the_fix():
+    found = diagnose(evidence("h2", ["Traceback (most recent call last):", '  File "/root/mnft/train.py", line 9, in <module>',
+                                     "ModuleNotFoundError: No module named 'definitely_not_installed_pkg'"], rank=1))
+    assert found.kind == "module-not-found"
+    assert found.cause == "h2 rank 1: no module named 'definitely_not_installed_pkg' in /opt/env/bin/python"
+    assert found.fix.startswith("add definitely_not_installed_pkg to the lock and run `mnft provision`")
+
+
+def test_cuda_out_of_memory_gives_torchs_figures_and_the_levers():
+    line = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.15 GiB of "
+            "which 1.02 GiB is free. Including non-PyTorch memory, this process has 78.12 GiB memory in use.")
+    found = diagnose(evidence("h1", ["Traceback (most recent call last):", line], rank=0))
+    assert found.kind == "cuda-oom"
+    assert found.cause == "h1 rank 0: CUDA out of memory: tried to allocate 2.00 GiB on GPU 0 (79.15 GiB in all, 1.02 GiB free)"
+    assert all(lever in found.fix for lever in ("batch size", "LoRA", "activation (gradient) checkpointing"))
+
+
+def test_a_full_disk_is_named_whether_python_or_torch_save_failed():
+    plain = diagnose(evidence("h2", ["OSError: [Errno 28] No space left on device: '/data/out/ckpt.pt'"], rank=1))
+    assert (plain.kind, plain.cause) == ("disk-full", "h2 rank 1: no space left on the device writing /data/out/ckpt.pt")
+    assert "free disk space on h2" in plain.fix
+    save = diagnose(evidence("h1", ["RuntimeError: [enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"], rank=0))
+    assert save.kind == "disk-full"
+
+
+def test_a_taken_rendezvous_port_names_the_port_and_who_holds_it():
+    line = ("torch.distributed.DistNetworkError: The server socket has failed to listen on any local network address. port: 29618, "
+            "useIpv6: false, code: -98, name: EADDRINUSE, message: address already in use")
+    found = diagnose(evidence("h1", [line], holder="python3 pid 4242"))
+    assert found.kind == "address-in-use"
+    assert found.cause == "h1: the rendezvous port 29618 is already in use (held by python3 pid 4242)"
+    assert "another port" in found.fix
+
+
+def test_a_host_that_never_joined_the_rendezvous_is_named_and_a_firewall_seen_by_the_check_is_the_fix():
+    lines = ["torch.distributed.DistStoreError: Timed out after 21 seconds waiting for clients. 1/2 clients joined."]
+    tails = {"h1": ((None, lines[0]),), "h2": ()}
+    found = diagnose(evidence("h1", lines, tails=tails))
+    assert found.kind == "rendezvous-timeout"
+    assert found.cause == "the rendezvous timed out after 21s: 1 of 2 hosts joined; never joined: h2"
+    assert "did not start or connect" in found.fix
+    blocked = diagnose(evidence("h1", lines, tails=tails, reached={"h2": False}))
+    assert blocked.fix.startswith("h2 could not reach the master's port in the check: open it in the firewall")
+
+
+def test_a_host_that_cannot_connect_to_the_rendezvous_is_named():
+    line = ("[E1125 06:33:43.805452563 socket.cpp:1028] [c10d] The client socket has timed out after 15000ms while trying to "
+            "connect to (10.9.0.1, 29606).")
+    found = diagnose(evidence("h2", [line]))
+    assert (found.kind, found.cause) == ("rendezvous-timeout", "h2 could not reach the rendezvous at 10.9.0.1:29606 within 15s")
+
+
+def test_a_collective_timeout_names_the_ranks_that_waited_and_the_one_that_never_came():
+    line = ("[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
+            "waiting 10000ms for recv operation to complete")
+    tails = {"h1": ((0, line),), "h2": ((1, "step 3 done"),)}
+    found = diagnose(evidence("h1", [line], rank=0, tails=tails, straggler="straggler h2: compute 3.1× the median host"))
+    assert found.kind == "collective-timeout"
+    assert found.cause == "a collective timed out: rank(s) 0 waited, rank(s) 1 on h2 never arrived (straggler h2: compute 3.1× the median host)"
+    assert found.fix.startswith("see what h2 was doing")
+
+
+def test_the_kernels_oom_killer_and_a_plain_kill_are_told_apart():
+    summary = ["Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : -9 (pid: 9007)  (SIGKILL)"]
+    oom = Cause("signal", "h2", "h2 rank 1 was killed by SIGKILL (the kernel's OOM killer: out of memory)")
+    found = diagnose(Evidence(cause=oom, rank=1, tail=tuple(summary), ranks=RANKS))
+    assert (found.kind, found.cause) == ("host-oom", "h2 rank 1 was killed by the kernel's OOM killer: h2 ran out of memory")
+    killed = diagnose(evidence("h2", summary, rank=1))
+    assert (killed.kind, killed.cause) == ("killed", "h2 rank 1 was killed by SIGKILL")
+
+
+def test_a_non_finite_loss_and_a_lost_host_keep_recoverys_words_with_a_fix():
+    found = diagnose(Evidence(cause=Cause("non-finite", "h1", "h1 rank 0: the loss or gradients were not finite at step 12", 12)))
+    assert found.kind == "non-finite" and "at step 12" in found.cause and "learning rate" in found.fix
+    lost = diagnose(Evidence(cause=Cause("host-lost", "h2", "h2 stopped answering (link cut or machine down)")))
+    assert lost.kind == "host-lost" and "spare: true" in lost.fix
+
+
+def test_anything_else_is_the_exit_code_and_the_tracebacks_last_line():
+    lines = ["Traceback (most recent call last):", "RuntimeError: planned failure at step 6", "Root Cause (first observed failure):",
+             "  rank      : 1 (local_rank: 0)", "  exitcode  : 1 (pid: 8398)"]
+    found = diagnose(Evidence(cause=classify(Seen("h2", "exited", 1, tuple(lines), tuple(lines[:2]), first_step=True)), rank=1, trace=tuple(lines[:2])))
+    assert (found.kind, found.cause) == ("failed", "h2 rank 1 exited with code 1: RuntimeError: planned failure at step 6")
+
+
+def test_an_abort_while_the_interpreter_exits_after_the_work_is_a_warning_with_its_fix():
+    summary = ["[mnft-rank 0]: rank 0 done", "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
+               "  exitcode  : -6 (pid: 9209)  (SIGABRT)"]
+    found = after_work("h1", summary)
+    assert found.cause == "h1: rank 0 was killed by SIGABRT while the interpreter exited, after its work was done"
+    assert found.fix.startswith("call torch.distributed.destroy_process_group() at the end of the script")
