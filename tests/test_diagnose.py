@@ -69,6 +69,19 @@ def test_a_host_that_cannot_connect_to_the_rendezvous_is_named():
     assert (found.kind, found.cause) == ("rendezvous-timeout", "h2 could not reach the rendezvous at 10.9.0.1:29606 within 15s")
 
 
+def test_a_rank_that_never_joined_the_process_group_is_named_from_the_key_it_was_waited_for():
+    line = "[mnft-rank 0]: torch.distributed.DistStoreError: wait timeout after 15000ms, keys: /default_pg/0//cpu//0/1"
+    found = diagnose(evidence("h1", [line], rank=0))
+    assert found.cause == "h1 rank 0 waited 15s for the other ranks to join the process group; rank 1 on h2 never came"
+
+
+def test_host_memory_that_torch_could_not_allocate_is_named_with_its_size():
+    line = ("[mnft-rank 0]: RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+            "you tried to allocate 70368744177664 bytes. Error code 12 (Cannot allocate memory)")
+    found = diagnose(evidence("h1", [line], rank=0))
+    assert (found.kind, found.cause) == ("host-oom", "h1 rank 0: out of host memory: could not allocate 65536.0 GiB")
+
+
 def test_a_collective_timeout_names_the_ranks_that_waited_and_the_one_that_never_came():
     line = ("[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out "
             "waiting 10000ms for recv operation to complete")

@@ -75,7 +75,9 @@ def test_only_a_return_or_a_zero_exit_counts_as_done_and_the_exit_status_is_kept
     assert done.returncode == code
     assert entry.done_ranks(str(run_dir)) == ([3] if recorded else [])
     if code == 1:
-        assert done.stderr.strip().splitlines()[-1] == "RuntimeError: planned failure at step 6"  # the traceback as without mnft
+        lines = done.stderr.strip().splitlines()  # the traceback as without mnft: from the script's frame
+        assert lines == ["Traceback (most recent call last):", '  File "t.py", line 1, in <module>',
+                         "    raise RuntimeError('planned failure at step 6')", "RuntimeError: planned failure at step 6"], done.stderr
 
 
 def test_an_abort_at_interpreter_exit_after_the_work_keeps_its_signal_and_its_done_mark(run_dir, tmp_path):

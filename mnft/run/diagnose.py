@@ -10,7 +10,7 @@ Recognised, in this order (the first that matches names the run's end):
   rendezvous-timeout not every host joined the rendezvous in time (which did not, and whether the check saw it
                      reach the master)
   collective-timeout a collective timed out (the ranks that waited, the ones that never came, the straggler)
-  host-oom           the kernel's OOM killer killed a worker (host memory)
+  host-oom           host memory ran out: the kernel's OOM killer killed a worker, or torch could not allocate
   non-finite         the loss or gradients were not finite (the step)
   host-lost          a host stopped answering
   killed             a worker was killed by a signal
@@ -37,7 +37,8 @@ ADDRESS_IN_USE = re.compile(r"EADDRINUSE|[Aa]ddress already in use")
 PORT = re.compile(r"port: (\d+)|port (\d+)|:(\d+)\)?$")
 CLIENTS = re.compile(r"Timed out after (\d+) seconds waiting for clients\. (\d+)/(\d+) clients joined")
 CLIENT_TIMEOUT = re.compile(r"client socket has timed out after (\d+)(ms|s) while trying to connect to \(([^,]+), (\d+)\)")
-PG_JOIN = re.compile(r"wait timeout after (\d+)ms, keys: /default_pg/")
+PG_JOIN = re.compile(r"wait timeout after (\d+)ms, keys: (/default_pg/\S*)")  # the key's last part: the rank that never came
+CPU_OOM = re.compile(r"DefaultCPUAllocator: can't allocate memory: you tried to allocate (\d+) bytes")
 RDZV_TIMEOUT = re.compile(r"RendezvousTimeoutError|rendezvous.*timed out|waiting for clients", re.I)
 COLLECTIVE = re.compile(r"Timed out waiting (\d+)ms for (recv|send) operation|Watchdog caught collective operation timeout"
                         r"|collective operation timeout|ran for (\d+) milliseconds before timing out")
@@ -131,7 +132,10 @@ def diagnose(e: Evidence) -> Diagnosis:
             what = f"{host} could not reach the rendezvous at {client.group(3)}:{client.group(4)} within {seconds:g}s"
             missing = [host]
         elif pg:
-            what = f"{who} waited {int(pg.group(1)) / 1000:g}s for the other ranks to join the process group"
+            late = pg.group(2).rstrip(".,").rsplit("/", 1)[-1]
+            hosts = [h for h, ranks in e.ranks.items() if late.isdigit() and int(late) in ranks]
+            what = (f"{who} waited {int(pg.group(1)) / 1000:g}s for the other ranks to join the process group"
+                    + (f"; rank {late}" + (f" on {hosts[0]}" if hosts else "") + " never came" if late.isdigit() else ""))
         else:
             what = "the rendezvous timed out"
         never = f"; never joined: {', '.join(missing)}" if missing and clients else ""
@@ -156,6 +160,8 @@ def diagnose(e: Evidence) -> Diagnosis:
                           if hosts else "find the rank that stopped (`mnft logs`); ")
                          + "a slow host or link shows in `mnft check --perf`; a job that pauses on purpose needs a longer "
                          "process-group timeout")
+    if match := _first(CPU_OOM, lines):
+        return Diagnosis("host-oom", f"{who}: out of host memory: could not allocate {int(match.group(1)) / 1024**3:.1f} GiB", HOST_OOM_FIX)
     if kind == "signal" and "OOM killer" in e.cause.detail:
         return Diagnosis("host-oom", f"{who} was killed by the kernel's OOM killer: {host} ran out of memory", HOST_OOM_FIX)
     if kind == "non-finite":

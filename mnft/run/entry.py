@@ -73,8 +73,22 @@ def main(argv):
         if exc.code in (None, 0):
             mark_done(here, os.environ.get("RANK", "0"))
         raise
+    except Exception as exc:  # the job's own error: its traceback as Python prints it, without the wrapper's frames
+        own = _own_frames(exc.__traceback__)
+        sys.excepthook(type(exc), exc.with_traceback(own), own)  # Python prints the exception's own __traceback__
+        return 1
     mark_done(here, os.environ.get("RANK", "0"))
     return 0
+
+
+def _own_frames(tb):
+    """The traceback from the job's first frame on: the wrapper's and runpy's frames left out."""
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if not (name == __file__ or name == "<frozen runpy>" or name.endswith(os.sep + "runpy.py")):
+            break
+        tb = tb.tb_next
+    return tb
 
 
 if __name__ == "__main__":
