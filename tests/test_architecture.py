@@ -32,6 +32,7 @@ APART = {"recipes": ("core",)}
 # library only, Python 3.8 syntax, and a `source()` that returns the file's text.
 HOST_SCRIPTS = (
     "run.agent",
+    "run.entry",
     "check.probe",
     "sync.treehash",
     "env.envhost",

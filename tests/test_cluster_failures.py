@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,11 @@ SCRIPTS = {
     "killed.py": PRELUDE + 'if rank == 1:\n    os.kill(os.getpid(), 9)\ndist.barrier()\n',
     "abort_at_exit.py": PRELUDE + 'dist.barrier()\nif rank == 0:\n    atexit.register(os.abort)\nprint(f"rank {rank} done", flush=True)\n',
     "quick.py": PRELUDE + 'dist.barrier()\ndist.destroy_process_group()\n',
+    # rank 1 waits until the test has put it in a memory cgroup too small for what it then allocates: the
+    # kernel's OOM killer ends it (a host's own /sys shows no cgroups, so the test moves it from outside)
+    "memory_hog.py": PRELUDE + ('if rank == 1:\n    print("hog ready", flush=True)\n'
+                                '    while os.environ["OOM_CGROUP"] not in open("/proc/self/cgroup").read():\n        time.sleep(0.2)\n'
+                                '    hog = b"x" * (512 * 1024 * 1024)\ndist.barrier()\n'),
 }
 
 
@@ -49,11 +55,23 @@ def lab(tmp_path) -> Path:
     return repo
 
 
-def mnft(repo: Path, tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli_env(tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "controller-home"
     home.mkdir(exist_ok=True)
-    env = dict(os.environ, HOME=str(home), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
-    return subprocess.run([*MNFT, *args], cwd=repo, env=env, capture_output=True, text=True, timeout=timeout)
+    return dict(os.environ, HOME=str(home), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
+
+
+def mnft(repo: Path, tmp_path: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*MNFT, *args], cwd=repo, env=cli_env(tmp_path), capture_output=True, text=True, timeout=timeout)
+
+
+def wait_for(find, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (found := find()) is not None:
+            return found
+        time.sleep(0.2)
+    raise AssertionError("not found in time")
 
 
 def ending(done: subprocess.CompletedProcess, tmp_path: Path) -> tuple[dict, str]:
@@ -145,6 +163,31 @@ def test_a_killed_worker_is_named_with_its_signal(healthy_cluster, tmp_path, lab
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     diagnosis, _ = ending(done, tmp_path)
     assert (diagnosis["kind"], diagnosis["cause"]) == ("killed", "h2 rank 1 was killed by SIGKILL")
+
+
+def test_a_worker_killed_by_the_kernels_oom_killer_is_named_as_out_of_host_memory(healthy_cluster, tmp_path, lab):
+    cgroup = Path("/sys/fs/cgroup/memory") / f"mnft-oom-{tmp_path.name[-12:]}"
+    if not cgroup.parent.is_dir():
+        pytest.skip("no cgroup v1 memory controller on this machine to make a real OOM kill in")
+    cgroup.mkdir()
+    try:
+        (cgroup / "memory.limit_in_bytes").write_text(str(64 * 1024**2))
+        inv = healthy_cluster.write_inventory(tmp_path / "inv.yaml", hosts=healthy_cluster.hosts[:2])
+        train = subprocess.Popen([*MNFT, "train", "--hosts", str(inv), "--env", f"OOM_CGROUP={cgroup.name}", "--", "memory_hog.py"],
+                                 cwd=lab, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        worker = wait_for(lambda: next((pid for pid, cmd in healthy_cluster.processes(healthy_cluster.hosts[1])
+                                        if "memory_hog.py" in cmd and "torch.distributed.run" not in cmd), None))
+        (cgroup / "cgroup.procs").write_text(str(worker))
+        stdout, stderr = train.communicate(timeout=300)
+        done = subprocess.CompletedProcess(train.args, train.returncode, stdout, stderr)
+    finally:
+        for pid in (cgroup / "cgroup.procs").read_text().split():  # nothing of the run is left; belt and braces
+            subprocess.run(["kill", "-9", pid], check=False)
+        cgroup.rmdir()
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    diagnosis, out = ending(done, tmp_path)
+    assert (diagnosis["kind"], diagnosis["cause"]) == ("host-oom", "h2 rank 1 was killed by the kernel's OOM killer: h2 ran out of memory")
+    assert "fix: use less host memory per node" in out
 
 
 def test_an_abort_at_exit_after_the_work_is_a_finished_run_with_a_warning_and_never_restarted(healthy_cluster, tmp_path, lab):

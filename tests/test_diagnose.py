@@ -101,6 +101,15 @@ def test_the_kernels_oom_killer_and_a_plain_kill_are_told_apart():
     assert (killed.kind, killed.cause) == ("killed", "h2 rank 1 was killed by SIGKILL")
 
 
+def test_an_exception_followed_by_an_abort_at_exit_is_named_by_the_exception():
+    lines = ["[rank1]: Traceback (most recent call last):", "[rank1]:   File \"t.py\", line 11, in <module>",
+             "FileNotFoundError: [Errno 2] No such file or directory: '/data/x'", "terminate called without an active exception",
+             "Root Cause (first observed failure):", "  rank      : 1 (local_rank: 0)", "  exitcode  : -6 (pid: 17122)  (SIGABRT)"]
+    cause = classify(Seen("h2", "exited", 1, tuple(lines), tuple(lines[:3]), first_step=True))
+    found = diagnose(Evidence(cause=cause, rank=1, trace=tuple(lines[:3]), tail=tuple(lines)))
+    assert found.cause == "h2 rank 1 failed: FileNotFoundError: [Errno 2] No such file or directory: '/data/x' (and then aborted while exiting)"
+
+
 def test_a_non_finite_loss_and_a_lost_host_keep_recoverys_words_with_a_fix():
     found = diagnose(Evidence(cause=Cause("non-finite", "h1", "h1 rank 0: the loss or gradients were not finite at step 12", 12)))
     assert found.kind == "non-finite" and "at step 12" in found.cause and "learning rate" in found.fix

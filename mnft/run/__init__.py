@@ -3,11 +3,15 @@
     job          what torchrun starts on every host, how it resumes, where its metrics come from (data)
     launch       one torchrun command per host (pure: inventory, job and facts in, commands out)
     agent        the host side of a run: start under a keeper, stream events, stop (stdlib only)
+    entry        the launch wrapper every rank runs the job's entry point through: records the ranks that finished
+                 (stdlib only)
+    needs        what a job needs on every host, read from its source: its entry point and the modules it imports
     gang         every host's agent started in parallel and supervised as one gang
     train        the launch sequence: check, sync, resume point, plan, gang, recovery, finish
     progress     the live progress lines a person reads while a run goes
     rerun        a previous run's settings reused (`--resume`, `logs`/`status` of an old run)
     recover      why an attempt failed and what to do next (pure rules)
+    diagnose     why a run ended badly, for a person: one cause line and one fix line (pure)
     straggler    which host holds the gang back (pure rules over the agents' samples)
     checkpoints  the latest complete checkpoint, made whole on every host before a resume
     scrape       training metrics from what a job writes (pure parsers)

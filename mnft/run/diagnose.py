@@ -167,6 +167,10 @@ def diagnose(e: Evidence) -> Diagnosis:
     if kind == "non-finite":
         return Diagnosis("non-finite", e.cause.detail, "lower the learning rate or clip gradients, look at the data around "
                          "that step, then resume from the last checkpoint before it (`mnft train --resume`)")
+    if kind == "signal" and "SIGABRT" in e.cause.detail and e.trace and not e.trace[-1].startswith(" "):
+        # a Python exception first; the abort came while the interpreter exited (gloo's teardown), not the cause
+        return Diagnosis("failed", f"{who} failed: {e.trace[-1].strip()} (and then aborted while exiting)",
+                         "read the failing rank's traceback above (all of it: `mnft logs`)")
     if kind == "signal":
         return Diagnosis("killed", e.cause.detail, f"find what killed it on {host} (`journalctl -k`, the scheduler, a person); "
                          "then `mnft train --resume`")
