@@ -71,7 +71,8 @@ def user_repo(tmp_path: Path) -> Path:
     repo = tmp_path / "lab"
     repo.mkdir()
     (repo / "flaky.py").write_text(FLAKY)
-    (repo / "broken.py").write_text("import json\nimport a_module_that_is_not_installed\n")
+    # imported by name at run time, as a plugin loader does: the preflight cannot see it, the run fails at startup
+    (repo / "broken.py").write_text("import importlib\nimportlib.import_module('a_module_that_is_not_installed')\n")
     (repo / "job.yaml").write_text(JOB)
     subprocess.run(["git", "init", "-q", str(repo)], check=True)
     subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)

@@ -64,3 +64,14 @@ def test_secret_named_variables_never_go_on_a_command_line(name):
 def test_invalid_environment_names_are_refused(name):
     with pytest.raises(InputError, match="environment variable name"):
         Command.of("true", env={name: "1"})
+
+
+def test_a_command_line_shown_to_a_person_can_be_pasted_into_a_shell_on_the_host():
+    from mnft.hosts.command import shell_line
+
+    argv = ["~/mnft/runs/R/entry.py", "checkpointer.checkpoint_files=[model.pt]", "output_dir=~/mnft/outputs/J", "two words", "it's", "[/b]"]
+    line = shell_line(argv)
+    assert line == ('"$HOME"/mnft/runs/R/entry.py \'checkpointer.checkpoint_files=[model.pt]\' output_dir="$HOME"/mnft/outputs/J '
+                    "'two words' 'it'\"'\"'s' '[/b]'")
+    home = subprocess.run(["sh", "-c", "printf '%s\\n' " + line], capture_output=True, text=True, env={"HOME": "/h"}).stdout.splitlines()
+    assert home == ["/h/mnft/runs/R/entry.py", "checkpointer.checkpoint_files=[model.pt]", "output_dir=/h/mnft/outputs/J", "two words", "it's", "[/b]"]

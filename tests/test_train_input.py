@@ -66,12 +66,13 @@ def test_bad_input_is_one_line_exit_2_and_starts_nothing(repo, tmp_path, args, m
 
 @pytest.mark.slow
 def test_dry_run_shows_each_hosts_command_with_the_arguments_verbatim_and_placeholders_filled(repo, tmp_path):
-    nasty = ["two words", "it's", "$(touch PWNED)", "a;b", "{output_dir}"]
+    nasty = ["two words", "it's", "$(touch PWNED)", "a;b", "{output_dir}", "checkpointer.checkpoint_files=[model.pt]", "[/b]"]
     done = run(repo, tmp_path, "train", "--dry-run", "--job", "jobs/good.yaml", "--", *nasty, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     command = next(line.strip() for line in done.stdout.splitlines() if "torch.distributed.run" in line)
     argv = shlex.split(command)
-    assert argv[argv.index("train.py"):] == ["train.py", "--out", "~/.cache/mnft/work/outputs/" + argv[argv.index("--out") + 1].rsplit("/", 1)[1],
+    # printed literally (no rich markup eaten) and pasteable: the home as "$HOME", which a shell expands
+    assert argv[argv.index("train.py"):] == ["train.py", "--out", "$HOME/.cache/mnft/work/outputs/" + argv[argv.index("--out") + 1].rsplit("/", 1)[1],
                                              "--gpus", "2", *nasty]
     assert not list(repo.rglob("PWNED")) and not (tmp_path / "runs").exists()
 

@@ -81,7 +81,7 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     problems = report.problems
     unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK]
     if not problems and not unreachable:
-        out.print("[green]every host can join the job[/green]")
+        out.print(Text("every host can join the job", style="green"))
         return
     for outcome in unreachable:
         out.print(Text.assemble((f"{outcome.host}: {outcome.status.value}", STATUS_STYLE[outcome.status.value]), f": {outcome.error}"))

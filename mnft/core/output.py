@@ -23,7 +23,9 @@ STATUS_STYLE = {
 
 
 def console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
+    """The console every command prints to. Strings are printed as they are, never read as rich markup (a job's
+    name, a path or an argument like `files=[model.pt]` or `a[/b]` is data): style goes through `Text`."""
+    return Console(stderr=stderr, highlight=False, markup=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
 
 
 def print_json(data: Any) -> None:

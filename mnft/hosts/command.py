@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from mnft.core.errors import InputError
 
@@ -31,7 +32,7 @@ def is_secret_name(name: str) -> bool:
 
 
 def check_env_name(name: str) -> str:
-    if not isinstance(name, str) or not ENV_NAME.match(name):
+    if not isinstance(name, str) or not ENV_NAME.fullmatch(name):
         raise InputError(f"environment variable name {name!r} is invalid: use letters, digits and _ only")
     return name
 
@@ -43,6 +44,20 @@ def quote_path(path: str) -> str:
     if path.startswith("~/"):
         return '"$HOME"/' + shlex.quote(path[2:])
     return shlex.quote(path)
+
+
+def shell_word(arg: str) -> str:
+    """One argument as a POSIX shell reads it back, the home written `"$HOME"` so that a `~/…` path (or `key=~/…`,
+    which mnft's agent expands itself) still means the host user's home when the line is pasted into a shell."""
+    key, sep, rest = arg.partition("=")
+    if sep and ENV_NAME.fullmatch(key) and (rest == "~" or rest.startswith("~/")):
+        return key + "=" + quote_path(rest)
+    return quote_path(arg) if arg == "~" or arg.startswith("~/") else shlex.quote(arg)
+
+
+def shell_line(argv: Iterable[str]) -> str:
+    """A command line to read or copy: every argument quoted once (shell_word), nothing else interpreted."""
+    return " ".join(shell_word(a) for a in argv)
 
 
 @dataclass(frozen=True)

@@ -60,7 +60,7 @@ def print_perf(perf: PerfReport, out=None) -> None:
     for kind, path in perf.artifacts.items():
         out.print(plain(f"{kind}: {path}", style="dim"))
     if not perf.problems:
-        out.print("[green]no host is slower than the others[/green]")
+        out.print(Text("no host is slower than the others", style="green"))
         return
     for p in perf.problems:
         style = "yellow" if p.severity == "warning" else "red"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.text import Text
 
 from mnft.core.errors import ExitCode, MnftError
 from mnft.hosts import pyrun
@@ -332,7 +333,7 @@ def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Conso
     if choice.name is None:
         note = (f"no complete checkpoint ({rule.layout}) in {', '.join(sorted(set(dirs.values())))}"
                 + (f" (incomplete: {', '.join(choice.considered[:5])})" if choice.considered else "") + ": the run starts fresh")
-        console.print(f"[yellow]{note}[/yellow]", highlight=False)
+        console.print(Text(f"{note}", style="yellow"))
         return Found(None, note=note)
     shared = [h for h in hosts if h.shared_fs]
     if len(shared) == len(hosts):

@@ -7,6 +7,7 @@ import json
 from dataclasses import replace
 
 from rich.console import Console
+from rich.text import Text
 
 from mnft.core.errors import ExitCode
 from mnft.hosts.fleet import Fleet
@@ -166,12 +167,12 @@ def gpu_verdict(result: dict[str, dict], code: int, console: Console | None) -> 
     other = {n: r["gpus_other"] for n, r in result.items() if r.get("gpus_other")}
     if console is not None:
         for name, apps in held.items():
-            console.print(f"[bold red]{name}: a GPU is still held by the run: {', '.join(apps)}[/bold red]", highlight=False)
+            console.print(Text(f"{name}: a GPU is still held by the run: {', '.join(apps)}", style="bold red"))
         for name, apps in other.items():
-            console.print(f"[yellow]{name}: warning: GPUs held by other processes (not this run's): {', '.join(apps)}[/yellow]", highlight=False)
+            console.print(Text(f"{name}: warning: GPUs held by other processes (not this run's): {', '.join(apps)}", style="yellow"))
         for name, r in result.items():
             if r.get("gpu_error"):
-                console.print(f"[yellow]{name}: warning: could not ask the GPUs: {r['gpu_error']}[/yellow]", highlight=False)
+                console.print(Text(f"{name}: warning: could not ask the GPUs: {r['gpu_error']}", style="yellow"))
     if held and code == ExitCode.OK:
         return ExitCode.FAILED
     return code

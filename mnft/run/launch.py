@@ -10,21 +10,19 @@ host inside the agent's stdin and land in a 0600 file the run's keeper reads and
 from __future__ import annotations
 
 import os
-import re
 import secrets as _secrets
 import shlex
 import time
 from dataclasses import dataclass, field
 
 from mnft.core.errors import InputError
-from mnft.hosts.command import REDACTED, check_env_name, is_secret_name
+from mnft.hosts.command import ENV_NAME, REDACTED, check_env_name, is_secret_name, shell_line
 from mnft.hosts.settings import Host, Inventory
 from mnft.run import entry
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 
 # torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)
 RANK_TEMPLATE = "[rank${rank}]:"
-ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # Passed through from the controller's environment when set there (secret ones as secrets).
 TIMINGS = "timings-rank*.jsonl"  # each rank's step timings, in the recipes' output_dir on its own host
 PASSTHROUGH = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "WANDB_PROJECT", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")
@@ -96,7 +94,7 @@ class HostLaunch:
         """The command and environment as a person or a run record may see them (secrets redacted)."""
         env = dict(self.env)
         env.update({name: REDACTED for name in self.secret_names})
-        return {"command": shlex.join(self.argv), "env": env, "cwd": self.cwd, "run_dir": self.run_dir}
+        return {"command": shell_line(self.argv), "env": env, "cwd": self.cwd, "run_dir": self.run_dir}
 
 
 def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str, ...] = ()) -> tuple[dict[str, str], dict[str, str]]:
@@ -146,7 +144,7 @@ def read_env_file(path: str) -> dict[str, str]:
             continue
         name, sep, value = line.removeprefix("export ").partition("=")
         name = name.strip()
-        if not sep or not ENV_NAME_RE.match(name):
+        if not sep or not ENV_NAME.fullmatch(name):
             raise InputError(f"--env-file {path}:{number}: expected NAME=VALUE")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":

@@ -345,7 +345,7 @@ def merged_tail(record: records.RunRecord, lines: int, console: Console, metrics
     for name in record.data["hosts"]:
         log = record.path / name / "run" / "output.log"
         if not log.is_file():
-            console.print(f"[dim]{name}| (no output collected)[/dim]")
+            console.print(Text(f"{name}| (no output collected)", style="dim"))
             continue
         offset = rank_offset(record.data, name)
         for text in log.read_text(errors="replace").splitlines()[-lines:]:
@@ -375,7 +375,7 @@ def follow(record: records.RunRecord, fleet: Fleet, console: Console) -> int:
                 codes[host.name] = event.get("code")
                 if event.get("reason"):
                     with lock:
-                        console.print(f"[yellow]{host.name}: {event['reason']}[/yellow]")
+                        console.print(Text(f"{host.name}: {event['reason']}", style="yellow"))
             elif stream == "stdout" and event.get("event") == "line":
                 rank, text = split_rank(event.get("text", ""), offset)
                 label = f"{host.name} r{rank}" if rank is not None else host.name

@@ -71,8 +71,8 @@ class Display:
         if data.get("event") == "summary":
             if data.get("final_loss") is not None:
                 rate = f", {data['tokens_per_s']:.0f} tokens/s" if isinstance(data.get("tokens_per_s"), (int, float)) else ""
-                self.console.print(f"[bold]summary[/bold]: loss {fmt_loss(data.get('initial_loss'))} -> {fmt_loss(data.get('final_loss'))}"
-                                   f"{rate} over {data.get('steps')} steps")
+                self.console.print(Text.assemble(("summary", "bold"), f": loss {fmt_loss(data.get('initial_loss'))} -> "
+                                                 f"{fmt_loss(data.get('final_loss'))}{rate} over {data.get('steps')} steps"))
             return
         if "loss" not in data:
             return

@@ -24,6 +24,7 @@ from rich.text import Text
 from mnft.check.findings import CheckOptions, CheckReport
 from mnft.check.gather import gather as gather_check
 from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.hosts.command import shell_line, shell_word
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Inventory
@@ -186,7 +187,7 @@ def usable_spares(inventory: Inventory, report: CheckReport, console: Console) -
             out.append(host.name)
         else:
             why = "; ".join(f"{p.field}: {p.message}" for p in report.problems if p.host == host.name and p.severity == "error")
-            console.print(f"[yellow]spare {host.name} left out: {why or report.outcomes[host.name].error or report.status(host.name)}[/yellow]", highlight=False)
+            console.print(Text(f"spare {host.name} left out: {why or report.outcomes[host.name].error or report.status(host.name)}", style="yellow"))
     return tuple(out)
 
 
@@ -245,13 +246,13 @@ class Run:
     def dry_run(self, gang: Inventory, master_addr: str, port: int) -> int:
         job = self.lopts.job
         for p in self.plan(gang, master_addr, port, 1, self.lopts.resume):
-            shown = p.display()
-            self.console.print(f"[bold]{p.host}[/bold] (node_rank {p.node_rank}, cwd {shown['cwd']})")
-            self.console.print("  env: " + " ".join(f"{k}={v}" for k, v in shown["env"].items()), highlight=False, soft_wrap=True)
-            self.console.print("  " + shown["command"], highlight=False, soft_wrap=True)
+            shown = p.display()  # printed literally: an argument like checkpoint_files=[model.pt] is not rich markup
+            self.console.print(Text.assemble((p.host, "bold"), f" (node_rank {p.node_rank}, cwd {shown['cwd']})"))
+            self.console.print(Text("  env: " + " ".join(shell_word(f"{k}={v}") for k, v in shown["env"].items())), soft_wrap=True)
+            self.console.print(Text("  " + shown["command"]), soft_wrap=True)
         if self.lopts.resume and job.resume.layout not in ("none", "mnft"):
-            self.console.print(f"(on resume, mnft looks for the latest complete checkpoint ({job.resume.layout}) in {job.resume.checkpoints} "
-                               "and passes " + " ".join(job.resume.args) + " only when it finds one)", highlight=False, soft_wrap=True)
+            self.console.print(Text(f"(on resume, mnft looks for the latest complete checkpoint ({job.resume.layout}) in {job.resume.checkpoints} "
+                               "and passes " + shell_line(job.resume.args) + " only when it finds one)"), soft_wrap=True)
         return ExitCode.OK
 
     # -------------------------------------------------------------------------------------------- the attempts
@@ -345,8 +346,8 @@ class Run:
                 plans = self.plan(gang, master_addr, port, attempt, resume, found.name)
         record.update(state="starting", hosts={p.host: {"node_rank": p.node_rank, **p.display(), "output_dir": p.output_dir, "metrics": p.metrics,
                                                         "collect": list(p.collect), "checkpoints": p.checkpoints} for p in plans})
-        title = f"run [bold]{self.run_id}[/bold]" + (f" attempt {attempt}" if attempt > 1 else "")
-        console.print(f"{title}: {job.label} on {len(plans)} hosts, world size {gang.world_size}, master {master_addr}:{port}")
+        console.print(Text.assemble("run ", (self.run_id, "bold"), (f" attempt {attempt}" if attempt > 1 else "")
+                                    + f": {job.label} on {len(plans)} hosts, world size {gang.world_size}, master {master_addr}:{port}"))
         display = Display(console, width, on_stragglers=lambda found: live.update(stragglers=[s.to_json() for s in found]))
         display.attempt = label
         fmt = job.metrics.format
@@ -443,7 +444,7 @@ class Run:
         try:
             keep_attempt(record, fleet, attempt, self.console)
         except Exception as exc:  # noqa: BLE001 - logs that cannot be brought back must not stop the recovery
-            self.console.print(f"[yellow]attempt {attempt}'s logs were not collected: {exc}[/yellow]", highlight=False)
+            self.console.print(Text(f"attempt {attempt}'s logs were not collected: {exc}", style="yellow"))
 
     def wait_for(self, inventory: Inventory, lost: list[str], backoff: float) -> set[str]:
         """Wait the backoff; meanwhile (and for at most reuse_wait_s) ask each lost host whether it answers again."""
@@ -568,9 +569,9 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     try:
         summarize(record, collect(record, fleet, console, quiet=True))
     except Exception as exc:  # noqa: BLE001 - a failed collection must not hide the run's outcome
-        console.print(f"[yellow]log collection failed: {exc}[/yellow]")
+        console.print(Text(f"log collection failed: {exc}", style="yellow"))
     if result.leftovers:
-        console.print(f"[bold red]processes of the run survived on: {result.leftovers}[/bold red]")
+        console.print(Text(f"processes of the run survived on: {result.leftovers}", style="bold red"))
     if result.ok:
         for warning in warnings:
             console.print(Text.assemble(("warning: ", "bold yellow"), warning.cause, "\n  fix: ", warning.fix))

@@ -29,10 +29,10 @@ def print_sync(report: SyncReport, as_json: bool) -> None:
     out.print(table)
     for h in report.hosts.values():
         if report.dry_run and (h.would_send or h.would_delete):
-            out.print(f"[bold]{h.host}[/bold]:")
+            out.print(Text.assemble((f"{h.host}", "bold"), ":"))
             for line in Difference(tuple(h.would_send), tuple(h.would_delete)).describe():
                 out.print(f"  {line.replace('differs: ', 'send: ').replace('extra: ', 'delete: ')}", highlight=False, markup=False)
         if h.differing:
-            out.print(f"[red]{h.host}[/red]: files that differ:")
+            out.print(Text.assemble((f"{h.host}", "red"), ": files that differ:"))
             for line in h.differing[:SHOWN_DIFFERENCES]:
                 out.print(f"  {line}", highlight=False, markup=False)
