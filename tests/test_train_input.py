@@ -109,3 +109,23 @@ def test_a_port_that_answers_but_is_not_ssh_is_one_unreachable_row_without_param
     assert done.returncode == 4, done.stdout + done.stderr
     assert "web: unreachable: cannot connect to [127.0.0.1]" in done.stdout and "SSH protocol banner" in done.stdout
     assert "Traceback" not in done.stderr and "Exception (client)" not in done.stderr, done.stderr
+
+
+def test_resume_of_a_script_without_a_resume_rule_is_refused_before_anything_starts(repo, tmp_path):
+    first = run(repo, tmp_path, "train", "--", "train.py")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
+    runs = sorted((tmp_path / "runs").iterdir())
+    again = run(repo, tmp_path, "train", "--resume")
+    assert again.returncode == 2, again.stdout + again.stderr
+    message = again.stderr.strip()
+    assert len(message.splitlines()) == 1 and "train.py has no resume rule" in message and "start again at step 1" in message
+    assert "--resume_from_checkpoint" in message  # the rule that fits an HF Trainer script, as an example
+    assert sorted((tmp_path / "runs").iterdir()) == runs  # no run started, not even recorded
+
+
+def test_restarts_of_a_script_without_a_resume_rule_are_warned_to_begin_at_step_1(repo, tmp_path):
+    shown = run(repo, tmp_path, "train", "--max-restarts", "1", "--dry-run", "--", "train.py")
+    assert shown.returncode == 0, shown.stderr
+    assert "warning: train.py has no resume rule: a restart after a failure begins again at step 1" in shown.stdout
+    with_rule = run(repo, tmp_path, "train", "--max-restarts", "1", "--dry-run", "--job", "jobs/good.yaml")
+    assert with_rule.returncode == 0 and "no resume rule" in with_rule.stdout  # good.yaml has none either

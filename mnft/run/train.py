@@ -111,10 +111,15 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
         previous = previous_run(options.resume_run)
         job_id = previous.data.get("job_id", previous.run_id)
         lopts = replace(lopts, resume=True)
+        if why := not_resumable(job):
+            raise InputError(why)
     if job.recipe:
         parse_overrides(job.extra_args)  # bad input fails before any host is touched
     policy = options.recovery
     check_recovery(policy, job, inventory, lopts)
+    if policy.max_restarts and not_resumable(job):
+        console.print(Text.assemble(("warning: ", "bold yellow"), f"{job.label} has no resume rule: a restart after a failure "
+                                    "begins again at step 1 (and may overwrite the checkpoints it wrote)\n  fix: " + RESUME_FIX), soft_wrap=True)
     environ = launching.environ()
     env, secrets = launching.split_env(lopts.env + pass_env_specs(job, environ, lopts.env_files), environ, lopts.env_files)
     tree = options.src or default_source()
@@ -161,6 +166,20 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
             timings["sync_s"] = round(time.monotonic() - t_sync, 3)
         record.update(code_hash=code_hash, sync={"ok": True, "src": str(tree)} if options.sync else None, timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
+
+
+RESUME_FIX = ("give the job a resume rule in a job file (docs/jobs.md), e.g. for an HF Trainer script "
+              "`resume: {layout: hf, checkpoints: '{output_dir}', args: [--resume_from_checkpoint, '{latest_checkpoint}']}`, "
+              "for torchtune `resume: {layout: torchtune, args: [resume_from_checkpoint=True]}`")
+
+
+def not_resumable(job: Job) -> str | None:
+    """Why --resume cannot continue this job (None: it can): a job with no resume rule would start again at step 1
+    and overwrite what it saved, while the person asked to continue."""
+    if job.recipe or job.resume.layout != "none" or job.resume.args:
+        return None
+    return (f"--resume: {job.label} has no resume rule, so mnft cannot tell it where to continue: it would start again "
+            f"at step 1 and overwrite its checkpoints; {RESUME_FIX}")
 
 
 def check_recovery(policy: Policy, job: Job, inventory: Inventory, lopts: LaunchOptions) -> None:
