@@ -42,7 +42,10 @@ def test_status_of_a_script_reads_rank_0s_output_in_the_jobs_format(tmp_path):
     data = {"job": {"entry": ["train.py"], "metrics": {"format": "hf"}}, "hosts": {"a": {"node_rank": 0}},
             "inventory": {"hosts": [{"slots": 1}]}}
     state = dict(agent.status(str(run)), metric_lines=[])
-    assert control.last_metric(data, "a", state) == {"loss": 2.25, "grad_norm": 1.0, "lr": 4e-05, "epoch": 0.5, "step": None}
+    # HF's records carry no step: the training bar printed after the newest one says where it is, about
+    assert control.last_metric(data, "a", state) == {"loss": 2.25, "grad_norm": 1.0, "lr": 4e-05, "epoch": 0.5, "step": 20, "step_about": True}
+    (run / "output.log").write_text("[rank0]:{'loss': 2.25, 'epoch': 0.5}\n")
+    assert control.last_metric(data, "a", dict(agent.status(str(run)), metric_lines=[]))["step"] is None  # no bar: unknown
 
 
 def test_a_non_finite_loss_is_shown_as_the_recipe_wrote_it(capsys):
@@ -107,7 +110,8 @@ def test_logs_of_an_hf_script_plot_its_dict_lines_when_no_trainer_state_was_coll
         (record.path / name / "run" / "output.log").write_text(
             f"[rank{rank}]: 10%|#         | 1/10[rank{rank}]:{{'loss': '{3.0 + rank}', 'epoch': '0.1'}}\n"
             f"[rank{rank}]:{{'loss': '{2.0 + rank}', 'epoch': '0.2'}}\n")
-    steps, _, source = logs.run_metrics(record)
+    metrics = logs.run_metrics(record)
+    steps, source = metrics.steps, metrics.source
     assert [(s["index"], s["loss"]) for s in steps] == [(1, 3.0), (2, 2.0)] and source == "a: rank 0's output"
     summary = logs.summarize(record)
     assert (summary["initial_loss"], summary["final_loss"], summary["last_step"]) == (3.0, 2.0, 2)

@@ -83,12 +83,15 @@ def last_metric(data: dict, host: str, state: dict) -> dict | None:
         if found and "loss" in found:
             return found
     offset = rank_offset(data, host) if host in data.get("hosts", {}) and data.get("inventory") else 0
+    bar = None  # HF's training bar, newer than the record: the step of a record that carries none, about
     for line in reversed(state.get("output_lines") or []):
         for rank, text in reversed(split_ranks(line, offset)):
             if rank == 0:
                 found = parse(text)
-                if found and "loss" in found:
-                    return found
+                if found and found.get("event") == "progress" and bar is None:
+                    bar = found
+                elif found and "loss" in found:
+                    return dict(found, step=bar["step"], step_about=True) if found.get("step") is None and bar else found
     return None
 
 

@@ -9,8 +9,10 @@ import io
 import json
 import tarfile
 import threading
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from rich.console import Console
 from rich.text import Text
@@ -19,15 +21,23 @@ from mnft.core.errors import ExitCode
 from mnft.core.output import fmt_loss
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
-from mnft.run import records, scrape
+from mnft.run import goodput, records, scrape, timeline
+from mnft.run.checkpoints import step_of
 from mnft.run.control import job_of, rank_offset, write_back
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
 
+STEP_TIMES = "step-times.jsonl"  # runs/<id>/step-times.jsonl: when each of rank 0's step records arrived, per attempt
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)
 TIMING_PREFIX = "timings-rank"  # each rank's step timings (mnft/recipes/timing.py), collected from every host
 
 
-Metrics = tuple[list[dict], dict | None, str | None]  # run_metrics: rank 0's steps, its summary, where from
+class Metrics(NamedTuple):
+    """run_metrics: rank 0's steps over the kept timeline, its summary, where from, each attempt's steps."""
+
+    steps: list[dict]
+    summary: dict | None
+    source: str | None
+    attempts: list[dict] = []
 
 
 def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bool = False) -> Metrics:
@@ -53,7 +63,7 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
             tar.extractall(dest, filter="data")
         outcome[result.host] = "ok" + (f" (left out, too large: {', '.join(data['left_out'])})" if data.get("left_out") else "")
     metrics = run_metrics(record)
-    steps, _, source = metrics
+    steps, source = metrics.steps, metrics.source
     if steps:
         plot(steps, record.path / "loss.png", f"{record.run_id}: loss" + (f" ({source})" if source else ""), restarts(record.data))
     timings = rank_timings(record)
@@ -104,73 +114,90 @@ def keep_attempt(record: records.RunRecord, fleet: Fleet, attempt: int, console:
             shutil.move(str(record.path / name), str(dest / name))
 
 
-def _views(record: records.RunRecord) -> list[tuple[Path, dict]]:
-    """(directory holding <host>/ of collected logs, the run data as of that attempt), oldest attempt first."""
+def _views(record: records.RunRecord) -> list[tuple[Path, dict, dict | None]]:
+    """(directory holding <host>/ of collected logs, the run data as of that attempt, the attempt's entry), oldest
+    attempt first; the last attempt's logs are in runs/<id>/ itself."""
     views = []
-    for entry in record.data.get("attempts") or []:
+    attempts = record.data.get("attempts") or []
+    for entry in attempts[:-1]:
         where = attempt_dir(record, entry["number"])
         if where.is_dir():
-            views.append((where, {**record.data, "hosts": {n: {"node_rank": i} for i, n in enumerate(entry["hosts"])}}))
-    return views + [(record.path, record.data)]
+            views.append((where, {**record.data, "hosts": {n: {"node_rank": i} for i, n in enumerate(entry["hosts"])}}, entry))
+    return views + [(record.path, record.data, attempts[-1] if attempts else None)]
 
 
 def run_metrics(record: records.RunRecord) -> Metrics:
     """Rank 0's step records (and its summary, if it wrote one) from what `logs` collected, over every attempt of
-    the run (a step done again after a restart: the later attempt's record), written to runs/<id>/metrics.jsonl;
-    and where they came from (host and source)."""
+    the run as one timeline (mnft.run.timeline: each attempt's records up to where the next resumed, steps
+    derived where the format prints none), written to runs/<id>/metrics.jsonl; where they came from; and each
+    attempt's steps as the records tell them."""
     job = job_of(record.data)
     if job.metrics.format == "none":
-        return [], None, None
-    by_step: dict[int, dict] = {}
-    unnumbered: list[dict] = []
-    summary = source = None
-    for base, data in _views(record):
-        found, where = _metrics_in(base, data, job)
-        for r in found:
-            if r.get("event") == "summary":
-                summary = r
-            elif "loss" in r and r.get("event") is None:
-                if isinstance(r.get("step"), int):
-                    by_step[r["step"]] = r
-                else:
-                    unnumbered.append(r)
-        source = where or source
-    steps = [by_step[k] for k in sorted(by_step)] + unnumbered
-    if steps or summary:
-        numbered = scrape.steps_only(steps)
-        (record.path / METRICS).write_text("".join(json.dumps(r) + "\n" for r in numbered + ([summary] if summary else [])))
-        return numbered, summary, source
-    return [], None, None
+        return Metrics([], None, None)
+    seen = [(entry, _metrics_in(base, data, job)) for base, data, entry in _views(record)]
+    calibration = timeline.calibration_from_states([state for _, found in seen for state in found.states])
+    attempts, summary, source = [], None, None
+    for number, (entry, found) in enumerate(seen, 1):
+        resumed = (entry or {}).get("resumed_step")
+        records = [r for r in found.records if "loss" in r and r.get("event") is None]
+        if any(r.get("step") is None for r in records):
+            here = calibration or (timeline.calibration_from_summary(found.summary, resumed) if found.summary else None)
+            records = timeline.refine(timeline.derive_steps(records, here, resumed or 0), found.exact)
+        attempts.append(timeline.AttemptMetrics((entry or {}).get("number", number), records, resumed))
+        summary = found.summary or summary
+        source = found.source or source
+    merged = timeline.merge(attempts)
+    if merged.records or summary:
+        (record.path / METRICS).write_text("".join(json.dumps(r) + "\n" for r in merged.records + ([summary] if summary else [])))
+        return Metrics(merged.records, summary, source, [a.to_json() | {"number": a.number} for a in merged.attempts])
+    return Metrics([], None, None)
 
 
-def _metrics_in(base: Path, data: dict, job) -> tuple[list[dict], str | None]:
+@dataclass
+class Found:
+    """One attempt's metrics as collected: its records (printed or from files), the job's own exact records
+    (trainer_state.json), the trainer states read (for timeline.Calibration), its summary line, where from."""
+
+    records: list[dict] = field(default_factory=list)
+    exact: list[dict] = field(default_factory=list)
+    states: list[dict] = field(default_factory=list)
+    summary: dict | None = None
+    source: str | None = None
+
+
+def _metrics_in(base: Path, data: dict, job) -> Found:
     """Rank 0's metric records in one attempt's collected logs (base/<host>/)."""
     fmt = job.metrics.format
-    found: list[dict] = []
-    source = None
+    out = Found()
     for host in _hosts_rank0_first(data):
         extra = base / host / "extra"
         if not extra.is_dir():
             continue
         if fmt == "tensorboard":
-            found, source = scrape.tensorboard(extra), f"{host}: TensorBoard events"
-        elif fmt == "hf":
-            states = [(scrape.trainer_state(p), p) for p in sorted(extra.rglob("trainer_state.json"))]
-            if states:  # the one with the longest log_history: the newest checkpoint's
-                found, path = max(states, key=lambda s: len(s[0]))
-                source = f"{host}: {path.relative_to(extra)}"
-        else:
+            out.records, out.source = scrape.tensorboard(extra), f"{host}: TensorBoard events"
+        elif fmt in ("hf", "auto"):
+            read = [(state, p) for p in sorted(extra.rglob("trainer_state.json")) if (state := scrape.read_json(p)) is not None]
+            out.states = [state for state, _ in read]
+            if read:  # the one with the longest log_history: the newest checkpoint's
+                state, path = max(read, key=lambda s: len(s[0].get("log_history") or []))
+                out.exact, out.source = scrape.trainer_state_records(state), f"{host}: {path.relative_to(extra)}"
+                out.records = out.exact
+        if fmt not in ("tensorboard", "hf"):
             parse = scrape.LineParser(fmt, job.metrics.regex)
-            files = sorted(p for p in extra.rglob("*") if p.is_file() and not p.name.startswith(TIMING_PREFIX))
-            found = parse.lines(line for p in files for line in p.read_text(errors="replace").splitlines())
-            source = f"{host}: {', '.join(str(p.relative_to(extra)) for p in files)}"
-        if found:
+            files = sorted(p for p in extra.rglob("*") if p.is_file() and not p.name.startswith(TIMING_PREFIX) and p.name != "trainer_state.json")
+            lines = parse.lines(line for p in files for line in p.read_text(errors="replace").splitlines())
+            if len([r for r in lines if "loss" in r]) > len(out.records):
+                out.records, out.source = lines, f"{host}: {', '.join(str(p.relative_to(extra)) for p in files)}"
+        if out.records:
             break
     if fmt not in ("tensorboard", "mnft"):  # rank 0's output lines: where the format prints them
         printed, where = rank0_output_records(base, data, job)
-        if len([r for r in printed if "loss" in r]) > len([r for r in found if "loss" in r]):
-            found, source = printed, where
-    return found, source
+        out.summary = next((r for r in reversed(printed) if r.get("event") == "summary"), None)
+        if len([r for r in printed if "loss" in r]) >= len([r for r in out.records if "loss" in r]) and printed:
+            out.records, out.source = printed, where
+    else:
+        out.summary = next((r for r in reversed(out.records) if r.get("event") == "summary"), None)
+    return out
 
 
 def rank0_output_records(base: Path, data: dict, job) -> tuple[list[dict], str | None]:
@@ -298,7 +325,8 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
     summary: dict[str, Any] = {"run_id": record.run_id, "job_id": record.data.get("job_id"), "job": job.label, "recipe": job.recipe,
                                "state": record.data.get("state"), "reason": record.data.get("reason"), "hosts": hosts,
                                "timings": record.data.get("timings")}
-    steps, final, source = metrics if metrics is not None else run_metrics(record)
+    metrics = metrics if metrics is not None else run_metrics(record)
+    steps, final, source = metrics.steps, metrics.summary, metrics.source
     if steps:
         summary["metrics_host"] = source.split(":", 1)[0] if source else None
         summary["metrics_source"] = source
@@ -309,11 +337,56 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
         if any(isinstance(s.get("tokens_per_s"), (int, float)) for s in steps):
             rates = [s["tokens_per_s"] for s in steps if isinstance(s.get("tokens_per_s"), (int, float))]
             summary["tokens_per_s"] = rates[-1]
+    if metrics.attempts:  # each attempt's steps as its records tell them (not a progress counter): into run.json too
+        summary["attempts"] = metrics.attempts
+        told = {a["number"]: a for a in metrics.attempts}
+        for entry in record.data.get("attempts") or []:
+            if (seen := told.get(entry.get("number"))) and seen.get("first_step") is not None:
+                entry.update(steps=[seen["first_step"], seen["last_step"]], steps_lost=seen["steps_lost"], steps_from="metrics")
+    if record.data.get("attempts"):
+        ended = record.data.get("ended") or max((a.get("ended") or 0 for a in record.data["attempts"]), default=0) or time.time()
+        summary["time"] = record.data["time"] = goodput.measure(
+            record.data["created"], ended, record.data["attempts"], read_step_times(record),
+            {a["number"]: a for a in metrics.attempts}, checkpoint_steps(record)).to_json()
+        record.save()
     if final:  # the job's own summary (mnft's recipes, HF Trainer's train_runtime line) wins where it says more
         summary.update({k: final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "steps", "wall_s") if final.get(k) is not None})
         summary["job_summary"] = {k: v for k, v in final.items() if k != "event"}
     (record.path / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
     return summary
+
+
+def keep_step_times(record: records.RunRecord, attempt: int, times: list[tuple[float, int | None]]) -> None:
+    """Append an attempt's step record arrival times (mnft.run.progress.Display) to runs/<id>/step-times.jsonl."""
+    with (record.path / STEP_TIMES).open("a") as out:
+        out.write("".join(json.dumps({"attempt": attempt, "t": round(t, 3), "step": step}) + "\n" for t, step in times))
+
+
+def read_step_times(record: records.RunRecord) -> dict[int, list[tuple[float, int | None]]]:
+    out: dict[int, list[tuple[float, int | None]]] = {}
+    path = record.path / STEP_TIMES
+    for line in path.read_text().splitlines() if path.is_file() else ():
+        try:
+            data = json.loads(line)
+            out.setdefault(int(data["attempt"]), []).append((float(data["t"]), data.get("step") if isinstance(data.get("step"), int) else None))
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def checkpoint_steps(record: records.RunRecord) -> set[int]:
+    """The steps the job saved checkpoints at, from the checkpoint directories collected from its hosts."""
+    job = job_of(record.data)
+    names = set()
+    for base, data, _ in _views(record):
+        for host in data["hosts"]:
+            extra = base / host / "extra"
+            if extra.is_dir():
+                names |= {p.name for p in extra.rglob("*") if p.is_dir()}
+    pattern = {"hf": "checkpoint-", "torchtune": ("epoch_", "step_"), "mnft": "step-"}.get(job.resume.layout)
+    if not pattern:
+        return set()
+    return {step for name in names if name.startswith(pattern) and (step := step_of(name)) is not None and not name.startswith("epoch_")}
 
 
 def print_summary(summary: dict, record: records.RunRecord, console: Console) -> None:
@@ -328,6 +401,10 @@ def print_summary(summary: dict, record: records.RunRecord, console: Console) ->
         console.print(f"last step {summary['last_step']}: loss {fmt_loss(summary['last_loss'])}", highlight=False)
     else:
         console.print(no_metrics_hint(record.data), highlight=False)
+    if summary.get("time"):
+        from mnft.run.report import time_table
+
+        console.print(time_table(summary["time"]))
     for name in ("loss.png", "timing.png"):
         if (record.path / name).is_file():
             console.print(f"plot: {record.path / name}", highlight=False)

@@ -13,7 +13,10 @@ from mnft.core.output import fmt_loss
 
 def progress_text(data: dict, elapsed: float | None = None) -> str:
     """One line of a step record: what the job's metrics say (the step when the format gives it)."""
-    parts = [f"step {data['step']}"] if data.get("step") is not None else []
+    parts = []
+    if data.get("step") is not None:  # "~": read from the job's progress bar, its records carry no step
+        total = f"/{data['max_steps']}" if data.get("step_about") and data.get("max_steps") else ""
+        parts.append(f"step {'~' if data.get('step_about') else ''}{data['step']}{total}")
     parts.append(f"loss {fmt_loss(data.get('loss'))}")
     if isinstance(data.get("tokens_per_s"), (int, float)):
         parts.append(f"{data['tokens_per_s']:.0f} tokens/s")
@@ -54,6 +57,8 @@ class Display:
         self._printed_step: int | None = None
         self._ticked_at: float | None = None  # the last line printed without metrics
         self._count = 0
+        self.bar: tuple[int, int | None] | None = None  # HF's bar: (step, total)
+        self.step_times: list[tuple[float, int | None]] = []  # (wall time a step record arrived, its step), for goodput
         from mnft.run.straggler import Watch
 
         self.watch = Watch()
@@ -68,6 +73,9 @@ class Display:
                 self.status.update(f"running {self.clock() - self.started:.0f}s, no metrics yet: {self.last_text}")
 
     def metric(self, data: dict) -> None:
+        if data.get("event") == "progress":  # HF's training bar: the step its step-less records are at, about
+            self.bar = (data["step"], data.get("total"))
+            return
         if data.get("event") == "summary":
             if data.get("final_loss") is not None:
                 rate = f", {data['tokens_per_s']:.0f} tokens/s" if isinstance(data.get("tokens_per_s"), (int, float)) else ""
@@ -76,9 +84,12 @@ class Display:
             return
         if "loss" not in data:
             return
+        if data.get("step") is None and self.bar is not None:
+            data = dict(data, step=self.bar[0], step_about=True, max_steps=data.get("max_steps") or self.bar[1])
         self.last_metric = data
         self._count += 1
         step = data.get("step") if isinstance(data.get("step"), int) else self._count
+        self.step_times.append((time.time(), step if data.get("step") is not None else None))
         self.first_step = step if self.first_step is None else self.first_step
         self.last_step = step
         if self.status is not None:

@@ -34,7 +34,7 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                 Text(state, style=style),
                 str(st.get("exit_code")) if st.get("exit_code") is not None else "-",
                 str(st.get("processes", "-")),
-                str(metric["step"]) if metric.get("step") is not None else "-",
+                ("~" if metric.get("step_about") else "") + str(metric["step"]) if metric.get("step") is not None else "-",
                 plain(fmt_loss(metric.get("loss"))),
                 f"{time.time() - since:.0f}s ago" if since else plain(st.get("error") or "-"),
                 plain((st.get("last_line") or "")[-60:] or "-"),
@@ -50,6 +50,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                 console().print(plain(f"straggler {name}: {st['straggler']['why']} — see docs/perf.md", "bold yellow"))
         if ending.get("diagnosis"):
             console().print(Text.assemble(("cause: ", "bold red"), ending["diagnosis"]["cause"], "\n", ("fix:   ", "bold"), ending["diagnosis"]["fix"]))
+        if record.data.get("time"):
+            console().print(time_table(record.data["time"]))
         for warning in ending.get("warnings") or ():
             console().print(Text.assemble(("warning: ", "bold yellow"), warning["cause"], "\n", ("fix:   ", "bold"), warning["fix"]))
     if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
@@ -75,3 +77,28 @@ def print_stop(record, result: dict[str, dict], as_json: bool) -> int:
     if any("remaining" not in r for r in result.values()):
         return ExitCode.UNREACHABLE
     return ExitCode.FAILED if any(r["remaining"] for r in result.values()) else ExitCode.OK
+
+
+TIME_COLUMNS = (("launch", "launch_s"), ("steps", "steps_s"), ("checkpoints", "checkpoint_s"), ("lost", "lost_s"),
+                ("detection", "detection_s"), ("finish", "finish_s"), ("restart", "restart_s"), ("kept", "kept_s"))
+
+
+def time_table(time_data: dict) -> Table:
+    """Where the run's wall time went (mnft.run.goodput), a row per attempt and the total, with the goodput."""
+    ratio = time_data.get("goodput")
+    title = f"where the time went: {time_data.get('wall_s', 0):.1f}s wall" + (f", goodput {ratio:.0%}" if ratio is not None else "")
+    table = Table(title=plain(title))
+    table.add_column("attempt")
+    for name, _ in TIME_COLUMNS:
+        table.add_column(name, justify="right")
+    table.add_column("steps lost", justify="right")
+
+    def cell(value) -> str:
+        return f"{value:.1f}s" if isinstance(value, (int, float)) else "-"
+
+    for a in time_data.get("attempts") or []:
+        table.add_row(f"{a['number']} ({a.get('state') or '?'})", *(cell(a.get(key)) for _, key in TIME_COLUMNS),
+                      str(a["steps_lost"]) if a.get("steps_lost") is not None else "-")
+    if len(time_data.get("attempts") or []) > 1:
+        table.add_row("total", *(cell(time_data.get(key)) for _, key in TIME_COLUMNS), str(time_data.get("steps_lost", "-")))
+    return table

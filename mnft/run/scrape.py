@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from mnft.core.errors import InputError
+from mnft.run.timeline import bar_step
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|\.\d+(?:[eE][-+]?\d+)?|nan|inf|NaN|Inf|-inf)"
@@ -193,11 +194,13 @@ class LineParser:
 
     def __call__(self, text: str) -> dict[str, Any] | None:
         # a progress bar rewrites its line with \r: each piece is a line of its own
-        for piece in reversed(text.split("\r")):
-            if piece.strip():
-                found = self._one(piece)
-                if found is not None:
-                    return found
+        pieces = [piece for piece in reversed(text.split("\r")) if piece.strip()]
+        for piece in pieces:
+            found = self._one(piece)
+            if found is not None:
+                return found
+        if self.format in ("hf", "auto") and pieces and (bar := bar_step(pieces[0])):
+            return {"event": "progress", "step": bar[0], "total": bar[1]}  # HF's training bar: the live global step
         return None
 
     def lines(self, texts: Iterable[str]) -> list[dict[str, Any]]:
@@ -207,19 +210,28 @@ class LineParser:
 # ------------------------------------------------------------------------------------------------ files
 
 
-def trainer_state(path: Path) -> list[dict[str, Any]]:
-    """HF Trainer's trainer_state.json: its log_history's training entries, each with its step."""
+def read_json(path: Path) -> Any:
+    """A JSON file a job wrote (trainer_state.json …), or None when it cannot be read or parsed."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
+        return json.loads(path.read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+def trainer_state_records(data: Any) -> list[dict[str, Any]]:
+    """HF Trainer's trainer_state.json (parsed): its log_history's training entries, each with its step."""
     out = []
-    for entry in data.get("log_history") or []:
+    for entry in (data.get("log_history") if isinstance(data, dict) else None) or []:
         if isinstance(entry, dict):
             found = record(entry.get("step"), {k: v for k, v in entry.items() if k != "step"})
             if found is not None:
                 out.append(found)
     return out
+
+
+def trainer_state(path: Path) -> list[dict[str, Any]]:
+    """HF Trainer's trainer_state.json: its log_history's training entries, each with its step."""
+    return trainer_state_records(read_json(path))
 
 
 def tensorboard(directory: Path) -> list[dict[str, Any]]:

@@ -34,6 +34,7 @@ from mnft.run import records, recover
 from mnft.run.control import exit_meaning, job_of
 from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
 from mnft.run.job import Job, parse_overrides
+from mnft.run.logs import keep_step_times
 from mnft.run.launch import HostLaunch, LaunchOptions
 from mnft.run.needs import job_needs
 from mnft.run.progress import Display
@@ -396,6 +397,7 @@ class Run:
             with (console.status("waiting for the first step…") if console.is_terminal else nullcontext()) as display.status:
                 result = gang_run.wait(tick=lambda: (display.tick(), live.beat()))
         except GangInterrupted as exc:
+            keep_step_times(record, attempt, display.step_times)
             record.update(stragglers=display.watch.seen)
             entry.update(ended=time.time(), state="interrupted", steps=[display.first_step, display.last_step])
             try:
@@ -403,6 +405,7 @@ class Run:
             except RunFailed:
                 pass
             raise KeyboardInterrupt from None
+        keep_step_times(record, attempt, display.step_times)
         record.update(stragglers={**record.data.get("stragglers", {}), **display.watch.seen})
         if result.first_step_at is not None:
             entry["first_step_s"] = round(result.first_step_at - entry["started"], 3)
@@ -573,6 +576,7 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     if result.first_step_at is not None:
         timings["first_step_s"] = round(result.first_step_at - record.data["created"], 3)
     timings["total_s"] = round(time.monotonic() - t0, 3)
+    record.data["ended"] = time.time()
     for name, run in result.hosts.items():
         record.set_host(name, state=run.state, exit_code=run.exit_code, ended=run.ended_at, error=run.error or None,
                         last_lines=[text for _, text in list(run.tail)[-8:]], leftover_pids=result.leftovers.get(name, []))
@@ -585,10 +589,15 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
                   failed_rank=rank, traceback=trace or None, timings=timings,
                   diagnosis=diagnosis.to_json() if diagnosis else None, warnings=[w.to_json() for w in warnings] or None)
+    summary: dict = {}
     try:
-        summarize(record, collect(record, fleet, console, quiet=True))
+        summary = summarize(record, collect(record, fleet, console, quiet=True))
     except Exception as exc:  # noqa: BLE001 - a failed collection must not hide the run's outcome
         console.print(Text(f"log collection failed: {exc}", style="yellow"))
+    if summary.get("time"):
+        from mnft.run.report import time_table
+
+        console.print(time_table(summary["time"]))
     if result.leftovers:
         console.print(Text(f"processes of the run survived on: {result.leftovers}", style="bold red"))
     if result.ok:

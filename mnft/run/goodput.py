@@ -1,0 +1,126 @@
+"""Where a run's wall time went, per attempt and in total, and its goodput. Pure: the run's record, the times
+its step records arrived and its timeline in, seconds out.
+
+Measured, not estimated: every figure is a difference of two times mnft saw. Its own events (the run created,
+an attempt started, a failure detected, the run ended) and the wall time at which each of rank 0's step
+records reached the supervisor (streamed live, so within a fraction of a second of the job printing it).
+
+Per attempt:
+  launch      the run's start (check and sync included) or the attempt's start -> its first step record
+  steps       first step record -> last step record: training, with
+    checkpoint  the intervals between two step records that hold a checkpoint's step, beyond the attempt's
+                median interval (the save made that interval longer)
+    lost        the attempt's steps past the point the next attempt resumed from, trained again
+  detection   a failed attempt's last step record -> the failure noticed (no progress, not yet known)
+  finish      a succeeded attempt's last step record -> its end (final save, exit)
+  restart     failure noticed -> the next attempt's start (logs kept, backoff, re-check, checkpoint made whole)
+Goodput: the steps' time minus checkpoint and lost time, over the run's wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+@dataclass
+class AttemptTime:
+    number: int
+    state: str | None = None
+    launch_s: float | None = None
+    steps_s: float | None = None
+    checkpoint_s: float | None = None
+    lost_s: float | None = None
+    steps_lost: int | None = None
+    detection_s: float | None = None
+    finish_s: float | None = None
+    restart_s: float | None = None
+
+    @property
+    def kept_s(self) -> float | None:
+        if self.steps_s is None:
+            return None
+        return max(0.0, self.steps_s - (self.checkpoint_s or 0.0) - (self.lost_s or 0.0))
+
+    def to_json(self) -> dict:
+        out = {k: _round(v) if isinstance(v, float) else v for k, v in vars(self).items()}
+        out["kept_s"] = _round(self.kept_s)
+        return out
+
+
+@dataclass
+class Goodput:
+    wall_s: float
+    attempts: list[AttemptTime] = field(default_factory=list)
+
+    @property
+    def kept_s(self) -> float:
+        return sum(a.kept_s or 0.0 for a in self.attempts)
+
+    @property
+    def ratio(self) -> float | None:
+        return self.kept_s / self.wall_s if self.wall_s > 0 and any(a.steps_s is not None for a in self.attempts) else None
+
+    def total(self, key: str) -> float | None:
+        values = [getattr(a, key) for a in self.attempts if getattr(a, key) is not None]
+        return sum(values) if values else None
+
+    def to_json(self) -> dict:
+        totals = {k: _round(self.total(k)) for k in ("launch_s", "steps_s", "checkpoint_s", "lost_s", "detection_s", "finish_s", "restart_s")}
+        return {"wall_s": _round(self.wall_s), "kept_s": _round(self.kept_s), "goodput": None if self.ratio is None else round(self.ratio, 4),
+                "steps_lost": sum(a.steps_lost or 0 for a in self.attempts), **totals, "attempts": [a.to_json() for a in self.attempts]}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def measure(created: float, ended: float, attempts: list[dict], step_times: dict[int, list[tuple[float, int | None]]],
+            steps: dict[int, dict] | None = None, checkpoint_steps: set[int] | frozenset[int] = frozenset()) -> Goodput:
+    """attempts: run.json's attempt entries (started, ended, detected, state); step_times: per attempt, the wall time
+    each step record arrived and its step (None: unknown); steps: per attempt, what the timeline says of its steps
+    (kept_to, steps_lost); checkpoint_steps: the steps the job saved a checkpoint at."""
+    out = Goodput(max(0.0, ended - created))
+    for i, entry in enumerate(attempts):
+        number = entry.get("number", i + 1)
+        times = sorted(step_times.get(number) or [], key=lambda p: p[0])
+        seen = AttemptTime(number, entry.get("state"))
+        start = created if i == 0 else entry.get("started")
+        end = entry.get("ended") or ended
+        if times:
+            first, last = times[0][0], times[-1][0]
+            seen.launch_s = first - start if start is not None else None
+            seen.steps_s = last - first
+            seen.checkpoint_s = _checkpoint_time(times, checkpoint_steps)
+            told = (steps or {}).get(number) or {}
+            seen.steps_lost = told.get("steps_lost")
+            kept_to = told.get("kept_to")
+            if seen.steps_lost:
+                at = [t for t, s in times if s is not None and kept_to is not None and s <= kept_to]
+                seen.lost_s = last - (at[-1] if at else first)
+            if entry.get("state") == "succeeded":
+                seen.finish_s = max(0.0, end - last)
+            elif entry.get("detected") is not None:
+                seen.detection_s = max(0.0, entry["detected"] - last)
+        elif start is not None and entry.get("state") != "succeeded":
+            seen.launch_s = max(0.0, (entry.get("detected") or end) - start)  # never reached a step
+        following = attempts[i + 1] if i + 1 < len(attempts) else None
+        noticed = entry.get("detected") or entry.get("ended")
+        if following is not None and noticed is not None and following.get("started") is not None:
+            seen.restart_s = max(0.0, following["started"] - noticed)
+        out.attempts.append(seen)
+    return out
+
+
+def _checkpoint_time(times: list[tuple[float, int | None]], saved: set[int] | frozenset[int]) -> float | None:
+    """The time saves added: each interval between step records that holds a saved step (prev < s <= next, or
+    the save right after the step record s), beyond the median interval."""
+    if not saved or len(times) < 3:
+        return None
+    gaps = [(b[0] - a[0], a[1], b[1]) for a, b in zip(times, times[1:])]
+    usual = statistics.median(g for g, _, _ in gaps)
+    extra = 0.0
+    for gap, before, after in gaps:
+        if before is not None and after is not None and any(before <= s < after for s in saved):
+            extra += max(0.0, gap - usual)
+    return extra
