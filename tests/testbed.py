@@ -301,7 +301,8 @@ class Cluster:
     known_hosts: Path
     python: str
 
-    def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False):
+    def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False,
+                 stock_sshd: bool = False):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -321,17 +322,23 @@ class Cluster:
         self._lock = threading.Lock()
         self._torn_down = False
         self.share_cpus = share_cpus
+        self.stock_sshd = stock_sshd
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def create(
-        cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False
+        cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False,
+        stock_sshd: bool = False,
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
 
         Each host runs on its own share of the machine's CPUs (`cpu_shares`), as a real machine has its own cores;
         `share_cpus=True` lets every host use every CPU (the old behaviour, which oversubscribes them).
+
+        `stock_sshd=True` gives every sshd the limits Debian and Ubuntu ship (`MaxStartups 10:30:100`,
+        `MaxSessions 10`: beyond 10 unauthenticated connections at once, sshd drops new ones at random) instead of
+        the test bed's raised ones: a typical lab's sshd, for tests and benches of fan-in.
 
         Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
         tearing down whatever was built).
@@ -346,7 +353,7 @@ class Cluster:
         if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
             raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
         workdir.mkdir(parents=True, exist_ok=True)
-        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus)
+        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd)
         atexit.register(cluster.teardown)
         try:
             cluster._build(n_hosts, outsider)
@@ -438,7 +445,7 @@ class Cluster:
             ssh_dir.mkdir(mode=0o700, exist_ok=True)
             os.chmod(ssh_dir, 0o700)
             _write(ssh_dir / "authorized_keys", public + "\n", 0o600)
-            _write(host.root / "etc" / "ssh" / "sshd_config", _sshd_config())
+            _write(host.root / "etc" / "ssh" / "sshd_config", _sshd_config(stock=self.stock_sshd))
             self._install_host_key(host, *_ed25519_keypair(f"root@{host.name}"))
             self._original_keys[host.name] = (self._host_key_path(host).read_bytes(), host.host_key_pub)
         self._write_known_hosts()
@@ -831,7 +838,12 @@ class Cluster:
         return removed
 
 
-def _sshd_config() -> str:
+STOCK_SSHD_LIMITS = ("MaxStartups 10:30:100", "MaxSessions 10")  # OpenSSH's defaults, as Debian/Ubuntu ship them
+TUNED_SSHD_LIMITS = ("MaxStartups 100:30:200", "MaxSessions 64")
+
+
+def _sshd_config(*, stock: bool = False) -> str:
+    """The sshd_config of every host; `stock`: OpenSSH's connection limits (a lab's sshd), else raised ones."""
     return "\n".join([
         "# mnft testbed: one sshd per simulated host, inside its private mount namespace",
         "Port 22",
@@ -848,9 +860,9 @@ def _sshd_config() -> str:
         "PrintMotd no",
         "StrictModes yes",
         "AcceptEnv LANG LC_*",
-        # mnft fans out many sessions at once; the default 10:30:100 drops connections at random beyond 10.
-        "MaxStartups 100:30:200",
-        "MaxSessions 64",
+        # Tuned: mnft's tests fan out many sessions at once, and the default 10:30:100 drops unauthenticated
+        # connections at random beyond 10. Stock: exactly that default, to test and measure mnft's own pacing.
+        *(STOCK_SSHD_LIMITS if stock else TUNED_SSHD_LIMITS),
         "Subsystem sftp /usr/lib/openssh/sftp-server",
         "",
     ])
