@@ -227,4 +227,39 @@ def test_hf_trainer_metrics_and_resume_from_a_checkpoint_only_one_host_had(healt
     assert summary["last_step"] == 60 and isinstance(summary["final_loss"], float) and summary["final_loss"] < summary["initial_loss"]
     assert summary["metrics_source"].startswith("h1: ") and "trainer_state.json" in summary["metrics_source"]
     assert (run_dir / "loss.png").stat().st_size > 0
-    assert "progress: loss" in done.stdout  # the dict lines became the progress line
+    assert re.search(r"progress: step ~\d+/60  loss", done.stdout)  # the dict lines became the progress line, the step from the bar
+
+
+def test_hf_trainer_recovered_after_a_kill_tells_its_steps_and_time_truthfully(healthy_cluster, tmp_path, user_repo):
+    """A rank of an HF Trainer script killed after a checkpoint; mnft restarts it from that checkpoint. The steps
+    come from the epoch of its step-less lines, each attempt's own; the summary ends at the true last step."""
+    hosts = healthy_cluster.hosts[:2]
+    inv = inventory(healthy_cluster, tmp_path, 2)
+    proc = subprocess.Popen([*MNFT, "train", "--hosts", inv, "--job", "jobs/hf_trainer.yaml", "--max-restarts", "1", "--", "--step_sleep", "0.2"],
+                            cwd=user_repo, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and not list((hosts[0].home / "mnft" / "outputs").glob("*/checkpoint-20/trainer_state.json")):
+        time.sleep(0.3)
+    time.sleep(1.0)  # a few steps past the checkpoint: steps the restart trains again
+    workers = [pid for pid, cmd in healthy_cluster.processes(hosts[1]) if "train_tiny.py" in cmd and "torch.distributed.run" not in cmd]
+    assert workers, healthy_cluster.processes(hosts[1])
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    record = latest_record(tmp_path)
+    one, two = record["attempts"]
+    resumed = two["resumed_step"]
+    assert resumed and resumed % 10 == 0 and two["steps"][0] == resumed + 5 and two["steps"][1] == 60
+    assert one["steps_from"] == "metrics" and one["steps"][0] == 5 and one["steps"][1] >= resumed
+    assert one["steps_lost"] == one["steps"][1] - resumed
+    summary = json.loads((tmp_path / "runs" / record["run_id"] / "summary.json").read_text())
+    assert summary["last_step"] == 60 and summary["first_step"] == 5
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / record["run_id"] / "metrics.jsonl").read_text().splitlines()]
+    steps = [m["step"] for m in metrics if "loss" in m]
+    assert steps == list(range(5, 61, 5))  # one kept timeline: attempt 1 up to the checkpoint, then attempt 2
+    assert {m["attempt"] for m in metrics if "loss" in m and m["step"] > resumed} == {2}
+    spent = record["time"]
+    assert 0 < spent["goodput"] < 1 and spent["steps_lost"] == one["steps_lost"] and spent["restart_s"] > 0
+    assert spent["attempts"][0]["detection_s"] is not None and spent["attempts"][1]["finish_s"] is not None
+    assert "where the time went" in out and "goodput" in out

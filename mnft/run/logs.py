@@ -193,8 +193,11 @@ def _metrics_in(base: Path, data: dict, job) -> Found:
     if fmt not in ("tensorboard", "mnft"):  # rank 0's output lines: where the format prints them
         printed, where = rank0_output_records(base, data, job)
         out.summary = next((r for r in reversed(printed) if r.get("event") == "summary"), None)
-        if len([r for r in printed if "loss" in r]) >= len([r for r in out.records if "loss" in r]) and printed:
-            out.records, out.source = printed, where
+        count = len([r for r in printed if "loss" in r])
+        # HF: the printed lines are this attempt's own (a trainer_state.json may be another attempt's, or hold
+        # the history before a resume); its exact values refine them (timeline.refine)
+        if count and (count >= len([r for r in out.records if "loss" in r]) or out.exact):
+            out.records, out.source = printed, (f"{where}, exact values from {out.source.split(': ', 1)[1]}" if out.exact else where)
     else:
         out.summary = next((r for r in reversed(out.records) if r.get("event") == "summary"), None)
     return out
