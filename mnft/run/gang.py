@@ -68,6 +68,7 @@ class HostRun:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL))
     stop_report: dict | None = None
     done_ranks: tuple[int, ...] = ()  # ranks whose entry point returned (mnft.run.entry's markers)
+    stopping: bool = False  # mnft is stopping it (another host failed): its output is kept, not shown live
 
     @property
     def done(self) -> bool:
@@ -272,12 +273,14 @@ class Gang:
         if kind == "line":
             for rank, text in split_ranks(event.get("text", ""), run.launch.rank_offset):
                 run.tail.append((rank, text))
-                self.on_line(name, rank, text)
+                if not run.stopping:  # a host mnft stops prints its own shutdown (SIGTERM tracebacks): not a failure
+                    self.on_line(name, rank, text)
                 if self.metrics_from_output and rank == 0:
                     self._metric(self.parse_metric(text))
         elif kind == "stderr":
             run.tail.append((None, event["text"]))
-            self.on_line(name, None, event["text"])
+            if not run.stopping:
+                self.on_line(name, None, event["text"])
         elif kind == "mline":
             self._metric(self.parse_metric(event.get("text", "")))
         elif kind == "sample":
@@ -383,6 +386,7 @@ class Gang:
         """Stop every host's run that is still going, then sweep every reachable host by run id."""
         for run in self.runs.values():
             if run.state in ("running", "starting") and run.process is not None:
+                run.stopping = True
                 try:
                     run.process.write(b"stop\n")
                 except Exception:  # noqa: BLE001

@@ -314,7 +314,8 @@ class Run:
                         live.update(state="failed")
                         note = attempts_note(record.data["attempts"], decision.why) if self.policy.max_restarts else None
                         return finish(record, result, self.timings, self.t0, fleet, self.console, note, diagnosis)
-                    self.console.print(Text(f"attempt {attempt} failed: {cause.detail}; {decision.why}", style="bold yellow"), highlight=False, soft_wrap=True)
+                    self.console.print(Text(f"attempt {attempt} failed: {cause.detail}{stopped_note(result)}; {decision.why}", style="bold yellow"),
+                                       soft_wrap=True)
                     t_logs = time.monotonic()
                     self.keep_logs(record, fleet, attempt)
                     entry["logs_s"] = round(time.monotonic() - t_logs, 3)
@@ -509,6 +510,12 @@ def attempt_label(attempt: int, policy: Policy, history: list[recover.Attempt]) 
     return f"attempt {attempt}/{policy.max_restarts + 1 + sum(1 for a in history if not a.counted)}"
 
 
+def stopped_note(result: GangResult) -> str:
+    """The hosts mnft stopped because another failed: they did not fail (their shutdown output is in the logs)."""
+    stopped = [name for name, run in result.hosts.items() if run.stopping and name != result.failed_host]
+    return f"; {', '.join(stopped)} stopped by mnft" if stopped else ""
+
+
 def attempts_note(attempts: list[dict], why: str) -> str:
     """Each attempt's cause, then why there is no other: the one line a failed recovery ends with."""
     causes = [f"attempt {a['number']}: {(a.get('cause') or {}).get('detail') or a.get('state', '?')}" for a in attempts if a.get("cause")]
@@ -612,7 +619,7 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     lines = "\n".join(f"  {label}| {t}" for t in shown)
     if note:
         record.update(attempts_note=note)
-    console.print(Text.assemble((f"run {record.run_id} failed: {reason}", "bold red"), "; every host's run was stopped\n", lines))
+    console.print(Text.assemble((f"run {record.run_id} failed: {reason}", "bold red"), (stopped_note(result) or "; every host's run was stopped") + "\n", lines))
     if diagnosis is not None:
         console.print(Text.assemble(("cause: ", "bold"), diagnosis.cause, "\n", ("fix:   ", "bold"), diagnosis.fix))
     raise RunFailed(f"run {record.run_id} failed: {reason}" + (f" [{note}]" if note else "")
