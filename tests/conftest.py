@@ -100,8 +100,9 @@ def healthy_cluster(cluster):
 def fresh_cluster_factory(testbed, tmp_path_factory: pytest.TempPathFactory):
     built = []
 
-    def make(n_hosts: int = 2, *, outsider: bool = False, prefix: str | None = None):
-        one = testbed.Cluster.create(n_hosts, tmp_path_factory.mktemp("fresh"), outsider=outsider, prefix=prefix)
+    def make(n_hosts: int = 2, *, outsider: bool = False, prefix: str | None = None, **options):
+        """A private cluster; `options` go to Cluster.create (e.g. stock_sshd=True)."""
+        one = testbed.Cluster.create(n_hosts, tmp_path_factory.mktemp("fresh"), outsider=outsider, prefix=prefix, **options)
         built.append(one)
         return one
 
