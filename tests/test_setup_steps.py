@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import subprocess
+from collections import Counter
 
 import pytest
 
@@ -309,9 +310,61 @@ def test_a_file_holding_only_mnfts_block_is_deleted_on_undo():
     assert {"op": "remove", "path": mesh.SSH_CONFIG, "expect_sha256": sha(cfg)} in undo.ops
 
 
-def test_verify_runs_strict_batch_ssh_to_every_peer():
-    ops = mesh.verify_ops("h1", nodes())
-    assert [op["argv"] for op in ops] == [["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=10", "h2", "true"]]
+def test_a_verification_hop_is_strict_batch_ssh_to_the_peer():
+    assert mesh.hop_argv("h2") == ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=10", "h2", "true"]
+
+
+def test_verification_is_a_ring_by_default_and_every_pair_paced_with_all():
+    names = [f"h{i}" for i in range(1, 65)]
+    ring = mesh.verify_batches(names, True)
+    assert ring == [[(f"h{i}", f"h{i % 64 + 1}") for i in range(1, 65)]]  # one batch: each node sends one, receives one
+    assert mesh.verify_batches(names, "ring") == ring
+    every = mesh.verify_batches(names, "all")
+    pairs = [pair for batch in every for pair in batch]
+    assert sorted(pairs) == sorted((a, b) for a in names for b in names if a != b)
+    assert len(every) == 8  # 63 rounds, 8 per batch
+    for batch in every:  # no sshd receives more than 8 at once, no node runs more than 8 at once
+        assert max(Counter(r for _, r in batch).values()) <= 8 and max(Counter(s for s, _ in batch).values()) <= 8
+
+
+def test_verify_takes_true_false_ring_or_all():
+    assert [mesh.validate({"verify": v}) for v in (True, False, "ring", "all")] == [None] * 4
+    assert mesh.validate({"verify": "every"}) == "key 'verify': 'every' is not one of true, false, ring, all"
+
+
+def verified_files(ns, key_file="~/.ssh/mnft_mesh_ed25519", restrict_from=True) -> dict:
+    """A node's files as a correct apply leaves them."""
+    ak = "".join(line + "\n" for line in mesh.authorized_lines(ns, restrict_from).values())
+    kh = "".join(mesh.KNOWN_BLOCK.render(mesh.known_hosts_lines(ns, None)))
+    cfg = "".join(mesh.CONFIG_BLOCK.render(mesh.config_lines(ns, key_file)))
+    return {"authorized_keys": file(ak), "known_hosts": file(kh), "config": file(cfg)}
+
+
+def test_a_nodes_files_after_apply_prove_its_half_of_every_pair():
+    ns = nodes()
+    routes = mesh.route_sources("10.0.0.12 dev eth0 src 10.0.0.11 uid 0 \\    cache \n")
+    assert routes == {"10.0.0.12": "10.0.0.11"}
+    assert mesh.check_files("h1", verified_files(ns), ns, "~/.ssh/mnft_mesh_ed25519", True, routes) == []
+
+
+def test_a_nodes_files_missing_a_peer_name_what_is_missing():
+    ns = nodes()
+    files = verified_files(ns)
+    files["authorized_keys"] = file("")
+    files["known_hosts"] = file("h2 ssh-ed25519 AAAAOTHER\n")
+    files["config"] = file(None)
+    problems = mesh.check_files("h1", files, ns, "~/.ssh/mnft_mesh_ed25519", True, {})
+    assert problems == ["~/.ssh/authorized_keys lacks the mesh key of h2", "~/.ssh/known_hosts lacks the host key of h2",
+                        "~/.ssh/config lacks mnft's stanza for h2"]
+
+
+def test_a_route_to_a_peer_from_an_address_outside_from_is_named():
+    ns = nodes()
+    routes = mesh.route_sources("10.0.0.12 via 192.168.1.1 dev eno1 src 192.168.1.5 uid 0 \\    cache \n")
+    problems = mesh.check_files("h1", verified_files(ns), ns, "~/.ssh/mnft_mesh_ed25519", True, routes)
+    assert problems == ["its routes reach h2 from 192.168.1.5, an address the mesh's from= does not list "
+                        "(set 'iface' to the cluster interface in the inventory)"]
+    assert mesh.check_files("h1", verified_files(ns, restrict_from=False), ns, "~/.ssh/mnft_mesh_ed25519", False, routes) == []
 
 
 # ---------------------------------------------------------------------------------------------- hosts_file

@@ -11,7 +11,7 @@ import time
 from mnft.check import probe
 from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
 from mnft.check.rules import clock_skew, evaluate, iface_of_address, master_address, source_address
-from mnft.hosts import pyrun
+from mnft.hosts import fanin, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Results, Status
@@ -87,7 +87,11 @@ def gather_network(fleet: Fleet, report: CheckReport, options: CheckOptions) -> 
                 args += ["--bind", source]
             return fleet.run_one(host, probe_command(host, "connect", *args), stdin=probe_payload())
 
-        for result in fleet.map(connect, reachable):
+        # Every host connects to one listener (not sshd: MaxStartups does not apply); its accept queue holds
+        # probe.LISTEN_BACKLOG, so larger clusters connect in waves of that many.
+        results = [r for wave in fanin.pace([(h, master.name) for h in reachable], probe.LISTEN_BACKLOG)
+                   for r in fleet.map(connect, [h for h, _ in wave])]
+        for result in results:
             data = pyrun.reply(result, "the probe") or {}
             local = data.get("local")
             report.reach[result.host] = Reach(

@@ -546,13 +546,16 @@ def _stdin_is_a_channel() -> bool:
         return False
 
 
+LISTEN_BACKLOG = 128  # connections the listener's kernel queue holds before accept(): the check's fan-in limit
+
+
 def listen(port: int, seconds: float, bind: str) -> None:
     """Print {"ok": true, "port": N} at once, then serve until `seconds` pass, stdin reaches EOF or the stdout
     reader hangs up. Each connection gets REPLY; the server then waits for the client to close first, so no
     TIME_WAIT is left on PORT (a rerun, or torchrun right after, can bind it again)."""
     try:
         server = _bound_socket(bind, port, reuse=True)  # as torch's TCPStore does
-        server.listen(128)
+        server.listen(LISTEN_BACKLOG)
     except Exception as exc:  # noqa: BLE001
         _emit({"ok": False, "error": _message(exc)})
         return

@@ -8,6 +8,7 @@
     command     remote commands as argument lists, quoted once per shell layer, secrets never on the line
     connection  the one connection factory: verified SSH (Fabric/paramiko) or the local machine
     fleet       one command on every host in parallel, one outcome per host (ok/failed/unreachable/rejected)
+    fanin       hosts connecting to hosts: batches no sshd receives more than K of (MaxStartups), drops retried
     pyrun       a stdlib-only Python script run on a host in one round-trip
     report      the inventory's effective settings, per-host results and trust outcomes as tables
 """

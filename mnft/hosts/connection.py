@@ -26,6 +26,7 @@ import fabric
 import paramiko
 
 from mnft.core.errors import InputError
+from mnft.hosts import fanin
 from mnft.hosts.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
 from mnft.hosts.settings import Host
 
@@ -361,10 +362,43 @@ def ssh_target(conn: fabric.Connection) -> tuple[str, int, str]:
     return conn.host, conn.port, conn.user
 
 
-def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: fabric.Config | None = None) -> Connection:
-    """Open a verified connection, or raise Unreachable / HostKeyRejected with a one-line reason."""
+class _Dropped(Exception):
+    """The host's sshd closed the connection before the SSH banner (MaxStartups): worth another try."""
+
+
+def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: fabric.Config | None = None,
+                    *, attempts: int = fanin.ATTEMPTS, sleep=time.sleep) -> Connection:
+    """Open a verified connection, or raise Unreachable / HostKeyRejected with a one-line reason. A connection
+    sshd drops before the banner (MaxStartups, when others connect to it at the same time) is tried again with
+    backoff; after `attempts` the error names the setting to raise."""
     if host.is_local:
         return LocalConnection(host)
+    for attempt in range(1, attempts + 1):
+        try:
+            return _open_once(host, known_hosts, timeouts, config)
+        except _Dropped as exc:
+            if attempt == attempts:
+                raise Unreachable(fanin.refusal(str(exc), attempts)) from None
+            sleep(fanin.backoff(attempt))
+    raise AssertionError("unreachable")
+
+
+def _answers_like_sshd(hostname: str, port: int, timeout: float) -> bool:
+    """After a connection closed before the banner: is this an sshd shedding load (it says "Exceeded MaxStartups"
+    and closes, closes at once, or sends its banner this time), rather than a port where something else answers
+    (which a retry will not change)?"""
+    try:
+        with socket.create_connection((hostname, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            first = sock.recv(len(fanin.SSHD_DROP_LINE))
+    except ConnectionResetError:
+        return True
+    except OSError:
+        return False
+    return first == b"" or first.startswith(b"SSH-") or first == fanin.SSHD_DROP_LINE
+
+
+def _open_once(host: Host, known_hosts: list, timeouts: Timeouts, config: fabric.Config | None) -> Connection:
     conn = fabric_connection(host, timeouts, config, known_hosts)
     hostname, port, _ = ssh_target(conn)
     name = known_name(hostname, port)
@@ -404,6 +438,9 @@ def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: f
         raise Unreachable(f"cannot resolve {hostname!r}: {exc.strerror}") from None
     except (OSError, EOFError, paramiko.SSHException) as exc:
         conn.close()
+        if fanin.is_drop(exc) or isinstance(exc, (ConnectionResetError, EOFError)):
+            if _answers_like_sshd(hostname, port, timeouts.connect):
+                raise _Dropped(name) from None
         raise Unreachable(f"cannot connect to {name}: {exc or exc.__class__.__name__}") from None
     return SshConnection(host, conn)
 

@@ -7,6 +7,11 @@ round (1 → 2 → 4 → 8: log2(N) rounds after the seed). Host-to-host copies 
 BatchMode=yes -o StrictHostKeyChecking=yes <peer>`: the mesh's verified host keys, never a prompt or an
 unverified key. Without the mesh (or for a host a relay failed to reach) the controller sends directly.
 
+Fan-in is one connection per host per round: a round's receivers are distinct hosts (`rounds()`), so no sshd
+sees more than one relay hop (plus the controller's own connection) at once, far below stock MaxStartups; a hop
+the receiver's sshd dropped before the banner anyway is tried again with backoff (`mnft.hosts.fanin`), then sent
+by the controller. The controller's own rsyncs retry such a drop too (`mnft.sync.rsync.run_rsync`).
+
 `rounds()` is pure (who sends to whom), tested with data; `distribute()` runs it.
 """
 
@@ -19,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from mnft.hosts import fanin
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Host, Inventory
@@ -108,7 +114,10 @@ def distribute(fleet: Fleet, inventory: Inventory, src: Path, targets: Mapping[s
 
     def from_peer(sender: str, name: str) -> None:
         started = time.monotonic()
-        result = fleet.run_one(by_name[sender], relay_command(by_name[name], targets[sender], targets[name]), timeout=timeout)
+        command = relay_command(by_name[name], targets[sender], targets[name])
+        # the receiver's sshd may drop the hop before the banner (MaxStartups): try again, with backoff
+        result, _ = fanin.retry_drops(lambda: fleet.run_one(by_name[sender], command, timeout=timeout),
+                                      lambda r: r.status is Status.FAILED and r.exit_code == 255 and fanin.is_drop(r.stderr))
         d = deliveries[name]
         d.seconds += round(time.monotonic() - started, 3)
         if result.ok:

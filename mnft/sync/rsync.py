@@ -9,11 +9,13 @@ import os
 import re
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
 from mnft.core.errors import InputError
+from mnft.hosts import fanin
 from mnft.hosts.fleet import Status
 from mnft.hosts.hostkeys import SYSTEM_KNOWN_HOSTS, known_hosts_files
 from mnft.hosts.settings import Host, Inventory
@@ -194,8 +196,29 @@ def classify(exit_code: int | None, stderr: str) -> tuple[Status, str]:
     return Status.FAILED, f"rsync exit {exit_code}: {why}"
 
 
-def run_rsync(argv: Sequence[str], on_item: Callable[[int, bool], None] | None = None, timeout: float = 3600.0) -> RsyncOutcome:
-    """Run one rsync, reporting each finished file (its size, whether it was a deletion) as it goes."""
+def run_rsync(argv: Sequence[str], on_item: Callable[[int, bool], None] | None = None, timeout: float = 3600.0, *,
+              attempts: int = fanin.ATTEMPTS, sleep: Callable[[float], None] = time.sleep) -> RsyncOutcome:
+    """Run one rsync, reporting each finished file (its size, whether it was a deletion) as it goes. When the
+    host's sshd dropped the connection before the banner (MaxStartups: nothing was sent), it is tried again with
+    backoff; after `attempts` the error names the setting to raise."""
+    outcome, tries = fanin.retry_drops(lambda: _run_rsync_once(argv, on_item, timeout), _dropped, attempts=attempts, sleep=sleep)
+    if _dropped(outcome) and tries == attempts:  # classify() reports the last line: the setting to raise
+        outcome.stderr = outcome.stderr.rstrip("\n") + "\n" + fanin.refusal(_destination(argv), attempts) + "\n"
+    return outcome
+
+
+def _dropped(outcome: RsyncOutcome) -> bool:
+    return outcome.exit_code == 255 and fanin.is_drop(outcome.stderr)
+
+
+def _destination(argv: Sequence[str]) -> str:
+    """The host of rsync's last argument ("[addr]:path", "addr:path", "peer:path")."""
+    target = str(argv[-1]) if argv else "the host"
+    host = target.rsplit(":", 1)[0] if ":" in target else target
+    return host.strip("[]").rsplit("@", 1)[-1] or "the host"
+
+
+def _run_rsync_once(argv: Sequence[str], on_item: Callable[[int, bool], None] | None, timeout: float) -> RsyncOutcome:
     env = {**os.environ, "LC_ALL": "C"}
     proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
     err: list[bytes] = []

@@ -29,7 +29,7 @@ OK, CHANGED, FAILED, UNREACHABLE, HOST_KEY_REJECTED, SKIPPED = "ok", "changed", 
 
 @dataclass(frozen=True)
 class Param:
-    kind: str  # "int" | "port" | "number" | "bool" | "str" | "ports" | "strs"
+    kind: str  # "int" | "port" | "number" | "bool" | "str" | "bool_or_str" | "ports" | "strs"
     default: Any
     help: str
 
@@ -41,6 +41,10 @@ def check_value(param: Param, value: Any) -> Any:
         if isinstance(value, bool):
             return value
         raise ValueError(f"expected true or false, got {value!r}")
+    if kind == "bool_or_str":  # a switch with named settings beyond on/off (the step's validate() names them)
+        if isinstance(value, bool):
+            return value
+        return check_value(Param("str", None, ""), value)
     if kind in ("int", "port"):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected a whole number, got {value!r}")

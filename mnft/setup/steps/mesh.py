@@ -15,8 +15,15 @@ On each node (as the login user, never through sudo):
 
 Nodes whose key cannot be read in this run (unreachable) keep the lines they had. A `connection: local` node's
 host keys are read from this machine's /etc/ssh/ssh_host_*_key.pub; without them it is left out of known_hosts,
-and the plan's notes say so. Afterwards, unless
-`verify: false`, each node runs `ssh -o BatchMode=yes -o StrictHostKeyChecking=yes <peer> true` for every peer.
+and the plan's notes say so.
+
+Afterwards (`verify`, docs/setup.md "Verification at 64 hosts" says why this is enough): every node's files are
+read back and checked against every peer (its authorized mesh line, host key and config stanza, and the source
+address the node's routes give towards the peer against the `from=` list), and real `ssh -o BatchMode=yes -o
+StrictHostKeyChecking=yes <peer> true` hops prove each node's client and sshd: a ring (each node to the next: O(N)
+connections, one received per node) by default, every ordered pair with `verify: all`. Hops run in batches from
+`mnft.hosts.fanin.pace`, so no node's sshd receives more than fanin.PER_HOST connections at once (below stock
+MaxStartups), and a hop sshd dropped before the banner is tried again with backoff.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from mnft.hosts import fanin
 from mnft.hosts.settings import Host
 from mnft.setup.steps import blocks
 from mnft.setup.steps.base import (
@@ -48,8 +56,10 @@ NEEDS_ROOT = False
 PARAMS = {
     "key_file": Param("str", "~/.ssh/mnft_mesh_ed25519", "each node's mesh key (private; .pub beside it)"),
     "restrict_from": Param("bool", True, "authorize mesh keys only from the nodes' cluster addresses (from=)"),
-    "verify": Param("bool", True, "after applying, ssh from every node to every peer (BatchMode, strict host keys)"),
+    "verify": Param("bool_or_str", True, "after applying, prove node-to-node SSH: true or ring (every node's files, and a ring "
+                    "of real ssh hops: O(N)), all (a real hop for every ordered pair, paced: O(N²)), false (none)"),
 }
+VERIFY_MODES = (True, False, "ring", "all")
 
 AUTHORIZED_KEYS = "~/.ssh/authorized_keys"
 KNOWN_HOSTS = "~/.ssh/known_hosts"
@@ -70,6 +80,13 @@ class Node:
     aliases: tuple[str, ...] = ()  # other names the node is dialled by (inventory address when not the cluster one)
     mesh_key: str | None = None  # "ssh-ed25519 AAAA…" (None: unknown in this run)
     host_key: str | None = None  # "ssh-ed25519 AAAA…" as read by the controller, one per line (None: unknown)
+
+
+def validate(params: dict) -> str | None:
+    """A parameter problem the types cannot express, or None."""
+    if params["verify"] not in VERIFY_MODES:
+        return f"key 'verify': {params['verify']!r} is not one of true, false, ring, all"
+    return None
 
 
 def node_of(host: Host, address: str | None, mesh_key: str | None, host_key: str | None) -> Node:
@@ -239,13 +256,65 @@ def plan_node_undo(files: dict, key_file: str) -> Plan:
     return plan
 
 
-def verify_ops(me: str, nodes: list[Node]) -> list[dict]:
-    """On one node: `ssh <peer> true` for every peer, strict host keys, no prompts."""
-    return [
-        {"op": "run", "timeout": VERIFY_TIMEOUT + 5, "argv": [
-            "ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"ConnectTimeout={VERIFY_TIMEOUT}", n.name, "true"]}
-        for n in nodes if n.name != me
-    ]
+def hop_argv(peer: str) -> list[str]:
+    """On one node: a real, non-interactive `ssh <peer> true` with strict host keys."""
+    return ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"ConnectTimeout={VERIFY_TIMEOUT}", peer, "true"]
+
+
+def verify_pairs(names: list[str], mode) -> list[tuple[str, str]]:
+    """(sender, receiver) hops: a ring (each node to the next) by default, every ordered pair with "all"."""
+    return fanin.all_pairs(names) if mode == "all" else fanin.ring(names)
+
+
+def verify_batches(names: list[str], mode, k: int = fanin.PER_HOST) -> list[list[tuple[str, str]]]:
+    """The hops in batches in which no node receives (or sends) more than k: the controller waits between batches."""
+    return fanin.pace(verify_pairs(names, mode), k, sends=k)
+
+
+def route_sources(text: str) -> dict[str, str]:
+    """destination -> source address, from `ip -o route get` lines ("10.0.0.12 dev eth0 src 10.0.0.11 uid 0 …")."""
+    out = {}
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] in ("local", "broadcast", "unicast", "multicast"):
+            words = words[1:]
+        if len(words) > 2 and "src" in words[:-1]:
+            out[words[0]] = words[words.index("src") + 1]
+    return out
+
+
+def check_files(me: str, files: dict, nodes: list[Node], key_file: str, restrict_from: bool, sources: dict[str, str] | None) -> list[str]:
+    """What a node's own files (read back after apply) say it lacks for each peer taking part (`nodes`): the peer's
+    mesh line in authorized_keys (the peer could not log in here), its host key in known_hosts and its stanza in
+    ~/.ssh/config (this node could not verify or dial it), and, with `from=`, a source address this node's routes
+    would use towards the peer that the peers' from= lists do not hold (the peer's sshd would refuse the key)."""
+    problems = []
+    ak_lines = set(_text(files["authorized_keys"]).splitlines())
+    wanted = authorized_lines(nodes, restrict_from)
+    missing = [n.name for n in nodes if n.name != me and wanted.get(f"mesh:{n.name}") not in ak_lines]
+    if missing:
+        problems.append("~/.ssh/authorized_keys lacks the mesh key of " + ", ".join(missing))
+    kh_lines = set(_text(files["known_hosts"]).splitlines())
+    missing = [n.name for n in nodes if n.name != me and not set(known_hosts_lines([n], None)) <= kh_lines]
+    if missing:
+        problems.append("~/.ssh/known_hosts lacks the host key of " + ", ".join(missing))
+    try:
+        body = CONFIG_BLOCK.body(_text(files["config"])) or []
+    except ValueError as exc:
+        body = []
+        problems.append(f"~/.ssh/config: {exc}")
+    stanzas = _stanzas(body)
+    missing = [n.name for n in nodes if n.name != me and stanzas.get(n.name) != config_lines([n], key_file)]
+    if missing:
+        problems.append("~/.ssh/config lacks mnft's stanza for " + ", ".join(missing))
+    if restrict_from and sources is not None:
+        allowed = {n.address for n in nodes if n.address}
+        wrong = [f"{n.name} from {sources[n.address]}" for n in nodes
+                 if n.name != me and n.address in sources and sources[n.address] not in allowed]
+        if wrong:
+            problems.append("its routes reach " + ", ".join(wrong) + ", an address the mesh's from= does not list "
+                            "(set 'iface' to the cluster interface in the inventory)")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------- remote
@@ -346,26 +415,98 @@ def run(ctx: Context, params: dict) -> dict[str, Outcome]:
         plans[name] = plan
     outcomes = apply_plans(ctx, plans, root=False)
     if not ctx.check and params["verify"]:
-        outcomes = _verify(ctx, nodes, outcomes)
+        outcomes = _verify(ctx, nodes, outcomes, params)
     return {h.name: failed.get(h.name) or outcomes.get(h.name) or Outcome(FAILED, error="not planned") for h in ctx.hosts}
 
 
-def _verify(ctx: Context, nodes: list[Node], outcomes: dict[str, Outcome]) -> dict[str, Outcome]:
-    hosts = [h for h in ctx.hosts if h.name in outcomes and outcomes[h.name].status in (OK, CHANGED)]
+def _verify(ctx: Context, nodes: list[Node], outcomes: dict[str, Outcome], params: dict, sleep=None) -> dict[str, Outcome]:
+    """Files read back on every node, then real hops in paced batches; a dropped hop is retried with backoff."""
+    import time
 
-    def one(host: Host) -> Outcome:
-        outcome = outcomes[host.name]
-        reached = [n for n in nodes if n.host_key]  # unreachable peers are reported as such, not as mesh failures
-        peers = [n for n in reached if n.name != host.name]
-        results, failure = ctx.remote(host, verify_ops(host.name, reached), timeout=(VERIFY_TIMEOUT + 5) * max(1, len(peers)) + 30)
+    sleep = sleep or time.sleep
+    ok = {h.name for h in ctx.hosts if h.name in outcomes and outcomes[h.name].status in (OK, CHANGED)}
+    taking_part = [n for n in nodes if n.host_key and n.address and n.name in ok]  # unreachable peers are reported as such
+    names = [n.name for n in taking_part]
+    by_name = {h.name: h for h in ctx.hosts}
+    problems: dict[str, list[str]] = {name: [] for name in names}  # from the node's files
+    failed_hops: dict[str, list[str]] = {name: [] for name in names}  # "peer (why)"
+    failures: dict[str, str] = {}  # the verification itself could not run there
+
+    def read_back(host: Host):
+        peers = [n.address for n in taking_part if n.name != host.name]
+        results, failure = ctx.remote(host, [
+            {"op": "read", "path": AUTHORIZED_KEYS},
+            {"op": "read", "path": KNOWN_HOSTS},
+            {"op": "read", "path": SSH_CONFIG},
+            {"op": "run", "argv": ["ip", "-o", "-batch", "-"], "input": "".join(f"route get {a}\n" for a in peers), "timeout": 20},
+        ])
         if failure:
-            return Outcome(FAILED, outcome.changes, "verify: " + failure.error, outcome.notes)
-        bad = [f"{peer.name} ({_last_line(r.get('stderr')) or 'exit %s' % r.get('rc')})" for peer, r in zip(peers, results) if r.get("rc") != 0]
-        if bad:
-            return Outcome(FAILED, outcome.changes, "ssh to peers failed: " + "; ".join(bad), outcome.notes)
-        return outcome
+            return failure.error
+        error = first_error(results)
+        if error:
+            return error
+        sources = route_sources(results[3].get("stdout", "")) if results[3].get("rc") == 0 else None
+        files = {"authorized_keys": results[0], "known_hosts": results[1], "config": results[2]}
+        return check_files(host.name, files, taking_part, params["key_file"], params["restrict_from"], sources)
 
-    checked = ctx.map(one, hosts)
+    for name, found in ctx.map(read_back, [by_name[n] for n in names]).items():
+        if isinstance(found, str):
+            failures[name] = found
+        else:
+            problems[name] += found
+
+    def hop_batch(batch: list[tuple[str, str]]) -> dict[tuple[str, str], str | None]:
+        """(sender, receiver) -> None (ok) or its error, for one batch."""
+        senders: dict[str, list[str]] = {}
+        for sender, receiver in batch:
+            senders.setdefault(sender, []).append(receiver)
+
+        def one(host: Host):
+            peers = senders[host.name]
+            results, failure = ctx.remote(host, [{"op": "run_all", "argvs": [hop_argv(p) for p in peers], "timeout": VERIFY_TIMEOUT + 5}],
+                                          timeout=VERIFY_TIMEOUT + 5 + 60)
+            if failure:
+                return {(host.name, p): "verify: " + failure.error for p in peers}
+            error = first_error(results)
+            if error:
+                return {(host.name, p): error for p in peers}
+            return {(host.name, p): None if r.get("rc") == 0 else (_last_line(r.get("stderr")) or f"exit {r.get('rc')}")
+                    for p, r in zip(peers, results[0]["results"])}
+
+        out: dict[tuple[str, str], str | None] = {}
+        for found in ctx.map(one, [by_name[s] for s in senders if s not in failures]).values():
+            out.update(found)
+        return out
+
+    hop_errors: dict[tuple[str, str], str] = {}
+    for batch in verify_batches(names, params["verify"]):
+        batch = [pair for pair in batch if pair[0] not in failures]
+        attempt = 1
+        while batch:
+            done = hop_batch(batch)
+            dropped = [pair for pair, error in done.items() if error and fanin.is_drop(error)]
+            for pair, error in done.items():
+                if error and pair not in dropped:
+                    hop_errors[pair] = error
+            if dropped and attempt == fanin.ATTEMPTS:
+                for pair in dropped:
+                    hop_errors[pair] = fanin.refusal(pair[1])
+                break
+            batch = [pair for pair in batch if pair in dropped]
+            if batch:
+                sleep(fanin.backoff(attempt))
+                attempt += 1
+    for (sender, receiver), error in hop_errors.items():
+        failed_hops[sender].append(f"{receiver} ({error})")
+
+    checked = {}
+    for name in names:
+        outcome = outcomes[name]
+        if name in failures:
+            checked[name] = Outcome(FAILED, outcome.changes, "verify: " + failures[name], outcome.notes)
+            continue
+        errors = problems[name] + (["ssh to peers failed: " + "; ".join(failed_hops[name])] if failed_hops[name] else [])
+        checked[name] = Outcome(FAILED, outcome.changes, "; ".join(errors), outcome.notes) if errors else outcome
     return {**outcomes, **checked}
 
 

@@ -25,6 +25,7 @@ Ops
   remove PATH [EXPECT_SHA256]           remove a file if it exists
   keygen PATH COMMENT                   ed25519 key pair, only if PATH does not exist; returns the public key line
   run ARGV [INPUT] [CHECK]              rc, stdout, stderr (no shell); CHECK: a non-zero exit is an error
+  run_all ARGVS [TIMEOUT]               several commands at once: {"results": [{rc, stdout, stderr}, ...]}
   addresses                             {iface: [ipv4, ...]}
   nft_guarded RULES REVERT DELAY [NFT]  schedule REVERT in DELAY s (detached, own session), then apply RULES;
                                         returns the sleeper's pid and its token (NFT: the nft binary, for tests)
@@ -250,6 +251,24 @@ def op_run(req: dict) -> dict:
     return {"rc": proc.returncode, "stdout": proc.stdout, "stderr": proc.stderr}
 
 
+def op_run_all(req: dict) -> dict:
+    """Several commands at once (threads), each like op_run: {"results": [{"rc", "stdout", "stderr"}, ...]}."""
+    import threading
+
+    argvs = req["argvs"]
+    out = [None] * len(argvs)
+
+    def one(i):
+        out[i] = op_run({"argv": argvs[i], "timeout": req.get("timeout", 60)})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(argvs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return {"results": out}
+
+
 def op_addresses(_: dict) -> dict:
     try:
         proc = subprocess.run(["ip", "-j", "-4", "addr", "show"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -387,6 +406,7 @@ OPS = {
     "sysctl": op_sysctl,
     "keygen": op_keygen,
     "run": op_run,
+    "run_all": op_run_all,
     "addresses": op_addresses,
     "nft_guarded": op_nft_guarded,
     "cancel_revert": op_cancel_revert,
