@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,26 @@ def test_a_host_that_cannot_start_is_recorded_failed_with_its_error(tmp_path):
     assert record["state"] == "failed" and record["launched"] is True
     assert record["hosts"]["me"]["state"] == "failed-to-start"
     assert record["hosts"]["me"]["error"] == f"working directory {tmp_path / 'nowork'} does not exist (run invoke sync first)"
+
+
+def test_a_bug_in_mnft_during_supervision_ends_the_run_recorded_with_its_processes_gone(tmp_path, local_inventory):
+    import psutil
+
+    boom = ("import mnft.run.progress as p\n"
+            "def metric(self, data):\n    raise RuntimeError('a bug in the display')\n"
+            "p.Display.metric = metric\n"
+            "from mnft.cli.main import main; main()")
+    env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_RUNS_DIR=str(tmp_path / "runs"))
+    (tmp_path / "home").mkdir(exist_ok=True)
+    done = subprocess.run([sys.executable, "-c", boom, "train", "--recipe", "lora", "--hosts", local_inventory, "--src", str(REPO),
+                           "--set", "max_steps=200"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "a bug in the display" in done.stderr  # a bug keeps its traceback
+    record = json.loads(next((tmp_path / "runs").iterdir()).joinpath("run.json").read_text())
+    assert record["state"] == "failed" and record["reason"] == "mnft error: RuntimeError: a bug in the display"
+    def left():
+        return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if record["run_id"] in " ".join(p.info["cmdline"] or [])]
+
+    deadline = time.monotonic() + 20
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left() == []  # torn down by mnft (the last keeper exits a moment after it is killed)

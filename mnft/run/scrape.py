@@ -36,6 +36,7 @@ SANA_STEP = re.compile(r"Global Step: (\d+)")
 SANA_VALUE = {key: re.compile(r"(?<![\w/])" + key + r":\s*(" + NUMBER + r")") for key in ("loss", "lr", "grad_norm")}
 SANA_EPOCH = re.compile(r"Epoch: (\d+)")
 LR_NAMES = ("learning_rate", "lr")
+MAX_METRIC_LINE = 64 * 1024  # characters: a longer line is output, never a metrics record
 HF_SUMMARY_KEYS = ("train_runtime", "train_loss")
 
 
@@ -68,11 +69,25 @@ def record(step: Any, values: dict[str, Any]) -> dict[str, Any] | None:
             out["lr" if key in LR_NAMES else key] = n
     if "loss" not in out:
         return None
-    try:
-        out["step"] = int(step) if step is not None else None
-    except (TypeError, ValueError):
-        out["step"] = None
+    out["step"] = step_number(step)
     return out
+
+
+def step_number(value: Any) -> int | None:
+    """A step as a job printed it, if it is one: a whole number from 0 to 2**63 (1e999, -5, 'x', 2.5: None)."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, str):
+        value = value.strip()
+        if not value.isdigit() or len(value) > 19:
+            return None
+    try:
+        number = float(value) if not isinstance(value, int) else value
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if isinstance(number, float) and not (math.isfinite(number) and number.is_integer()):
+        return None
+    return int(number) if 0 <= number < 2**63 else None
 
 
 def compile_regex(regex: Any, where: str) -> re.Pattern:
@@ -193,6 +208,8 @@ class LineParser:
         return None
 
     def __call__(self, text: str) -> dict[str, Any] | None:
+        if len(text) > MAX_METRIC_LINE:  # no format prints a metrics line this long: not parsed (bounded cost)
+            return None
         # a progress bar rewrites its line with \r: each piece is a line of its own
         pieces = [piece for piece in reversed(text.split("\r")) if piece.strip()]
         for piece in pieces:

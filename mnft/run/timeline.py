@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 # HF's training bar on stderr: `  7%|▋         | 4/60 [00:00<00:01, 32.62it/s]` (no description: other bars,
 # e.g. "Writing model shards: 0/1", have one). Its count is the global step, also after a resume.
-HF_BAR = re.compile(r"^\s*\d{1,3}%\|[^|]*\|\s*(\d+)/(\d+)\s*\[")
+HF_BAR = re.compile(r"^\s*\d{1,3}%\|[^|]*\|\s*(\d{1,18})/(\d{1,18})\s*\[")
 
 
 def bar_step(text: str) -> tuple[int, int] | None:
@@ -41,8 +41,10 @@ class Calibration:
     logging_steps: int = 1
     source: str = ""
 
-    def step(self, epoch: float) -> int:
+    def step(self, epoch: float) -> int | None:
         raw = epoch * self.steps_per_epoch
+        if not (math.isfinite(raw) and 0 <= raw < 2**62):  # a printed epoch no training reaches: no step
+            return None
         grid = max(1, self.logging_steps)
         return max(1, int(round(raw / grid)) * grid) if raw >= grid / 2 else max(1, int(round(raw)))
 
@@ -93,6 +95,9 @@ def derive_steps(records: list[dict], calibration: Calibration | None, after: in
     for r in records:
         if r.get("step") is None and _positive(_float(r.get("epoch"))):
             step = calibration.step(_float(r["epoch"]))
+            if step is None:
+                out.append(r)
+                continue
             if step <= last:  # the four printed digits fell a grid point short: the next point is the one
                 step = last + max(1, calibration.logging_steps)
             r = dict(r, step=step, step_from="epoch")

@@ -278,69 +278,78 @@ class Run:
     # -------------------------------------------------------------------------------------------- the attempts
 
     def supervise(self, gang_names: tuple[str, ...], spares: tuple[str, ...], master_addr: str, port: int) -> int:
-        record, inventory = self.record, self.inventory
+        record = self.record
         assert record is not None
-        history: list[recover.Attempt] = []
-        width = max(len(h.name) for h in inventory.hosts) + 4
         live = Live(record.path, self.policy.max_restarts)
-        attempt, resume = 1, self.lopts.resume
         try:
-            while True:
-                gang = inventory.gang(gang_names)
-                entry = {"number": attempt, "hosts": list(gang_names), "started": time.time(), "master_addr": master_addr, "port": port,
-                         "resumed": resume, "checkpoint": None, "resumed_step": None}
-                record.data["attempts"].append(entry)
-                record.update(attempt=attempt)
-                live.update(attempt=attempt, hosts=list(gang_names), state="starting")
-                with Fleet(gang) as fleet:
-                    label = attempt_label(attempt, self.policy, history) if self.policy.max_restarts else ""
-                    outcome = self.attempt(fleet, gang, master_addr, port, attempt, resume, entry, width, live, label)
-                    if outcome is None:  # detached: the hosts run on their own
-                        return ExitCode.OK
-                    result, display = outcome
-                    failed_run = result.hosts.get(result.failed_host) if result.failed_host else None
-                    entry.update(ended=time.time(), state="succeeded" if result.ok else "failed", steps=[display.first_step, display.last_step],
-                                 detected=failed_run.ended_at if failed_run is not None else None)
-                    if result.ok:
-                        live.update(state="succeeded")
-                        return finish(record, result, self.timings, self.t0, fleet, self.console)
-                    cause = recover.classify(self.seen(result, display))
-                    decision = recover.should_restart(self.policy, history, cause)
-                    diagnosis = self.diagnose(fleet, result, cause, display, port)
-                    entry.update(cause=cause.to_json(), diagnosis=diagnosis.to_json(), decision=decision.why,
-                                 counted=decision.counted if decision.restart else None)
-                    record.save()
-                    if not decision.restart:
-                        live.update(state="failed")
-                        note = attempts_note(record.data["attempts"], decision.why) if self.policy.max_restarts else None
-                        return finish(record, result, self.timings, self.t0, fleet, self.console, note, diagnosis)
-                    self.console.print(Text(f"attempt {attempt} failed: {cause.detail}{stopped_note(result)}; {decision.why}", style="bold yellow"),
-                                       soft_wrap=True)
-                    t_logs = time.monotonic()
-                    self.keep_logs(record, fleet, attempt)
-                    entry["logs_s"] = round(time.monotonic() - t_logs, 3)
-                history.append(recover.Attempt(attempt, gang_names, cause, decision.counted))
-                wait = self.policy.backoff(sum(1 for a in history if a.counted))
-                live.update(state="waiting", note=f"attempt {attempt} failed: {cause.detail}")
-                lost = [n for n, h in result.hosts.items() if h.state == "lost"]
-                t_wait = time.monotonic()
-                back = self.wait_for(inventory, lost, wait)
-                entry["wait_s"] = round(time.monotonic() - t_wait, 3)
-                new = recover.next_gang(gang_names, lost, back, [s for s in spares if s not in lost], self.policy.min_nodes, self.lopts.job.elastic)
-                entry.update(next=new.why)
-                record.save()
-                if new.hosts is None:
-                    live.update(state="failed")
-                    reason = f"no gang for attempt {attempt + 1}: {new.why}"
-                    record.update(state="failed", reason=attempts_note(record.data["attempts"], reason))
-                    raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
-                self.console.print(f"{attempt_label(attempt + 1, self.policy, history)}: {new.why} (waited {wait:.0f}s)",
-                                   highlight=False, soft_wrap=True)
-                spares = tuple(s for s in spares if s not in new.replaced.values())
-                gang_names, attempt, resume = new.hosts, attempt + 1, True
-                master_addr, port = self.recheck(inventory.gang(gang_names), port, record)
+            return self._supervise(live, gang_names, spares, master_addr, port)
+        except (KeyboardInterrupt, MnftError):
+            raise
+        except Exception as exc:  # a bug in mnft (the gang tore the hosts down): the run ends recorded, never `running`
+            record.update(state="failed", reason=f"mnft error: {type(exc).__name__}: {exc}")
+            raise
         finally:
             live.close()
+
+    def _supervise(self, live: "Live", gang_names: tuple[str, ...], spares: tuple[str, ...], master_addr: str, port: int) -> int:
+        record, inventory = self.record, self.inventory
+        history: list[recover.Attempt] = []
+        width = max(len(h.name) for h in inventory.hosts) + 4
+        attempt, resume = 1, self.lopts.resume
+        while True:
+            gang = inventory.gang(gang_names)
+            entry = {"number": attempt, "hosts": list(gang_names), "started": time.time(), "master_addr": master_addr, "port": port,
+                     "resumed": resume, "checkpoint": None, "resumed_step": None}
+            record.data["attempts"].append(entry)
+            record.update(attempt=attempt)
+            live.update(attempt=attempt, hosts=list(gang_names), state="starting")
+            with Fleet(gang) as fleet:
+                label = attempt_label(attempt, self.policy, history) if self.policy.max_restarts else ""
+                outcome = self.attempt(fleet, gang, master_addr, port, attempt, resume, entry, width, live, label)
+                if outcome is None:  # detached: the hosts run on their own
+                    return ExitCode.OK
+                result, display = outcome
+                failed_run = result.hosts.get(result.failed_host) if result.failed_host else None
+                entry.update(ended=time.time(), state="succeeded" if result.ok else "failed", steps=[display.first_step, display.last_step],
+                             detected=failed_run.ended_at if failed_run is not None else None)
+                if result.ok:
+                    live.update(state="succeeded")
+                    return finish(record, result, self.timings, self.t0, fleet, self.console)
+                cause = recover.classify(self.seen(result, display))
+                decision = recover.should_restart(self.policy, history, cause)
+                diagnosis = self.diagnose(fleet, result, cause, display, port)
+                entry.update(cause=cause.to_json(), diagnosis=diagnosis.to_json(), decision=decision.why,
+                             counted=decision.counted if decision.restart else None)
+                record.save()
+                if not decision.restart:
+                    live.update(state="failed")
+                    note = attempts_note(record.data["attempts"], decision.why) if self.policy.max_restarts else None
+                    return finish(record, result, self.timings, self.t0, fleet, self.console, note, diagnosis)
+                self.console.print(Text(f"attempt {attempt} failed: {cause.detail}{stopped_note(result)}; {decision.why}", style="bold yellow"),
+                                   soft_wrap=True)
+                t_logs = time.monotonic()
+                self.keep_logs(record, fleet, attempt)
+                entry["logs_s"] = round(time.monotonic() - t_logs, 3)
+            history.append(recover.Attempt(attempt, gang_names, cause, decision.counted))
+            wait = self.policy.backoff(sum(1 for a in history if a.counted))
+            live.update(state="waiting", note=f"attempt {attempt} failed: {cause.detail}")
+            lost = [n for n, h in result.hosts.items() if h.state == "lost"]
+            t_wait = time.monotonic()
+            back = self.wait_for(inventory, lost, wait)
+            entry["wait_s"] = round(time.monotonic() - t_wait, 3)
+            new = recover.next_gang(gang_names, lost, back, [s for s in spares if s not in lost], self.policy.min_nodes, self.lopts.job.elastic)
+            entry.update(next=new.why)
+            record.save()
+            if new.hosts is None:
+                live.update(state="failed")
+                reason = f"no gang for attempt {attempt + 1}: {new.why}"
+                record.update(state="failed", reason=attempts_note(record.data["attempts"], reason))
+                raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
+            self.console.print(f"{attempt_label(attempt + 1, self.policy, history)}: {new.why} (waited {wait:.0f}s)",
+                               highlight=False, soft_wrap=True)
+            spares = tuple(s for s in spares if s not in new.replaced.values())
+            gang_names, attempt, resume = new.hosts, attempt + 1, True
+            master_addr, port = self.recheck(inventory.gang(gang_names), port, record)
 
     def attempt(self, fleet: Fleet, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, entry: dict,
                 width: int, live: "Live", label: str) -> tuple[GangResult, Display] | None:
