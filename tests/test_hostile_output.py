@@ -79,3 +79,16 @@ def test_a_100_mb_line_without_a_newline_costs_little():
 
 def test_an_epoch_no_training_reaches_gives_no_step():
     assert timeline.Calibration(1e300, 5).step(1e300) is None and timeline.Calibration(10.0, 5).step(math.inf) is None
+
+
+def test_the_agent_cuts_a_line_without_end_once_and_reads_on_after_it(tmp_path):
+    from mnft.run.agent import MAX_LINE, _Tail
+
+    out = tmp_path / "output.log"
+    out.write_bytes(b"before\n" + b"x" * (10 << 20))  # 10 MB, no newline yet
+    tail = _Tail(str(out))
+    lines = [line for _ in range(4) for line in tail.lines()]
+    assert lines[0] == "before" and len(lines) == 2 and lines[1].startswith("x" * MAX_LINE) and lines[1].endswith("bytes]")
+    with out.open("ab") as f:
+        f.write(b"the rest of it\nafter\n")
+    assert [line for _ in range(2) for line in tail.lines()] == ["after"]

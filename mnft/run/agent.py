@@ -380,6 +380,10 @@ class Sampler:
 # ---------------------------------------------------------------------------------------------------- launch
 
 
+TAIL_CHUNK = 4 << 20  # bytes read from a followed file at one poll
+MAX_LINE = 64 << 10  # bytes: a longer line is cut (mnft never parses a metrics line this long)
+
+
 class _Tail:
     """New complete lines of a file. from_end: skip what it holds now (a resumed job appends to its old
     metrics.jsonl: those lines are history, not this run's progress). A file that shrank is read again from 0.
@@ -387,7 +391,7 @@ class _Tail:
     appears only after the start is read from its beginning."""
 
     def __init__(self, path, from_end=False):
-        self.pattern, self.pos, self.buf = path, 0, b""
+        self.pattern, self.pos, self.buf, self.cutting = path, 0, b"", False
         self.path = self._resolve()
         self.skipped = set()
         if from_end:
@@ -407,7 +411,7 @@ class _Tail:
     def lines(self):
         current = self._resolve()
         if current != self.path:  # a newer file of the pattern: read it from its start
-            self.path, self.pos, self.buf = current, 0, b""
+            self.path, self.pos, self.buf, self.cutting = current, 0, b"", False
         if self.path is None:
             return []
         try:
@@ -415,12 +419,18 @@ class _Tail:
                 if os.fstat(fh.fileno()).st_size < self.pos:
                     self.pos, self.buf = 0, b""
                 fh.seek(self.pos)
-                data = fh.read()
+                data = fh.read(TAIL_CHUNK)  # bounded: a huge write is read over several polls
         except OSError:
             return []
         self.pos += len(data)
         self.buf += data
+        if self.cutting:  # the rest of a line already cut: dropped up to its end
+            end = self.buf.find(b"\n")
+            self.buf, self.cutting = (b"", True) if end < 0 else (self.buf[end + 1:], False)
         *done, self.buf = self.buf.split(b"\n")
+        if len(self.buf) > MAX_LINE:  # a line without end: what fits is a line, the rest of it is dropped
+            done.append(self.buf[:MAX_LINE] + b" [line cut: longer than %d bytes]" % MAX_LINE)
+            self.buf, self.cutting = b"", True
         return [line.decode("utf-8", "replace") for line in done]
 
 
