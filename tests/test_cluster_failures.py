@@ -202,3 +202,21 @@ def test_an_abort_at_exit_after_the_work_is_a_finished_run_with_a_warning_and_ne
     out = " ".join(done.stdout.split())
     assert f"warning: {warning['cause']}" in out and "destroy_process_group()" in out
     assert json.loads((tmp_path / "runs" / record["run_id"] / "summary.json").read_text())  # logs were collected as for any end
+
+
+# ------------------------------------------------------------------------------------------------ refused before changes
+
+
+def test_a_launch_plan_mistake_is_refused_before_any_byte_is_synced(healthy_cluster, tmp_path, lab):
+    """Static rendezvous with different slots per host cannot start: said at once, exit 2, and no host changed (the
+    code is not synced, no run directory made). It used to be refused only after `sync --delete` had run."""
+    hosts = healthy_cluster.hosts[:2]
+    inv = healthy_cluster.write_inventory(tmp_path / "inv.yaml", hosts=hosts, slots={"h1": 1, "h2": 2})
+    before = {h.name: sorted(str(p) for p in (h.home / "mnft").rglob("*")) if (h.home / "mnft").exists() else [] for h in hosts}
+    done = mnft(lab, tmp_path, "train", "--hosts", str(inv), "--", "quick.py")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "hosts have different slots (h1=1, h2=2)" in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    after = {h.name: sorted(str(p) for p in (h.home / "mnft").rglob("*")) if (h.home / "mnft").exists() else [] for h in hosts}
+    assert after == before and "synced" not in done.stdout
+    record = json.loads(next((tmp_path / "runs").iterdir()).joinpath("run.json").read_text())
+    assert record["state"] == "refused" and "different slots" in record["reason"]

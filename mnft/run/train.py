@@ -151,6 +151,12 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
         port = chosen_port(report)
         run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory, reached,
                   {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()})
+        try:  # the launch plan refuses (slots, rendezvous, the master's address) before any byte is synced
+            run.plan(inventory.gang(gang_names), report.master_addr, port, 1, lopts.resume)
+        except InputError as exc:
+            if record is not None:
+                record.update(state="refused", reason=str(exc))
+            raise
         if options.dry_run:
             return run.dry_run(inventory.gang(), report.master_addr, port)
         assert record is not None
