@@ -15,8 +15,10 @@
     straggler    which host holds the gang back (pure rules over the agents' samples)
     checkpoints  the latest complete checkpoint, made whole on every host before a resume
     scrape       training metrics from what a job writes (pure parsers)
+    timeline     a run's metrics as one timeline across attempts: steps derived where the format prints none (pure)
+    goodput      where a run's wall time went, per attempt, and its goodput (pure)
     records      runs/<id>/run.json: the local record of a run
     control      a started run afterwards: status and stop on every host
     logs         `invoke logs`: every host's logs and metrics collected, summary and loss plot
-    report       the status and stop tables
+    report       the status, stop and time tables
 """
