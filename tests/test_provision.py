@@ -4,6 +4,8 @@ python becoming the host's python."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -278,3 +280,48 @@ def test_a_provisioned_host_uses_its_environments_python_and_keeps_its_own_as_th
 def test_a_venv_that_is_not_an_absolute_or_home_path_is_refused(value):
     with pytest.raises(InputError, match="key 'venv'"):
         parse(f"hosts:\n  a: {{address: 10.0.0.1, venv: '{value}'}}\n")
+
+
+def test_an_index_token_never_reaches_a_command_line_or_a_message(tmp_path):
+    """uv gets the lock's index URLs by environment (ps shows command lines to every user of the host), and a
+    failure that quotes the URL says *** for its credentials."""
+    from mnft.env import envhost
+
+    root = tmp_path / "env.d"  # the environment link is env, its builds and tools beside it
+    (root / "dist").mkdir(parents=True)
+    log = tmp_path / "uv.log"
+    uv = root / "dist" / "uv"
+    uv.write_text(f"#!/bin/sh\necho \"argv: $*\" >> {log}\necho \"env: $UV_INDEX_URL $UV_EXTRA_INDEX_URL\" >> {log}\n"
+                  "if [ \"$1\" = venv ]; then for a; do last=$a; done; mkdir -p \"$last/bin\"; exit 0; fi\n"
+                  "echo 'error: Failed to fetch: https://lab:s3cret-token@pypi.lab/simple/torch/' >&2\nexit 2\n")
+    uv.chmod(0o755)
+    spec = {"venv": str(tmp_path / "env"), "id": "e1", "python": sys.executable, "online": True,
+            "indexes": ["https://lab:s3cret-token@pypi.lab/simple", "https://other:t2@mirror/simple"],
+            "wheels": [{"name": "torch", "version": "2.13.0"}]}
+    with pytest.raises(envhost.Failure) as failed:
+        envhost.install(spec)
+    assert "s3cret-token" not in str(failed.value) and "https://***@pypi.lab/simple/torch/" in str(failed.value)
+    lines = log.read_text().splitlines()
+    assert not any("s3cret-token" in line or "t2@" in line for line in lines if line.startswith("argv:"))
+    assert "env: https://lab:s3cret-token@pypi.lab/simple https://other:t2@mirror/simple" in lines
+
+
+def test_pip_download_gets_the_index_by_environment_and_its_errors_are_redacted(tmp_path, monkeypatch):
+    from mnft.core.errors import InputError
+    from mnft.env import wheelhouse
+    from mnft.env.lockfile import Lock, Pin
+
+    seen = {}
+
+    def fake_run(argv, **kwargs):
+        seen.update(argv=argv, env=kwargs.get("env") or {})
+        return subprocess.CompletedProcess(argv, 1, "", "ERROR: 401 for https://lab:s3cret-token@pypi.lab/simple/x/")
+
+    monkeypatch.setattr(wheelhouse.subprocess, "run", fake_run)
+    lock = Lock(tmp_path / "lock.txt", "requirements", (Pin("x", "1.0"),), None, "https://lab:s3cret-token@pypi.lab/simple")
+    house = wheelhouse.Wheelhouse(tmp_path / "wheels")
+    platform = wheelhouse.Platform("3.11", "x86_64", "glibc", "2.36")
+    with pytest.raises(InputError) as failed:
+        house._download(lock, list(lock.pins), platform, offline=False, find_links=(), progress=None)
+    assert "s3cret-token" not in " ".join(seen["argv"]) and seen["env"]["PIP_INDEX_URL"] == "https://lab:s3cret-token@pypi.lab/simple"
+    assert "s3cret-token" not in str(failed.value)

@@ -48,7 +48,9 @@ def test_an_env_file_must_be_0600_and_its_secrets_stay_secret(tmp_path):
         launch.split_env((), {}, (str(f),))
     f.chmod(0o600)
     plain, secret = launch.split_env((), {}, (str(f),))
-    assert plain == {"MODE": "fast"} and secret == {"DB_PASSWORD": "p@ss word", "API_KEY": "k-1"}
+    # a file's values are secrets whatever their names (never printed by --dry-run, never written in clear)
+    assert plain == {} and secret == {"DB_PASSWORD": "p@ss word", "API_KEY": "k-1", "MODE": "fast"}
+    assert launch.split_env(("MODE=slow",), {}, (str(f),))[0] == {"MODE": "slow"}  # given on the command line: plain
     bad = tmp_path / "bad.env"
     bad.write_text("OK=1\nnot a line\n")
     bad.chmod(0o600)
@@ -326,3 +328,19 @@ def test_the_agent_packs_a_metrics_directory_with_a_dangling_link_skipping_the_l
     reply = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     names = tarfile.open(fileobj=io.BytesIO(base64.b64decode(reply["tar"]))).getnames()
     assert "extra/0/events.out" in names and not any(n.endswith("gone") for n in names)
+
+
+def test_an_env_file_is_checked_as_opened_and_must_be_yours(tmp_path):
+    import os
+
+    f = tmp_path / "run.env"
+    f.write_text("A=1\n")
+    f.chmod(0o600)
+    os.chown(f, 12345, -1)  # the tests run as root: another user's file
+    with pytest.raises(InputError, match="owned by uid 12345, not by you"):
+        launch.split_env((), {}, (str(f),))
+    big = tmp_path / "big.env"
+    big.write_text("A=" + "x" * (launch.ENV_FILE_MAX + 10) + "\n")
+    big.chmod(0o600)
+    with pytest.raises(InputError, match="larger than 256 KiB"):
+        launch.split_env((), {}, (str(big),))

@@ -34,6 +34,7 @@ import sys
 import time
 
 RECORD = ".mnft-env.json"
+URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")  # an index URL's user:token, never shown (mnft.hosts.command)
 MESH_BEGIN = "# BEGIN mnft mesh"
 MESH_END = "# END mnft mesh"
 MESH_KEY = "~/.ssh/mnft_mesh_ed25519"
@@ -270,7 +271,7 @@ def _run(argv: list, env: dict, what: str, timeout: float) -> None:
         lines = [ln.strip() for ln in (done.stderr.strip() or done.stdout.strip()).splitlines() if ln.strip()]
         useful = [ln for ln in lines if not ln.startswith(("hint:", "help:"))] or lines
         detail = "; ".join(useful[-3:]) if useful else "exit %d" % done.returncode
-        raise Failure("%s failed: %s" % (what, detail))
+        raise Failure("%s failed: %s" % (what, URL_CREDENTIALS.sub("***@", detail)))
 
 
 def _sha256(path: str) -> str:
@@ -319,8 +320,11 @@ def install(spec: dict) -> dict:
         if spec.get("online"):  # straight from the lock's index (and its find-links), still exactly pinned
             if spec.get("no_index"):
                 argv.append("--no-index")
-            for i, url in enumerate(spec.get("indexes") or []):
-                argv += ["--index-url" if i == 0 else "--extra-index-url", url]
+            indexes = spec.get("indexes") or []
+            if indexes:  # by environment, never on the command line: ps shows it to every user of the host
+                env["UV_INDEX_URL"] = indexes[0]
+            if indexes[1:]:
+                env["UV_EXTRA_INDEX_URL"] = " ".join(indexes[1:])
             for link in spec.get("find_links") or []:
                 argv += ["--find-links", link]
         else:

@@ -26,6 +26,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
 from mnft.core.errors import InputError
 from mnft.env.lockfile import Lock, Pin
+from mnft.hosts.command import redact_url
 from mnft.hosts.hostkeys import mnft_home
 from mnft.sync.treehash import sha256_file
 
@@ -187,7 +188,7 @@ class Wheelhouse:
 
     def _sources(self, lock: Lock, find_links: Iterable[str]) -> str:
         where = [*lock.indexes(), *lock.find_links, *find_links]
-        return ", ".join(where) if where else f"{self.root} (the wheelhouse) and pip's configured index"
+        return redact_url(", ".join(where)) if where else f"{self.root} (the wheelhouse) and pip's configured index"
 
     def _download(self, lock: Lock, pins: list[Pin], platform: Platform, *, offline: bool, find_links: tuple[str, ...], progress) -> None:
         links = [*lock.find_links, *find_links]
@@ -195,27 +196,29 @@ class Wheelhouse:
         if offline and (not lock.no_index or remote_links):
             names = ", ".join(f"{p.name}=={p.version}" for p in pins[:5])
             raise InputError(f"{lock.path}: {names} not in the wheelhouse ({self.root}) and --offline forbids the index "
-                             f"({', '.join(lock.indexes() + remote_links) or 'the configured index'}): run once without --offline, "
+                             f"({redact_url(', '.join(lock.indexes() + remote_links)) or 'the configured index'}): run once without --offline, "
                              "or add --find-links DIR with the wheels")
         argv = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--dest", str(self.root),
                 "--disable-pip-version-check", "--progress-bar", "off", "--python-version", platform.python,
                 "--implementation", "cp", "--abi", "cp" + platform.python.replace(".", ""), "--abi", "abi3", "--abi", "none"]
         for tag in platform.platform_tags():
             argv += ["--platform", tag]
+        env = dict(os.environ)
         if lock.no_index or offline:
             argv.append("--no-index")
-        else:
+        else:  # by environment, never on the command line: ps shows it to every user, and an index URL may hold a token
             if lock.index_url:
-                argv += ["--index-url", lock.index_url]
-            for url in [*lock.extra_index_urls, *{p.index for p in pins if p.index and p.index != lock.index_url}]:
-                argv += ["--extra-index-url", url]
+                env["PIP_INDEX_URL"] = lock.index_url
+            extra = [*lock.extra_index_urls, *{p.index: None for p in pins if p.index and p.index != lock.index_url}]
+            if extra:
+                env["PIP_EXTRA_INDEX_URL"] = " ".join(extra)
         for link in links:
             argv += ["--find-links", link]
         argv += [f"{p.name}=={p.version}" for p in pins]
         if progress is not None:
             progress(f"fetching {len(pins)} wheel(s) for {platform.describe()}")
         try:
-            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PIP_TIMEOUT)
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=PIP_TIMEOUT, env=env)
         except subprocess.TimeoutExpired:
             raise InputError(f"{lock.path}: fetching wheels timed out after {PIP_TIMEOUT:.0f}s") from None
         if done.returncode != 0:
@@ -224,7 +227,7 @@ class Wheelhouse:
             if match:
                 raise InputError(f"{lock.path}: no wheel of {match.group(1)} for platform {platform.describe()} in {self._sources(lock, find_links)}")
             lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-            raise InputError(f"{lock.path}: pip download failed: {lines[-1] if lines else 'exit %d' % done.returncode}")
+            raise InputError(f"{lock.path}: pip download failed: {redact_url(lines[-1]) if lines else 'exit %d' % done.returncode}")
 
 
 def _wheel_metadata(path: Path) -> dict:

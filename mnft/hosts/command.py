@@ -46,6 +46,14 @@ def quote_path(path: str) -> str:
     return shlex.quote(path)
 
 
+URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")  # https://user:token@host/… : the part a log must not show
+
+
+def redact_url(text: str) -> str:
+    """Credentials in any URL of a text (an index URL with a token) replaced by ***."""
+    return URL_CREDENTIALS.sub("***@", text)
+
+
 def shell_word(arg: str) -> str:
     """One argument as a POSIX shell reads it back, the home written `"$HOME"` so that a `~/…` path (or `key=~/…`,
     which mnft's agent expands itself) still means the host user's home when the line is pasted into a shell."""

@@ -107,8 +107,11 @@ def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str,
     plain: dict[str, str] = {}
     secret: dict[str, str] = {}
     chosen: dict[str, str] = {name: environ[name] for name in PASSTHROUGH if name in environ}
+    from_files: set[str] = set()
     for path in files:
-        chosen.update(read_env_file(path))
+        values = read_env_file(path)
+        chosen.update(values)
+        from_files |= set(values)
     for spec in specs:
         name, sep, value = spec.partition("=")
         check_env_name(name)
@@ -123,20 +126,33 @@ def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str,
                 raise InputError(f"--env {name}: not set in this environment (set it, or use {hint})")
             value = environ[name]
         chosen[name] = value
-    for name, value in chosen.items():
-        (secret if is_secret_name(name) else plain)[name] = value
+        from_files.discard(name)
+    for name, value in chosen.items():  # a file's values are secrets, whatever their names: never printed or recorded
+        (secret if is_secret_name(name) or name in from_files else plain)[name] = value
     return plain, secret
+
+
+ENV_FILE_MAX = 256 * 1024  # bytes
 
 
 def read_env_file(path: str) -> dict[str, str]:
     """NAME=VALUE lines (blank lines and # comments skipped); the file must be readable by its owner only."""
-    try:
-        mode = os.stat(path).st_mode
-        text = open(path, encoding="utf-8").read()
+    try:  # the checks are made on the file opened, not on a name that could be swapped in between
+        with open(path, "rb") as f:
+            info = os.fstat(f.fileno())
+            data = f.read(ENV_FILE_MAX + 1)
     except OSError as exc:
         raise InputError(f"--env-file {path}: {exc.strerror or exc}") from None
-    if mode & 0o077:
-        raise InputError(f"--env-file {path}: mode {mode & 0o777:04o} lets others read it: chmod 600 {shlex.quote(path)}")
+    if info.st_mode & 0o077:
+        raise InputError(f"--env-file {path}: mode {info.st_mode & 0o777:04o} lets others read it: chmod 600 {shlex.quote(path)}")
+    if info.st_uid != os.getuid():
+        raise InputError(f"--env-file {path}: owned by uid {info.st_uid}, not by you (uid {os.getuid()}): its values are not yours to trust")
+    if len(data) > ENV_FILE_MAX:
+        raise InputError(f"--env-file {path}: larger than {ENV_FILE_MAX // 1024} KiB: an env file holds NAME=VALUE lines")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"--env-file {path}: not UTF-8 text") from None
     out = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
