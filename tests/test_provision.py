@@ -325,3 +325,16 @@ def test_pip_download_gets_the_index_by_environment_and_its_errors_are_redacted(
         house._download(lock, list(lock.pins), platform, offline=False, find_links=(), progress=None)
     assert "s3cret-token" not in " ".join(seen["argv"]) and seen["env"]["PIP_INDEX_URL"] == "https://lab:s3cret-token@pypi.lab/simple"
     assert "s3cret-token" not in str(failed.value)
+
+
+def test_an_environment_reached_through_a_symlinked_home_is_kept_by_the_prune(tmp_path):
+    """A lab home that is a link (/home/u -> /data/home/u): the environment just built is the current one, not a
+    stray to remove (it used to be pruned: the env link dangled and every later provision was refused)."""
+    from mnft.env import envhost
+
+    (tmp_path / "real" / "env.d" / "envs" / "new").mkdir(parents=True)
+    (tmp_path / "real" / "env.d" / "envs" / "stray").mkdir(parents=True)
+    (tmp_path / "home").symlink_to(tmp_path / "real")
+    root = envhost.root_of(str(tmp_path / "home" / "env"))
+    assert envhost._prune(root, {f"{root}/envs/new"}) == ["stray"]
+    assert (tmp_path / "real" / "env.d" / "envs" / "new").is_dir()

@@ -250,6 +250,7 @@ def _switch(link: str, target: str) -> None:
 def _prune(root: str, keep: set) -> list:
     """Remove environments that are neither current nor previous (an interrupted build among them)."""
     removed = []
+    keep = {os.path.realpath(p) for p in keep}  # one resolution on both sides: a home reached through a link
     envs = os.path.join(root, "envs")
     for name in sorted(os.listdir(envs)) if os.path.isdir(envs) else []:
         path = os.path.join(envs, name)
