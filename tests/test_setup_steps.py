@@ -358,6 +358,13 @@ def test_a_nodes_files_missing_a_peer_name_what_is_missing():
                         "~/.ssh/config lacks mnft's stanza for h2"]
 
 
+def test_a_peer_not_reached_this_run_keeps_its_lines_and_is_not_checked():
+    ns = nodes() + [mesh.Node("h3", "10.0.0.13", mesh_key="ssh-ed25519 AAAAK3", host_key="ssh-ed25519 AAAAH3")]
+    files = verified_files(ns)  # from= lists h3's address too, as the previous run wrote it
+    down = [n if n.name != "h3" else mesh.Node("h3", "10.0.0.13", mesh_key="ssh-ed25519 AAAAK3") for n in ns]
+    assert mesh.check_files("h1", files, down, "~/.ssh/mnft_mesh_ed25519", True, {}, peers={"h1", "h2"}) == []
+
+
 def test_a_route_to_a_peer_from_an_address_outside_from_is_named():
     ns = nodes()
     routes = mesh.route_sources("10.0.0.12 via 192.168.1.1 dev eno1 src 192.168.1.5 uid 0 \\    cache \n")

@@ -283,19 +283,22 @@ def route_sources(text: str) -> dict[str, str]:
     return out
 
 
-def check_files(me: str, files: dict, nodes: list[Node], key_file: str, restrict_from: bool, sources: dict[str, str] | None) -> list[str]:
-    """What a node's own files (read back after apply) say it lacks for each peer taking part (`nodes`): the peer's
+def check_files(me: str, files: dict, nodes: list[Node], key_file: str, restrict_from: bool, sources: dict[str, str] | None,
+                peers: set[str] | None = None) -> list[str]:
+    """What a node's own files (read back after apply) say it lacks for each peer taking part (`peers`, default
+    every node; `nodes` are all of them, as the plan wrote the lines from them): the peer's
     mesh line in authorized_keys (the peer could not log in here), its host key in known_hosts and its stanza in
     ~/.ssh/config (this node could not verify or dial it), and, with `from=`, a source address this node's routes
     would use towards the peer that the peers' from= lists do not hold (the peer's sshd would refuse the key)."""
     problems = []
+    checked = [n for n in nodes if n.name != me and (peers is None or n.name in peers)]
     ak_lines = set(_text(files["authorized_keys"]).splitlines())
     wanted = authorized_lines(nodes, restrict_from)
-    missing = [n.name for n in nodes if n.name != me and wanted.get(f"mesh:{n.name}") not in ak_lines]
+    missing = [n.name for n in checked if wanted.get(f"mesh:{n.name}") not in ak_lines]
     if missing:
         problems.append("~/.ssh/authorized_keys lacks the mesh key of " + ", ".join(missing))
     kh_lines = set(_text(files["known_hosts"]).splitlines())
-    missing = [n.name for n in nodes if n.name != me and not set(known_hosts_lines([n], None)) <= kh_lines]
+    missing = [n.name for n in checked if not set(known_hosts_lines([n], None)) <= kh_lines]
     if missing:
         problems.append("~/.ssh/known_hosts lacks the host key of " + ", ".join(missing))
     try:
@@ -304,13 +307,12 @@ def check_files(me: str, files: dict, nodes: list[Node], key_file: str, restrict
         body = []
         problems.append(f"~/.ssh/config: {exc}")
     stanzas = _stanzas(body)
-    missing = [n.name for n in nodes if n.name != me and stanzas.get(n.name) != config_lines([n], key_file)]
+    missing = [n.name for n in checked if stanzas.get(n.name) != config_lines([n], key_file)]
     if missing:
         problems.append("~/.ssh/config lacks mnft's stanza for " + ", ".join(missing))
     if restrict_from and sources is not None:
         allowed = {n.address for n in nodes if n.address}
-        wrong = [f"{n.name} from {sources[n.address]}" for n in nodes
-                 if n.name != me and n.address in sources and sources[n.address] not in allowed]
+        wrong = [f"{n.name} from {sources[n.address]}" for n in checked if n.address in sources and sources[n.address] not in allowed]
         if wrong:
             problems.append("its routes reach " + ", ".join(wrong) + ", an address the mesh's from= does not list "
                             "(set 'iface' to the cluster interface in the inventory)")
@@ -447,7 +449,7 @@ def _verify(ctx: Context, nodes: list[Node], outcomes: dict[str, Outcome], param
             return error
         sources = route_sources(results[3].get("stdout", "")) if results[3].get("rc") == 0 else None
         files = {"authorized_keys": results[0], "known_hosts": results[1], "config": results[2]}
-        return check_files(host.name, files, taking_part, params["key_file"], params["restrict_from"], sources)
+        return check_files(host.name, files, nodes, params["key_file"], params["restrict_from"], sources, set(names))
 
     for name, found in ctx.map(read_back, [by_name[n] for n in names]).items():
         if isinstance(found, str):
