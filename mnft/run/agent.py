@@ -5,18 +5,27 @@
                            events as JSON lines and obey the controller: "hb" lines keep it alive, "stop" or EOF
                            or no heartbeat for `deadman` seconds tears the run's process group down
     keep RUN_DIR           (internal) session leader of the run: runs the command, records its exit code
-    stop RUN_DIR [GRACE]   kill that run's process group (recorded pgid, verified by run id), then any process
-                           still carrying the run id; print what was killed and what remains
+    stop RUN_DIR [GRACE]   kill that run's process group (recorded pgid, its leader verified: see below), then any
+                           process still carrying the run id; print what was killed and what remains ("ended":
+                           true and nothing killed when nothing of the run is alive)
     status RUN_DIR         state, exit code, last metrics line
     tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
     pack RUN_DIR [PATH…]   the run directory and extra paths (files, directories, globs) as a base64 tar.gz
                            (for invoke logs)
     checkpoints DIR        a checkpoints directory's entries and their files (for a resume)
 
-A run directory holds: spec.json (no secrets), pgid, output.log, exit_code, started, ended, agent.py, entry.py (the
-launch wrapper, mnft.run.entry) and done/rank-<R> for each rank whose entry point returned. Secrets
+A run directory holds: spec.json (no secrets), pgid, pgid_start, output.log, exit_code, started, ended, agent.py,
+entry.py (the launch wrapper, mnft.run.entry) and done/rank-<R> for each rank whose entry point returned. Secrets
 arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
 Processes are found by the recorded process group and by MNFT_RUN_ID in their environment, never by name.
+
+Only what is provably the run's is signalled. The process group is signalled only while its leader still is the
+run's keeper: its start time (/proc/<pid>/stat field 22) is the one recorded in pgid_start at launch, and the run's
+tag is in its environment (readable by root and by its own user) or the run directory on its command line; or
+while a process carrying the run's tag is still a member of that group (it holds the number: no other group can
+have it). Any other process is signalled only if its own environment carries the tag, checked through a pidfd
+where the kernel has them (no pid reuse between the check and the signal). A process of another user is never
+signalled (and never a PermissionError).
 """
 
 import glob
@@ -103,6 +112,104 @@ def run_pids(tag):
     return sorted(pids)
 
 
+def _stat(pid):
+    """/proc/<pid>/stat from field 3 (state) on: field N is item N - 3; None if the process is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid):
+    """When the process started (clock ticks after boot: /proc/<pid>/stat field 22), or None if it is gone or a
+    zombie. A pid number is reused; a pid and its start time together name one process."""
+    fields = _stat(pid)
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _pgid_of(pid):
+    fields = _stat(pid)
+    try:
+        return int(fields[2]) if fields else None
+    except (IndexError, ValueError):
+        return None
+
+
+def _cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as fh:
+            return [a.decode("utf-8", "replace") for a in fh.read().split(b"\0")]
+    except OSError:
+        return []
+
+
+def is_run_process(pid, start, tag, run_dir=None):
+    """Whether pid still is the run's process that started at `start`: the same start time, and the run's tag in
+    its environment (readable by root or its own user) or, for the keeper, `keep <run_dir>` on its command line.
+    The start time is read again after the rest, so a process that ended meanwhile is not taken for ours."""
+    if not pid or pid <= 0 or start is None or start_time(pid) != start:
+        return False
+    argv = _cmdline(pid)
+    named = bool(tag) and _environ_has(pid, tag) or bool(run_dir) and "keep" in argv and run_dir in argv
+    return named and start_time(pid) == start
+
+
+def _recorded_start(run_dir):
+    text = _read(os.path.join(run_dir, "pgid_start"))
+    return int(text) if text and text.isdigit() else None
+
+
+def group_is_ours(run_dir, pgid, tag, keeper=None):
+    """Whether the process group numbered pgid still is the run's (see the module's docstring)."""
+    if not pgid or pgid <= 1:
+        return False
+    if keeper is not None and keeper.pid == pgid and keeper.returncode is None and keeper.poll() is None:
+        return True  # our own child, not reaped: its pid (and so its group's number) cannot have been reused
+    if is_run_process(pgid, _recorded_start(run_dir), tag, run_dir):
+        return True
+    return bool(tag) and any(_pgid_of(pid) == pgid for pid in run_pids(tag))
+
+
+def _signal_group(pgid, sig):
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _signal_tagged(pid, tag, sig):
+    """Signal one process if its environment carries the run's tag. With a pidfd the check and the signal are on
+    the same process even if the pid is reused in between."""
+    opener = getattr(os, "pidfd_open", None)
+    sender = getattr(signal, "pidfd_send_signal", None)
+    fd = None
+    if opener is not None and sender is not None:
+        try:
+            fd = opener(pid)
+        except OSError:
+            fd = None  # gone, or a kernel without pidfds: the plain check below
+    try:
+        if not _environ_has(pid, tag):
+            return False
+        if fd is not None:
+            sender(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
 def _group_alive(pgid):
     try:
         os.killpg(pgid, 0)
@@ -114,37 +221,34 @@ def _group_alive(pgid):
 
 
 def terminate(run_dir, grace=10.0, keeper=None):
-    """SIGTERM the run's process group, SIGKILL after `grace`, then any leftover carrying the run id."""
+    """SIGTERM the run's process group, SIGKILL after `grace`, then any leftover carrying the run id; each only
+    while it is provably the run's. Nothing of the run alive: {"ended": true}, nothing signalled."""
     spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
     tag = spec.get("tag")
-    pgid = int(_read(os.path.join(run_dir, "pgid"), "0") or 0)
+    text = _read(os.path.join(run_dir, "pgid"), "0") or "0"
+    pgid = int(text) if text.isdigit() else 0
     killed = []
     seen = run_pids(tag) if tag else []  # the run's processes before the kill: a GPU one of them still holds is ours
-    if pgid and tag and (_environ_has(pgid, tag) or _group_alive(pgid) and keeper is not None):
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-            killed.append(pgid)
-        except ProcessLookupError:
-            pass
+    if not seen and not group_is_ours(run_dir, pgid, tag, keeper):
+        if keeper is not None:
+            keeper.poll()
+        result = {"killed": [], "remaining": [], "ended": True, "exit_code": _read(os.path.join(run_dir, "exit_code"))}
+        return dict(result, **gpu_report(gpu_apps(), set()))
+    if group_is_ours(run_dir, pgid, tag, keeper) and _signal_group(pgid, signal.SIGTERM):
+        killed.append(pgid)
     deadline = time.time() + grace
     while time.time() < deadline:
         if keeper is not None:
             keeper.poll()
-        if not (pgid and _group_alive(pgid)) and not (tag and run_pids(tag)):
+        if not (pgid and group_is_ours(run_dir, pgid, tag, keeper) and _group_alive(pgid)) and not (tag and run_pids(tag)):
             break
         time.sleep(0.1)
-    if pgid and _group_alive(pgid):
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    if group_is_ours(run_dir, pgid, tag, keeper):
+        _signal_group(pgid, signal.SIGKILL)
     if tag:
         for pid in run_pids(tag):
-            try:
-                os.kill(pid, signal.SIGKILL)
+            if _signal_tagged(pid, tag, signal.SIGKILL):
                 killed.append(pid)
-            except ProcessLookupError:
-                pass
     if keeper is not None:
         try:
             keeper.wait(timeout=5)
@@ -210,10 +314,7 @@ def _reap_group(tag, grace=5.0):
     while run_pids(tag) and time.time() < deadline:
         time.sleep(0.1)
     for pid in run_pids(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        _signal_tagged(pid, tag, signal.SIGKILL)
 
 
 def keep(run_dir):
@@ -480,6 +581,7 @@ def launch():
         if keeper is None and os.path.exists(secrets_file):
             os.unlink(secrets_file)  # no keeper will read it: never leave a secret behind
     _write(os.path.join(run_dir, "pgid"), "%d\n" % keeper.pid, 0o644)
+    _write(os.path.join(run_dir, "pgid_start"), "%s\n" % start_time(keeper.pid), 0o644)  # with the pid: this keeper
     emit("started", pgid=keeper.pid, run_dir=run_dir, hostname=os.uname()[1])
     if spec.get("detach"):
         return 0

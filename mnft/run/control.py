@@ -146,6 +146,8 @@ def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
 
 
 def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[str, dict]:
+    """Each host's agent stops the run (only what is provably the run's: mnft.run.agent.terminate). A run ended on
+    every host is left as recorded: stopping it is a no-op that says so (mnft.run.report.print_stop)."""
     out = {}
     for result in query(record, fleet, "stop", str(grace)):
         if result.ok:
@@ -153,13 +155,15 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
         else:
             out[result.host] = {"state": result.status.value, "error": result.error}
     stopped = all(isinstance(v.get("remaining"), list) and not v["remaining"] for v in out.values())
+    if out and all(v.get("ended") for v in out.values()):  # nothing of the run was alive anywhere: a no-op
+        return out
     if stopped:
-        for name in out:
+        for name, v in out.items():
             info = record.data["hosts"].get(name, {})
-            if info.get("state") in ("running", "starting"):
+            if info.get("state") in ("running", "starting") and not v.get("ended"):
                 info["state"] = "stopped"
     record.update(state="stopped" if stopped and record.data.get("state") in ("running", "starting") else record.data.get("state"),
-                  stop={n: {k: v.get(k) for k in ("killed", "remaining", "gpus_held", "gpus_other", "error")} for n, v in out.items()})
+                  stop={n: {k: v.get(k) for k in ("killed", "remaining", "gpus_held", "gpus_other", "error", "ended")} for n, v in out.items()})
     return out
 
 

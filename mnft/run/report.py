@@ -61,9 +61,19 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
     return ExitCode.OK if healthy or recovering else ExitCode.FAILED
 
 
+def ended_note(record, result: dict[str, dict]) -> str | None:
+    """"run X already ended on h1, h2: nothing to stop" when nothing of the run was alive on any host."""
+    if result and all(r.get("ended") for r in result.values()):
+        return f"run {record.run_id} already ended on {', '.join(result)}: nothing to stop"
+    return None
+
+
 def print_stop(record, result: dict[str, dict], as_json: bool) -> int:
+    note = ended_note(record, result)
     if as_json:
-        print_json({"run": record.run_id, "hosts": result})
+        print_json({"run": record.run_id, "hosts": result, **({"note": note} if note else {})})
+    elif note:
+        console().print(plain(note))
     else:
         table = Table(title=plain(f"stop run {record.run_id}"))
         for col in ("host", "killed", "remaining", "gpus held"):
@@ -72,7 +82,8 @@ def print_stop(record, result: dict[str, dict], as_json: bool) -> int:
             if "remaining" not in r:
                 table.add_row(plain(name), Text(r.get("state", "?"), style="magenta"), plain(r.get("error", "")), "")
                 continue
-            table.add_row(plain(name), ", ".join(map(str, r["killed"])) or "-", Text(", ".join(map(str, r["remaining"])) or "none", style="red" if r["remaining"] else "green"), ", ".join(map(str, r.get("gpus_held") or [])) or "-")
+            killed = ", ".join(map(str, r["killed"])) or ("already ended" if r.get("ended") else "-")
+            table.add_row(plain(name), killed, Text(", ".join(map(str, r["remaining"])) or "none", style="red" if r["remaining"] else "green"), ", ".join(map(str, r.get("gpus_held") or [])) or "-")
         console().print(table)
     if any("remaining" not in r for r in result.values()):
         return ExitCode.UNREACHABLE

@@ -1,0 +1,171 @@
+"""Kill only what is provably ours (issue 19, class 4): the agent signals a process group only while its leader
+still is the run's keeper (start time recorded at launch, and the run's tag in its environment or the run
+directory on its command line), or while a process of the run is still a member; any other process only if its
+own environment carries the tag. An unrelated process that reuses the recorded group number survives `stop`, and
+stopping an ended run is a no-op that says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from mnft.hosts import pyrun
+from mnft.run import agent
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
+
+
+def alive(pid: int) -> bool:
+    return agent.start_time(pid) is not None
+
+
+def group_leader(env_extra: dict | None = None) -> subprocess.Popen:
+    """A process that leads its own process group (pgid = its pid), like a run's keeper or an unrelated daemon."""
+    env = dict(os.environ, **(env_extra or {}))
+    env.pop(agent.TAG_VAR, None) if not env_extra else None
+    return subprocess.Popen(SLEEP, start_new_session=True, env=env)
+
+
+@pytest.fixture
+def procs():
+    started: list[subprocess.Popen] = []
+    yield started
+    for p in started:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
+def ended_run_dir(tmp_path: Path, tag: str, pgid: int, start: int | None) -> Path:
+    """A run directory as the agent leaves it after the run ended: spec, pgid, its start time and the exit code."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "spec.json").write_text(json.dumps({"run_id": tag.split("@")[0], "tag": tag}))
+    (run_dir / "pgid").write_text(f"{pgid}\n")
+    if start is not None:
+        (run_dir / "pgid_start").write_text(f"{start}\n")
+    (run_dir / "exit_code").write_text("0\n")
+    return run_dir
+
+
+def test_start_time_is_field_22_of_stat_and_none_for_a_gone_process(procs):
+    p = group_leader()
+    procs.append(p)
+    fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    assert agent.start_time(p.pid) == int(fields[19])
+    p.kill()
+    p.wait()
+    assert agent.start_time(p.pid) is None
+
+
+def test_a_process_is_the_runs_only_with_its_recorded_start_time_and_the_runs_tag(procs):
+    tagged = group_leader({agent.TAG_VAR: "R1@h1"})
+    other = group_leader()
+    procs += [tagged, other]
+    time.sleep(0.2)  # exec done: /proc/<pid>/environ is the new program's
+    start = agent.start_time(tagged.pid)
+    assert agent.is_run_process(tagged.pid, start, "R1@h1")
+    assert not agent.is_run_process(tagged.pid, start + 1, "R1@h1")  # the number reused by a later process
+    assert not agent.is_run_process(tagged.pid, None, "R1@h1")  # no start time recorded: not provably ours
+    assert not agent.is_run_process(tagged.pid, start, "R2@h1")  # another run's
+    assert not agent.is_run_process(other.pid, agent.start_time(other.pid), "R1@h1")  # right time, no tag
+
+
+def test_the_keeper_is_recognised_by_its_command_line_when_its_environment_is_not_readable(tmp_path, procs):
+    run_dir = str(tmp_path / "run")
+    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "keep", run_dir], start_new_session=True)
+    procs.append(keeper)
+    time.sleep(0.2)
+    start = agent.start_time(keeper.pid)
+    assert agent.is_run_process(keeper.pid, start, None, run_dir)
+    assert not agent.is_run_process(keeper.pid, start, None, run_dir + "-other")
+
+
+def test_an_unrelated_group_that_reuses_the_recorded_number_survives_stop_and_stop_says_the_run_ended(tmp_path, procs):
+    unrelated = group_leader()
+    procs.append(unrelated)
+    time.sleep(0.2)
+    # the run's keeper had this number, and another start time: the number was reused
+    run_dir = ended_run_dir(tmp_path, "R1@h1", unrelated.pid, agent.start_time(unrelated.pid) - 1)
+    result = agent.terminate(str(run_dir), grace=0.5)
+    assert result["ended"] is True and result["killed"] == [] and result["remaining"] == []
+    time.sleep(0.2)
+    assert unrelated.poll() is None
+
+
+def test_a_recorded_group_without_its_start_time_is_never_signalled(tmp_path, procs):
+    unrelated = group_leader()
+    procs.append(unrelated)
+    run_dir = ended_run_dir(tmp_path, "R1@h1", unrelated.pid, None)  # a run dir from before pgid_start
+    assert agent.terminate(str(run_dir), grace=0.5)["ended"] is True
+    assert unrelated.poll() is None
+
+
+def test_a_group_whose_leader_is_gone_is_still_the_runs_while_a_process_of_the_run_is_in_it(tmp_path, procs):
+    # the leader (an untagged shell) started a tagged member in its group, as a keeper starts torchrun
+    script = f"{agent.TAG_VAR}=R1@h1 {sys.executable} -c 'import time; time.sleep(300)' & wait"
+    leader = subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True, env={k: v for k, v in os.environ.items() if k != agent.TAG_VAR})
+    procs.append(leader)
+    deadline = time.monotonic() + 10
+    while not agent.run_pids("R1@h1") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    run_dir = ended_run_dir(tmp_path, "R1@h1", leader.pid, None)
+    assert agent.group_is_ours(str(run_dir), leader.pid, "R1@h1")
+    assert not agent.group_is_ours(str(run_dir), leader.pid, "R2@h1")
+    result = agent.terminate(str(run_dir), grace=2)
+    assert result["remaining"] == [] and leader.pid in result["killed"]
+    leader.wait(timeout=10)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.access("/usr/bin/python3", os.X_OK), reason="needs root and /usr/bin/python3 (another user cannot run root's Python)")
+def test_an_unprivileged_stop_of_an_ended_run_whose_number_another_user_took_is_a_quiet_no_op(procs):
+    import shutil
+    import tempfile
+
+    unrelated = group_leader()  # root's
+    procs.append(unrelated)
+    time.sleep(0.2)
+    where = Path(tempfile.mkdtemp(prefix="mnft-kill-"))  # pytest's tmp_path is root's alone
+    try:
+        where.chmod(0o755)
+        run_dir = ended_run_dir(where, "R1@h1", unrelated.pid, agent.start_time(unrelated.pid))  # even the same start time
+        for path in (run_dir, *run_dir.iterdir()):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        done = subprocess.run(["/usr/bin/python3", "-c", pyrun.BOOTSTRAP, "stop", str(run_dir), "0.5"], input=pyrun.payload(agent.source()),
+                              capture_output=True, timeout=60, user=65534, group=65534, cwd="/")
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+    assert done.returncode == 0, done.stderr
+    assert b"Traceback" not in done.stderr and b"PermissionError" not in done.stderr
+    assert json.loads(done.stdout.splitlines()[-1])["ended"] is True
+    assert unrelated.poll() is None
+
+
+def test_the_run_itself_is_still_stopped_whole(tmp_path, procs):
+    tagged = group_leader({agent.TAG_VAR: "R1@h1"})
+    procs.append(tagged)
+    time.sleep(0.2)
+    run_dir = ended_run_dir(tmp_path, "R1@h1", tagged.pid, agent.start_time(tagged.pid))
+    (run_dir / "exit_code").unlink()
+    result = agent.terminate(str(run_dir), grace=2)
+    assert tagged.pid in result["killed"] and result["remaining"] == [] and not result.get("ended")
+    assert tagged.wait(timeout=10) == -signal.SIGTERM
+
+
+def test_stop_of_a_run_ended_everywhere_says_so_and_one_still_running_somewhere_gets_the_table():
+    from types import SimpleNamespace
+
+    from mnft.run.report import ended_note
+
+    record = SimpleNamespace(run_id="R1")
+    ended = {"killed": [], "remaining": [], "ended": True}
+    assert ended_note(record, {"h1": ended, "h2": ended}) == "run R1 already ended on h1, h2: nothing to stop"
+    assert ended_note(record, {"h1": ended, "h2": {"killed": [42], "remaining": []}}) is None
+    assert ended_note(record, {"h1": ended, "h2": {"state": "unreachable", "error": "no route"}}) is None
