@@ -30,10 +30,12 @@ def test_every_host_gets_its_node_rank_the_master_address_and_its_interface():
     assert a.argv == (
         "/opt/py/bin/python", "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
         "--node-rank", "0", "--master-addr", "10.0.0.1", "--master-port", "29501", "--rdzv-conf", "timeout=300", "--max-restarts", "0",
-        "--tee", "3", "--log-dir", "/srv/mnft/runs/R1/torchrun", "/srv/mnft/runs/R1/entry.py", "-m", "mnft.recipes.lora",
+        "--tee", "3", "--log-dir", "/srv/mnft/runs/R1/a/torchrun", "/srv/mnft/runs/R1/a/entry.py", "-m", "mnft.recipes.lora",
         "output_dir=/srv/mnft/outputs/J1", "lr=1e-4",
     )
     assert b.argv[b.argv.index("--node-rank") + 1] == "1" and b.rank_offset == 2
+    # each host's run files under its own name: hosts that share a home (NFS) never share a spec, pgid or log
+    assert (a.run_dir, b.run_dir) == ("/srv/mnft/runs/R1/a", "/srv/mnft/runs/R1/b")
     assert a.env["GLOO_SOCKET_IFNAME"] == "eth0" and a.env["NCCL_SOCKET_IFNAME"] == "eth0"
     assert b.env["GLOO_SOCKET_IFNAME"] == "ib0"  # the inventory's iface wins over the detected one
     assert a.metrics == "/srv/mnft/outputs/J1/metrics.jsonl" and b.metrics is None

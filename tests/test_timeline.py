@@ -101,3 +101,24 @@ def test_records_without_steps_stay_in_their_attempts_order():
     merged = timeline.merge([AttemptMetrics(1, first), AttemptMetrics(2, second, resumed_step=10)])
     assert [(r["attempt"], r["loss"], r["index"]) for r in merged.records] == [(1, 5.0, 1), (1, 4.5, 2), (2, 4.4, 3)]
     assert not merged.numbered and merged.attempts[0].steps_lost is None
+
+
+def test_a_job_that_resumes_itself_is_cut_where_its_next_attempt_began():
+    """layout none (the script finds its own checkpoint): mnft does not know the resume point, the records say it."""
+    first = [{"step": s, "loss": 1.0} for s in (1, 2, 3)]
+    second = [{"step": s, "loss": 0.5} for s in (3, 4, 5)]  # it saved at step 2 and began again at 3
+    merged = timeline.merge([AttemptMetrics(1, first), AttemptMetrics(2, second)])
+    assert [(r["attempt"], r["step"]) for r in merged.records] == [(1, 1), (1, 2), (2, 3), (2, 4), (2, 5)]
+    assert merged.attempts[0].steps_lost == 1
+
+
+def test_a_metrics_file_carried_across_a_resume_counts_each_step_once_for_the_attempt_that_trained_it():
+    """mnft's recipes append to one metrics.jsonl: attempt 2's copy holds attempt 1's lines (1-8) before its own
+    (5-16, resumed from step 4)."""
+    first = [{"step": s, "loss": 1.0} for s in range(1, 9)]
+    second = first + [{"step": s, "loss": 0.5} for s in range(5, 17)]
+    merged = timeline.merge([AttemptMetrics(1, first), AttemptMetrics(2, second, resumed_step=4)])
+    assert [(r["attempt"], r["step"]) for r in merged.records] == [(1, s) for s in range(1, 5)] + [(2, s) for s in range(5, 17)]
+    assert {r["loss"] for r in merged.records if r["attempt"] == 2} == {0.5}
+    one, two = merged.attempts
+    assert (one.first_step, one.last_step, one.steps_lost) == (1, 8, 4) and (two.first_step, two.last_step) == (5, 16)

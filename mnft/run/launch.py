@@ -254,7 +254,8 @@ def plan(
     launches = []
     offset = 0
     for host in hosts:
-        run_dir = _join(host.workdir, "runs", attempt_id(run_id, attempt))
+        # per host, under the host's own name: hosts sharing a home (NFS) never share a spec, pgid, log or agent
+        run_dir = _join(host.workdir, "runs", attempt_id(run_id, attempt), host.name)
         values = placeholders(inventory, host, master_addr=master_addr, port=port, run_id=run_id, job_id=job_id)
         if latest_checkpoint is not None:
             values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values)), latest_checkpoint)

@@ -141,12 +141,29 @@ def _same(printed: Any, exact: Any) -> bool:
 
 @dataclass
 class AttemptMetrics:
-    """One attempt's step records (in the order it printed them) and the step it resumed from (None: it began at
-    step 1, or mnft does not know)."""
+    """One attempt's step records (in the order it printed them) and the step it resumed from (None: mnft does
+    not know — the job found its own checkpoint — so its first step record says where it began)."""
 
     number: int
     records: list[dict]
     resumed_step: int | None = None
+
+
+def _own(attempt: AttemptMetrics) -> list[dict]:
+    """An attempt's own step records. A metrics file a resumed job appends to also holds the earlier attempts'
+    lines: for each step the last record counts (this attempt's), and none at or before the step it resumed
+    from (it did not train those)."""
+    if not attempt.records or not all(isinstance(r.get("step"), int) for r in attempt.records):
+        return attempt.records
+    by_step = {r["step"]: r for r in attempt.records}
+    floor = attempt.resumed_step or 0
+    return [by_step[s] for s in sorted(by_step) if s > floor]
+
+
+def _first_step(records: list[dict]) -> int:
+    """Where an attempt whose resume point mnft does not know (a job that finds its own checkpoint) began: its
+    first step record's step (1 without one: it began again)."""
+    return next((r["step"] for r in records if isinstance(r.get("step"), int)), 1)
 
 
 @dataclass
@@ -174,13 +191,14 @@ def merge(attempts: list[AttemptMetrics]) -> Timeline:
     """The kept timeline: each attempt's records up to the step the next attempt resumed from (all of them when it
     has no step numbers and the next one began again), then the last attempt's; and each attempt's steps."""
     out = Timeline()
+    attempts = [AttemptMetrics(a.number, _own(a), a.resumed_step) for a in attempts]
     for i, attempt in enumerate(attempts):
         steps = [r["step"] for r in attempt.records if isinstance(r.get("step"), int)]
         seen = AttemptSteps(attempt.number, steps[0] if steps else None, max(steps) if steps else None, points=len(attempt.records))
         following = attempts[i + 1] if i + 1 < len(attempts) else None
         kept = attempt.records
         if following is not None:
-            cut = following.resumed_step or 0
+            cut = following.resumed_step if following.resumed_step is not None else _first_step(following.records) - 1
             kept = [r for r in attempt.records if isinstance(r.get("step"), int) and r["step"] <= cut]
             if steps:
                 seen.kept_to = max((s for s in steps if s <= cut), default=None)
