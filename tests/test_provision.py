@@ -338,3 +338,18 @@ def test_an_environment_reached_through_a_symlinked_home_is_kept_by_the_prune(tm
     root = envhost.root_of(str(tmp_path / "home" / "env"))
     assert envhost._prune(root, {f"{root}/envs/new"}) == ["stray"]
     assert (tmp_path / "real" / "env.d" / "envs" / "new").is_dir()
+
+
+def test_a_relayed_uv_that_is_not_the_controllers_is_removed_never_run(tmp_path):
+    from mnft.env import envhost
+
+    root = tmp_path / "env.d"
+    (root / "dist").mkdir(parents=True)
+    ran = tmp_path / "ran"
+    uv = root / "dist" / "uv"
+    uv.write_text(f"#!/bin/sh\ntouch {ran}\n")
+    uv.chmod(0o755)
+    spec = {"venv": str(tmp_path / "env"), "id": "e1", "python": sys.executable, "uv_sha256": "0" * 64, "wheels": []}
+    with pytest.raises(envhost.Failure, match="is not the controller's uv"):
+        envhost.install(spec)
+    assert not ran.exists() and not uv.exists()

@@ -300,6 +300,11 @@ def install(spec: dict) -> dict:
     env = dict(os.environ, UV_CACHE_DIR=os.path.join(root, "cache"), UV_NO_CONFIG="1", UV_PYTHON_DOWNLOADS="never", UV_OFFLINE="1",
                UV_NO_PROGRESS="1", UV_LINK_MODE="hardlink")
     env.pop("VIRTUAL_ENV", None)
+    if spec.get("uv_sha256") and (not os.path.isfile(uv) or _sha256(uv) != spec["uv_sha256"]):
+        os.close(fd)  # a relay or disk fault (or a tampered file): never run it
+        if os.path.isfile(uv):
+            os.unlink(uv)
+        raise Failure("%s is not the controller's uv (sha256 differs): removed; run provision again to send it" % uv)
     current = os.path.realpath(venv) if os.path.lexists(venv) else None
     previous_link = os.path.join(root, "previous")
     try:
@@ -439,8 +444,8 @@ def main(argv: list) -> int:
             _emit(facts(argv[1], pythons, want))
         elif mode == "prepare":
             _emit(prepare(argv[1]))
-        elif mode == "install":
-            _emit(install(json.loads(argv[1])))
+        elif mode == "install":  # the spec on stdin, after the script: never on a command line (it may hold a token)
+            _emit(install(json.loads(sys.stdin.buffer.readline() if argv[1:] == ["-"] else argv[1])))
         else:
             _emit(rollback(argv[1]))
     except Failure as exc:

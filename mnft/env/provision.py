@@ -46,6 +46,7 @@ from mnft.hosts.command import Command
 from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
+from mnft.sync.treehash import sha256_file
 
 FACTS_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
@@ -307,17 +308,22 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
     say(f"building the environment on {len(installable)} host(s)")
     env_id = _env_id(lock)
 
-    def spec(host: Host) -> Command:
+    uv_sha256 = sha256_file(uv_bin)
+
+    def spec(host: Host) -> bytes:
+        """The install's spec, sent on stdin after the script: never on a command line (an index URL may hold a
+        token, and ps shows command lines to every user of the host)."""
         plan = plans[host.name]
         chosen = wheels[plan.platform]
         body = {"venv": host.venv, "id": env_id, "python": plan.python, "lock": lock.digest, "online": options.online,
                 "indexes": lock.indexes(), "find_links": list(lock.find_links), "no_index": lock.no_index, "timeout": INSTALL_TIMEOUT,
                 "watch_stdin": True,  # a lost connection before the switch leaves the previous environment
+                "uv_sha256": uv_sha256,  # the relayed uv is run only if it is the controller's
                 "wheels": [_wheel_spec(pin, chosen.get(pin.name)) for pin in plan.pins]}
-        return script_command(host, "install", json.dumps(body, separators=(",", ":")))
+        return json.dumps(body, separators=(",", ":")).encode() + b"\n"
 
     payload = _script_payload()
-    results = fleet.map(lambda h: _install_on(fleet, h, spec(h), payload, INSTALL_TIMEOUT + 60), installable)
+    results = fleet.map(lambda h: _install_on(fleet, h, script_command(h, "install", "-"), payload + spec(h), INSTALL_TIMEOUT + 60), installable)
     for host in installable:
         result = results[host.name]
         data = parse_reply(result)
