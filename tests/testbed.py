@@ -302,7 +302,7 @@ class Cluster:
     python: str
 
     def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False,
-                 stock_sshd: bool = False):
+                 stock_sshd: bool = False, shared_home: Sequence[str] = ()):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -323,13 +323,14 @@ class Cluster:
         self._torn_down = False
         self.share_cpus = share_cpus
         self.stock_sshd = stock_sshd
+        self.shared_home = tuple(shared_home)
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def create(
         cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False,
-        stock_sshd: bool = False,
+        stock_sshd: bool = False, shared_home: Sequence[str] = (),
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
 
@@ -339,6 +340,9 @@ class Cluster:
         `stock_sshd=True` gives every sshd the limits Debian and Ubuntu ship (`MaxStartups 10:30:100`,
         `MaxSessions 10`: beyond 10 unauthenticated connections at once, sshd drops new ones at random) instead of
         the test bed's raised ones: a typical lab's sshd, for tests and benches of fan-in.
+
+        `shared_home=("h1", "h2", …)` gives those hosts one home directory (mounted on /root in each), as an NFS
+        home does in a lab: a file one of them writes there, the others see at once.
 
         Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
         tearing down whatever was built).
@@ -353,7 +357,7 @@ class Cluster:
         if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
             raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
         workdir.mkdir(parents=True, exist_ok=True)
-        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd)
+        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd, shared_home=shared_home)
         atexit.register(cluster.teardown)
         try:
             cluster._build(n_hosts, outsider)
@@ -416,7 +420,8 @@ class Cluster:
 
     def _host(self, name: str, ns: str, address: Any, veth: str) -> SimHost:
         root = self.workdir / name
-        return SimHost(name=name, ns=ns, address=str(address), iface=IFACE, home=root / "home", root=root,
+        home = self.workdir / "shared-home" if name in self.shared_home else root / "home"
+        return SimHost(name=name, ns=ns, address=str(address), iface=IFACE, home=home, root=root,
                        host_key_pub="", port=22, veth=veth)
 
     def _all(self) -> list[SimHost]:
@@ -432,6 +437,7 @@ class Cluster:
         for host in self._all():
             for sub in ("home", "tmp", "etc/ssh", "run/sshd"):
                 (host.root / sub).mkdir(parents=True, exist_ok=True)
+            host.home.mkdir(parents=True, exist_ok=True)
             os.chmod(host.root / "tmp", 0o1777)
             os.chmod(host.root / "run" / "sshd", 0o755)
             os.chmod(host.home, 0o700)

@@ -18,6 +18,7 @@ them (checkpoints, logs) are neither deleted by --delete nor counted as drift. P
 from __future__ import annotations
 
 import json
+import secrets
 import tempfile
 import threading
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from mnft.core.errors import ExitCode, InputError, MnftError
-from mnft.hosts import pyrun
+from mnft.hosts import leases, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, HostResult, Status
@@ -178,11 +179,13 @@ class SyncReport:
 # ------------------------------------------------------------------------------------------------ read: remote
 
 
-def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None) -> Command:
+def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None,
+                 mark: str | None = None) -> Command:
     """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap;
-    expect the local digest (a host whose copy differs also reports its rsync version)."""
+    expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this sync's
+    mark (nonce.host) in the target, for shared_groups."""
     args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
-        + (["--if-exists"] if if_exists else [])
+        + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--if-exists"] if if_exists else [])
     return pyrun.command(host, *args)
 
 
@@ -208,16 +211,46 @@ def other_dir(host: Host, target: str) -> str:
 
 
 def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
-                timeout: float = HASH_TIMEOUT, expect: str | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+                timeout: float = HASH_TIMEOUT, expect: str | None = None, mark: str | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
     stdin = hash_stdin(rules)
 
     def one(host: Host) -> HostResult:
         target = targets[host.name]
-        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect)
+        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark)
         return fleet.run_one(host, command, stdin=stdin, timeout=timeout)
 
     results = fleet.map(one, hosts)
     return {r.host: (r, parse_hash(r)) for r in results}
+
+
+def shared_groups(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], nonce: str) -> dict[str, tuple[str, ...]]:
+    """Which hosts see the same target directory: after every host left its mark (read_remote with mark), each
+    says whose marks it sees. A host -> the hosts of its group, in inventory order (hosts alone are left out)."""
+    if len(hosts) < 2:
+        return {}
+    names = ",".join(h.name for h in hosts)
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--seen", nonce, "--names", names),
+                        stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
+    sees = {}
+    for result in results:
+        try:
+            sees[result.host] = set(json.loads(result.stdout.strip().splitlines()[-1])["seen"]) if result.ok else set()
+        except (ValueError, IndexError, KeyError, TypeError):
+            sees[result.host] = set()
+    return groups_of([h.name for h in hosts], sees)
+
+
+def groups_of(order: Sequence[str], sees: Mapping[str, set[str]]) -> dict[str, tuple[str, ...]]:
+    """Pure: who sees whose mark -> the groups sharing a directory (seeing is taken both ways: a group is a
+    connected set), each in `order`; a host that shares with nobody is not in the result."""
+    group = {name: {name} for name in order}
+    for name in order:
+        for other in sees.get(name, ()):
+            if other in group and group[other] is not group[name]:
+                merged = group[name] | group[other]
+                for member in merged:
+                    group[member] = merged
+    return {name: tuple(n for n in order if n in members) for name, members in group.items() if len(members) > 1}
 
 
 # ------------------------------------------------------------------------------------------------ plan (pure)
@@ -238,19 +271,27 @@ def plan(
     rules_file: str,
     ssh: SshSettings,
     delete: bool = True,
+    shared: Mapping[str, tuple[str, ...]] | None = None,
 ) -> list[HostPlan]:
-    """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) in; actions out.
+    """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) and which hosts
+    see the same directory (shared_groups) in; actions out.
 
-    For data, hosts with shared_fs see one copy: a shared host that already holds it, else the first readable
-    shared host with rsync writes it; the others only verify they see it.
+    Hosts that see one directory get one copy: a host of the group that already holds it, else the first readable
+    one with rsync writes it; the others only verify they see it. For data without detected groups, the hosts the
+    inventory marks shared_fs are taken as one group.
     """
     plans = []
-    shared_writer: str | None = None
-    if kind == "data":
-        shared = [(h.name, remote.get(h.name, (None, None))[1]) for h in inventory.hosts if h.shared_fs]
-        readable = [(name, tree) for name, tree in shared if tree is not None and not remote_refusal(tree.root, tree.home, tree.refused)]
+    writers: dict[str, str | None] = {}
+    groups = dict(shared or {})
+    if kind == "data" and not groups:
+        declared = tuple(h.name for h in inventory.hosts if h.shared_fs)
+        groups = {name: declared for name in declared} if len(declared) > 1 else {}
+    for members in set(groups.values()):
+        trees = [(name, remote.get(name, (None, None))[1]) for name in members]
+        readable = [(name, tree) for name, tree in trees if tree is not None and not remote_refusal(tree.root, tree.home, tree.refused)]
         holder = next((name for name, t in readable if t.exists and t.digest == local.digest and not t.errors), None)
-        shared_writer = holder or next((name for name, t in readable if t.rsync is not None), None)
+        writer = holder or next((name for name, t in readable if t.rsync is not None), None)
+        writers.update({name: writer for name in members})
     for host in inventory.hosts:
         target = host.workdir if kind == "code" else host.data_dir
         result, tree = remote.get(host.name, (None, None))
@@ -267,8 +308,9 @@ def plan(
             continue
         diff = difference(local.files, tree.files if tree.exists else {})
         sending = sum(local.files[p][0] for p in diff.send)
-        if kind == "data" and host.shared_fs and shared_writer not in (None, host.name):
-            plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0, reason=f"shared filesystem: the copy of {shared_writer}"))
+        if writers.get(host.name) not in (None, host.name):
+            plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0,
+                                  reason=f"shared filesystem: the copy of {writers[host.name]}"))
             continue
         # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
         # with the same size, a touched-back mtime could fool that check: compare contents instead.
@@ -388,10 +430,15 @@ def sync_tree(
     fleet = fleet or Fleet(inventory, Timeouts(connect=SSH_CONNECT_TIMEOUT, command=HASH_TIMEOUT))
     targets = {h.name: (h.workdir if kind == "code" else h.data_dir) for h in inventory.hosts}
     try:
-        with tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
+        # the hosts' leases first (dry run: none): one operation per host; a busy host refuses, nothing touched
+        with leases.hold(fleet, inventory.hosts, "sync", skip=dry_run), tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
             rules_file = str(Path(tmp) / "excludes")
-            before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest)
-            plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete)
+            nonce = None if dry_run else secrets.token_hex(8)  # a dry run leaves no mark: it changes nothing
+            before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce)
+            readable = [h for h in inventory.hosts if before.get(h.name, (None, None))[1] is not None]
+            shared = shared_groups(fleet, readable, targets, nonce) if nonce else {}
+            plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete,
+                         shared=shared)
             if dry_run:
                 hosts = {p.host: _dry_result(p, before, local, delete) for p in plans}
             else:

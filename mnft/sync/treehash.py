@@ -42,8 +42,13 @@ import re
 import stat
 import sys
 import tempfile
+import time
 
 CHUNK = 1 << 20
+# Shared storage: the sync leaves a mark <nonce>.<host> for each target in this directory beside it (in the
+# deepest existing directory above it), then asks every host which of the others' marks it sees for the same path.
+SHARE_DIR = ".mnft-share"
+MARK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 CACHE_VERSION = 1
 WILDCARDS = "*?["
 
@@ -368,7 +373,60 @@ def rsync_version():
     return match.group(1) if match else "unknown"
 
 
-def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None) -> dict:
+def _anchor(root: str):
+    """Where the marks for root go, and root relative to it: the deepest existing directory above root (root's
+    parent when it exists), never / or inside a system tree (/etc, /usr, …). Marks never go into root itself (it is the user's
+    tree) and never create a directory (a missing mount must not become a local directory)."""
+    path = os.path.dirname(os.path.realpath(os.path.expanduser(root)).rstrip("/") or "/")
+    while path != "/" and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    if path == "/" or any(path == tree or path.startswith(tree + "/") for tree in SYSTEM_TREES):
+        return None, None
+    return path, os.path.relpath(os.path.realpath(os.path.expanduser(root)), path)
+
+
+def _mark(root: str, mark: str):
+    """Leave this sync's mark for root (<anchor>/SHARE_DIR/<nonce.host>, holding root's path below the anchor);
+    marks older than a day are removed. Returns why not, or None."""
+    if not MARK.match(mark):
+        return "invalid mark"
+    anchor, rest = _anchor(root)
+    if anchor is None:
+        return "no directory above the target to mark"
+    where = os.path.join(anchor, SHARE_DIR)
+    try:
+        os.makedirs(where, exist_ok=True)
+        now = time.time()
+        for name in os.listdir(where):
+            path = os.path.join(where, name)
+            try:
+                if now - os.lstat(path).st_mtime > 86400:
+                    os.unlink(path)
+            except OSError:
+                pass
+        with open(os.path.join(where, mark), "w") as f:
+            f.write(rest)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
+def seen(root: str, nonce: str, names) -> list:
+    """Which hosts' marks of this sync (nonce) this host sees for root, each for the same path: the hosts that
+    share root with it. Looked up by name (a fresh name is in no negative lookup cache of a network filesystem)."""
+    anchor, rest = _anchor(root)
+    out = []
+    for name in names if anchor is not None else ():
+        path = os.path.join(anchor, SHARE_DIR, "%s.%s" % (nonce, name))
+        try:
+            if MARK.match("%s.%s" % (nonce, name)) and open(path).read() == rest:
+                out.append(name)
+        except (OSError, UnicodeDecodeError):
+            pass
+    return out
+
+
+def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None, mark=None) -> dict:
     """The probe's answer for root. expect: the digest the controller wants; when the tree differs from it (a
     sync will follow) the host's rsync version is reported too; when it is equal, the file list is left out."""
     expanded = os.path.expanduser(root)
@@ -385,6 +443,8 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
     out["refused"] = refusal(out["root"], out["home"], os.path.realpath(os.path.expanduser(other)) if other else None)
     if out["refused"]:
         return out
+    if mark:
+        out["marked"] = _mark(expanded, mark)
     if not out["exists"]:
         if not if_exists and os.path.lexists(expanded):
             out["errors"]["."] = "not a directory"
@@ -401,28 +461,28 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
 
 
 def main(argv) -> int:
-    usage = "usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] < rules.json\n"
+    usage = ("usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--mark NONCE.HOST] [--if-exists] < rules.json\n"
+             "       treehash.py ROOT --seen NONCE --names HOST,HOST...\n")
     args = list(argv)
-    cache, if_exists, other, expect = None, False, None, None
-    if "--if-exists" in args:
+    values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None}
+    if_exists = "--if-exists" in args
+    if if_exists:
         args.remove("--if-exists")
-        if_exists = True
-    for flag in ("--cache", "--other", "--expect"):
+    for flag in values:
         if flag in args:
             i = args.index(flag)
             if i + 1 >= len(args):
                 sys.stderr.write(usage)
                 return 2
-            if flag == "--cache":
-                cache = args[i + 1]
-            elif flag == "--other":
-                other = args[i + 1]
-            else:
-                expect = args[i + 1]
+            values[flag] = args[i + 1]
             del args[i : i + 2]
     if len(args) != 1:
         sys.stderr.write(usage)
         return 2
+    if values["--seen"] is not None:
+        sys.stdout.write(json.dumps({"seen": seen(args[0], values["--seen"], (values["--names"] or "").split(","))}) + "\n")
+        return 0
+    cache, other, expect = values["--cache"], values["--other"], values["--expect"]
     line = sys.stdin.readline()
     try:
         patterns = json.loads(line) if line.strip() else []
@@ -432,7 +492,7 @@ def main(argv) -> int:
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
         return 2
-    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other, expect)) + "\n")
+    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other, expect, values["--mark"])) + "\n")
     return 0
 
 

@@ -1,0 +1,81 @@
+"""Shared storage is detected, never assumed: each host leaves a mark for its target beside it, then says whose
+marks it sees for the same path; hosts that see one directory get one copy (issue 20)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mnft.sync import mirror, treehash
+
+
+def test_groups_are_the_hosts_that_see_each_others_marks_taken_both_ways():
+    order = ["h1", "h2", "h3", "h4"]
+    sees = {"h1": {"h1", "h2"}, "h2": {"h2"}, "h3": {"h3", "h4"}, "h4": {"h3", "h4"}}
+    assert mirror.groups_of(order, sees) == {"h1": ("h1", "h2"), "h2": ("h1", "h2"), "h3": ("h3", "h4"), "h4": ("h3", "h4")}
+    assert mirror.groups_of(order, {n: {n} for n in order}) == {}  # private homes: nobody shares
+
+
+def test_a_mark_is_seen_for_the_same_path_only_and_never_creates_the_target(tmp_path):
+    shared, other = tmp_path / "home" / "mnft", tmp_path / "home" / "elsewhere"
+    (tmp_path / "home").mkdir()
+    assert treehash._mark(str(shared), "n1.h1") is None and treehash._mark(str(other), "n1.h2") is None
+    assert not shared.exists()  # marked beside it: a missing mount never becomes a local directory
+    assert treehash.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1"]  # h2 marked another path
+    assert treehash._mark(str(shared), "n1.h3") is None
+    assert treehash.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1", "h3"]
+    assert treehash.seen(str(shared), "n2", ["h1"]) == []  # another sync's nonce
+    assert treehash._mark(str(tmp_path / "home" / "x"), "../../etc.h1") == "invalid mark"
+
+
+@pytest.mark.parametrize("target", ["/etc/mnft", "/mnft"])
+def test_nothing_is_marked_in_a_system_directory_or_at_the_root(target):
+    assert treehash._mark(target, "n1.h1") == "no directory above the target to mark"
+
+
+# ------------------------------------------------------------------------------------------------ on the test bed
+
+SCRIPT = '''\
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.all_reduce(torch.ones(1))
+print(f"rank {dist.get_rank()} on {os.uname().nodename} done", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_hosts_sharing_a_home_get_one_copy_and_train_with_their_own_run_files(fresh_cluster_factory, tmp_path):
+    """Three hosts with one home (an NFS home in a lab), no shared_fs in the inventory: sync writes the tree once
+    and the others verify it (it used to fail: three rsyncs renaming files in one directory); train runs with
+    each host's spec, pgid and log under its own name (it used to hang: one pgid, node2 ran as node_rank 0)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    cluster = fresh_cluster_factory(3, shared_home=("h1", "h2", "h3"))
+    assert len({h.home for h in cluster.hosts}) == 1
+    inv = cluster.write_inventory(tmp_path / "inv.yaml")
+    repo = tmp_path / "lab"
+    repo.mkdir()
+    (repo / "job.py").write_text(SCRIPT)
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    env = dict(os.environ, HOME=str(tmp_path / "ctl"), MNFT_RUNS_DIR=str(tmp_path / "runs"))
+    (tmp_path / "ctl").mkdir()
+    mnft = [sys.executable, "-c", "from mnft.cli.main import main; main()"]
+
+    synced = subprocess.run([*mnft, "sync", "--hosts", str(inv), "--json"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert synced.returncode == 0, synced.stdout[-3000:] + synced.stderr[-3000:]
+    hosts = json.loads(synced.stdout)["hosts"]
+    changed = [n for n, h in hosts.items() if h["status"] == "changed"]
+    assert len(changed) == 1 and all(h["status"] in ("changed", "ok") for h in hosts.values()), hosts
+
+    done = subprocess.run([*mnft, "train", "--hosts", str(inv), "--", "job.py"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert all(f"rank {r} on" in done.stdout for r in range(3))
+    record = json.loads(next((tmp_path / "runs").iterdir()).joinpath("run.json").read_text())
+    runs = cluster.hosts[0].home / "mnft" / "runs" / record["run_id"]
+    assert sorted(p.name for p in runs.iterdir()) == ["h1", "h2", "h3"]
+    assert all((runs / name / "spec.json").is_file() and (runs / name / "exit_code").read_text().strip() == "0" for name in ("h1", "h2", "h3"))
