@@ -35,6 +35,7 @@ HOST_SCRIPTS = (
     "run.entry",
     "check.probe",
     "sync.treehash",
+    "hosts.leasehost",
     "env.envhost",
     "setup.steps.remote",
     "perf.linkagent",

@@ -19,18 +19,21 @@ DEFAULT_INVENTORY = Path(__file__).resolve().parent / "local.yaml"  # this machi
 
 
 def _mnft_errors(fn):
-    """Expected errors become one line and their exit code; a bug keeps its traceback."""
+    """Expected errors become one line and their exit code; a bug keeps its traceback. SIGINT and SIGTERM alike
+    end every child mnft started and unwind (mnft.core.interrupts): exit 130 (Ctrl-C) or 143 (SIGTERM)."""
 
     @wraps(fn)
     def wrapper(*args, **kwargs):
-        from mnft.core.errors import ExitCode, MnftError
+        from mnft.core import interrupts
+        from mnft.core.errors import MnftError
 
         try:
-            code = fn(*args, **kwargs)
-        except MnftError as exc:
-            raise Exit(f"mnft: {exc}", code=int(exc.exit_code)) from None
+            with interrupts.handling():
+                code = fn(*args, **kwargs)
+        except MnftError as exc:  # (after an interrupt, what failed because of it: the exit code is the interrupt's)
+            raise Exit(f"mnft: {exc}", code=interrupts.exit_code() if interrupts.interrupted() else int(exc.exit_code)) from None
         except KeyboardInterrupt:
-            raise Exit("mnft: interrupted", code=int(ExitCode.INTERRUPTED)) from None
+            raise Exit(f"mnft: interrupted ({interrupts.describe()})", code=interrupts.exit_code()) from None
         if code:
             raise Exit(code=int(code))
 

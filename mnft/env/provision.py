@@ -41,7 +41,7 @@ from mnft.env.plan import HostPlan, choose_python, disk_needed, env_state, plan_
 from mnft.env.record import base_python, effective, env_python, host_key, host_root, save_state
 from mnft.env.report import HostOutcome, ProvisionReport
 from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
-from mnft.hosts import pyrun
+from mnft.hosts import leases, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
@@ -155,7 +155,7 @@ def provision(inventory: Inventory, options: ProvisionOptions = ProvisionOptions
         if not re.match(r"^https?://", name) and not Path(name).is_dir():
             raise InputError(f"--find-links {name}: not a directory")
     inventory = effective(inventory)  # base_python known for hosts provisioned before
-    with Fleet(inventory, timeouts) as fleet:
+    with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision", skip=options.dry_run, python=base_python):
         say(f"reading {len(inventory.hosts)} host(s)")
         want = lock.python or options.python
         outcomes, facts = gather(fleet, list(inventory.hosts), want)
@@ -426,7 +426,7 @@ def _record(inventory: Inventory, facts: Mapping[str, dict], plans: Mapping[str,
 
 def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float) -> ProvisionReport:
     inventory = effective(inventory)
-    with Fleet(inventory, timeouts) as fleet:
+    with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision --rollback", python=base_python):
         outcomes, facts = gather(fleet, list(inventory.hosts), None)
         plans = {h.name: plan_rollback(h, outcomes.get(h.name), facts.get(h.name)) for h in inventory.hosts}
         _refuse(plans)

@@ -10,5 +10,8 @@
     fleet       one command on every host in parallel, one outcome per host (ok/failed/unreachable/rejected)
     fanin       hosts connecting to hosts: batches no sshd receives more than K of (MaxStartups), drops retried
     pyrun       a stdlib-only Python script run on a host in one round-trip
+    leases      one operation per host at a time: the controller takes, holds and lets go of host leases
+    leasehost   a host's lease file and its flock: take, hold while the controller's channel lives, show
+                (stdlib only)
     report      the inventory's effective settings, per-host results and trust outcomes as tables
 """

@@ -535,6 +535,32 @@ class _Tail:
         return [line.decode("utf-8", "replace") for line in done]
 
 
+def lease_path():
+    """The host's lease file, as mnft.hosts.leasehost names it ($MNFT_HOME, else ~/.mnft, of the login user)."""
+    return os.path.join(os.environ.get("MNFT_HOME") or os.path.join(os.path.expanduser("~"), ".mnft"), "lease.json")
+
+
+def lease_fd(run_id):
+    """The host's lease, opened and share-locked for the keeper, when it names this run (any attempt of it): a run
+    holds its host's lease to its end, detached or not, so no other operation changes the host under it."""
+    import fcntl
+
+    try:
+        fd = os.open(lease_path(), os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        holder = json.loads(os.pread(fd, 65536, 0).decode("utf-8") or "{}")
+        ours = isinstance(holder, dict) and holder.get("run_id") and (run_id == holder["run_id"] or run_id.startswith(holder["run_id"] + "-a"))
+        if ours:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            return fd
+    except (OSError, ValueError):
+        pass
+    os.close(fd)
+    return None
+
+
 def _is_glob(path):
     return any(c in path for c in "*?[")
 
@@ -568,6 +594,7 @@ def launch():
         env = dict(os.environ)
         env[RUN_ID_VAR] = spec["run_id"]
         env[TAG_VAR] = spec["tag"]
+        lease = lease_fd(spec["run_id"])
         keeper = subprocess.Popen(
             [sys.executable, own, "keep", run_dir],
             stdin=subprocess.DEVNULL,
@@ -576,7 +603,10 @@ def launch():
             start_new_session=True,
             env=env,
             cwd=run_dir,
+            pass_fds=(lease,) if lease is not None else (),  # the keeper holds the host's lease to the run's end
         )
+        if lease is not None:
+            os.close(lease)
     finally:
         if keeper is None and os.path.exists(secrets_file):
             os.unlink(secrets_file)  # no keeper will read it: never leave a secret behind

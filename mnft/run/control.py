@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mnft.core.errors import ExitCode
+from mnft.hosts import leases
 from mnft.hosts.fleet import Fleet
 from mnft.run import records
 from mnft.run.gang import agent_command, agent_payload, split_rank, split_ranks
@@ -113,13 +114,16 @@ def supervisor(record: records.RunRecord, now: float | None = None) -> dict | No
 
 
 def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
-    """Each host's state, its last metrics, and whether it is the gang's straggler: as the run's supervisor names
+    """Each host's state, its last metrics, who holds its lease (mnft.hosts.leases), and whether it is the gang's
+    straggler: as the run's supervisor names
     them when one is attached (sustained over several samples), else from the hosts' samples now (mnft.run.straggler,
     over the ranks' recent steps and the hosts' utilisation)."""
     from mnft.run import straggler
 
     out = {}
-    for result in query(record, fleet, "status"):
+    queried = query(record, fleet, "status")
+    held = leases.show(fleet, [fleet.inventory.host(name) for name in queried.by_host])  # who holds each host now
+    for result in queried:
         if result.ok:
             state = json.loads(result.stdout.strip().splitlines()[-1])
             metric = last_metric(record.data, result.host, state)
@@ -133,6 +137,8 @@ def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
             out[result.host] = state
         else:
             out[result.host] = {"state": result.status.value, "error": result.error}
+        if held.get(result.host, {}).get("held"):
+            out[result.host]["lease"] = held[result.host]["holder"] or {}
     live = supervisor(record)
     if live is not None:
         for found in live.get("stragglers") or []:

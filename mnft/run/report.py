@@ -9,6 +9,7 @@ from rich.text import Text
 
 from mnft.core.errors import ExitCode
 from mnft.core.output import console, fmt_loss, plain, print_json
+from mnft.hosts.leases import describe as describe_holder
 
 
 def print_status(record, states: dict[str, dict], as_json: bool, live: dict | None = None) -> int:
@@ -44,6 +45,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
             console().print(plain(f"attempt {live.get('attempt')}/{live['max_restarts'] + 1}: {live.get('state')}"
                                   + (f" ({live['note']})" if live.get("note") else ""), "yellow" if (live.get("attempt") or 1) > 1 else ""))
         for name, st in states.items():
+            if st.get("lease") is not None:
+                console().print(plain(f"{name}: lease held by {describe_holder(st['lease'])}"))
             if st.get("meaning"):
                 console().print(plain(f"{name}: exit code {st.get('exit_code')}: {st['meaning']}", "yellow"))
             if st.get("straggler"):

@@ -33,6 +33,7 @@ from mnft.run import launch as launching
 from mnft.run import records, recover
 from mnft.run.control import exit_meaning, job_of
 from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
+from mnft.run.guard import Guard
 from mnft.run.job import Job, parse_overrides
 from mnft.run.logs import keep_step_times
 from mnft.run.launch import HostLaunch, LaunchOptions
@@ -102,6 +103,11 @@ def pass_env_specs(job: Job, environ: dict[str, str], env_files: tuple[str, ...]
 
 
 def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
+    with Guard() as guard:  # the hosts' leases, let go at the end; an interrupt recorded (mnft.run.guard)
+        return _train(inventory, options, console, guard)
+
+
+def _train(inventory: Inventory, options: TrainOptions, console: Console, guard: Guard) -> int:
     timings: dict[str, float] = {}
     t0 = time.monotonic()
     lopts = options.launch
@@ -139,6 +145,7 @@ def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
             recovery={"max_restarts": policy.max_restarts, "min_nodes": policy.min_nodes,
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
         )
+    guard.hold(record, inventory, run_id)  # a host another operation holds refuses the run here, untouched
     with Fleet(inventory) as fleet:
         check_options = replace(options.check, find_free_port=True, required_files=needs.files, modules=needs.modules)
         report = gather_check(fleet, check_options)

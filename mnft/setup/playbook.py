@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterable
 from mnft.core import yamlfile
 from mnft.core.errors import ExitCode, InputError
 from mnft.core.yamlfile import suggest
+from mnft.hosts import leases
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
@@ -389,29 +390,36 @@ def run(
     """Validate, connect, then run the selected steps (their undo, in reverse, with `undo`) on every host."""
     steps = prepare(playbook, playbook.select(only), inventory)
     report = SetupReport(inventory, list(steps), check=check, undo=undo)
-    needs_root = any(s.module.NEEDS_ROOT for s in steps)
     with Fleet(inventory, timeouts) as fleet:
         fleet.connect_all()
-        base = Context(fleet, inventory, check=check)
-        facts, down = _preflight(base, needs_root)
-        become, no_root = _become(inventory, facts, ask_password) if needs_root else ({}, {})
-        previous = previous_addresses(facts[h.name]["etc_hosts"] for h in inventory.hosts if h.name in facts)
-        addresses, ifaces, missing, notes = addresses_of(inventory, facts, previous, _resolve)
-        if any(s.step in USES_ADDRESSES for s in steps) and not undo:
-            report.notes += notes
-        for spec in (reversed(steps) if undo else steps):
-            per_host: dict[str, Outcome] = {name: Outcome(o.status, error=o.error) for name, o in down.items()}
-            targets = [h for h in inventory.hosts if h.name not in down]
-            if spec.module.NEEDS_ROOT:
-                for name in [h.name for h in targets if h.name in no_root]:
-                    per_host[name] = Outcome(FAILED, error=no_root[name])
-                targets = [h for h in targets if h.name not in no_root]
-            if spec.step in USES_ADDRESSES and missing and not undo:
-                for h in targets:
-                    per_host[h.name] = Outcome(FAILED, error=f"no cluster address for {', '.join(missing)}: set iface or an IPv4 address in the inventory")
-                targets = []
-            if targets:
-                ctx = Context(fleet, inventory, check=check, become=become, addresses=addresses, ifaces=ifaces, targets=tuple(targets))
-                per_host.update((spec.module.undo if undo else spec.module.run)(ctx, spec.params))
-            report.outcomes[spec.index] = {h.name: per_host[h.name] for h in inventory.hosts if h.name in per_host}
+        with leases.hold(fleet, inventory.hosts, "setup --undo" if undo else "setup", skip=check):  # one operation per host
+            return _run_steps(fleet, inventory, steps, report, check=check, undo=undo, ask_password=ask_password)
+
+
+def _run_steps(fleet: Fleet, inventory: Inventory, steps: list[StepSpec], report: "SetupReport", *, check: bool, undo: bool,
+               ask_password: Callable[[], str]) -> "SetupReport":
+    """The steps, on every host the fleet reached, under the hosts' leases."""
+    needs_root = any(s.module.NEEDS_ROOT for s in steps)
+    base = Context(fleet, inventory, check=check)
+    facts, down = _preflight(base, needs_root)
+    become, no_root = _become(inventory, facts, ask_password) if needs_root else ({}, {})
+    previous = previous_addresses(facts[h.name]["etc_hosts"] for h in inventory.hosts if h.name in facts)
+    addresses, ifaces, missing, notes = addresses_of(inventory, facts, previous, _resolve)
+    if any(s.step in USES_ADDRESSES for s in steps) and not undo:
+        report.notes += notes
+    for spec in (reversed(steps) if undo else steps):
+        per_host: dict[str, Outcome] = {name: Outcome(o.status, error=o.error) for name, o in down.items()}
+        targets = [h for h in inventory.hosts if h.name not in down]
+        if spec.module.NEEDS_ROOT:
+            for name in [h.name for h in targets if h.name in no_root]:
+                per_host[name] = Outcome(FAILED, error=no_root[name])
+            targets = [h for h in targets if h.name not in no_root]
+        if spec.step in USES_ADDRESSES and missing and not undo:
+            for h in targets:
+                per_host[h.name] = Outcome(FAILED, error=f"no cluster address for {', '.join(missing)}: set iface or an IPv4 address in the inventory")
+            targets = []
+        if targets:
+            ctx = Context(fleet, inventory, check=check, become=become, addresses=addresses, ifaces=ifaces, targets=tuple(targets))
+            per_host.update((spec.module.undo if undo else spec.module.run)(ctx, spec.params))
+        report.outcomes[spec.index] = {h.name: per_host[h.name] for h in inventory.hosts if h.name in per_host}
     return report

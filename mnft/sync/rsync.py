@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
+from mnft.core import interrupts
 from mnft.core.errors import InputError
 from mnft.hosts import fanin
 from mnft.hosts.fleet import Status
@@ -220,7 +222,14 @@ def _destination(argv: Sequence[str]) -> str:
 
 def _run_rsync_once(argv: Sequence[str], on_item: Callable[[int, bool], None] | None, timeout: float) -> RsyncOutcome:
     env = {**os.environ, "LC_ALL": "C"}
+    interrupts.check()  # mnft is being interrupted: no new rsync
+    # its own session: a terminal's Ctrl-C reaches mnft alone, and mnft ends rsync and its ssh as one group
     proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True)
+    with interrupts.track(proc):
+        return _follow(proc, on_item, timeout)
+
+
+def _follow(proc: subprocess.Popen, on_item: Callable[[int, bool], None] | None, timeout: float) -> RsyncOutcome:
     err: list[bytes] = []
     reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
     reader.start()
@@ -230,7 +239,10 @@ def _run_rsync_once(argv: Sequence[str], on_item: Callable[[int, bool], None] | 
 
     def kill() -> None:
         timed_out.set()
-        proc.kill()
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # rsync and its ssh
+        except (ProcessLookupError, PermissionError):
+            pass
 
     timer = threading.Timer(timeout, kill)
     timer.start()
@@ -252,6 +264,9 @@ def _run_rsync_once(argv: Sequence[str], on_item: Callable[[int, bool], None] | 
             else:
                 tail.append(line)
         code = proc.wait()
+    except BaseException:  # an interrupt in this thread: the group goes with it
+        _end(proc)
+        raise
     finally:
         timer.cancel()
     reader.join(timeout=10)
@@ -259,4 +274,14 @@ def _run_rsync_once(argv: Sequence[str], on_item: Callable[[int, bool], None] | 
     out.stderr = b"".join(err).decode(errors="replace")
     out.bytes_sent = parse_stats("\n".join(tail))
     return out
+
+
+def _end(proc: subprocess.Popen) -> None:
+    """SIGKILL rsync's group (rsync and its ssh): our own child, not reaped yet."""
+    if proc.returncode is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    proc.wait()
 

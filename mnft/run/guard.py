@@ -1,0 +1,55 @@
+"""What one `invoke train` holds, and leaves right however it ends: the hosts' leases and the record's end.
+
+* The leases (mnft.hosts.leases): taken on every host of the inventory (spares too) once the run is recorded and
+  before anything is checked, synced or started; a busy host refuses the run (`refused`, exit 1, the hosts
+  untouched). They are held on a connection of their own for the whole run (through every attempt) and let go
+  at its end; a run's keepers hold their host's lease on until the run ends there (a detached run's too).
+* An interrupt (Ctrl-C or SIGTERM, mnft.core.interrupts) in any phase (check, sync, launch, supervision, the wait
+  before a restart) ends with run.json `interrupted` and the reason, after the phase's own unwinding tore the gang
+  down and ended mnft's children.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mnft.core import interrupts
+from mnft.hosts import leases
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.settings import Inventory
+from mnft.run import records
+
+
+class Guard:
+    def __init__(self) -> None:
+        self.record: records.RunRecord | None = None
+        self.leases: leases.Leases | None = None
+        self.fleet: Fleet | None = None
+
+    def __enter__(self) -> "Guard":
+        return self
+
+    def hold(self, record: records.RunRecord | None, inventory: Inventory, run_id: str) -> None:
+        """The run is `record` (None: a dry run, which takes no lease); take every host's lease or refuse."""
+        self.record = record
+        if record is None:
+            return
+        self.fleet = Fleet(inventory)
+        self.leases = leases.Leases("train", run_id)
+        try:
+            self.leases.take(self.fleet, inventory.hosts)
+        except leases.HostBusy as exc:
+            record.update(state="refused", reason=str(exc))
+            raise
+
+    def __exit__(self, kind, exc, tb) -> None:
+        try:
+            if kind is not None and issubclass(kind, KeyboardInterrupt) and self.record is not None:
+                how, during = interrupts.describe(), self.record.data.get("state")
+                phase = f" while {during}" if during in ("checking", "syncing", "starting", "running") else ""
+                self.record.update(state="interrupted", reason=f"interrupted ({how}){phase}", interrupted={"signal": how, "during": during, "at": time.time()})
+        finally:
+            if self.leases is not None:
+                self.leases.release()
+            if self.fleet is not None:
+                self.fleet.close()
