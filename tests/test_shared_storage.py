@@ -66,6 +66,12 @@ def test_hosts_sharing_a_home_get_one_copy_and_train_with_their_own_run_files(fr
     (tmp_path / "ctl").mkdir()
     mnft = [sys.executable, "-c", "from mnft.cli.main import main; main()"]
 
+    checked = subprocess.run([*mnft, "check", "--hosts", str(inv)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and "h1, h2, h3 see one workdir (a shared filesystem) without shared_fs" in " ".join(checked.stdout.split())
+    declared = cluster.write_inventory(tmp_path / "declared.yaml", shared_fs=True)
+    checked = subprocess.run([*mnft, "check", "--hosts", str(declared)], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
+    assert checked.returncode == 0 and "shared_fs" not in checked.stdout  # declared and true: nothing to say
+
     synced = subprocess.run([*mnft, "sync", "--hosts", str(inv), "--json"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert synced.returncode == 0, synced.stdout[-3000:] + synced.stderr[-3000:]
     hosts = json.loads(synced.stdout)["hosts"]
@@ -79,3 +85,27 @@ def test_hosts_sharing_a_home_get_one_copy_and_train_with_their_own_run_files(fr
     runs = cluster.hosts[0].home / "mnft" / "runs" / record["run_id"]
     assert sorted(p.name for p in runs.iterdir()) == ["h1", "h2", "h3"]
     assert all((runs / name / "spec.json").is_file() and (runs / name / "exit_code").read_text().strip() == "0" for name in ("h1", "h2", "h3"))
+
+
+@pytest.mark.cluster
+def test_a_declared_shared_fs_that_is_not_shared_fails_the_check(healthy_cluster, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    inv = healthy_cluster.write_inventory(tmp_path / "inv.yaml", hosts=healthy_cluster.hosts[:2], shared_fs=True)
+    env = dict(os.environ, HOME=str(tmp_path), MNFT_RUNS_DIR=str(tmp_path / "runs"))
+    done = subprocess.run([sys.executable, "-c", "from mnft.cli.main import main; main()", "check", "--hosts", str(inv)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "h2: shared_fs: declared shared_fs, but its workdir is not the one h1 sees" in " ".join(done.stdout.split())
+
+
+def test_shared_fs_declared_and_found_are_compared():
+    from mnft.check.rules import shared_fs_problems
+    from mnft.hosts.settings import Host
+
+    hosts = [Host(name=n, rank=i, address=f"10.0.0.{i}", shared_fs=n != "h3") for i, n in enumerate(["h1", "h2", "h3"])]
+    found = {"h1": ("h1", "h3"), "h3": ("h1", "h3")}
+    problems = shared_fs_problems(hosts, found)
+    assert [(p.host, p.severity) for p in problems] == [("h2", "error"), ("h1", "warning")]

@@ -91,6 +91,7 @@ class CheckReport:
     reach: dict[str, Reach] = field(default_factory=dict)
     skew: dict[str, float] = field(default_factory=dict)  # host clock minus controller clock, seconds
     code: dict[str, dict] = field(default_factory=dict)  # host -> {hash, exists, matches, differing} (mnft.sync.mirror)
+    shared: dict[str, tuple[str, ...]] | None = None  # host -> the hosts that see its workdir too (None: not looked)
     problems: list[Problem] = field(default_factory=list)
 
     def status(self, name: str) -> str:

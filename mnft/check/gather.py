@@ -10,7 +10,7 @@ import time
 
 from mnft.check import probe
 from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
-from mnft.check.rules import clock_skew, evaluate, iface_of_address, master_address, source_address
+from mnft.check.rules import clock_skew, evaluate, iface_of_address, master_address, shared_fs_problems, source_address
 from mnft.hosts import fanin, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Unreachable
@@ -142,6 +142,12 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
             if code.get("matches") is False:
                 shown = ", ".join(code.get("differing") or [])
                 report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
+    probed = [h for h in inventory.hosts if h.name in facts]
+    if len(probed) > 1:
+        from mnft.sync.mirror import detect_shared
+
+        report.shared = detect_shared(fleet, probed, {h.name: h.workdir for h in probed})
+        report.problems.extend(shared_fs_problems(probed, report.shared))
     report.master_addr, why = master_address(inventory, facts.get(inventory.master_name))
     if why and inventory.master_name in facts:
         report.problems.append(Problem(inventory.master_name, "master_addr", why, "set 'iface' (or an IPv4 'address') for the master in the inventory"))

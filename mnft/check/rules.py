@@ -183,3 +183,22 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
         if len(inventory.hosts) > 1 and ipaddress.IPv4Address(report.master_addr).is_loopback:
             problems.append(Problem(master, "master_addr", f"the master's address {report.master_addr} is a loopback address peers cannot reach", "set the master's 'address' or 'iface' to the cluster network"))
     return problems
+
+
+def shared_fs_problems(hosts: list[Host], shared: dict[str, tuple[str, ...]]) -> list[Problem]:
+    """The inventory's shared_fs is an assertion, checked against what was found: hosts declared shared whose
+    workdirs are not one directory fail (a mount missing on one of them); hosts that share without saying so
+    get a note (mnft copes: sync writes once, each host's run files have their own names)."""
+    declared = [h.name for h in hosts if h.shared_fs]
+    problems = []
+    if len(declared) > 1:
+        with_first = set(shared.get(declared[0], (declared[0],)))
+        for name in declared[1:]:
+            if name not in with_first:
+                problems.append(Problem(name, "shared_fs", f"declared shared_fs, but its workdir is not the one {declared[0]} sees",
+                                        f"mount the shared filesystem on {name} (or remove shared_fs from the inventory)"))
+    for name, group in sorted(shared.items()):
+        if name == group[0] and not all(n in declared for n in group):
+            problems.append(Problem(name, "shared_fs", f"{', '.join(group)} see one workdir (a shared filesystem) without shared_fs in the inventory",
+                                    "nothing to do: mnft found it (set shared_fs: true to have check verify it)", "warning"))
+    return problems

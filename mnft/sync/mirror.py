@@ -240,6 +240,16 @@ def shared_groups(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str
     return groups_of([h.name for h in hosts], sees)
 
 
+def detect_shared(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
+    """Which hosts see the same directory (check: each host's workdir): two round-trips, a mark each, then
+    shared_groups. A host whose mark failed is taken as sharing with nobody."""
+    nonce = secrets.token_hex(8)
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only"),
+                        stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
+    marked = [h for h in hosts if results[h.name].ok]
+    return shared_groups(fleet, marked, targets, nonce)
+
+
 def groups_of(order: Sequence[str], sees: Mapping[str, set[str]]) -> dict[str, tuple[str, ...]]:
     """Pure: who sees whose mark -> the groups sharing a directory (seeing is taken both ways: a group is a
     connected set), each in `order`; a host that shares with nobody is not in the result."""

@@ -462,12 +462,15 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
 
 def main(argv) -> int:
     usage = ("usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--mark NONCE.HOST] [--if-exists] < rules.json\n"
+             "       treehash.py ROOT --mark NONCE.HOST --only\n"
              "       treehash.py ROOT --seen NONCE --names HOST,HOST...\n")
     args = list(argv)
     values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None}
     if_exists = "--if-exists" in args
     if if_exists:
         args.remove("--if-exists")
+    if "--only" in args:
+        args.remove("--only")
     for flag in values:
         if flag in args:
             i = args.index(flag)
@@ -479,6 +482,9 @@ def main(argv) -> int:
     if len(args) != 1:
         sys.stderr.write(usage)
         return 2
+    if values["--mark"] is not None and "--only" in argv:  # check: mark, hash nothing
+        sys.stdout.write(json.dumps({"marked": _mark(args[0], values["--mark"])}) + "\n")
+        return 0
     if values["--seen"] is not None:
         sys.stdout.write(json.dumps({"seen": seen(args[0], values["--seen"], (values["--names"] or "").split(","))}) + "\n")
         return 0
