@@ -314,7 +314,8 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
 def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16, timeout=3600.0):
     """Copy the code (or --data) to every host in parallel and prove each copy by its tree hash.
 
-    Exit codes: 0 every host identical, 1 a host failed or differs (the files are named), 2 bad input or a
+    Exit codes: 0 every host identical, 1 a host failed or differs (the files are named) or is busy with another
+    mnft operation (its lease: nothing touched), 2 bad input or a
     refused target, found before the sync or by a host's probe (nothing touched there), 4 a host unreachable or
     its key rejected. --dry-run lists per host what would be sent and deleted (--no-delete: nothing deleted).
     """
@@ -349,7 +350,8 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
 def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json=False, connect_timeout=10.0, timeout=120.0):
     """Prepare the hosts for multi-node jobs: controller key, node-to-node SSH mesh, /etc/hosts, peers-only firewall.
 
-    Idempotent: a second run reports 0 changed. Exit codes: 0 ok, 1 a step failed on some host, 2 bad playbook or
+    Idempotent: a second run reports 0 changed. Exit codes: 0 ok, 1 a step failed on some host (or one is busy with
+    another mnft operation: nothing applied), 2 bad playbook or
     inventory (nothing applied anywhere), 4 some host unreachable or its key rejected.
     """
     from mnft.setup import playbook as pb
@@ -384,7 +386,8 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
               wheelhouse=None, python=None, no_relay=False, json=False, connect_timeout=10.0):
     """The same Python environment on every host, from a lock file: offline, atomic, verified, idempotent.
 
-    Exit codes: 0 every host matches the lock, 1 a host failed (it keeps its previous environment), 2 bad input
+    Exit codes: 0 every host matches the lock, 1 a host failed (it keeps its previous environment) or is busy with
+    another mnft operation (nothing changed), 2 bad input
     (nothing changed on any host), 4 a host unreachable or its key rejected.
     """
     from mnft.core.output import console, plain

@@ -8,6 +8,7 @@
     needs        what a job needs on every host, read from its source: its entry point and the modules it imports
     gang         every host's agent started in parallel and supervised as one gang
     train        the launch sequence: check, sync, resume point, plan, gang, recovery, finish
+    guard        what one train holds and leaves right: the hosts' leases, an interrupt recorded
     progress     the live progress lines a person reads while a run goes
     rerun        a previous run's settings reused (`--resume`, `logs`/`status` of an old run)
     recover      why an attempt failed and what to do next (pure rules)
