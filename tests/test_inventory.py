@@ -408,3 +408,15 @@ def test_two_aliases_for_one_machine_in_ssh_config_are_refused_before_any_connec
     inv = parse("hosts:\n  a: {}\n  b: {}\n")
     with pytest.raises(InputError, match=r"^inv.yaml: host 'b': duplicate host: ~/.ssh/config sends it to lab@10.3.0.9:22 like 'a'$"):
         Fleet(inv, Timeouts(connect=1))
+
+
+@pytest.mark.parametrize("doc, message", [
+    ('hosts:\n  "h1\\n":\n    address: 10.0.0.1\n', "not a valid host name"),  # passed re.match(...$) before
+    ('hosts:\n  h1:\n    address: "10.0.0.1\\n"\n', "must be a single line without control characters"),
+    ('hosts:\n  h1:\n    user: "root\\nProxyCommand x"\n', "must be a single line without control characters"),
+    ('hosts:\n  h1:\n    workdir: "/srv/mnft\\u001b[2J"\n', "must be a single line without control characters"),
+    ('hosts:\n  h1:\n    iface: "eth0\\n"\n', "must be a single line without control characters"),
+])
+def test_a_value_is_validated_whole_a_trailing_newline_or_control_character_is_refused(doc, message):
+    with pytest.raises(InputError, match=message):
+        inventory.parse(doc)

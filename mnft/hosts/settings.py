@@ -188,7 +188,7 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
     what = f"host {name!r}"
     line = line_of(own)
     loc = f"{where}{line}"
-    if not HOST_NAME.match(name):
+    if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
         raise InputError(
             f"{loc}: {what}: not a valid host name (letters, digits, '.', '_', '-', not starting with '-'; "
             f"no white space, quotes, shell or ssh_config pattern characters)"
@@ -204,8 +204,8 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
             return None
         if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
             raise InputError(f"{loc}: {what}: key {key!r}: expected text, got {value!r}")
-        if "\n" in str(value) or "\x00" in str(value):
-            raise InputError(f"{loc}: {what}: key {key!r}: must be a single line")
+        if any(ord(c) < 32 or ord(c) == 127 for c in str(value)):  # a newline, NUL, escape…: it would reach a file or a command
+            raise InputError(f"{loc}: {what}: key {key!r}: {str(value)!r} must be a single line without control characters")
         return str(value)
 
     def flag(key: str) -> bool:
@@ -226,10 +226,10 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
     address = text("address") or name
     if address.startswith("-"):
         raise InputError(f"{at('address')}: {what}: key 'address': {address!r} must not start with '-'")
-    if not ADDRESS.match(address):
+    if not ADDRESS.fullmatch(address):
         raise InputError(f"{at('address')}: {what}: key 'address': {address!r} is not a host name or IP address")
     iface = text("iface")
-    if iface is not None and not IFACE.match(iface):
+    if iface is not None and not IFACE.fullmatch(iface):
         raise InputError(f"{at('iface')}: {what}: key 'iface': {iface!r} is not a network interface name (at most 15 of A-Z a-z 0-9 _ . : @ -)")
     user = text("user")
     venv = values["venv"]
