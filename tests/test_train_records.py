@@ -344,3 +344,27 @@ def test_an_env_file_is_checked_as_opened_and_must_be_yours(tmp_path):
     big.chmod(0o600)
     with pytest.raises(InputError, match="larger than 256 KiB"):
         launch.split_env((), {}, (str(big),))
+
+
+@pytest.mark.parametrize("run_id", ["../outside", "/etc", "a/b", "..", "x\n"])
+def test_a_run_id_never_leaves_runs(tmp_path, monkeypatch, run_id):
+    from mnft.run import records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path / "runs"))
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "run.json").write_text('{"run_id": "../outside"}')
+    with pytest.raises(InputError, match="not a run id"):
+        records.load(run_id)
+
+
+def test_a_damaged_run_record_is_one_line_not_a_traceback(tmp_path, monkeypatch):
+    from mnft.run import records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    (tmp_path / "R1").mkdir()
+    (tmp_path / "R1" / "run.json").write_text("[" * 100000)
+    with pytest.raises(InputError, match="unreadable run record"):
+        records.load("R1")
+    (tmp_path / "R1" / "run.json").write_text('{"run_id": "R2"}')
+    with pytest.raises(InputError, match="not this run's record"):
+        records.load("R1")

@@ -5,12 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mnft.core.errors import InputError
+
+
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name inside runs/, never a path
+RECORD_MAX = 64 << 20  # bytes of run.json read at most
 
 
 def runs_root() -> Path:
@@ -71,8 +76,16 @@ def load(run_id: str | None = None, prefer=None) -> RunRecord:
                 if prefer(data):
                     run_id = candidate
                     break
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):  # a run id never leaves runs/ (../x, /etc)
+        raise InputError(f"run id {run_id!r}: not a run id (like 20261125-073502-0ef6): see `invoke status` for the runs")
     path = runs_root() / run_id
     if not (path / "run.json").is_file():
         hint = f" (latest: {runs[-1]})" if runs else ""
         raise InputError(f"{path}: no such run{hint}")
-    return RunRecord(path, json.loads((path / "run.json").read_text()))
+    try:
+        data = json.loads((path / "run.json").read_bytes()[:RECORD_MAX])
+    except (OSError, ValueError, RecursionError) as exc:
+        raise InputError(f"{path / 'run.json'}: unreadable run record ({type(exc).__name__}): move the run away or delete it") from None
+    if not isinstance(data, dict) or data.get("run_id") != run_id:
+        raise InputError(f"{path / 'run.json'}: not this run's record: move the run away or delete it")
+    return RunRecord(path, data)
