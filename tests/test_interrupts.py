@@ -89,13 +89,41 @@ def test_handling_turns_sigterm_into_an_interrupt_that_ends_a_tracked_group_and_
         with interrupts.track(child):
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler raises before this ends
-    assert caught.value.exit_code == 143 and interrupts.exit_code() == 143 and interrupts.describe() == "SIGTERM"
+    assert caught.value.exit_code == 143 and str(caught.value) == "interrupted (SIGTERM)"
     assert child.wait(timeout=10) == -signal.SIGTERM
-    late = subprocess.Popen(["/bin/sh", "-c", "sleep 300"], start_new_session=True)
-    with pytest.raises(interrupts.Interrupted), interrupts.track(late):
-        pytest.fail("a child registered after the interrupt ran")
-    assert late.returncode == -signal.SIGKILL
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+    with pytest.raises(interrupts.Interrupted) as caught, interrupts.handling():  # a fresh block: SIGINT this time
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    assert caught.value.exit_code == 130 and str(caught.value) == "interrupted (Ctrl-C)"
+    with pytest.raises(interrupts.Interrupted), interrupts.handling():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except interrupts.Interrupted:
+            late = subprocess.Popen(["/bin/sh", "-c", "sleep 300"], start_new_session=True)
+            with interrupts.track(late):  # registered after the interrupt: killed at once, refused
+                pytest.fail("a child registered after the interrupt ran")
+    assert late.returncode == -signal.SIGKILL
+
+
+def test_what_fails_because_of_an_interrupt_ends_as_the_interrupt_and_a_bug_keeps_its_traceback():
+    from mnft.core.errors import MnftError
+
+    with pytest.raises(interrupts.Interrupted) as caught, interrupts.handling():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        except interrupts.Interrupted:
+            raise MnftError("sync failed: rsync exit -15") from None  # a killed child's failure, reported on
+    assert caught.value.exit_code == 143
+    with pytest.raises(interrupts.Interrupted) as caught, interrupts.handling():
+        raise KeyboardInterrupt  # Python's own (no handler of ours ran): Ctrl-C
+    assert caught.value.exit_code == 130
+    with pytest.raises(ZeroDivisionError), interrupts.handling():
+        1 / 0
+    with pytest.raises(MnftError), interrupts.handling():
+        raise MnftError("an expected error with no interrupt stays itself")
 
 
 def test_an_interrupted_train_is_recorded_as_interrupted_in_whatever_phase(tmp_path, monkeypatch):

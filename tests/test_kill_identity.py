@@ -26,11 +26,19 @@ def alive(pid: int) -> bool:
     return agent.start_time(pid) is not None
 
 
+def execed(proc: subprocess.Popen, marker: str = "time.sleep(300)") -> subprocess.Popen:
+    """The process once it runs its program (before its exec, /proc shows the parent's environment and command)."""
+    deadline = time.monotonic() + 30
+    while marker not in " ".join(agent._cmdline(proc.pid)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return proc
+
+
 def group_leader(env_extra: dict | None = None) -> subprocess.Popen:
     """A process that leads its own process group (pgid = its pid), like a run's keeper or an unrelated daemon."""
     env = dict(os.environ, **(env_extra or {}))
     env.pop(agent.TAG_VAR, None) if not env_extra else None
-    return subprocess.Popen(SLEEP, start_new_session=True, env=env)
+    return execed(subprocess.Popen(SLEEP, start_new_session=True, env=env))
 
 
 @pytest.fixture
@@ -69,7 +77,6 @@ def test_a_process_is_the_runs_only_with_its_recorded_start_time_and_the_runs_ta
     tagged = group_leader({agent.TAG_VAR: "R1@h1"})
     other = group_leader()
     procs += [tagged, other]
-    time.sleep(0.2)  # exec done: /proc/<pid>/environ is the new program's
     start = agent.start_time(tagged.pid)
     assert agent.is_run_process(tagged.pid, start, "R1@h1")
     assert not agent.is_run_process(tagged.pid, start + 1, "R1@h1")  # the number reused by a later process
@@ -80,9 +87,8 @@ def test_a_process_is_the_runs_only_with_its_recorded_start_time_and_the_runs_ta
 
 def test_the_keeper_is_recognised_by_its_command_line_when_its_environment_is_not_readable(tmp_path, procs):
     run_dir = str(tmp_path / "run")
-    keeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "keep", run_dir], start_new_session=True)
+    keeper = execed(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "keep", run_dir], start_new_session=True))
     procs.append(keeper)
-    time.sleep(0.2)
     start = agent.start_time(keeper.pid)
     assert agent.is_run_process(keeper.pid, start, None, run_dir)
     assert not agent.is_run_process(keeper.pid, start, None, run_dir + "-other")
@@ -91,7 +97,6 @@ def test_the_keeper_is_recognised_by_its_command_line_when_its_environment_is_no
 def test_an_unrelated_group_that_reuses_the_recorded_number_survives_stop_and_stop_says_the_run_ended(tmp_path, procs):
     unrelated = group_leader()
     procs.append(unrelated)
-    time.sleep(0.2)
     # the run's keeper had this number, and another start time: the number was reused
     run_dir = ended_run_dir(tmp_path, "R1@h1", unrelated.pid, agent.start_time(unrelated.pid) - 1)
     result = agent.terminate(str(run_dir), grace=0.5)
@@ -131,7 +136,6 @@ def test_an_unprivileged_stop_of_an_ended_run_whose_number_another_user_took_is_
 
     unrelated = group_leader()  # root's
     procs.append(unrelated)
-    time.sleep(0.2)
     where = Path(tempfile.mkdtemp(prefix="mnft-kill-"))  # pytest's tmp_path is root's alone
     try:
         where.chmod(0o755)
@@ -151,7 +155,6 @@ def test_an_unprivileged_stop_of_an_ended_run_whose_number_another_user_took_is_
 def test_the_run_itself_is_still_stopped_whole(tmp_path, procs):
     tagged = group_leader({agent.TAG_VAR: "R1@h1"})
     procs.append(tagged)
-    time.sleep(0.2)
     run_dir = ended_run_dir(tmp_path, "R1@h1", tagged.pid, agent.start_time(tagged.pid))
     (run_dir / "exit_code").unlink()
     result = agent.terminate(str(run_dir), grace=2)

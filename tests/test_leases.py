@@ -128,7 +128,9 @@ def test_a_run_whose_processes_live_on_holds_its_lease_after_its_holders_are_gon
     # a worker of attempt 2 of the run, orphaned (its keeper killed): the run is not over on this host
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=dict(os.environ, MNFT_RUN_ID="R7-a2"))
     try:
-        time.sleep(0.2)
+        deadline = time.monotonic() + 30
+        while not leasehost.run_processes("R7") and time.monotonic() < deadline:  # until its exec is done
+            time.sleep(0.05)
         with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match=r"^h1 is busy: train run R7 by ana@ctl2"):
             leases.Leases("sync").take(fleet, fleet.inventory.hosts)
     finally:

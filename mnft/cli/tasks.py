@@ -30,10 +30,10 @@ def _mnft_errors(fn):
         try:
             with interrupts.handling():
                 code = fn(*args, **kwargs)
-        except MnftError as exc:  # (after an interrupt, what failed because of it: the exit code is the interrupt's)
-            raise Exit(f"mnft: {exc}", code=interrupts.exit_code() if interrupts.interrupted() else int(exc.exit_code)) from None
-        except KeyboardInterrupt:
-            raise Exit(f"mnft: interrupted ({interrupts.describe()})", code=interrupts.exit_code()) from None
+        except MnftError as exc:
+            raise Exit(f"mnft: {exc}", code=int(exc.exit_code)) from None
+        except KeyboardInterrupt as exc:  # interrupts.handling() made it an Interrupted with its signal
+            raise Exit(f"mnft: {exc}", code=getattr(exc, "exit_code", 130)) from None
         if code:
             raise Exit(code=int(code))
 

@@ -46,17 +46,12 @@ _signalled: list[int] = []  # the signals received while handling, in order
 
 
 def received() -> int | None:
-    """The first signal received while handling (None: none)."""
+    """The first signal received in the current `handling()` block (None: none)."""
     return _signalled[0] if _signalled else None
 
 
-def exit_code() -> int:
-    """128 + the first signal received (130 when none was: a KeyboardInterrupt raised by Python itself)."""
-    return 128 + (received() or signal.SIGINT)
-
-
 def describe() -> str:
-    """"Ctrl-C" or "SIGTERM": how the interrupt came, for messages and records."""
+    """"Ctrl-C" or "SIGTERM": how the interrupt in progress came, for messages and records."""
     return NAMES.get(received() or signal.SIGINT, f"signal {received()}")
 
 
@@ -92,29 +87,34 @@ def end_children(grace: float = KILL_AFTER) -> None:
 
 @contextmanager
 def handling() -> Iterator[None]:
-    """SIGINT and SIGTERM raise Interrupted after signalling the children (main thread only; elsewhere a no-op)."""
+    """SIGINT and SIGTERM raise Interrupted after signalling the children (main thread only; elsewhere a no-op).
+    Whatever ends the block after a signal (a KeyboardInterrupt re-raised bare, an expected error a killed child
+    caused) leaves it as Interrupted with the first signal: the exit code is the interrupt's. A bug keeps its
+    traceback."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    from mnft.core.errors import MnftError
+
     previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
     _signalled.clear()
     for sig in SIGNALS:
         signal.signal(sig, _on_signal)
     try:
         yield
-    except KeyboardInterrupt:
-        if not _signalled:  # Python's own Ctrl-C handler was not ours: count it as SIGINT
-            _signalled.append(signal.SIGINT)
+    except (KeyboardInterrupt, MnftError) as exc:
+        if not isinstance(exc, KeyboardInterrupt) and not _signalled:
+            raise
+        signum = _signalled[0] if _signalled else signal.SIGINT  # Python's own Ctrl-C handler: SIGINT
         _signal_children(signal.SIGTERM)
         end_children()
-        raise
+        if isinstance(exc, Interrupted) and exc.signum == signum:
+            raise
+        raise Interrupted(signum) from None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def interrupted() -> bool:
-    return bool(_signalled)
+        _signalled.clear()  # the next block (a test, a library caller) starts afresh
 
 
 def check() -> None:

@@ -121,7 +121,11 @@ class Leases:
                     todo.append(host)
                     _held[key] = self
                     self.keys[host.name] = key
-        results = fleet.map(lambda h: self._take_one(fleet, h, holder, python(h)), todo)
+        try:
+            results = fleet.map(lambda h: self._take_one(fleet, h, holder, python(h)), todo)
+        except BaseException:  # an interrupt, bad input: nothing of this take is kept
+            self.release()
+            raise
         busy = [(r.host, json.loads(r.stdout)) for r in results if r.ok and json.loads(r.stdout).get("busy")]
         for r in results:
             if r.status is not Status.OK or json.loads(r.stdout).get("busy") or json.loads(r.stdout).get("error"):
@@ -149,6 +153,7 @@ class Leases:
         except (Unreachable, HostKeyRejected) as exc:
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
         deadline = time.monotonic() + REPLY_TIMEOUT
+        said: list[str] = []
         while time.monotonic() < deadline:
             item = process.readline(timeout=max(0.0, deadline - time.monotonic()))
             if item is None:
@@ -158,6 +163,8 @@ class Leases:
                 if stream == "stdout":
                     break
                 continue
+            if stream == "stderr" and line.strip():
+                said.append(line.strip())
             if stream == "stdout" and line.lstrip().startswith("{"):
                 reply = json.loads(line)
                 if reply.get("taken"):
@@ -166,7 +173,7 @@ class Leases:
                     process.close_stdin()
                 return HostResult(host.name, Status.OK, stdout=json.dumps(reply))
         process.close_stdin()
-        return HostResult(host.name, Status.FAILED, error="the lease script gave no answer")
+        return HostResult(host.name, Status.FAILED, error="the lease script gave no answer" + (f": {said[-1]}" if said else ""))
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY):
