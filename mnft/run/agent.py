@@ -26,6 +26,9 @@ while a process carrying the run's tag is still a member of that group (it holds
 have it). Any other process is signalled only if its own environment carries the tag, checked through a pidfd
 where the kernel has them (no pid reuse between the check and the signal). A process of another user is never
 signalled (and never a PermissionError).
+
+The keeper also holds the host's lease (mnft.hosts.leasehost: one operation per host) when the lease names its
+run: the agent opens and share-locks it and hands it to the keeper, so the host stays the run's to its end.
 """
 
 import glob
@@ -785,9 +788,11 @@ def list_checkpoints(root):
                         break
                     path = os.path.join(base, f)
                     try:
-                        entry["files"][os.path.relpath(path, full)] = os.lstat(path).st_size
+                        st = os.lstat(path)
                     except OSError:
                         continue
+                    entry["files"][os.path.relpath(path, full)] = st.st_size
+                    entry["newest"] = max(entry.get("newest") or 0.0, st.st_mtime)  # which save came last (torchtune 0.6.1)
                     if f == "meta.json":  # mnft's recipes: which rank wrote it, in a world of how many
                         meta = _small_json(path)
                         if meta is not None:
