@@ -15,7 +15,7 @@ network: the model, tokenizer and data set are made here.
 - data.json: 64 lines of random words for text_completion_dataset.
 - The runs use the release's recipes as `tune run --nproc_per_node 2 <recipe> --config configs/<x>.yaml k=v...`, with
   cpu_shim/ on PYTHONPATH: 0.6.1's distributed recipes do not start on CPU without it (see cpu_shim/sitecustomize.py).
-- The killed runs are SIGKILLed (the whole process group, as when a host dies) when the first step of epoch 3
+- The killed runs are SIGKILLed (the launcher and all its workers at once, as when a host dies) when the first step of epoch 3
   appears in the DiskLogger file, i.e. after epoch_1/ and recipe_state/ were written.
 
 For each run it writes <run>/manifest.json (the output tree: path -> size, the write order by ctime, since
@@ -136,7 +136,8 @@ def manifest(venv: Path, root: Path, before: dict[str, os.stat_result], run: tup
 
 
 def trim(text: str, head: int = 45, tail: int = 25) -> str:
-    """Drop the resolved-config dumps (they are the yaml) and keep the first and last lines."""
+    """Drop the resolved-config dumps (they are the yaml) and keep the first and last lines (split on \n only:
+    tqdm's \r-separated updates stay on their line, as a terminal-less reader gets them)."""
     lines, out, skipping = text.split("\n"), [], 0
     for line in lines:
         if "with resolved config:" in line:
@@ -156,6 +157,44 @@ def trim(text: str, head: int = 45, tail: int = 25) -> str:
     return "\n".join(out)
 
 
+def descendants(pid: int) -> list[int]:
+    """pid and every process below it (torch's elastic agent starts each worker in a new session,
+    torch/distributed/elastic/multiprocessing/subprocess_handler/subprocess_handler.py:66, so a signal to the
+    launcher's process group does not reach the workers)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo.extend(children.get(found[-1], []))
+    return found
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL the launcher and its workers at once (as when the host dies) and wait until they are gone."""
+    pids = descendants(pid)
+    for one in pids:
+        try:
+            os.kill(one, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    while any(alive(one) for one in pids if one != pid):
+        time.sleep(0.01)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def launch(venv: Path, work: Path, run: tuple) -> tuple[list[str], int, str, str, bool]:
     name, recipe, config, overrides, out_dir, kill_at = run
     argv = ["tune", "run", "--nproc_per_node", "2", recipe, "--config", f"configs/{config}", *overrides]
@@ -170,14 +209,16 @@ def launch(venv: Path, work: Path, run: tuple) -> tuple[list[str], int, str, str
             logs = work / out_dir / "logs"
             while proc.poll() is None and not killed:
                 for log in logs.glob("log_*.txt") if logs.exists() else []:
-                    if f"Step {kill_at} |" in log.read_text():
-                        os.killpg(proc.pid, signal.SIGKILL)
+                    if f"Step {kill_at} |" in log.read_bytes().decode():
+                        kill_tree(proc.pid)
                         killed = True
                 time.sleep(0.01)
             if not killed:
                 sys.exit(f"{name}: ended before step {kill_at}; nothing to kill")
         code = proc.wait()
-    return argv, code, (work / f"{name}.stdout").read_text(), (work / f"{name}.stderr").read_text(), killed
+    # bytes, so that tqdm's \r stays (read_text would turn it into \n)
+    stdout, stderr = ((work / f"{name}.{kind}").read_bytes().decode() for kind in ("stdout", "stderr"))
+    return argv, code, stdout, stderr, killed
 
 
 def main() -> None:
@@ -204,7 +245,7 @@ def main() -> None:
         data = manifest(venv, root, before, run, argv, code, killed, stderr)
         (dest / "manifest.json").write_text(json.dumps(data, indent=1) + "\n")
         new_logs = sorted(p for p in data["files"] if p.startswith("logs/") and p not in logs_before)
-        (dest / "metrics.txt").write_text("".join((root / p).read_text() for p in new_logs))
+        (dest / "metrics.txt").write_text("".join((root / p).read_bytes().decode() for p in new_logs))
         (dest / "stdout.txt").write_text(trim(stdout))
         (dest / "stderr.txt").write_text(trim(stderr))
 
