@@ -23,7 +23,7 @@ LAYERS = (
     ("env",),
     ("check",),
     ("run", "setup"),
-    ("perf",),
+    ("perf", "slurm"),
     ("cli",),
 )
 APART = {"recipes": ("core",)}
@@ -40,6 +40,7 @@ HOST_SCRIPTS = (
     "setup.steps.remote",
     "perf.linkagent",
     "perf.torchlaunch",
+    "slurm.node",
 )
 # Shipped the same way but started by torchrun in the host's training Python: the standard library and torch.
 TORCH_ENTRIES = ("perf.allreduce",)

@@ -168,6 +168,15 @@ def _record_fleet(run, hosts):
     return record, Fleet(inv)
 
 
+def _slurm_record(run):
+    """The run's record when it is a Slurm run (status, stop and logs then ask Slurm), else None."""
+    from mnft.run import records
+    from mnft.run.rerun import launched
+
+    record = records.load(run, launched)
+    return record if record.data.get("slurm") else None
+
+
 def _job(recipe, job_file, entry, overrides):
     """The job from --recipe, --job FILE and/or the words after `--` (verbatim): exactly one entry point."""
     from mnft.core.errors import InputError
@@ -189,7 +198,7 @@ def _job(recipe, job_file, entry, overrides):
 
 
 @task(
-    iterable=["set", "env", "env_file"],
+    iterable=["set", "env", "env_file", "sbatch_arg"],
     help={
         "recipe": "one of mnft's recipes: lora or full (the default when no script or job is given)",
         "job": "a job file (YAML): your script, its arguments, env, resume rule and metrics; see docs/jobs.md",
@@ -211,11 +220,22 @@ def _job(recipe, job_file, entry, overrides):
                         "waited for, then replaced by a spare: true host or dropped with --min-nodes); 0: stop at once",
         "min_nodes": "with --max-restarts: continue on fewer hosts (at least this many) when a lost host has no spare "
                      "(recipes; a job file must say elastic: true)",
+        "slurm": "run on Slurm: submit an sbatch script rendered from the launch plan (or, inside salloc, use the allocation); "
+                 "see docs/slurm.md. With --slurm, --max-restarts is how often the batch requeues itself (default 3)",
+        "partition": "--slurm: the partition (default: Slurm's default)",
+        "nodes": "--slurm: nodes to allocate (one agent, one torchrun per node)",
+        "time": "--slurm: the time limit, in Slurm's format (minutes, HH:MM:SS, D-HH:MM …)",
+        "account": "--slurm: the account to charge",
+        "gpus_per_node": "--slurm: GPUs per node (also the processes per node)",
+        "requeue": "--slurm: requeue after a node failure, and after a save on the warning signal; resume from the latest checkpoint",
+        "signal": "--slurm: the warning before the time limit, SIGNAL@SECONDS (default USR2@90): the job saves, the batch requeues it",
+        "sbatch_arg": "--slurm: one more sbatch option, --name or --name=value (repeat)",
     },
 )
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
-          resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300):
+          resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
+          slurm=False, partition=None, nodes=1, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None):
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -237,6 +257,16 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
     else:
         the_job = _job(recipe, job, entry, overrides)
+    if slurm:  # the same job on a Slurm allocation (mnft.slurm)
+        from mnft.slurm.plan import SlurmOptions
+        from mnft.slurm.submit import SlurmTrain
+        from mnft.slurm.submit import train as slurm_train
+
+        asked = SlurmOptions(nodes=nodes, partition=partition, time=time, account=account, gpus_per_node=gpus_per_node or None, requeue=requeue,
+                             signal=signal, max_requeues=max_restarts or 3, sbatch_args=tuple(sbatch_arg or ()))
+        template = _inventory(hosts).hosts[0] if hosts else None
+        return slurm_train(SlurmTrain(the_job, asked, template, envs, env_files, rdzv, rdzv_timeout, int(port), Path(src) if src else None,
+                                      not no_sync, dry_run, resume_run, resume), _console())
     options = TrainOptions(
         launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout),
         check=CheckOptions(port=int(port) or None),
@@ -258,6 +288,10 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
     from mnft.run.logs import collect, merged_tail
     from mnft.run.logs import follow as follow_logs
 
+    if (slurm_run := _slurm_record(run)) is not None:
+        from mnft.slurm.submit import logs as slurm_logs
+
+        return slurm_logs(slurm_run, int(lines), follow, _console())
     record, fleet = _record_fleet(run, hosts)
     with fleet:
         if follow:
@@ -274,6 +308,10 @@ def status(c, run=None, json=False, hosts=None):
     from mnft.run.control import supervisor
     from mnft.run.report import print_status
 
+    if (slurm_run := _slurm_record(run)) is not None:
+        from mnft.slurm.submit import status as slurm_status
+
+        return slurm_status(slurm_run, json, _console())
     record, fleet = _record_fleet(run, hosts)
     with fleet:
         states = run_status(record, fleet)
@@ -287,6 +325,10 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     from mnft.run.control import stop as run_stop
     from mnft.run.report import print_stop
 
+    if (slurm_run := _slurm_record(run)) is not None:
+        from mnft.slurm.submit import stop as slurm_stop
+
+        return slurm_stop(slurm_run, json, _console())
     record, fleet = _record_fleet(run, hosts)
     with fleet:
         result = run_stop(record, fleet, float(grace))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import warnings
 from collections.abc import Callable
@@ -63,6 +64,22 @@ def output_dir(cfg: TrainConfig, recipe: str, d: mdist.Dist) -> Path:
     out = Path(path).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+class SaveRequest:
+    """A request to save a checkpoint at the end of the current step and stop there: the signal named by
+    MNFT_SAVE_SIGNAL (USR2 …), which mnft's Slurm runs set (Slurm's warning before the time limit reaches every
+    process of the job). Without the variable nothing is installed."""
+
+    def __init__(self, environ: dict[str, str] | None = None) -> None:
+        self.requested = False
+        self.name = (os.environ if environ is None else environ).get("MNFT_SAVE_SIGNAL") or None
+        number = getattr(signal, f"SIG{self.name}", None) if self.name else None
+        if isinstance(number, signal.Signals):
+            signal.signal(number, self._set)
+
+    def _set(self, *_: object) -> None:
+        self.requested = True
 
 
 class CosineWithWarmup:

@@ -101,6 +101,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
     recent = collections.deque(history["recent"], maxlen=5)
     consecutive_bad, tokens_total, time_total, t_start = 0, 0, 0.0, time.time()
     ddp.train()
+    save_request = common.SaveRequest()  # MNFT_SAVE_SIGNAL (Slurm's warning before the time limit): save, stop
     while step < cfg.max_steps:
         step += 1
         t0 = time.perf_counter()
@@ -129,9 +130,9 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         if step in cfg.debug_inf_grad_steps and d.rank == d.world_size - 1:  # finite loss, inf grad
             common.poison_grad(trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm).item()
-        flags = [loss_sum.item(), float(not math.isfinite(grad_norm))]
-        with timer.comm():
-            total_loss, any_bad = mdist.all_reduce(flags, d.device)
+        flags = [loss_sum.item(), float(not math.isfinite(grad_norm)), float(save_request.requested)]
+        with timer.comm():  # a save asked of any rank (its signal) is every rank's, at this step
+            total_loss, any_bad, save_now = mdist.all_reduce(flags, d.device)
         loss = total_loss / denom
         if global_tokens == 0:
             pass  # nothing to learn from: no update (AdamW would still move weights by momentum/decay)
@@ -163,7 +164,8 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
 
         # ------------------------------------------------------------ checkpoint
         ckpt_start = time.perf_counter()
-        if cfg.save_every and step % cfg.save_every == 0:
+        saving = bool(cfg.save_every and step % cfg.save_every == 0) or bool(save_now)
+        if saving:
             history["recent"] = list(recent)
             checkpointing.save(ckpt_root, step, checkpoint_state(),
                                {"skipped_steps": skipped, "history": history, "recipe": RECIPE,
@@ -172,9 +174,17 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
             if d.is_main:
                 print(f"checkpoint step-{step} complete", flush=True)
                 log.event("checkpoint", step=step, path=str(checkpointing.step_dir(ckpt_root, step)))
-        timer.write(step, figures, time.perf_counter() - ckpt_start if cfg.save_every and step % cfg.save_every == 0 else 0.0)
+        timer.write(step, figures, time.perf_counter() - ckpt_start if saving else 0.0)
         if step == cfg.debug_crash_after_step:
             common.crash_now(step)
+        if save_now and step < cfg.max_steps:  # saved on the signal: stop here, a resume continues from this step
+            if d.is_main:
+                print(f"saved step-{step} on {save_request.name}: stopping (resume continues from it)", flush=True)
+                log.event("stopped", step=step, signal=save_request.name)
+            log.close()
+            timer.close()
+            dist.barrier()
+            return
 
     # ---------------------------------------------------------------- export and cleanup
     final_loss = sum(recent) / len(recent) if recent else None

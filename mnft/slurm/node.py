@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""mnft slurm node: the host side of a Slurm run's agents step. Standard library only; Python 3.8.
+
+srun starts this script once per node (`--ntasks-per-node=1 --input=all`, through mnft.hosts.pyrun's bootstrap),
+so every node reads the same stdin: this script's source, then one JSON line holding every node's launch (the
+launch plan of mnft.run.launch, in node_rank order), mnft's agent (mnft.run.agent) and the run directory's mark.
+It takes the launch at index SLURM_NODEID (node_rank = SLURM_NODEID) after checking that the plan put this node
+there (SLURMD_NODENAME), checks that it sees the run directory the batch sees (a Slurm run needs a shared
+filesystem), then runs the agent's `launch` with that spec and relays the rest of stdin to it (the batch's
+heartbeats, "stop"); the agent's JSON events go to stdout, which srun brings back to the batch labelled with the
+task number. Its exit code is the run's exit code on this node, so `srun --kill-on-bad-exit=1` ends the other
+nodes' runs when one fails.
+
+Modes (the JSON line's "mode"): "agents" as above; "script": run another host-side script given in the line
+(mnft's facts probe for the check step, the agent's `checkpoints DIR` listing) with its arguments, on every node.
+Either way each line the child prints goes out in pieces of at most PIECE characters, each piece "+text" when
+the line goes on and "|text" when it ends: srun cuts longer lines into several labelled ones, and the batch
+joins the pieces back (mnft.slurm.plan.Pieces).
+
+The warning signal before the time limit (SIGUSR2 unless the run says another) is ignored here and so in every
+process started from here (an ignored signal stays ignored across exec): the agent, its keeper and torchrun
+live on, and only a job that installs its own handler (mnft's recipes do: they save and stop) acts on it.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+
+def emit(event, **fields):
+    fields["event"] = event
+    sys.stdout.write("".join(piece + "\n" for piece in pieces(json.dumps(fields))))
+    sys.stdout.flush()
+
+
+def read_line(limit=64 << 20):
+    """The JSON line after this script's source: read from the same buffered stdin the bootstrap read the source
+    from (it may hold what follows); the relay reads on from that buffer too."""
+    return sys.stdin.buffer.readline(limit).rstrip(b"\n")
+
+
+def choose(launches, node_id, node_name):
+    """The launch of this node: the one at SLURM_NODEID, which the plan must have made for this node's name.
+    Returns (launch, None) or (None, why not)."""
+    if not 0 <= node_id < len(launches):
+        return None, "SLURM_NODEID %d is outside the plan's %d nodes" % (node_id, len(launches))
+    launch = launches[node_id]
+    if node_name and launch.get("node") != node_name:
+        return None, ("the plan put %s at node_rank %d but SLURM_NODEID %d is %s: the allocation's node order is not "
+                      "`scontrol show hostnames`'s" % (launch.get("node"), node_id, node_id, node_name))
+    return launch, None
+
+
+def sees_mark(mark):
+    """Whether this node reads the mark the batch wrote in the run directory (the same filesystem)."""
+    try:
+        with open(mark["path"]) as fh:
+            return fh.read().strip() == mark["token"]
+    except (OSError, KeyError, TypeError):
+        return False
+
+
+PIECE = 500  # characters per piece of a line (srun cuts its tasks' output at 1024 bytes; JSON lines are ASCII)
+
+
+def pieces(line):
+    """One output line as srun-safe pieces: "+…" while the line goes on, "|…" for its end."""
+    line = line.rstrip("\n")
+    parts = [line[i:i + PIECE] for i in range(0, len(line), PIECE)] or [""]
+    return ["+" + part for part in parts[:-1]] + ["|" + parts[-1]]
+
+
+def forward(src):
+    """The child's stdout, line by line, in pieces to our stdout."""
+    for raw in iter(src.readline, b""):
+        text = raw.decode("utf-8", "replace")
+        sys.stdout.write("".join(piece + "\n" for piece in pieces(text)))
+        sys.stdout.flush()
+
+
+def relay(dst):
+    """The rest of stdin to the agent, until srun closes it (the batch ended the step or is gone)."""
+    src = sys.stdin.buffer
+    try:
+        while True:
+            chunk = src.read1(4096)
+            if not chunk:
+                break
+            dst.write(chunk)
+            dst.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        dst.close()
+    except (OSError, ValueError):
+        pass
+
+
+def exit_code_of(run_dir, default):
+    try:
+        with open(os.path.join(os.path.expanduser(run_dir), "exit_code")) as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return default
+
+
+def run_script(data):
+    """Another host-side script (its source and arguments in the line), its output in pieces; its exit code."""
+    payload = data["script"].encode()
+    child = subprocess.Popen([sys.executable, "-c", data["bootstrap"]] + list(data.get("args") or []), stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdin.write(b"%d\n" % len(payload) + payload)
+        child.stdin.close()
+    except OSError:
+        pass
+    forward(child.stdout)
+    return child.wait()
+
+
+def main():
+    data = json.loads(read_line().decode("utf-8") or "{}")
+    if data.get("mode") == "script":
+        return run_script(data)
+    save_signal = getattr(signal, "SIG" + str(data.get("save_signal") or "USR2"), signal.SIGUSR2)
+    signal.signal(save_signal, signal.SIG_IGN)  # inherited by the agent, its keeper, torchrun: the job's own to act on
+    try:
+        node_id = int(os.environ.get("SLURM_NODEID", ""))
+    except ValueError:
+        emit("error", message="SLURM_NODEID is not set: this script runs as a task of an srun step")
+        return 2
+    launch, why = choose(data.get("launches") or [], node_id, os.environ.get("SLURMD_NODENAME"))
+    if launch is None:
+        emit("error", message=why)
+        return 2
+    if data.get("mark") and not sees_mark(data["mark"]):
+        emit("error", message="%s does not see %s as the batch wrote it: a Slurm run needs its run directory and workdir on a "
+             "filesystem every node shares" % (launch.get("node"), data["mark"].get("path")))
+        return 2
+    payload = data["agent"].encode()
+    agent = subprocess.Popen([sys.executable, "-c", data["bootstrap"], "launch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        agent.stdin.write(b"%d\n" % len(payload) + payload + json.dumps(launch["spec"]).encode() + b"\n")
+        agent.stdin.flush()
+    except OSError:
+        pass
+    threading.Thread(target=relay, args=(agent.stdin,), daemon=True).start()
+    forward(agent.stdout)
+    code = agent.wait()
+    return exit_code_of(launch["spec"]["run_dir"], code or 1)
+
+
+def source():
+    """This script's text: given by mnft.hosts.pyrun's bootstrap when shipped, else read from the file."""
+    shipped = globals().get("__source__")
+    if shipped:
+        return shipped.decode()
+    with open(__file__) as fh:
+        return fh.read()
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # not sys.exit: the relay thread may hold stdin's buffer, which interpreter shutdown would wait for

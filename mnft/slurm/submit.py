@@ -1,0 +1,268 @@
+"""The controller side of a Slurm run: `mnft train --slurm` (check the request, record the run, sync the code to the
+shared workdir, write the sbatch script and submit it, or continue inside the current allocation), and `status`,
+`stop` and `logs` of a run whose record says slurm.
+
+Nothing is submitted before every input was checked: Slurm's client commands exist, the partition exists and
+has the nodes asked for, the options are Slurm's formats, the job's entry point is in the tree; secrets are refused
+(a job's environment and script are stored by slurmctld, readable by Slurm's administrators).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.text import Text
+
+from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.hosts.command import shell_line, shell_word
+from mnft.hosts.settings import DEFAULT_RENDEZVOUS_PORT, Host, Inventory
+from mnft.run import launch, records
+from mnft.run.job import Job, parse_overrides
+from mnft.run.launch import LaunchOptions
+from mnft.run.needs import job_needs
+from mnft.run.rerun import previous_run, snapshot
+from mnft.slurm import cluster, plan
+from mnft.slurm.plan import SlurmOptions
+
+
+@dataclass(frozen=True)
+class SlurmTrain:
+    """`mnft train --slurm …`: the job, the run's settings, and what is asked of Slurm."""
+
+    job: Job
+    slurm: SlurmOptions
+    template: Host | None = None  # --hosts: its first host's python, slots, iface, workdir
+    env: tuple[str, ...] = ()
+    env_files: tuple[str, ...] = ()
+    rdzv: str = "static"
+    rdzv_timeout: int = 300
+    port: int = 0
+    src: Path | None = None
+    sync: bool = True
+    dry_run: bool = False
+    resume_run: str | None = None
+    resume: bool = False
+
+
+def template_host(given: Host | None, slurm: SlurmOptions) -> Host:
+    """What every node of the allocation runs with: --hosts' first host's settings, else this Python, one process
+    per node (or --gpus-per-node), workdir ~/mnft on the shared filesystem."""
+    base = given or Host(name="slurm", rank=0, address="slurm", python=sys.executable, workdir="~/mnft", venv=None)
+    slots = slurm.gpus_per_node or (base.slots if given else 1)
+    workdir = os.path.abspath(os.path.expanduser(base.workdir))
+    data_dir = os.path.abspath(os.path.expanduser(base.data_dir))
+    return replace(base, name="slurm", rank=0, address="slurm", slots=slots, workdir=workdir, data_dir=data_dir, connection="slurm",
+                   shared_fs=True, spare=False)
+
+
+def steps_text(python: str, nodes: int, workdir: str) -> list[str]:
+    """The job steps as the script's comments show them."""
+    return [
+        "1. the host checks on every node (mnft's facts probe " + shell_line(plan.check_args(workdir)) + ", the job's modules):",
+        "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
+        "2. mnft's host agent on every node (node_rank = SLURM_NODEID; master = the first node of scontrol show",
+        "   hostnames, by its IPv4 address):",
+        "   " + shell_line(plan.node_step(python, nodes, "mnft-train")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
+    ]
+
+
+def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None = None) -> int:
+    environ = dict(os.environ if environ is None else environ)
+    cluster.require_clients()
+    job = request.job
+    if job.recipe:
+        parse_overrides(job.extra_args)
+    inside = bool(environ.get("SLURM_JOB_ID")) and not request.dry_run
+    if not inside:
+        cluster.check_request(cluster.partitions(), request.slurm.partition, request.slurm.nodes)
+    plain, secret = launch.split_env(request.env, environ, request.env_files)
+    if secret:
+        raise InputError(f"--slurm: {', '.join(sorted(secret))} would be stored by Slurm with the job (its environment is kept by "
+                         "slurmctld, readable by its administrators): secrets are not passed to Slurm runs; give the job its "
+                         "secrets from a file on the shared filesystem that only you can read")
+    from mnft.run.train import source_for
+    from mnft.sync.source import default_source
+
+    template = template_host(request.template, request.slurm)
+    tree = source_for(job, request.src) or default_source()
+    needs = job_needs(job, tree, request.sync)
+    port = request.port or DEFAULT_RENDEZVOUS_PORT
+    previous = previous_run(request.resume_run) if (request.resume_run or request.resume) else None
+    run_id = launch.new_run_id()
+    job_id = previous.data.get("job_id", previous.run_id) if previous else run_id
+    runs_root = str(records.runs_root().resolve())
+    output = f"{runs_root}/{run_id}/slurm-%j.out"
+    script = plan.batch_script(request.slurm, run_id=run_id, label=job.label, python=sys.executable, runs_root=runs_root,
+                               workdir=template.workdir, output=output, steps=steps_text(template.python, request.slurm.nodes, template.workdir))
+    if request.dry_run:
+        return dry_run(request, script, template, port, run_id, job_id, plain, console)
+    record = records.RunRecord.create(
+        run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
+        env_specs=list(request.env), env_files=list(request.env_files), rdzv=request.rdzv, resume=bool(previous),
+        resumed_from=previous.run_id if previous else None, detach=True, hosts={}, attempts=[], state="submitting", launched=False,
+        inventory=snapshot(Inventory(None, "slurm", (template,), template.name, None, port)),
+        slurm={"options": dataclasses.asdict(request.slurm), "template": template.settings(), "port": port, "env": plain,
+               "needs": [dataclasses.asdict(n) for n in needs.modules], "rdzv_timeout": request.rdzv_timeout, "inside": inside},
+    )
+    if request.sync:
+        sync_local(template, tree, record, console)
+    (record.path / "slurm.sh").write_text(script)
+    if inside:
+        from mnft.slurm.allocation import Allocation
+
+        record.update(state="starting", slurm_job_id=environ["SLURM_JOB_ID"])
+        return Allocation(record, console, environ).run()
+    try:
+        job_number = cluster.parse_submitted(cluster.run(["sbatch", "--parsable", str(record.path / "slurm.sh")]).stdout)
+    except MnftError as exc:
+        record.update(state="refused", reason=str(exc))
+        raise
+    record.update(state="submitted", slurm_job_id=job_number, submitted=time.time(), launched=True)
+    console.print(Text.assemble("run ", (run_id, "bold"), f": Slurm job {job_number} submitted ({job.label}, {request.slurm.nodes} node(s)); "
+                                f"follow with `mnft logs -f {run_id}`, stop with `mnft stop {run_id}`"), soft_wrap=True)
+    print(run_id)
+    return int(ExitCode.OK)
+
+
+def sync_local(template: Host, tree: Path, record: records.RunRecord, console: Console) -> None:
+    """The code into the workdir every node sees (a shared filesystem: one local copy, verified by its hash)."""
+    from mnft.sync import mirror
+
+    local = replace(template, name="shared", connection="local")
+    report = mirror.sync_code(Inventory(None, "slurm", (local,), local.name), tree, progress=False)
+    if not report.ok:
+        record.update(state="sync-failed", reason=report.summary())
+        raise MnftError(f"sync to {template.workdir} failed: {report.summary()}")
+    record.update(code_hash=report.local_hash, sync={"ok": True, "src": str(tree), "workdir": template.workdir})
+    console.print(Text(f"synced {tree} ({report.local_files} files, hash {report.local_hash[:12]}) to {template.workdir}"))
+
+
+def dry_run(request: SlurmTrain, script: str, template: Host, port: int, run_id: str, job_id: str, env: dict[str, str], console: Console) -> int:
+    """The sbatch script, and what each node would run (its node_rank is its SLURM_NODEID; the master's address
+    is known only in the allocation). Nothing is written or submitted."""
+    console.print(Text("# the sbatch script (runs/<id>/slurm.sh)", style="bold"))
+    console.print(Text(script), soft_wrap=True, highlight=False)
+    names = [f"node{i}" for i in range(request.slurm.nodes)]
+    inventory = plan.allocation_inventory(names, template, port)
+    env = {**env, "MNFT_SAVE_SIGNAL": request.slurm.signal_name}
+    lopts = LaunchOptions(job=request.job, rdzv=request.rdzv, resume=bool(request.resume or request.resume_run), rdzv_timeout=request.rdzv_timeout)
+    plans = launch.plan(inventory, master_addr="MASTER_IPV4", port=port, run_id=run_id, job_id=job_id, options=lopts, ifaces={}, env=env,
+                        secret_names=())
+    console.print(Text("# in the allocation, each node's launch (nodeI = the I-th of scontrol show hostnames = SLURM_NODEID I; "
+                       "MASTER_IPV4 = node0's IPv4 address from the check step)", style="bold"), soft_wrap=True)
+    for p in plans:
+        shown = p.display()
+        console.print(Text.assemble((p.host, "bold"), f" (node_rank {p.node_rank}, cwd {shown['cwd']})"))
+        console.print(Text("  env: " + " ".join(shell_word(f"{k}={v}") for k, v in shown["env"].items())), soft_wrap=True)
+        console.print(Text("  " + shown["command"]), soft_wrap=True)
+    return int(ExitCode.OK)
+
+
+# ------------------------------------------------------------------------------------------------ status, stop, logs
+
+
+def is_slurm(record: records.RunRecord) -> bool:
+    return bool(record.data.get("slurm"))
+
+
+def job_number(record: records.RunRecord) -> str:
+    number = record.data.get("slurm_job_id")
+    if not number:
+        raise InputError(f"{record.path}: run {record.run_id} was never submitted to Slurm ({record.data.get('state')}: {record.data.get('reason')})")
+    return str(number)
+
+
+def status(record: records.RunRecord, as_json: bool, console: Console) -> int:
+    """The job as Slurm tells it (scontrol: state, reason, nodes, restarts) beside the run's own record."""
+    import json
+
+    state = cluster.show_job(job_number(record))
+    data = record.data
+    summary = data.get("summary") or {}
+    out = {"run_id": record.run_id, "slurm_job": state.job_id, "slurm_state": state.state, "reason": state.reason, "nodes": list(state.nodes),
+           "restarts": state.restarts, "exit_code": state.exit_code, "run_time": state.run_time, "time_limit": state.time_limit,
+           "run_state": data.get("state"), "run_reason": data.get("reason"), "attempt": data.get("attempt"),
+           "last_step": summary.get("last_step"), "last_loss": summary.get("last_loss")}
+    healthy = state.state in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "COMPLETED") and data.get("state") not in ("failed", "refused")
+    if as_json:
+        print(json.dumps(out, indent=1))
+    else:
+        console.print(Text.assemble(("run ", ""), (record.run_id, "bold"), f"  Slurm job {state.job_id}: ", (state.state, "green" if healthy else "red"),
+                                    f" ({state.reason})" if state.reason else "", f" on {', '.join(state.nodes)}" if state.nodes else "",
+                                    f", restarts {state.restarts}" if state.restarts else "", f", time {state.run_time}/{state.time_limit}" if state.run_time else ""),
+                      soft_wrap=True)
+        console.print(Text(f"  run: {data.get('state')}" + (f" (attempt {data.get('attempt')})" if data.get("attempt") else "")
+                           + (f": {data.get('reason')}" if data.get("reason") else "")
+                           + (f"; step {summary.get('last_step')}, loss {summary.get('last_loss')}" if summary.get("last_step") is not None else "")),
+                      soft_wrap=True)
+    return int(ExitCode.OK if healthy else ExitCode.FAILED)
+
+
+def stop(record: records.RunRecord, as_json: bool, console: Console, timeout: float = 60.0) -> int:
+    """scancel the job (Slurm ends every step's processes on every node), then wait until Slurm says it ended."""
+    import json
+
+    number = job_number(record)
+    before = cluster.show_job(number)
+    if before.ended:
+        message = f"run {record.run_id} (Slurm job {number}) already ended ({before.state}): nothing to stop"
+        print(json.dumps({"run_id": record.run_id, "slurm_job": number, "state": before.state, "ended": True})) if as_json else console.print(message, highlight=False)
+        return int(ExitCode.OK)
+    cluster.run(["scancel", number])
+    deadline = time.monotonic() + timeout
+    state = before
+    while time.monotonic() < deadline:
+        state = cluster.show_job(number)
+        if state.ended:
+            break
+        time.sleep(0.5)
+    record.update(state="stopped", reason=f"stopped by mnft stop (scancel {number})", ended=time.time())
+    if as_json:
+        print(json.dumps({"run_id": record.run_id, "slurm_job": number, "state": state.state, "ended": state.ended}))
+    else:
+        console.print(f"run {record.run_id}: Slurm job {number} " + (f"ended ({state.state})" if state.ended else f"still {state.state} after {timeout:g}s"),
+                      highlight=False)
+    return int(ExitCode.OK if state.ended else ExitCode.FAILED)
+
+
+def logs(record: records.RunRecord, lines: int, follow: bool, console: Console) -> int:
+    """Each node's output read in place (the shared filesystem), metrics and loss.png from it; with follow, new
+    lines as they come until Slurm says the job ended."""
+    from mnft.slurm.allocation import collect_run
+
+    hosts = record.data.get("hosts") or {}
+    if not follow:
+        collect_run(record, lambda text, style=None: None)
+        for name, info in hosts.items():
+            path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
+            text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+            for line in text[-lines:] if lines else text:
+                console.print(Text(f"{name} | {line}"), soft_wrap=True, highlight=False)
+        console.print(f"logs of run {record.run_id} in {record.path} (batch output: {record.path}/slurm-*.out)", highlight=False)
+        return int(ExitCode.OK)
+    number = job_number(record)
+    offsets: dict[Path, int] = {}
+    while True:
+        hosts = records.load(record.run_id).data.get("hosts") or {}
+        for name, info in hosts.items():
+            path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
+            if not path.is_file():
+                continue
+            with open(path, "rb") as fh:
+                fh.seek(offsets.get(path, 0))
+                data = fh.read()
+            complete = data[: data.rfind(b"\n") + 1]
+            offsets[path] = offsets.get(path, 0) + len(complete)
+            for line in complete.decode("utf-8", "replace").splitlines():
+                console.print(Text(f"{name} | {line}"), soft_wrap=True, highlight=False)
+        state = cluster.show_job(number)
+        if state.ended:
+            console.print(f"Slurm job {number} ended: {state.state} (exit {state.exit_code})", highlight=False)
+            return int(ExitCode.OK if state.state == "COMPLETED" else ExitCode.FAILED)
+        time.sleep(1.0)
