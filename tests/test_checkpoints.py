@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from mnft.run import agent, checkpoints
@@ -81,7 +84,9 @@ def test_the_agent_lists_a_checkpoints_directory_and_the_hash_reads_only_the_cho
         (tmp_path / name / "trainer_state.json").write_text(name)
     (tmp_path / "latest.pth").symlink_to("checkpoint-20")
     found = agent.list_checkpoints(str(tmp_path))
-    assert found["entries"]["checkpoint-10"] == {"dir": True, "link": None, "files": {"trainer_state.json": 13}}
+    listed = found["entries"]["checkpoint-10"]
+    assert {k: v for k, v in listed.items() if k != "newest"} == {"dir": True, "link": None, "files": {"trainer_state.json": 13}}
+    assert listed["newest"] == (tmp_path / "checkpoint-10" / "trainer_state.json").stat().st_mtime  # which save came last
     assert found["entries"]["latest.pth"]["link"] == "checkpoint-20"
     _, files, _ = treehash.tree_hash(tmp_path, checkpoints.hash_rules(("checkpoint-20",)))
     assert sorted(files) == ["checkpoint-20/trainer_state.json"]
@@ -141,3 +146,50 @@ def test_a_host_that_still_differs_after_copying_is_named_with_a_file():
     assert checkpoints._difference("h3", {"s/a": (1, "x"), "s/c": (3, "z")}, union) == \
         "h3 lacks 1 file(s), e.g. s/b and holds another 1 file(s), e.g. s/c"
 
+
+
+# ------------------------------------------------------------------------------------------------ torchtune 0.6.1
+
+TORCHTUNE = Path(__file__).parent / "data" / "torchtune-0.6.1"
+
+
+def torchtune_listing(run: str) -> dict:
+    """The agent's `checkpoints` answer for a real torchtune 0.6.1 output directory (its manifest: files, sizes
+    and the order they were written in, as ms after the first)."""
+    manifest = json.loads((TORCHTUNE / run / "manifest.json").read_text())
+    written = dict(manifest["write_order"])
+    entries: dict[str, dict] = {}
+    for rel, size in manifest["files"].items():
+        top, _, rest = rel.partition("/")
+        entry = entries.setdefault(top, {"dir": bool(rest), "link": None, "files": {}})
+        entry["files"][rest] = size
+        if rel in written:
+            entry["newest"] = max(entry.get("newest") or 0.0, 1e9 + written[rel] / 1000)
+    return {"root": "out", "exists": True, "entries": entries}
+
+
+@pytest.mark.parametrize("run, latest", [
+    ("full-killed", "epoch_1"),  # killed in epoch 2: epoch_1 and the recipe state written after it
+    ("lora-killed", "epoch_1"),
+    ("full", "epoch_0"),  # finished: the last epoch has no recipe state, epoch_0's is the one on disk
+    ("lora", "epoch_0"),
+])
+def test_torchtune_0_6_1_resumes_the_newest_epoch_its_recipe_state_was_written_after(run, latest):
+    choice = checkpoints.choose(ResumeRule("torchtune"), {"h1": torchtune_listing(run), "h2": {"root": "out", "exists": False, "entries": {}}})
+    assert choice.name == latest and choice.paths == (latest, "recipe_state")
+    assert "recipe_state/recipe_state.pt" in choice.held["h1"] and choice.held["h2"] == {}  # copied to h2 with the epoch
+
+
+def test_an_epoch_checkpoint_names_no_step():
+    assert checkpoints.step_of("epoch_1") is None and checkpoints.step_of("checkpoint-40") == 40
+    assert checkpoints.step_of("epoch_1_step_500.pth") == 500
+
+
+def test_torchtune_0_6_1_metrics_are_read_from_its_log_file_and_its_bar():
+    from mnft.run import scrape
+
+    for run, steps in (("full", [1, 2, 3, 4, 5, 6]), ("lora-resume", [7, 8, 9])):  # a resume continues the step count
+        records = scrape.LineParser("torchtune").lines((TORCHTUNE / run / "metrics.txt").read_text().splitlines())
+        assert [r["step"] for r in records] == steps and all(isinstance(r["loss"], float) for r in records)
+        bar = scrape.LineParser("torchtune").lines((TORCHTUNE / run / "stderr.txt").read_text().splitlines())
+        assert sorted({r["step"] for r in bar}) == steps  # tqdm's `E|S|Loss: x`, with \r and ESC[A between updates

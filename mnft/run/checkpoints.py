@@ -10,7 +10,8 @@ name that differ between hosts are refused: mnft would not know which is right. 
 verify.
 
 Layouts (the job's resume.layout): hf `checkpoint-N` holding trainer_state.json (written last); torchtune
-`epoch_N` (else `step_N`) holding recipe_state.pt; sana the target of `latest.pth` (replaced only after a save
+`epoch_N` (else `step_N`) holding recipe_state.pt (main), or, as the released 0.6.1 writes it, `epoch_N/` with
+`recipe_state/recipe_state.pt` beside it, written after the epoch's files; sana the target of `latest.pth` (replaced only after a save
 completed); glob a pattern and a marker file; mnft (the recipes) `step-N/rank-R/` each complete when its
 meta.json exists (written last), the newest step every rank of the world that wrote it completed; for lora
 (DDP: every rank holds the same adapters and optimizer state) a step some ranks completed when no step has them
@@ -44,6 +45,7 @@ LAYOUT_RULES = {
     "torchtune": (re.compile(r"^(?:epoch|step)_(\d+)$"), "recipe_state.pt"),
 }
 SANA_LINK = "latest.pth"
+TORCHTUNE_STATE_DIR, TORCHTUNE_STATE = "recipe_state", "recipe_state.pt"  # torchtune 0.6.1: beside the epochs
 MNFT_STEP = re.compile(r"^step-(\d+)$")
 # which ranks' parts of a step an mnft recipe needs to resume (mnft/recipes/checkpointing.py says the same)
 RECIPE_NEEDS = {"lora": "any", "full": "all"}
@@ -112,8 +114,9 @@ def candidates(rule: ResumeRule, names: set[str]) -> list[str]:
 
 
 def step_of(name: str | None) -> int | None:
-    """The training step a checkpoint's name gives (checkpoint-40, step_40, step-40, epoch_2 -> 2), if any."""
-    if not name:
+    """The training step a checkpoint's name gives (checkpoint-40, step_40, step-40, epoch_1_step_500.pth), if any:
+    torchtune's epoch_N names an epoch, not a step (None: the resumed attempt's first step record tells)."""
+    if not name or re.fullmatch(r"epoch_\d+", os.path.basename(name.rstrip("/"))):
         return None
     found = re.findall(r"\d+", os.path.basename(name.rstrip("/")))
     return int(found[-1]) if found else None
@@ -129,6 +132,8 @@ def choose(rule: ResumeRule, listings: dict[str, dict], needs: str = "all") -> C
         return _choose_mnft(entries, needs)
     marker = LAYOUT_RULES[rule.layout][1] if rule.layout in LAYOUT_RULES else rule.marker
     names = {name for e in entries.values() for name, v in e.items() if v.get("dir")}
+    if rule.layout == "torchtune" and not any(f"{n}/{marker}" in _files(n, e[n]) for e in entries.values() for n in candidates(rule, names) if n in e):
+        return _choose_torchtune_released(entries, names)
     considered = []
     for name in candidates(rule, names):
         held = {host: _files(name, e[name]) for host, e in entries.items() if name in e}
@@ -137,6 +142,31 @@ def choose(rule: ResumeRule, listings: dict[str, dict], needs: str = "all") -> C
             union.update(files)
         if f"{name}/{marker}" in union:
             return Choice(name, (name,), union, {h: held.get(h, {}) for h in listings}, considered)
+        considered.append(name)
+    return Choice(None, considered=considered)
+
+
+def _choose_torchtune_released(entries: dict[str, dict], names: set[str]) -> Choice:
+    """torchtune 0.6.1 (released): each save writes epoch_N/ (the model or adapter files), then, for every epoch
+    but the last, recipe_state/recipe_state.pt at the top of the output directory (one file, overwritten: the
+    state of the newest epoch saved before it). The checkpoint to resume is the newest epoch_N whose files are
+    not newer than that recipe state on the host that wrote both (rank 0's); the run's last epoch has none and
+    is not resumable, nor is an epoch whose save was cut short. Both entries are the checkpoint (copied together)."""
+    state_at = {host: e[TORCHTUNE_STATE_DIR].get("newest") for host, e in entries.items()
+                if f"{TORCHTUNE_STATE_DIR}/{TORCHTUNE_STATE}" in _files(TORCHTUNE_STATE_DIR, e.get(TORCHTUNE_STATE_DIR) or {})}
+    epochs = sorted((n for n in names if re.match(r"^epoch_\d+$", n)), key=_number, reverse=True)
+    considered = []
+    for name in epochs:
+        done = any(isinstance(t, (int, float)) and isinstance((entries[h].get(name) or {}).get("newest"), (int, float))
+                   and entries[h][name]["newest"] <= t for h, t in state_at.items())
+        if done:
+            paths = (name, TORCHTUNE_STATE_DIR)
+            held = {host: {**(_files(name, e[name]) if name in e else {}),
+                           **(_files(TORCHTUNE_STATE_DIR, e[TORCHTUNE_STATE_DIR]) if TORCHTUNE_STATE_DIR in e else {})} for host, e in entries.items()}
+            union: dict[str, int] = {}
+            for files in held.values():
+                union.update(files)
+            return Choice(name, paths, union, held, considered)
         considered.append(name)
     return Choice(None, considered=considered)
 

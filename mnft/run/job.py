@@ -39,8 +39,9 @@ PLACEHOLDERS = {
     "workdir": "the synced source tree on the host",
     "data_dir": "the host's data directory",
     "latest_checkpoint": "the latest complete checkpoint (only in resume.args)",
+    "latest_checkpoint_name": "its name in the checkpoints directory: epoch_1, checkpoint-40 (only in resume.args)",
 }
-RESUME_ONLY = frozenset({"latest_checkpoint"})
+RESUME_ONLY = frozenset({"latest_checkpoint", "latest_checkpoint_name"})
 
 # Checkpoint layouts mnft can find "the latest complete checkpoint" in (see mnft.run.checkpoints).
 LAYOUTS = ("hf", "torchtune", "sana", "glob", "mnft", "none")
@@ -335,7 +336,7 @@ def _resume(data: Any, where: str, at: str) -> ResumeRule:
     args = _strings(data.get("args"), line("args"), "resume.args")
     for a in args:  # a malformed placeholder is bad input here too, before fields_of reads the fields
         check_placeholders(a, f"{line('args')}: resume.args", resume_args=True)
-    uses_latest = any("latest_checkpoint" in fields_of(a) for a in args)
+    uses_latest = any(RESUME_ONLY & set(fields_of(a)) for a in args)
     if uses_latest and layout in ("none", "mnft"):
         raise InputError(f"{line('args')}: resume.args use {{latest_checkpoint}}: set resume.layout (hf, torchtune, sana or glob) so mnft can find it")
     checkpoints = data.get("checkpoints", "{output_dir}")

@@ -259,6 +259,7 @@ def plan(
         values = placeholders(inventory, host, master_addr=master_addr, port=port, run_id=run_id, job_id=job_id)
         if latest_checkpoint is not None:
             values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values)), latest_checkpoint)
+            values["latest_checkpoint_name"] = latest_checkpoint
         argv = [
             host.python, "-m", "torch.distributed.run",
             "--nnodes", str(len(hosts)),
