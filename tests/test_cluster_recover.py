@@ -129,6 +129,22 @@ def test_the_same_failure_at_the_same_step_twice_stops_after_attempt_two(healthy
     assert "attempt 2 rank 1 from step 3" in (run_dir / "h2" / "run" / "output.log").read_text()  # each attempt's own logs
 
 
+def test_a_run_stopped_with_mnft_stop_says_stopped_and_is_never_restarted(healthy_cluster, tmp_path, user_repo):
+    inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
+    proc = subprocess.Popen([*MNFT, "train", "--hosts", inv, "--job", "job.yaml", "--env", "STEPS=400", "--max-restarts", "2"],
+                            cwd=user_repo, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_output(proc, r"progress: .*step 1\b|\{\"step\": 3")
+    stopped = mnft(user_repo, tmp_path, "stop")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-3000:]
+    record = latest_record(tmp_path)
+    assert record["state"] == "stopped" and record["reason"].startswith("stopped by `mnft stop`")
+    assert len(record["attempts"]) == 1 and record["attempts"][0]["state"] == "stopped"  # not restarted
+    assert "stopped by `mnft stop`" in out and "failed" not in out.split("stopped by")[-1]
+    wait_no_orphans(healthy_cluster, healthy_cluster.hosts[:2], markers=MARKERS)
+
+
 def test_a_declared_resume_exit_code_restarts_without_using_up_max_restarts(healthy_cluster, tmp_path, user_repo):
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
     plan = {"1": [124, 3, 1], "2": ["raise", 5, 0]}  # 124: the job asks to be resumed; then one real failure

@@ -154,6 +154,11 @@ def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
 def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[str, dict]:
     """Each host's agent stops the run (only what is provably the run's: mnft.run.agent.terminate). A run ended on
     every host is left as recorded: stopping it is a no-op that says so (mnft.run.report.print_stop)."""
+    import getpass
+    import os
+    import socket
+
+    records.request_stop(record, f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}")
     out = {}
     for result in query(record, fleet, "stop", str(grace)):
         if result.ok:

@@ -53,6 +53,22 @@ class RunRecord:
         self.save()
 
 
+STOP_REQUESTED = "stop-requested"  # runs/<id>/stop-requested: `stop` was asked (the attached supervisor reads it)
+
+
+def request_stop(record: RunRecord, by: str) -> None:
+    """Say, beside run.json (which an attached `train` rewrites), that the run was stopped on purpose."""
+    (record.path / STOP_REQUESTED).write_text(json.dumps({"at": time.time(), "by": by}) + "\n")
+
+
+def stop_requested(record: RunRecord) -> dict | None:
+    try:
+        data = json.loads((record.path / STOP_REQUESTED).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def all_runs() -> list[str]:
     root = runs_root()
     if not root.is_dir():

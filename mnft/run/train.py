@@ -322,6 +322,10 @@ class Run:
                 if outcome is None:  # detached: the hosts run on their own
                     return ExitCode.OK
                 result, display = outcome
+                if not result.ok and (asked := records.stop_requested(record)) is not None:  # `mnft stop`: on purpose
+                    entry.update(ended=time.time(), state="stopped", steps=[display.first_step, display.last_step])
+                    live.update(state="stopped")
+                    return finish(record, result, self.timings, self.t0, fleet, self.console, stopped_by=asked.get("by") or "mnft stop")
                 failed_run = result.hosts.get(result.failed_host) if result.failed_host else None
                 entry.update(ended=time.time(), state="succeeded" if result.ok else "failed", steps=[display.first_step, display.last_step],
                              detected=failed_run.ended_at if failed_run is not None else None)
@@ -597,9 +601,10 @@ def port_holder(fleet: Fleet, host: str, port: int) -> str | None:
 
 
 def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: float, fleet: Fleet, console: Console, note: str | None = None,
-           diagnosis: diagnosing.Diagnosis | None = None) -> int:
+           diagnosis: diagnosing.Diagnosis | None = None, stopped_by: str | None = None) -> int:
     """The end of a run: the record's final state, logs collected, and the outcome said (note: after automatic
-    restarts, each attempt's cause and why there is no other attempt)."""
+    restarts, each attempt's cause and why there is no other attempt; stopped_by: who ran `stop` — the run was
+    stopped on purpose, not failed, and is never restarted)."""
     from mnft.run.logs import collect, summarize
 
     if result.first_step_at is not None:
@@ -615,9 +620,12 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     rank, trace = failure_excerpt(list(failed.tail)) if failed is not None else (None, [])
     reason = result.reason + (f": {meaning}" if meaning else "") + (f" (rank {rank}: {trace[-1]})" if trace and not meaning else "")
     warnings = [diagnosing.after_work(name, [t for _, t in result.hosts[name].tail]) for name in result.after_work]
-    record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
-                  failed_rank=rank, traceback=trace or None, timings=timings,
-                  diagnosis=diagnosis.to_json() if diagnosis else None, warnings=[w.to_json() for w in warnings] or None)
+    if stopped_by is not None:
+        record.update(state="stopped", reason=f"stopped by `mnft stop` ({stopped_by})", timings=timings)
+    else:
+        record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
+                      failed_rank=rank, traceback=trace or None, timings=timings,
+                      diagnosis=diagnosis.to_json() if diagnosis else None, warnings=[w.to_json() for w in warnings] or None)
     summary: dict = {}
     try:
         summary = summarize(record, collect(record, fleet, console, quiet=True))
@@ -636,6 +644,10 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
         console.print(Text.assemble((f"run {record.run_id} finished on every host", "green"), f" ({timings['total_s']:.1f}s)"
                                     + (f"; code from {synced}" if synced else "") + f"; logs in {record.path}"))
         return ExitCode.OK
+    if stopped_by is not None:
+        console.print(Text.assemble((f"run {record.run_id} stopped by `mnft stop` ({stopped_by})", "bold yellow"),
+                                    f"; continue it with `mnft train --resume-run {record.run_id}`; logs in {record.path}"))
+        return ExitCode.INTERRUPTED
     shown = trace or ([text for _, text in list(failed.tail)[-8:]] if failed is not None else [])
     label = f"{result.failed_host} r{rank}" if rank is not None else result.failed_host
     lines = "\n".join(f"  {label}| {t}" for t in shown)
