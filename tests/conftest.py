@@ -112,3 +112,28 @@ def fresh_cluster_factory(testbed, tmp_path_factory: pytest.TempPathFactory):
         finally:
             for one in built:
                 one.teardown()
+
+
+@pytest.fixture(scope="module")
+def slurm_bed(testbed, tmp_path_factory: pytest.TempPathFactory):
+    """A real Slurm (tests/slurmbed.py) on 3 simulated hosts h1..h3 sharing one home (the shared filesystem a Slurm
+    run needs), slurmctld in the outsider's namespace; built once per module, always torn down. Skips (fails under
+    MNFT_REQUIRE_CLUSTER=1) when Slurm's packages are missing."""
+    import slurmbed
+
+    try:
+        slurmbed.check_prerequisites()
+    except testbed.ClusterUnavailable as exc:
+        if os.environ.get("MNFT_REQUIRE_CLUSTER") == "1":
+            pytest.fail(f"Slurm test bed unavailable although MNFT_REQUIRE_CLUSTER=1: {exc}")
+        pytest.skip(f"Slurm test bed unavailable: {exc}")
+    with _TerminateAsInterrupt():
+        built = testbed.Cluster.create(3, tmp_path_factory.mktemp("slurm"), outsider=True, shared_home=("h1", "h2", "h3"))
+        slurm = None
+        try:
+            slurm = slurmbed.Slurm.start(built)
+            yield slurm
+        finally:
+            if slurm is not None:
+                slurm.stop()
+            built.teardown()

@@ -189,6 +189,15 @@ class Slurm:
         _wait(lambda: all(self.node_states().get(n, "").rstrip("*") in ("idle", "mixed", "allocated") for n in names), timeout,
               lambda: f"Slurm nodes not idle: {self.node_states()}; slurmctld log: {_tail(self.state / 'slurmctld.log')}")
 
+    def reset(self) -> None:
+        """After a test: every job cancelled, a killed slurmd started again, every node idle."""
+        self.client(["scancel", "--full", "--user=root"], check=False)
+        for host in self.cluster.hosts:
+            if host.name not in self.slurmds or self.slurmds[host.name].poll() is not None:
+                self.start_slurmd(host, wait=False)
+        _wait(lambda: not self.client(["squeue", "-h"], check=False).stdout.strip(), 60, lambda: "jobs left: " + self.client(["squeue"], check=False).stdout)
+        self.wait_idle([h.name for h in self.cluster.hosts], timeout=90)
+
     def stop(self) -> None:
         """Stop every daemon by its recorded pid (never by name). Idempotent."""
         for proc in [*self.slurmds.values(), self.slurmctld, self.munged]:

@@ -140,7 +140,8 @@ def sbatch_options(options: SlurmOptions, *, job_name: str, output: str, chdir: 
 def batch_script(options: SlurmOptions, *, run_id: str, label: str, python: str, runs_root: str, workdir: str,
                  output: str, steps: Iterable[str] = ()) -> str:
     """The sbatch script: #SBATCH lines, what mnft runs in the allocation (as comments), and the one command that
-    continues the run there."""
+    continues the run there. workdir: where the batch starts (the run's own directory: a synced tree holding an
+    `mnft` directory there would shadow the installed mnft on `python -m`)."""
     header = [
         "#!/bin/bash",
         f"# mnft run {run_id}: {label}. Rendered by mnft train --slurm (mnft.slurm.plan); submitted with sbatch --parsable.",

@@ -99,7 +99,7 @@ def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None 
     runs_root = str(records.runs_root().resolve())
     output = f"{runs_root}/{run_id}/slurm-%j.out"
     script = plan.batch_script(request.slurm, run_id=run_id, label=job.label, python=sys.executable, runs_root=runs_root,
-                               workdir=template.workdir, output=output, steps=steps_text(template.python, request.slurm.nodes, template.workdir))
+                               workdir=f"{runs_root}/{run_id}", output=output, steps=steps_text(template.python, request.slurm.nodes, template.workdir))
     if request.dry_run:
         return dry_run(request, script, template, port, run_id, job_id, plain, console)
     record = records.RunRecord.create(

@@ -1,0 +1,197 @@
+"""`mnft train --slurm` against a real Slurm (slurmctld, one slurmd per simulated host, munge: tests/slurmbed.py).
+
+mnft runs inside h1 (a login node that shares its home with h2 and h3: the shared filesystem a Slurm run needs),
+as a user would: sbatch, squeue, scontrol and scancel are Slurm's own. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+MAIN = "import sys; sys.argv[0] = 'mnft'; from mnft.cli.main import main; main()"
+SCRIPT = """\
+import os, sys, time
+rank, node = os.environ["RANK"], os.environ["GROUP_RANK"]
+print(f"script rank={rank} node_rank={node} nodeid={os.environ.get('SLURM_NODEID')} host={os.uname()[1]} args={sys.argv[1:]}", flush=True)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+
+@pytest.fixture
+def slurm(slurm_bed):
+    """The module's Slurm; afterwards every job cancelled and every node idle again (a killed slurmd restarted)."""
+    try:
+        yield slurm_bed
+    finally:
+        slurm_bed.reset()
+
+
+def mnft(slurm, *args: str, timeout: float = 120):
+    """`mnft ARGS` inside h1, from ~/ctl (its runs/ is on the shared home)."""
+    h1 = slurm.cluster.hosts[0]
+    return slurm.cluster.run(h1, ["sh", "-c", 'mkdir -p ctl && cd ctl && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN, *args],
+                             env=slurm.env, check=False, timeout=timeout)
+
+
+def home(slurm) -> Path:
+    return slurm.cluster.hosts[0].home
+
+
+def record(slurm, run_id: str) -> dict:
+    return json.loads((home(slurm) / "ctl" / "runs" / run_id / "run.json").read_text())
+
+
+def submitted(proc) -> str:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def wait_for(what, timeout: float, why: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = what()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(why)
+
+
+def steps(slurm, run_id: str) -> list[int]:
+    """The steps rank 0 has logged so far (the recipe's metrics.jsonl in the job's output dir)."""
+    path = home(slurm) / "mnft" / "outputs" / run_id / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            data = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(data.get("step"), int) and "loss" in data:
+            out.append(data["step"])
+    return out
+
+
+def leftovers(slurm) -> dict[str, list[str]]:
+    """Processes on each host other than its slurmd (the test bed's own are excluded by processes())."""
+    return {h.name: [cmd for _, cmd in slurm.cluster.processes(h) if "slurmd -D" not in cmd] for h in slurm.cluster.hosts}
+
+
+def test_a_recipe_runs_on_two_nodes_with_checks_logs_metrics_and_status(slurm):
+    run_id = submitted(mnft(slurm, "train", "--slurm", "--nodes", "2", "--recipe", "lora", "--set", "max_steps=6", "--set", "save_every=3"))
+    follow = mnft(slurm, "logs", "-f", run_id, timeout=240)
+    assert follow.returncode == 0, follow.stdout + follow.stderr
+    assert "summary: steps 6" in follow.stdout
+    data = record(slurm, run_id)
+    assert data["state"] == "succeeded", data.get("reason")
+    assert [a["hosts"] for a in data["attempts"]] == [["h1", "h2"]]
+    assert {n: h["node_rank"] for n, h in data["hosts"].items()} == {"h1": 0, "h2": 1}
+    assert data["master_addr"] == slurm.cluster.hosts[0].address  # the first node of the allocation, by its IPv4
+    assert "--master-addr " + slurm.cluster.hosts[0].address in data["hosts"]["h2"]["command"]
+    check = json.loads((home(slurm) / "ctl" / "runs" / run_id / "check-1.json").read_text())
+    assert set(check["hosts"]) == {"h1", "h2"} and check["exit_code"] == 0
+    assert check["hosts"]["h2"]["facts"]["modules"]["peft"] is True  # the job preflight: the recipe's imports resolve
+    run_dir = home(slurm) / "ctl" / "runs" / run_id
+    assert (run_dir / "metrics.jsonl").is_file() and (run_dir / "loss.png").is_file()
+    assert (run_dir / "h1" / "run" / "output.log").is_file() and (run_dir / "h2" / "run" / "output.log").is_file()
+    assert list(run_dir.glob("slurm-*.out"))
+    status = mnft(slurm, "status", run_id, "--json")
+    assert status.returncode == 0, status.stdout + status.stderr
+    shown = json.loads(status.stdout)
+    assert shown["slurm_state"] == "COMPLETED" and shown["run_state"] == "succeeded" and shown["last_step"] == 6
+    assert leftovers(slurm) == {"h1": [], "h2": [], "h3": []}
+
+
+def test_a_user_script_gets_node_rank_from_slurm_nodeid(slurm):
+    (home(slurm) / "proj").mkdir(exist_ok=True)
+    (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
+    proc = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                        "train", "--slurm", "--nodes", "2", "--", "train.py", "0", "a b"],
+                             env=slurm.env, check=False, timeout=120)
+    run_id = submitted(proc)
+    follow = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                          "logs", "-f", run_id], env=slurm.env, check=False, timeout=240)
+    assert follow.returncode == 0, follow.stdout + follow.stderr
+    assert "script rank=0 node_rank=0 nodeid=0 host=h1 args=['0', 'a b']" in follow.stdout
+    assert "script rank=1 node_rank=1 nodeid=1 host=h2 args=['0', 'a b']" in follow.stdout
+
+
+def test_stop_is_scancel_and_leaves_no_process_on_any_node(slurm):
+    (home(slurm) / "proj").mkdir(exist_ok=True)
+    (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
+    proc = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                        "train", "--slurm", "--nodes", "2", "--", "train.py", "300"],
+                             env=slurm.env, check=False, timeout=120)
+    run_id = submitted(proc)
+    runs = home(slurm) / "proj" / "runs" / run_id / "run.json"
+    wait_for(lambda: json.loads(runs.read_text()).get("state") == "running" and any("train.py" in c for c in leftovers(slurm)["h2"]),
+             90, "the script never ran on h2")
+    stopped = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                           "stop", run_id], env=slurm.env, check=False, timeout=120)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert "ended (CANCELLED)" in stopped.stdout
+    wait_for(lambda: leftovers(slurm) == {"h1": [], "h2": [], "h3": []}, 30, f"processes left after scancel: {leftovers(slurm)}")
+
+
+def test_the_warning_signal_saves_and_requeues_and_the_next_attempt_resumes(slurm):
+    run_id = submitted(mnft(slurm, "train", "--slurm", "--nodes", "2", "--requeue", "--signal", "USR2@60", "--recipe", "lora",
+                            "--set", "max_steps=150", "--set", "save_every=1000", "--set", "log_every=1000"))
+    job = record(slurm, run_id)["slurm_job_id"]
+    wait_for(lambda: len(steps(slurm, run_id)) >= 5, 120, "the job never trained 5 steps")
+    # what Slurm does at the warning time of --signal=B:USR2@60: the signal to the batch
+    slurm.client(["scancel", "--batch", "--signal=USR2", job])
+    follow = mnft(slurm, "logs", "-f", run_id, timeout=300)
+    data = record(slurm, run_id)
+    assert data["state"] == "succeeded", (data.get("reason"), follow.stdout[-3000:])
+    first, second = data["attempts"]
+    assert first["state"] == "saved" and first["decision"].startswith("requeued")
+    assert second["resumed"] is True and second["slurm_job"] == job
+    out = (home(slurm) / "ctl" / "runs" / run_id / "attempt-1" / "h1" / "run" / "output.log").read_text()
+    saved = int(out.split("saved step-")[1].split(" ")[0])
+    assert 5 <= saved < 150
+    resumed = (home(slurm) / "ctl" / "runs" / run_id / "h1" / "run" / "output.log").read_text()
+    assert f"resuming from step-{saved}" in resumed or f"step-{saved}" in resumed
+    assert sorted(set(steps(slurm, run_id))) == list(range(1, 151))  # every step once across the attempts
+
+
+def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(slurm):
+    run_id = submitted(mnft(slurm, "train", "--slurm", "--nodes", "2", "--requeue", "--recipe", "lora",
+                            "--set", "max_steps=400", "--set", "save_every=10", "--set", "log_every=1000"))
+    wait_for(lambda: len(steps(slurm, run_id)) >= 25, 120, "the job never trained 25 steps")
+    slurm.kill_slurmd(slurm.cluster.hosts[1])  # h2's daemon dies: Slurm marks the node down and requeues the job
+    follow = mnft(slurm, "logs", "-f", run_id, timeout=400)
+    data = record(slurm, run_id)
+    assert data["state"] == "succeeded", (data.get("reason"), follow.stdout[-3000:])
+    assert len(data["attempts"]) == 2
+    assert data["attempts"][1]["hosts"] == ["h1", "h3"]  # h2 is down: the requeued job runs on the healthy nodes
+    resumed = (home(slurm) / "ctl" / "runs" / run_id / "h1" / "run" / "output.log").read_text()
+    assert "resuming from" in resumed
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--partition", "nosuch"], "--partition nosuch: no such partition (this Slurm has: debug)"),
+    (["--nodes", "9"], "--nodes 9: partition debug has 3 node(s) (h1, h2, h3)"),
+    (["--time", "soon"], "--time 'soon': use Slurm's format"),
+])
+def test_bad_input_is_one_line_exit_2_and_nothing_is_submitted(slurm, args, message):
+    before = slurm.client(["squeue", "-h", "-t", "all", "-o", "%i"]).stdout.split()
+    proc = mnft(slurm, "train", "--slurm", "--recipe", "lora", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert slurm.client(["squeue", "-h", "-t", "all", "-o", "%i"]).stdout.split() == before  # no job submitted
+    assert not (home(slurm) / "ctl" / "runs").is_dir() or not any(
+        json.loads((p / "run.json").read_text()).get("slurm_job_id") is None for p in (home(slurm) / "ctl" / "runs").iterdir())
+
+
+def test_without_slurm_installed_train_slurm_is_refused(slurm):
+    h1 = slurm.cluster.hosts[0]
+    proc = slurm.cluster.run(h1, ["/bin/sh", "-c", '/bin/mkdir -p ctl && cd ctl && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                  "train", "--slurm", "--recipe", "lora"], env={**slurm.env, "PATH": "/nonexistent"}, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Slurm's client commands are not installed here" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
