@@ -160,18 +160,49 @@ def test_the_warning_signal_saves_and_requeues_and_the_next_attempt_resumes(slur
     assert sorted(set(steps(slurm, run_id))) == list(range(1, 151))  # every step once across the attempts
 
 
+STEPS = """\
+import os, sys, time
+out, resume = sys.argv[1], "--resume" in sys.argv
+rank, ckpt = int(os.environ["RANK"]), os.path.join(sys.argv[1], "step.txt")
+os.makedirs(out, exist_ok=True)
+step = int(open(ckpt).read()) if resume and os.path.exists(ckpt) else 0
+print(f"start at step {step} resume={resume} host={os.uname()[1]}", flush=True)
+while step < 150:
+    time.sleep(0.5)
+    step += 1
+    if rank == 0:  # its checkpoint: the step reached, written whole
+        open(ckpt + ".tmp", "w").write(str(step))
+        os.replace(ckpt + ".tmp", ckpt)
+"""
+JOB = """\
+script: steps.py
+args: ["{output_dir}"]
+resume: {layout: mnft, args: [--resume]}
+metrics: {format: none}
+"""
+
+
 def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(slurm):
-    run_id = submitted(mnft(slurm, "train", "--slurm", "--nodes", "2", "--requeue", "--recipe", "lora",
-                            "--set", "max_steps=400", "--set", "save_every=10", "--set", "log_every=1000"))
-    wait_for(lambda: len(steps(slurm, run_id)) >= 25, 120, "the job never trained 25 steps")
+    proj = home(slurm) / "steps"
+    proj.mkdir(exist_ok=True)
+    (proj / "steps.py").write_text(STEPS)
+    (proj / "job.yaml").write_text(JOB)
+    run = ["sh", "-c", 'cd steps && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN]
+    run_id = submitted(slurm.cluster.run(slurm.cluster.hosts[0], run + ["train", "--slurm", "--nodes", "2", "--requeue", "--job", "job.yaml"],
+                                         env=slurm.env, check=False, timeout=120))
+    ckpt = home(slurm) / "mnft" / "outputs" / run_id / "step.txt"
+    wait_for(lambda: ckpt.is_file() and int(ckpt.read_text() or 0) >= 6, 120, "the job never reached step 6")
     slurm.kill_slurmd(slurm.cluster.hosts[1])  # h2's daemon dies: Slurm marks the node down and requeues the job
-    follow = mnft(slurm, "logs", "-f", run_id, timeout=400)
-    data = record(slurm, run_id)
+    follow = slurm.cluster.run(slurm.cluster.hosts[0], run + ["logs", "-f", run_id], env=slurm.env, check=False, timeout=400)
+    data = json.loads((proj / "runs" / run_id / "run.json").read_text())
     assert data["state"] == "succeeded", (data.get("reason"), follow.stdout[-3000:])
-    assert len(data["attempts"]) == 2
-    assert data["attempts"][1]["hosts"] == ["h1", "h3"]  # h2 is down: the requeued job runs on the healthy nodes
-    resumed = (home(slurm) / "ctl" / "runs" / run_id / "h1" / "run" / "output.log").read_text()
-    assert "resuming from" in resumed
+    first, second = data["attempts"]
+    assert first["hosts"] == ["h1", "h2"] and second["hosts"] == ["h1", "h3"]  # h2 is down: the healthy nodes
+    assert second["resumed"] is True
+    out = (proj / "runs" / run_id / "h1" / "run" / "output.log").read_text()
+    resumed_at = int(out.split("start at step ")[1].split(" ")[0])
+    assert resumed_at >= 6 and "resume=True" in out
+    assert int(ckpt.read_text()) == 150
 
 
 @pytest.mark.parametrize("args, message", [
