@@ -312,8 +312,8 @@ def test_injection_payloads_in_the_inventory_never_execute(healthy_cluster, tmp_
     h1, h2, h3, h4 = cluster.hosts
     assert _markers_everywhere(cluster) == []
     before = sshd_log_sizes(cluster)
-    # Names and interfaces reach ssh_config, /etc/hosts and nftables rules: a payload there is refused when the
-    # inventory is read (exit 2, the one-line message names the host and key, no SSH connection is made).
+    # Names, users and interfaces reach ssh_config, /etc/hosts and nftables rules: a payload there is refused when
+    # the inventory is read (exit 2, the one-line message names the host and key, no SSH connection is made).
     for number, template in enumerate(PAYLOADS):
         payload = template.format(m=f"/tmp/{MARKER}")
         names = tmp_path / f"names-{number}.yaml"
@@ -322,22 +322,23 @@ def test_injection_payloads_in_the_inventory_never_execute(healthy_cluster, tmp_
         names.write_text(yaml.safe_dump(doc, sort_keys=False))
         iface = cluster.write_inventory(tmp_path / f"iface-{number}.yaml", iface={h2.name: payload})
         address = cluster.write_inventory(tmp_path / f"address-{number}.yaml", address={h3.name: payload})
-        for inventory, named in ((names, "not a valid host name"), (iface, "key 'iface'"), (address, "key 'address'")):
+        user = cluster.write_inventory(tmp_path / f"user-{number}.yaml", user={h1.name: payload})
+        for inventory, named in ((names, "not a valid host name"), (iface, "key 'iface'"), (address, "key 'address'"),
+                                 (user, "key 'user'")):
             done = invoke(tmp_path, "check", "--hosts", str(inventory), "--json", "--connect-timeout", "3", "--no-network")
             why = f"{payload!r} in {inventory.name}: exit {done.returncode}\n{done.stdout[-1500:]}\n{done.stderr[-1500:]}"
             assert done.returncode == 2, why
             assert named in done.stderr and len(done.stderr.strip().splitlines()) == 1, why
     sshd_log_sizes(cluster)  # until sshd has written what it will
     assert new_connections(cluster, before) == {}, "a refused inventory made an SSH connection"
-    # Users, paths, interpreters and identities are data: carried to the hosts, quoted, never executed.
+    # Paths, interpreters and identities are data: carried to the hosts, quoted, never executed.
     carried = []
     for number, template in enumerate(PAYLOADS):
         payload = template.format(m=f"/tmp/{MARKER}")
         tilde_payload = "~/" + template.format(m=f"~/{MARKER}")
         fields = cluster.write_inventory(
             tmp_path / f"fields-{number}.yaml",
-            user={h1.name: payload},
-            workdir={h2.name: payload, h4.name: tilde_payload},
+            workdir={h1.name: payload, h2.name: payload, h4.name: tilde_payload},
             python={h3.name: payload},
             identity={h4.name: payload},
         )

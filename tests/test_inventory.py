@@ -218,9 +218,21 @@ def test_master_must_be_one_of_the_hosts():
     assert "key 'master': 'nod1' is not a host of this inventory (did you mean 'node1'?)" in error_of("master: nod1\nhosts: {node1: {}, node2: {}}\n")
 
 
-def test_values_with_shell_metacharacters_are_kept_as_data():
-    inv = parse("hosts:\n  a:\n    user: 'x; touch /tmp/pwned'\n    workdir: '$(id)/`id`'\n")
-    assert inv.hosts[0].user == "x; touch /tmp/pwned" and inv.hosts[0].workdir == "$(id)/`id`"
+def test_paths_with_shell_metacharacters_are_kept_as_data():
+    inv = parse("hosts:\n  a:\n    identity: 'x; touch /tmp/pwned'\n    workdir: '$(id)/`id`'\n")
+    assert inv.hosts[0].identity == "x; touch /tmp/pwned" and inv.hosts[0].workdir == "$(id)/`id`"
+
+
+@pytest.mark.parametrize("user", ["x; touch /tmp/pwned", "-oProxyCommand=id", "a b", "lab # comment", "$(id)", "x'y"])
+def test_a_user_that_is_not_a_login_name_is_refused(user):
+    # the user becomes `User` in the ~/.ssh/config setup writes on every host and the user of user@host
+    assert "key 'user'" in error_of(f"hosts:\n  a:\n    user: {json.dumps(user)}\n") and "not a login name" in error_of(
+        f"hosts:\n  a:\n    user: {json.dumps(user)}\n")
+
+
+@pytest.mark.parametrize("user", ["root", "lab-user", "j.doe", "svc_train", "jdoe@LAB.EXAMPLE.ORG", "machine$", "1001"])
+def test_real_login_names_pass(user):
+    assert parse(f"hosts:\n  a:\n    user: {json.dumps(user)}\n").hosts[0].user == user
 
 
 def test_multi_line_values_and_option_like_addresses_are_refused():

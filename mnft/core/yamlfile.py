@@ -1,5 +1,10 @@
-"""Strict YAML input files (inventories, playbooks): safe loading that refuses duplicate keys, remembers each
-key's line for error messages, and turns every YAML problem into a one-line `InputError` naming file and line."""
+"""Strict YAML input files (inventories, playbooks, job files): safe loading that refuses duplicate keys,
+remembers each key's line for error messages, and turns every YAML problem into a one-line `InputError` naming
+file and line. Loading is bounded (mnft.core.limits): the file's size and line length, nesting depth, nodes and
+alias uses while composing, the document's size with every alias expanded (an alias bomb is refused before it is
+built), and the length of an integer before it is converted. Events come from libyaml when PyYAML has it (five
+times faster than the pure-Python scanner); composing stays in Python, where the limits are counted.
+"""
 
 from __future__ import annotations
 
@@ -8,18 +13,19 @@ from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
+from yaml.composer import Composer
+from yaml.constructor import SafeConstructor
+from yaml.nodes import MappingNode, SequenceNode
+from yaml.resolver import Resolver
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 
 
-def read_text(path: Path, what: str, flag: str) -> str:
-    """A file's text, or a one-line InputError saying what is wrong and which option names the file."""
-    try:
-        return path.read_text()
-    except FileNotFoundError:
-        raise InputError(f"{path}: {what} not found (pass {flag} with an existing file)") from None
-    except (IsADirectoryError, PermissionError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read the {what}: {exc.__class__.__name__}: {exc}") from None
+def read_text(path: Path, what: str, flag: str, limit: int = limits.JOB_BYTES) -> str:
+    """A file's text (at most `limit` bytes, lines at most LINE_CHARS), or a one-line InputError saying what is
+    wrong and which option names the file."""
+    return limits.text_of(limits.read_bytes(path, limit, what, flag), str(path), what)
 
 
 class LineMap(dict):
@@ -29,7 +35,71 @@ class LineMap(dict):
     key_lines: dict[Any, int]
 
 
-class _Loader(yaml.SafeLoader):
+try:  # libyaml's event parser (iterative: no recursion however deep the input), Python's composer on top
+    from yaml._yaml import CParser
+
+    class _Events(Composer, CParser):
+        def __init__(self, stream: str) -> None:
+            CParser.__init__(self, stream)
+            Composer.__init__(self)
+
+except ImportError:  # PyYAML built without libyaml: the pure-Python reader, scanner and parser
+    from yaml.parser import Parser
+    from yaml.reader import Reader
+    from yaml.scanner import Scanner
+
+    class _Events(Reader, Scanner, Parser, Composer):  # type: ignore[no-redef]
+        def __init__(self, stream: str) -> None:
+            Reader.__init__(self, stream)
+            Scanner.__init__(self)
+            Parser.__init__(self)
+            Composer.__init__(self)
+
+
+class _Limit(Exception):
+    def __init__(self, message: str, mark: Any = None):
+        super().__init__(message)
+        self.line = mark.line + 1 if mark is not None else None
+
+
+class _Loader(_Events, SafeConstructor, Resolver):
+    """yaml.SafeLoader's behaviour, with limits counted while composing and checked before constructing."""
+
+    def __init__(self, stream: str) -> None:
+        _Events.__init__(self, stream)
+        SafeConstructor.__init__(self)
+        Resolver.__init__(self)
+        self._depth = self._nodes = self._aliases = 0
+
+    def compose_node(self, parent, index):  # type: ignore[override]
+        event = self.peek_event()
+        self._nodes += 1
+        if self._nodes > limits.YAML_NODES:
+            raise _Limit(f"more than {limits.YAML_NODES} YAML nodes", event.start_mark)
+        if isinstance(event, yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > limits.YAML_ALIASES:
+                raise _Limit(f"more than {limits.YAML_ALIASES} YAML aliases", event.start_mark)
+            return super().compose_node(parent, index)
+        self._depth += 1
+        if self._depth > limits.YAML_DEPTH:
+            raise _Limit(f"YAML nested deeper than {limits.YAML_DEPTH} levels", event.start_mark)
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def get_single_node(self):  # type: ignore[override]
+        node = super().get_single_node()
+        if node is not None:
+            _check_expanded(node)
+        return node
+
+    def construct_yaml_int(self, node):  # type: ignore[override]
+        if len(node.value) > limits.NUMBER_CHARS:  # 9999…: converting thousands of digits is quadratic
+            raise _Limit(f"an integer of {len(node.value)} characters: longer than {limits.NUMBER_CHARS}", node.start_mark)
+        return super().construct_yaml_int(node)
+
     def construct_mapping(self, node, deep=False):  # type: ignore[override]
         self.flatten_mapping(node)
         mapping = LineMap()
@@ -50,6 +120,47 @@ class _Loader(yaml.SafeLoader):
 
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
+_Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+
+
+def _check_expanded(root: Any) -> None:
+    """The document's size with every alias expanded, counted over the node graph (each node once, shared ones
+    by their expanded size): `a: &a [x, x, …] b: &b [*a, *a, …] …` is a handful of nodes that expand to billions,
+    and every consumer walking it (merging vars, printing a value) would. An alias to its own collection is refused
+    too (it expands for ever)."""
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(root, False)]
+    while stack:
+        node, done = stack.pop()
+        key = id(node)
+        if done:
+            open_.discard(key)
+            total = 1 + sum(sizes[id(c)] for c in _children(node))
+            if total > limits.YAML_NODES:
+                raise _Limit(f"the YAML document expands to more than {limits.YAML_NODES} nodes through its aliases "
+                             "(an alias bomb?)", node.start_mark)
+            sizes[key] = total
+            continue
+        if key in sizes:
+            continue
+        if key in open_:
+            raise _Limit("a YAML alias refers to the collection that holds it (it would expand for ever)", node.start_mark)
+        open_.add(key)
+        stack.append((node, True))
+        for child in _children(node):
+            if id(child) in open_:
+                raise _Limit("a YAML alias refers to the collection that holds it (it would expand for ever)", child.start_mark)
+            if id(child) not in sizes:
+                stack.append((child, False))
+
+
+def _children(node: Any) -> list:
+    if isinstance(node, SequenceNode):
+        return node.value
+    if isinstance(node, MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 class _DuplicateKey(Exception):
@@ -61,6 +172,9 @@ class _DuplicateKey(Exception):
 def load(text: str, where: str) -> Any:
     try:
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+    except _Limit as exc:
+        line = f":{exc.line}" if exc.line else ""
+        raise InputError(f"{where}{line}: {exc} (a limit of mnft's input, see docs/security.md)") from None
     except _DuplicateKey as exc:
         raise InputError(f"{where}:{exc.line}: duplicate key {exc.key!r} (a host or setting is listed twice)") from None
     except yaml.MarkedYAMLError as exc:

@@ -1,7 +1,9 @@
 """The hosts and how mnft reaches them.
 
-    inventory   which hosts take part, in node_rank order, and how to reach each (mnft YAML, Ansible, hostfile)
+    inventory   which hosts take part, in node_rank order, and how to reach each (mnft YAML, Ansible YAML or INI,
+                hostfile)
     ansible     an Ansible inventory's groups, ranges and variables, translated into mnft's host settings
+    ansible_ini an Ansible INI inventory read as Ansible reads it, into the YAML form's shape
     settings    one host's settings: the keys, their defaults, validation; the Host and Inventory values
     hostkeys    which SSH host keys are trusted; recording a new one is an explicit act
     trust       `invoke trust-hosts`: read, judge and record hosts' keys

@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.core.yamlfile import LineMap, line_of, suggest
 from mnft.hosts.settings import DEFAULT_RENDEZVOUS_PORT, HOST_KEYS, Inventory, build, perf_thresholds
@@ -65,26 +66,70 @@ ANSIBLE_IGNORED_PREFIXES = (
 GROUP_KEYS = ("hosts", "vars", "children")
 
 
-_RANGE = re.compile(r"\[([0-9a-z]+):([0-9a-z]+)(?::([0-9]+))?\]")
+_RANGE = re.compile(r"\[([0-9a-z]*):([0-9a-z]*)(?::([0-9]*))?\]")
 
 
-def expand_host_pattern(pattern: str) -> list[str]:
-    """Expand Ansible host ranges: `node[01:03]` -> node01 node02 node03, `r[a:c]` -> ra rb rc, strides allowed."""
-    match = _RANGE.search(pattern)
-    if not match:
-        return [pattern]
-    start, end, step = match.group(1), match.group(2), int(match.group(3) or 1)
-    head, tail = pattern[: match.start()], pattern[match.end() :]
+def expand_host_pattern(pattern: str, limit: int = limits.HOSTS) -> list[str]:
+    """Expand Ansible host ranges: `node[01:03]` -> node01 node02 node03, `r[a:c]` -> ra rb rc, strides allowed.
+
+    Bounded: the number of names is worked out from the ranges before any is made (node[1:1000000000] is refused
+    at once), and kept under `limit` while expanding; a ValueError says why."""
+    if len(pattern) > limits.HOST_PATTERN_CHARS:
+        raise ValueError(f"a host pattern longer than {limits.HOST_PATTERN_CHARS} characters (a limit of mnft's input)")
+    estimate = 1
+    for match in _RANGE.finditer(pattern):
+        estimate *= _range_size(match)
+        if estimate > limit:
+            raise ValueError(f"expands to more than {limit} hosts (a limit of mnft's input)")
+    done: list[str] = []
+    pending = [pattern]
+    while pending:  # each pending name becomes one host at least (an empty range is an error)
+        name = pending.pop()
+        match = _RANGE.search(name)
+        if not match:
+            done.append(name)
+            continue
+        if _range_size(match) + len(pending) + len(done) > limit:
+            raise ValueError(f"expands to more than {limit} hosts (a limit of mnft's input)")
+        head, tail = name[: match.start()], name[match.end() :]
+        pending.extend(reversed([head + item + tail for item in _range_items(match)]))
+    return done
+
+
+def _range_bounds(match: re.Match) -> tuple[str, str, int]:
+    start, end, step_text = match.group(1) or "0", match.group(2), match.group(3)
+    for part in (start, end, step_text or ""):
+        if len(part) > limits.NUMBER_CHARS:
+            raise ValueError(f"bad host range {match.group(0)[:40]}…: a bound longer than {limits.NUMBER_CHARS} characters")
+    step = int(step_text) if step_text else 1
+    if not end:
+        raise ValueError(f"bad host range {match.group(0)}: no end")
+    if step < 1:
+        raise ValueError(f"bad host range {match.group(0)}: the step must be at least 1")
+    if start.isdigit() and start.startswith("0") and len(start) > 1 and len(start) != len(end):
+        raise ValueError(f"bad host range {match.group(0)}: a zero-padded range has bounds of equal length (as Ansible)")
+    return start, end, step
+
+
+def _range_size(match: re.Match) -> int:
+    start, end, step = _range_bounds(match)
     if start.isdigit() and end.isdigit():
-        width = len(start) if start.startswith("0") and len(start) > 1 else 0
-        items = [str(i).zfill(width) for i in range(int(start), int(end) + 1, step)]
+        first, last = int(start), int(end)
     elif len(start) == 1 and len(end) == 1 and start.isalpha() and end.isalpha():
-        items = [chr(c) for c in range(ord(start), ord(end) + 1, step)]
+        first, last = ord(start), ord(end)
     else:
         raise ValueError(f"bad host range [{start}:{end}]")
-    if not items:
+    if last < first:
         raise ValueError(f"empty host range [{start}:{end}]")
-    return [name for item in items for name in expand_host_pattern(head + item + tail)]
+    return (last - first) // step + 1
+
+
+def _range_items(match: re.Match) -> list[str]:
+    start, end, step = _range_bounds(match)
+    if start.isdigit() and end.isdigit():
+        width = len(start) if start.startswith("0") and len(start) > 1 else 0
+        return [str(i).zfill(width) for i in range(int(start), int(end) + 1, step)]
+    return [chr(c) for c in range(ord(start), ord(end) + 1, step)]
 
 
 def _split_host_port(pattern: str) -> tuple[str, int | None]:
@@ -96,7 +141,31 @@ def _split_host_port(pattern: str) -> tuple[str, int | None]:
     return pattern, None
 
 
-def parse(doc: dict, path: Path | None, where: str) -> Inventory:
+def parse(doc: dict, path: Path | None, where: str, first_seen: dict[str, int] | None = None, fmt: str = "ansible") -> Inventory:
+    """An Ansible inventory as a YAML document (or the same shape read from INI by mnft.hosts.ansible_ini)."""
+    raw, all_vars = hostvars(doc, where, first_seen)
+    settings = [(name, _from_ansible(merged), own) for name, merged, own in raw]
+    ignored = {
+        name: tuple(sorted(k for k in merged if not _ansible_key_known(k)))
+        for name, merged, _ in raw
+        if any(not _ansible_key_known(k) for k in merged)
+    }
+    inv = build(
+        settings,
+        path,
+        where,
+        fmt,
+        master=all_vars.get("mnft_master"),
+        known_hosts=all_vars.get("mnft_known_hosts"),
+        rendezvous_port=all_vars.get("mnft_rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
+    )
+    return replace(inv, ignored=ignored, perf=perf_thresholds(all_vars.get("mnft_perf"), where, "mnft_perf"))
+
+
+def hostvars(doc: dict, where: str, first_seen: dict[str, int] | None = None) -> tuple[list[tuple[str, dict, Any]], dict]:
+    """Every host's variables as Ansible merges them ([(host, merged vars, its own vars with lines)], all's vars).
+    Hosts are in order of first appearance: depth first through the document, or, when `first_seen` is given
+    (host -> the line of its first appearance), in that order."""
     # Top-level keys are groups; Ansible makes every top-level group a child of 'all'.
     order: list[str] = []  # hosts in order of first appearance (node_rank order)
     host_vars: dict[str, dict] = {}
@@ -105,10 +174,15 @@ def parse(doc: dict, path: Path | None, where: str) -> Inventory:
     group_depth: dict[str, int] = {}
     host_line: dict[str, int] = {}  # where each host first appears
     var_lines: dict[tuple[str, str], dict[str, int]] = {}  # ("group"|"host", name) -> {var: line}
+    visits = [0]  # groups reached by many paths are walked once per path: bounded
 
     def walk(group: str, body: Any, depth: int, parents: tuple[str, ...], container: Any) -> None:
         if group in parents:
             raise InputError(f"{where}{line_of(container, group)}: group {group!r} contains itself")
+        visits[0] += 1 + len(parents)
+        if visits[0] > limits.GROUP_VISITS:
+            raise InputError(f"{where}{line_of(container, group)}: group {group!r}: the groups are reached by more than "
+                             f"{limits.GROUP_VISITS} paths (a limit of mnft's input, see docs/security.md)")
         if body is None:
             body = {}
         if not isinstance(body, dict):
@@ -141,8 +215,15 @@ def parse(doc: dict, path: Path | None, where: str) -> Inventory:
                 names = expand_host_pattern(bare)
             except ValueError as exc:
                 raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: {exc}") from None
+            visits[0] += len(names) * (1 + len(parents))
+            if visits[0] > limits.GROUP_VISITS:
+                raise InputError(f"{where}{line_of(hosts, pattern)}: group {group!r}: its hosts are reached by more than "
+                                 f"{limits.GROUP_VISITS} paths (a limit of mnft's input, see docs/security.md)")
             for name in names:
                 if name not in host_vars:
+                    if len(order) >= limits.HOSTS:
+                        raise InputError(f"{where}{line_of(hosts, pattern)}: more than {limits.HOSTS} hosts "
+                                         "(a limit of mnft's input, see docs/security.md)")
                     order.append(name)
                     host_vars[name] = {}
                     host_line[name] = getattr(hosts, "key_lines", {}).get(pattern, 0)
@@ -163,6 +244,8 @@ def parse(doc: dict, path: Path | None, where: str) -> Inventory:
             walk(str(group), body, 1, ("all",), doc)
     if not order:
         raise InputError(f"{where}: inventory is empty: no group lists a host")
+    if first_seen is not None:
+        order.sort(key=lambda name: first_seen.get(name, 0))
 
     raw = []
     all_vars = group_vars.get("all", {})
@@ -181,22 +264,7 @@ def parse(doc: dict, path: Path | None, where: str) -> Inventory:
         if not own.line:
             own = host_vars[name]
         raw.append((name, merged, own))
-    settings = [(name, _from_ansible(merged), own) for name, merged, own in raw]
-    ignored = {
-        name: tuple(sorted(k for k in merged if not _ansible_key_known(k)))
-        for name, merged, _ in raw
-        if any(not _ansible_key_known(k) for k in merged)
-    }
-    inv = build(
-        settings,
-        path,
-        where,
-        "ansible",
-        master=all_vars.get("mnft_master"),
-        known_hosts=all_vars.get("mnft_known_hosts"),
-        rendezvous_port=all_vars.get("mnft_rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
-    )
-    return replace(inv, ignored=ignored, perf=perf_thresholds(all_vars.get("mnft_perf"), where, "mnft_perf"))
+    return raw, all_vars
 
 
 MNFT_ANSIBLE_GLOBALS = ("mnft_master", "mnft_known_hosts", "mnft_rendezvous_port", "mnft_perf")

@@ -1,13 +1,18 @@
 """The inventory: which hosts take part in a job, in node_rank order, and how to reach each.
 
-Three formats are read, detected from the content:
+Four formats are read, detected from the content:
 
 * mnft's own YAML: top-level `hosts` (a mapping name -> settings, in node_rank order), optional `vars`
   (defaults for every host), `master`, `known_hosts`, `rendezvous_port`;
 * an Ansible YAML inventory (`all:` -> `hosts` / `vars` / `children`, host ranges such as `node[01:16]`,
   `ansible_host`, `ansible_port`, `ansible_user`, `ansible_ssh_private_key_file`,
   `ansible_python_interpreter`, `ansible_connection`; precedence all < parent < child < host);
+* an Ansible INI inventory (Ansible's default, `/etc/ansible/hosts`: `[group]`, `[group:vars]`,
+  `[group:children]`, `host ansible_host=… ansible_user=…`), read by `ansible_ini` into the YAML form's shape;
 * a DeepSpeed hostfile: one `hostname slots=N` per line, `#` comments.
+
+Every file is read within the limits of mnft.core.limits (size, line length, YAML nesting and aliases, integer
+length, hosts after ranges): past one, one line naming the file and the limit.
 
 Parsing is strict: an unknown key (with a suggestion), a duplicate host, a bad port, non-positive slots or an
 unknown connection type is an `InputError` naming the file, line, host and key. Nothing here touches a host.
@@ -20,10 +25,10 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
-from mnft.core import yamlfile
+from mnft.core import limits, yamlfile
 from mnft.core.errors import InputError
 from mnft.core.yamlfile import LineMap, line_of, suggest
-from mnft.hosts import ansible
+from mnft.hosts import ansible, ansible_ini
 from mnft.hosts.settings import DEFAULT_RENDEZVOUS_PORT, HOST_KEYS, Inventory, build, perf_thresholds
 
 TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port", "perf")
@@ -35,11 +40,14 @@ TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port", "perf")
 def load(path: str | os.PathLike[str]) -> Inventory:
     """Read and validate an inventory file of any of the three formats."""
     path = Path(path)
-    return parse(yamlfile.read_text(path, "inventory file", "--hosts"), path)
+    return parse(yamlfile.read_text(path, "inventory file", "--hosts", limits.INVENTORY_BYTES), path)
 
 
 def parse(text: str, path: Path | None = None) -> Inventory:
     where = str(path) if path else "<inventory>"
+    limits.check_lines(text, where)
+    if ansible_ini.looks_like_ini(text):
+        return ansible_ini.parse(text, path, where)
     if _looks_like_hostfile(text) or _looks_like_a_broken_hostfile(text):
         return _parse_hostfile(text, path, where)
     doc = yamlfile.load(text, where)
@@ -136,8 +144,10 @@ def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
             continue
         name, *options = line.split()
         if name in seen:
-            raise InputError(f"{where}:{number}: host {name!r}: duplicate host (first on line {seen[name]})")
+            raise InputError(f"{where}:{number}: host {limits.shown(name)}: duplicate host (first on line {seen[name]})")
         seen[name] = number
+        if len(seen) > limits.HOSTS:
+            raise InputError(f"{where}:{number}: more than {limits.HOSTS} hosts (a limit of mnft's input, see docs/security.md)")
         settings = LineMap()
         settings.line, settings.key_lines = number, {"slots": number}
         if any("=" in option for option in options) and not all(re.match(r"^[^=]+=[^=]+$", o) for o in options):
@@ -146,10 +156,11 @@ def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
             key, _, value = option.partition("=")
             if key != "slots":
                 raise InputError(f"{where}:{number}: host {name!r}: unknown key {key!r}{suggest(key, ['slots'])} (a hostfile line is 'hostname slots=N')")
+            limits.integer_text(value, f"{where}:{number}: host {limits.shown(name)}: key 'slots'")
             try:
                 settings["slots"] = int(value)
             except ValueError:
-                raise InputError(f"{where}:{number}: host {name!r}: key 'slots': {value!r} is not a whole number") from None
+                raise InputError(f"{where}:{number}: host {limits.shown(name)}: key 'slots': {limits.shown(value)} is not a whole number") from None
         raw.append((name, settings, settings))
     if not raw:
         raise InputError(f"{where}: inventory is empty: the hostfile lists no host")

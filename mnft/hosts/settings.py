@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Iterable
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.core.yamlfile import line_of, suggest
 
@@ -73,7 +74,7 @@ class Host:
 @dataclass(frozen=True)
 class Inventory:
     path: Path | None
-    format: str  # "mnft" | "ansible" | "hostfile"
+    format: str  # "mnft" | "ansible" | "ansible-ini" | "hostfile"
     hosts: tuple[Host, ...]
     master_name: str
     known_hosts: Path | None = None
@@ -122,6 +123,8 @@ def build(
     known_hosts: Any,
     rendezvous_port: Any,
 ) -> Inventory:
+    if len(raw) > limits.HOSTS:
+        raise InputError(f"{where}: more than {limits.HOSTS} hosts (a limit of mnft's input, see docs/security.md)")
     hosts = []
     seen_names: set[str] = set()
     seen_targets: dict[tuple, str] = {}
@@ -160,13 +163,13 @@ def build(
 
 def port_number(value: Any, where: str, what: str, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, str)):
-        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)")
+        raise InputError(f"{where}: {what}: key {key!r}: {limits.shown(value)} is not a port number (1-65535)")
     try:
-        port = int(value)
+        port = int(value) if len(str(value)) <= limits.NUMBER_CHARS else 0
     except ValueError:
-        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)") from None
+        raise InputError(f"{where}: {what}: key {key!r}: {limits.shown(value)} is not a port number (1-65535)") from None
     if not 1 <= port <= 65535:
-        raise InputError(f"{where}: {what}: key {key!r}: {value!r} is not a port number (1-65535)")
+        raise InputError(f"{where}: {what}: key {key!r}: {limits.shown(value)} is not a port number (1-65535)")
     return port
 
 
@@ -176,6 +179,10 @@ HOST_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,252}$")
 
 # An address is a host name or an IPv4/IPv6 address (an IPv6 zone such as fe80::1%eth0 included).
 ADDRESS = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:%-]{0,252}$")
+
+# A login name: it becomes `User` in ~/.ssh/config and the user part of user@host. POSIX names and the usual lab
+# extensions (dots, '@' of a domain account, a trailing '$'); no white space, quotes, '#' or leading '-'.
+USER = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.@-]{0,127}\$?")
 
 # Processes per node: GPUs per server (8, 16) or CPU processes; beyond this a value is a typo, not a machine.
 MAX_SLOTS = 1024
@@ -189,6 +196,7 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
     line = line_of(own)
     loc = f"{where}{line}"
     if not isinstance(name, str) or not HOST_NAME.fullmatch(name):
+        what = f"host {limits.shown(name)}"
         raise InputError(
             f"{loc}: {what}: not a valid host name (letters, digits, '.', '_', '-', not starting with '-'; "
             f"no white space, quotes, shell or ssh_config pattern characters)"
@@ -203,9 +211,9 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
         if value is None and allow_none:
             return None
         if isinstance(value, bool) or not isinstance(value, (str, int)) or str(value) == "":
-            raise InputError(f"{loc}: {what}: key {key!r}: expected text, got {value!r}")
+            raise InputError(f"{at(key)}: {what}: key {key!r}: expected text, got {limits.shown(value)}")
         if any(ord(c) < 32 or ord(c) == 127 for c in str(value)):  # a newline, NUL, escape…: it would reach a file or a command
-            raise InputError(f"{loc}: {what}: key {key!r}: {str(value)!r} must be a single line without control characters")
+            raise InputError(f"{at(key)}: {what}: key {key!r}: {limits.shown(str(value))} must be a single line without control characters")
         return str(value)
 
     def flag(key: str) -> bool:
@@ -214,24 +222,29 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
             return value
         if isinstance(value, str) and value.lower() in ("yes", "true", "no", "false"):
             return value.lower() in ("yes", "true")
-        raise InputError(f"{loc}: {what}: key {key!r}: expected true or false, got {value!r}")
+        raise InputError(f"{at(key)}: {what}: key {key!r}: expected true or false, got {limits.shown(value)}")
 
     connection = values["connection"]
     if connection not in CONNECTIONS:
-        raise InputError(f"{at('connection')}: {what}: key 'connection': unknown connection type {connection!r} (use one of: {', '.join(CONNECTIONS)})")
+        raise InputError(f"{at('connection')}: {what}: key 'connection': unknown connection type {limits.shown(connection)} (use one of: {', '.join(CONNECTIONS)})")
     slots = values["slots"]
     if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
-        raise InputError(f"{at('slots')}: {what}: key 'slots': {slots!r} must be a whole number from 1 to {MAX_SLOTS} (processes on this node)")
+        raise InputError(f"{at('slots')}: {what}: key 'slots': {limits.shown(slots)} must be a whole number from 1 to {MAX_SLOTS} (processes on this node)")
     port = None if values["port"] is None else port_number(values["port"], at("port"), what, "port")
     address = text("address") or name
     if address.startswith("-"):
-        raise InputError(f"{at('address')}: {what}: key 'address': {address!r} must not start with '-'")
+        raise InputError(f"{at('address')}: {what}: key 'address': {limits.shown(address)} must not start with '-'")
     if not ADDRESS.fullmatch(address):
-        raise InputError(f"{at('address')}: {what}: key 'address': {address!r} is not a host name or IP address")
+        raise InputError(f"{at('address')}: {what}: key 'address': {limits.shown(address)} is not a host name or IP address")
     iface = text("iface")
     if iface is not None and not IFACE.fullmatch(iface):
-        raise InputError(f"{at('iface')}: {what}: key 'iface': {iface!r} is not a network interface name (at most 15 of A-Z a-z 0-9 _ . : @ -)")
+        raise InputError(f"{at('iface')}: {what}: key 'iface': {limits.shown(iface)} is not a network interface name (at most 15 of A-Z a-z 0-9 _ . : @ -)")
     user = text("user")
+    if user is not None and not USER.fullmatch(user):
+        hint = (" (a comment after a value in a [group:vars] section is part of the value, as Ansible reads it: put"
+                " the comment on its own line)" if " #" in user or " ;" in user else "")
+        raise InputError(f"{at('user')}: {what}: key 'user': {limits.shown(user)} is not a login name (letters, digits, "
+                         f"'.', '_', '-', '@', not starting with '-'){hint}")
     venv = values["venv"]
     if venv is False or (isinstance(venv, str) and venv.strip().lower() in ("none", "false", "no")):
         venv = None

@@ -1,0 +1,122 @@
+"""Limits of input: the most any file mnft reads may hold, in one place, so that no input (careless or hostile)
+makes a parser hang, exhaust memory or end in a traceback. Past a limit the reader raises `InputError` (exit 2)
+with one line naming the file and the limit; nothing is read or allocated beyond it.
+
+Every value is generous for a real lab (64 hosts is the size on the label; a lock of torch with every wheel's
+hash is a few hundred KiB) and small enough that the worst input within it is parsed in well under a second.
+docs/security.md ("Limits of input") has the same table; tests/test_hostile_input.py holds each limit.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from mnft.core.errors import InputError
+
+KiB, MiB = 1 << 10, 1 << 20
+
+# ---- file size: bytes read at most (a reader reads one more byte to know the file is larger, never the rest)
+INVENTORY_BYTES = 1 * MiB  # an inventory (mnft YAML, Ansible YAML or INI, DeepSpeed hostfile)
+JOB_BYTES = 1 * MiB  # a job file (--job), a setup playbook
+LOCK_BYTES = 16 * MiB  # a lock file (requirements.lock, pylock.toml)
+ENV_FILE_BYTES = 256 * KiB  # an --env-file
+RECORD_BYTES = 64 * MiB  # a run record runs/<id>/run.json mnft reads back
+
+# ---- structure
+LINE_CHARS = 64 * KiB  # one line of an inventory, job, playbook or lock file
+YAML_DEPTH = 64  # nesting of YAML collections (an Ansible inventory nests groups: ~3 levels per group)
+YAML_ALIASES = 10_000  # alias uses (*name, <<: *name) in one YAML document
+YAML_NODES = 100_000  # nodes of a YAML document, and with every alias expanded (an alias bomb expands to billions)
+NUMBER_CHARS = 32  # characters of one integer (a port, slots, an exit code; a 64-bit integer has 20)
+HOSTS = 4096  # hosts of one inventory, after host ranges (node[1:1000000000] is refused before allocating)
+HOST_PATTERN_CHARS = 1024  # characters of one host name or range pattern (a name is at most 253)
+GROUP_VISITS = 100_000  # (group, parent path) pairs walked in an Ansible inventory (groups reached by many paths)
+JSON_DEPTH = 200  # nesting of a record's JSON
+
+TABLE = (  # (limit, value, what it bounds) for docs and messages
+    ("INVENTORY_BYTES", INVENTORY_BYTES, "bytes of an inventory"),
+    ("JOB_BYTES", JOB_BYTES, "bytes of a job file or playbook"),
+    ("LOCK_BYTES", LOCK_BYTES, "bytes of a lock file"),
+    ("ENV_FILE_BYTES", ENV_FILE_BYTES, "bytes of an --env-file"),
+    ("RECORD_BYTES", RECORD_BYTES, "bytes of a run record read back"),
+    ("LINE_CHARS", LINE_CHARS, "characters of one line"),
+    ("YAML_DEPTH", YAML_DEPTH, "levels of YAML nesting"),
+    ("YAML_ALIASES", YAML_ALIASES, "YAML alias uses"),
+    ("YAML_NODES", YAML_NODES, "YAML nodes with aliases expanded"),
+    ("NUMBER_CHARS", NUMBER_CHARS, "characters of an integer"),
+    ("HOSTS", HOSTS, "hosts of an inventory, ranges expanded"),
+    ("HOST_PATTERN_CHARS", HOST_PATTERN_CHARS, "characters of a host pattern"),
+    ("GROUP_VISITS", GROUP_VISITS, "group visits of an Ansible inventory"),
+    ("JSON_DEPTH", JSON_DEPTH, "levels of JSON nesting in a record"),
+)
+
+
+def size(n: int) -> str:
+    """A byte count as a person writes it: 256 KiB, 1 MiB."""
+    return f"{n // MiB} MiB" if n >= MiB and n % MiB == 0 else f"{n // KiB} KiB" if n % KiB == 0 else f"{n} bytes"
+
+
+def read_bytes(path: str | os.PathLike[str], limit: int, what: str, flag: str) -> bytes:
+    """At most `limit` bytes of a file (one more is read to tell that it is larger, nothing beyond), or a one-line
+    InputError: missing, unreadable, a directory, or larger than the limit."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except FileNotFoundError:
+        raise InputError(f"{path}: {what} not found (pass {flag} with an existing file)") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the {what}: {exc.__class__.__name__}: {exc.strerror or exc}") from None
+    if len(data) > limit:
+        raise InputError(f"{path}: the {what} is larger than {size(limit)} (a limit of mnft's input, see docs/security.md)")
+    return data
+
+
+def text_of(data: bytes, where: str, what: str) -> str:
+    """UTF-8 text whose every line is at most LINE_CHARS long, or a one-line InputError naming the line."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise InputError(f"{where}:{line}: the {what} is not UTF-8 text") from None
+    check_lines(text, where)
+    return text
+
+
+def check_lines(text: str, where: str) -> None:
+    if len(text) <= LINE_CHARS:
+        return
+    for number, line in enumerate(text.split("\n"), 1):
+        if len(line) > LINE_CHARS:
+            raise InputError(f"{where}:{number}: line longer than {LINE_CHARS} characters (a limit of mnft's input)")
+
+
+def integer_text(text: str, where: str) -> None:
+    """An integer written with more than NUMBER_CHARS characters is refused before it is converted (converting
+    thousands of digits is quadratic, and Python refuses more than 4300)."""
+    if len(text) > NUMBER_CHARS:
+        raise InputError(f"{where}: an integer of {len(text)} characters: longer than {NUMBER_CHARS} (a limit of mnft's input)")
+
+
+_BIG = 10**NUMBER_CHARS
+
+
+def integer(value: Any, where: str) -> None:
+    """A parsed integer (INI values, JSON) no longer than NUMBER_CHARS digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _BIG:
+        raise InputError(f"{where}: an integer longer than {NUMBER_CHARS} characters (a limit of mnft's input)")
+
+
+def shown(value: Any, width: int = 80) -> str:
+    """repr(value) for a one-line message, cut to `width` characters (a value may be a megabyte long)."""
+    if isinstance(value, (str, bytes)) and len(value) > width:
+        value = value[:width]
+        return repr(value)[:-1] + "…" + repr(value)[-1]
+    if isinstance(value, (list, tuple, dict, set)) and len(value) > 8:
+        return f"a {type(value).__name__} of {len(value)} items"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _BIG:
+        return f"an integer longer than {NUMBER_CHARS} digits"
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
