@@ -142,3 +142,19 @@ def test_missing_slurm_clients_are_bad_input():
     assert cluster.missing_clients(lambda name: None if name == "sbatch" else f"/usr/bin/{name}") == ["sbatch"]
     with pytest.raises(InputError, match="sbatch, srun, squeue, scontrol, scancel, sinfo missing"):
         cluster.require_clients(lambda name: None)
+
+
+def test_the_recipes_save_request_is_set_by_the_named_signal_only():
+    import os
+    import signal
+
+    from mnft.recipes.common import SaveRequest
+
+    before = signal.getsignal(signal.SIGUSR2)
+    try:
+        assert SaveRequest({}).name is None and signal.getsignal(signal.SIGUSR2) == before  # nothing installed
+        request = SaveRequest({"MNFT_SAVE_SIGNAL": "USR2"})
+        os.kill(os.getpid(), signal.SIGUSR2)
+        assert request.requested and request.name == "USR2"
+    finally:
+        signal.signal(signal.SIGUSR2, before)
