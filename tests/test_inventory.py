@@ -432,3 +432,116 @@ def test_two_aliases_for_one_machine_in_ssh_config_are_refused_before_any_connec
 def test_a_value_is_validated_whole_a_trailing_newline_or_control_character_is_refused(doc, message):
     with pytest.raises(InputError, match=message):
         inventory.parse(doc)
+
+
+# ------------------------------------------------------------------------------------------ Ansible INI
+
+INI_DATA = REPO / "tests" / "data" / "ansible-ini"
+ANSIBLE_READ = json.loads((INI_DATA / "expected.json").read_text())  # how ansible-core read each file (make.py)
+GOOD_INI = sorted(p.name for p in INI_DATA.glob("*.ini") if not p.name.startswith(("bad-", "strict-")))
+
+
+def first_appearance(text: str, names: list[str]) -> list[str]:
+    """The hosts in the order their first line names them (ranges by their line)."""
+    def line_of(name):
+        for number, line in enumerate(text.splitlines()):
+            word = line.split("#")[0].split()[:1]
+            if word and not word[0].startswith("[") and name in ansible.expand_host_pattern(ansible._split_host_port(word[0])[0]):
+                return number
+        raise AssertionError(name)
+    return sorted(names, key=line_of)
+
+
+@pytest.mark.parametrize("name", GOOD_INI)
+def test_an_ini_inventory_from_ansibles_documentation_is_read_as_ansible_reads_it(name):
+    from mnft.hosts import ansible_ini
+
+    text = (INI_DATA / name).read_text()
+    doc, first_seen = ansible_ini.to_document(text, name)
+    raw, _ = ansible.hostvars(doc, name, first_seen)
+    expected = ANSIBLE_READ[name]
+    assert sorted(h for h, _, _ in raw) == sorted(expected["list_hosts"])
+    # every host's variables, merged with Ansible's precedence, typed as Ansible types them (literals on host lines
+    # and in :vars sections, a comment kept in a :vars value that is not a literal)
+    assert {h: dict(merged) for h, merged, _ in raw} == {h: expected["hostvars"].get(h, {}) for h in expected["list_hosts"]}
+    # node_rank order: first appearance in the file (Ansible's own --list-hosts goes breadth first through groups)
+    assert [h for h, _, _ in raw] == first_appearance(text, expected["list_hosts"])
+    inv = inventory.parse(text, Path(name))
+    assert inv.format == "ansible-ini" and [h.name for h in inv.hosts] == [h for h, _, _ in raw]
+
+
+def test_a_lab_ini_inventory_gives_mnft_its_settings():
+    inv = inventory.load(INI_DATA / "lab.ini")
+    by = {h.name: h for h in inv.hosts}
+    assert [h.name for h in inv.hosts] == ["node01", "node02", "node03", "node04", "node05", "login"]
+    assert inv.master_name == "node02" and inv.rendezvous_port == 29600
+    assert by["node01"].user == "train" and by["node01"].slots == 8 and by["node01"].iface == "ib0"
+    assert by["node01"].python == "/opt/conda/bin/python" and by["node01"].identity == "/home/train/.ssh/id_ed25519"
+    assert by["node05"].address == "10.0.0.15" and by["node05"].port == 2222 and by["node05"].become
+    assert by["login"].is_local and by["login"].spare and by["login"].slots == 1
+    assert inv.ignored["node01"] == ("backup_target",)
+
+
+def test_groups_nested_in_ini_follow_the_yaml_forms_precedence():
+    inv = parse("""\
+        [gpu]
+        n1 slots=2
+        n2
+        [gpu:vars]
+        slots=4
+        ansible_user=gpu
+        [lab:children]
+        gpu
+        [lab:vars]
+        slots=8
+        ansible_user=lab
+        ansible_port=2200
+        [all:vars]
+        ansible_port=22
+        """, "hosts.ini")
+    by = {h.name: h for h in inv.hosts}
+    assert (by["n1"].slots, by["n2"].slots) == (2, 4)  # host > child group > parent group > all
+    assert by["n1"].user == "gpu" and by["n1"].port == 2200
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in INI_DATA.glob("bad-*.ini")))
+def test_an_ini_inventory_ansible_refuses_is_refused_with_its_line(name):
+    assert "error" in ANSIBLE_READ[name]  # Ansible refuses it too
+    with pytest.raises(InputError) as info:
+        inventory.load(INI_DATA / name)
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"{INI_DATA / name}:")
+
+
+def test_an_empty_range_ansible_would_read_as_no_host_is_refused():
+    assert "www03.example.com" not in json.dumps(ANSIBLE_READ["strict-empty-range.ini"])  # Ansible: silently none
+    with pytest.raises(InputError, match=r"strict-empty-range.ini:2: host 'www\[3:1\].example.com': empty host range"):
+        inventory.load(INI_DATA / "strict-empty-range.ini")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[gpu]\nn1 slot=8\n", r"hosts.ini:2: host 'n1': unknown key 'slot' \(did you mean 'slots'\?\)"),
+    ("[gpu]\nn1\n[gpu:vars]\nmnft_slotz=8\n", r"hosts.ini:4: group 'gpu': unknown key 'mnft_slotz'"),
+    ("[gpu]\nn1 ansible_port=99999\n", r"hosts.ini:2: host 'n1': key 'port': 99999 is not a port number"),
+    ("[gpu]\nn1\n[gpu:vars]\nansible_user=lab # the lab account\n",
+     r"hosts.ini:4: .*'lab # the lab account' is not a login name .*comment after a value in a \[group:vars\]"),
+    ("[gpu]\nn1 ansible_host=\"'n1\\n'\"\n", r"hosts.ini:2: host 'n1': key 'address': 'n1.n' must be a single line"),
+    ("[gpu]\nnode[1:1000000000]\n", r"hosts.ini:2: host 'node\[1:1000000000\]': expands to more than 4096 hosts"),
+    ("[gpu]\nn1 ansible_port=" + "9" * 5000 + "\n", r"hosts.ini:2: key 'ansible_port': an integer of 5000 characters"),
+    ("[gpu]\nn1 'bad name'\n", r"hosts.ini:2: host 'n1': expected key=value"),
+])
+def test_ini_values_get_the_yaml_forms_errors_and_limits(text, message):
+    with pytest.raises(InputError, match=message) as info:
+        inventory.parse(text, Path("hosts.ini"))
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("text, fmt", [
+    ("[gpu]\nn1\n", "ansible-ini"),
+    ("n1 ansible_host=10.0.0.1 ansible_user=lab\nn2 ansible_host=10.0.0.2\n", "ansible-ini"),  # no section
+    ("n1 slots=8\nn2 slots=8\n", "hostfile"),
+    ("all:\n  hosts:\n    n1:\n", "ansible"),
+    ("hosts:\n  n1: {}\n", "mnft"),
+])
+def test_the_format_is_told_from_the_content(text, fmt):
+    assert inventory.parse(text, Path("inv")).format == fmt

@@ -49,8 +49,8 @@ def looks_like_ini(text: str) -> bool:
         line = raw.strip()
         if not line or line[0] in "#;":
             continue
-        if SECTION.match(line):
-            return True
+        if SECTION.match(line) or (raw[0] == "[" and line.endswith("]") and "," not in line):
+            return True  # a header, or one Ansible would refuse as a header (not a YAML flow list)
         words = line.split()
         if len(words) > 1 and ":" not in words[0] and any(re.match(r"(ansible|mnft)_\w*=", w) for w in words[1:]):
             saw_ansible_var = True
@@ -165,6 +165,7 @@ def to_document(text: str, where: str) -> tuple[LineMap, dict[str, int]]:
     for name, (number, parent) in wanted_children.items():
         raise InputError(f"{where}:{number}: [{parent}:children] names group {name!r}, which is never declared "
                          f"(add a [{name}] section listing its hosts, as Ansible requires)")
+    _refuse_cycles(groups, where)
     doc = LineMap()
     doc.line, doc.key_lines = 1, {}
     doc["all"] = groups["all"]
@@ -174,6 +175,30 @@ def to_document(text: str, where: str) -> tuple[LineMap, dict[str, int]]:
             doc[name] = body
             doc.key_lines[name] = body.line
     return doc, first_seen
+
+
+def _refuse_cycles(groups: dict[str, LineMap], where: str) -> None:
+    """A group that is its own descendant ([a:children] b, [b:children] a) is refused, as Ansible does: depth
+    first over the children, iteratively (a chain of thousands of groups is no recursion)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    for root in groups:
+        if state.get(root):
+            continue
+        stack = [(root, iter(groups[root]["children"]))]
+        state[root] = 1
+        while stack:
+            name, children = stack[-1]
+            child = next(children, None)
+            if child is None:
+                state[name] = 2
+                stack.pop()
+            elif state.get(child) == 1:
+                line = groups[name]["children"].key_lines.get(child, 0)
+                raise InputError(f"{where}:{line}: group {child!r} as a child of {name!r} makes a loop: "
+                                 f"{' > '.join([n for n, _ in stack] + [child])}")
+            elif not state.get(child):
+                state[child] = 1
+                stack.append((child, iter(groups[child]["children"])))
 
 
 def _host_line(line: str, at: str) -> tuple[str, LineMap]:
