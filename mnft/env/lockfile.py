@@ -28,8 +28,9 @@ import tomllib
 from packaging.markers import InvalidMarker, Marker
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from packaging.version import InvalidVersion, Version
+from packaging.version import Version
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 
 DEFAULT_NAMES = ("requirements.lock", "pylock.toml")
@@ -64,7 +65,7 @@ class Pin:
         the pin has none, as pip's `==` allows it)."""
         try:
             installed, pinned = Version(version), Version(self.version)
-        except InvalidVersion:
+        except ValueError:  # InvalidVersion, or thousands of digits (a host's answer)
             return version == self.version
         if pinned.local is None:
             return installed.public == pinned.public
@@ -104,17 +105,10 @@ def default_lock(src: Path) -> Path:
 
 
 def load(path: Path | str) -> Lock:
+    """A lock file, read within mnft's limits (at most LOCK_BYTES, lines at most LINE_CHARS)."""
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise InputError(f"{path}: lock file not found (pass --lock with an existing file)") from None
-    except (IsADirectoryError, PermissionError) as exc:
-        raise InputError(f"{path}: cannot read the lock file: {exc.__class__.__name__}: {exc.strerror or exc}") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"{path}: the lock file is not UTF-8 text") from None
+    data = limits.read_bytes(path, limits.LOCK_BYTES, "lock file", "--lock")
+    text = limits.text_of(data, str(path), "lock file")
     if path.suffix == ".toml":
         return parse_pylock(text, path, hashlib.sha256(data).hexdigest())
     return parse_requirements(text, path, hashlib.sha256(data).hexdigest())
@@ -245,8 +239,8 @@ def _pin(text: str, at: str, number: int, hashes: frozenset[str], line: str) -> 
         raise InputError(f"{at}: {req.name} is not pinned to one version ({line!r}): a lock pins every package as name==version")
     try:
         Version(specs[0].version)
-    except InvalidVersion:
-        raise InputError(f"{at}: {req.name}: {specs[0].version!r} is not a version") from None
+    except ValueError:  # InvalidVersion, or a release number of thousands of digits
+        raise InputError(f"{at}: {req.name}: {limits.shown(specs[0].version)} is not a version") from None
     return Pin(canonicalize_name(req.name), specs[0].version, hashes, str(req.marker) if req.marker else None, number)
 
 
@@ -259,6 +253,10 @@ def parse_pylock(text: str, path: Path, digest: str = "") -> Lock:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise InputError(f"{where}: malformed TOML: {exc}") from None
+    except ValueError:  # an integer of thousands of digits
+        raise InputError(f"{where}: malformed TOML: an integer longer than Python converts (a limit of mnft's input)") from None
+    except RecursionError:  # tomllib nests by recursion: arrays or tables nested a thousand deep
+        raise InputError(f"{where}: malformed TOML: nested deeper than Python's parser goes (a limit of mnft's input)") from None
     version = doc.get("lock-version")
     if not isinstance(version, str) or not version.startswith("1."):
         raise InputError(f"{where}: lock-version {version!r} is not supported (pylock.toml lock-version 1.x)")
@@ -282,8 +280,8 @@ def parse_pylock(text: str, path: Path, digest: str = "") -> Lock:
             raise InputError(f"{at}: not pinned to one version (no 'version'): a lock pins every package")
         try:
             Version(pkg["version"])
-        except InvalidVersion:
-            raise InputError(f"{at}: {pkg['version']!r} is not a version") from None
+        except ValueError:  # InvalidVersion, or a release number of thousands of digits
+            raise InputError(f"{at}: {limits.shown(pkg['version'])} is not a version") from None
         for kind in ("vcs", "directory", "archive"):
             if kind in pkg:
                 raise InputError(f"{at}: a {kind} package cannot be provisioned offline: build a wheel and lock that")

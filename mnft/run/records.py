@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 
-
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name inside runs/, never a path
-RECORD_MAX = 64 << 20  # bytes of run.json read at most
+RECORD_MAX = limits.RECORD_BYTES  # bytes of run.json read at most (one more tells it is larger; never the rest)
 
 
 def runs_root() -> Path:
@@ -86,8 +86,8 @@ def load(run_id: str | None = None, prefer=None) -> RunRecord:
         if prefer is not None:
             for candidate in reversed(runs):
                 try:
-                    data = json.loads((runs_root() / candidate / "run.json").read_text())
-                except (OSError, ValueError):
+                    data = read_record(runs_root() / candidate / "run.json")
+                except InputError:
                     continue
                 if prefer(data):
                     run_id = candidate
@@ -98,10 +98,26 @@ def load(run_id: str | None = None, prefer=None) -> RunRecord:
     if not (path / "run.json").is_file():
         hint = f" (latest: {runs[-1]})" if runs else ""
         raise InputError(f"{path}: no such run{hint}")
-    try:
-        data = json.loads((path / "run.json").read_bytes()[:RECORD_MAX])
-    except (OSError, ValueError, RecursionError) as exc:
-        raise InputError(f"{path / 'run.json'}: unreadable run record ({type(exc).__name__}): move the run away or delete it") from None
-    if not isinstance(data, dict) or data.get("run_id") != run_id:
+    data = read_record(path / "run.json")
+    if data.get("run_id") != run_id:
         raise InputError(f"{path / 'run.json'}: not this run's record: move the run away or delete it")
     return RunRecord(path, data)
+
+
+def read_record(path: Path) -> dict[str, Any]:
+    """A run.json as a mapping, read within limits (at most RECORD_BYTES; JSON nesting, integers as Python
+    bounds them), or a one-line InputError: damaged, foreign or too large, never a traceback."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(RECORD_MAX + 1)
+    except OSError as exc:
+        raise InputError(f"{path}: unreadable run record ({exc.strerror or type(exc).__name__}): move the run away or delete it") from None
+    if len(raw) > RECORD_MAX:
+        raise InputError(f"{path}: a run record larger than {limits.size(RECORD_MAX)} (a limit of mnft's input): move the run away or delete it")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # malformed, not UTF-8, an integer of thousands of digits, nested too deep
+        raise InputError(f"{path}: unreadable run record ({type(exc).__name__}): move the run away or delete it") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{path}: not a run record (a JSON object): move the run away or delete it")
+    return data

@@ -7,8 +7,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mnft.core import limits
 from mnft.core.errors import InputError
-from mnft.hosts.settings import Host, Inventory
+from mnft.hosts.settings import HOST_KEYS, Inventory, port_number, validate_host
 from mnft.run import records
 from mnft.run.control import job_of
 from mnft.run.job import Job, parse_overrides
@@ -25,15 +26,34 @@ def snapshot(inventory: Inventory) -> dict[str, Any]:
     }
 
 
-def from_snapshot(data: dict[str, Any]) -> Inventory:
-    return Inventory(
-        Path(data["path"]) if data.get("path") else None,
-        data["format"],
-        tuple(Host(**h) for h in data["hosts"]),
-        data["master"],
-        Path(data["known_hosts"]) if data.get("known_hosts") else None,
-        data["rendezvous_port"],
-    )
+def from_snapshot(data: Any, where: str = "run.json") -> Inventory:
+    """The inventory a run recorded, validated again as an inventory is (its values reach ssh and the hosts'
+    commands: a damaged or edited record is one line, never a traceback or an unchecked value)."""
+    try:
+        hosts = []
+        for rank, h in enumerate(data["hosts"]):
+            settings = {key: h.get(key) for key in HOST_KEYS}
+            settings["venv"] = "none" if settings["venv"] is None else settings["venv"]
+            base = h.get("base_python")
+            if base is not None and (not isinstance(base, str) or not base or any(ord(c) < 32 or ord(c) == 127 for c in base)):
+                raise ValueError("base_python")
+            host = validate_host(h["name"], rank, settings, {}, f"{where}: inventory")
+            hosts.append(replace(host, base_python=base))
+        if len(hosts) > limits.HOSTS:
+            raise InputError(f"{where}: inventory: more than {limits.HOSTS} hosts")
+        names = [h.name for h in hosts]
+        if not hosts or data["master"] not in names:
+            raise ValueError("no host, or a master that is not one of them")
+        return Inventory(
+            Path(data["path"]) if data.get("path") else None,
+            str(data["format"]),
+            tuple(hosts),
+            data["master"],
+            Path(data["known_hosts"]) if data.get("known_hosts") else None,
+            port_number(data["rendezvous_port"], where, "inventory", "rendezvous_port"),
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise InputError(f"{where}: the run's inventory snapshot is damaged ({type(exc).__name__}): pass --hosts FILE") from None
 
 
 def launched(data: dict) -> bool:
