@@ -15,6 +15,7 @@ import shlex
 import time
 from dataclasses import dataclass, field
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.hosts.command import ENV_NAME, REDACTED, check_env_name, is_secret_name, shell_line
 from mnft.hosts.settings import Host, Inventory
@@ -132,7 +133,7 @@ def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str,
     return plain, secret
 
 
-ENV_FILE_MAX = 256 * 1024  # bytes
+ENV_FILE_MAX = limits.ENV_FILE_BYTES
 
 
 def read_env_file(path: str) -> dict[str, str]:
@@ -149,10 +150,7 @@ def read_env_file(path: str) -> dict[str, str]:
         raise InputError(f"--env-file {path}: owned by uid {info.st_uid}, not by you (uid {os.getuid()}): its values are not yours to trust")
     if len(data) > ENV_FILE_MAX:
         raise InputError(f"--env-file {path}: larger than {ENV_FILE_MAX // 1024} KiB: an env file holds NAME=VALUE lines")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError(f"--env-file {path}: not UTF-8 text") from None
+    text = limits.text_of(data, f"--env-file {path}", "env file")  # UTF-8, lines at most LINE_CHARS
     out = {}
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
@@ -160,11 +158,13 @@ def read_env_file(path: str) -> dict[str, str]:
             continue
         name, sep, value = line.removeprefix("export ").partition("=")
         name = name.strip()
-        if not sep or not ENV_NAME.fullmatch(name):
+        if not sep or not ENV_NAME.fullmatch(name):  # the whole name (a trailing newline or space is not a name)
             raise InputError(f"--env-file {path}:{number}: expected NAME=VALUE")
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
             value = value[1:-1]
+        if "\x00" in value:  # no process can be given it (execve ends a value at NUL)
+            raise InputError(f"--env-file {path}:{number}: {name}: the value holds a NUL character")
         out[name] = value
     return out
 
