@@ -109,7 +109,7 @@ class Slurm:
         return {"SLURM_CONF": str(self.conf)}
 
     @classmethod
-    def start(cls, cluster: Cluster, *, partition: str = "debug", hosts: list[SimHost] | None = None) -> "Slurm":
+    def start(cls, cluster: Cluster, *, partition: str = "debug", hosts: list[SimHost] | None = None) -> Slurm:
         """munged, slurmctld in the outsider's network namespace (its own UTS: hostname ctl), one slurmd per host;
         returns once every node is idle."""
         check_prerequisites()

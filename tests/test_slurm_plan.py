@@ -12,7 +12,8 @@ from mnft.slurm import cluster, node, plan
 from mnft.slurm.plan import SlurmOptions
 
 
-def script(options: SlurmOptions = SlurmOptions(nodes=2)) -> str:
+def script(options: SlurmOptions | None = None) -> str:
+    options = options or SlurmOptions(nodes=2)
     return plan.batch_script(options, run_id="R1", label="recipe lora", python="/opt/py/bin/python", runs_root="/home/u/runs",
                              workdir="/home/u/runs/R1", output="/home/u/runs/R1/slurm-%j.out", steps=["1. check", "2. agents"])
 
