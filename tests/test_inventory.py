@@ -1,4 +1,4 @@
-"""The inventory: three formats, one precedence, strict errors that name the file, line, host and key."""
+"""The inventory: four formats, one precedence, strict errors that name the file, line, host and key."""
 
 from __future__ import annotations
 

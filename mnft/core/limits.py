@@ -33,7 +33,6 @@ NUMBER_CHARS = 32  # characters of one integer (a port, slots, an exit code; a 6
 HOSTS = 4096  # hosts of one inventory, after host ranges (node[1:1000000000] is refused before allocating)
 HOST_PATTERN_CHARS = 1024  # characters of one host name or range pattern (a name is at most 253)
 GROUP_VISITS = 100_000  # (group, parent path) pairs walked in an Ansible inventory (groups reached by many paths)
-JSON_DEPTH = 200  # nesting of a record's JSON
 
 TABLE = (  # (limit, value, what it bounds) for docs and messages
     ("INVENTORY_BYTES", INVENTORY_BYTES, "bytes of an inventory"),
@@ -49,7 +48,6 @@ TABLE = (  # (limit, value, what it bounds) for docs and messages
     ("HOSTS", HOSTS, "hosts of an inventory, ranges expanded"),
     ("HOST_PATTERN_CHARS", HOST_PATTERN_CHARS, "characters of a host pattern"),
     ("GROUP_VISITS", GROUP_VISITS, "group visits of an Ansible inventory"),
-    ("JSON_DEPTH", JSON_DEPTH, "levels of JSON nesting in a record"),
 )
 
 
@@ -64,7 +62,9 @@ def read_bytes(path: str | os.PathLike[str], limit: int, what: str, flag: str) -
     path = Path(path)
     try:
         with open(path, "rb") as f:
-            data = f.read(limit + 1)
+            if os.fstat(f.fileno()).st_size > limit:  # a regular file's size: refused without reading it
+                raise InputError(f"{path}: the {what} is larger than {size(limit)} (a limit of mnft's input, see docs/security.md)")
+            data = read_at_most(f, limit)  # a pipe or device: one byte more than the limit, never the rest
     except FileNotFoundError:
         raise InputError(f"{path}: {what} not found (pass {flag} with an existing file)") from None
     except OSError as exc:
@@ -72,6 +72,19 @@ def read_bytes(path: str | os.PathLike[str], limit: int, what: str, flag: str) -
     if len(data) > limit:
         raise InputError(f"{path}: the {what} is larger than {size(limit)} (a limit of mnft's input, see docs/security.md)")
     return data
+
+
+def read_at_most(f: Any, limit: int) -> bytes:
+    """At most limit + 1 bytes of an open binary file, in chunks: memory follows what the file holds, not the
+    limit (f.read(n) allocates n bytes up front)."""
+    chunks, total = [], 0
+    while total <= limit:
+        chunk = f.read(min(64 * KiB, limit + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 def text_of(data: bytes, where: str, what: str) -> str:

@@ -98,7 +98,16 @@ class _Loader(_Events, SafeConstructor, Resolver):
     def construct_yaml_int(self, node):  # type: ignore[override]
         if len(node.value) > limits.NUMBER_CHARS:  # 9999…: converting thousands of digits is quadratic
             raise _Limit(f"an integer of {len(node.value)} characters: longer than {limits.NUMBER_CHARS}", node.start_mark)
-        return super().construct_yaml_int(node)
+        try:
+            return super().construct_yaml_int(node)
+        except (ValueError, IndexError):  # `!!int ''`, `!!int x`: PyYAML's own constructor fails with an IndexError
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value[:40]!r} is not an integer", node.start_mark) from None
+
+    def construct_yaml_float(self, node):  # type: ignore[override]
+        try:
+            return super().construct_yaml_float(node)
+        except (ValueError, IndexError):  # `!!float ''`
+            raise yaml.constructor.ConstructorError(None, None, f"{node.value[:40]!r} is not a number", node.start_mark) from None
 
     def construct_mapping(self, node, deep=False):  # type: ignore[override]
         self.flatten_mapping(node)
@@ -121,6 +130,7 @@ class _Loader(_Events, SafeConstructor, Resolver):
 
 _Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _Loader.construct_mapping)
 _Loader.add_constructor("tag:yaml.org,2002:int", _Loader.construct_yaml_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _Loader.construct_yaml_float)
 
 
 def _check_expanded(root: Any) -> None:
@@ -181,8 +191,10 @@ def load(text: str, where: str) -> Any:
         mark = exc.problem_mark or exc.context_mark
         line = f":{mark.line + 1}" if mark else ""
         raise InputError(f"{where}{line}: YAML syntax error: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise InputError(f"{where}: YAML error: {exc}") from None
+    except yaml.YAMLError as exc:  # a reader error (a control character, not UTF-8) spans lines: one line here
+        raise InputError(f"{where}: YAML error: {' '.join(str(exc).split())}") from None
+    except (ValueError, TypeError, IndexError, OverflowError) as exc:  # a constructor of a tag (!!timestamp …) failed
+        raise InputError(f"{where}: YAML value error: {' '.join(str(exc).split())[:200]}") from None
 
 
 def line_of(mapping: Any, key: str | None = None) -> str:

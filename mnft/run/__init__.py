@@ -2,6 +2,7 @@
 
     job          what torchrun starts on every host, how it resumes, where its metrics come from (data)
     launch       one torchrun command per host (pure: inventory, job and facts in, commands out)
+    torchrunargs torchrun's options as its argparse reads them: which a job may not set, however written
     agent        the host side of a run: start under a keeper, stream events, stop (stdlib only)
     entry        the launch wrapper every rank runs the job's entry point through: records the ranks that finished
                  (stdlib only)

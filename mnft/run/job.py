@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from mnft.core import yamlfile
 from mnft.core.errors import InputError
 from mnft.hosts.command import check_env_name, is_secret_name
+from mnft.run import torchrunargs
 
 RECIPES = ("lora", "full")
 RESERVED_KEYS = ("output_dir", "resume")  # recipe settings mnft sets itself
@@ -48,14 +49,8 @@ LAYOUTS = ("hf", "torchtune", "sana", "glob", "mnft", "none")
 # Metrics formats (see mnft.run.scrape).
 METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "tensorboard", "regex", "mnft", "none")
 
-# torchrun options mnft sets itself (or that would break supervision, logs or ranks): a job may not set them.
-TORCHRUN_OWN = (
-    "--nnodes", "--nproc-per-node", "--nproc_per_node", "--node-rank", "--node_rank", "--master-addr", "--master_addr",
-    "--master-port", "--master_port", "--rdzv-backend", "--rdzv_backend", "--rdzv-endpoint", "--rdzv_endpoint",
-    "--rdzv-id", "--rdzv_id", "--rdzv-conf", "--rdzv_conf", "--standalone", "--max-restarts", "--max_restarts",
-    "--tee", "-t", "--redirects", "-r", "--log-dir", "--log_dir", "--logs-specs", "--logs_specs", "-m", "--module",
-    "--no-python", "--no_python", "--run-path", "--run_path", "--local-ranks-filter", "--local_ranks_filter",
-)
+# torchrun options mnft sets itself (or that would break supervision, logs or ranks) are refused however argparse
+# would read them (abbreviated, --opt=value, PET_* variables): mnft.run.torchrunargs.
 
 JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires")
 # What mnft's recipes import beyond what reading their source finds (mnft.run.needs reads the rest).
@@ -195,15 +190,19 @@ def cli_job(argv: list[str] | tuple[str, ...]) -> Job:
 
 
 def _module_name(text: str) -> bool:
-    return bool(re.match(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$", text))
+    return bool(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", text))  # whole: no trailing newline
 
 
 def _script_path(text: str, where: str) -> str:
     if not isinstance(text, str) or not text or text.startswith("-"):
         raise InputError(f"{where}: {text!r} is not a script path (give SCRIPT.py, or -m package.module)")
-    if "\n" in text or "\x00" in text:
-        raise InputError(f"{where}: the script path must be a single line")
+    if _control(text):
+        raise InputError(f"{where}: the script path must be a single line without control characters")
     return text
+
+
+def _control(text: str) -> bool:
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
 
 
 def load_job_file(path: Path) -> Job:
@@ -240,6 +239,8 @@ def load_job_file(path: Path) -> Job:
     name = doc.get("name")
     if name is not None:
         name = _text(name, at("name"), "name")
+        if _control(name) or len(name) > 200:  # a label in tables, records and messages: one line
+            raise InputError(f"{at('name')}: key 'name': {name[:60]!r}: a job name is one line of at most 200 characters without control characters")
     requires = _strings(doc.get("requires"), at("requires"), "requires")
     for module in requires:
         if not _module_name(module):
@@ -282,6 +283,8 @@ def _strings(value: Any, at: str, key: str) -> tuple[str, ...]:
     for item in value:
         if isinstance(item, bool) or not isinstance(item, (str, int, float)):
             raise InputError(f"{at}: key {key!r}: {item!r} is not a plain argument (text or a number)")
+        if isinstance(item, str) and "\x00" in item:  # no process can be given it (execve ends an argument at NUL)
+            raise InputError(f"{at}: key {key!r}: {item[:60]!r} holds a NUL character")
         out.append(str(item))
     return tuple(out)
 
@@ -303,6 +306,11 @@ def _env(env: Any, pass_env: Any, where: str, at) -> tuple[tuple[tuple[str, str]
                 value = "1" if value else "0"
             if value is None or not isinstance(value, (str, int, float)):
                 raise InputError(f"{where}{yamlfile.line_of(env, name)}: env: {name}: expected a value (text or a number)")
+            if "\x00" in str(value):
+                raise InputError(f"{where}{yamlfile.line_of(env, name)}: env: {name}: the value holds a NUL character")
+            if torchrunargs.owned_env(name):
+                raise InputError(f"{where}{yamlfile.line_of(env, name)}: env: {name} sets a torchrun option mnft owns "
+                                 f"(torchrun reads {name} as --{name[4:].lower().replace('_', '-')})")
             pairs.append((name, str(value)))
     names = _strings(pass_env, at("pass_env"), "pass_env")
     for name in names:
@@ -310,6 +318,9 @@ def _env(env: Any, pass_env: Any, where: str, at) -> tuple[tuple[tuple[str, str]
             check_env_name(name)
         except InputError:
             raise InputError(f"{at('pass_env')}: pass_env: {name!r} is not a variable name (letters, digits, _)") from None
+        if torchrunargs.owned_env(name):
+            raise InputError(f"{at('pass_env')}: pass_env: {name} sets a torchrun option mnft owns "
+                             f"(torchrun reads {name} as --{name[4:].lower().replace('_', '-')})")
     return tuple(pairs), names
 
 
@@ -370,12 +381,9 @@ def _metrics(data: Any, where: str, at: str) -> MetricsSource:
 
 
 def _torchrun(options: tuple[str, ...], at: str) -> tuple[str, ...]:
-    for option in options:
-        flag = option.split("=", 1)[0]
-        if flag in TORCHRUN_OWN:
-            raise InputError(f"{at}: torchrun option {flag} is set by mnft (nodes, ranks, rendezvous, restarts and logs are its job)")
-        if not option.startswith("-") and options.index(option) == 0:
-            raise InputError(f"{at}: torchrun: {option!r} is not an option (the entry point goes in 'script' or 'module')")
+    why = torchrunargs.refusal(options)  # as torchrun's argparse reads them: --nnod, --nnodes=2, -t3 included
+    if why:
+        raise InputError(f"{at}: {why}")
     return options
 
 

@@ -19,7 +19,7 @@ from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.hosts.command import ENV_NAME, REDACTED, check_env_name, is_secret_name, shell_line
 from mnft.hosts.settings import Host, Inventory
-from mnft.run import entry
+from mnft.run import entry, torchrunargs
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 
 # torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)
@@ -128,6 +128,10 @@ def split_env(specs: tuple[str, ...], environ: dict[str, str], files: tuple[str,
             value = environ[name]
         chosen[name] = value
         from_files.discard(name)
+    for name in chosen:  # torchrun reads PET_NNODES as --nnodes when the option is not given: mnft's options stay its own
+        if torchrunargs.owned_env(name):
+            raise InputError(f"--env {name}: sets a torchrun option mnft owns (torchrun reads {name} as "
+                             f"--{name[4:].lower().replace('_', '-')}): leave it out")
     for name, value in chosen.items():  # a file's values are secrets, whatever their names: never printed or recorded
         (secret if is_secret_name(name) or name in from_files else plain)[name] = value
     return plain, secret

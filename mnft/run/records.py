@@ -107,13 +107,16 @@ def load(run_id: str | None = None, prefer=None) -> RunRecord:
 def read_record(path: Path) -> dict[str, Any]:
     """A run.json as a mapping, read within limits (at most RECORD_BYTES; JSON nesting, integers as Python
     bounds them), or a one-line InputError: damaged, foreign or too large, never a traceback."""
+    too_large = f"{path}: a run record larger than {limits.size(RECORD_MAX)} (a limit of mnft's input): move the run away or delete it"
     try:
         with open(path, "rb") as f:
-            raw = f.read(RECORD_MAX + 1)
+            if os.fstat(f.fileno()).st_size > RECORD_MAX:  # refused without reading it
+                raise InputError(too_large)
+            raw = limits.read_at_most(f, RECORD_MAX)
     except OSError as exc:
         raise InputError(f"{path}: unreadable run record ({exc.strerror or type(exc).__name__}): move the run away or delete it") from None
     if len(raw) > RECORD_MAX:
-        raise InputError(f"{path}: a run record larger than {limits.size(RECORD_MAX)} (a limit of mnft's input): move the run away or delete it")
+        raise InputError(too_large)
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # malformed, not UTF-8, an integer of thousands of digits, nested too deep
