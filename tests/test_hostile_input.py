@@ -124,6 +124,8 @@ INVENTORIES = {
     "a host name ending in a newline": ('hosts:\n  "n1\\n": {}\n', "not a valid host name"),
     # the same in Ansible's INI form
     "INI: billion-host range": ("[gpu]\nnode[1:1000000000]\n", "expands to more than 4096 hosts"),
+    "INI: a port of thousands of digits": ("[gpu]\nn1:" + "9" * 5000 + "\n", "is not a port number"),
+    "Ansible: a port of 900 digits": ("all:\n  hosts:\n    'n1:" + "9" * 900 + "':\n", "is not a port number"),
     "INI: thousands-digit integer": ("[gpu]\nn1 ansible_port=" + "9" * 5000 + "\n", "an integer of 5000 characters"),
     "INI: a literal of thousands of digits": ("[gpu]\nn1 slots=[" + "9" * 4000 + "]\n", "an integer longer than 32"),
     "INI: deep literal": ("[gpu]\nn1 x=" + "[" * 5000 + "]" * 5000 + "\n", None),  # Ansible's reading: text
@@ -183,10 +185,10 @@ def test_every_limit_has_its_place_in_the_docs():
 # pieces that make YAML, range and INI parsers blow up, put together at random
 YAML_PIECES = st.sampled_from(["&a ", "*a", "&b ", "*b", "[", "]", "{", "}", ", ", ": ", "- ", "\n", "  ", "<<: *a",
                                "9" * 40, "n[1:99999]", "all:", "hosts:", "children:", "vars:", "x", "'", '"', "!!int ",
-                               "1:2:3", "0x" + "f" * 40, "\t", "? ", "|\n", "%YAML 1.1\n---\n", "*c"])
+                               "1:2:3", "0x" + "f" * 40, "\t", "? ", "|\n", "%YAML 1.1\n---\n", "*c", "n1:" + "9" * 40])
 INI_PIECES = st.sampled_from(["[g]", "[g:vars]", "[g:children]", "[all:vars]", "\n", "n[1:99999]", "n1", " ", "=",
                               "ansible_port", "slots", "9" * 40, "[", "]", "(", ")", "'", '"', "#", ";", "\\", "g",
-                              "ansible_host", "True", "{1:[2]}", "-", ":", "1e999"])
+                              "ansible_host", "True", "{1:[2]}", "-", ":", "1e999", "n1:" + "9" * 40])
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

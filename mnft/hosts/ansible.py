@@ -137,7 +137,8 @@ def _split_host_port(pattern: str) -> tuple[str, int | None]:
     a range such as node[01:04] or an IPv6 address is not a port)."""
     match = re.fullmatch(r"(.+?):(\d+)", pattern)
     if match and ":" not in re.sub(r"\[[^\]]*\]", "", match.group(1)):
-        return match.group(1), int(match.group(2))
+        digits = match.group(2)  # thousands of digits are not converted: a number no port is, refused as a port
+        return match.group(1), int(digits) if len(digits) <= limits.NUMBER_CHARS else 10**limits.NUMBER_CHARS
     return pattern, None
 
 
