@@ -215,7 +215,7 @@ def hostvars(doc: dict, where: str, first_seen: dict[str, int] | None = None) ->
             try:
                 names = expand_host_pattern(bare)
             except ValueError as exc:
-                raise InputError(f"{where}{line_of(hosts, pattern)}: host {pattern!r}: {exc}") from None
+                raise InputError(f"{where}{line_of(hosts, pattern)}: host {limits.shown(pattern)}: {exc}") from None
             visits[0] += len(names) * (1 + len(parents))
             if visits[0] > limits.GROUP_VISITS:
                 raise InputError(f"{where}{line_of(hosts, pattern)}: group {group!r}: its hosts are reached by more than "
