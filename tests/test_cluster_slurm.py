@@ -167,8 +167,9 @@ rank, ckpt = int(os.environ["RANK"]), os.path.join(sys.argv[1], "step.txt")
 os.makedirs(out, exist_ok=True)
 step = int(open(ckpt).read()) if resume and os.path.exists(ckpt) else 0
 print(f"start at step {step} resume={resume} host={os.uname()[1]}", flush=True)
-while step < 150:
-    time.sleep(0.5)
+first = os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+while step < 150:  # slow before the requeue (Slurm notices a dead slurmd in 20-40 s, longer on a loaded machine), fast after
+    time.sleep(1.0 if first else 0.1)
     step += 1
     if rank == 0:  # its checkpoint: the step reached, written whole
         open(ckpt + ".tmp", "w").write(str(step))

@@ -84,6 +84,7 @@ def test_a_signal_during_a_sync_ends_rsync_and_its_children_and_exits_at_once(sl
 
 
 def test_handling_turns_sigterm_into_an_interrupt_that_ends_a_tracked_group_and_refuses_new_children():
+    before = signal.getsignal(signal.SIGTERM)  # SIG_DFL, or the test session's own handler (tests/conftest.py)
     with pytest.raises(interrupts.Interrupted) as caught, interrupts.handling():
         child = subprocess.Popen(["/bin/sh", "-c", "sleep 300 & wait"], start_new_session=True)
         with interrupts.track(child):
@@ -91,7 +92,7 @@ def test_handling_turns_sigterm_into_an_interrupt_that_ends_a_tracked_group_and_
             time.sleep(5)  # the handler raises before this ends
     assert caught.value.exit_code == 143 and str(caught.value) == "interrupted (SIGTERM)"
     assert child.wait(timeout=10) == -signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # restored
+    assert signal.getsignal(signal.SIGTERM) == before  # restored
     with pytest.raises(interrupts.Interrupted) as caught, interrupts.handling():  # a fresh block: SIGINT this time
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)

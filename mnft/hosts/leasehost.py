@@ -196,7 +196,7 @@ def hold():
     print(json.dumps(reply), flush=True)
     if fd is None:
         return 0
-    deadman = float(holder.get("deadman") or 90)
+    deadman = float(holder.get("deadman") or 25)
     last = time.time()
     try:
         while time.time() - last < deadman:

@@ -33,7 +33,7 @@ from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
 
 HEARTBEAT_EVERY = 10.0
-DEADMAN = 90.0  # seconds without a heartbeat before a host lets the lease go (a controller gone without a FIN)
+DEADMAN = 25.0  # seconds without a heartbeat (one every 10 s) before a host lets the lease go (a controller gone without a FIN)
 REPLY_TIMEOUT = 60.0
 
 
