@@ -164,7 +164,7 @@ def _record_fleet(run, hosts):
     record = records.load(run, launched)
     if not launched(record.data):
         raise InputError(f"{record.path}: run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
-    inv = _inventory(hosts) if hosts else from_snapshot(record.data["inventory"])
+    inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
     return record, Fleet(inv)
 
 
