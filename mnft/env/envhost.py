@@ -292,7 +292,7 @@ def install(spec: dict) -> dict:
     if os.path.lexists(venv) and not os.path.islink(venv):
         raise Failure("%s exists and is not mnft's link: move it away (mnft never replaces an environment it did not make)" % venv)
     new = os.path.join(root, "envs", spec["id"])
-    if not re.match(r"^[A-Za-z0-9][A-Za-z0-9._-]*$", spec["id"]) or os.path.lexists(new):
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", spec["id"]) or os.path.lexists(new):
         raise Failure("environment id %r is not new on this host" % spec["id"])
     fd = _lock(root)
     dist = os.path.join(root, "dist")

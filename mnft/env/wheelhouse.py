@@ -235,7 +235,7 @@ def _wheel_metadata(path: Path) -> dict:
     try:
         with zipfile.ZipFile(path) as archive:
             infos = archive.infolist()
-            meta = next((i for i in infos if re.match(r"^[^/]+\.dist-info/METADATA$", i.filename)), None)
+            meta = next((i for i in infos if re.fullmatch(r"[^/]+\.dist-info/METADATA", i.filename)), None)
             if meta is None:
                 raise InputError(f"{path}: not a wheel (no .dist-info/METADATA)")
             headers = HeaderParser().parsestr(archive.read(meta).decode("utf-8", "replace"))

@@ -147,3 +147,14 @@ def crash_now(step: int) -> None:
     print(f"mnft.recipes: debug_crash_after_step={step}: exiting hard", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(17)
+
+
+def stop_after_save(step: int, is_main: bool, log, timer, signal_name: str) -> None:
+    """Every rank saved this step on the save signal (Slurm's warning before its time limit): say so, close the
+    metrics and timings, and leave together (the caller returns; a resume continues from this step)."""
+    if is_main:
+        print(f"saved step-{step} on {signal_name}: stopping (resume continues from it)", flush=True)
+        log.event("stopped", step=step, signal=signal_name)
+    log.close()
+    timer.close()
+    dist.barrier()

@@ -178,12 +178,7 @@ def train(cfg: LoraConfig, d: mdist.Dist) -> None:
         if step == cfg.debug_crash_after_step:
             common.crash_now(step)
         if save_now and step < cfg.max_steps:  # saved on the signal: stop here, a resume continues from this step
-            if d.is_main:
-                print(f"saved step-{step} on {save_request.name}: stopping (resume continues from it)", flush=True)
-                log.event("stopped", step=step, signal=save_request.name)
-            log.close()
-            timer.close()
-            dist.barrier()
+            common.stop_after_save(step, d.is_main, log, timer, save_request.name)
             return
 
     # ---------------------------------------------------------------- export and cleanup

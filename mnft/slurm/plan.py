@@ -225,7 +225,7 @@ def allocation_inventory(nodes: list[str], template: Host, rendezvous_port: int)
 
 def split_label(line: str) -> tuple[int | None, str]:
     """srun --label's "3: text" -> (3, "text"); a line without a label (srun's own) -> (None, line)."""
-    match = re.match(r"^\s*(\d+): ?(.*)$", line, re.DOTALL)
+    match = re.fullmatch(r"\s*(\d+): ?(.*)", line, re.DOTALL)
     if not match:
         return None, line
     return int(match.group(1)), match.group(2)

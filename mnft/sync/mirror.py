@@ -472,14 +472,21 @@ def _unread(p: HostPlan, read: tuple[HostResult, RemoteTree | None] | None) -> H
     return HostSync(p.host, status, p.target, error=error, seconds=result.seconds if result else 0.0)
 
 
-def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> HostSync:
+def _settled(p: HostPlan, before) -> HostSync | None:
+    """The outcome of a host the plan already decided (not read, refused, failed), for a dry run and a real one."""
     if p.action == "skip":
         return _unread(p, before.get(p.host))
-    tree = before[p.host][1]
     if p.action == "refuse":
         return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
     if p.action == "fail":
-        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
+        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=before[p.host][1].digest, error=p.reason)
+    return None
+
+
+def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> HostSync:
+    if (settled := _settled(p, before)) is not None:
+        return settled
+    tree = before[p.host][1]
     diff = p.difference or Difference((), ())
     if not delete:  # --no-delete: files only on the host stay, so they are not listed as deletions
         diff = Difference(diff.send, ())
@@ -492,13 +499,9 @@ def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> H
 
 
 def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, after, local: LocalTree, delete: bool) -> HostSync:
-    if p.action == "skip":
-        return _unread(p, before.get(p.host))
+    if (settled := _settled(p, before)) is not None:
+        return settled
     tree = before[p.host][1]
-    if p.action == "refuse":
-        return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
-    if p.action == "fail":
-        return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=tree.digest, error=p.reason)
     if p.action == "none":
         return HostSync(p.host, SyncStatus.OK, p.target, remote_hash=tree.digest)
     sync = HostSync(p.host, SyncStatus.CHANGED, p.target)
