@@ -409,3 +409,31 @@ def test_an_added_user_logs_in_and_gets_root_through_sudo_with_its_password_only
     assert good.stdout.strip() == "0", good.stderr
     bad = subprocess.run(cluster.ssh_argv(host, sudo, user="lab"), input="wrong\n", capture_output=True, text=True, timeout=30)
     assert bad.returncode != 0 and bad.stdout.strip() != "0"
+
+
+def test_a_shared_dir_is_one_directory_in_the_chosen_hosts_and_the_rest_of_their_homes_stays_private(fresh_cluster_factory):
+    """shared_dirs: a lab's NFS data (or scratch) mount, the homes private."""
+    cluster = fresh_cluster_factory(3, shared_dirs={"~/data": ("h1", "h2"), "/tmp/scratch": ("h2", "h3")})
+    h1, h2, h3 = cluster.hosts
+    cluster.run(h1, ["sh", "-c", "echo one > /root/data/f && echo mine > /root/own"])
+    cluster.run(h3, ["sh", "-c", "echo two > /tmp/scratch/g"])
+    assert cluster.run(h2, ["cat", "/root/data/f", "/tmp/scratch/g"]).stdout == "one\ntwo\n"
+    assert (cluster.shared_dir("~/data") / "f").read_text() == "one\n"  # the one directory, on this machine
+    assert cluster.run(h3, ["ls", "/root/data"], check=False).returncode != 0  # not h3's
+    assert cluster.run(h1, ["ls", "/tmp/scratch"], check=False).returncode != 0  # nor h1's
+    assert cluster.run(h2, ["cat", "/root/own"], check=False).returncode != 0  # the homes stay private
+
+
+@pytest.mark.parametrize("path, names, why", [
+    ("/data", ("h1",), "under the home"),  # a mount point there would be made on this machine
+    ("~/../etc", ("h1",), "under the home"),
+    ("~/d", "h1", "sequence of host names"),
+])
+def test_a_shared_dir_outside_the_hosts_own_directories_is_refused(testbed, tmp_path, path, names, why):
+    with pytest.raises(ValueError, match=why):
+        testbed.Cluster(prefix="mnftx", workdir=tmp_path, shared_dirs={path: names})
+
+
+def test_a_shared_dir_for_a_host_the_cluster_does_not_have_is_refused(testbed, tmp_path):
+    with pytest.raises(ValueError, match="hosts this cluster does not have: h3"):
+        testbed.Cluster.create(2, tmp_path, outsider=False, shared_dirs={"~/data": ("h1", "h3")})

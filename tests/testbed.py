@@ -38,7 +38,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 __all__ = [
     "SimHost",
@@ -302,7 +302,7 @@ class Cluster:
     python: str
 
     def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False,
-                 stock_sshd: bool = False, shared_home: Sequence[str] = ()):
+                 stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -324,13 +324,14 @@ class Cluster:
         self.share_cpus = share_cpus
         self.stock_sshd = stock_sshd
         self.shared_home = tuple(shared_home)
+        self.shared_dirs = self._shared_dirs(shared_dirs or {})  # host-side path -> (the hosts that see it, the source)
 
     # ------------------------------------------------------------------ building
 
     @classmethod
     def create(
         cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False,
-        stock_sshd: bool = False, shared_home: Sequence[str] = (),
+        stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
 
@@ -343,6 +344,12 @@ class Cluster:
 
         `shared_home=("h1", "h2", …)` gives those hosts one home directory (mounted on /root in each), as an NFS
         home does in a lab: a file one of them writes there, the others see at once.
+
+        `shared_dirs={"~/mnft-data": ("h1", "h2")}` mounts one directory at that path in those hosts only, the rest
+        of their homes staying private (a lab's NFS data or scratch mount): the directory
+        `<workdir>/shared-dirs/<path>` here (`Cluster.shared_dir(path)`). A path is under the home (`~/…` or
+        `/root/…`) or under `/tmp`, where the test bed owns every host's directory (a mount point elsewhere would
+        have to be made on this machine); `ValueError` otherwise.
 
         Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
         tearing down whatever was built).
@@ -357,7 +364,11 @@ class Cluster:
         if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
             raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
         workdir.mkdir(parents=True, exist_ok=True)
-        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd, shared_home=shared_home)
+        cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd, shared_home=shared_home,
+                      shared_dirs=shared_dirs)
+        unknown = sorted({n for names, _ in cluster.shared_dirs.values() for n in names} - {f"h{i}" for i in range(1, n_hosts + 1)})
+        if unknown:
+            raise ValueError(f"shared_dirs names hosts this cluster does not have: {', '.join(unknown)}")
         atexit.register(cluster.teardown)
         try:
             cluster._build(n_hosts, outsider)
@@ -427,6 +438,33 @@ class Cluster:
     def _all(self) -> list[SimHost]:
         return self.hosts + ([self.outsider] if self.outsider else [])
 
+    def _shared_dirs(self, wanted: Mapping[str, Sequence[str]]) -> dict[str, tuple[tuple[str, ...], Path]]:
+        """shared_dirs checked: each path absolute (`~` is the home), under the home or /tmp, none inside another."""
+        out: dict[str, tuple[tuple[str, ...], Path]] = {}
+        for given, names in wanted.items():
+            path = os.path.normpath(self.home_mountpoint + given[1:] if given == "~" or given.startswith("~/") else given)
+            inside = [top for top in (self.home_mountpoint, "/tmp") if path.startswith(top.rstrip("/") + "/")]
+            if not os.path.isabs(path) or not inside or ".." in path.split("/"):
+                raise ValueError(f"shared_dirs: {given!r} must be a directory under the home ({self.home_mountpoint}, ~) or /tmp")
+            if isinstance(names, str):
+                raise ValueError(f"shared_dirs: {given!r} needs a sequence of host names, not the string {names!r}")
+            out[path] = (tuple(names), self.workdir / "shared-dirs" / path.strip("/"))
+        for path in out:
+            if any(other != path and path.startswith(other + "/") for other in out):
+                raise ValueError(f"shared_dirs: {path} lies inside another shared directory")
+        return out
+
+    def shared_dir(self, path: str) -> Path:
+        """The directory on this machine that the hosts of `shared_dirs` see at `path` (as given to create)."""
+        full = os.path.normpath(self.home_mountpoint + path[1:] if path == "~" or path.startswith("~/") else path)
+        return self.shared_dirs[full][1]
+
+    def _host_side(self, host: SimHost, path: str) -> Path:
+        """Where a path inside the host (under its home or /tmp) is on this machine, before its mounts cover it."""
+        if path.startswith(self.home_mountpoint.rstrip("/") + "/"):
+            return host.home / os.path.relpath(path, self.home_mountpoint)
+        return host.root / "tmp" / os.path.relpath(path, "/tmp")
+
     def _write_files(self) -> None:
         private, public = _ed25519_keypair(f"mnft-testbed-controller@{self.prefix}")
         _write(self.controller_key, private, 0o600)
@@ -447,6 +485,10 @@ class Cluster:
                 continue
             for top in self._python_binds:
                 (host.home / os.path.basename(top)).mkdir(exist_ok=True)
+            for path, (names, source) in self.shared_dirs.items():  # the mount point in the host, the shared source here
+                if host.name in names:
+                    source.mkdir(parents=True, exist_ok=True)
+                    self._host_side(host, path).mkdir(parents=True, exist_ok=True)
             ssh_dir = host.home / ".ssh"
             ssh_dir.mkdir(mode=0o700, exist_ok=True)
             os.chmod(ssh_dir, 0o700)
@@ -477,13 +519,17 @@ class Cluster:
         for top in self._python_binds:  # before /root is covered: afterwards the real one is out of reach
             target = host.home / os.path.basename(top)
             steps += [f"mount --bind {q(top)} {q(str(target))}", f"mount -o remount,bind,ro {q(str(target))}"]
+        # shared_dirs: onto the mount point inside the host's home or tmp while both are still in reach here; the
+        # recursive binds below carry them to /root and /tmp
+        shared = [(path, source) for path, (names, source) in self.shared_dirs.items() if host.name in names]
+        steps += [f"mount --bind {q(str(source))} {q(str(self._host_side(host, path)))}" for path, source in shared]
         steps += [
             f"mount --bind {q(str(r / 'etc' / 'hosts'))} /etc/hosts",
             f"mount --bind {q(str(r / 'etc' / 'ssh'))} /etc/ssh",
             f"mount --bind {q(str(r / 'run'))} /run",
         ]
         home = f"mount --rbind {q(str(host.home))} {q(self.home_mountpoint)}"
-        tmp = f"mount --bind {q(str(r / 'tmp'))} /tmp"
+        tmp = f"mount --{'rbind' if any(p.startswith('/tmp/') for p, _ in shared) else 'bind'} {q(str(r / 'tmp'))} /tmp"
         # Cover last whichever of HOME and /tmp holds the workdir, so every source is still visible when bound.
         under_tmp = os.path.realpath(self.workdir).startswith("/tmp/")
         steps += [home, tmp] if under_tmp else [tmp, home]
