@@ -3,6 +3,8 @@ marks it sees for the same path; hosts that see one directory get one copy (issu
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from mnft.sync import mirror, treehash
@@ -25,6 +27,31 @@ def test_a_mark_is_seen_for_the_same_path_only_and_never_creates_the_target(tmp_
     assert treehash.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1", "h3"]
     assert treehash.seen(str(shared), "n2", ["h1"]) == []  # another sync's nonce
     assert treehash._mark(str(tmp_path / "home" / "x"), "../../etc.h1") == "invalid mark"
+
+
+def test_a_target_that_is_a_mount_of_its_own_is_marked_inside_and_its_marks_are_never_synced(tmp_path, monkeypatch):
+    """A lab's data mount (NFS on ~/mnft-data, the home private): marks beside it would land in each private home
+    and nobody would see anybody's, so three rsyncs would race in the one directory. They go inside it instead."""
+    from mnft.sync import source
+
+    data = tmp_path / "home" / "mnft-data"
+    data.mkdir(parents=True)
+    assert treehash._anchor(str(data)) == (str(tmp_path / "home"), "mnft-data")  # a plain directory: beside it
+    monkeypatch.setattr(treehash, "_mount_points", lambda: {str(data)})
+    assert treehash._anchor(str(data)) == (str(data), ".")
+    assert treehash._mark(str(data), "n1.h1") is None and (data / ".mnft-share" / "n1.h1").is_file()
+    assert treehash.seen(str(data), "n1", ["h1", "h2"]) == ["h1"]
+    assert treehash._anchor(str(data / "missing")) == (str(data), "missing")  # below the mount: beside, as before
+    (data / "x.txt").write_text("x")
+    for fixed in (source.ALWAYS_EXCLUDES, source.DATA_EXCLUDES):  # the same rules go to rsync: not sent, not deleted
+        assert sorted(source.tree_hash(data, fixed)[1]) == ["x.txt"]
+
+
+def test_mount_points_are_read_with_their_escapes_undone():
+    info = ("22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
+            "95 22 0:50 /export/data /srv/lab\\040data rw,relatime - nfs4 fs:/export rw,vers=4.2\n")
+    assert treehash._mount_points(info) == {"/", "/srv/lab data"}
+    assert "/" in treehash._mount_points() or not Path("/proc/self/mountinfo").exists()  # this machine's
 
 
 @pytest.mark.parametrize("target", ["/etc/mnft", "/mnft"])

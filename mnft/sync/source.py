@@ -18,8 +18,12 @@ from mnft.hosts.hostkeys import mnft_home
 from mnft.sync import treehash
 from mnft.sync.gitignore import git, git_view
 
-ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info")
-DATA_EXCLUDES: tuple[str, ...] = ()
+# the marks of shared storage when the target is a mount point of its own (treehash._anchor): neither hashed,
+# sent nor deleted
+SHARE_MARKS = f"/{treehash.SHARE_DIR}/"
+ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info",
+                   SHARE_MARKS)
+DATA_EXCLUDES: tuple[str, ...] = (SHARE_MARKS,)
 
 
 PROJECT_DIR = Path(__file__).resolve().parents[2]  # the checkout holding tasks.py and invoke.yaml

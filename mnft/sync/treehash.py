@@ -46,7 +46,8 @@ import time
 
 CHUNK = 1 << 20
 # Shared storage: the sync leaves a mark <nonce>.<host> for each target in this directory beside it (in the
-# deepest existing directory above it), then asks every host which of the others' marks it sees for the same path.
+# deepest existing directory above it; inside it when the target is a mount point of its own, as a lab's NFS data
+# mount is), then asks every host which of the others' marks it sees for the same path.
 SHARE_DIR = ".mnft-share"
 MARK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 CACHE_VERSION = 1
@@ -373,16 +374,35 @@ def rsync_version():
     return match.group(1) if match else "unknown"
 
 
+def _mount_points(mountinfo=None) -> set:
+    """The mount points this host's processes see (/proc/self/mountinfo's fifth field, octal escapes undone):
+    os.path.ismount misses a bind mount within one filesystem."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+                mountinfo = f.read()
+        except OSError:
+            return set()
+    fields = [line.split(" ") for line in mountinfo.splitlines()]
+    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), x[4]) for x in fields if len(x) > 4}
+
+
 def _anchor(root: str):
     """Where the marks for root go, and root relative to it: the deepest existing directory above root (root's
-    parent when it exists), never / or inside a system tree (/etc, /usr, …). Marks never go into root itself (it is the user's
-    tree) and never create a directory (a missing mount must not become a local directory)."""
-    path = os.path.dirname(os.path.realpath(os.path.expanduser(root)).rstrip("/") or "/")
+    parent when it exists), never / or inside a system tree (/etc, /usr, …); root itself ("." below it) when root is
+    a mount point of its own (what hosts share is that mount, not its parent: marks beside it would be private).
+    Marks go into root only then (it is the user's tree: `/.mnft-share/` is in sync's fixed excludes) and never
+    create a directory (a missing mount must not become a local directory)."""
+    real = os.path.realpath(os.path.expanduser(root))
+    if real != "/" and os.path.isdir(real) and (os.path.ismount(real) or real in _mount_points()) \
+            and not any(real == tree or real.startswith(tree + "/") for tree in SYSTEM_TREES):
+        return real, "."
+    path = os.path.dirname(real.rstrip("/") or "/")
     while path != "/" and not os.path.isdir(path):
         path = os.path.dirname(path)
     if path == "/" or any(path == tree or path.startswith(tree + "/") for tree in SYSTEM_TREES):
         return None, None
-    return path, os.path.relpath(os.path.realpath(os.path.expanduser(root)), path)
+    return path, os.path.relpath(real, path)
 
 
 def _mark(root: str, mark: str):
