@@ -355,3 +355,41 @@ def test_online_hosts_install_straight_from_the_locks_index_still_exactly_pinned
             assert os.listdir(host.home / "mnft-env.d" / "dist" / "wheels") == []  # no wheel went through the controller
     finally:
         shutil.rmtree(index, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------------ a shared home (issue 20)
+
+
+def test_a_shared_home_gets_one_install_verified_from_every_host_and_one_rollback(fresh_cluster_factory, tmp_path, wheels):
+    """Three hosts with one home (an NFS home in a lab): the environment there is built once, by one host, and every
+    host of the group reads it back (it used to fail: three builds of one env id in one directory)."""
+    cluster = fresh_cluster_factory(3, shared_home=("h1", "h2", "h3"))
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml", python=BASE_PYTHON)
+    v1 = lock_of(tmp_path, wheels, "v1.lock", {"alpha": "1.0", "beta": "2.0"})
+    v2 = lock_of(tmp_path, wheels, "v2.lock", {"alpha": "1.1", "gamma": "0.3"})
+    home = cluster.hosts[0].home
+
+    code, report = provision_json(tmp_path, inventory, v1)
+    assert code == 0, report
+    assert statuses(report) == {"h1": "changed", "h2": "changed", "h3": "changed"}
+    assert {n: h["action"] for n, h in report["hosts"].items()} == {"h1": "install", "h2": "verify", "h3": "verify"}
+    [built] = os.listdir(home / "mnft-env.d" / "envs")  # one build, not three
+    assert {h["env"] for h in report["hosts"].values()} == {str(Path("/root/mnft-env.d/envs") / built)}  # seen from every host
+    assert len({h["fingerprint"] for h in report["hosts"].values()}) == 1
+    assert report["controller_bytes"] <= 1.1 * report["wheelhouse_bytes"]  # the wheels went to the one installer
+    for host in cluster.hosts:
+        assert imported(cluster, host, "alpha", "beta") == ["1.0", "2.0"]
+
+    code, report = provision_json(tmp_path, inventory, v1)  # a second run: nothing to do
+    assert code == 0 and set(statuses(report).values()) == {"ok"} and report["changed"] == 0, report
+    assert os.listdir(home / "mnft-env.d" / "envs") == [built]
+
+    code, report = provision_json(tmp_path, inventory, v2)
+    assert code == 0 and [n for n, h in report["hosts"].items() if h["action"] == "install"] == ["h1"], report
+    code, report = provision_json(tmp_path, inventory, None, "--rollback")  # once, for the group
+    assert code == 0, report
+    assert {n: h["action"] for n, h in report["hosts"].items()} == {"h1": "rollback", "h2": "verify", "h3": "verify"}
+    assert set(statuses(report).values()) == {"rolled-back"}
+    assert os.readlink(home / "mnft-env") == str(Path("/root/mnft-env.d/envs") / built)
+    for host in cluster.hosts:
+        assert imported(cluster, host, "alpha", "beta") == ["1.0", "2.0"]

@@ -14,7 +14,7 @@ from mnft.check.rules import environment_drift
 from mnft.core.errors import InputError
 from mnft.env import lockfile
 from mnft.env.diff import against_lock, compare, fingerprint
-from mnft.env.plan import disk_needed, plan_host, plan_rollback
+from mnft.env.plan import HostPlan, disk_needed, plan_host, plan_rollback, plan_shared
 from mnft.env.record import effective, host_key
 from mnft.env.wheelhouse import Platform, Wheel, select
 from mnft.hosts.fleet import HostResult, Status
@@ -212,6 +212,80 @@ def test_a_host_without_the_python_or_with_a_foreign_directory_is_refused_and_an
     down = plan_host(host(), HostResult("h1", Status.UNREACHABLE, error="timed out"), None, LOCK, "3.11")
     assert (down.action, down.reason) == ("skip", "timed out")
     assert plan_rollback(host(), None, facts()).action == "refuse"
+
+
+# ------------------------------------------------------------------------------------------------ a shared environment
+
+
+WHERE = {n: "~/mnft-env.d" for n in ("h1", "h2", "h3", "h4")}
+
+
+def installs(names, **changed):
+    """Each host's facts (changed: name -> a facts dict to merge) and its plan against LOCK."""
+    every = {n: {**facts({"alpha": "0.9"}), "system": "Linux", "os": "debian 12", **changed.get(n, {})} for n in names}
+    return every, {n: plan_host(host(n), None, every[n], LOCK, "3.11") for n in names}
+
+
+def test_hosts_sharing_an_environment_build_it_once_and_the_others_verify_it():
+    every, plans = installs(["h1", "h2", "h3", "h4"])
+    shared = {"h1": ("h1", "h2", "h3"), "h2": ("h1", "h2", "h3"), "h3": ("h1", "h2", "h3")}
+    out = plan_shared(plans, every, shared, WHERE)
+    assert {n: (p.action, p.builder) for n, p in out.items()} == {
+        "h1": ("install", None), "h2": ("verify", "h1"), "h3": ("verify", "h1"), "h4": ("install", None)}  # h4 has its own
+    assert out["h2"].reason == "shares ~/mnft-env.d with h1: built once there, verified here"
+    assert out["h2"].changes == plans["h2"].changes and out["h1"].shared_with == ("h1", "h2", "h3")
+
+
+def test_an_unreachable_first_host_leaves_the_build_to_the_next_of_its_group():
+    every, plans = installs(["h1", "h2", "h3"])
+    plans["h1"] = plan_host(host("h1"), HostResult("h1", Status.UNREACHABLE, error="timed out"), None, LOCK, "3.11")
+    out = plan_shared(plans, every, {"h1": ("h1", "h2", "h3"), "h2": ("h1", "h2", "h3"), "h3": ("h1", "h2", "h3")}, WHERE)
+    assert [(p.action, p.builder) for p in out.values()] == [("skip", None), ("install", None), ("verify", "h2")]
+
+
+def test_a_group_with_nothing_to_do_is_left_as_it_is_and_a_rollback_is_done_once():
+    every, _ = installs(["h1", "h2"])
+    none = {n: plan_host(host(n), None, facts({"alpha": "1.0", "beta": "2.0"}), LOCK, "3.11") for n in ("h1", "h2")}
+    assert plan_shared(none, every, {"h1": ("h1", "h2"), "h2": ("h1", "h2")}, WHERE) == none
+    back = {n: HostPlan(n, "rollback", "back to x") for n in ("h1", "h2")}
+    out = plan_shared(back, every, {"h1": ("h1", "h2"), "h2": ("h1", "h2")}, WHERE)
+    assert [(p.action, p.reason) for p in out.values()] == [("rollback", "back to x"), ("verify", "shares ~/mnft-env.d with h1: rolled back once there, verified here")]
+
+
+@pytest.mark.parametrize("changed, message", [
+    ({"h3": {"libc": {"libc": "glibc", "version": "2.31"}}}, "libc: glibc 2.36 on h1, h2; glibc 2.31 on h3"),
+    ({"h2": {"arch": "aarch64"}}, "architecture: x86_64 on h1, h3; aarch64 on h2"),
+    ({"h1": {"os": "ubuntu 22.04"}, "h3": {"os": "rocky 9"}}, "OS: Linux ubuntu 22.04 on h1; Linux debian 12 on h2; Linux rocky 9 on h3"),
+    ({"h3": {"pythons": [{"name": "python3", "path": "/opt/py/bin/python3", "version": "3.11.9", "implementation": "cpython", "found": True}]}},
+     "base Python: /usr/bin/python3 (3.11.2) on h1, h2; /opt/py/bin/python3 (3.11.9) on h3"),
+])
+def test_hosts_sharing_an_environment_but_not_a_platform_are_refused_naming_hosts_and_values(changed, message):
+    every, plans = installs(["h1", "h2", "h3"], **changed)
+    out = plan_shared(plans, every, {n: ("h1", "h2", "h3") for n in ("h1", "h2", "h3")}, WHERE)
+    assert out["h1"].action == "refuse"
+    assert out["h1"].reason.startswith("hosts h1, h2, h3 share one environment directory (~/mnft-env.d) but differ in " + message)
+    assert "give them different 'venv' paths" in out["h1"].reason
+
+
+def test_a_host_that_does_not_see_its_builders_environment_fails_and_a_failed_build_fails_its_group():
+    from mnft.env.provision import _verify_shared
+    from mnft.env.report import HostOutcome
+
+    every, plans = installs(["h1", "h2"])
+    plans = plan_shared(plans, every, {"h1": ("h1", "h2"), "h2": ("h1", "h2")}, WHERE)
+    built = HostOutcome("h1", "changed", "install", env="/root/mnft-env.d/envs/new")
+    after = {**facts({"alpha": "1.0", "beta": "2.0"})}
+    after["env"] = {**after["env"], "target": "/home/me/mnft-env.d/envs/new"}  # the same environment by another path
+    ok = HostOutcome("h2", "ok", "verify")
+    _verify_shared(ok, plans["h2"], built, None, after)
+    assert (ok.status, ok.error) == ("changed", "")
+    after["env"] = {**after["env"], "target": "/root/mnft-env.d/envs/old"}
+    stale = HostOutcome("h2", "ok", "verify")
+    _verify_shared(stale, plans["h2"], built, None, after)
+    assert stale.status == "failed" and stale.error.startswith("h2 shares its environment directory with h1 but sees environment old, not new")
+    failed = HostOutcome("h2", "ok", "verify")
+    _verify_shared(failed, plans["h2"], HostOutcome("h1", "unreachable", "install"), None, after)
+    assert failed.status == "failed" and "h1 builds the environment h2 shares and did not succeed (unreachable)" in failed.error
 
 
 # ------------------------------------------------------------------------------------------------ relay

@@ -163,6 +163,20 @@ def _libc():
     return {"libc": None, "version": None}
 
 
+def _os_release():
+    """The distribution and its version ("debian 12": ID and VERSION_ID of /etc/os-release), or None."""
+    try:
+        with open("/etc/os-release", encoding="utf-8", errors="replace") as f:
+            text = f.read(65536)
+    except OSError:
+        return None
+    values = {}
+    for line in text.splitlines():
+        key, _, value = line.strip().partition("=")
+        values[key] = value.strip().strip("\"'")
+    return " ".join(v for v in (values.get("ID"), values.get("VERSION_ID")) if v) or None
+
+
 def mesh_peers() -> list:
     """The host names of mnft's mesh block in ~/.ssh/config (empty when `invoke setup` made no mesh here)."""
     if not os.path.exists(os.path.expanduser(MESH_KEY)):
@@ -186,7 +200,7 @@ def mesh_peers() -> list:
 def facts(venv: str, pythons: list, want) -> dict:
     """pythons[0] is the interpreter running this script (the controller starts the script with it)."""
     root = root_of(venv)
-    out = {"arch": platform.machine(), "system": platform.system(), "libc": _libc(), "root": root}
+    out = {"arch": platform.machine(), "system": platform.system(), "os": _os_release(), "libc": _libc(), "root": root}
     candidates, seen = [], set()
     for python in pythons + (["python%s" % want] if want else []):
         if python in seen:
@@ -203,6 +217,10 @@ def facts(venv: str, pythons: list, want) -> dict:
     usage = shutil.disk_usage(_existing_parent(root))
     out["disk"] = {"path": _existing_parent(root), "free_bytes": usage.free}
     path = os.path.abspath(os.path.expanduser(venv))
+    try:  # opening the directory revalidates it on NFS (close-to-open): a link another host replaced is read anew
+        os.scandir(os.path.dirname(path)).close()
+    except OSError:
+        pass
     out["env"] = describe_env(path)
     out["env"]["managed"] = (not out["env"]["exists"]) or (out["env"]["is_link"] and (out["env"]["target"] or "").startswith(root + "/envs/"))
     out["previous"] = describe_env(os.path.join(root, "previous"))

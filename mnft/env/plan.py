@@ -1,5 +1,6 @@
 """What provision does on each host, pure: the host's facts and the lock in, a `HostPlan` out (nothing to do,
-build a new environment with what it installs, upgrades and removes, refused with the reason, or skipped)."""
+build a new environment with what it installs, upgrades and removes, refused with the reason, or skipped); hosts
+that see one environment directory (a shared home) get one build or rollback, which the others verify."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ DISK_MARGIN = 64 * 1024**2  # bytes kept free beyond what the copy and the unpac
 @dataclass
 class HostPlan:
     host: str
-    action: str  # none | install | rollback | refuse | skip
+    action: str  # none | install | rollback | verify (a host of the group that shares it builds it) | refuse | skip
     reason: str = ""
     python: str | None = None  # the base interpreter the environment is built from
     python_version: str | None = None  # its full version
@@ -28,6 +29,8 @@ class HostPlan:
     pins: tuple[Pin, ...] = ()
     diff: EnvDiff = field(default_factory=EnvDiff)  # the environment now against the lock
     changes: Changes = field(default_factory=Changes)
+    shared_with: tuple[str, ...] = ()  # the hosts that see the same environment directory (this one included)
+    builder: str | None = None  # verify: the host of the group that installs or rolls back for it
 
 
 def choose_python(facts: Mapping[str, Any], minor: str) -> dict | None:
@@ -90,3 +93,66 @@ def disk_needed(wheels: Mapping[str, Wheel], held: Mapping[str, int], uv_size: i
     """Bytes a host needs free: the wheels it does not hold yet, uv, and the unpacked environment."""
     sending = sum(w.size for w in wheels.values() if held.get(w.file) != w.size) + (0 if uv_held else uv_size)
     return sending + sum(w.unpacked for w in wheels.values()) + DISK_MARGIN
+
+
+# What an environment directory is bound to: a venv's interpreter is a link to one base Python, and its compiled
+# wheels were chosen for one OS, libc and CPU architecture. Hosts that share the directory must agree on all of it.
+BOUND_TO = ("OS", "libc", "architecture", "base Python")
+DONE = {"install": "built", "rollback": "rolled back"}
+
+
+def bound_to(facts: Mapping[str, Any], plan: HostPlan) -> dict[str, str]:
+    """The values of BOUND_TO on one host, from its facts (the base Python from its plan, when it chose one)."""
+    libc = facts.get("libc") or {}
+    values = {
+        "OS": " ".join(str(v) for v in (facts.get("system"), facts.get("os")) if v) or "unknown",
+        "libc": " ".join(str(v) for v in (libc.get("libc"), libc.get("version")) if v) or "unknown",
+        "architecture": str(facts.get("arch") or "unknown"),
+    }
+    if plan.python:
+        values["base Python"] = f"{plan.python} ({plan.python_version})"
+    return values
+
+
+def differences(members: list[str], facts: Mapping[str, Mapping[str, Any]], plans: Mapping[str, HostPlan]) -> list[str]:
+    """Pure: for each value of BOUND_TO the hosts disagree on, 'libc: glibc 2.36 on h1, h2; glibc 2.31 on h3'."""
+    values = {name: bound_to(facts.get(name) or {}, plans[name]) for name in members}
+    out = []
+    for what in BOUND_TO:
+        hosts_by_value: dict[str, list[str]] = {}
+        for name in members:
+            if what in values[name]:
+                hosts_by_value.setdefault(values[name][what], []).append(name)
+        if len(hosts_by_value) > 1:
+            out.append(f"{what}: " + "; ".join(f"{value} on {', '.join(names)}" for value, names in hosts_by_value.items()))
+    return out
+
+
+def plan_shared(plans: Mapping[str, HostPlan], facts: Mapping[str, Mapping[str, Any]], groups: Mapping[str, tuple[str, ...]],
+                where: Mapping[str, str]) -> dict[str, HostPlan]:
+    """Pure: per-host plans and the groups of hosts that see one environment directory (mnft.sync.mirror's
+    detection: host -> its group, in inventory order) in; the plans of a shared environment out. The group's first
+    host with a build (or rollback) to do does it once; the others of the group verify it afterwards from their own
+    side. When the group's hosts differ in what an environment is bound to (OS, libc, architecture, base Python),
+    the first of them is refused, naming the hosts and values: one build cannot serve them all."""
+    out = dict(plans)
+    for members in dict.fromkeys(groups.values()):  # each group once, in order
+        acting = [name for name in members if plans[name].action in ("install", "rollback")]
+        if not acting:
+            continue
+        present = [name for name in members if plans[name].action not in ("skip", "refuse")]
+        different = differences(present, facts, plans)
+        if different:
+            first = present[0]
+            out[first] = HostPlan(first, "refuse", f"hosts {', '.join(present)} share one environment directory ({where[first]}) but differ in "
+                                                   + "; and in ".join(different) + ": an environment is built for one platform, so give "
+                                                   "them different 'venv' paths in the inventory (or make the hosts alike)")
+            continue
+        builder = acting[0]
+        for name in present:
+            plan = replace(plans[name], shared_with=members)
+            if name != builder:
+                plan = replace(plan, action="verify", builder=builder,
+                               reason=f"shares {where[name]} with {builder}: {DONE[plans[builder].action]} once there, verified here")
+            out[name] = plan
+    return out

@@ -5,14 +5,18 @@ Read state → plan → apply, as everywhere in mnft:
 * facts (one round-trip per host, `mnft.env.envhost` shipped to the host's base Python): the Pythons it has, CPU
   arch, libc, free disk, the environment now at its `venv` (installed distributions read from metadata), the
   wheels it already holds, whether `invoke setup`'s SSH mesh is there;
+* shared environments: when a host has something to do, which hosts see one environment directory (an NFS home:
+  marks left beside it and read back, `mnft.sync.mirror.detect_shared`);
 * plan (pure, `mnft.env.plan`): per host nothing / build a new environment (what is installed, upgraded, removed) /
-  refused (no such Python, not mnft's directory) / skipped (unreachable). Every refusal is bad input: exit 2
-  before anything changes on any host, as are a package without a wheel for a host's platform and a disk too
-  small for what would be copied and unpacked;
+  verify (a host sharing its environment directory builds it once) / refused (no such Python, not mnft's
+  directory, hosts sharing one environment that differ in OS, libc, architecture or base Python) / skipped
+  (unreachable). Every refusal is bad input: exit 2 before anything changes on any host, as are a package without
+  a wheel for a host's platform and a disk too small for what would be copied and unpacked;
 * apply: the controller resolves the lock once into wheel files per host platform (`mnft.env.wheelhouse`); the
   wheels and uv reach the hosts through the mesh (`mnft.sync.relay`: the controller uploads them about once), and
   every host builds the new environment beside the current one with `uv venv` + `uv pip sync --offline`,
   verifies it and switches a link (`mnft.env.envhost`). A failure leaves the host on its previous environment.
+  Every host then reads its environment again: a host that shares one sees the id its group's builder made.
 
 The controller records, per host, the environment it provisioned (`$MNFT_HOME/provision/hosts.json`);
 `effective()` makes that environment's Python the one check/train/sync use on that host.
@@ -37,7 +41,7 @@ from mnft.core.output import fmt_size
 from mnft.env import envhost, lockfile
 from mnft.env.diff import against_lock, fingerprint
 from mnft.env.lockfile import Lock, Pin
-from mnft.env.plan import HostPlan, choose_python, disk_needed, env_state, plan_host, plan_rollback
+from mnft.env.plan import HostPlan, choose_python, disk_needed, env_state, plan_host, plan_rollback, plan_shared
 from mnft.env.record import base_python, effective, env_python, host_key, host_root, save_state
 from mnft.env.report import HostOutcome, ProvisionReport
 from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
@@ -46,10 +50,12 @@ from mnft.hosts.command import Command
 from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
+from mnft.sync.mirror import detect_shared
 from mnft.sync.treehash import sha256_file
 
 FACTS_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
+SHARED_WAIT = 10.0  # seconds a host sharing an environment may still see the old link (an NFS client's attribute cache)
 
 
 @dataclass(frozen=True)
@@ -169,6 +175,8 @@ def provision(inventory: Inventory, options: ProvisionOptions = ProvisionOptions
                 outcomes.update(more_outcomes)
                 facts.update(more)
         plans = {h.name: plan_host(h, outcomes.get(h.name), facts.get(h.name), lock, minor) for h in inventory.hosts}
+        if not options.dry_run:  # (a dry run leaves no mark: it changes nothing)
+            plans = _shared(fleet, inventory, plans, facts)
         _refuse(plans)
         report = ProvisionReport(inventory, lock, minor, {}, dry_run=options.dry_run)
         before = {name: _outcome_of(plans[name], outcomes.get(name), facts.get(name)) for name in plans}
@@ -182,9 +190,16 @@ def provision(inventory: Inventory, options: ProvisionOptions = ProvisionOptions
             return report
         report.hosts = before
         _apply(fleet, inventory, lock, options, plans, facts, todo, report, say)
+        verifiers = [h for h in inventory.hosts if plans[h.name].action == "verify"]
         after_outcomes, after_facts = gather(fleet, todo, minor)
+        more_outcomes, more_facts = _read_shared(fleet, verifiers, plans, report, minor)
+        after_outcomes.update(more_outcomes)
+        after_facts.update(more_facts)
         for host in todo:
             _verify(report.hosts[host.name], plans[host.name], after_outcomes.get(host.name), after_facts.get(host.name))
+        for host in verifiers:
+            _verify_shared(report.hosts[host.name], plans[host.name], report.hosts[plans[host.name].builder],
+                           after_outcomes.get(host.name), after_facts.get(host.name))
         _record(inventory, {**facts, **after_facts}, plans, report, lock)
     report.seconds = round(time.monotonic() - started, 3)
     return report
@@ -196,6 +211,71 @@ def _src(options: ProvisionOptions) -> Path:
     from mnft.sync.source import default_source
 
     return default_source()
+
+
+def _shared(fleet: Fleet, inventory: Inventory, plans: Mapping[str, HostPlan], facts: Mapping[str, dict]) -> dict[str, HostPlan]:
+    """When a host has a build or rollback to do: which hosts see one environment directory (each leaves a mark
+    beside its `venv`, then says whose marks it sees), and the plans that build or roll back once per group."""
+    if not any(p.action in ("install", "rollback") for p in plans.values()):
+        return dict(plans)
+    hosts = [h for h in inventory.hosts if h.name in facts and h.venv is not None]
+    if len(hosts) < 2:
+        return dict(plans)
+    where = {h.name: host_root(h.venv) for h in hosts}
+    return plan_shared(plans, facts, detect_shared(fleet, hosts, where), where)
+
+
+def _read_shared(fleet: Fleet, hosts: list[Host], plans: Mapping[str, HostPlan], report: ProvisionReport,
+                 minor: str | None) -> tuple[dict[str, HostResult], dict[str, dict]]:
+    """The facts of the hosts that verify their group's build or rollback, read again (for SHARED_WAIT seconds at
+    most) while one still sees another environment than its builder's: an NFS client may serve a replaced link from
+    its attribute cache for a while."""
+    if not hosts:
+        return {}, {}
+
+    def stale(name: str) -> bool:
+        wanted = _env_id_of(report.hosts[plans[name].builder].env)
+        return wanted is not None and name in facts and _env_id_of((facts[name].get("env") or {}).get("target")) != wanted
+
+    outcomes, facts = gather(fleet, hosts, minor)
+    deadline = time.monotonic() + SHARED_WAIT
+    while time.monotonic() < deadline and any(stale(h.name) for h in hosts):
+        time.sleep(1.0)
+        more_outcomes, more = gather(fleet, [h for h in hosts if stale(h.name)], minor)
+        outcomes.update(more_outcomes)
+        facts.update(more)
+    return outcomes, facts
+
+
+def _env_id_of(path: str | None) -> str | None:
+    """An environment's id: its directory's name (the hosts of a group may reach the shared directory by other paths)."""
+    return os.path.basename(path.rstrip("/")) if path else None
+
+
+def _verify_shared(outcome: HostOutcome, plan: HostPlan, builder: HostOutcome, result: HostResult | None, facts: dict | None) -> None:
+    """A host whose group's builder installed (or rolled back) the environment they share: it must see the
+    environment its builder made, and (after a build) that environment must match the lock."""
+    if builder.status not in ("changed", "rolled-back"):
+        outcome.status = "failed"
+        outcome.error = (f"{plan.builder} builds the environment {outcome.host} shares and did not succeed ({builder.status}): "
+                         f"{outcome.host} keeps its previous environment")
+        return
+    outcome.status = builder.status
+    if builder.status == "changed":
+        _verify(outcome, plan, result, facts)
+    elif facts is None:
+        outcome.status = result.status.value if result is not None and result.status is not Status.OK else "failed"
+        outcome.error = "verification failed: " + ((result.error if result else "") or "no facts")
+    else:
+        outcome.python, outcome.env = env_state(facts)[0], (facts.get("env") or {}).get("target")
+        outcome.fingerprint = fingerprint(*env_state(facts))
+    if facts is None or outcome.status == "failed":
+        return
+    seen = _env_id_of((facts.get("env") or {}).get("target"))
+    if seen != _env_id_of(builder.env):
+        outcome.status = "failed"
+        outcome.error = (f"{outcome.host} shares its environment directory with {plan.builder} but sees environment {seen or 'none'}, "
+                         f"not {_env_id_of(builder.env)} that {plan.builder} made: is the shared filesystem mounted alike on both?")
 
 
 def _refuse(plans: Mapping[str, HostPlan]) -> None:
@@ -212,7 +292,7 @@ def _outcome_of(plan: HostPlan, result: HostResult | None, facts: dict | None) -
     env = (facts or {}).get("env") or {}
     py, dists = env_state(facts or {})
     return HostOutcome(plan.host, "ok", plan.action, before=plan.diff, changes=plan.changes, python=py, env=env.get("target"),
-                       fingerprint=fingerprint(py, dists) if env.get("exists") else None)
+                       fingerprint=fingerprint(py, dists) if env.get("exists") else None, notes=[plan.reason] if plan.action == "verify" else [])
 
 
 def _dry(outcome: HostOutcome, plan: HostPlan) -> HostOutcome:
@@ -429,6 +509,7 @@ def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float
     with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision --rollback", python=base_python):
         outcomes, facts = gather(fleet, list(inventory.hosts), None)
         plans = {h.name: plan_rollback(h, outcomes.get(h.name), facts.get(h.name)) for h in inventory.hosts}
+        plans = _shared(fleet, inventory, plans, facts)  # a shared environment is switched back once
         _refuse(plans)
         report = ProvisionReport(inventory, None, None, {}, rollback=True)
         todo = [h for h in inventory.hosts if plans[h.name].action == "rollback"]
@@ -438,6 +519,9 @@ def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float
             plan = plans[host.name]
             if plan.action == "skip":
                 report.hosts[host.name] = _outcome_of(plan, outcomes.get(host.name), None)
+                continue
+            if plan.action == "verify":
+                report.hosts[host.name] = HostOutcome(host.name, "ok", "verify", notes=[plan.reason])
                 continue
             result = results[host.name]
             data = parse_reply(result)
@@ -449,6 +533,11 @@ def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float
                 outcome.fingerprint = fingerprint((facts[host.name].get("previous") or {}).get("python"), data.get("dists") or {})
                 outcome.notes.append(plan.reason)
             report.hosts[host.name] = outcome
+        verifiers = [h for h in inventory.hosts if plans[h.name].action == "verify"]
+        after_outcomes, after_facts = _read_shared(fleet, verifiers, plans, report, None)
+        for host in verifiers:
+            _verify_shared(report.hosts[host.name], plans[host.name], report.hosts[plans[host.name].builder],
+                           after_outcomes.get(host.name), after_facts.get(host.name))
     report.seconds = round(time.monotonic() - started, 3)
     return report
 

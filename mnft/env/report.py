@@ -19,7 +19,7 @@ from mnft.hosts.settings import Inventory
 class HostOutcome:
     host: str
     status: str  # ok | changed | would-change | rolled-back | failed | unreachable | host-key-rejected | refused
-    action: str = "none"
+    action: str = "none"  # the plan's: none | install | rollback | verify (a shared environment another host built) | skip
     error: str = ""
     before: EnvDiff | None = None
     after: EnvDiff | None = None
@@ -122,4 +122,6 @@ def print_report(report: ProvisionReport, as_json: bool, out=None) -> None:
         out.print(plain(f"nothing to do: every host's environment matches {report.lock.path.name if report.lock else 'the lock'} (0 changed, {report.seconds:.2f}s)", style="green"))
     elif not report.rollback:
         sent = f"; the controller sent {fmt_size(report.controller_bytes)} for a wheelhouse of {fmt_size(report.wheelhouse_bytes)}" if report.wheelhouse_bytes else ""
-        out.print(plain(f"{report.changed} host(s) changed in {report.seconds:.1f}s" + (" (relayed over the mesh)" if report.relay else "") + sent))
+        shared = sum(1 for o in report.hosts.values() if o.action == "verify" and o.status == "changed")
+        once = f", {shared} of them by verifying the build of a host they share their environment with" if shared else ""
+        out.print(plain(f"{report.changed} host(s) changed in {report.seconds:.1f}s{once}" + (" (relayed over the mesh)" if report.relay else "") + sent))
