@@ -14,6 +14,7 @@ import pytest
 
 from mnft.hosts import fanin
 from mnft.hosts.connection import Timeouts, Unreachable, open_connection
+from mnft.hosts.hostkeys import TrustedKeys
 from mnft.hosts.settings import Host
 
 HOSTS = [f"h{i}" for i in range(1, 65)]
@@ -158,7 +159,7 @@ def test_a_port_that_closes_before_the_banner_is_retried_then_named_with_maxstar
     waits: list[float] = []
     try:
         with pytest.raises(Unreachable) as caught:
-            open_connection(server.host(), [], Timeouts(connect=3), NO_SSH_CONFIG, attempts=3, sleep=waits.append)
+            open_connection(server.host(), TrustedKeys(), Timeouts(connect=3), NO_SSH_CONFIG, attempts=3, sleep=waits.append)
     finally:
         server.close()
     assert len(waits) == 2 and server.accepted == 3 + 3  # 3 attempts, each followed by the probe of what answers
@@ -170,7 +171,7 @@ def test_a_port_that_answers_but_is_not_ssh_is_not_retried():
     waits: list[float] = []
     try:
         with pytest.raises(Unreachable) as caught:
-            open_connection(server.host(), [], Timeouts(connect=3), NO_SSH_CONFIG, attempts=3, sleep=waits.append)
+            open_connection(server.host(), TrustedKeys(), Timeouts(connect=3), NO_SSH_CONFIG, attempts=3, sleep=waits.append)
     finally:
         server.close()
     assert waits == [] and "SSH protocol banner" in str(caught.value) and "MaxStartups" not in str(caught.value)

@@ -238,7 +238,7 @@ def test_no_route_to_host_is_not_reported_as_refused(monkeypatch):
     monkeypatch.setattr(fabric.Connection, "open", no_route)
     inv = parse("hosts:\n  far: {address: 10.9.9.9}\n")
     with pytest.raises(Unreachable) as caught:
-        open_connection(inv.hosts[0], [], Timeouts(connect=1))
+        open_connection(inv.hosts[0], hostkeys.TrustedKeys(), Timeouts(connect=1))
     assert "no route to 10.9.9.9" in str(caught.value) and "refused" not in str(caught.value)
 
 
@@ -268,7 +268,7 @@ def test_judge_tells_new_trusted_and_changed_keys_apart(keypair, tmp_path):
     other_path = tmp_path / "other"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other_path)], check=True)
     other = paramiko.Ed25519Key.from_private_key_file(str(other_path))
-    trusted = paramiko.HostKeys()
+    trusted = hostkeys.TrustedKeys()
     assert hostkeys.judge("h", key, trusted) == "new"
     trusted.add("h", key.get_name(), key)
     assert hostkeys.judge("h", key, trusted) == "already-trusted"
@@ -280,7 +280,7 @@ def test_a_host_that_presents_only_a_type_not_recorded_is_refused_not_recorded(k
     key, _ = keypair  # ed25519
     subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(tmp_path / "ecdsa")], check=True)
     ecdsa = paramiko.ECDSAKey.from_private_key_file(str(tmp_path / "ecdsa"))
-    trusted = paramiko.HostKeys()
+    trusted = hostkeys.TrustedKeys()
     trusted.add("h", ecdsa.get_name(), ecdsa)
     # trust-hosts asked for ecdsa first (see below): a host that still shows ed25519 lacks its recorded key
     assert hostkeys.judge("h", key, trusted) == "other-type"
@@ -318,7 +318,7 @@ def test_an_unknown_key_is_refused_by_the_policy(keypair):
 def test_a_corrupt_known_hosts_file_is_one_clear_error_naming_it(tmp_path):
     bad = tmp_path / "known_hosts"
     bad.write_text("10.0.0.1 ssh-ed25519 not-base64!!\n")
-    with pytest.raises(MnftError, match="known_hosts: cannot read known_hosts"):
+    with pytest.raises(MnftError, match="known_hosts:1: cannot read known_hosts: the key is not base64"):
         hostkeys.load_trusted([bad])
     inv = parse(f"known_hosts: {bad}\nhosts:\n  remote: {{address: 127.0.0.1, port: {closed_port()}}}\n")
     with pytest.raises(InputError, match=str(bad)) as err:
@@ -326,11 +326,61 @@ def test_a_corrupt_known_hosts_file_is_one_clear_error_naming_it(tmp_path):
     assert err.value.exit_code == ExitCode.BAD_INPUT
 
 
+def test_trusted_keys_match_plain_and_hashed_names_and_never_a_revoked_or_negated_one(keypair, tmp_path):
+    key, _ = keypair
+    subprocess.run(["ssh-keygen", "-q", "-t", "ecdsa", "-N", "", "-f", str(tmp_path / "ecdsa")], check=True)
+    ecdsa = paramiko.ECDSAKey.from_private_key_file(str(tmp_path / "ecdsa"))
+    line = f"{key.get_name()} {key.get_base64()}"
+    path = tmp_path / "known_hosts"
+    path.write_text("\n".join([
+        "# a comment", "",
+        f"{paramiko.HostKeys.hash_host('hashed.lab')} {line}",  # as `ssh-keygen -H` writes it
+        f"a.lab,10.0.0.1 {line}",
+        f"[a.lab]:2222 {ecdsa.get_name()} {ecdsa.get_base64()}",
+        f"!neg.lab {line}",
+        f"@cert-authority *.lab {line}",
+        f"gone.lab {ecdsa.get_name()} {ecdsa.get_base64()}",
+        f"@revoked * {ecdsa.get_name()} {ecdsa.get_base64()}",
+        "short.lab ssh-ed25519",  # too few fields: skipped, as OpenSSH does
+        "x.lab ssh-unknown-type AAAA",  # a type paramiko cannot use: skipped, as paramiko does
+    ]) + "\n")
+    trusted = hostkeys.load_trusted([path])
+    assert trusted.lookup("hashed.lab") == {key.get_name(): key}
+    assert trusted.lookup("a.lab") == trusted.lookup("10.0.0.1") == {key.get_name(): key}
+    assert trusted.lookup("[a.lab]:2222") is None  # ecdsa is revoked wherever it is listed
+    assert trusted.lookup("gone.lab") is None and trusted.lookup("neg.lab") is None and trusted.lookup("any.lab") is None
+    assert trusted.lookup("x.lab") is None
+
+
+def test_known_hosts_lines_are_indexed_not_decoded_until_a_host_is_looked_up(keypair, tmp_path, monkeypatch):
+    """paramiko's HostKeys.load checks every line against all before it (quadratic) and decodes every key, for
+    each connection; mnft reads the files once per command and decodes only the keys of the hosts it dials."""
+    key, _ = keypair
+    path = tmp_path / "known_hosts"
+    path.write_text("".join(f"node{i}.lab {key.get_name()} {key.get_base64()}\n" for i in range(20_000)))
+    decoded = []
+    original = paramiko.PKey.from_type_string
+    monkeypatch.setattr(paramiko.PKey, "from_type_string", classmethod(lambda cls, *a: decoded.append(a[0]) or original(*a)))
+    trusted = hostkeys.load_trusted([path])
+    assert decoded == []
+    assert trusted.lookup("node19999.lab") == {key.get_name(): key} and decoded == [key.get_name()]
+
+
+def test_a_known_hosts_file_past_its_limit_is_refused_without_reading_it(tmp_path):
+    from mnft.core import limits
+
+    huge = tmp_path / "known_hosts"
+    with open(huge, "wb") as f:
+        f.truncate(limits.KNOWN_HOSTS_BYTES + 1)  # sparse: nothing to read, just a size
+    with pytest.raises(InputError, match=f"^{huge}: the known_hosts file is larger than 16 MiB"):
+        hostkeys.load_trusted([huge])
+
+
 def test_an_unreadable_known_hosts_file_is_bad_input_naming_it(tmp_path):
     unreadable = tmp_path / "known_hosts"
     unreadable.mkdir()  # a directory where the file should be: unreadable even for root
     inv = parse(f"known_hosts: {unreadable}\nhosts:\n  remote: {{address: 127.0.0.1, port: {closed_port()}}}\n")
-    with pytest.raises(InputError, match=f"^{unreadable}: cannot read known_hosts"):
+    with pytest.raises(InputError, match=f"^{unreadable}: cannot read the known_hosts file"):
         Fleet(inv, Timeouts(connect=2))
 
 
@@ -347,12 +397,14 @@ def test_every_proxyjump_hop_rejects_unknown_keys_and_trusts_the_same_files(priv
     )
     trusted = tmp_path / "trusted"
     trusted.write_text(f"[bastion]:2200 {key.get_name()} {key.get_base64()}\ninner {key.get_name()} {key.get_base64()}\n")
-    conn = fabric_connection(Host("target", 0, "target"), Timeouts(connect=3), fabric.Config(), [trusted])
+    conn = fabric_connection(Host("target", 0, "target"), Timeouts(connect=3), fabric.Config(), hostkeys.load_trusted([trusted]))
     hops = gateway_hops(conn)
     assert sorted((h.host, h.port) for h in hops) == [("bastion", 2200), ("inner", 22)]
     for hop in [conn, *hops]:
         assert isinstance(hop.client._policy, hostkeys.RejectUnknownHostKey)  # never Fabric's AutoAddPolicy
-        assert hop.client._system_host_keys.lookup("[bastion]:2200")[key.get_name()] == key
+    # each hop holds the keys trusted for the name it dials, and nothing else: the target's own key is unknown
+    assert [(h.host, dict(h.client.get_host_keys().lookup(hostkeys.known_name(h.host, h.port)) or {})) for h in [conn, *hops]] == [
+        ("10.9.0.5", {}), ("bastion", {key.get_name(): key}), ("inner", {key.get_name(): key})]
     assert all(h.connect_timeout == 3 and h.connect_kwargs["banner_timeout"] == 3 for h in hops)
 
 
@@ -475,7 +527,7 @@ def test_trust_hosts_asks_for_the_key_type_already_recorded(keypair, tmp_path):
     assert hostkeys.fetch_host_key("h", 22, 5, _key_server([ed25519, ecdsa])) == ed25519
     fetched = hostkeys.fetch_host_key("h", 22, 5, _key_server([ed25519, ecdsa]), recorded=["ecdsa-sha2-nistp256"])
     assert fetched == ecdsa
-    trusted = paramiko.HostKeys()
+    trusted = hostkeys.TrustedKeys()
     trusted.add("h", ecdsa.get_name(), ecdsa)
     assert hostkeys.judge("h", fetched, trusted) == "already-trusted"
 

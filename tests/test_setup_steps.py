@@ -568,3 +568,26 @@ def test_a_cancel_before_the_delay_disarms_the_revert_for_good(fake_nft, tmp_pat
     assert (tmp_path / "log").read_text() == "applied\n"
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == []
     assert remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": False}
+
+
+def test_the_host_script_refuses_to_edit_a_file_past_the_limit_naming_it(tmp_path):
+    """A host file setup edits (authorized_keys, known_hosts, ~/.ssh/config, /etc/hosts) is read to at most
+    HOST_FILE_BYTES on the host: a larger one is that host's error naming it, never a controller out of memory."""
+    import json
+    import subprocess
+    import sys
+
+    from mnft.core import limits
+    from mnft.setup.steps import remote
+
+    assert remote.MAX_READ_BYTES == limits.HOST_FILE_BYTES  # the host script cannot import mnft: one value, two places
+    big, small = tmp_path / "authorized_keys", tmp_path / "config"
+    with open(big, "wb") as f:
+        f.truncate(limits.HOST_FILE_BYTES + 1)
+    small.write_text("Host *\n")
+    request = {"ops": [{"op": "read", "path": str(small)}, {"op": "read", "path": str(big)}]}
+    done = subprocess.run([sys.executable, "-c", remote.source() + "\nsys.exit(main())"], input=json.dumps(request) + "\n",
+                          capture_output=True, text=True, timeout=30)
+    [ok, refused] = json.loads(done.stdout)["results"]
+    assert ok["text"] == "Host *\n"
+    assert refused == {"error": f"{big} is larger than 4 MiB: mnft edits files up to that size (trim it, or edit it by hand)"}

@@ -23,6 +23,9 @@ JOB_BYTES = 1 * MiB  # a job file (--job), a setup playbook
 LOCK_BYTES = 16 * MiB  # a lock file (requirements.lock, pylock.toml)
 ENV_FILE_BYTES = 256 * KiB  # an --env-file
 RECORD_BYTES = 64 * MiB  # a run record runs/<id>/run.json mnft reads back
+KNOWN_HOSTS_BYTES = 16 * MiB  # one known_hosts file (~50 000 hashed lines)
+PUBLIC_KEY_BYTES = 64 * KiB  # a public key file (one line; an RSA-16384 key is 3 KiB)
+HOST_FILE_BYTES = 4 * MiB  # a file setup reads on a host to edit it (authorized_keys, known_hosts, ~/.ssh/config)
 
 # ---- structure
 LINE_CHARS = 64 * KiB  # one line of an inventory, job, playbook or lock file
@@ -40,6 +43,9 @@ TABLE = (  # (limit, value, what it bounds) for docs and messages
     ("LOCK_BYTES", LOCK_BYTES, "bytes of a lock file"),
     ("ENV_FILE_BYTES", ENV_FILE_BYTES, "bytes of an --env-file"),
     ("RECORD_BYTES", RECORD_BYTES, "bytes of a run record read back"),
+    ("KNOWN_HOSTS_BYTES", KNOWN_HOSTS_BYTES, "bytes of a known_hosts file"),
+    ("PUBLIC_KEY_BYTES", PUBLIC_KEY_BYTES, "bytes of a public key file"),
+    ("HOST_FILE_BYTES", HOST_FILE_BYTES, "bytes of a file setup edits on a host"),
     ("LINE_CHARS", LINE_CHARS, "characters of one line"),
     ("YAML_DEPTH", YAML_DEPTH, "levels of YAML nesting"),
     ("YAML_ALIASES", YAML_ALIASES, "YAML alias uses"),

@@ -27,7 +27,7 @@ import paramiko
 
 from mnft.core.errors import InputError
 from mnft.hosts import fanin
-from mnft.hosts.hostkeys import RejectUnknownHostKey, UnknownHostKey, fingerprint, known_name
+from mnft.hosts.hostkeys import RejectUnknownHostKey, TrustedKeys, UnknownHostKey, fingerprint, known_name
 from mnft.hosts.settings import Host
 
 # paramiko's transport thread logs what it raises (e.g. "Error reading SSH protocol banner" from a port that is
@@ -303,10 +303,10 @@ class SshConnection(Connection):
             hop.close()
 
 
-def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | None = None, known_hosts: list | None = None) -> fabric.Connection:
+def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | None = None, trusted: TrustedKeys | None = None) -> fabric.Connection:
     """A Fabric connection object (not yet open) with ~/.ssh/config honoured and Fabric's auto-add host-key policy
     replaced by a rejecting one, on the host and on every ProxyJump hop before it (Fabric builds those hops
-    itself, with auto-add). With `known_hosts`, every trusted file is loaded into each of them."""
+    itself, with auto-add). With `trusted`, each of them is given the keys trusted for the name it dials."""
     connect_kwargs: dict = {
         "banner_timeout": timeouts.connect,
         "auth_timeout": timeouts.connect,
@@ -330,8 +330,8 @@ def fabric_connection(host: Host, timeouts: Timeouts, config: fabric.Config | No
             hop.connect_timeout = conn.connect_timeout
             for key in ("banner_timeout", "auth_timeout", "channel_timeout"):
                 hop.connect_kwargs[key] = timeouts.connect
-        for path in known_hosts or []:
-            load_known_hosts(hop.client, path)
+        if trusted is not None:
+            trusted.give(hop.client, known_name(*ssh_target(hop)[:2]))
     return conn
 
 
@@ -346,17 +346,6 @@ def gateway_hops(conn: fabric.Connection) -> list[fabric.Connection]:
     return hops
 
 
-def load_known_hosts(client: paramiko.SSHClient, path) -> None:
-    """Load one trusted known_hosts file (missing is fine); unreadable or corrupt is one error naming it."""
-    path = Path(path)
-    if not path.exists():
-        return
-    try:
-        client.load_system_host_keys(str(path))
-    except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
-        raise InputError(f"{path}: cannot read known_hosts: {getattr(exc, 'strerror', None) or exc}") from None
-
-
 def ssh_target(conn: fabric.Connection) -> tuple[str, int, str]:
     """(hostname, port, user) after ~/.ssh/config: what is actually dialled."""
     return conn.host, conn.port, conn.user
@@ -366,7 +355,7 @@ class _Dropped(Exception):
     """The host's sshd closed the connection before the SSH banner (MaxStartups): worth another try."""
 
 
-def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: fabric.Config | None = None,
+def open_connection(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fabric.Config | None = None,
                     *, attempts: int = fanin.ATTEMPTS, sleep=time.sleep) -> Connection:
     """Open a verified connection, or raise Unreachable / HostKeyRejected with a one-line reason. A connection
     sshd drops before the banner (MaxStartups, when others connect to it at the same time) is tried again with
@@ -375,7 +364,7 @@ def open_connection(host: Host, known_hosts: list, timeouts: Timeouts, config: f
         return LocalConnection(host)
     for attempt in range(1, attempts + 1):
         try:
-            return _open_once(host, known_hosts, timeouts, config)
+            return _open_once(host, trusted, timeouts, config)
         except _Dropped as exc:
             if attempt == attempts:
                 raise Unreachable(fanin.refusal(str(exc), attempts)) from None
@@ -398,8 +387,8 @@ def _answers_like_sshd(hostname: str, port: int, timeout: float) -> bool:
     return first == b"" or first.startswith(b"SSH-") or first == fanin.SSHD_DROP_LINE
 
 
-def _open_once(host: Host, known_hosts: list, timeouts: Timeouts, config: fabric.Config | None) -> Connection:
-    conn = fabric_connection(host, timeouts, config, known_hosts)
+def _open_once(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fabric.Config | None) -> Connection:
+    conn = fabric_connection(host, timeouts, config, trusted)
     hostname, port, _ = ssh_target(conn)
     name = known_name(hostname, port)
     try:

@@ -113,8 +113,7 @@ class Fleet:
         self.inventory = inventory
         self.timeouts = timeouts
         self.max_workers = max(1, min(max_workers, len(inventory.hosts)))
-        self._known_hosts = known_hosts_files(inventory.known_hosts)
-        load_trusted(self._known_hosts)  # an unreadable known_hosts file is bad input: stop before any host
+        self._trusted = load_trusted(known_hosts_files(inventory.known_hosts))  # unreadable: bad input, before any host
         self._config: fabric.Config | None = None
         if any(not h.is_local for h in inventory.hosts):
             distinct_targets(inventory, self._fabric_config(), timeouts)
@@ -153,7 +152,7 @@ class Fleet:
         if conn is None:
             started = time.monotonic()
             try:
-                conn = open_connection(host, self._known_hosts, self.timeouts, None if host.is_local else self._fabric_config())
+                conn = open_connection(host, self._trusted, self.timeouts, None if host.is_local else self._fabric_config())
             except HostKeyRejected as exc:
                 self._broken[host.name] = HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc), seconds=_since(started))
                 raise

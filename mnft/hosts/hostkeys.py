@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import hmac
 import os
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import paramiko
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
@@ -39,14 +41,82 @@ def known_hosts_files(extra: Path | None = None) -> list[Path]:
     return files
 
 
-def load_trusted(files: list[Path]) -> paramiko.HostKeys:
-    keys = paramiko.HostKeys()
-    for path in files:
-        if path.exists():
+class TrustedKeys:
+    """Every trusted host key, read once per command: bounded (limits.KNOWN_HOSTS_BYTES a file), in time linear in
+    the files (paramiko's HostKeys.load checks each line against every line before it, and a Fabric client loads
+    every file again for every host: a lab's known_hosts of thousands of hashed lines took minutes), keys decoded
+    only when a host is looked up. Lines marked @cert-authority are ignored (paramiko verifies no certificates);
+    a key marked @revoked is never trusted for any host."""
+
+    def __init__(self) -> None:
+        self._plain: dict[str, list[tuple[str, str]]] = {}  # host name -> [(key type, base64)]
+        self._hashed: list[tuple[str, str, str]] = []  # (|1|salt|hash, key type, base64)
+        self._revoked: set[tuple[str, str]] = set()
+
+    def read(self, path: Path) -> None:
+        """Add one known_hosts file (a missing file adds nothing); too large, unreadable or corrupt: InputError."""
+        if not path.exists():
+            return
+        text = limits.text_of(limits.read_bytes(path, limits.KNOWN_HOSTS_BYTES, "known_hosts file", "known_hosts"), str(path), "known_hosts file")
+        for number, line in enumerate(text.splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith("#"):
+                continue
+            marker = fields.pop(0) if fields[0].startswith("@") else None
+            if len(fields) < 3:
+                continue  # as OpenSSH and paramiko: a line without names, type and key is skipped
+            names, key_type, blob = fields[:3]
             try:
-                keys.load(str(path))
-            except (OSError, UnicodeDecodeError, paramiko.SSHException, paramiko.hostkeys.InvalidHostKey) as exc:
-                raise InputError(f"{path}: cannot read known_hosts: {getattr(exc, 'strerror', None) or exc}") from None
+                base64.b64decode(blob, validate=True)
+            except ValueError:
+                raise InputError(f"{path}:{number}: cannot read known_hosts: the key is not base64 (fix or delete the line)") from None
+            if marker == "@revoked":
+                self._revoked.add((key_type, blob))
+            elif marker is None:
+                self.add_text(names.split(","), key_type, blob)
+
+    def add_text(self, names: list[str], key_type: str, blob: str) -> None:
+        for name in names:
+            if name.startswith("|1|"):
+                self._hashed.append((name, key_type, blob))
+            elif name and not name.startswith("!"):  # a negated pattern trusts nothing
+                self._plain.setdefault(name, []).append((key_type, blob))
+
+    def add(self, name: str, key_type: str, key: paramiko.PKey) -> None:
+        """Trust one more key for a host (as paramiko.HostKeys.add)."""
+        self.add_text([name], key_type, key.get_base64())
+
+    def lookup(self, name: str) -> dict[str, paramiko.PKey] | None:
+        """The keys trusted for a known_hosts name ("host" or "[host]:port"), by type; None when none is. Key types
+        paramiko cannot handle are left out (as paramiko does)."""
+        found = list(self._plain.get(name, ()))
+        for hashed, key_type, blob in self._hashed:
+            if hmac.compare_digest(paramiko.HostKeys.hash_host(name, hashed), hashed):
+                found.append((key_type, blob))
+        keys: dict[str, paramiko.PKey] = {}
+        for key_type, blob in found:
+            if (key_type, blob) in self._revoked or key_type in keys:
+                continue  # the first key of a type is the one checked (as paramiko's lookup)
+            try:
+                keys[key_type] = paramiko.PKey.from_type_string(key_type, base64.b64decode(blob))
+            except (paramiko.SSHException, paramiko.pkey.UnknownKeyType, ValueError):  # a type or a blob paramiko cannot use
+                continue
+        return keys or None
+
+    def give(self, client: paramiko.SSHClient, name: str) -> None:
+        """Hand a paramiko client the keys trusted for the one name it will connect to."""
+        for key_type, key in (self.lookup(name) or {}).items():
+            client.get_host_keys().add(name, key_type, key)
+
+
+def load_trusted(files: list[Path]) -> TrustedKeys:
+    """Every trusted key of these known_hosts files; one unreadable, too large or corrupt is bad input."""
+    keys = TrustedKeys()
+    for path in files:
+        try:
+            keys.read(path)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read known_hosts: {exc.strerror or exc}") from None
     return keys
 
 
@@ -110,7 +180,7 @@ def fetch_host_key(hostname: str, port: int, timeout: float, sock=None, recorded
         transport.close()
 
 
-def judge(known_as: str, key: paramiko.PKey, trusted: paramiko.HostKeys) -> str:
+def judge(known_as: str, key: paramiko.PKey, trusted: TrustedKeys) -> str:
     """'already-trusted', 'new' (nothing is recorded for the host), 'changed' (a different key of the same type
     is recorded) or 'other-type' (the host is trusted with other key types only). fetch_host_key asks for the
     recorded types first, so a host that still presents another type does not hold its recorded key: that is
@@ -124,7 +194,7 @@ def judge(known_as: str, key: paramiko.PKey, trusted: paramiko.HostKeys) -> str:
     return "already-trusted" if same_type == key else "changed"
 
 
-def recorded_types(known_as: str, trusted: paramiko.HostKeys) -> list[str]:
+def recorded_types(known_as: str, trusted: TrustedKeys) -> list[str]:
     recorded = trusted.lookup(known_as)
     return list(recorded.keys()) if recorded is not None else []
 

@@ -36,7 +36,7 @@ def trust_hosts(inventory: Inventory, timeouts: Timeouts = Timeouts(), dry_run: 
     remote = [h for h in inventory.hosts if not h.is_local]
 
     def read(host: Host) -> tuple[TrustResult, object]:
-        conn = fabric_connection(host, timeouts, config, files)
+        conn = fabric_connection(host, timeouts, config, trusted)
         hostname, port, _ = ssh_target(conn)
         name = known_name(hostname, port)
         recorded = recorded_types(name, trusted)

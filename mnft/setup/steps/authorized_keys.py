@@ -15,6 +15,7 @@ import hashlib
 import os
 from pathlib import Path
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.hosts.settings import Host, Inventory
 from mnft.setup.steps import blocks
@@ -67,10 +68,7 @@ def prepare(inventory: Inventory, params: dict) -> dict:
     keys = {}
     for host in inventory.hosts:
         path = key_path_for(host, params.get("key"))
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise InputError(f"{path}: cannot read the controller's public key ({exc.strerror or exc}); pass it with the step parameter 'key'") from None
+        text = limits.text_of(limits.read_bytes(path, limits.PUBLIC_KEY_BYTES, "controller's public key", "the step parameter 'key'"), str(path), "public key")
         keys[host.name] = parse_public_key(text, str(path))
     return {**params, "keys": keys}
 

@@ -26,7 +26,7 @@ import re
 import fabric
 
 from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable, open_connection
-from mnft.hosts.hostkeys import known_hosts_files
+from mnft.hosts.hostkeys import known_hosts_files, load_trusted
 from mnft.hosts.settings import Host
 from mnft.setup.steps.base import CHANGED, FAILED, Context, Outcome, Param, Plan, first_error, standard
 
@@ -199,7 +199,7 @@ def probe_ssh(ctx: Context, host: Host, timeout: float) -> str | None:
         return None
     try:
         # the same factory, known_hosts and ~/.ssh/config as the fleet's connections, but a brand-new TCP connection
-        conn = open_connection(host, known_hosts_files(ctx.inventory.known_hosts), Timeouts(connect=timeout, command=timeout), fabric.Config())
+        conn = open_connection(host, load_trusted(known_hosts_files(ctx.inventory.known_hosts)), Timeouts(connect=timeout, command=timeout), fabric.Config())
     except (Unreachable, HostKeyRejected) as exc:
         return str(exc)
     try:

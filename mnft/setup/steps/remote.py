@@ -49,6 +49,7 @@ import tempfile
 import time
 
 STATE_DIR = "/run/mnft"
+MAX_READ_BYTES = 4 * 1024 * 1024  # a file read to be edited: mnft.core.limits.HOST_FILE_BYTES (this file is stdlib only)
 
 
 def source() -> str:
@@ -84,7 +85,9 @@ def op_read(req: dict) -> dict:
     if stat.S_ISDIR(st.st_mode):
         return {"exists": True, "is_dir": True, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid}
     with open(path, "rb") as f:
-        data = f.read()
+        data = f.read(MAX_READ_BYTES + 1)  # never more: a huge file costs 4 MiB, not its size
+    if len(data) > MAX_READ_BYTES:
+        raise RuntimeError("%s is larger than %d MiB: mnft edits files up to that size (trim it, or edit it by hand)" % (req["path"], MAX_READ_BYTES >> 20))
     return {"exists": True, "is_dir": False, "text": data.decode("utf-8", "surrogateescape"), "mode": stat.S_IMODE(st.st_mode),
             "uid": st.st_uid, "sha256": _sha(data)}
 
@@ -104,11 +107,14 @@ def op_stat(req: dict) -> dict:
 
 
 def _current_sha(path: str):
+    digest = hashlib.sha256()
     try:
         with open(path, "rb") as f:
-            return _sha(f.read())
+            for chunk in iter(lambda: f.read(1 << 20), b""):  # memory flat, whatever the file's size
+                digest.update(chunk)
     except FileNotFoundError:
         return None
+    return digest.hexdigest()
 
 
 def op_write(req: dict) -> dict:
