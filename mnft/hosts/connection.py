@@ -19,7 +19,6 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import fabric
