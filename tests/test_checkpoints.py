@@ -6,7 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
+from mnft.hosts import inventory
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.settings import Host, Inventory
 from mnft.run import agent, checkpoints
 from mnft.run.job import ResumeRule
 from mnft.sync import treehash
@@ -193,3 +197,90 @@ def test_torchtune_0_6_1_metrics_are_read_from_its_log_file_and_its_bar():
         assert [r["step"] for r in records] == steps and all(isinstance(r["loss"], float) for r in records)
         bar = scrape.LineParser("torchtune").lines((TORCHTUNE / run / "stderr.txt").read_text().splitlines())
         assert sorted({r["step"] for r in bar}) == steps  # tqdm's `E|S|Loss: x`, with \r and ESC[A between updates
+
+
+# ------------------------------------------------------------------------------------------------ shared directories
+
+
+def test_hosts_that_see_one_directory_are_one_directory_under_their_first_host():
+    groups = {"h2": ("h2", "h4"), "h4": ("h2", "h4")}  # sync's shared groups: hosts alone are left out
+    assert checkpoints.directories(["h1", "h2", "h3", "h4"], groups) == {"h1": ("h1",), "h2": ("h2", "h4"), "h3": ("h3",)}
+    assert checkpoints.directories(["h1", "h2"], {}) == {"h1": ("h1",), "h2": ("h2",)}
+
+
+def test_a_shared_directory_gets_each_missing_file_once_and_never_from_itself():
+    """h1 and h2 share a home: rank 0 and rank 1 wrote there; h3's own disk holds rank 2's files."""
+    written = listing(**{"checkpoint-20": ["rng_state_0.pth", "rng_state_1.pth", "trainer_state.json"]})
+    listings = {"h1": written, "h2": written, "h3": listing(**{"checkpoint-20": ["rng_state_2.pth"]})}
+    choice = checkpoints.choose(HF, listings)
+    groups = {"h1": ("h1", "h2"), "h2": ("h1", "h2")}
+    assert checkpoints.transfers(choice, groups) == {
+        "h1": {"checkpoint-20/rng_state_2.pth": "h3"},  # once, for h1 and h2
+        "h3": {"checkpoint-20/rng_state_0.pth": "h1", "checkpoint-20/rng_state_1.pth": "h1", "checkpoint-20/trainer_state.json": "h1"},
+    }
+    assert checkpoints.transfers(choice)["h2"] == {"checkpoint-20/rng_state_2.pth": "h3"}  # undetected: copied twice
+    everyone = {n: ("h1", "h2", "h3") for n in listings}
+    assert checkpoints.transfers(checkpoints.choose(HF, {n: listings["h1"] for n in listings}), everyone) == {}
+    assert checkpoints.unseen(choice, checkpoints.directories(list(listings), groups)) == []
+
+
+def test_a_host_of_a_shared_directory_that_lists_other_files_is_named():
+    listings = {"h1": listing(**{"checkpoint-20": ["trainer_state.json", "model.safetensors"]}),
+                "h2": listing(**{"checkpoint-20": ["trainer_state.json"]})}
+    choice = checkpoints.choose(HF, listings)
+    assert checkpoints.unseen(choice, {"h1": ("h1", "h2")}) == \
+        ["h2 shares h1's directory but lacks 1 file(s), e.g. checkpoint-20/model.safetensors"]
+
+
+def test_declared_shared_fs_is_held_to_what_was_found():
+    hosts = [Host(name=n, rank=i, address=f"10.0.0.{i}", shared_fs=n != "h4") for i, n in enumerate(["h1", "h2", "h3", "h4"])]
+    assert checkpoints.declared_apart(hosts, {"h1": ("h1", "h2"), "h2": ("h1", "h2")}) == ["h3"]
+    assert checkpoints.declared_apart(hosts, {n: ("h1", "h2", "h3", "h4") for n in ("h1", "h2", "h3", "h4")}) == []
+    assert checkpoints.declared_apart(hosts[:1] + hosts[3:], {}) == []  # one declared host asserts nothing
+
+
+def local_hosts(*names: str, **settings) -> Inventory:
+    """Hosts on this machine (connection local): the real marks, listings, hashes and rsync, no SSH."""
+    extra = "".join(f", {k}: {json.dumps(v)}" for k, v in settings.items())
+    return inventory.parse("hosts:\n" + "".join(f"  {n}: {{connection: local{extra}}}\n" for n in names))
+
+
+def hf_checkpoint(root: Path, *files: str) -> Path:
+    (root / "checkpoint-10").mkdir(parents=True)
+    for name in files:
+        (root / "checkpoint-10" / name).write_text(name)
+    return root
+
+
+def test_prepare_reads_a_shared_directory_once_and_copies_to_it_once(tmp_path):
+    """Three hosts on this machine (local connections, the real marks, hashes and rsync): h1 and h2 see one
+    directory, h3 its own. Before detection, h2's directory was filled a second time from h3."""
+    shared = hf_checkpoint(tmp_path / "home" / "ckpt", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth")
+    own = hf_checkpoint(tmp_path / "h3" / "ckpt", "rng_state_2.pth")
+    with Fleet(local_hosts("h1", "h2", "h3")) as fleet:
+        found = checkpoints.prepare(fleet, HF, {"h1": str(shared), "h2": str(shared), "h3": str(own)}, Console(file=None, quiet=True))
+    assert found.name == "checkpoint-10" and found.shared == [["h1", "h2"]]
+    assert found.copied == {"h1": 1, "h3": 3}
+    assert "verified in 2 directories (h1, h2 share one directory)" in found.note
+    for root in (shared, own):
+        assert sorted(p.name for p in (root / "checkpoint-10").iterdir()) == \
+            ["rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth", "trainer_state.json"]
+
+
+def test_prepare_on_one_directory_for_every_host_copies_and_hashes_nothing(tmp_path, monkeypatch):
+    shared = hf_checkpoint(tmp_path / "home" / "ckpt", "trainer_state.json", "rng_state_0.pth")
+    monkeypatch.setattr(checkpoints, "_hash_trees", lambda *a, **k: pytest.fail("one directory: nothing to compare"))
+    with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
+        found = checkpoints.prepare(fleet, HF, {n: str(shared) for n in ("h1", "h2", "h3")}, Console(file=None, quiet=True))
+    assert found.name == "checkpoint-10" and found.copied == {} and found.shared == [["h1", "h2", "h3"]]
+    assert found.note == "one directory for h1, h2, h3: read once, nothing copied"
+
+
+def test_a_declared_shared_fs_the_marks_contradict_stops_the_resume_naming_the_hosts(tmp_path):
+    shared = hf_checkpoint(tmp_path / "home" / "ckpt", "trainer_state.json")
+    own = hf_checkpoint(tmp_path / "h3" / "ckpt", "trainer_state.json")
+    with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet, pytest.raises(checkpoints.CheckpointError) as err:
+        checkpoints.prepare(fleet, HF, {"h1": str(shared), "h2": str(shared), "h3": str(own)}, Console(file=None, quiet=True))
+    assert str(err.value) == (f"h3 declared shared_fs, but the checkpoints directory {own} there is not the one h1 sees: "
+                              "mount the shared filesystem on h3 (or remove shared_fs from the inventory)")
+    assert sorted(p.name for p in (own / "checkpoint-10").iterdir()) == ["trainer_state.json"]  # nothing changed

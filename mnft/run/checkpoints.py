@@ -6,8 +6,13 @@ no model. So before a resume mnft reads every host's checkpoints directory (read
 that is complete in the union of the hosts' files by the job's layout (pure), copies each missing file from a
 host that has it to the hosts that lack it (rsync through this machine, host keys verified as for sync) and
 proves with each host's tree hash that every host now holds the same files (apply, verify). Files of the same
-name that differ between hosts are refused: mnft would not know which is right. Hosts with shared_fs only
-verify.
+name that differ between hosts are refused: mnft would not know which is right.
+
+Hosts that see one checkpoints directory (a shared home, an NFS mount: found by sync's marks, never assumed) are
+one copy: the checkpoint is hashed and verified once per directory, copied only to directories that lack it, never
+from a directory onto itself; when every host sees one directory nothing is hashed or copied. Each host's
+listing must show what its directory's first host lists, and hosts the inventory declares shared_fs must be found
+sharing one (else an error naming them, as check says).
 
 Layouts (the job's resume.layout): hf `checkpoint-N` holding trainer_state.json (written last); torchtune
 `epoch_N` (else `step_N`) holding recipe_state.pt (main), or, as the released 0.6.1 writes it, `epoch_N/` with
@@ -27,7 +32,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 from rich.console import Console
 from rich.text import Text
@@ -37,7 +42,7 @@ from mnft.hosts import pyrun
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Host
 from mnft.run.job import ResumeRule
-from mnft.sync.mirror import hash_command, hash_stdin
+from mnft.sync.mirror import detect_shared, hash_command, hash_stdin
 from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
 
 LAYOUT_RULES = {
@@ -73,9 +78,10 @@ class Found:
     copied: dict[str, int] = field(default_factory=dict)  # host -> files copied to it
     bytes_copied: int = 0
     note: str = ""
+    shared: list[list[str]] = field(default_factory=list)  # the hosts of each checkpoints directory seen by more than one
 
     def to_record(self) -> dict[str, Any]:
-        return {"name": self.name, "copied": self.copied, "bytes_copied": self.bytes_copied, "note": self.note}
+        return {"name": self.name, "copied": self.copied, "bytes_copied": self.bytes_copied, "note": self.note, "shared": self.shared}
 
 
 # ------------------------------------------------------------------------------------------------ choose (pure)
@@ -237,15 +243,53 @@ def _choose_sana(entries: dict[str, dict]) -> Choice:
     return Choice(None)
 
 
-def transfers(choice: Choice) -> dict[str, dict[str, str]]:
-    """For each host that lacks files of the checkpoint: file -> the host to copy it from (the first that has
-    it, in inventory order)."""
+def directories(order: Sequence[str], groups: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """The checkpoints directories the hosts see: each group of hosts that see one (sync's shared groups) under
+    its first host, every other host alone; in inventory order."""
+    out: dict[str, tuple[str, ...]] = {}
+    for name in order:
+        members = tuple(n for n in order if n in groups.get(name, ())) or (name,)
+        out.setdefault(members[0], members)
+    return out
+
+
+def declared_apart(hosts: Sequence[Host], groups: Mapping[str, Sequence[str]]) -> list[str]:
+    """Hosts the inventory declares shared_fs whose checkpoints directory is not the one the first declared host
+    sees (shared_fs is an assertion, held to what was found, as check holds it for the workdir)."""
+    declared = [h.name for h in hosts if h.shared_fs]
+    with_first = set(groups.get(declared[0], ())) if declared else set()
+    return [name for name in declared[1:] if name not in with_first]
+
+
+def unseen(choice: Choice, dirs: Mapping[str, Sequence[str]]) -> list[str]:
+    """Hosts of a shared directory that list other files of the checkpoint than its first host: they do not
+    see that directory as it is (a stale or missing mount), so it cannot be read as one copy."""
+    out = []
+    for first, members in dirs.items():
+        mine = set(choice.held.get(first, {}))
+        for name in members[1:]:
+            theirs = set(choice.held.get(name, {}))
+            if theirs != mine:
+                lacks, extra = sorted(mine - theirs), sorted(theirs - mine)
+                out.append(f"{name} shares {first}'s directory but " + " and ".join(
+                    f"{what} {len(paths)} file(s), e.g. {paths[0]}" for what, paths in (("lacks", lacks), ("holds another", extra)) if paths))
+    return out
+
+
+def transfers(choice: Choice, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, dict[str, str]]:
+    """For each directory that lacks files of the checkpoint (a host's, or the one the hosts of a group see,
+    under its first host): file -> the host to copy it from (the first that has it, in inventory order, never
+    a host of the same directory: a directory is not copied onto itself)."""
+    dirs = directories(list(choice.held), groups or {})
+    directory_of = {name: first for first, members in dirs.items() for name in members}
     plan: dict[str, dict[str, str]] = {}
-    for host, files in choice.held.items():
+    for first in dirs:
+        files = choice.held[first]
         for path in sorted(choice.union):
             if path not in files:
-                source = next(h for h, f in choice.held.items() if path in f)
-                plan.setdefault(host, {})[path] = source
+                source = next((h for h, f in choice.held.items() if path in f and directory_of[h] != first), None)
+                if source is not None:  # (else only a host of this directory lists it: unseen() refuses that)
+                    plan.setdefault(first, {})[path] = source
     return plan
 
 
@@ -356,36 +400,49 @@ def _rsync_base(host: Host, ssh, listing: Path) -> list[str]:
 
 
 def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Console, needs: str = "all") -> Found:
-    """Find the job's latest complete checkpoint and make it the same on every host (or only verify it, shared_fs)."""
+    """Find the job's latest complete checkpoint and make it the same in every checkpoints directory, reading and
+    verifying a directory that several hosts see once."""
     hosts = [fleet.inventory.host(name) for name in dirs]
+    groups = detect_shared(fleet, hosts, dirs) if len(hosts) > 1 else {}
+    apart = declared_apart(hosts, groups)
+    if apart:
+        first = next(h.name for h in hosts if h.shared_fs)
+        raise CheckpointError(f"{', '.join(apart)} declared shared_fs, but the checkpoints directory {dirs[apart[0]]} there is not the one {first} "
+                              f"sees: mount the shared filesystem on {', '.join(apart)} (or remove shared_fs from the inventory)")
     listings = _agent_json(fleet, hosts, lambda h: ("checkpoints", dirs[h.name]))
     choice = choose(rule, listings, needs)
+    places = directories([h.name for h in hosts], groups)
+    shared = [list(members) for members in places.values() if len(members) > 1]
     if choice.name is None:
         note = (f"no complete checkpoint ({rule.layout}) in {', '.join(sorted(set(dirs.values())))}"
                 + (f" (incomplete: {', '.join(choice.considered[:5])})" if choice.considered else "") + ": the run starts fresh")
         console.print(Text(f"{note}", style="yellow"))
-        return Found(None, note=note)
-    shared = [h for h in hosts if h.shared_fs]
-    if len(shared) == len(hosts):
-        missing = [h.name for h in hosts if set(choice.union) - set(choice.held.get(h.name, {}))]
-        if missing:
-            raise CheckpointError(f"checkpoint {choice.name}: shared_fs hosts {', '.join(missing)} do not see all of it: is the shared filesystem mounted?")
-        console.print(f"resuming from {choice.name} (shared filesystem: verified on every host)", highlight=False)
-        return Found(choice.name, note="shared filesystem")
-    trees = _hash_trees(fleet, hosts, dirs, choice.paths, choice.exclude)
+        return Found(None, note=note, shared=shared)
+    mismatch = unseen(choice, places)
+    if mismatch:
+        raise CheckpointError(f"checkpoint {choice.name} cannot be read as one copy: {'; '.join(mismatch[:3])}: is the shared filesystem mounted on every host?")
+    sharing = "; ".join(f"{', '.join(members)} share one directory" for members in shared)
+    if len(places) == 1:  # one directory: nothing to compare, nothing to copy
+        note = f"one directory for {', '.join(places[hosts[0].name])}: read once, nothing copied" if len(hosts) > 1 else "one host"
+        console.print(f"resuming from {choice.name} ({note})", highlight=False)
+        return Found(choice.name, note=note, shared=shared)
+    firsts = [fleet.inventory.host(name) for name in places]
+    trees = _hash_trees(fleet, firsts, dirs, choice.paths, choice.exclude)
     clash = conflicts(trees)
     if clash:
         raise CheckpointError(f"checkpoint {choice.name} cannot be made whole: " + "; ".join(clash[:3]) + " (remove the wrong copy by hand)")
-    plan = transfers(choice)
+    plan = transfers(choice, groups)
     copied = {host: len(files) for host, files in plan.items()}
     total = _copy(fleet, dirs, plan) if plan else 0
-    after = _hash_trees(fleet, hosts, dirs, choice.paths, choice.exclude)
+    after = _hash_trees(fleet, firsts, dirs, choice.paths, choice.exclude)
     union = {}
     for files in trees.values():
         union.update(files)
     differ = [_difference(h, files, union) for h, files in after.items() if dict(files) != union]
     if differ:
         raise CheckpointError(f"checkpoint {choice.name} differs between hosts after copying ({', '.join(differ)})")
-    shown = ", ".join(f"{n} file(s) to {h}" for h, n in copied.items()) or "every host held all of it"
-    console.print(f"resuming from {choice.name}: {shown}; verified on {len(hosts)} hosts", highlight=False)
-    return Found(choice.name, copied, total, note=shown)
+    shown = ", ".join(f"{n} file(s) to {h}" + (f" (for {', '.join(places[h])})" if len(places[h]) > 1 else "") for h, n in copied.items()) \
+        or "every directory held all of it"
+    verified = f"verified in {len(places)} directories" + (f" ({sharing})" if sharing else "")
+    console.print(f"resuming from {choice.name}: {shown}; {verified}", highlight=False)
+    return Found(choice.name, copied, total, note=f"{shown}; {verified}", shared=shared)
