@@ -7,6 +7,8 @@ Fixtures:
                           sshd running, stray processes killed) — use it in any test that breaks a host
   fresh_cluster_factory   function: factory(n_hosts=2, outsider=False, prefix=None) -> a private Cluster for
                           destructive tests; every cluster it built is torn down after the test
+  (autouse) lease_dir     function: MNFT_LEASE_DIR in a fresh directory, so a `connection: local` host's lease is
+                          the test's own, not this machine's /run/lock (shared with every other test run)
 
 Every test marked `cluster` gets a pytest-timeout (CLUSTER_TIMEOUT seconds) unless it sets its own, so a hung
 ssh or torchrun fails the test instead of blocking CI. Nothing heavy (and no mnft module) is imported here at
@@ -29,6 +31,14 @@ SESSION_HOSTS = 4
 
 if str(ROOT) not in sys.path:  # tests run from a checkout without `pip install -e .`
     sys.path.insert(0, str(ROOT))
+
+
+@pytest.fixture(autouse=True)
+def lease_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's machine-wide lease directory (mnft.hosts.leasehost) for the hosts it runs on this machine."""
+    directory = tmp_path_factory.mktemp("leases")
+    monkeypatch.setenv("MNFT_LEASE_DIR", str(directory))
+    return directory
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,9 +1,12 @@
 """One operation per host at a time (issue 19, class 6): the host leases, with `connection: local` hosts (a local
-shell per host, the host side shipped through pyrun as to any host) and MNFT_HOME in a temporary directory.
+shell per host, the host side shipped through pyrun as to any host) and MNFT_LEASE_DIR in a temporary directory
+(conftest's `lease_dir`).
 
-A lease is held while a process holds a flock on the host's lease file: the controller's `hold` process (as long
-as its channel lives), or a run's keeper. A second operation is refused naming the holder; a lease whose holder
-is gone is taken over, said once; nested takes in one controller are no-ops."""
+A lease is the machine's, not the login's: one file for every user of the host. It is held while a process holds
+a flock on it: the controller's `hold` process (as long as its channel lives), or a run's keeper. A second
+operation is refused naming the holder (and, for another login, whom to ask); a lease whose holder is gone is
+taken over, said once; nested takes in one controller are no-ops. The lease directory is one where anyone may
+plant anything: a file mnft did not make is refused with one line, and never written through."""
 
 from __future__ import annotations
 
@@ -11,10 +14,13 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,26 +28,21 @@ from mnft.hosts import leasehost, leases, pyrun
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.inventory import parse
 
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    state = tmp_path / "mnft-home"
-    monkeypatch.setenv("MNFT_HOME", str(state))
-    return state
+LEASE, LOCK = "mnft-lease.json", "mnft-lease.lock"
 
 
 def fleet_of(*names: str) -> Fleet:
     return Fleet(parse("hosts:\n" + "".join(f"  {n}: {{connection: local, python: {json.dumps(sys.executable)}}}\n" for n in names)))
 
 
-def holder_on_disk(home: Path) -> dict:
-    return json.loads((home / "lease.json").read_text())
+def holder_on_disk(directory: Path) -> dict:
+    return json.loads((directory / LEASE).read_text())
 
 
-def hold_process(home: Path, holder: dict) -> subprocess.Popen:
-    """Another controller's hold process on this host (its stdin is its channel)."""
-    proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            env=dict(os.environ, MNFT_HOME=str(home)))
+def hold_process(directory: Path, holder: dict, *, user: int | None = None, python: str = sys.executable) -> subprocess.Popen:
+    """Another controller's hold process on this host (its stdin is its channel), as this user or `user`."""
+    proc = subprocess.Popen([python, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env=dict(os.environ, MNFT_LEASE_DIR=str(directory)), user=user, cwd="/")
     proc.stdin.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
     proc.stdin.flush()
     reply = json.loads(proc.stdout.readline())
@@ -49,89 +50,98 @@ def hold_process(home: Path, holder: dict) -> subprocess.Popen:
     return proc
 
 
+def let_go(proc: subprocess.Popen) -> None:
+    proc.stdin.close()
+    proc.wait(timeout=10)
+
+
 OTHER = {"op": "other-op", "command": "sync", "run_id": None, "user": "ana", "controller": "ctl2", "pid": 4242, "started": time.time()}
 
 
-def test_a_free_host_is_leased_for_the_block_and_the_lease_names_its_holder(home):
+def test_a_free_host_is_leased_for_the_block_and_the_lease_names_its_holder_and_login(lease_dir):
     with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "sync") as held:
-        on_disk = holder_on_disk(home)
+        on_disk = holder_on_disk(lease_dir)
         assert on_disk["command"] == "sync" and on_disk["pid"] == os.getpid() and on_disk["op"] == held.op
+        assert on_disk["uid"] == os.getuid() and on_disk["login"] == leasehost.user_name(os.getuid())
         assert leases.show(fleet, fleet.inventory.hosts)["h1"]["held"] is True
-    assert holder_on_disk(home)["released"]  # let go at the end of the block
+    assert holder_on_disk(lease_dir)["released"]  # let go at the end of the block
     with fleet_of("h1") as fleet:
         assert leases.show(fleet, fleet.inventory.hosts)["h1"]["held"] is False
 
 
-def test_a_second_operation_on_a_busy_host_is_refused_naming_the_host_and_the_holder(home):
-    other = hold_process(home, dict(OTHER, command="train", run_id="20260101-1200-ab12"))
+def test_a_second_operation_on_a_busy_host_is_refused_naming_the_host_and_the_holder(lease_dir):
+    other = hold_process(lease_dir, dict(OTHER, command="train", run_id="20260101-1200-ab12"))
     try:
         with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy) as refused:
             with leases.hold(fleet, fleet.inventory.hosts, "provision"):
                 pytest.fail("the block ran on a busy host")
         line = str(refused.value)
-        assert line.startswith("h1 is busy: train run 20260101-1200-ab12 by ana@ctl2 pid 4242 since ")
-        assert "(mnft stop 20260101-1200-ab12, or wait)" in line and "\n" not in line
+        me = leasehost.user_name(os.getuid())
+        assert line.startswith(f"h1 is busy: train run 20260101-1200-ab12 by {me} (ana@ctl2) pid 4242 since ")
+        assert "(mnft stop 20260101-1200-ab12, or wait)" in line and "\n" not in line  # the same login: it may stop it
         assert refused.value.exit_code == 1
-        assert holder_on_disk(home)["op"] == "other-op"  # untouched
+        assert holder_on_disk(lease_dir)["op"] == "other-op"  # untouched
     finally:
-        other.stdin.close()
-        other.wait(timeout=10)
+        let_go(other)
 
 
-def test_a_refusal_lets_go_of_the_hosts_taken_before_it(home, tmp_path, monkeypatch):
-    other_home = tmp_path / "other-home"
-    other = hold_process(other_home, OTHER)  # h2 is busy, h1 free
+def test_a_refusal_lets_go_of_the_hosts_taken_before_it(lease_dir, tmp_path, monkeypatch):
+    other_dir = tmp_path / "other-machine"
+    other_dir.mkdir()
+    other = hold_process(other_dir, OTHER)  # h2 is busy, h1 free
     python2 = tmp_path / "python-h2"  # h2: another machine, as far as its lease is concerned
-    python2.write_text(f"#!/bin/sh\nMNFT_HOME={other_home} exec {sys.executable} \"$@\"\n")
+    python2.write_text(f"#!/bin/sh\nMNFT_LEASE_DIR={other_dir} exec {sys.executable} \"$@\"\n")
     python2.chmod(0o755)
     monkeypatch.setattr(leases, "host_key", lambda host: host.name)
     inv = parse(f"hosts:\n  h1: {{connection: local, python: {json.dumps(sys.executable)}}}\n  h2: {{connection: local, python: {python2}}}\n")
     try:
         with Fleet(inv) as fleet:
             taking = leases.Leases("setup")
-            with pytest.raises(leases.HostBusy, match=r"^h2 is busy: sync by ana@ctl2 pid 4242 since .*\(wait for it to end\); nothing was changed"):
+            with pytest.raises(leases.HostBusy, match=r"^h2 is busy: sync by \S+ \(ana@ctl2\) pid 4242 since .*\(wait for it to end\); nothing was changed"):
                 taking.take(fleet, inv.hosts)
             assert taking.processes == {} and "h1" not in leases._held
-            assert holder_on_disk(home)["released"]  # h1's, taken and let go
+            assert holder_on_disk(lease_dir)["released"]  # h1's, taken and let go
             with leases.hold(fleet, inv.hosts[:1], "sync"):
                 pass
     finally:
-        other.stdin.close()
-        other.wait(timeout=10)
+        let_go(other)
 
 
-def test_a_lease_whose_holder_is_gone_is_taken_over_and_that_is_said_once(home):
-    other = hold_process(home, OTHER)
+def test_a_lease_whose_holder_is_gone_is_taken_over_and_that_is_said_once(lease_dir):
+    other = hold_process(lease_dir, OTHER)
     other.kill()  # its controller vanished: the channel closed, the hold process is gone, nothing was released
     other.wait()
-    assert "released" not in holder_on_disk(home)
+    assert "released" not in holder_on_disk(lease_dir)
     said = []
     with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "setup", on_took_over=lambda h, prev: said.append((h, prev["op"]))):
-        assert holder_on_disk(home)["command"] == "setup"
+        assert holder_on_disk(lease_dir)["command"] == "setup"
     assert said == [("h1", "other-op")]
 
 
-def test_a_lease_released_by_its_holder_is_taken_without_a_word(home):
-    other = hold_process(home, OTHER)
-    other.stdin.close()
-    other.wait(timeout=10)
+def test_a_lease_released_by_its_holder_is_taken_without_a_word(lease_dir):
+    other = hold_process(lease_dir, OTHER)
+    let_go(other)
     said = []
     with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "sync", on_took_over=lambda h, prev: said.append(h)):
         pass
     assert said == []
 
 
-def test_a_run_whose_processes_live_on_holds_its_lease_after_its_holders_are_gone(home):
-    other = hold_process(home, dict(OTHER, command="train", run_id="R7"))
+def wait_for_run_processes(run_id: str) -> None:
+    deadline = time.monotonic() + 30
+    while not leasehost.run_processes(run_id) and time.monotonic() < deadline:  # until its exec is done
+        time.sleep(0.05)
+
+
+def test_a_run_whose_processes_live_on_holds_its_lease_after_its_holders_are_gone(lease_dir):
+    other = hold_process(lease_dir, dict(OTHER, command="train", run_id="R7"))
     other.kill()
     other.wait()
     # a worker of attempt 2 of the run, orphaned (its keeper killed): the run is not over on this host
     worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], env=dict(os.environ, MNFT_RUN_ID="R7-a2"))
     try:
-        deadline = time.monotonic() + 30
-        while not leasehost.run_processes("R7") and time.monotonic() < deadline:  # until its exec is done
-            time.sleep(0.05)
-        with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match=r"^h1 is busy: train run R7 by ana@ctl2"):
+        wait_for_run_processes("R7")
+        with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match=r"^h1 is busy: train run R7 by \S+ \(ana@ctl2\)"):
             leases.Leases("sync").take(fleet, fleet.inventory.hosts)
     finally:
         worker.kill()
@@ -140,16 +150,16 @@ def test_a_run_whose_processes_live_on_holds_its_lease_after_its_holders_are_gon
         pass
 
 
-def test_a_keeper_sharing_the_lock_keeps_the_host_busy_after_the_controller_let_go(home):
+def test_a_keeper_sharing_the_lock_keeps_the_host_busy_after_the_controller_let_go(lease_dir):
     # the agent gives a run's keeper the lease (mnft.run.agent.lease_fd): a detached run holds its host
     from mnft.run import agent
 
     with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "train", run_id="R8"):
-        assert agent.lease_path() == leasehost.lease_path() == str(home / "lease.json")
+        assert agent.lease_path() == leasehost.lease_path() == str(lease_dir / LEASE)
         fd = agent.lease_fd("R8-a2")
         assert fd is not None and agent.lease_fd("R9") is None
     try:
-        assert "released" not in holder_on_disk(home)  # somebody else still holds it
+        assert "released" not in holder_on_disk(lease_dir)  # somebody else still holds it
         with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match=r"^h1 is busy: train run R8 "):
             leases.Leases("sync").take(fleet, fleet.inventory.hosts)
     finally:
@@ -158,35 +168,249 @@ def test_a_keeper_sharing_the_lock_keeps_the_host_busy_after_the_controller_let_
         pass
 
 
-def test_takes_nested_in_one_controller_are_no_ops_and_two_names_for_one_login_share_one_lease(home):
+@pytest.mark.parametrize("content", [b'{"run_id": 7}', b"[" * 100000, b'{"run_id": ["R"]}', b"\xff\xfe not json"])
+def test_a_keeper_is_not_given_a_lease_whose_run_id_is_not_text(lease_dir, content):
+    from mnft.run import agent
+
+    (lease_dir / LEASE).write_bytes(content)  # any user of the host may write the lease: the launch goes on
+    assert agent.lease_fd("R") is None
+
+
+def test_takes_nested_in_one_controller_are_no_ops_and_two_names_for_one_machine_share_one_lease(lease_dir):
     with fleet_of("a", "b") as fleet, leases.hold(fleet, fleet.inventory.hosts, "train", run_id="R1") as outer:
-        assert list(outer.processes) == ["a"]  # b is the same login on the same machine
+        assert list(outer.processes) == ["a"]  # b is the same machine
         with leases.hold(fleet, fleet.inventory.hosts, "sync") as inner:  # train's own sync
             assert inner.processes == {}
         assert leases.show(fleet, fleet.inventory.hosts[:1])["a"]["held"] is True
-    assert holder_on_disk(home)["released"]
+    assert holder_on_disk(lease_dir)["released"]
 
 
-def test_a_hold_without_heartbeat_lets_go_after_its_deadman(home):
-    proc = hold_process(home, dict(OTHER, deadman=0.5))
+def test_two_logins_of_one_machine_are_one_lease_key():
+    alice, bob = (SimpleNamespace(is_local=False, address="10.0.0.1", port=22, user=user) for user in ("alice", "bob"))
+    assert leases.host_key(alice) == leases.host_key(bob)
+    assert leases.host_key(SimpleNamespace(is_local=True, address="h", port=22, user="x")) == ("local",)
+
+
+def test_a_hold_without_heartbeat_lets_go_after_its_deadman(lease_dir):
+    proc = hold_process(lease_dir, dict(OTHER, deadman=0.5))
     assert proc.wait(timeout=30) == 0  # its stdin is still open: the controller is silent, not gone
-    assert holder_on_disk(home)["released"]
+    assert holder_on_disk(lease_dir)["released"]
 
 
-def test_the_lease_file_is_the_users_alone_and_never_followed_through_a_link(home, tmp_path):
-    home.mkdir(parents=True)
-    target = tmp_path / "elsewhere"
-    target.write_text("{}")
-    (home / "lease.json").symlink_to(target)
+# ------------------------------------------------------------------------------------ where the lease is
+
+
+def fake_stat(**dirs: tuple[int, int]):
+    """An os.stat whose answers are {path: (mode, uid)} (keys with '/' as '_'); any other path is missing."""
+    table = {"/" + k.replace("_", "/"): v for k, v in dirs.items()}
+
+    def stat_of(path):
+        if path not in table:
+            raise FileNotFoundError(path)
+        mode, uid = table[path]
+        return SimpleNamespace(st_mode=mode, st_uid=uid)
+
+    return stat_of
+
+
+@pytest.mark.parametrize("run_lock, chosen", [
+    ((stat.S_IFDIR | 0o1777, 0), "/run/lock"),  # Debian, Ubuntu: a tmpfs every user may use
+    ((stat.S_IFDIR | 0o755, 0), "/tmp"),  # Fedora, RHEL: root's alone
+    ((stat.S_IFDIR | 0o777, 0), "/tmp"),  # not sticky: anyone could remove another's lease
+    ((stat.S_IFDIR | 0o1777, 1000), "/tmp"),  # a user's directory
+    ((stat.S_IFREG | 0o1777, 0), "/tmp"),
+    (None, "/tmp"),  # no /run/lock
+])
+def test_the_lease_directory_is_run_lock_when_every_user_may_use_it_else_tmp(run_lock, chosen):
+    dirs = {"run_lock": run_lock} if run_lock else {}
+    assert leasehost.lease_dir({}, fake_stat(**dirs, tmp=(stat.S_IFDIR | 0o1777, 0))) == chosen
+
+
+def test_mnft_lease_dir_overrides_the_choice_and_must_be_absolute():
+    assert leasehost.lease_dir({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == "/srv/lab-locks"
+    with pytest.raises(OSError, match="MNFT_LEASE_DIR=locks: not an absolute path"):
+        leasehost.lease_dir({"MNFT_LEASE_DIR": "locks"}, fake_stat())
+
+
+def test_the_agent_names_the_lease_as_the_host_side_does_on_this_machine(monkeypatch):
+    from mnft.run import agent
+
+    monkeypatch.delenv("MNFT_LEASE_DIR")
+    assert agent.lease_path() == leasehost.lease_path() == os.path.join(leasehost.lease_dir(), LEASE)
+    assert leasehost.lease_dir() == ("/run/lock" if leasehost.shared_dir("/run/lock") else "/tmp")
+
+
+def test_the_lease_files_are_made_for_every_user_whatever_the_umask(lease_dir):
+    old = os.umask(0o077)
+    try:
+        with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "sync"):
+            pass
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((lease_dir / LEASE).stat().st_mode) == 0o666  # every user writes the holder it takes it as
+    assert stat.S_IMODE((lease_dir / LOCK).stat().st_mode) == 0o644  # a flock needs only a read-only descriptor
+
+
+# ------------------------------------------------------------------------------------ files planted in the lease directory
+
+
+def refused_take(lease_dir: Path) -> str:
     with fleet_of("h1") as fleet:
-        taken = leases.Leases("sync")
-        taken.take(fleet, fleet.inventory.hosts)  # the host's script refuses it: no lease there, the operation goes on
-        assert taken.processes == {}
-    assert target.read_text() == "{}"
-    (home / "lease.json").unlink()
-    shutil.rmtree(home)
-    with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "sync"):
-        assert oct((home / "lease.json").stat().st_mode & 0o777) == "0o600" and oct(home.stat().st_mode & 0o777) == "0o700"
+        taking = leases.Leases("sync")
+        with pytest.raises(leases.HostBusy) as refused:
+            taking.take(fleet, fleet.inventory.hosts)
+        assert taking.processes == {} and not leases._held
+    line = str(refused.value)
+    assert "\n" not in line and line.endswith("; nothing was changed on any host")
+    return line
+
+
+def test_a_symlink_at_the_lease_path_is_refused_naming_it_and_its_target_is_untouched(lease_dir, tmp_path):
+    target = tmp_path / "precious"
+    target.write_text("root:secret\n")
+    (lease_dir / LEASE).symlink_to(target)
+    line = refused_take(lease_dir)
+    assert line.startswith(f"h1: no lease can be taken: {lease_dir / LEASE} is a symbolic link, never followed by mnft (owner ")
+    assert "remove it (as root) when no mnft runs on this host" in line
+    assert target.read_text() == "root:secret\n"
+
+
+def test_a_symlink_at_the_lock_path_is_refused_too(lease_dir, tmp_path):
+    (lease_dir / LOCK).symlink_to(tmp_path / "nowhere")
+    assert f"{lease_dir / LOCK} is a symbolic link" in refused_take(lease_dir)
+    assert not (tmp_path / "nowhere").exists()  # not created through the link
+
+
+def test_a_hard_link_at_the_lease_path_is_refused_and_the_file_it_names_is_never_truncated(lease_dir, tmp_path):
+    shadow = tmp_path / "shadow"  # as /etc/shadow would be, where fs.protected_hardlinks is off
+    shadow.write_text("root:$6$hash:19000:0:99999:7:::\n")
+    os.link(shadow, lease_dir / LEASE)
+    line = refused_take(lease_dir)
+    assert f"{lease_dir / LEASE} has 2 hard links: it may be another file's name" in line and "(the file it links to stays)" in line
+    assert shadow.read_text() == "root:$6$hash:19000:0:99999:7:::\n"
+
+
+def test_a_file_that_is_not_a_lease_is_never_written_over(lease_dir):
+    (lease_dir / LEASE).write_text("important notes\n")
+    assert f"{lease_dir / LEASE} holds 16 bytes that are not an mnft lease (owner root)" in refused_take(lease_dir)
+    assert (lease_dir / LEASE).read_text() == "important notes\n"
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_something_else_than_a_file_at_the_lease_path_is_refused(lease_dir, kind):
+    path = lease_dir / LEASE
+    os.mkfifo(path) if kind == "a FIFO" else path.mkdir()
+    assert f"{path} is {kind}, not a lease file (owner root)" in refused_take(lease_dir)
+
+
+def test_a_missing_lease_directory_is_a_warning_and_the_operation_goes_on(lease_dir):
+    shutil.rmtree(lease_dir)
+    said = []
+    with fleet_of("h1") as fleet:
+        taking = leases.Leases("sync")
+        taking.take(fleet, fleet.inventory.hosts, on_problem=lambda host, why: said.append((host, why)))
+        assert taking.processes == {}
+    assert said == [("h1", f"the lease directory {lease_dir} does not exist")]
+
+
+# ------------------------------------------------------------------------------------ two login users of one host
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # one every user can run (this one may live under /root)
+NOBODY, STRANGER = 65534, 65533  # two other users of this machine (the second without a passwd entry)
+
+
+@pytest.fixture
+def shared_dir():
+    """A lease directory as /tmp is: sticky, world-writable, root's (the test's own tmp_path is root's alone)."""
+    if os.geteuid() != 0 or not os.access(SYSTEM_PYTHON, os.X_OK):
+        pytest.skip(f"needs root (to run processes as other users) and {SYSTEM_PYTHON}")
+    directory = Path(tempfile.mkdtemp(prefix="mnft-leases-", dir="/tmp"))
+    directory.chmod(0o1777)
+    try:
+        yield directory
+    finally:
+        shutil.rmtree(directory)
+
+
+def take_as(directory: Path, user: int | None, command: str = "sync", run_id: str | None = None) -> tuple[dict, subprocess.Popen]:
+    """`hold` as another login user: its first reply, and the process (holding the lease if it took it)."""
+    proc = subprocess.Popen([SYSTEM_PYTHON, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env={"MNFT_LEASE_DIR": str(directory), "PATH": "/usr/bin:/bin"}, user=user, cwd="/")
+    holder = dict(OTHER, op=f"op-{user}-{time.monotonic()}", command=command, run_id=run_id)
+    proc.stdin.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline()), proc
+
+
+def test_another_login_users_lease_is_seen_and_named_and_the_files_serve_every_user(shared_dir, monkeypatch):
+    reply, nobody = take_as(shared_dir, NOBODY, "train", "R1")  # the first user makes the files
+    try:
+        assert reply["taken"] and (shared_dir / LEASE).stat().st_uid == NOBODY
+        refused, stranger = take_as(shared_dir, STRANGER)
+        assert refused["busy"] and refused["same_login"] is False and refused["holder"]["login"] == "nobody"
+        stranger.wait(timeout=10)
+        line = leases.busy_line("h1", refused["holder"], refused["run_processes"], refused["same_login"])
+        assert line.startswith("h1 is busy: train run R1 by nobody (ana@ctl2) pid 4242 since ")
+        assert line.endswith("(wait, or ask nobody; `mnft status R1` on ctl2 shows it)")
+        monkeypatch.setenv("MNFT_LEASE_DIR", str(shared_dir))
+        with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match=r"^h1 is busy: train run R1 by nobody \(ana@ctl2\)"):
+            leases.Leases("sync").take(fleet, fleet.inventory.hosts)  # root: refused as well
+    finally:
+        let_go(nobody)
+    reply, stranger = take_as(shared_dir, STRANGER)  # a file another user made: taken, written, let go
+    assert reply["taken"] and reply["took_over"] is None
+    let_go(stranger)
+    assert holder_on_disk(shared_dir)["uid"] == STRANGER and holder_on_disk(shared_dir)["released"]
+
+
+def test_another_users_lease_file_made_unwritable_is_refused_naming_its_owner_and_what_to_do(shared_dir):
+    reply, nobody = take_as(shared_dir, NOBODY)
+    let_go(nobody)
+    (shared_dir / LEASE).chmod(0o644)  # as its owner may
+    reply, stranger = take_as(shared_dir, STRANGER)
+    assert stranger.wait(timeout=10) == 1
+    assert reply["refused"] == (f"{shared_dir / LEASE} is not writable by uid 65533 (mode 0644; mnft makes it 0666) (owner nobody): "
+                                "remove it (as nobody or root) when no mnft runs on this host")
+
+
+def test_between_two_logins_the_flock_tells_a_run_is_alive_not_its_processes(shared_dir, monkeypatch):
+    """Another user's /proc/<pid>/environ is unreadable: its orphaned workers (keeper killed) are invisible to a
+    second user, who takes the lease over, while root still sees them. What keeps the host is the keeper's flock."""
+    reply, nobody = take_as(shared_dir, NOBODY, "train", "R5")
+    nobody.kill()
+    nobody.wait()
+    worker = subprocess.Popen([SYSTEM_PYTHON, "-c", "import time; time.sleep(300)"], env={"MNFT_RUN_ID": "R5-a1"}, user=NOBODY, cwd="/")
+    try:
+        wait_for_run_processes("R5")
+        monkeypatch.setenv("MNFT_LEASE_DIR", str(shared_dir))
+        with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match="^h1 is busy: train run R5 by nobody"):
+            leases.Leases("sync").take(fleet, fleet.inventory.hosts)  # root reads nobody's environ
+        reply, stranger = take_as(shared_dir, STRANGER)
+        assert reply["taken"] and reply["took_over"]["run_id"] == "R5"
+        let_go(stranger)
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_lock_held_past_its_wait_is_refused_naming_who_holds_it(lease_dir, monkeypatch):
+    monkeypatch.setattr(leasehost, "MUTEX_WAIT", 0.2)
+    script = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644); "
+              "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", script, str(lease_dir / LOCK)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "locked\n"
+        with pytest.raises(leasehost.Refused) as refused:
+            leasehost.take(dict(OTHER))
+        assert str(refused.value) == (f"the lease's lock {lease_dir / LOCK} has been held for over 0.2s by root pid {holder.pid}: "
+                                      "another mnft is stuck there, or a user holds it; wait, or ask its user")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+# ------------------------------------------------------------------------------------ what is said
 
 
 def test_what_a_busy_line_says():
@@ -195,10 +419,33 @@ def test_what_a_busy_line_says():
     assert leases.busy_line("h1", holder) == "h1 is busy: train run R by u@ctl pid 123 since 2026-01-02 10:02 (mnft stop R, or wait)"
     now = dict(holder, command="provision", run_id=None, started=time.time())
     assert leases.busy_line("h2", now) == f"h2 is busy: provision by u@ctl pid 123 since {time.strftime('%H:%M')} (wait for it to end)"
+    alice = dict(holder, user="alice", login="alice")
+    assert leases.busy_line("h1", alice, same_login=False) == (
+        "h1 is busy: train run R by alice@ctl pid 123 since 2026-01-02 10:02 (wait, or ask alice; `mnft status R` on ctl shows it)")
+    shared = dict(holder, user="alice", login="lab")  # a lab's shared login: the person is on the controller
+    assert leases.busy_line("h1", dict(shared, run_id=None), same_login=False) == (
+        "h1 is busy: train by lab (alice@ctl) pid 123 since 2026-01-02 10:02 (wait, or ask lab)")
+
+
+@pytest.mark.parametrize("holder", [
+    None, {}, [], "x", {"command": ["train"], "run_id": {"a": 1}, "pid": "1; rm -rf /", "started": "yesterday"},
+    {"started": 1e999}, {"started": -5}, {"started": True}, {"pid": True, "user": None, "login": 7},
+])
+def test_a_lease_any_user_may_write_is_described_without_a_traceback(holder):
+    line = leases.busy_line("h1", holder, 2, same_login=False)
+    assert line.startswith("h1 is busy: ") and "\n" not in line
+
+
+def test_what_a_lease_names_is_shown_without_control_characters_and_cut():
+    holder = {"command": "train\x1b[2J", "run_id": "R\nh2 is free", "user": "u" * 500, "controller": "[bold]ctl[/]", "login": "lab\r"}
+    line = leases.busy_line("h1", holder, same_login=False)
+    assert "\x1b" not in line and "\n" not in line and "\r" not in line and "u" * 65 not in line
+    assert "train?[2J run R?h2 is free by lab? (" in line and "@[bold]ctl[/]) pid ? since ?" in line
 
 
 def test_flock_semantics_the_lease_relies_on(tmp_path):
-    """A shared flock taken on one open file refuses another's exclusive one, not another shared one."""
+    """A shared flock taken on one open file refuses another's exclusive one, not another shared one; a read-only
+    descriptor is enough for both (another user's lease file)."""
     path = tmp_path / "f"
     path.write_text("")
     a, b = os.open(path, os.O_RDONLY), os.open(path, os.O_RDONLY)

@@ -1,54 +1,215 @@
 #!/usr/bin/env python3
-"""mnft host lease, the host side: one operation per host at a time. Standard library only, Python 3.8 syntax;
-shipped to hosts with mnft.hosts.pyrun (mnft.hosts.leases is the controller's side).
+"""mnft host lease, the host side: one operation per host at a time, whoever logs in. Standard library only,
+Python 3.8 syntax; shipped to hosts with mnft.hosts.pyrun (mnft.hosts.leases is the controller's side).
 
     hold    read the holder (one JSON line) from stdin; take the lease, or say who holds it; then keep it until
             stdin closes (the controller released it, or its SSH channel is gone) or no line came for the
             holder's "deadman" seconds (a controller that vanished without closing its connection)
     show    who holds the lease now, if anyone
 
-The lease is the file $MNFT_HOME/lease.json of the login user on the host (default ~/.mnft/lease.json). What it
-holds names the last holder: its operation id, command (train, sync, provision, setup), run id, the controller's
-host, user and pid, and when it started. It is *held* while a process holds a flock on it: the `hold` process the
-controller started (it lives as long as the controller's channel), and a run's keeper (mnft.run.agent opens it
-for the keeper, so a detached run holds its host to its end). A lease nobody holds a flock on, and whose run (if
-any) has no process left carrying its run id, is free: its holder is gone, and it is taken over (the reply says
-from whom, unless that holder released it).
+The lease is machine-wide: one file for every login user of the host, mnft-lease.json in the lease directory:
+$MNFT_LEASE_DIR if set (an absolute path, the same for every user: tests, or a lab that wants it elsewhere),
+else /run/lock when it is a sticky, world-writable directory of root's (Debian, Ubuntu: a tmpfs, never aged),
+else /tmp (Fedora, RHEL, whose /run/lock is root's alone). What it holds names the last holder: its operation
+id, command (train, sync, provision, setup), run id, the controller's host, user and pid, when it started, and
+the login user on this host (login, uid) that took it. It is *held* while a process holds a flock on it: the
+`hold` process the controller started (it lives as long as the controller's channel), and a run's keeper
+(mnft.run.agent opens it for the keeper, so a detached run holds its host to its end). A lease nobody holds a
+flock on, and whose run (if any) has no process left carrying its run id, is free: its holder is gone, and it is
+taken over (the reply says from whom, unless that holder released it). The run's processes are seen only when
+this user may read their environment (its own, or every one as root): between two login users the flock is
+what tells, and a keeper holds it to its run's end.
 
-Taking is one critical section under lease.lock (flock): an exclusive flock on lease.json is tried without
-waiting (granted: nobody holds it), the new holder is written and a shared flock kept. Releasing, under
-lease.lock too, marks the lease released only if nobody else holds it (a detached run's keeper may).
+Taking is one critical section under mnft-lease.lock (flock): an exclusive flock on the lease is tried without
+waiting (granted: nobody holds it), the new holder is written and a shared flock kept. Releasing, under the lock
+too, marks the lease released only if nobody else holds it (a detached run's keeper may).
+
+Both files live where any user may plant anything, and root writes there, so a file is used only as mnft makes
+it: an existing one is opened without O_CREAT (fs.protected_regular refuses that for another user's file in a
+sticky directory) and never through a link (O_NOFOLLOW); a new one is created with O_EXCL and given its mode
+past the umask (lease 0666: every user writes the holder it takes it as; lock 0644: a flock needs only a
+read-only descriptor). What is opened must be a regular file with one link (a hard link planted to /etc/shadow
+is never truncated), and the lease is written only over a lease (empty or mnft's JSON). Anything else is
+refused with one line naming the path, its owner and what to do (`Refused`).
 """
 
+import errno
 import fcntl
 import json
 import os
+import pwd
 import select
+import stat
 import sys
 import time
 
 RUN_ID_VAR = "MNFT_RUN_ID"  # as mnft.run.agent sets it on every process of a run (an attempt's is <run id>-a<k>)
+LEASE_DIR_VAR = "MNFT_LEASE_DIR"
+SHARED_DIRS = ("/run/lock", "/tmp")  # the first that is a sticky world-writable directory of root's; else the last
+LEASE_NAME, MUTEX_NAME = "mnft-lease.json", "mnft-lease.lock"
+LEASE_MODE, MUTEX_MODE = 0o666, 0o644
 MUTEX_WAIT = 10.0  # seconds to wait for another controller's critical section (it lasts milliseconds)
 MAX_LEASE_BYTES = 65536
 
 
-def state_dir():
-    """mnft's directory on this host for this user: $MNFT_HOME, else ~/.mnft (as on a controller)."""
-    return os.environ.get("MNFT_HOME") or os.path.join(os.path.expanduser("~"), ".mnft")
+class Refused(Exception):
+    """A lease or lock file mnft must not use (a link, not a regular file, another user's file it may not open,
+    not a lease) or a lock held too long: the message names the path, its owner and what to do."""
+
+
+def shared_dir(path, stat_of=os.stat):
+    """Whether path is a directory every user may create files in and nobody may remove another's (sticky,
+    world-writable, root's: /tmp as it should be)."""
+    try:
+        st = stat_of(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o1002 == 0o1002
+
+
+def lease_dir(environ=None, stat_of=os.stat):
+    """$MNFT_LEASE_DIR, else the first of SHARED_DIRS that is shared (shared_dir), else the last."""
+    chosen = (os.environ if environ is None else environ).get(LEASE_DIR_VAR)
+    if chosen:
+        if not os.path.isabs(chosen):
+            raise OSError("%s=%s: not an absolute path (it must name one directory for every user of the host)" % (LEASE_DIR_VAR, chosen))
+        return chosen
+    for candidate in SHARED_DIRS[:-1]:
+        if shared_dir(candidate, stat_of):
+            return candidate
+    return SHARED_DIRS[-1]
 
 
 def lease_path():
-    return os.path.join(state_dir(), "lease.json")
+    return os.path.join(lease_dir(), LEASE_NAME)
+
+
+def mutex_path():
+    return os.path.join(lease_dir(), MUTEX_NAME)
+
+
+def user_name(uid):
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "uid %d" % uid
+
+
+def _owner(path, st=None):
+    try:
+        return user_name((st or os.lstat(path)).st_uid)
+    except OSError:
+        return "?"
+
+
+KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"),
+         (stat.S_ISBLK, "a device"), (stat.S_ISLNK, "a symbolic link"))
+
+
+def refusal(path, st, problem=None):
+    """The one line for a file mnft will not use (st: its lstat or fstat; problem: what is wrong, else told from st)."""
+    owner = _owner(path, st)
+    tail = ""
+    if problem is None:
+        kind = next((name for test, name in KINDS if test(st.st_mode)), None)
+        if kind == "a symbolic link":
+            problem = "is a symbolic link, never followed by mnft"
+        elif kind:
+            problem = "is %s, not a lease file" % kind
+        else:
+            problem = "has %d hard links: it may be another file's name, and mnft writes only a file of its own" % st.st_nlink
+            tail = " (the file it links to stays)"
+    remove = "remove it (as root)" if owner in ("root", "?") else "remove it (as %s or root)" % owner
+    return "%s %s (owner %s): %s when no mnft runs on this host%s" % (path, problem, owner, remove, tail)
+
+
+def open_shared(path, write, mode):
+    """A descriptor on the lease or lock file as mnft makes it (see the module docstring), created if missing."""
+    flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    for _ in range(10):
+        try:
+            fd = os.open(path, flags)  # never O_CREAT on an existing file: fs.protected_regular refuses it for root too
+        except FileNotFoundError:
+            try:
+                fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+            except FileExistsError:
+                continue  # another user made it just now: open theirs
+            except FileNotFoundError:
+                raise OSError("the lease directory %s does not exist" % os.path.dirname(path))
+            os.fchmod(fd, mode)  # past the umask: every user of the host can use it
+        except OSError as exc:
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue  # gone meanwhile: try again
+            if exc.errno in (errno.EACCES, errno.EPERM):
+                how = "writable" if write else "readable"
+                raise Refused(refusal(path, st, "is not %s by %s (mode %04o; mnft makes it %04o)" % (
+                    how, user_name(os.geteuid()), stat.S_IMODE(st.st_mode), mode)))
+            if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR) or not stat.S_ISREG(st.st_mode):
+                raise Refused(refusal(path, st))
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            if st.st_nlink == 0:
+                continue  # removed between open and fstat
+            raise Refused(refusal(path, st))
+        return fd
+    raise OSError("%s keeps appearing and vanishing: something on this host removes it" % path)
+
+
+def _same_file(fd, path):
+    """Whether path still names the file fd is open on (nobody removed or replaced it meanwhile)."""
+    try:
+        now, ours = os.lstat(path), os.fstat(fd)
+    except OSError:
+        return False
+    return (now.st_dev, now.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def lockers(fd):
+    """'user pid N' of each process /proc/locks names as holding a flock on fd's file (its pid as taken)."""
+    st = os.fstat(fd)
+    key = "%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    found = []
+    try:
+        with open("/proc/locks") as fh:
+            lines = fh.read(1 << 20).splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == key and parts[4].isdigit():
+            try:
+                uid = int(os.stat("/proc/%s" % parts[4]).st_uid)
+                found.append("%s pid %s" % (user_name(uid), parts[4]))
+            except OSError:
+                pass
+    return found
+
+
+def _text(holder, key):
+    value = (holder or {}).get(key)
+    return value if isinstance(value, str) else None
 
 
 def _read(fd):
-    """The holder a lease file names (None: empty or not JSON)."""
+    """The holder a lease file names (None: empty, or not a lease)."""
     try:
         data = os.pread(fd, MAX_LEASE_BYTES, 0)
-        holder = json.loads(data.decode("utf-8")) if data.strip() else None
-    except (OSError, ValueError):
+        holder = json.loads(data.decode("utf-8")) if data.strip(b" \t\r\n\0") else None
+    except (OSError, ValueError, RecursionError):  # anyone may write it: "[[[[…" too
         return None
     return holder if isinstance(holder, dict) else None
+
+
+def _check_lease(fd, path):
+    """Refused unless the file is a lease, empty or mnft's JSON: never write over anything else."""
+    st = os.fstat(fd)
+    data = os.pread(fd, MAX_LEASE_BYTES + 1, 0)
+    if st.st_size > MAX_LEASE_BYTES or data.strip(b" \t\r\n\0") and _read(fd) is None:
+        raise Refused(refusal(path, st, "holds %d bytes that are not an mnft lease" % st.st_size))
 
 
 def _write(fd, holder):
@@ -75,8 +236,9 @@ def _zombie(pid):
 
 
 def run_processes(run_id):
-    """Live processes whose environment carries the run's id (any attempt of it): readable as root or the user."""
-    if not run_id:
+    """Live processes whose environment carries the run's id (any attempt of it). Only the environments this user
+    may read are seen: its own processes, or every one as root; another login's run is told by its flock."""
+    if not run_id or not isinstance(run_id, str):
         return []
     exact = (RUN_ID_VAR + "=" + run_id).encode()
     attempt = exact + b"-a"
@@ -91,23 +253,25 @@ def run_processes(run_id):
 
 
 def _lock_mutex():
-    directory = state_dir()
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    mutex = os.open(os.path.join(directory, "lease.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    """The critical section's lock, taken (its descriptor); Refused if held past MUTEX_WAIT."""
+    path = mutex_path()
     deadline = time.time() + MUTEX_WAIT
     while True:
-        try:
-            fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        mutex = open_shared(path, False, MUTEX_MODE)
+        while True:
+            try:
+                fcntl.flock(mutex, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.time() > deadline:
+                    who = ", ".join(lockers(mutex)) or "a process /proc/locks does not show"
+                    os.close(mutex)
+                    raise Refused("the lease's lock %s has been held for over %gs by %s: another mnft is stuck there, or a "
+                                  "user holds it; wait, or ask its user" % (path, MUTEX_WAIT, who))
+                time.sleep(0.05)
+        if _same_file(mutex, path):
             return mutex
-        except BlockingIOError:
-            if time.time() > deadline:
-                os.close(mutex)
-                raise OSError("%s is locked by another mnft for more than %gs" % (os.path.join(directory, "lease.lock"), MUTEX_WAIT))
-            time.sleep(0.05)
-
-
-def _open_lease():
-    return os.open(lease_path(), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        os.close(mutex)  # removed or replaced while we waited: lock the one that is there now
 
 
 def _free(fd, previous, op=None):
@@ -117,29 +281,41 @@ def _free(fd, previous, op=None):
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         return False
-    if previous and previous.get("op") != op and run_processes(previous.get("run_id")):
+    if previous and previous.get("op") != op and run_processes(_text(previous, "run_id")):
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
     return True
 
 
+def _login():
+    uid = os.getuid()
+    return {"login": user_name(uid), "uid": uid}
+
+
 def take(holder):
     """(reply, fd): the lease taken (fd keeps its shared flock) or who holds it (fd None)."""
+    path = lease_path()
     mutex = _lock_mutex()
     try:
-        fd = _open_lease()
-        previous = _read(fd)
-        if not _free(fd, previous, holder.get("op")):
-            if previous and previous.get("op") == holder.get("op"):  # the same operation through another name
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                return {"taken": True, "shared": True, "path": lease_path()}, fd
+        fd = open_shared(path, True, LEASE_MODE)
+        try:
+            previous = _read(fd)
+            if not _free(fd, previous, holder.get("op")):
+                if previous and previous.get("op") == holder.get("op"):  # the same operation through another name
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    return {"taken": True, "shared": True, "path": path}, fd
+                os.close(fd)
+                alive = run_processes(_text(previous, "run_id"))
+                same = isinstance(previous, dict) and previous.get("uid") == os.getuid()
+                return {"busy": True, "holder": previous, "run_processes": len(alive), "same_login": same, "path": path}, None
+            _check_lease(fd, path)
+        except BaseException:
             os.close(fd)
-            alive = run_processes((previous or {}).get("run_id"))
-            return {"busy": True, "holder": previous, "run_processes": len(alive), "path": lease_path()}, None
+            raise
         took_over = previous if previous and not previous.get("released") else None
-        _write(fd, dict(holder, taken=time.time()))
+        _write(fd, dict(holder, taken=time.time(), **_login()))
         fcntl.flock(fd, fcntl.LOCK_SH)  # others may share it (a run's keeper), nobody may take it
-        return {"taken": True, "took_over": took_over, "path": lease_path()}, fd
+        return {"taken": True, "took_over": took_over, "path": path}, fd
     finally:
         os.close(mutex)
 
@@ -148,7 +324,7 @@ def release(fd, holder):
     """Let go of the lease; marked released only if nobody else holds it (a detached run's keeper may)."""
     try:
         mutex = _lock_mutex()
-    except OSError:
+    except (OSError, Refused):
         os.close(fd)
         return
     try:
@@ -167,11 +343,11 @@ def release(fd, holder):
 def show():
     """Who holds the lease now: {"held": bool, "holder": {...} or None, "path": ...}."""
     path = lease_path()
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return {"held": False, "holder": None, "path": path}
     mutex = _lock_mutex()
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = open_shared(path, False, LEASE_MODE)
         try:
             holder = _read(fd)
             free = _free(fd, holder)
@@ -182,6 +358,17 @@ def show():
         os.close(mutex)
 
 
+def _failure(exc):
+    """The reply for a lease that could not be taken or read: refused (a file mnft will not use) or an error."""
+    try:
+        path = lease_path()
+    except OSError:
+        path = None
+    if isinstance(exc, Refused):
+        return {"refused": str(exc), "path": path}
+    return {"error": str(exc), "path": path}
+
+
 def hold():
     line = sys.stdin.buffer.readline(MAX_LEASE_BYTES)  # the holder; then the raw stream: heartbeats, EOF
     if not line.endswith(b"\n"):
@@ -190,8 +377,8 @@ def hold():
     stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
     try:
         reply, fd = take(holder)
-    except OSError as exc:
-        print(json.dumps({"error": str(exc), "path": lease_path()}), flush=True)
+    except (OSError, Refused) as exc:
+        print(json.dumps(_failure(exc)), flush=True)
         return 1
     print(json.dumps(reply), flush=True)
     if fd is None:
@@ -218,8 +405,8 @@ def main(argv):
     if mode == "show":
         try:
             print(json.dumps(show()))
-        except OSError as exc:
-            print(json.dumps({"error": str(exc), "path": lease_path()}))
+        except (OSError, Refused) as exc:
+            print(json.dumps(_failure(exc)))
         return 0
     sys.stderr.write(__doc__)
     return 2

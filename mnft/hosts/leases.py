@@ -2,15 +2,18 @@
 
 train, sync, provision and setup take a lease on every host they will change before they change anything, and
 keep it to their end: on each host a `hold` process, started on the fleet's open connection, holds the host's
-lease file for as long as its channel lives, and this controller writes it a heartbeat. One busy host refuses the
+lease file for as long as its channel lives, and this controller writes it a heartbeat. The lease is the
+machine's, not the login's: two users of one host (or two controllers) are kept apart. One busy host refuses the
 whole operation with one line naming the host and its holder (`HostBusy`, exit 1: the host is not wrong, it is
 taken; the same command succeeds once the holder is done), before anything changed on any host; the leases taken
-so far are let go. A lease whose holder is gone (nobody holds its lock: its controller's channel closed or went
-silent, its run ended) is taken over, and that is said once. A host that cannot be reached is left to the
+so far are let go. A lease file mnft must not use (a link or anything planted there, another user's file it may
+not open) refuses the operation the same way, naming the file, its owner and what to do. A lease whose holder is
+gone (nobody holds its lock: its controller's channel closed or went silent, its run ended) is taken over, and
+that is said once. A host that cannot be reached, or whose lease script fails otherwise, is left to the
 operation, which reports it. Takes nested in one controller process (train's own sync) are no-ops.
 
-Leases are per login user on a host (the file is in that user's ~/.mnft): two users of one host are not kept
-apart by them (`invoke check` shows GPUs held by others).
+What a lease file names is written by whoever took it last: any user of the host may write it, so it is shown
+cut and without control characters, never interpreted.
 """
 
 from __future__ import annotations
@@ -41,35 +44,64 @@ class HostBusy(MnftError):
     """Another operation holds a host's lease: nothing was changed on any host."""
 
 
-def _since(started: float | None) -> str:
-    if not started:
+def _since(started) -> str:
+    if not isinstance(started, (int, float)) or isinstance(started, bool) or not 0 < started < 1e11:
         return "?"
     when = time.localtime(started)
     return time.strftime("%H:%M" if time.strftime("%Y-%m-%d", when) == time.strftime("%Y-%m-%d") else "%Y-%m-%d %H:%M", when)
 
 
+def shown(value, limit: int = 64) -> str | None:
+    """A value from a lease file as it may be printed: text or a number, control characters as '?', cut to limit."""
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return None
+    text = "".join(c if c.isprintable() else "?" for c in str(value)[:limit])
+    return text or None
+
+
+def holder_login(holder: dict | None) -> str | None:
+    """The login user on the host that took the lease (None: not named)."""
+    return shown((holder or {}).get("login"))
+
+
 def describe(holder: dict | None) -> str:
-    """"train run R by user@ctl pid 123 since 10:02" (what a lease file names)."""
-    if not holder:
+    """"train run R by alice@ctl pid 123 since 10:02"; "… by lab (alice@ctl) …" when the host login differs from the
+    controller's user (what a lease file names)."""
+    if not isinstance(holder, dict) or not holder:
         return "another mnft (its lease names no holder)"
-    what = holder.get("command") or "an operation"
-    if holder.get("run_id"):
-        what += f" run {holder['run_id']}"
-    return f"{what} by {holder.get('user') or '?'}@{holder.get('controller') or '?'} pid {holder.get('pid') or '?'} since {_since(holder.get('started'))}"
+    what = shown(holder.get("command"), 20) or "an operation"
+    run_id = shown(holder.get("run_id"))
+    if run_id:
+        what += f" run {run_id}"
+    user, login = shown(holder.get("user")), holder_login(holder)
+    who = f"{user or '?'}@{shown(holder.get('controller')) or '?'}"
+    if login and login != user:
+        who = f"{login} ({who})"
+    pid = holder.get("pid")
+    pid = pid if isinstance(pid, int) and not isinstance(pid, bool) else "?"
+    return f"{what} by {who} pid {pid} since {_since(holder.get('started'))}"
 
 
-def busy_line(host: str, holder: dict | None, run_processes: int = 0) -> str:
-    """"h1 is busy: train run R by user@ctl pid 123 since 10:02 (mnft stop R, or wait)"."""
-    run_id = (holder or {}).get("run_id")
-    hint = f"mnft stop {run_id}, or wait" if run_id else "wait for it to end"
+def busy_line(host: str, holder: dict | None, run_processes: int = 0, same_login: bool = True) -> str:
+    """"h1 is busy: train run R by u@ctl pid 123 since 10:02 (mnft stop R, or wait)"; another login's holder:
+    "… (wait, or ask alice; `mnft status R` on ctl shows it)"."""
+    holder = holder if isinstance(holder, dict) else None
+    run_id = shown((holder or {}).get("run_id"))
+    login = holder_login(holder)
+    if not same_login and login:
+        hint = f"wait, or ask {login}"
+        if run_id:
+            hint += f"; `mnft status {run_id}` on {shown(holder.get('controller')) or 'their controller'} shows it"
+    else:
+        hint = f"mnft stop {run_id}, or wait" if run_id else "wait for it to end"
     if run_processes and not (holder or {}).get("command"):
         hint = f"{run_processes} process(es) of its run are alive; " + hint
     return f"{host} is busy: {describe(holder)} ({hint})"
 
 
 def host_key(host: Host) -> tuple:
-    """One lease per login on one machine: what two inventory names for the same login share."""
-    return ("local", getpass.getuser()) if host.is_local else (host.address, host.port, host.user)
+    """One lease per machine: what two inventory names (or two logins) for the same machine share."""
+    return ("local",) if host.is_local else (host.address, host.port)
 
 
 def say_took_over(host: str, previous: dict) -> None:
@@ -109,8 +141,9 @@ class Leases:
     def take(self, fleet: Fleet, hosts: Iterable[Host], on_took_over: Callable[[str, dict], None] = say_took_over,
              on_problem: Callable[[str, str], None] = say_problem, python: Callable[[Host], str | None] = lambda host: None) -> None:
         """Take every host's lease (hosts this process already holds are skipped); raise HostBusy naming the first
-        busy host (and how many more) after letting go of the ones taken. A host whose lease script failed (its
-        ~/.mnft not writable, say) is named through on_problem and left to the operation. python: the interpreter
+        busy host (and how many more) after letting go of the ones taken, or the first whose lease file mnft will not
+        use. A host whose lease script failed otherwise (its lease directory not writable, say) is named through
+        on_problem and left to the operation. python: the interpreter
         to run the host's side with (default the host's; provision gives its base Python)."""
         holder = self.holder()
         todo = []
@@ -126,19 +159,25 @@ class Leases:
         except BaseException:  # an interrupt, bad input: nothing of this take is kept
             self.release()
             raise
-        busy = [(r.host, json.loads(r.stdout)) for r in results if r.ok and json.loads(r.stdout).get("busy")]
+        replies = {r.host: json.loads(r.stdout) if r.ok else {} for r in results}
+        refusals = []
         for r in results:
-            if r.status is not Status.OK or json.loads(r.stdout).get("busy") or json.loads(r.stdout).get("error"):
+            reply = replies[r.host]
+            if reply.get("busy"):
+                refusals.append((r.host, busy_line(r.host, reply.get("holder"), reply.get("run_processes") or 0, reply.get("same_login", True))))
+            elif reply.get("refused"):  # a lease file mnft will not use: the host is not to be changed either
+                refusals.append((r.host, f"{r.host}: no lease can be taken: {reply['refused']}"))
+            if not reply.get("taken"):
                 self._forget(r.host)  # not held there: unreachable or failed hosts are the operation's to report
-        if busy:
+        if refusals:
             self.release()
-            name, reply = busy[0]
-            more = f" (and {len(busy) - 1} more host(s): {', '.join(n for n, _ in busy[1:])})" if len(busy) > 1 else ""
-            raise HostBusy(busy_line(name, reply.get("holder"), reply.get("run_processes") or 0) + more + "; nothing was changed on any host")
+            name, line = refusals[0]
+            more = f" (and {len(refusals) - 1} more host(s): {', '.join(n for n, _ in refusals[1:])})" if len(refusals) > 1 else ""
+            raise HostBusy(line + more + "; nothing was changed on any host")
         for r in results:
-            if r.status is Status.FAILED or r.ok and json.loads(r.stdout).get("error"):
-                on_problem(r.host, r.error or json.loads(r.stdout)["error"])
-            previous = json.loads(r.stdout).get("took_over") if r.ok else None
+            if r.status is Status.FAILED or replies[r.host].get("error"):
+                on_problem(r.host, r.error or replies[r.host]["error"])
+            previous = replies[r.host].get("took_over")
             if previous:
                 self.took_over[r.host] = previous
                 on_took_over(r.host, previous)
@@ -222,7 +261,8 @@ def hold(fleet: Fleet, hosts: Iterable[Host], command: str, run_id: str | None =
 
 
 def show(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
-    """host -> {"held": bool, "holder": {...} or None, "path"} (or {"error"} for a host that did not answer)."""
+    """host -> {"held": bool, "holder": {...} or None, "path"} (or {"error"} / {"refused"} for a host that did not
+    answer or whose lease file mnft will not use)."""
     results = fleet.run(lambda h: pyrun.command(h, "show"), stdin=pyrun.payload(leasehost.source()), hosts=list(hosts), timeout=30)
     out = {}
     for result in results:

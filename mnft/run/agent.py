@@ -539,26 +539,39 @@ class _Tail:
 
 
 def lease_path():
-    """The host's lease file, as mnft.hosts.leasehost names it ($MNFT_HOME, else ~/.mnft, of the login user)."""
-    return os.path.join(os.environ.get("MNFT_HOME") or os.path.join(os.path.expanduser("~"), ".mnft"), "lease.json")
+    """The host's lease file, as mnft.hosts.leasehost names it: machine-wide, in $MNFT_LEASE_DIR, else /run/lock when
+    it is a sticky world-writable directory of root's, else /tmp."""
+    import stat
+
+    directory = os.environ.get("MNFT_LEASE_DIR")
+    if not directory:
+        try:
+            st = os.stat("/run/lock")
+            shared = stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o1002 == 0o1002
+        except OSError:
+            shared = False
+        directory = "/run/lock" if shared else "/tmp"
+    return os.path.join(directory, "mnft-lease.json")
 
 
 def lease_fd(run_id):
     """The host's lease, opened and share-locked for the keeper, when it names this run (any attempt of it): a run
     holds its host's lease to its end, detached or not, so no other operation changes the host under it."""
     import fcntl
+    import stat
 
     try:
-        fd = os.open(lease_path(), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(lease_path(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)  # anyone may plant it
     except OSError:
         return None
     try:
-        holder = json.loads(os.pread(fd, 65536, 0).decode("utf-8") or "{}")
-        ours = isinstance(holder, dict) and holder.get("run_id") and (run_id == holder["run_id"] or run_id.startswith(holder["run_id"] + "-a"))
+        holder = json.loads(os.pread(fd, 65536, 0).decode("utf-8") or "{}") if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        named = holder.get("run_id") if isinstance(holder, dict) else None
+        ours = isinstance(named, str) and named and (run_id == named or run_id.startswith(named + "-a"))
         if ours:
             fcntl.flock(fd, fcntl.LOCK_SH)
             return fd
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
     os.close(fd)
     return None
