@@ -3,6 +3,10 @@ marks it sees for the same path; hosts that see one directory get one copy (issu
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,11 +81,6 @@ def test_hosts_sharing_a_home_get_one_copy_and_train_with_their_own_run_files(fr
     """Three hosts with one home (an NFS home in a lab), no shared_fs in the inventory: sync writes the tree once
     and the others verify it (it used to fail: three rsyncs renaming files in one directory); train runs with
     each host's spec, pgid and log under its own name (it used to hang: one pgid, node2 ran as node_rank 0)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
     cluster = fresh_cluster_factory(3, shared_home=("h1", "h2", "h3"))
     assert len({h.home for h in cluster.hosts}) == 1
     inv = cluster.write_inventory(tmp_path / "inv.yaml")
@@ -116,10 +115,6 @@ def test_hosts_sharing_a_home_get_one_copy_and_train_with_their_own_run_files(fr
 
 @pytest.mark.cluster
 def test_a_declared_shared_fs_that_is_not_shared_fails_the_check(healthy_cluster, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     inv = healthy_cluster.write_inventory(tmp_path / "inv.yaml", hosts=healthy_cluster.hosts[:2], shared_fs=True)
     env = dict(os.environ, HOME=str(tmp_path), MNFT_RUNS_DIR=str(tmp_path / "runs"))
     done = subprocess.run([sys.executable, "-c", "from mnft.cli.main import main; main()", "check", "--hosts", str(inv)],
@@ -136,3 +131,69 @@ def test_shared_fs_declared_and_found_are_compared():
     found = {"h1": ("h1", "h3"), "h3": ("h1", "h3")}
     problems = shared_fs_problems(hosts, found)
     assert [(p.host, p.severity) for p in problems] == [("h2", "error"), ("h1", "warning")]
+
+
+# ------------------------------------------------------------------------------------------------ train and data on shared storage
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def mnft_cli(tmp_path, *args: str, cwd=None, timeout: float = 240):
+    (tmp_path / "ctl").mkdir(exist_ok=True)
+    env = dict(os.environ, HOME=str(tmp_path / "ctl"), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, "-c", "from mnft.cli.main import main; main()", *args], cwd=cwd or tmp_path, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def records(tmp_path) -> list[dict]:
+    return [json.loads((run / "run.json").read_text()) for run in sorted((tmp_path / "runs").iterdir())]
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_recipe_on_a_shared_home_resumes_from_its_one_copy_of_the_checkpoint(fresh_cluster_factory, tmp_path):
+    """lora on three hosts with one home: every rank saves its part into the one checkpoints directory; the resume
+    finds that the hosts see one directory, reads it once and copies nothing (before: three listings and three
+    hashes of the one directory, and with shared_fs declared nothing checked that it was one)."""
+    cluster = fresh_cluster_factory(3, shared_home=("h1", "h2", "h3"))
+    inv = str(cluster.write_inventory(tmp_path / "inv.yaml", shared_fs=True))
+    first = mnft_cli(tmp_path, "train", "--recipe", "lora", "--hosts", inv, "--src", str(REPO),
+                     "--set", "max_steps=4", "--set", "save_every=2", "--set", "log_every=1")
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    job_id = records(tmp_path)[-1]["job_id"]
+    saved = cluster.hosts[0].home / "mnft" / "outputs" / job_id / "checkpoints" / "step-4"
+    assert sorted(p.name for p in saved.iterdir()) == ["rank-0", "rank-1", "rank-2"]  # one directory, every rank's part
+
+    resumed = mnft_cli(tmp_path, "train", "--resume", "--no-sync", "--src", str(REPO), "--set", "max_steps=6")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resuming from step-4 (one directory for h1, h2, h3: read once, nothing copied)" in " ".join(resumed.stdout.split())
+    record = records(tmp_path)[-1]
+    assert record["checkpoint"]["shared"] == [["h1", "h2", "h3"]] and record["checkpoint"]["copied"] == {}
+    assert record["attempts"][-1]["resumed_step"] == 4 and record["state"] == "succeeded"
+    assert "step     5/6" in resumed.stdout and "step     4/6" not in resumed.stdout
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_hosts_that_share_only_the_data_directory_get_one_copy_of_the_data_and_train_on_it(fresh_cluster_factory, tmp_path):
+    """A lab's NFS data mount on ~/mnft-data, the homes private: the marks beside it were in each private home, so
+    nobody saw anybody's and three rsyncs wrote into the one directory (rsync exit 23 on the test bed). Now the
+    data is written once, every host verifies it, a second sync sends nothing, and the recipe reads it on all."""
+    cluster = fresh_cluster_factory(3, shared_dirs={"~/mnft-data": ("h1", "h2", "h3")})
+    inv = str(cluster.write_inventory(tmp_path / "inv.yaml"))
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = (REPO / "mnft" / "recipes" / "assets" / "instruct.jsonl").read_text().splitlines()[:300]
+    (data / "instruct.jsonl").write_text("\n".join(rows) + "\n")
+
+    synced = mnft_cli(tmp_path, "sync", "--hosts", inv, "--data", str(data), "--json")
+    assert synced.returncode == 0, synced.stdout[-3000:] + synced.stderr[-3000:]
+    assert sorted(h["status"] for h in json.loads(synced.stdout)["hosts"].values()) == ["changed", "ok", "ok"]
+    assert (cluster.shared_dir("~/mnft-data") / "instruct.jsonl").read_bytes() == (data / "instruct.jsonl").read_bytes()
+    again = mnft_cli(tmp_path, "sync", "--hosts", inv, "--data", str(data), "--json")
+    assert [h["status"] for h in json.loads(again.stdout)["hosts"].values()] == ["ok", "ok", "ok"]  # the marks are not data
+
+    done = mnft_cli(tmp_path, "train", "--recipe", "lora", "--hosts", inv, "--src", str(REPO), "--set", "max_steps=2",
+                    "--set", f"data_path={cluster.home_mountpoint}/mnft-data/instruct.jsonl")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "300 rows, world 3" in done.stdout
