@@ -393,3 +393,85 @@ def test_a_shared_home_gets_one_install_verified_from_every_host_and_one_rollbac
     assert os.readlink(home / "mnft-env") == str(Path("/root/mnft-env.d/envs") / built)
     for host in cluster.hosts:
         assert imported(cluster, host, "alpha", "beta") == ["1.0", "2.0"]
+
+
+# ------------------------------------------------------------------------------------------------ interrupted (issue 19)
+
+STAND_IN_UV = """#!/bin/sh
+# a stand-in for uv that never finishes on its own: it makes the new environment's directory (uv venv's last
+# argument), starts a child in its process group and waits
+for a; do last=$a; done
+mkdir -p "$last/bin"
+sleep 300 &
+echo "$$ $!" > "$HOME/stand-in-uv.pids"
+wait
+"""
+
+
+def stand_in_uv(tmp_path: Path) -> dict[str, str]:
+    """The controller's environment for a provision that ships a stand-in uv (it is found by `uv.find_uv_bin()`,
+    hash-checked and run on the hosts like the real one)."""
+    binary = tmp_path / "stand-in" / "uv-binary"
+    (tmp_path / "stand-in" / "uv").mkdir(parents=True, exist_ok=True)
+    binary.write_text(STAND_IN_UV)
+    binary.chmod(0o755)
+    (tmp_path / "stand-in" / "uv" / "__init__.py").write_text(f"def find_uv_bin():\n    return {str(binary)!r}\n")
+    return {**controller_env(tmp_path), "PYTHONPATH": str(tmp_path / "stand-in")}
+
+
+def alive(pid: int) -> bool:
+    """The host's processes are this machine's (the test bed has no pid namespace): a zombie counts as gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} (waited {timeout:.0f} s)")
+        time.sleep(0.1)
+
+
+def test_a_controller_that_goes_mid_install_leaves_no_installer_and_the_previous_environment(fresh_cluster_factory, tmp_path, wheels):
+    """The controller interrupted (SIGTERM), then killed outright (SIGKILL: its SSH connections drop), while the
+    hosts build: each host's script sees its stdin end and ends the installer's whole process group (the stand-in
+    uv and the child it started), removes the half-built environment and keeps the previous one (the installer
+    used to run on to its end)."""
+    import signal
+
+    cluster = fresh_cluster_factory(2)
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml", python=BASE_PYTHON)
+    v1 = lock_of(tmp_path, wheels, "v1.lock", {"alpha": "1.0", "beta": "2.0"})
+    v2 = lock_of(tmp_path, wheels, "v2.lock", {"alpha": "1.1", "beta": "2.0"})
+    assert provision_json(tmp_path, inventory, v1)[0] == 0
+    before = {h.name: os.readlink(h.home / "mnft-env") for h in cluster.hosts}
+    pids_files = [h.home / "stand-in-uv.pids" for h in cluster.hosts]
+
+    for how in (signal.SIGTERM, signal.SIGKILL):
+        for f in pids_files:
+            f.unlink(missing_ok=True)
+        controller = subprocess.Popen([sys.executable, "-m", "invoke", "-r", str(REPO), "provision", "--hosts", str(inventory), "--lock", str(v2)],
+                                      cwd=REPO, env=stand_in_uv(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_for(lambda: all(f.exists() and len(f.read_text().split()) == 2 for f in pids_files), 60, "the stand-in uv started on every host")
+            installers = [int(pid) for f in pids_files for pid in f.read_text().split()]
+            assert all(alive(pid) for pid in installers)
+            controller.send_signal(how)
+            controller.wait(timeout=30)
+        finally:
+            if controller.poll() is None:
+                controller.kill()
+                controller.wait()
+        wait_for(lambda: not any(alive(pid) for pid in installers), 8, f"the installers still run on the hosts after the controller's {how.name}")
+        wait_for(lambda: all(os.listdir(h.home / "mnft-env.d" / "envs") == [os.path.basename(before[h.name])] for h in cluster.hosts), 8,
+                 "the half-built environment is still there")  # (removed once its installer is gone)
+        for host in cluster.hosts:
+            assert os.readlink(host.home / "mnft-env") == before[host.name]
+    for host in cluster.hosts:
+        assert imported(cluster, host, "alpha") == ["1.0"]
+

@@ -4,6 +4,7 @@ python becoming the host's python."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -412,6 +413,26 @@ def test_an_environment_reached_through_a_symlinked_home_is_kept_by_the_prune(tm
     root = envhost.root_of(str(tmp_path / "home" / "env"))
     assert envhost._prune(root, {f"{root}/envs/new"}) == ["stray"]
     assert (tmp_path / "real" / "env.d" / "envs" / "new").is_dir()
+
+
+def test_an_installer_step_that_times_out_is_ended_with_its_whole_process_group(tmp_path):
+    """The installer runs in its own session; what ends it (a timeout here, the controller's EOF or a signal on a
+    host) ends its group by number, the child it started included."""
+    from mnft.env import envhost
+
+    pids = tmp_path / "pids"
+    script = tmp_path / "installer"
+    script.write_text(f"#!/bin/sh\nsleep 300 &\necho \"$$ $!\" > {pids}\nwait\n")
+    script.chmod(0o755)
+    with pytest.raises(envhost.Failure, match="^stand-in timed out after 1s$"):
+        envhost._run([str(script)], dict(os.environ), "stand-in", 1)
+    leader, child = (int(p) for p in pids.read_text().split())
+    for pid in (leader, child):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue
+        assert state == "Z", f"{pid} still runs"  # (the child is reaped by init, not by us)
 
 
 def test_a_relayed_uv_that_is_not_the_controllers_is_removed_never_run(tmp_path):

@@ -15,6 +15,12 @@ Layout on the host, for a `venv` of ~/mnft-env:
     facts VENV [--python P]... [--want X.Y]   Pythons, platform, disk, the environment's distributions, the mesh
     prepare VENV                               create the dist directory (before wheels are sent)
     install SPEC_JSON                          build a new environment beside the current one, verify, switch
+                                               (SPEC_JSON "-": the spec is the next line of stdin)
+
+The installer (uv) runs in its own session, its process group led by this script's child. While it runs the
+script watches stdin, which the controller keeps open: EOF there (the controller interrupted, killed, or its
+connection lost), a timeout, SIGTERM or SIGHUP end that group by its number, remove the half-built environment
+and leave the current one in place.
     rollback VENV                              switch back to the previous environment
 """
 
@@ -29,8 +35,10 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 RECORD = ".mnft-env.json"
@@ -47,8 +55,11 @@ def source() -> str:
 
 
 def _emit(obj) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    try:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:  # the controller is gone (a build it stopped): nobody reads the answer
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def canonical(name: str) -> str:
@@ -278,19 +289,78 @@ def _prune(root: str, keep: set) -> list:
     return removed
 
 
-def _run(argv: list, env: dict, what: str, timeout: float) -> None:
+class Stopped(Failure):
+    """The build was stopped from outside (the controller gone, a signal): no wheel is to blame."""
+
+
+LOST = "the controller's connection was lost before the switch: the previous environment stays"
+KILL_GRACE = 2.0  # seconds the installer's group has between SIGTERM and SIGKILL
+OUTPUT_KEPT = 65536  # bytes of the installer's output read back for the error message
+
+
+def _run(argv: list, env: dict, what: str, timeout: float, watch: bool = False) -> None:
+    """Run one installer step (uv) in its own session, so in a process group it leads, its output in a file (no
+    pipe to fill). While it runs, with `watch`, stdin is watched: EOF there means the controller is gone (killed,
+    interrupted, its connection dropped), and the step's whole group is ended; so it is on a timeout or a signal
+    to this script. The group is signalled by its number while its leader is this script's unreaped child (its
+    exit is looked at with WNOWAIT), so the number cannot belong to anything else; never a process found by name."""
+    output = tempfile.TemporaryFile()
     try:
-        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              universal_newlines=True, env=env, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        raise Failure("%s timed out after %ds" % (what, timeout)) from None
-    except OSError as exc:
-        raise Failure("%s: %s" % (what, exc.strerror or exc)) from None
-    if done.returncode != 0:
-        lines = [ln.strip() for ln in (done.stderr.strip() or done.stdout.strip()).splitlines() if ln.strip()]
-        useful = [ln for ln in lines if not ln.startswith(("hint:", "help:"))] or lines
-        detail = "; ".join(useful[-3:]) if useful else "exit %d" % done.returncode
-        raise Failure("%s failed: %s" % (what, URL_CREDENTIALS.sub("***@", detail)))
+        try:
+            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+        except OSError as exc:
+            raise Failure("%s: %s" % (what, exc.strerror or exc)) from None
+        try:
+            deadline = time.monotonic() + timeout
+            while not _exited(process.pid):
+                if watch:
+                    if _controller_gone(0.2):
+                        raise Stopped(LOST)
+                else:
+                    time.sleep(0.2)
+                if time.monotonic() > deadline:
+                    raise Failure("%s timed out after %ds" % (what, timeout))
+        finally:
+            _end_group(process.pid)
+            process.wait()
+        if process.returncode != 0:
+            output.seek(max(0, output.seek(0, os.SEEK_END) - OUTPUT_KEPT))
+            text = output.read().decode("utf-8", "replace")
+            lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+            useful = [ln for ln in lines if not ln.startswith(("hint:", "help:"))] or lines
+            detail = "; ".join(useful[-3:]) if useful else "exit %d" % process.returncode
+            raise Failure("%s failed: %s" % (what, URL_CREDENTIALS.sub("***@", detail)))
+    finally:
+        output.close()
+
+
+def _exited(pid: int) -> bool:
+    """Whether this script's child has exited, without reaping it (its pid and group number stay its own)."""
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+
+
+def _end_group(pgid: int) -> None:
+    """End the process group `pgid`, led by this script's unreaped child: SIGTERM, then SIGKILL for whatever is
+    left after KILL_GRACE (a leader that has exited leaves its group's other members: they get both too)."""
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    deadline = time.monotonic() + KILL_GRACE
+    while time.monotonic() < deadline and not _exited(pgid):
+        time.sleep(0.05)
+    try:
+        os.killpg(pgid, signal.SIGKILL)  # the leader is unreaped: the group is still the installer's
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _on_signal(signum, frame) -> None:
+    raise Stopped("stopped by signal %d before the switch: the previous environment stays" % signum)
 
 
 def _sha256(path: str) -> str:
@@ -301,9 +371,11 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def install(spec: dict) -> dict:
+def install(spec: dict, signals: bool = False) -> dict:
     """Build spec's environment in envs/ID beside the current one; verify its distributions; switch the link.
-    Any failure removes the new directory and leaves the link (the current environment) as it was."""
+    Any failure removes the new directory and leaves the link (the current environment) as it was. signals: this
+    script owns its process (main): SIGTERM and SIGHUP stop the build like a lost controller (_on_signal), and are
+    held while the links switch, so a switch is never cut in half nor its new environment removed."""
     started = time.monotonic()
     venv = os.path.abspath(os.path.expanduser(spec["venv"]))
     root = root_of(spec["venv"])
@@ -333,7 +405,8 @@ def install(spec: dict) -> dict:
         timeout = float(spec.get("timeout", 3600))
         if spec.get("online"):
             env.pop("UV_OFFLINE")
-        _run([uv, "venv", "--quiet", "--python", spec["python"], new], env, "uv venv", timeout)
+        watch = bool(spec.get("watch_stdin"))
+        _run([uv, "venv", "--quiet", "--python", spec["python"], new], env, "uv venv", timeout, watch)
         requirements = os.path.join(new, "mnft-requirements.txt")
         with open(requirements, "w", encoding="utf-8") as f:
             for wheel in spec["wheels"]:
@@ -353,7 +426,7 @@ def install(spec: dict) -> dict:
                 argv += ["--find-links", link]
         else:
             argv += ["--offline", "--no-index", "--find-links", os.path.join(dist, "wheels")]
-        _run(argv + [requirements], env, "uv pip sync", timeout)
+        _run(argv + [requirements], env, "uv pip sync", timeout, watch)
         found = distributions(new)
         wanted = {canonical(w["name"]): w.get("installed_version") for w in spec["wheels"]}
         wrong = ["%s %s (lock: %s)" % (n, found[n], v) for n, v in sorted(wanted.items()) if v and n in found and found[n] != v]
@@ -367,20 +440,26 @@ def install(spec: dict) -> dict:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        if spec.get("watch_stdin") and _controller_gone():
-            raise Failure("the controller's connection was lost before the switch: the previous environment stays")
+        if watch and _controller_gone(0):
+            raise Stopped(LOST)
+        if signals:
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         if current and os.path.isdir(current):
             _switch(previous_link, current)
         _switch(venv, new)
     except BaseException as exc:
         shutil.rmtree(new, ignore_errors=True)
-        if isinstance(exc, Failure) and "does not match" not in str(exc):
+        if isinstance(exc, Failure) and not isinstance(exc, Stopped) and "does not match" not in str(exc):
             _drop_damaged(dist, spec["wheels"])
         if isinstance(exc, OSError):
             raise Failure(_oserror(exc)) from None
         raise
     finally:
         os.close(fd)
+    if signals:  # switched: what is left (pruning older environments) may be cut short by a signal at no loss
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     kept = {new}
     if os.path.lexists(previous_link):
         kept.add(os.path.realpath(previous_link))
@@ -388,12 +467,13 @@ def install(spec: dict) -> dict:
     return {"ok": True, "env": new, "previous": current, "removed": removed, "dists": found, "seconds": round(time.monotonic() - started, 3)}
 
 
-def _controller_gone() -> bool:
-    """True when stdin (the SSH channel the controller keeps open after sending this script) has reached EOF."""
+def _controller_gone(wait: float) -> bool:
+    """True when stdin (the SSH channel the controller keeps open after sending this script) has reached EOF,
+    waiting up to `wait` seconds for it."""
     import select
 
     try:
-        readable, _, _ = select.select([0], [], [], 0)
+        readable, _, _ = select.select([0], [], [], wait)
         return bool(readable) and os.read(0, 65536) == b""
     except (OSError, ValueError):
         return False
@@ -463,7 +543,9 @@ def main(argv: list) -> int:
         elif mode == "prepare":
             _emit(prepare(argv[1]))
         elif mode == "install":  # the spec on stdin, after the script: never on a command line (it may hold a token)
-            _emit(install(json.loads(sys.stdin.buffer.readline() if argv[1:] == ["-"] else argv[1])))
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, _on_signal)
+            _emit(install(json.loads(sys.stdin.buffer.readline() if argv[1:] == ["-"] else argv[1]), signals=True))
         else:
             _emit(rollback(argv[1]))
     except Failure as exc:
