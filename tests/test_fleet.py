@@ -575,3 +575,18 @@ def _split(public: str):
 
     kind, data = public.split()[:2]
     return kind, base64.b64decode(data)
+
+
+def test_closing_a_local_connection_ends_the_stdin_of_what_it_still_runs_as_an_ssh_close_would():
+    """mnft's host scripts that outlive a command (a lease's holder, an installer) end when their stdin does:
+    on an SSH host when the connection closes, and on a `connection: local` host when the fleet closes."""
+    from mnft.hosts.connection import LocalConnection
+    from mnft.hosts.settings import Host
+
+    conn = LocalConnection(Host("here", 0, "127.0.0.1", connection="local"))
+    waiting = conn.start("cat >/dev/null; echo stdin ended")
+    finished = conn.run("echo done")
+    assert finished.stdout.strip() == "done"
+    conn.close()
+    done = waiting.wait(10)  # not communicate(): that would close stdin itself
+    assert (done.exit_code, done.stdout.strip()) == (0, "stdin ended")

@@ -187,7 +187,7 @@ class _LocalProcess(Process):
     def close_stdin(self) -> None:
         try:
             self.popen.stdin.close()
-        except BrokenPipeError:
+        except (BrokenPipeError, ValueError):  # ValueError: a flush racing another thread's close
             pass
 
     def _wait_exit(self, timeout):
@@ -274,8 +274,26 @@ class Connection:
 
 
 class LocalConnection(Connection):
+    """A `connection: local` host: its commands run here, each in its own process group. Closing it does what
+    closing an SSH connection does to the commands still running on a host: their stdin ends (mnft's host
+    scripts that outlive a command, such as a lease's holder or an installer, end on that EOF)."""
+
+    def __init__(self, host: Host) -> None:
+        super().__init__(host)
+        self._started: list[_LocalProcess] = []
+        self._lock = threading.Lock()
+
     def start(self, command: str) -> Process:
-        return _LocalProcess(command)
+        process = _LocalProcess(command)
+        with self._lock:
+            self._started = [p for p in self._started if p.popen.poll() is None] + [process]
+        return process
+
+    def close(self) -> None:
+        with self._lock:
+            started, self._started = self._started, []
+        for process in started:
+            process.close_stdin()
 
 
 class SshConnection(Connection):
