@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from wheelmaker import make_wheel, write_lock
+from wheelmaker import make_wheel, sha256, write_lock
 
 pytestmark = pytest.mark.cluster
 
@@ -475,3 +475,120 @@ def test_a_controller_that_goes_mid_install_leaves_no_installer_and_the_previous
     for host in cluster.hosts:
         assert imported(cluster, host, "alpha") == ["1.0"]
 
+
+# ------------------------------------------------------------------------------------------------ secrets (issue 19)
+
+
+class SlowIndex:
+    """A PEP 503 simple index over http on the controller's side of the bridge (the hosts reach the controller
+    there), behind HTTP basic auth, serving each wheel slowly (`rate` bytes/s) so an install lasts seconds."""
+
+    def __init__(self, address: str, wheels: list[Path], user: str, token: str, rate: int) -> None:
+        import base64
+        import hashlib
+        import http.server
+        import threading
+        import time
+
+        files = {w.name: w for w in wheels}
+        expected = "Basic " + base64.b64encode(f"{user}:{token}".encode()).decode()
+        self.requests: list[tuple[str, bool]] = []  # (path, with the right credentials)
+        index = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                authorized = self.headers.get("Authorization") == expected
+                index.requests.append((self.path, authorized))
+                if not authorized:
+                    self.send_response(401)
+                    self.send_header("WWW-Authenticate", 'Basic realm="lab"')
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
+                parts = [p for p in self.path.split("/") if p]
+                if parts[:1] == ["simple"] and len(parts) == 2:
+                    project = parts[1].replace("-", "_")
+                    links = "".join(f'<a href="/files/{n}#sha256={hashlib.sha256(p.read_bytes()).hexdigest()}">{n}</a>\n'
+                                    for n, p in sorted(files.items()) if n.startswith(project + "-"))
+                    body = f"<!DOCTYPE html><html><body>\n{links}</body></html>\n".encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/html")
+                    self.send_header("Content-Length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                elif parts[:1] == ["files"] and len(parts) == 2 and parts[1] in files:
+                    data = files[parts[1]].read_bytes()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/octet-stream")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    step = max(1, rate // 10)
+                    for start in range(0, len(data), step):  # rate bytes a second, in tenths
+                        self.wfile.write(data[start:start + step])
+                        self.wfile.flush()
+                        time.sleep(0.1)
+                else:
+                    self.send_response(404)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+
+        self.server = http.server.ThreadingHTTPServer((address, 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://{user}:{token}@{address}:{self.server.server_address[1]}/simple"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_an_index_token_never_reaches_a_hosts_command_lines_nor_mnfts_output_or_records(fresh_cluster_factory, tmp_path, wheels):
+    """provision --online from an index whose URL holds a token (user:TOKEN@): while the hosts install from it, every
+    command line on the hosts (`ps -eo args`, captured again and again) lacks the token, and so do mnft's output, its
+    records on the controller and the files it leaves on the hosts. The index is slow so the captures see uv run."""
+    import secrets
+    import threading
+
+    cluster = fresh_cluster_factory(2)
+    venv = f"~/env-{secrets.token_hex(4)}"  # a path of this test's own: the uv processes it captures are this test's
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml", python=BASE_PYTHON, venv=venv)
+    token = "tok" + secrets.token_hex(12)
+    chosen = [wheels / "alpha-1.1-py3-none-any.whl", wheels / "beta-2.0-py3-none-any.whl"]
+    index = SlowIndex(cluster.bridge_address, chosen, "lab", token, rate=100_000)  # ~2 s a wheel
+    try:
+        lock = tmp_path / "requirements.lock"
+        lock.write_text(f"# python: {MINOR}\n--index-url {index.url}\n"
+                        f"alpha==1.1 --hash=sha256:{sha256(chosen[0])}\nbeta==2.0 --hash=sha256:{sha256(chosen[1])}\n")
+        captures: list[str] = []
+        done = threading.Event()
+
+        def capture() -> None:
+            while not done.is_set():
+                for host in cluster.hosts:
+                    captures.append(cluster.run(host, ["ps", "-eo", "args"]).stdout)
+
+        watcher = threading.Thread(target=capture, daemon=True)
+        watcher.start()
+        try:
+            provisioned = invoke(tmp_path, "provision", "--hosts", str(inventory), "--lock", str(lock), "--online", "--json")
+        finally:
+            done.set()
+            watcher.join(timeout=30)
+    finally:
+        index.close()
+    assert provisioned.returncode == 0, provisioned.stdout + provisioned.stderr
+    assert statuses(json.loads(provisioned.stdout)) == {"h1": "changed", "h2": "changed"}
+    assert any(path.startswith("/files/") and authorized for path, authorized in index.requests)  # uv used the token
+    env_dir = venv.replace("~", "/root") + ".d"
+    assert any(f"{env_dir}/dist/uv pip sync" in c for c in captures), f"no capture of {len(captures)} saw the installer run"
+    assert not [c for c in captures if token in c]
+    assert token not in provisioned.stdout + provisioned.stderr
+    mnft_home = Path(controller_env(tmp_path)["MNFT_HOME"])
+    assert [p for p in mnft_home.rglob("*") if p.is_file() and token.encode() in p.read_bytes()] == []
+    for host in cluster.hosts:  # what mnft (and uv) leave on a host: environments, their records, uv's cache, leases
+        left = [p for p in host.home.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+        assert left == [], left
