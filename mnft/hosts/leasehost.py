@@ -140,8 +140,10 @@ def open_shared(path, write, mode):
         except OSError as exc:
             try:
                 st = os.lstat(path)
-            except OSError:
+            except FileNotFoundError:
                 continue  # gone meanwhile: try again
+            except OSError:
+                raise exc from None  # the directory itself (not searchable, say): as the open said
             if exc.errno in (errno.EACCES, errno.EPERM):
                 how = "writable" if write else "readable"
                 raise Refused(refusal(path, st, "is not %s by %s (mode %04o; mnft makes it %04o)" % (
