@@ -443,6 +443,6 @@ def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Conso
         raise CheckpointError(f"checkpoint {choice.name} differs between hosts after copying ({', '.join(differ)})")
     shown = ", ".join(f"{n} file(s) to {h}" + (f" (for {', '.join(places[h])})" if len(places[h]) > 1 else "") for h, n in copied.items()) \
         or "every directory held all of it"
-    verified = f"verified in {len(places)} directories" + (f" ({sharing})" if sharing else "")
+    verified = f"verified in {len(places)} directories ({sharing})" if sharing else f"verified on {len(hosts)} hosts"
     console.print(f"resuming from {choice.name}: {shown}; {verified}", highlight=False)
     return Found(choice.name, copied, total, note=f"{shown}; {verified}", shared=shared)
