@@ -166,7 +166,7 @@ class Leases:
             if reply.get("busy"):
                 refusals.append((r.host, busy_line(r.host, reply.get("holder"), reply.get("run_processes") or 0, reply.get("same_login", True))))
             elif reply.get("refused"):  # a lease file mnft will not use: the host is not to be changed either
-                refusals.append((r.host, f"{r.host}: no lease can be taken: {reply['refused']}"))
+                refusals.append((r.host, f"{r.host}: no lease can be taken: {shown(reply['refused'], 1000)}"))
             if not reply.get("taken"):
                 self._forget(r.host)  # not held there: unreachable or failed hosts are the operation's to report
         if refusals:
