@@ -218,7 +218,8 @@ def _shared(fleet: Fleet, inventory: Inventory, plans: Mapping[str, HostPlan], f
     beside its `venv`, then says whose marks it sees), and the plans that build or roll back once per group."""
     if not any(p.action in ("install", "rollback") for p in plans.values()):
         return dict(plans)
-    hosts = [h for h in inventory.hosts if h.name in facts and h.venv is not None]
+    # the marks are left by the host's base Python, as envhost runs: the environment's own may be the broken one
+    hosts = [replace(h, python=base_python(h)) for h in inventory.hosts if h.name in facts and h.venv is not None]
     if len(hosts) < 2:
         return dict(plans)
     where = {h.name: host_root(h.venv) for h in hosts}
