@@ -19,7 +19,8 @@ from mnft.hosts.settings import Host
 
 
 def probe_command(host: Host, mode: str, *args: str) -> Command:
-    return pyrun.command(host, mode, *args)
+    """The probe in a mode; only `facts` looks beyond the standard library (where torch would be imported from)."""
+    return pyrun.command(host, mode, *args, site=mode == "facts")
 
 
 def probe_payload() -> bytes:

@@ -92,7 +92,7 @@ class GangResult:
 
 
 def agent_command(fleet: Fleet, host_name: str, *args: str) -> Command:
-    return pyrun.command(fleet.inventory.host(host_name), *args)
+    return pyrun.command(fleet.inventory.host(host_name), *args, site=False)  # the agent is standard library only
 
 
 def agent_payload() -> bytes:

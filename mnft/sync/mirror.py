@@ -186,7 +186,7 @@ def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str
     mark (nonce.host) in the target, for shared_groups."""
     args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
         + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--if-exists"] if if_exists else [])
-    return pyrun.command(host, *args)
+    return pyrun.command(host, *args, site=False)
 
 
 def hash_stdin(rules: Sequence[str]) -> bytes:
@@ -229,7 +229,7 @@ def shared_groups(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str
     if len(hosts) < 2:
         return {}
     names = ",".join(h.name for h in hosts)
-    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--seen", nonce, "--names", names),
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--seen", nonce, "--names", names, site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
     sees = {}
     for result in results:
@@ -244,7 +244,7 @@ def detect_shared(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str
     """Which hosts see the same directory (check: each host's workdir): two round-trips, a mark each, then
     shared_groups. A host whose mark failed is taken as sharing with nobody."""
     nonce = secrets.token_hex(8)
-    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only"),
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only", site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
     marked = [h for h in hosts if results[h.name].ok]
     return shared_groups(fleet, marked, targets, nonce)

@@ -151,7 +151,7 @@ class Context:
 
     def remote(self, host: Host, ops: Sequence[dict], *, root: bool = False, timeout: float = REMOTE_TIMEOUT) -> tuple[list[dict] | None, Outcome | None]:
         """Run ops on the host in one round-trip: (results, None), or (None, Outcome) when the call itself failed."""
-        command = pyrun.command(host)
+        command = pyrun.command(host, site=False)  # the host side is standard library only
         become = self.become.get(host.name, Become()) if root else Become()
         stdin = become.stdin_prefix() + pyrun.payload(remote.source()) + (json.dumps({"ops": list(ops)}) + "\n").encode()
         result = self.fleet.run_one(host, become.wrap(command), stdin=stdin, timeout=timeout)

@@ -84,8 +84,15 @@ def op_read(req: dict) -> dict:
         return {"exists": False}
     if stat.S_ISDIR(st.st_mode):
         return {"exists": True, "is_dir": True, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid}
-    with open(path, "rb") as f:
-        data = f.read(MAX_READ_BYTES + 1)  # never more: a huge file costs 4 MiB, not its size
+    chunks, size = [], 0
+    with open(path, "rb") as f:  # in chunks (a /proc/sys file refuses one large read: ENOMEM), never past the limit
+        while size <= MAX_READ_BYTES:
+            chunk = f.read(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    data = b"".join(chunks)
     if len(data) > MAX_READ_BYTES:
         raise RuntimeError("%s is larger than %d MiB: mnft edits files up to that size (trim it, or edit it by hand)" % (req["path"], MAX_READ_BYTES >> 20))
     return {"exists": True, "is_dir": False, "text": data.decode("utf-8", "surrogateescape"), "mode": stat.S_IMODE(st.st_mode),
