@@ -29,7 +29,6 @@ class HostPlan:
     pins: tuple[Pin, ...] = ()
     diff: EnvDiff = field(default_factory=EnvDiff)  # the environment now against the lock
     changes: Changes = field(default_factory=Changes)
-    shared_with: tuple[str, ...] = ()  # the hosts that see the same environment directory (this one included)
     builder: str | None = None  # verify: the host of the group that installs or rolls back for it
 
 
@@ -150,9 +149,7 @@ def plan_shared(plans: Mapping[str, HostPlan], facts: Mapping[str, Mapping[str, 
             continue
         builder = acting[0]
         for name in present:
-            plan = replace(plans[name], shared_with=members)
             if name != builder:
-                plan = replace(plan, action="verify", builder=builder,
-                               reason=f"shares {where[name]} with {builder}: {DONE[plans[builder].action]} once there, verified here")
-            out[name] = plan
+                out[name] = replace(plans[name], action="verify", builder=builder,
+                                    reason=f"shares {where[name]} with {builder}: {DONE[plans[builder].action]} once there, verified here")
     return out
