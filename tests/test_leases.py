@@ -454,3 +454,13 @@ def test_flock_semantics_the_lease_relies_on(tmp_path):
         fcntl.flock(b, fcntl.LOCK_EX | fcntl.LOCK_NB)
     fcntl.flock(b, fcntl.LOCK_SH | fcntl.LOCK_NB)
     os.close(a), os.close(b)
+
+
+def test_taking_over_says_why_a_lease_may_be_free_without_claiming_its_holder_died():
+    """A detached run's keeper holds its lease to the run's end and does not mark it released: the run may simply
+    have ended, so the line does not say its holder is gone."""
+    from mnft.hosts.leases import took_over_line
+
+    ran = {"command": "train", "run_id": "r1", "user": "alice", "controller": "ctl", "pid": 7, "started": 0}
+    assert took_over_line("h1", ran).endswith(": nobody holds it any more: the run ended, or its controller is gone")
+    assert took_over_line("h1", dict(ran, command="sync", run_id=None)).endswith(": its holder is gone")

@@ -768,7 +768,7 @@ class Cluster:
         taken = {int(line.split(":")[2]) for line in users.values() if line.count(":") >= 6}
         uid = next(u for u in range(4200, 60000) if u not in taken)
         home = f"/tmp/home-{name}"
-        hashed = "!"
+        hashed = "*"  # no password login; "!" would lock the account, and sshd then refuses its key too
         if password is not None:
             hashed = _sh(["openssl", "passwd", "-6", "-stdin"], input=password + "\n").stdout.strip()
         files = {

@@ -108,7 +108,15 @@ def say_took_over(host: str, previous: dict) -> None:
     """The default word on a lease taken over: once, on stderr."""
     from mnft.core.output import console, plain
 
-    console(stderr=True).print(plain(f"{host}: took over the lease of {describe(previous)}: its holder is gone", "yellow"))
+    console(stderr=True).print(plain(took_over_line(host, previous), "yellow"))
+
+
+def took_over_line(host: str, previous: dict) -> str:
+    """A detached run's keeper holds its lease to the run's end without marking it released, so a run's lease
+    nobody holds any more is one whose run ended, or whose controller and processes are gone."""
+    why = "nobody holds it any more: the run ended, or its controller is gone" if isinstance(previous, dict) and shown(previous.get("run_id")) \
+        else "its holder is gone"
+    return f"{host}: took over the lease of {describe(previous)}: {why}"
 
 
 def say_problem(host: str, why: str) -> None:
@@ -187,7 +195,7 @@ class Leases:
 
     def _take_one(self, fleet: Fleet, host: Host, holder: dict, python: str | None = None) -> HostResult:
         try:
-            process = fleet.start(host, pyrun.command(host, "hold", python=python))
+            process = fleet.start(host, pyrun.command(host, "hold", python=python, site=False))
             process.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
         except (Unreachable, HostKeyRejected) as exc:
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
@@ -263,7 +271,7 @@ def hold(fleet: Fleet, hosts: Iterable[Host], command: str, run_id: str | None =
 def show(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
     """host -> {"held": bool, "holder": {...} or None, "path"} (or {"error"} / {"refused"} for a host that did not
     answer or whose lease file mnft will not use)."""
-    results = fleet.run(lambda h: pyrun.command(h, "show"), stdin=pyrun.payload(leasehost.source()), hosts=list(hosts), timeout=30)
+    results = fleet.run(lambda h: pyrun.command(h, "show", site=False), stdin=pyrun.payload(leasehost.source()), hosts=list(hosts), timeout=30)
     out = {}
     for result in results:
         data = pyrun.reply(result, "the lease script")
