@@ -172,3 +172,17 @@ def test_stop_of_a_run_ended_everywhere_says_so_and_one_still_running_somewhere_
     assert ended_note(record, {"h1": ended, "h2": ended}) == "run R1 already ended on h1, h2: nothing to stop"
     assert ended_note(record, {"h1": ended, "h2": {"killed": [42], "remaining": []}}) is None
     assert ended_note(record, {"h1": ended, "h2": {"state": "unreachable", "error": "no route"}}) is None
+
+
+def test_stop_waits_for_killed_processes_to_be_gone_before_calling_any_remaining():
+    """A SIGKILLed process lingers while the kernel frees it (64 torchrun trees on 2 busy cores: longer than the
+    0.1 s stop once allowed, and stop said processes remained that were gone a moment later)."""
+    tag = "run-settle-test"
+    env = dict(os.environ, **{agent.TAG_VAR: tag})
+    slow = execed(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.8)"], env=env), "time.sleep(0.8)")
+    try:
+        assert agent._after_kill(tag, settle=0) == [slow.pid]  # no time to settle: still there
+        assert agent._after_kill(tag, settle=10) == []  # it is gone within the settle time: nothing remains
+    finally:
+        slow.kill()
+        slow.wait()

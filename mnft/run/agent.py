@@ -257,9 +257,25 @@ def terminate(run_dir, grace=10.0, keeper=None):
             keeper.wait(timeout=5)
         except Exception:  # noqa: BLE001
             pass
-    time.sleep(0.1)
-    remaining = run_pids(tag) if tag else []
+    remaining = _after_kill(tag)
     return dict({"killed": killed, "remaining": remaining}, **gpu_report(gpu_apps(), set(killed) | set(remaining) | set(seen)))
+
+
+KILL_SETTLE = 5.0  # seconds a SIGKILLed process may take to be gone (a loaded host frees a large process slowly)
+
+
+def _after_kill(tag, settle=KILL_SETTLE):
+    """The run's processes still alive once SIGKILL has had time to work: a killed process lingers while the
+    kernel frees its memory (64 torchrun trees on 2 busy cores took more than the 0.1 s this once allowed, and
+    `stop` said they remained although nothing was left a moment later)."""
+    if not tag:
+        return []
+    deadline = time.time() + settle
+    while True:
+        remaining = run_pids(tag)
+        if not remaining or time.time() >= deadline:
+            return remaining
+        time.sleep(0.05)
 
 
 def parse_compute_apps(text):
