@@ -677,3 +677,61 @@ def test_the_progress_display_shows_files_and_bytes_per_host(tmp_path):
     assert "3/3 files" in lines["gpu-left"] and "5.0/5.0 kB" in lines["gpu-left"]
     assert "2/2 files" in lines["gpu-right"] and "2.0/2.0 kB" in lines["gpu-right"]
 
+
+
+# ---------------------------------------------------------------------------------------- shared-storage marks
+
+def test_a_planted_link_at_the_marks_directory_is_never_followed(tmp_path):
+    """Marks may sit in a shared mount others write into, and mnft often runs as root: a `.mnft-share` that is a
+    link must not make it delete old files or write a mark elsewhere (it did both)."""
+    import os
+    import time
+
+    from mnft.sync import treehash
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "old-file").write_text("precious")
+    old = time.time() - 3 * 86400
+    os.utime(victim / "old-file", (old, old))
+    home = tmp_path / "home"
+    (home / "work").mkdir(parents=True)
+    (home / ".mnft-share").symlink_to(victim)
+    assert treehash._mark(str(home / "work"), "n1.h1") is not None  # refused, with why
+    assert sorted(p.name for p in victim.iterdir()) == ["old-file"]
+    assert treehash.seen(str(home / "work"), "n1", ["h1"]) == []
+
+
+def test_marks_are_kept_only_in_a_directory_nobody_else_can_write_and_never_read_through_a_link(tmp_path):
+    import os
+
+    from mnft.sync import treehash
+
+    home = tmp_path / "home"
+    (home / "work").mkdir(parents=True)
+    (home / ".mnft-share").mkdir(mode=0o777)
+    os.chmod(home / ".mnft-share", 0o777)  # another user could plant marks or links in it
+    assert "writable by others" in treehash._mark(str(home / "work"), "n1.h1")
+    os.chmod(home / ".mnft-share", 0o700)
+    assert treehash._mark(str(home / "work"), "n1.h1") is None
+    assert oct((home / ".mnft-share" / "n1.h1").stat().st_mode & 0o777) == "0o600"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.write_text("work")  # what h2's mark would hold
+    (home / ".mnft-share" / "n1.h2").symlink_to(elsewhere)
+    assert treehash.seen(str(home / "work"), "n1", ["h1", "h2"]) == ["h1"]  # the link is not h2's mark
+    (home / ".mnft-share" / "n2.h3").symlink_to(tmp_path / "victim-file")
+    os.utime(home / ".mnft-share" / "n2.h3", (0, 0), follow_symlinks=False)
+    (tmp_path / "victim-file").write_text("x")
+    assert treehash._mark(str(home / "work"), "n3.h1") is None  # cleans up the old link, not its target
+    assert (tmp_path / "victim-file").exists() and not (home / ".mnft-share" / "n2.h3").is_symlink()
+
+
+def test_marks_beside_a_directory_inside_the_tree_are_neither_hashed_nor_sent(tmp_path):
+    """A checkpoints directory within the synced tree (exp/ckpt) gets its marks beside it (exp/.mnft-share/):
+    the next sync must not see them as a difference, nor delete them."""
+    from mnft.sync import source
+
+    (tmp_path / "exp" / ".mnft-share").mkdir(parents=True)
+    (tmp_path / "exp" / ".mnft-share" / "n1.h1").write_text("ckpt")
+    (tmp_path / "exp" / "train.py").write_text("x")
+    assert sorted(source.tree_hash(tmp_path, source.ALWAYS_EXCLUDES)[1]) == ["exp/train.py"]

@@ -18,9 +18,10 @@ from mnft.hosts.hostkeys import mnft_home
 from mnft.sync import treehash
 from mnft.sync.gitignore import git, git_view
 
-# the marks of shared storage when the target is a mount point of its own (treehash._anchor): neither hashed,
-# sent nor deleted
-SHARE_MARKS = f"/{treehash.SHARE_DIR}/"
+# the marks of shared storage (treehash._anchor: inside a target that is a mount point of its own, or beside a
+# directory mnft marks, such as a checkpoints directory within the tree), at any depth: neither hashed, sent nor
+# deleted
+SHARE_MARKS = f"{treehash.SHARE_DIR}/"
 ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info",
                    SHARE_MARKS)
 DATA_EXCLUDES: tuple[str, ...] = (SHARE_MARKS,)

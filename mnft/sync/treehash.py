@@ -35,6 +35,7 @@ never raises on a bad file (the error is recorded for that path); exit status 0,
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -405,29 +406,62 @@ def _anchor(root: str):
     return path, os.path.relpath(real, path)
 
 
+MARK_BYTES = 8192  # a mark holds a path below its anchor
+
+
+def _share_dir(anchor: str, create: bool) -> int:
+    """An open descriptor of <anchor>/SHARE_DIR, made 0700 when missing (create). Never through a link, and only a
+    directory of this user that nobody else can write into: marks may sit in a shared mount where others write,
+    and mnft often runs as root (a planted link must never make it delete or write files elsewhere)."""
+    parent = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        if create:
+            try:
+                os.mkdir(SHARE_DIR, 0o700, dir_fd=parent)
+            except FileExistsError:
+                pass
+        fd = os.open(SHARE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+    finally:
+        os.close(parent)
+    st = os.fstat(fd)
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        os.close(fd)
+        raise PermissionError(errno.EPERM, "%s is another user's or writable by others: not used (remove it)" % os.path.join(anchor, SHARE_DIR))
+    return fd
+
+
 def _mark(root: str, mark: str):
     """Leave this sync's mark for root (<anchor>/SHARE_DIR/<nonce.host>, holding root's path below the anchor);
-    marks older than a day are removed. Returns why not, or None."""
+    marks older than a day are removed. Returns why not, or None. Every name is taken relative to the directory's
+    descriptor, never followed through a link."""
     if not MARK.match(mark):
         return "invalid mark"
     anchor, rest = _anchor(root)
     if anchor is None:
         return "no directory above the target to mark"
-    where = os.path.join(anchor, SHARE_DIR)
     try:
-        os.makedirs(where, exist_ok=True)
+        where = _share_dir(anchor, create=True)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    try:
         now = time.time()
-        for name in os.listdir(where):
-            path = os.path.join(where, name)
+        for entry in os.scandir(where):
             try:
-                if now - os.lstat(path).st_mtime > 86400:
-                    os.unlink(path)
+                if now - entry.stat(follow_symlinks=False).st_mtime > 86400:
+                    os.unlink(entry.name, dir_fd=where)  # a link is removed itself, never what it points to
             except OSError:
                 pass
-        with open(os.path.join(where, mark), "w") as f:
+        try:
+            os.unlink(mark, dir_fd=where)  # the same nonce and host again (a retry): written anew
+        except FileNotFoundError:
+            pass
+        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=where)
+        with os.fdopen(fd, "w") as f:
             f.write(rest)
     except OSError as exc:
         return exc.strerror or str(exc)
+    finally:
+        os.close(where)
     return None
 
 
@@ -435,14 +469,27 @@ def seen(root: str, nonce: str, names) -> list:
     """Which hosts' marks of this sync (nonce) this host sees for root, each for the same path: the hosts that
     share root with it. Looked up by name (a fresh name is in no negative lookup cache of a network filesystem)."""
     anchor, rest = _anchor(root)
+    if anchor is None:
+        return []
+    try:
+        where = _share_dir(anchor, create=False)
+    except OSError:
+        return []
     out = []
-    for name in names if anchor is not None else ():
-        path = os.path.join(anchor, SHARE_DIR, "%s.%s" % (nonce, name))
-        try:
-            if MARK.match("%s.%s" % (nonce, name)) and open(path).read() == rest:
-                out.append(name)
-        except (OSError, UnicodeDecodeError):
-            pass
+    try:
+        for name in names:
+            mark = "%s.%s" % (nonce, name)
+            if not MARK.match(mark):
+                continue
+            try:
+                fd = os.open(mark, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=where)
+                with os.fdopen(fd, "rb") as f:
+                    if f.read(MARK_BYTES).decode("utf-8") == rest:
+                        out.append(name)
+            except (OSError, UnicodeDecodeError):
+                pass
+    finally:
+        os.close(where)
     return out
 
 
