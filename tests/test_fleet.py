@@ -352,6 +352,16 @@ def test_trusted_keys_match_plain_and_hashed_names_and_never_a_revoked_or_negate
     assert trusted.lookup("x.lab") is None
 
 
+def test_a_revoked_key_is_judged_revoked_never_new_so_trust_hosts_does_not_record_it(keypair, tmp_path):
+    key, _ = keypair
+    path = tmp_path / "known_hosts"
+    path.write_text(f"@revoked * {key.get_name()} {key.get_base64()}\n")
+    trusted = hostkeys.load_trusted([path])
+    assert trusted.revoked(key) and hostkeys.judge("h", key, trusted) == "revoked"
+    trusted.add("h", key.get_name(), key)  # even recorded by hand elsewhere, it stays revoked
+    assert trusted.lookup("h") is None and hostkeys.judge("h", key, trusted) == "revoked"
+
+
 def test_known_hosts_lines_are_indexed_not_decoded_until_a_host_is_looked_up(keypair, tmp_path, monkeypatch):
     """paramiko's HostKeys.load checks every line against all before it (quadratic) and decodes every key, for
     each connection; mnft reads the files once per command and decodes only the keys of the hosts it dials."""

@@ -1,8 +1,9 @@
 """The one connection factory: a verified SSH connection (Fabric/paramiko) or the local machine.
 
 Both kinds start a shell command string (rendered by `mnft.hosts.command`) and give back a `Process` with the same
-interface: write stdin, read lines as they come, wait with a timeout, close. SSH connections load every trusted
-known_hosts file and refuse unknown or changed host keys.
+interface: write stdin, read lines as they come, wait with a timeout, close. SSH connections (and each ProxyJump
+hop) are given the keys trusted for the name they dial (mnft.hosts.hostkeys.TrustedKeys, read once per command)
+and refuse unknown, changed or revoked host keys.
 """
 
 from __future__ import annotations
@@ -413,6 +414,10 @@ def _open_once(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fab
     except UnknownHostKey as exc:
         conn.close()
         # exc.hostname is the known_hosts name of the host that presented the key: the host or a ProxyJump hop.
+        if trusted.revoked(exc.key):
+            raise HostKeyRejected(f"host key {exc.key.get_name()} {fingerprint(exc.key)} of {exc.hostname}"
+                                  f"{'' if exc.hostname == name else f' (ProxyJump hop to {name})'} is marked @revoked in known_hosts: "
+                                  f"refused (give the host a new key, then invoke trust-hosts)") from None
         raise HostKeyRejected(
             f"unknown host key {exc.key.get_name()} {fingerprint(exc.key)} for {exc.hostname}"
             f"{'' if exc.hostname == name else f' (ProxyJump hop to {name})'}; "

@@ -52,6 +52,7 @@ class TrustedKeys:
         self._plain: dict[str, list[tuple[str, str]]] = {}  # host name -> [(key type, base64)]
         self._hashed: list[tuple[str, str, str]] = []  # (|1|salt|hash, key type, base64)
         self._revoked: set[tuple[str, str]] = set()
+        self._found: dict[str, dict[str, paramiko.PKey] | None] = {}  # lookups so far (hashed lines cost an HMAC each)
 
     def read(self, path: Path) -> None:
         """Add one known_hosts file (a missing file adds nothing); too large, unreadable or corrupt: InputError."""
@@ -72,10 +73,12 @@ class TrustedKeys:
                 raise InputError(f"{path}:{number}: cannot read known_hosts: the key is not base64 (fix or delete the line)") from None
             if marker == "@revoked":
                 self._revoked.add((key_type, blob))
+                self._found.clear()
             elif marker is None:
                 self.add_text(names.split(","), key_type, blob)
 
     def add_text(self, names: list[str], key_type: str, blob: str) -> None:
+        self._found.clear()
         for name in names:
             if name.startswith("|1|"):
                 self._hashed.append((name, key_type, blob))
@@ -89,6 +92,12 @@ class TrustedKeys:
     def lookup(self, name: str) -> dict[str, paramiko.PKey] | None:
         """The keys trusted for a known_hosts name ("host" or "[host]:port"), by type; None when none is. Key types
         paramiko cannot handle are left out (as paramiko does)."""
+        if name not in self._found:
+            self._found[name] = self._lookup(name)
+        keys = self._found[name]
+        return dict(keys) if keys is not None else None
+
+    def _lookup(self, name: str) -> dict[str, paramiko.PKey] | None:
         found = list(self._plain.get(name, ()))
         for hashed, key_type, blob in self._hashed:
             if hmac.compare_digest(paramiko.HostKeys.hash_host(name, hashed), hashed):
@@ -102,6 +111,10 @@ class TrustedKeys:
             except (paramiko.SSHException, paramiko.pkey.UnknownKeyType, ValueError):  # a type or a blob paramiko cannot use
                 continue
         return keys or None
+
+    def revoked(self, key: paramiko.PKey) -> bool:
+        """Whether known_hosts marks this key @revoked (never trusted, never to be recorded)."""
+        return (key.get_name(), key.get_base64()) in self._revoked
 
     def give(self, client: paramiko.SSHClient, name: str) -> None:
         """Hand a paramiko client the keys trusted for the one name it will connect to."""
@@ -182,9 +195,12 @@ def fetch_host_key(hostname: str, port: int, timeout: float, sock=None, recorded
 
 def judge(known_as: str, key: paramiko.PKey, trusted: TrustedKeys) -> str:
     """'already-trusted', 'new' (nothing is recorded for the host), 'changed' (a different key of the same type
-    is recorded) or 'other-type' (the host is trusted with other key types only). fetch_host_key asks for the
-    recorded types first, so a host that still presents another type does not hold its recorded key: that is
-    refused like a changed key (an attacker cannot show the real key, but can offer a type not yet recorded)."""
+    is recorded), 'other-type' (the host is trusted with other key types only) or 'revoked' (known_hosts marks
+    the key @revoked). fetch_host_key asks for the recorded types first, so a host that still presents another
+    type does not hold its recorded key: that is refused like a changed key (an attacker cannot show the real
+    key, but can offer a type not yet recorded)."""
+    if trusted.revoked(key):
+        return "revoked"
     recorded = trusted.lookup(known_as)
     if recorded is None or not recorded.keys():
         return "new"

@@ -50,6 +50,8 @@ def trust_hosts(inventory: Inventory, timeouts: Timeouts = Timeouts(), dry_run: 
         detail = ""
         if state == "changed":
             detail = f"a different key is already trusted for {name}: possible man-in-the-middle; if the host was reinstalled run ssh-keygen -R '{name}' (and remove it from {mnft_known_hosts()}) first"
+        elif state == "revoked":
+            detail = f"{name} presents a key marked @revoked in known_hosts: never trusted (a stolen or retired key); give the host a new key, then trust it"
         elif state == "other-type":
             detail = f"{name} is trusted with {', '.join(recorded)} but did not present it (offered {key.get_name()}): possible man-in-the-middle; if the host's keys were regenerated run ssh-keygen -R '{name}' (and remove it from {mnft_known_hosts()}) first"
         return TrustResult(host.name, name, key.get_name(), fingerprint(key), state, detail), key
