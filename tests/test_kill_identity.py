@@ -174,15 +174,19 @@ def test_stop_of_a_run_ended_everywhere_says_so_and_one_still_running_somewhere_
     assert ended_note(record, {"h1": ended, "h2": {"state": "unreachable", "error": "no route"}}) is None
 
 
-def test_stop_waits_for_killed_processes_to_be_gone_before_calling_any_remaining():
+def test_stop_waits_for_killed_processes_to_be_gone_and_kills_any_the_run_forked_since():
     """A SIGKILLed process lingers while the kernel frees it (64 torchrun trees on 2 busy cores: longer than the
-    0.1 s stop once allowed, and stop said processes remained that were gone a moment later)."""
+    0.1 s stop once allowed, and stop said processes remained that were gone a moment later); one of the run's
+    that appeared after the kill's scan is killed too, by its tag."""
     tag = "run-settle-test"
-    env = dict(os.environ, **{agent.TAG_VAR: tag})
-    slow = execed(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.8)"], env=env), "time.sleep(0.8)")
+    late = execed(subprocess.Popen(SLEEP, env=dict(os.environ, **{agent.TAG_VAR: tag})))
+    unrelated = execed(subprocess.Popen(SLEEP))
     try:
-        assert agent._after_kill(tag, settle=0) == [slow.pid]  # no time to settle: still there
-        assert agent._after_kill(tag, settle=10) == []  # it is gone within the settle time: nothing remains
+        assert agent._after_kill(tag, [], settle=0) == [late.pid]  # no time to settle: named, not yet killed
+        killed = []
+        assert agent._after_kill(tag, killed, settle=10) == [] and killed == [late.pid]
+        assert late.wait(timeout=10) == -signal.SIGKILL and unrelated.poll() is None
     finally:
-        slow.kill()
-        slow.wait()
+        for proc in (late, unrelated):
+            proc.kill()
+            proc.wait()

@@ -257,17 +257,18 @@ def terminate(run_dir, grace=10.0, keeper=None):
             keeper.wait(timeout=5)
         except Exception:  # noqa: BLE001
             pass
-    remaining = _after_kill(tag)
+    remaining = _after_kill(tag, killed)
     return dict({"killed": killed, "remaining": remaining}, **gpu_report(gpu_apps(), set(killed) | set(remaining) | set(seen)))
 
 
 KILL_SETTLE = 5.0  # seconds a SIGKILLed process may take to be gone (a loaded host frees a large process slowly)
 
 
-def _after_kill(tag, settle=KILL_SETTLE):
+def _after_kill(tag, killed=None, settle=KILL_SETTLE):
     """The run's processes still alive once SIGKILL has had time to work: a killed process lingers while the
     kernel frees its memory (64 torchrun trees on 2 busy cores took more than the 0.1 s this once allowed, and
-    `stop` said they remained although nothing was left a moment later)."""
+    `stop` said they remained although nothing was left a moment later). One the run forked after the kill's
+    scan is killed too (by its tag, as every kill here); `killed` collects whom this signalled."""
     if not tag:
         return []
     deadline = time.time() + settle
@@ -275,6 +276,9 @@ def _after_kill(tag, settle=KILL_SETTLE):
         remaining = run_pids(tag)
         if not remaining or time.time() >= deadline:
             return remaining
+        for pid in remaining:
+            if _signal_tagged(pid, tag, signal.SIGKILL) and killed is not None and pid not in killed:
+                killed.append(pid)
         time.sleep(0.05)
 
 

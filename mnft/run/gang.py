@@ -91,6 +91,9 @@ class GangResult:
     after_work: dict[str, str] = field(default_factory=dict)  # host -> its failure once every rank's work was done
 
 
+STOP_BEYOND_GRACE = 35.0  # an agent's stop after its grace: the keeper's 5 s, the kill's settle 5 s, nvidia-smi 10 s, start-up
+
+
 def agent_command(fleet: Fleet, host_name: str, *args: str) -> Command:
     return pyrun.command(fleet.inventory.host(host_name), *args, site=False)  # the agent is standard library only
 
@@ -412,7 +415,7 @@ class Gang:
             lambda host: agent_command(self.fleet, host.name, "stop", by_name[host.name].run_dir, str(self.options.grace)),
             stdin=agent_payload(),
             hosts=hosts,
-            timeout=self.options.grace + 20,
+            timeout=self.options.grace + STOP_BEYOND_GRACE,
         )
         leftovers = {}
         for result in results:
