@@ -222,14 +222,22 @@ def fake_stat(**dirs: tuple[int, int]):
     (None, "/tmp"),  # no /run/lock
 ])
 def test_the_lease_directory_is_run_lock_when_every_user_may_use_it_else_tmp(run_lock, chosen):
+    from mnft.run import agent
+
     dirs = {"run_lock": run_lock} if run_lock else {}
-    assert leasehost.lease_dir({}, fake_stat(**dirs, tmp=(stat.S_IFDIR | 0o1777, 0))) == chosen
+    stat_of = fake_stat(**dirs, tmp=(stat.S_IFDIR | 0o1777, 0))
+    assert leasehost.lease_dir({}, stat_of) == chosen
+    assert agent.lease_path({}, stat_of) == os.path.join(chosen, LEASE)  # the keeper holds the same file
 
 
 def test_mnft_lease_dir_overrides_the_choice_and_must_be_absolute():
+    from mnft.run import agent
+
     assert leasehost.lease_dir({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == "/srv/lab-locks"
+    assert agent.lease_path({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == os.path.join("/srv/lab-locks", LEASE)
     with pytest.raises(OSError, match="MNFT_LEASE_DIR=locks: not an absolute path"):
         leasehost.lease_dir({"MNFT_LEASE_DIR": "locks"}, fake_stat())
+    assert agent.lease_path({"MNFT_LEASE_DIR": "locks"}, fake_stat()) is None
 
 
 def test_the_agent_names_the_lease_as_the_host_side_does_on_this_machine(monkeypatch):

@@ -274,6 +274,8 @@ def _lock_mutex():
         if _same_file(mutex, path):
             return mutex
         os.close(mutex)  # removed or replaced while we waited: lock the one that is there now
+        if time.time() > deadline:  # a user who keeps replacing it: the same bound as a user who holds it
+            raise Refused("the lease's lock %s keeps being replaced: a user of this host is at it; ask them" % path)
 
 
 def _free(fd, previous, op=None):

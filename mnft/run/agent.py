@@ -558,15 +558,18 @@ class _Tail:
         return [line.decode("utf-8", "replace") for line in done]
 
 
-def lease_path():
-    """The host's lease file, as mnft.hosts.leasehost names it: machine-wide, in $MNFT_LEASE_DIR, else /run/lock when
-    it is a sticky world-writable directory of root's, else /tmp."""
+def lease_path(environ=None, stat_of=os.stat):
+    """The host's lease file, as mnft.hosts.leasehost names it (a copy: each host script is one file; tests hold the
+    two to one table): machine-wide, in $MNFT_LEASE_DIR (absolute, else no lease: None), else /run/lock when it is
+    a sticky world-writable directory of root's, else /tmp."""
     import stat
 
-    directory = os.environ.get("MNFT_LEASE_DIR")
+    directory = (os.environ if environ is None else environ).get("MNFT_LEASE_DIR")
+    if directory and not os.path.isabs(directory):
+        return None  # leasehost refused to take a lease there: there is none to hold
     if not directory:
         try:
-            st = os.stat("/run/lock")
+            st = stat_of("/run/lock")
             shared = stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o1002 == 0o1002
         except OSError:
             shared = False
@@ -581,7 +584,10 @@ def lease_fd(run_id):
     import stat
 
     try:
-        fd = os.open(lease_path(), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)  # anyone may plant it
+        path = lease_path()
+        if path is None:
+            return None
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)  # anyone may plant it
     except OSError:
         return None
     try:
