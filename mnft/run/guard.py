@@ -2,8 +2,9 @@
 
 * The leases (mnft.hosts.leases): taken on every host of the inventory (spares too) once the run is recorded and
   before anything is checked, synced or started; a host busy with any login's operation, or whose lease file
-  mnft will not use, refuses the run (`refused`, exit 1, the hosts untouched). They are held on a connection of their own for the whole run (through every attempt) and let go
-  at its end; a run's keepers hold their host's lease on until the run ends there (a detached run's too).
+  mnft will not use, refuses the run (`refused`, exit 1, the hosts untouched). They are held on a connection of
+  their own for the whole run (through every attempt) and let go at its end; a run's keepers hold their host's
+  lease on until the run ends there (a detached run's too).
 * An interrupt (Ctrl-C or SIGTERM, mnft.core.interrupts) in any phase (check, sync, launch, supervision, the wait
   before a restart) ends with run.json `interrupted` and the reason, after the phase's own unwinding tore the gang
   down and ended mnft's children.
