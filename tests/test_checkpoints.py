@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -232,11 +234,65 @@ def test_a_host_of_a_shared_directory_that_lists_other_files_is_named():
         ["h2 shares h1's directory but lacks 1 file(s), e.g. checkpoint-20/model.safetensors"]
 
 
-def test_declared_shared_fs_is_held_to_what_was_found():
+def test_declared_shared_fs_found_apart_names_the_hosts_apart_from_the_directory_most_declared_hosts_see():
     hosts = [Host(name=n, rank=i, address=f"10.0.0.{i}", shared_fs=n != "h4") for i, n in enumerate(["h1", "h2", "h3", "h4"])]
-    assert checkpoints.declared_apart(hosts, {"h1": ("h1", "h2"), "h2": ("h1", "h2")}) == ["h3"]
-    assert checkpoints.declared_apart(hosts, {n: ("h1", "h2", "h3", "h4") for n in ("h1", "h2", "h3", "h4")}) == []
-    assert checkpoints.declared_apart(hosts[:1] + hosts[3:], {}) == []  # one declared host asserts nothing
+    assert checkpoints.declared_apart(hosts, {"h1": ("h1", "h2"), "h2": ("h1", "h2")}) == ("h1", ["h3"])
+    assert checkpoints.declared_apart(hosts, {n: ("h1", "h2", "h3", "h4") for n in ("h1", "h2", "h3", "h4")}) == ("h1", [])
+    assert checkpoints.declared_apart(hosts[:1] + hosts[3:], {}) == (None, [])  # one declared host asserts nothing
+    assert checkpoints.declared_apart(hosts, {}) == ("h1", ["h2", "h3"])  # all apart: the first is the reference
+    # h1 alone, h2 and h3 together: the odd one is named, not the two that agree
+    together = {"h2": ("h2", "h3"), "h3": ("h2", "h3")}
+    assert checkpoints.declared_apart(hosts, together) == ("h2", ["h1"])
+    # h1's mark could not be left: its failure is said, nobody is blamed for not seeing it
+    assert checkpoints.declared_apart(hosts, together, {"h1": "Permission denied"}) == ("h2", [])
+
+
+def hf(*names: str, files=("trainer_state.json", "model.safetensors")):
+    return listing(**{name: list(files) for name in names})
+
+
+class Clock:
+    """A clock that moves only when slept on, and the sleeps asked for."""
+
+    def __init__(self):
+        self.now, self.slept = 100.0, []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_a_host_of_a_shared_directory_that_does_not_list_the_newest_checkpoint_yet_is_listed_again_until_it_does():
+    """Right after a crash, h2's NFS client still serves h2 the directory as it was before checkpoint-20."""
+    first = {"h1": hf("checkpoint-10", "checkpoint-20"), "h2": hf("checkpoint-10"), "h3": hf("checkpoint-10", "checkpoint-20")}
+    dirs = {"h1": ("h1", "h2"), "h3": ("h3",)}
+    answers = [{"h2": hf("checkpoint-10")}, {"h2": hf("checkpoint-10", "checkpoint-20")}]
+    asked, clock = [], Clock()
+
+    def relist(names):
+        asked.append(names)
+        return answers.pop(0)
+
+    assert checkpoints.lagging(checkpoints.choose(HF, first), dirs) == ["h2"]
+    choice, listings = checkpoints.settle(HF, first, dirs, relist, sleep=clock.sleep, clock=lambda: clock.now)
+    assert choice.name == "checkpoint-20" and checkpoints.unseen(choice, dirs) == []
+    assert asked == [["h2"], ["h2"]] and clock.slept == [1.0, 1.0]  # only the lagging host, once a second
+    assert listings["h2"] == first["h1"]
+
+
+def test_a_shared_directory_listed_differently_for_ten_seconds_is_refused_and_private_directories_are_never_listed_again():
+    first = {"h1": hf("checkpoint-20"), "h2": hf("checkpoint-20", files=("trainer_state.json",))}
+    clock = Clock()
+    relisted = []
+    choice, _ = checkpoints.settle(HF, first, {"h1": ("h1", "h2")}, lambda names: relisted.append(names) or {"h2": first["h2"]},
+                                   sleep=clock.sleep, clock=lambda: clock.now)
+    assert len(relisted) == checkpoints.SHARED_WAIT and clock.now == 100.0 + checkpoints.SHARED_WAIT
+    assert checkpoints.unseen(choice, {"h1": ("h1", "h2")}) == \
+        ["h2 shares h1's directory but lacks 1 file(s), e.g. checkpoint-20/model.safetensors"]
+    # each host its own directory: a checkpoint spread over them is what copying is for, nothing to wait for
+    spread = checkpoints.settle(HF, first, {"h1": ("h1",), "h2": ("h2",)}, lambda names: pytest.fail("listed again"),
+                                sleep=lambda s: pytest.fail("waited"))[0]
+    assert spread.name == "checkpoint-20"
 
 
 def local_hosts(*names: str, **settings) -> Inventory:
@@ -276,11 +332,32 @@ def test_prepare_on_one_directory_for_every_host_copies_and_hashes_nothing(tmp_p
     assert found.note == "one directory for h1, h2, h3: read once, nothing copied"
 
 
-def test_a_declared_shared_fs_the_marks_contradict_stops_the_resume_naming_the_hosts(tmp_path):
-    shared = hf_checkpoint(tmp_path / "home" / "ckpt", "trainer_state.json")
-    own = hf_checkpoint(tmp_path / "h3" / "ckpt", "trainer_state.json")
-    with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet, pytest.raises(checkpoints.CheckpointError) as err:
-        checkpoints.prepare(fleet, HF, {"h1": str(shared), "h2": str(shared), "h3": str(own)}, Console(file=None, quiet=True))
-    assert str(err.value) == (f"h3 declared shared_fs, but the checkpoints directory {own} there is not the one h1 sees: "
-                              "mount the shared filesystem on h3 (or remove shared_fs from the inventory)")
-    assert sorted(p.name for p in (own / "checkpoint-10").iterdir()) == ["trainer_state.json"]  # nothing changed
+def test_declared_shared_fs_on_private_checkpoint_directories_resumes_as_found_with_a_warning(tmp_path):
+    """A lab whose data mount is shared and whose homes are private, shared_fs: true in the inventory: the marks
+    say each host has its own checkpoints directory, and detection decides (it used to refuse every resume)."""
+    dirs = {"h1": hf_checkpoint(tmp_path / "h1", "trainer_state.json"), "h2": hf_checkpoint(tmp_path / "h2", "rng_state_1.pth"),
+            "h3": hf_checkpoint(tmp_path / "h3", "rng_state_2.pth")}
+    out = io.StringIO()
+    with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
+        found = checkpoints.prepare(fleet, HF, {n: str(d) for n, d in dirs.items()}, Console(file=out, width=400))
+    assert found.name == "checkpoint-10" and found.shared == [] and found.copied == {"h1": 2, "h2": 2, "h3": 2}
+    assert found.warnings == [f"h2, h3 declared shared_fs, but the checkpoints directory {dirs['h2']} there is not the one h1 sees: "
+                              "resumed as found, directories of their own (a mount missing there? `invoke check` verifies shared_fs)"]
+    assert f"warning: {found.warnings[0]}" in out.getvalue()
+    for root in dirs.values():
+        assert sorted(p.name for p in (root / "checkpoint-10").iterdir()) == ["rng_state_1.pth", "rng_state_2.pth", "trainer_state.json"]
+
+
+def test_a_host_whose_mark_failed_is_said_to_and_read_as_its_own_directory_and_nobody_else_is_blamed(tmp_path):
+    """h1's mark cannot be left (a .mnft-share writable by others is never used); h2 and h3 see one directory,
+    all three declared shared_fs. Before, h2 and h3 were blamed for not seeing h1's directory and the resume stopped."""
+    (tmp_path / "h1").mkdir()
+    (tmp_path / "h1" / treehash.SHARE_DIR).mkdir(mode=0o777)
+    os.chmod(tmp_path / "h1" / treehash.SHARE_DIR, 0o777)
+    own = hf_checkpoint(tmp_path / "h1" / "ckpt", "trainer_state.json")
+    shared = hf_checkpoint(tmp_path / "home" / "ckpt", "rng_state_1.pth", "rng_state_2.pth")
+    with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
+        found = checkpoints.prepare(fleet, HF, {"h1": str(own), "h2": str(shared), "h3": str(shared)}, Console(file=None, quiet=True))
+    assert found.warnings == [f"h1: no mark could be left for the checkpoints directory {own} ({tmp_path / 'h1' / treehash.SHARE_DIR} is "
+                              "another user's or writable by others: not used (remove it)): it is read as a directory of its own"]
+    assert found.name == "checkpoint-10" and found.shared == [["h2", "h3"]] and found.copied == {"h1": 2, "h2": 1}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from mnft.sync import mirror, treehash
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def test_groups_are_the_hosts_that_see_each_others_marks_taken_both_ways():
@@ -53,9 +56,25 @@ def test_a_target_that_is_a_mount_of_its_own_is_marked_inside_and_its_marks_are_
 
 def test_mount_points_are_read_with_their_escapes_undone():
     info = ("22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
-            "95 22 0:50 /export/data /srv/lab\\040data rw,relatime - nfs4 fs:/export rw,vers=4.2\n")
-    assert treehash._mount_points(info) == {"/", "/srv/lab data"}
-    assert "/" in treehash._mount_points() or not Path("/proc/self/mountinfo").exists()  # this machine's
+            "95 22 0:50 /export/data /srv/lab\\040data rw,relatime - nfs4 fs:/export rw,vers=4.2\n"
+            "96 22 0:51 / /srv/a\\011b\\134c rw - tmpfs tmpfs rw\n")
+    assert treehash._mount_points(info) == {"/", "/srv/lab data", "/srv/a\tb\\c"}
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a bind mount in a mount namespace of its own needs root")
+def test_a_bind_mount_whose_name_needs_escapes_is_found_in_this_machines_mountinfo(tmp_path):
+    """A bind mount within one filesystem (os.path.ismount misses it) named with a space and a tab, made in a
+    mount namespace of its own (nothing of it outlives the test): the real /proc/self/mountinfo, read back."""
+    source, target = tmp_path / "export", tmp_path / "lab data\tset"
+    source.mkdir()
+    target.mkdir()
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from mnft.sync import treehash; "
+             "print(sys.argv[2] in treehash._mount_points(), sys.argv[3] in treehash._mount_points())")
+    done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && exec "$3" -c "$4" "$5" "$2" "$1"',
+                           "sh", str(source), str(target), sys.executable, probe, str(REPO)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]  # the mount point, not the directory it shows
+    assert str(target) not in treehash._mount_points()  # this namespace never saw it
 
 
 @pytest.mark.parametrize("target", ["/etc/mnft", "/mnft"])
@@ -133,9 +152,55 @@ def test_shared_fs_declared_and_found_are_compared():
     assert [(p.host, p.severity) for p in problems] == [("h2", "error"), ("h1", "warning")]
 
 
-# ------------------------------------------------------------------------------------------------ train and data on shared storage
+def test_check_holds_declared_hosts_to_the_workdir_most_of_them_see_and_says_when_a_mark_could_not_be_left():
+    from mnft.check.rules import shared_fs_problems
+    from mnft.hosts.settings import Host
 
-REPO = Path(__file__).resolve().parent.parent
+    hosts = [Host(name=n, rank=i, address=f"10.0.0.{i}", shared_fs=True) for i, n in enumerate(["h1", "h2", "h3"])]
+    found = {"h2": ("h2", "h3"), "h3": ("h2", "h3")}
+    assert [(p.host, p.message, p.severity) for p in shared_fs_problems(hosts, found)] == \
+        [("h1", "declared shared_fs, but its workdir is not the one h2 sees", "error")]  # the odd one, not the two that agree
+    # h1's mark failed: h1 sees nobody's, and nobody sees its own; that is said, and nobody is blamed
+    assert [(p.host, p.message, p.severity) for p in shared_fs_problems(hosts, found, {"h1": "Read-only file system"})] == \
+        [("h1", "declared shared_fs, not verified: no mark could be left beside its workdir (Read-only file system)", "warning")]
+
+
+def data_tree(name: str) -> tuple:
+    from mnft.hosts.fleet import HostResult, Status
+
+    return HostResult(name, Status.OK), mirror.RemoteTree("/lab/data", "/root", False, None, {}, rsync="3.2.7")
+
+
+def test_sync_data_holds_the_declared_hosts_and_those_found_sharing_with_them_to_one_copy():
+    """shared_fs asserts that the declared hosts' data_dir is one directory: h3's mount is missing (the marks found
+    only h1 and h2 together), so h3 verifies the one copy and fails, instead of a private copy on the disk under
+    its mount point. h4 is not declared: detection alone decides for it, and for the code."""
+    from mnft.hosts.inventory import parse
+    from mnft.sync import rsync, source
+
+    order = ["h1", "h2", "h3", "h4", "h5"]
+    found = {"h1": ("h1", "h2"), "h2": ("h1", "h2"), "h4": ("h4", "h5"), "h5": ("h4", "h5")}
+    joined = mirror.declared_group(order, found, ["h1", "h3"])
+    assert joined == {**{n: ("h1", "h2", "h3") for n in ("h1", "h2", "h3")}, "h4": ("h4", "h5"), "h5": ("h4", "h5")}
+    assert mirror.declared_group(order, {}, ["h2", "h3"]) == {"h2": ("h2", "h3"), "h3": ("h2", "h3")}  # nothing found
+    assert mirror.declared_group(order, found, ["h3"]) == found  # one declared host asserts nothing
+
+    inv = parse("hosts:\n" + "".join(f"  {n}: {{address: 10.0.0.{i}, data_dir: /lab/data, shared_fs: {str(n != 'h4').lower()}}}\n"
+                                     for i, n in enumerate(["h1", "h2", "h3", "h4"], 1)))
+    files = {"d.bin": (5, "e" * 64)}
+    local = source.LocalTree(Path("/data"), (), treehash.digest_of(files), files, None)
+    remote = {n: data_tree(n) for n in ("h1", "h2", "h3", "h4")}
+    ssh = rsync.SshSettings(("/nonexistent/known_hosts",))
+    shared = {"h1": ("h1", "h2"), "h2": ("h1", "h2")}
+
+    def actions(kind: str) -> list[str]:
+        return [p.action for p in mirror.plan(inv, local, remote, kind=kind, rules_file="/tmp/x", ssh=ssh, shared=shared)]
+
+    assert actions("data") == ["rsync", "verify", "verify", "rsync"]
+    assert actions("code") == ["rsync", "verify", "rsync", "rsync"]  # the code: what was found, declared or not
+
+
+# ------------------------------------------------------------------------------------------------ train and data on shared storage
 
 
 def mnft_cli(tmp_path, *args: str, cwd=None, timeout: float = 240):

@@ -185,20 +185,30 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
     return problems
 
 
-def shared_fs_problems(hosts: list[Host], shared: dict[str, tuple[str, ...]]) -> list[Problem]:
-    """The inventory's shared_fs is an assertion, checked against what was found: hosts declared shared whose
-    workdirs are not one directory fail (a mount missing on one of them); hosts that share without saying so
-    get a note (mnft copes: sync writes once, each host's run files have their own names)."""
-    declared = [h.name for h in hosts if h.shared_fs]
-    problems = []
+def shared_fs_problems(hosts: list[Host], shared: dict[str, tuple[str, ...]], unmarked: dict[str, str] | None = None) -> list[Problem]:
+    """The inventory's shared_fs asserts that the declared hosts' workdirs (and data_dirs) are one directory; check
+    holds the workdir to what was found. Declared hosts whose workdir is not the one most declared hosts see
+    fail (a mount missing on them); a host whose mark could not be left (unmarked: host -> why) gets a warning
+    saying so, and nobody is blamed for not seeing its directory; hosts that share without saying so get a warning (mnft
+    copes: sync writes once, each host's run files have their own names)."""
+    unmarked = unmarked or {}
+    asserted = {h.name for h in hosts if h.shared_fs}
+    problems = [Problem(name, "shared_fs", f"declared shared_fs, not verified: no mark could be left beside its workdir ({why})",
+                        "make the workdir's parent directory writable for the SSH user (the marks go into .mnft-share/ there)", "warning")
+                for name, why in unmarked.items() if name in asserted]
+    declared = [h.name for h in hosts if h.shared_fs and h.name not in unmarked]
     if len(declared) > 1:
-        with_first = set(shared.get(declared[0], (declared[0],)))
-        for name in declared[1:]:
-            if name not in with_first:
-                problems.append(Problem(name, "shared_fs", f"declared shared_fs, but its workdir is not the one {declared[0]} sees",
+        def seen_with(name: str) -> set[str]:
+            return set(shared.get(name, ())) | {name}
+
+        reference = max(declared, key=lambda name: (len(seen_with(name) & set(declared)), -declared.index(name)))
+        for name in declared:
+            if name not in seen_with(reference):
+                problems.append(Problem(name, "shared_fs", f"declared shared_fs, but its workdir is not the one {reference} sees",
                                         f"mount the shared filesystem on {name} (or remove shared_fs from the inventory)"))
     for name, group in sorted(shared.items()):
-        if name == group[0] and not all(n in declared for n in group):
+        if name == group[0] and not all(n in asserted for n in group):
             problems.append(Problem(name, "shared_fs", f"{', '.join(group)} see one workdir (a shared filesystem) without shared_fs in the inventory",
-                                    "nothing to do: mnft found it (set shared_fs: true to have check verify it)", "warning"))
+                                    "nothing to do: mnft found it (shared_fs: true asserts that the workdir and the data_dir are shared, "
+                                    "for check and sync --data to verify: docs/inventory.md)", "warning"))
     return problems

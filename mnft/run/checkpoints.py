@@ -10,9 +10,12 @@ name that differ between hosts are refused: mnft would not know which is right.
 
 Hosts that see one checkpoints directory (a shared home, an NFS mount: found by sync's marks, never assumed) are
 one copy: the checkpoint is hashed and verified once per directory, copied only to directories that lack it, never
-from a directory onto itself; when every host sees one directory nothing is hashed or copied. Each host's
-listing must show what its directory's first host lists, and hosts the inventory declares shared_fs must be found
-sharing one (else an error naming them, as check says).
+from a directory onto itself; when every host sees one directory nothing is hashed or copied. The hosts of a
+shared directory must list the same files of the checkpoint: those that differ are listed again for SHARED_WAIT
+seconds (an NFS client serves a directory from its attribute cache for a while), then the resume is refused
+naming them. Detection decides: a host whose mark could not be left is read as a directory of its own and said
+so, and hosts the inventory declares shared_fs whose directories were found apart get a warning, never a refusal
+(shared_fs asserts that the workdir and data_dir are shared: docs/inventory.md).
 
 Layouts (the job's resume.layout): hf `checkpoint-N` holding trainer_state.json (written last); torchtune
 `epoch_N` (else `step_N`) holding recipe_state.pt (main), or, as the released 0.6.1 writes it, `epoch_N/` with
@@ -29,21 +32,25 @@ import fnmatch
 import json
 import os
 import re
+import secrets
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rich.console import Console
 from rich.text import Text
 
 from mnft.core.errors import ExitCode, MnftError
 from mnft.hosts import pyrun
-from mnft.hosts.fleet import Fleet, Status
+from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
 from mnft.run.job import ResumeRule
-from mnft.sync.mirror import detect_shared, hash_command, hash_stdin
+from mnft.sync import treehash
+from mnft.sync.mirror import HASH_TIMEOUT, hash_command, hash_stdin, shared_groups
 from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
+from mnft.sync.targets import normalize_target
 
 LAYOUT_RULES = {
     "hf": (re.compile(r"^checkpoint-(\d+)$"), "trainer_state.json"),
@@ -54,6 +61,8 @@ TORCHTUNE_STATE_DIR, TORCHTUNE_STATE = "recipe_state", "recipe_state.pt"  # torc
 MNFT_STEP = re.compile(r"^step-(\d+)$")
 # which ranks' parts of a step an mnft recipe needs to resume (mnft/recipes/checkpointing.py says the same)
 RECIPE_NEEDS = {"lora": "any", "full": "all"}
+# seconds the hosts of a shared directory may list it differently (an NFS client's attribute cache), as provision waits
+SHARED_WAIT, RELIST_EVERY = 10.0, 1.0
 
 
 class CheckpointError(MnftError):
@@ -79,9 +88,11 @@ class Found:
     bytes_copied: int = 0
     note: str = ""
     shared: list[list[str]] = field(default_factory=list)  # the hosts of each checkpoints directory seen by more than one
+    warnings: list[str] = field(default_factory=list)  # marks that could not be left; declared shared_fs found apart
 
     def to_record(self) -> dict[str, Any]:
-        return {"name": self.name, "copied": self.copied, "bytes_copied": self.bytes_copied, "note": self.note, "shared": self.shared}
+        return {"name": self.name, "copied": self.copied, "bytes_copied": self.bytes_copied, "note": self.note, "shared": self.shared,
+                "warnings": self.warnings}
 
 
 # ------------------------------------------------------------------------------------------------ choose (pure)
@@ -253,12 +264,20 @@ def directories(order: Sequence[str], groups: Mapping[str, Sequence[str]]) -> di
     return out
 
 
-def declared_apart(hosts: Sequence[Host], groups: Mapping[str, Sequence[str]]) -> list[str]:
-    """Hosts the inventory declares shared_fs whose checkpoints directory is not the one the first declared host
-    sees (shared_fs is an assertion, held to what was found, as check holds it for the workdir)."""
-    declared = [h.name for h in hosts if h.shared_fs]
-    with_first = set(groups.get(declared[0], ())) if declared else set()
-    return [name for name in declared[1:] if name not in with_first]
+def declared_apart(hosts: Sequence[Host], groups: Mapping[str, Sequence[str]],
+                   unmarked: Mapping[str, str] | None = None) -> tuple[str | None, list[str]]:
+    """Hosts the inventory declares shared_fs whose checkpoints directory is not the one most declared hosts see,
+    and the first host of that directory (ties: inventory order). A host whose mark could not be left is neither
+    blamed nor taken as the reference: its own failure is said instead."""
+    declared = [h.name for h in hosts if h.shared_fs and h.name not in (unmarked or {})]
+    if len(declared) < 2:  # one declared host asserts nothing
+        return None, []
+
+    def seen_with(name: str) -> set[str]:
+        return set(groups.get(name, ())) | {name}
+
+    reference = max(declared, key=lambda name: (len(seen_with(name) & set(declared)), -declared.index(name)))
+    return reference, [name for name in declared if name not in seen_with(reference)]
 
 
 def unseen(choice: Choice, dirs: Mapping[str, Sequence[str]]) -> list[str]:
@@ -274,6 +293,32 @@ def unseen(choice: Choice, dirs: Mapping[str, Sequence[str]]) -> list[str]:
                 out.append(f"{name} shares {first}'s directory but " + " and ".join(
                     f"{what} {len(paths)} file(s), e.g. {paths[0]}" for what, paths in (("lacks", lacks), ("holds another", extra)) if paths))
     return out
+
+
+def lagging(choice: Choice, dirs: Mapping[str, Sequence[str]]) -> list[str]:
+    """The hosts of shared directories that lack a file of the checkpoint another host of their directory lists:
+    their listing may be an NFS client's cached one, older than the newest save."""
+    out = []
+    for members in (m for m in dirs.values() if len(m) > 1):
+        listed = set().union(*(choice.held.get(name, {}) for name in members))
+        out += [name for name in members if set(choice.held.get(name, {})) != listed]
+    return out
+
+
+def settle(rule: ResumeRule, listings: Mapping[str, dict], dirs: Mapping[str, Sequence[str]], relist: Callable[[list[str]], dict[str, dict]],
+           needs: str = "all", *, wait: float = SHARED_WAIT, sleep: Callable[[float], None] = time.sleep,
+           clock: Callable[[], float] = time.monotonic) -> tuple[Choice, dict[str, dict]]:
+    """The choice, once the hosts of each shared directory list the same files of it: the lagging hosts are
+    listed again (relist: names -> their listings), every RELIST_EVERY seconds for `wait` seconds at most, and
+    the checkpoint chosen again from what they list then. Returns the choice and the listings it was made from."""
+    listings = dict(listings)
+    choice = choose(rule, listings, needs)
+    deadline = clock() + wait
+    while choice.name is not None and (behind := lagging(choice, dirs)) and clock() < deadline:
+        sleep(RELIST_EVERY)
+        listings.update(relist(behind))
+        choice = choose(rule, listings, needs)
+    return choice, listings
 
 
 def transfers(choice: Choice, groups: Mapping[str, Sequence[str]] | None = None) -> dict[str, dict[str, str]]:
@@ -399,33 +444,63 @@ def _rsync_base(host: Host, ssh, listing: Path) -> list[str]:
     return argv
 
 
-def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Console, needs: str = "all") -> Found:
+def detect(fleet: Fleet, hosts: list[Host], dirs: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Which hosts see one checkpoints directory (sync's marks: each host leaves one, then says whose it sees), and
+    the hosts whose mark could not be left, with why (they see nobody's own: taken as directories of their own)."""
+    nonce = secrets.token_hex(8)
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(dirs[h.name]), "--mark", f"{nonce}.{h.name}", "--only", site=False),
+                        stdin=pyrun.payload(treehash.source()), hosts=hosts, timeout=HASH_TIMEOUT)
+    unmarked = {r.host: why for r in results if (why := _mark_refused(r))}
+    return shared_groups(fleet, [h for h in hosts if results[h.name].ok], dirs, nonce), unmarked
+
+
+def _mark_refused(result: HostResult) -> str | None:
+    """Why a host left no mark (the mark probe answers {"marked": null} or {"marked": "why not"}), or None."""
+    if not result.ok:
+        return f"{result.status.value}: {result.error or result.tail(1) or 'no answer'}"
+    try:
+        why = json.loads(result.stdout.strip().splitlines()[-1])["marked"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return "the mark probe printed no answer"
+    return str(why) if why else None
+
+
+def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Console, needs: str = "all", *,
+            sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Found:
     """Find the job's latest complete checkpoint and make it the same in every checkpoints directory, reading and
-    verifying a directory that several hosts see once."""
+    verifying a directory that several hosts see once. sleep, clock: for the re-listing of a shared directory."""
     hosts = [fleet.inventory.host(name) for name in dirs]
-    groups = detect_shared(fleet, hosts, dirs) if len(hosts) > 1 else {}
-    apart = declared_apart(hosts, groups)
+    groups, unmarked = detect(fleet, hosts, dirs) if len(hosts) > 1 else ({}, {})
+    warnings = [f"{name}: no mark could be left for the checkpoints directory {dirs[name]} ({why}): it is read as a directory of its own"
+                for name, why in unmarked.items()]
+    reference, apart = declared_apart(hosts, groups, unmarked)
     if apart:
-        first = next(h.name for h in hosts if h.shared_fs)
-        raise CheckpointError(f"{', '.join(apart)} declared shared_fs, but the checkpoints directory {dirs[apart[0]]} there is not the one {first} "
-                              f"sees: mount the shared filesystem on {', '.join(apart)} (or remove shared_fs from the inventory)")
-    listings = _agent_json(fleet, hosts, lambda h: ("checkpoints", dirs[h.name]))
-    choice = choose(rule, listings, needs)
+        warnings.append(f"{', '.join(apart)} declared shared_fs, but the checkpoints directory {dirs[apart[0]]} there is not the one {reference} "
+                        f"sees: resumed as found, {'a directory' if len(apart) == 1 else 'directories'} of {'its' if len(apart) == 1 else 'their'} "
+                        "own (a mount missing there? `invoke check` verifies shared_fs)")
+    for warning in warnings:
+        console.print(Text(f"warning: {warning}", style="yellow"))
     places = directories([h.name for h in hosts], groups)
     shared = [list(members) for members in places.values() if len(members) > 1]
+
+    def relist(names: list[str]) -> dict[str, dict]:
+        return _agent_json(fleet, [fleet.inventory.host(n) for n in names], lambda h: ("checkpoints", dirs[h.name]))
+
+    choice, _ = settle(rule, relist([h.name for h in hosts]), places, relist, needs, sleep=sleep, clock=clock)
     if choice.name is None:
         note = (f"no complete checkpoint ({rule.layout}) in {', '.join(sorted(set(dirs.values())))}"
                 + (f" (incomplete: {', '.join(choice.considered[:5])})" if choice.considered else "") + ": the run starts fresh")
         console.print(Text(f"{note}", style="yellow"))
-        return Found(None, note=note, shared=shared)
+        return Found(None, note=note, shared=shared, warnings=warnings)
     mismatch = unseen(choice, places)
     if mismatch:
-        raise CheckpointError(f"checkpoint {choice.name} cannot be read as one copy: {'; '.join(mismatch[:3])}: is the shared filesystem mounted on every host?")
+        raise CheckpointError(f"checkpoint {choice.name} cannot be read as one copy: {'; '.join(mismatch[:3])} (listed again for "
+                              f"{SHARED_WAIT:g} s): is the shared filesystem mounted on every host?")
     sharing = "; ".join(f"{', '.join(members)} share one directory" for members in shared)
     if len(places) == 1:  # one directory: nothing to compare, nothing to copy
         note = f"one directory for {', '.join(places[hosts[0].name])}: read once, nothing copied" if len(hosts) > 1 else "one host"
         console.print(f"resuming from {choice.name} ({note})", highlight=False)
-        return Found(choice.name, note=note, shared=shared)
+        return Found(choice.name, note=note, shared=shared, warnings=warnings)
     firsts = [fleet.inventory.host(name) for name in places]
     trees = _hash_trees(fleet, firsts, dirs, choice.paths, choice.exclude)
     clash = conflicts(trees)
@@ -445,4 +520,4 @@ def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Conso
         or "every directory held all of it"
     verified = f"verified in {len(places)} directories ({sharing})" if sharing else f"verified on {len(hosts)} hosts"
     console.print(f"resuming from {choice.name}: {shown}; {verified}", highlight=False)
-    return Found(choice.name, copied, total, note=f"{shown}; {verified}", shared=shared)
+    return Found(choice.name, copied, total, note=f"{shown}; {verified}", shared=shared, warnings=warnings)

@@ -266,6 +266,16 @@ def groups_of(order: Sequence[str], sees: Mapping[str, set[str]]) -> dict[str, t
 # ------------------------------------------------------------------------------------------------ plan (pure)
 
 
+def declared_group(order: Sequence[str], groups: Mapping[str, tuple[str, ...]], declared: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The groups found, with the hosts declared shared_fs and every host found sharing with one of them joined
+    into one group (in `order`): what the inventory asserts is held to one copy, and verified."""
+    if len(declared) < 2:
+        return dict(groups)
+    members = set(declared).union(*(groups.get(name, ()) for name in declared))
+    joined = tuple(name for name in order if name in members)
+    return {**groups, **{name: joined for name in joined}}
+
+
 def difference(local: Mapping[str, tuple[int, str]], remote: Mapping[str, tuple[int, str]]) -> Difference:
     send = tuple(sorted(p for p, v in local.items() if tuple(remote.get(p) or ()) != tuple(v)))
     delete = tuple(sorted(p for p in remote if p not in local))
@@ -287,15 +297,15 @@ def plan(
     see the same directory (shared_groups) in; actions out.
 
     Hosts that see one directory get one copy: a host of the group that already holds it, else the first readable
-    one with rsync writes it; the others only verify they see it. For data without detected groups, the hosts the
-    inventory marks shared_fs are taken as one group.
+    one with rsync writes it; the others only verify they see it. For data, the hosts the inventory declares
+    shared_fs (an assertion that their data_dir is one directory) are one group with the hosts found sharing
+    theirs: a declared host whose mount is missing fails its verification instead of getting a private copy.
     """
     plans = []
     writers: dict[str, str | None] = {}
     groups = dict(shared or {})
-    if kind == "data" and not groups:
-        declared = tuple(h.name for h in inventory.hosts if h.shared_fs)
-        groups = {name: declared for name in declared} if len(declared) > 1 else {}
+    if kind == "data":
+        groups = declared_group([h.name for h in inventory.hosts], groups, [h.name for h in inventory.hosts if h.shared_fs])
     for members in set(groups.values()):
         trees = [(name, remote.get(name, (None, None))[1]) for name in members]
         readable = [(name, tree) for name, tree in trees if tree is not None and not remote_refusal(tree.root, tree.home, tree.refused)]
