@@ -359,5 +359,16 @@ def test_a_host_whose_mark_failed_is_said_to_and_read_as_its_own_directory_and_n
     with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
         found = checkpoints.prepare(fleet, HF, {"h1": str(own), "h2": str(shared), "h3": str(shared)}, Console(file=None, quiet=True))
     assert found.warnings == [f"h1: no mark could be left for the checkpoints directory {own} ({tmp_path / 'h1' / treehash.SHARE_DIR} is "
-                              "another user's or writable by others: not used (remove it)): it is read as a directory of its own"]
+                              "another user's or writable by others: not used (remove it)): read as a directory of its own"]
     assert found.name == "checkpoint-10" and found.shared == [["h2", "h3"]] and found.copied == {"h1": 2, "h2": 1}
+
+
+def test_a_host_whose_mark_failed_but_that_sees_the_others_marks_is_read_with_them(tmp_path, monkeypatch):
+    shared = hf_checkpoint(tmp_path / "home" / "ckpt", "trainer_state.json")
+    together = {"h1": ("h1", "h2"), "h2": ("h1", "h2")}
+    monkeypatch.setattr(checkpoints, "detect", lambda fleet, hosts, dirs: (together, {"h1": "Read-only file system"}))
+    with Fleet(local_hosts("h1", "h2", shared_fs=True)) as fleet:
+        found = checkpoints.prepare(fleet, HF, {"h1": str(shared), "h2": str(shared)}, Console(file=None, quiet=True))
+    assert found.warnings == [f"h1: no mark could be left for the checkpoints directory {shared} (Read-only file system): "
+                              "read with h2, whose marks it sees"]
+    assert found.shared == [["h1", "h2"]] and found.copied == {}

@@ -446,7 +446,7 @@ def _rsync_base(host: Host, ssh, listing: Path) -> list[str]:
 
 def detect(fleet: Fleet, hosts: list[Host], dirs: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     """Which hosts see one checkpoints directory (sync's marks: each host leaves one, then says whose it sees), and
-    the hosts whose mark could not be left, with why (they see nobody's own: taken as directories of their own)."""
+    the hosts whose mark could not be left, with why (nobody sees theirs: they share only by the marks they see)."""
     nonce = secrets.token_hex(8)
     results = fleet.run(lambda h: pyrun.command(h, normalize_target(dirs[h.name]), "--mark", f"{nonce}.{h.name}", "--only", site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=hosts, timeout=HASH_TIMEOUT)
@@ -471,7 +471,8 @@ def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Conso
     verifying a directory that several hosts see once. sleep, clock: for the re-listing of a shared directory."""
     hosts = [fleet.inventory.host(name) for name in dirs]
     groups, unmarked = detect(fleet, hosts, dirs) if len(hosts) > 1 else ({}, {})
-    warnings = [f"{name}: no mark could be left for the checkpoints directory {dirs[name]} ({why}): it is read as a directory of its own"
+    warnings = [f"{name}: no mark could be left for the checkpoints directory {dirs[name]} ({why}): "
+                + (f"read with {', '.join(n for n in groups[name] if n != name)}, whose marks it sees" if name in groups else "read as a directory of its own")
                 for name, why in unmarked.items()]
     reference, apart = declared_apart(hosts, groups, unmarked)
     if apart:
