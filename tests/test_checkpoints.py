@@ -341,8 +341,8 @@ def test_declared_shared_fs_on_private_checkpoint_directories_resumes_as_found_w
     with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
         found = checkpoints.prepare(fleet, HF, {n: str(d) for n, d in dirs.items()}, Console(file=out, width=400))
     assert found.name == "checkpoint-10" and found.shared == [] and found.copied == {"h1": 2, "h2": 2, "h3": 2}
-    assert found.warnings == [f"h2, h3 declared shared_fs, but the checkpoints directory {dirs['h2']} there is not the one h1 sees: "
-                              "resumed as found, directories of their own (a mount missing there? `invoke check` verifies shared_fs)"]
+    assert found.warnings == [(f"h2, h3 declared shared_fs, but the checkpoints directory {dirs['h2']} there is not the one h1 sees: "
+                               "resumed as found, directories of their own (a mount missing there? `invoke check` verifies shared_fs)")]
     assert f"warning: {found.warnings[0]}" in out.getvalue()
     for root in dirs.values():
         assert sorted(p.name for p in (root / "checkpoint-10").iterdir()) == ["rng_state_1.pth", "rng_state_2.pth", "trainer_state.json"]
@@ -358,8 +358,8 @@ def test_a_host_whose_mark_failed_is_said_to_and_read_as_its_own_directory_and_n
     shared = hf_checkpoint(tmp_path / "home" / "ckpt", "rng_state_1.pth", "rng_state_2.pth")
     with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
         found = checkpoints.prepare(fleet, HF, {"h1": str(own), "h2": str(shared), "h3": str(shared)}, Console(file=None, quiet=True))
-    assert found.warnings == [f"h1: no mark could be left for the checkpoints directory {own} ({tmp_path / 'h1' / treehash.SHARE_DIR} is "
-                              "another user's or writable by others: not used (remove it)): read as a directory of its own"]
+    assert found.warnings == [(f"h1: no mark could be left for the checkpoints directory {own} ({tmp_path / 'h1' / treehash.SHARE_DIR} is "
+                               "another user's or writable by others: not used (remove it)): read as a directory of its own")]
     assert found.name == "checkpoint-10" and found.shared == [["h2", "h3"]] and found.copied == {"h1": 2, "h2": 1}
 
 
@@ -369,6 +369,6 @@ def test_a_host_whose_mark_failed_but_that_sees_the_others_marks_is_read_with_th
     monkeypatch.setattr(checkpoints, "detect", lambda fleet, hosts, dirs: (together, {"h1": "Read-only file system"}))
     with Fleet(local_hosts("h1", "h2", shared_fs=True)) as fleet:
         found = checkpoints.prepare(fleet, HF, {"h1": str(shared), "h2": str(shared)}, Console(file=None, quiet=True))
-    assert found.warnings == [f"h1: no mark could be left for the checkpoints directory {shared} (Read-only file system): "
-                              "read with h2, whose marks it sees"]
+    assert found.warnings == [(f"h1: no mark could be left for the checkpoints directory {shared} (Read-only file system): "
+                               "read with h2, whose marks it sees")]
     assert found.shared == [["h1", "h2"]] and found.copied == {}
