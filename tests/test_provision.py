@@ -268,6 +268,30 @@ def test_hosts_sharing_an_environment_but_not_a_platform_are_refused_naming_host
     assert "give them different 'venv' paths" in out["h1"].reason
 
 
+def test_a_dry_run_says_that_it_does_not_detect_shared_environments():
+    """A dry run leaves no mark, so it plans each host alone: where a real run would build once and verify, or
+    refuse hosts that share a directory but differ, it must not look like a promise."""
+    import io
+
+    from rich.console import Console
+
+    from mnft.env.report import SHARED_UNKNOWN, HostOutcome, ProvisionReport, print_report
+
+    inventory = parse("hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2}\n")
+
+    def printed(statuses: dict[str, str]) -> list[str]:
+        out = io.StringIO()
+        report = ProvisionReport(inventory, LOCK, "3.11", {n: HostOutcome(n, s) for n, s in statuses.items()}, dry_run=True)
+        print_report(report, as_json=False, out=Console(file=out, width=200, markup=False, highlight=False))
+        return out.getvalue().splitlines()
+
+    assert printed({"h1": "would-change", "h2": "ok"})[-2:] == [SHARED_UNKNOWN, "dry run: 1 host(s) would change; nothing was changed"]
+    assert SHARED_UNKNOWN == ("shared environments are not detected in a dry run: a real run may build once and verify, "
+                              "or refuse hosts that differ")
+    assert SHARED_UNKNOWN not in printed({"h1": "ok", "h2": "ok"})  # nothing to do: a real run would not look either
+    assert SHARED_UNKNOWN not in printed({"h1": "would-change"})  # one host shares with nobody
+
+
 def test_a_host_that_does_not_see_its_builders_environment_fails_and_a_failed_build_fails_its_group():
     from mnft.env.provision import _verify_shared
     from mnft.env.report import HostOutcome
@@ -448,3 +472,205 @@ def test_a_relayed_uv_that_is_not_the_controllers_is_removed_never_run(tmp_path)
     with pytest.raises(envhost.Failure, match="is not the controller's uv"):
         envhost.install(spec)
     assert not ran.exists() and not uv.exists()
+
+
+# ------------------------------------------------------------------------------------------------ the host script stopped
+
+
+ENVHOST = str(Path(__file__).resolve().parent.parent / "mnft" / "env" / "envhost.py")
+HANGING_UV = """#!/bin/sh
+# a stand-in for uv that never finishes on its own: it makes the new environment's directory (uv venv's last
+# argument), starts a child in its process group and waits
+for a; do last=$a; done
+mkdir -p "$last/bin"
+sleep 300 &
+echo "$$ $!" > {pids}
+wait
+"""
+STUBBORN_UV = """#!/bin/sh
+# as HANGING_UV, but its child ignores SIGTERM and it notes SIGTERM and waits on: only SIGKILL ends them
+for a; do last=$a; done
+mkdir -p "$last/bin"
+trap '' TERM
+sleep 300 &
+child=$!
+trap 'echo term >> {pids}.terms' TERM
+echo "$$ $child" > {pids}
+while kill -0 $child 2>/dev/null; do wait $child; done
+"""
+QUICK_UV = """#!/bin/sh
+if [ "$1" = venv ]; then for a; do last=$a; done; mkdir -p "$last/bin"; fi
+exit 0
+"""
+SIGNALLED_SWITCH = """import importlib.util, os, signal, sys
+spec = importlib.util.spec_from_file_location("envhost", sys.argv[1])
+envhost = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(envhost)
+switch = envhost._switch
+def signalled(link, target):  # SIGTERM and SIGHUP come while the links switch
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGHUP)
+    switch(link, target)
+envhost._switch = signalled
+sys.exit(envhost.main(sys.argv[2:]))
+"""
+STOPPED = "stopped by signal 15 before the switch: the previous environment stays"
+
+
+class HostScript:
+    """envhost's install in a process of its own, as on a host: a current environment `old` at tmp/env, a
+    stand-in uv in tmp/env.d/dist, the spec on stdin (kept open) for environment `new`."""
+
+    def __init__(self, tmp_path: Path, uv: str, watch: bool = False, wrapper: str | None = None) -> None:
+        import json
+
+        self.pids = tmp_path / "stand-in-uv.pids"
+        self.root = tmp_path / "env.d"
+        (self.root / "dist").mkdir(parents=True)
+        (self.root / "envs" / "old").mkdir(parents=True)
+        (self.root / "envs" / "old" / ".mnft-env.json").write_text("{}")
+        self.link = tmp_path / "env"
+        self.link.symlink_to(self.root / "envs" / "old")
+        binary = self.root / "dist" / "uv"
+        binary.write_text(uv.replace("{pids}", str(self.pids)))
+        binary.chmod(0o755)
+        spec = {"venv": str(self.link), "id": "new", "python": sys.executable, "wheels": [], "watch_stdin": watch}
+        argv = [sys.executable, "-c", wrapper, ENVHOST] if wrapper else [sys.executable, ENVHOST]
+        self.process = subprocess.Popen([*argv, "install", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, start_new_session=True)
+        self.process.stdin.write(json.dumps(spec).encode() + b"\n")
+        self.process.stdin.flush()
+
+    def installer_group(self) -> int:
+        """The installer's process group, once the stand-in uv runs (its leader: the stand-in's parent)."""
+        wait_for(lambda: self.pids.exists() and len(self.pids.read_text().split()) == 2, 30, "the stand-in uv did not start")
+        leader = int(self.pids.read_text().split()[0])
+        self.group = os.getpgid(leader)
+        assert self.group not in (self.process.pid, os.getpgid(0))
+        assert group_members(self.group)
+        return self.group
+
+    def kill(self) -> None:
+        """After the test, passed or failed: nothing of it left running (the script, its installer's group)."""
+        import signal
+
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if getattr(self, "group", None) and group_members(self.group):
+            os.killpg(self.group, signal.SIGKILL)
+
+    def end_stdin(self) -> None:
+        """What a controller gone looks like to the script: its stdin (the SSH channel) ends."""
+        self.process.stdin.close()
+        self.process.stdin = None
+
+    def reply(self) -> dict:
+        import json
+
+        out, err = self.process.communicate(timeout=60)
+        assert self.process.returncode == 0, err.decode()
+        return json.loads(out.decode().splitlines()[-1])
+
+    def envs(self) -> list[str]:
+        return sorted(os.listdir(self.root / "envs"))
+
+
+@pytest.fixture
+def host_script(tmp_path):
+    started: list[HostScript] = []
+
+    def start(uv: str, **kw) -> HostScript:
+        started.append(HostScript(tmp_path, uv, **kw))
+        return started[-1]
+
+    yield start
+    for host in started:
+        host.kill()
+
+
+def group_members(group: int) -> list[int]:
+    """The processes of a process group still running (a zombie is gone: it waits only to be reaped)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        try:
+            state, _, pgrp = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if state != "Z" and int(pgrp) == group:
+            members.append(int(entry))
+    return members
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} (waited {timeout:.0f} s)")
+        time.sleep(0.05)
+
+
+def test_the_end_of_stdin_ends_the_installers_group_and_removes_the_half_built_environment(host_script):
+    """The controller gone (its SSH channel, the script's stdin, ended) while uv runs."""
+    host = host_script(HANGING_UV, watch=True)
+    group = host.installer_group()
+    host.end_stdin()
+    assert host.reply() == {"ok": False, "error": "the controller's connection was lost before the switch: the previous environment stays"}
+    wait_for(lambda: not group_members(group), 10, "the installer's group still runs")
+    assert host.envs() == ["old"] and os.readlink(host.link) == str(host.root / "envs" / "old")
+
+
+def test_a_sigterm_during_the_install_ends_the_installers_whole_group_and_removes_the_half_built_environment(host_script):
+    import signal
+
+    host = host_script(HANGING_UV)
+    group = host.installer_group()
+    assert (host.root / "envs" / "new" / "bin").is_dir()
+    host.process.send_signal(signal.SIGTERM)
+    assert host.reply() == {"ok": False, "error": STOPPED}
+    wait_for(lambda: not group_members(group), 10, "the installer's group still runs")
+    assert host.envs() == ["old"] and os.readlink(host.link) == str(host.root / "envs" / "old")
+
+
+def test_a_second_signal_while_the_group_is_ended_does_not_cut_the_ending_short(host_script):
+    """The installer ignores SIGTERM; while the script waits out the grace before SIGKILL, SIGTERM and SIGHUP come
+    again: the group is still SIGKILLed and reaped before the half-built environment is removed (a signal used to
+    raise there: no SIGKILL, the environment removed under a running installer)."""
+    import signal
+
+    host = host_script(STUBBORN_UV)
+    group = host.installer_group()
+    host.process.send_signal(signal.SIGTERM)
+    terms = Path(f"{host.pids}.terms")
+    wait_for(terms.exists, 30, "the installer got no SIGTERM")  # the script is in the grace before SIGKILL
+    host.process.send_signal(signal.SIGTERM)
+    host.process.send_signal(signal.SIGHUP)
+    reply = host.reply()
+    assert group_members(group) == []  # no wait: the script answers once its installer's group is gone
+    assert reply == {"ok": False, "error": STOPPED}
+    assert host.envs() == ["old"] and os.readlink(host.link) == str(host.root / "envs" / "old")
+
+
+def test_a_signal_that_comes_during_the_switch_does_not_cost_its_success_reply(host_script):
+    """The host switched: the controller must hear so (a signal held over the switch used to kill the script as
+    soon as it was let through, before its reply: the host on the new environment, the controller recording a
+    failure)."""
+    host = host_script(QUICK_UV, wrapper=SIGNALLED_SWITCH)
+    reply = host.reply()
+    assert reply["ok"] is True and reply["env"] == str(host.root / "envs" / "new")
+    assert os.readlink(host.link) == str(host.root / "envs" / "new")
+    assert os.readlink(host.root / "previous") == str(host.root / "envs" / "old")
+    assert host.envs() == ["new", "old"]
+
+
+def test_a_sigkilled_host_script_leaves_no_installer_running(host_script):
+    """The script itself SIGKILLed (nothing of it runs on): the installer group's leader, a keeper holding a pipe
+    from the script, sees the pipe end and ends its group, SIGKILL for what ignores SIGTERM."""
+    host = host_script(STUBBORN_UV)
+    group = host.installer_group()
+    host.process.kill()
+    host.process.communicate(timeout=30)
+    wait_for(lambda: not group_members(group), 15, "the installer's group still runs after its script was SIGKILLed")
+    assert Path(f"{host.pids}.terms").exists()  # SIGTERM first, then SIGKILL

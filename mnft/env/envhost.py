@@ -17,11 +17,14 @@ Layout on the host, for a `venv` of ~/mnft-env:
     install SPEC_JSON                          build a new environment beside the current one, verify, switch
                                                (SPEC_JSON "-": the spec is the next line of stdin)
 
-The installer (uv) runs in its own session, its process group led by this script's child. While it runs the
-script watches stdin, which the controller keeps open: EOF there (the controller interrupted, killed, or its
-connection lost), a timeout, SIGTERM or SIGHUP end that group by its number, remove the half-built environment
-and leave the current one in place.
     rollback VENV                              switch back to the previous environment
+
+The installer (uv) runs in its own session, its process group led by this script's child (a keeper, KEEPER,
+that starts uv). While it runs the script watches stdin, which the controller keeps open: EOF there (the
+controller interrupted, killed, or its connection lost), a timeout, SIGTERM or SIGHUP end that group by its
+number, remove the half-built environment and leave the current one in place. SIGTERM and SIGHUP only note the
+signal (_on_signal): the build loop acts on it, so a cleanup or a switch under way is never cut short. When this
+script itself is SIGKILLed, the keeper sees the pipe from it end and ends its own group.
 """
 
 from __future__ import annotations
@@ -301,19 +304,27 @@ OUTPUT_KEPT = 65536  # bytes of the installer's output read back for the error m
 def _run(argv: list, env: dict, what: str, timeout: float, watch: bool = False) -> None:
     """Run one installer step (uv) in its own session, so in a process group it leads, its output in a file (no
     pipe to fill). While it runs, with `watch`, stdin is watched: EOF there means the controller is gone (killed,
-    interrupted, its connection dropped), and the step's whole group is ended; so it is on a timeout or a signal
-    to this script. The group is signalled by its number while its leader is this script's unreaped child (its
-    exit is looked at with WNOWAIT), so the number cannot belong to anything else; never a process found by name."""
+    interrupted, its connection dropped), and the step's whole group is ended; so it is on a timeout or a stop
+    signal to this script (noted by _on_signal, acted on here). The group is signalled by its number while its
+    leader is this script's unreaped child (its exit is looked at with WNOWAIT), so the number cannot belong to
+    anything else; never a process found by name. The leader is a keeper (KEEPER) holding the read end of a pipe
+    from this script: if this script is SIGKILLed, the pipe ends and the keeper ends the group itself."""
+    _check_stop()
     output = tempfile.TemporaryFile()
+    script_end = None
     try:
+        keeper, script_end = os.pipe()  # this script holds the write end (not inherited by anything it starts)
         try:
-            process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT, env=env,
-                                       start_new_session=True)
+            process = subprocess.Popen(_kept(argv, keeper), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                       env=env, start_new_session=True, pass_fds=(keeper,))
         except OSError as exc:
             raise Failure("%s: %s" % (what, exc.strerror or exc)) from None
+        finally:
+            os.close(keeper)
         try:
             deadline = time.monotonic() + timeout
             while not _exited(process.pid):
+                _check_stop()
                 if watch:
                     if _controller_gone(0.2):
                         raise Stopped(LOST)
@@ -321,7 +332,7 @@ def _run(argv: list, env: dict, what: str, timeout: float, watch: bool = False) 
                     time.sleep(0.2)
                 if time.monotonic() > deadline:
                     raise Failure("%s timed out after %ds" % (what, timeout))
-        finally:
+        finally:  # a stop signal now is only noted (_on_signal): the group is ended and reaped before anything else
             _end_group(process.pid)
             process.wait()
         if process.returncode != 0:
@@ -332,7 +343,38 @@ def _run(argv: list, env: dict, what: str, timeout: float, watch: bool = False) 
             detail = "; ".join(useful[-3:]) if useful else "exit %d" % process.returncode
             raise Failure("%s failed: %s" % (what, URL_CREDENTIALS.sub("***@", detail)))
     finally:
+        if script_end is not None:
+            os.close(script_end)
         output.close()
+
+
+# The installer group's leader: it starts the installer (argv[2:]) in its own group and waits for it, exiting as
+# it did (128+N for a signal N). Its SIGTERM handler does nothing (a handler, not SIG_IGN, which the installer
+# would inherit): the group's SIGTERM is the installer's to act on, and this script sees the leader exit when the
+# installer has. When the pipe from this script ends (argv[1]: this script gone, SIGKILLed), it ends its own
+# group: SIGTERM, then SIGKILL (itself included) after the grace. Standard library only, any Python >= 3.8.
+KEEPER = """import os,select,signal,subprocess,sys,time
+signal.signal(signal.SIGTERM,lambda s,f:None)
+script=int(sys.argv[1])
+try:
+    child=subprocess.Popen(sys.argv[2:])
+except OSError as e:
+    sys.stderr.write('%%s\\n'%%(e.strerror or e));sys.exit(127)
+while child.poll() is None:
+    if select.select([script],[],[],0.1)[0] and not os.read(script,1):
+        os.killpg(0,signal.SIGTERM);end=time.monotonic()+%r
+        while child.poll() is None and time.monotonic()<end:time.sleep(0.05)
+        os.killpg(0,signal.SIGKILL)
+sys.exit(child.returncode if child.returncode>=0 else 128-child.returncode)
+"""
+
+
+def _kept(argv: list, keeper: int) -> list:
+    """argv under the keeper, run by this script's own interpreter (isolated, no site: nothing but the standard
+    library); argv as it is when there is no known interpreter to run it."""
+    if not sys.executable:
+        return list(argv)
+    return [sys.executable, "-I", "-S", "-c", KEEPER % KILL_GRACE, str(keeper)] + list(argv)
 
 
 def _exited(pid: int) -> bool:
@@ -359,8 +401,21 @@ def _end_group(pgid: int) -> None:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
+_stop_signal = None  # the first stop signal this script got (_on_signal), acted on by the build loop
+
+
 def _on_signal(signum, frame) -> None:
-    raise Stopped("stopped by signal %d before the switch: the previous environment stays" % signum)
+    """Note a stop signal, nothing more: raising here could cut short the ending of the installer's group (its
+    SIGKILL, its reaping), the removal of the half-built environment or the switch. The build acts on it
+    (_check_stop); after the switch it changes nothing: the switch is done and its reply is sent."""
+    global _stop_signal
+    if _stop_signal is None:
+        _stop_signal = signum
+
+
+def _check_stop() -> None:
+    if _stop_signal is not None:
+        raise Stopped("stopped by signal %d before the switch: the previous environment stays" % _stop_signal)
 
 
 def _sha256(path: str) -> str:
@@ -371,11 +426,12 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def install(spec: dict, signals: bool = False) -> dict:
+def install(spec: dict) -> dict:
     """Build spec's environment in envs/ID beside the current one; verify its distributions; switch the link.
-    Any failure removes the new directory and leaves the link (the current environment) as it was. signals: this
-    script owns its process (main): SIGTERM and SIGHUP stop the build like a lost controller (_on_signal), and are
-    held while the links switch, so a switch is never cut in half nor its new environment removed."""
+    Any failure removes the new directory and leaves the link (the current environment) as it was. A stop signal
+    (noted by _on_signal when main installed it) stops the build like a lost controller until the links switch;
+    one that comes later changes nothing: the switch is never cut in half, its new environment never removed, and
+    the reply says it switched."""
     started = time.monotonic()
     venv = os.path.abspath(os.path.expanduser(spec["venv"]))
     root = root_of(spec["venv"])
@@ -442,8 +498,7 @@ def install(spec: dict, signals: bool = False) -> dict:
             os.fsync(f.fileno())
         if watch and _controller_gone(0):
             raise Stopped(LOST)
-        if signals:
-            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        _check_stop()  # the last look: a stop signal from here on is only noted
         if current and os.path.isdir(current):
             _switch(previous_link, current)
         _switch(venv, new)
@@ -456,14 +511,10 @@ def install(spec: dict, signals: bool = False) -> dict:
         raise
     finally:
         os.close(fd)
-    if signals:  # switched: what is left (pruning older environments) may be cut short by a signal at no loss
-        for sig in STOP_SIGNALS:
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     kept = {new}
     if os.path.lexists(previous_link):
         kept.add(os.path.realpath(previous_link))
-    removed = _prune(root, kept)
+    removed = [] if _stop_signal is not None else _prune(root, kept)  # stopped after the switch: the next run prunes
     return {"ok": True, "env": new, "previous": current, "removed": removed, "dists": found, "seconds": round(time.monotonic() - started, 3)}
 
 
@@ -545,7 +596,17 @@ def main(argv: list) -> int:
         elif mode == "install":  # the spec on stdin, after the script: never on a command line (it may hold a token)
             for sig in STOP_SIGNALS:
                 signal.signal(sig, _on_signal)
-            _emit(install(json.loads(sys.stdin.buffer.readline() if argv[1:] == ["-"] else argv[1]), signals=True))
+            try:
+                try:
+                    reply = install(json.loads(sys.stdin.buffer.readline() if argv[1:] == ["-"] else argv[1]))
+                except Failure as exc:
+                    reply = {"ok": False, "error": str(exc)}
+                except OSError as exc:
+                    reply = {"ok": False, "error": _oserror(exc)}
+                _emit(reply)
+            finally:  # only once the reply is out: a stop signal noted after the switch must not cost its reply
+                for sig in STOP_SIGNALS:
+                    signal.signal(sig, signal.SIG_DFL)
         else:
             _emit(rollback(argv[1]))
     except Failure as exc:

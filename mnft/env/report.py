@@ -78,6 +78,9 @@ class ProvisionReport:
         }
 
 
+SHARED_UNKNOWN = "shared environments are not detected in a dry run: a real run may build once and verify, or refuse hosts that differ"
+
+
 def print_table(title: str, hosts: Mapping[str, HostOutcome], report: ProvisionReport, out=None) -> None:
     """One row per host: status, Python, environment fingerprint, how it differs from the lock."""
     out = out or console()
@@ -110,7 +113,10 @@ def print_report(report: ProvisionReport, as_json: bool, out=None) -> None:
                 parts = [f"install {', '.join(c.install)}" if c.install else "", f"upgrade {', '.join(c.upgrade)}" if c.upgrade else "",
                          f"remove {', '.join(c.remove)}" if c.remove else ""]
                 out.print(plain(f"{name}: would build a new environment: " + ("; ".join(p for p in parts if p) or "rebuild (incomplete)")))
-        out.print(plain(f"dry run: {sum(o.status == 'would-change' for o in report.hosts.values())} host(s) would change; nothing was changed"))
+        would = sum(o.status == "would-change" for o in report.hosts.values())
+        if would and len(report.hosts) > 1:  # the marks that find a shared environment are left by a real run only
+            out.print(plain(SHARED_UNKNOWN, style="yellow"))
+        out.print(plain(f"dry run: {would} host(s) would change; nothing was changed"))
         return
     quiet = not report.rollback and report.changed == 0 and report.exit_code() == ExitCode.OK  # the "before" table said it all
     if not quiet:
