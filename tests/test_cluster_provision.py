@@ -112,6 +112,7 @@ def test_provision_from_nothing_then_drift_is_found_by_check_and_fixed_on_that_h
     assert table.returncode == 0, table.stderr
     assert "h2: would build a new environment: upgrade alpha 1.1 -> 1.0; remove gamma 0.3" in table.stdout
     assert "h1: would" not in table.stdout and "nothing was changed" in table.stdout
+    assert "shared environments are not detected in a dry run" in table.stdout  # it left no mark to find them
 
     code, report = provision_json(tmp_path, inventory, lock)
     assert code == 0, report
