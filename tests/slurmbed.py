@@ -12,8 +12,12 @@ namespace: run them inside a host, not in the controller's namespace.
 
 Facts that shaped the configuration (Slurm 22.05.8): slurmd always loads a cgroup plugin and its autodetection
 fails in a network namespace (`CgroupPlugin=cgroup/v1` with `ProctrackType=proctrack/linuxproc` and
-`TaskPlugin=task/none` works; no cgroup is created); a requeued job waits `cred_expire` (120 s by default, 20 s
-here) before it may start again; slurmctld checks that its own hostname is SlurmctldHost.
+`TaskPlugin=task/none` works; no cgroup is created); a requeued job waits `cred_expire` (120 s by default, 10 s
+here) before it may start again, and then for the backfill scheduler's next pass (every 30 s by default, every
+second here: nothing else starts a job that became eligible by waiting); a node whose slurmd is gone is marked
+down once it has not answered for SlurmdTimeout (10 s here; slurmctld pings every SlurmdTimeout/3, and a ping of
+a dead slurmd fails after MessageTimeout, 5 s here): ~17 s after its slurmd is killed; slurmctld checks that its
+own hostname is SlurmctldHost.
 
     slurm = Slurm.start(cluster, partition="debug")    # ~1 s once the packages are installed
     cluster.run(cluster.hosts[0], ["sinfo"], env=slurm.env)
@@ -37,8 +41,14 @@ BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontr
 PACKAGES = "apt-get install -y --no-install-recommends slurmd slurmctld slurm-client munge"
 STATE_ROOT = Path("/var/tmp")  # seen by every simulated host (they cover /tmp, /root and /run only)
 CONTROLLER_NAME = "ctl"
-SLURMD_TIMEOUT = 20  # seconds before slurmctld marks a silent node NOT_RESPONDING, then DOWN
-CRED_EXPIRE = 20  # seconds a requeued job waits before it may start again (Slurm's default: 120)
+SLURMD_TIMEOUT = 10  # seconds before slurmctld marks a silent node DOWN (a live slurmd answers a ping in milliseconds)
+CRED_EXPIRE = 10  # seconds a requeued job waits before it may start again (Slurm's default: 120, its minimum 5); also
+#                   how long a step's credential is valid: a step launch slower than that under load would fail
+BACKFILL_INTERVAL = 1  # seconds between backfill passes (Slurm's default: 30), which start a requeued job once eligible
+# seconds an RPC may take (Slurm's default: 10; a 3-node Slurm answers in milliseconds). A ping of a node whose slurmd
+# is gone fails only after it (connections refused are retried until then), and a node is marked down after two
+# failed pings: a killed slurmd is noticed in ~17 s with 5, ~27 s with 10
+MESSAGE_TIMEOUT = 5
 
 
 def check_prerequisites() -> None:
@@ -73,13 +83,14 @@ TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
 SchedulerType=sched/backfill
+SchedulerParameters=bf_interval={BACKFILL_INTERVAL}
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 SlurmdTimeout={SLURMD_TIMEOUT}
 SlurmctldTimeout=30
-MessageTimeout=10
+MessageTimeout={MESSAGE_TIMEOUT}
 KillWait=5
 InactiveLimit=0
 MinJobAge=600

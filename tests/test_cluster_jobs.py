@@ -235,7 +235,8 @@ def test_hf_trainer_recovered_after_a_kill_tells_its_steps_and_time_truthfully(h
     come from the epoch of its step-less lines, each attempt's own; the summary ends at the true last step."""
     hosts = healthy_cluster.hosts[:2]
     inv = inventory(healthy_cluster, tmp_path, 2)
-    proc = subprocess.Popen([*MNFT, "train", "--hosts", inv, "--job", "jobs/hf_trainer.yaml", "--max-restarts", "1", "--", "--step_sleep", "0.2"],
+    proc = subprocess.Popen([*MNFT, "train", "--hosts", inv, "--job", "jobs/hf_trainer.yaml", "--max-restarts", "1", "--backoff", "0.5",
+                             "--", "--step_sleep", "0.2"],
                             cwd=user_repo, env=cli_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and not list((hosts[0].home / "mnft" / "outputs").glob("*/checkpoint-20/trainer_state.json")):

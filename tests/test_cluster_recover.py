@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 MNFT = [sys.executable, "-c", "from mnft.cli.main import main; main()"]
 MARKERS = ("torch.distributed.run", "agent.py", "flaky.py", "broken.py", "mnft.recipes")
+# the waits before a restart, short: these tests are about what is restarted where and from which step, not about
+# waiting (a lost host is still probed once, and answers no sooner for a longer wait)
+QUICK = ("--backoff", "0.5", "--wait-for-lost", "1")
 
 FLAKY = '''\
 import json, os, sys, time
@@ -95,7 +98,7 @@ def inventory(cluster, tmp_path, names, **overrides) -> str:
 
 
 def flaky(repo: Path, tmp_path: Path, inv: str, plan: dict, *flags: str) -> subprocess.CompletedProcess:
-    return mnft(repo, tmp_path, "train", "--hosts", inv, "--job", "job.yaml", "--env", "PLAN=" + json.dumps(plan), *flags)
+    return mnft(repo, tmp_path, "train", "--hosts", inv, "--job", "job.yaml", "--env", "PLAN=" + json.dumps(plan), *QUICK, *flags)
 
 
 def causes(record: dict) -> list[str | None]:
@@ -182,12 +185,21 @@ def test_detach_with_max_restarts_is_refused_before_any_host_is_touched(healthy_
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
 
 
+@pytest.mark.parametrize("option, value", [("--backoff", "soon"), ("--backoff", "inf"), ("--wait-for-lost", "nan"), ("--wait-for-lost", "1e9")])
+def test_a_bad_backoff_or_wait_for_a_lost_host_is_one_line_exit_2_before_any_host_is_touched(healthy_cluster, tmp_path, user_repo, option, value):
+    inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
+    done = mnft(user_repo, tmp_path, "train", "--hosts", inv, "--job", "job.yaml", "--max-restarts", "2", option, value)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stderr.strip() == f"mnft: {option} {value!r}: give seconds from 0 to 3600"
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+
+
 # ------------------------------------------------------------------------------------------------ the lora recipe
 
 
 def recipe_args(inv: str, *extra: str, steps: int = 16) -> list[str]:
     return ["train", "--hosts", inv, "--src", str(REPO), "--set", f"max_steps={steps}", "--set", "log_every=2",
-            "--set", "save_every=4", *extra]
+            "--set", "save_every=4", *QUICK, *extra]
 
 
 def start_mnft(tmp_path: Path, *args: str) -> subprocess.Popen:
@@ -207,15 +219,23 @@ def adapter_digest(host, record: dict) -> str:
     return hashlib.sha256((host.home / "mnft" / "outputs" / record["job_id"] / "adapter" / "adapter_model.safetensors").read_bytes()).hexdigest()
 
 
-def test_killed_workers_restart_on_the_same_hosts_from_the_checkpoint_with_the_uninterrupted_loss(healthy_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory) -> dict:
+    """The lora recipe's 16 steps on h1 and h2 (recipe_args) with no failure, run once for the module: the sha256
+    of its adapters and its final loss, which a recovered run on the same two hosts must equal exactly."""
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    inv = inventory(cluster, tmp_path, ["h1", "h2"])
+    done = mnft(REPO, tmp_path, *recipe_args(inv))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = latest_record(tmp_path)
+    return {"adapters": adapter_digest(cluster.hosts[0], record), "final_loss": summary(tmp_path, record)["final_loss"]}
+
+
+def test_killed_workers_restart_on_the_same_hosts_from_the_checkpoint_with_the_uninterrupted_loss(healthy_cluster, tmp_path, uninterrupted):
     # two training hosts + a spare: the recovered run equals the uninterrupted one bit for bit (with three ranks
     # it agrees to ~1e-7 relative: see docs/recovery.md, "Exactness")
     h = {x.name: x for x in healthy_cluster.hosts}
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2", "h4"], spare={"h4": True})
-    reference = mnft(REPO, tmp_path, *recipe_args(inv))
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    uninterrupted = latest_record(tmp_path)
-    expected = summary(tmp_path, uninterrupted)["final_loss"]
 
     proc = start_mnft(tmp_path, *recipe_args(inv, "--max-restarts", "2"))
     wait_for_output(proc, r"step +6/16")
@@ -230,8 +250,8 @@ def test_killed_workers_restart_on_the_same_hosts_from_the_checkpoint_with_the_u
     assert first["steps_lost"] == first["steps"][1] - second["resumed_step"] and second["steps"][0] == second["resumed_step"] + 1
     assert re.search(r"attempt 2/3: the same hosts", out), out[-3000:]
     # same world size, CPU: exactly the uninterrupted run's adapters, byte for byte, and its loss
-    assert adapter_digest(h["h1"], record) == adapter_digest(h["h1"], uninterrupted)
-    assert summary(tmp_path, record)["final_loss"] == expected
+    assert adapter_digest(h["h1"], record) == uninterrupted["adapters"]
+    assert summary(tmp_path, record)["final_loss"] == uninterrupted["final_loss"]
     run_dir = tmp_path / "runs" / record["run_id"]
     assert (run_dir / "attempt-1" / "h2" / "run" / "output.log").is_file() and (run_dir / "loss.png").stat().st_size > 0
     assert not list(h["h4"].home.glob(f"mnft/outputs/{record['job_id']}/checkpoints/step-*"))  # the spare was not used
@@ -242,17 +262,13 @@ def newest_part(host, job_id: str, rank: int) -> int:
     return max(int(p.parent.parent.name.split("-")[1]) for p in parts)
 
 
-def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_both_ranks_saved_and_equals_the_uninterrupted_run(healthy_cluster, tmp_path):
+def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_both_ranks_saved_and_equals_the_uninterrupted_run(healthy_cluster, tmp_path, uninterrupted):
     """A kill that lands while h2 writes step N leaves a temp dir where h2's part of N would be. The window is
     milliseconds wide, so the test makes that state by hand when the kill missed it. Resuming N would give h2's rank
     h1's replica and a new RNG stream for its dropout. The resume takes the step before, which both ranks saved,
     and finishes with the uninterrupted run's adapters, byte for byte."""
     h = {x.name: x for x in healthy_cluster.hosts}
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
-    reference = mnft(REPO, tmp_path, *recipe_args(inv))
-    assert reference.returncode == 0, reference.stdout[-3000:] + reference.stderr[-3000:]
-    uninterrupted = latest_record(tmp_path)
-
     proc = start_mnft(tmp_path, *recipe_args(inv))
     wait_for_output(proc, r"step +10/16")
     for pid in workers(healthy_cluster, h["h2"]):
@@ -273,8 +289,8 @@ def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_both_ranks_save
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"resuming from step-{expected}" in done.stdout, done.stdout[-3000:]
     resumed = latest_record(tmp_path)
-    assert adapter_digest(h["h1"], resumed) == adapter_digest(h["h1"], uninterrupted)
-    assert summary(tmp_path, resumed)["final_loss"] == summary(tmp_path, uninterrupted)["final_loss"]
+    assert adapter_digest(h["h1"], resumed) == uninterrupted["adapters"]
+    assert summary(tmp_path, resumed)["final_loss"] == uninterrupted["final_loss"]
 
 
 def test_a_host_cut_off_is_replaced_by_the_spare_and_left_with_nothing_running(healthy_cluster, tmp_path):

@@ -47,6 +47,23 @@ def _inventory(hosts: str | None):
     return effective(inventory.load(hosts or DEFAULT_INVENTORY))  # a provisioned host uses its environment's python
 
 
+def _seconds(option: str, value: str | None, default: float, most: float = 3600.0) -> float:
+    """A number of seconds given on the command line (0 to `most`), or the default; anything else is one line."""
+    import math
+
+    from mnft.core.errors import InputError
+
+    if value is None:
+        return default
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 <= seconds <= most:  # also refuses nan
+        raise InputError(f"{option} {str(value)[:40]!r}: give seconds from 0 to {most:g}")
+    return seconds
+
+
 def _timeouts(connect_timeout: float, timeout: float):
     from mnft.hosts.connection import Timeouts
 
@@ -220,6 +237,9 @@ def _job(recipe, job_file, entry, overrides):
                         "waited for, then replaced by a spare: true host or dropped with --min-nodes); 0: stop at once",
         "min_nodes": "with --max-restarts: continue on fewer hosts (at least this many) when a lost host has no spare "
                      "(recipes; a job file must say elastic: true)",
+        "backoff": "with --max-restarts: seconds before the first restart, doubled for each later one up to 60 (default 5)",
+        "wait_for_lost": "with --max-restarts: seconds a lost host may take to answer again before a spare takes its place "
+                         "or the gang shrinks (default 20)",
         "slurm": "run on Slurm: submit an sbatch script rendered from the launch plan (or, inside salloc, use the allocation); "
                  "see docs/slurm.md. With --slurm, --max-restarts is how often the batch requeues itself (default 3)",
         "partition": "--slurm: the partition (default: Slurm's default)",
@@ -235,7 +255,8 @@ def _job(recipe, job_file, entry, overrides):
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
-          slurm=False, partition=None, nodes=1, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None):
+          slurm=False, partition=None, nodes=1, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
+          backoff=None, wait_for_lost=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -275,7 +296,9 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         sync=not no_sync,
         dry_run=dry_run,
         resume_run=resume_run,
-        recovery=Policy(max_restarts=max_restarts, min_nodes=min_nodes or None),  # invoke parses both as int
+        recovery=Policy(max_restarts=max_restarts, min_nodes=min_nodes or None,  # invoke parses both as int
+                        backoff_s=_seconds("--backoff", backoff, Policy.backoff_s),
+                        reuse_wait_s=_seconds("--wait-for-lost", wait_for_lost, Policy.reuse_wait_s)),
     )
     return run_train(_inventory(hosts), options, _console())
 
