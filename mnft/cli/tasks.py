@@ -366,7 +366,7 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     help={
         "hosts": "inventory file; default: the embedded inventory/local.yaml",
         "src": "the tree to copy (default: the top of the git repository around the current directory)",
-        "data": "copy this data directory to every host's data_dir instead of the code (shared_fs hosts: once)",
+        "data": "copy this data directory to every host's data_dir instead of the code (hosts found sharing it, and hosts declared shared_fs: one copy, verified by the others)",
         "exclude": "one more rsync exclude pattern (repeat); also invoke.yaml's sync.exclude list",
         "dry_run": "list what would change per host; copy nothing",
         "no_delete": "keep files that exist only on the hosts",
