@@ -366,7 +366,7 @@ def test_a_host_whose_mark_failed_is_said_to_and_read_as_its_own_directory_and_n
 def test_a_host_whose_mark_failed_but_that_sees_the_others_marks_is_read_with_them(tmp_path, monkeypatch):
     shared = hf_checkpoint(tmp_path / "home" / "ckpt", "trainer_state.json")
     together = {"h1": ("h1", "h2"), "h2": ("h1", "h2")}
-    monkeypatch.setattr(checkpoints, "detect", lambda fleet, hosts, dirs: (together, {"h1": "Read-only file system"}))
+    monkeypatch.setattr(checkpoints, "detect_sharing", lambda fleet, hosts, dirs: (together, {"h1": "Read-only file system"}))
     with Fleet(local_hosts("h1", "h2", shared_fs=True)) as fleet:
         found = checkpoints.prepare(fleet, HF, {"h1": str(shared), "h2": str(shared)}, Console(file=None, quiet=True))
     assert found.warnings == [(f"h1: no mark could be left for the checkpoints directory {shared} (Read-only file system): "

@@ -145,10 +145,10 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
                 report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
     probed = [h for h in inventory.hosts if h.name in facts]
     if len(probed) > 1:
-        from mnft.sync.mirror import detect_shared
+        from mnft.sync.mirror import detect_sharing
 
-        report.shared = detect_shared(fleet, probed, {h.name: h.workdir for h in probed})
-        report.problems.extend(shared_fs_problems(probed, report.shared))
+        report.shared, unmarked = detect_sharing(fleet, probed, {h.name: h.workdir for h in probed})
+        report.problems.extend(shared_fs_problems(probed, report.shared, unmarked))
     report.master_addr, why = master_address(inventory, facts.get(inventory.master_name))
     if why and inventory.master_name in facts:
         report.problems.append(Problem(inventory.master_name, "master_addr", why, "set 'iface' (or an IPv4 'address') for the master in the inventory"))

@@ -160,7 +160,7 @@ def trust_hosts(c, hosts=None, dry_run=False, json=False, connect_timeout=10.0):
 
     results = trust(_inventory(hosts), _timeouts(connect_timeout, 30.0), dry_run=dry_run)
     print_trust(results, json)
-    if any(r.state in ("unreachable", "changed", "other-type") for r in results):
+    if any(r.state in ("unreachable", "changed", "other-type", "revoked") for r in results):
         return ExitCode.UNREACHABLE
     return ExitCode.OK
 

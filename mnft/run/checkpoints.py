@@ -32,7 +32,6 @@ import fnmatch
 import json
 import os
 import re
-import secrets
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -44,13 +43,11 @@ from rich.text import Text
 
 from mnft.core.errors import ExitCode, MnftError
 from mnft.hosts import pyrun
-from mnft.hosts.fleet import Fleet, HostResult, Status
+from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Host
 from mnft.run.job import ResumeRule
-from mnft.sync import treehash
-from mnft.sync.mirror import HASH_TIMEOUT, hash_command, hash_stdin, shared_groups
+from mnft.sync.mirror import detect_sharing, hash_command, hash_stdin
 from mnft.sync.rsync import RSYNC_IO_TIMEOUT, SshSettings, classify, remote_spec, run_rsync, ssh_command
-from mnft.sync.targets import normalize_target
 
 LAYOUT_RULES = {
     "hf": (re.compile(r"^checkpoint-(\d+)$"), "trainer_state.json"),
@@ -444,33 +441,12 @@ def _rsync_base(host: Host, ssh, listing: Path) -> list[str]:
     return argv
 
 
-def detect(fleet: Fleet, hosts: list[Host], dirs: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
-    """Which hosts see one checkpoints directory (sync's marks: each host leaves one, then says whose it sees), and
-    the hosts whose mark could not be left, with why (nobody sees theirs: they share only by the marks they see)."""
-    nonce = secrets.token_hex(8)
-    results = fleet.run(lambda h: pyrun.command(h, normalize_target(dirs[h.name]), "--mark", f"{nonce}.{h.name}", "--only", site=False),
-                        stdin=pyrun.payload(treehash.source()), hosts=hosts, timeout=HASH_TIMEOUT)
-    unmarked = {r.host: why for r in results if (why := _mark_refused(r))}
-    return shared_groups(fleet, [h for h in hosts if results[h.name].ok], dirs, nonce), unmarked
-
-
-def _mark_refused(result: HostResult) -> str | None:
-    """Why a host left no mark (the mark probe answers {"marked": null} or {"marked": "why not"}), or None."""
-    if not result.ok:
-        return f"{result.status.value}: {result.error or result.tail(1) or 'no answer'}"
-    try:
-        why = json.loads(result.stdout.strip().splitlines()[-1])["marked"]
-    except (ValueError, IndexError, KeyError, TypeError):
-        return "the mark probe printed no answer"
-    return str(why) if why else None
-
-
 def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Console, needs: str = "all", *,
             sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> Found:
     """Find the job's latest complete checkpoint and make it the same in every checkpoints directory, reading and
     verifying a directory that several hosts see once. sleep, clock: for the re-listing of a shared directory."""
     hosts = [fleet.inventory.host(name) for name in dirs]
-    groups, unmarked = detect(fleet, hosts, dirs) if len(hosts) > 1 else ({}, {})
+    groups, unmarked = detect_sharing(fleet, hosts, dirs) if len(hosts) > 1 else ({}, {})
     warnings = [f"{name}: no mark could be left for the checkpoints directory {dirs[name]} ({why}): "
                 + (f"read with {', '.join(n for n in groups[name] if n != name)}, whose marks it sees" if name in groups else "read as a directory of its own")
                 for name, why in unmarked.items()]

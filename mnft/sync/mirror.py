@@ -241,13 +241,30 @@ def shared_groups(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str
 
 
 def detect_shared(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
-    """Which hosts see the same directory (check: each host's workdir): two round-trips, a mark each, then
-    shared_groups. A host whose mark failed is taken as sharing with nobody."""
+    """Which hosts see the same directory (provision: each host's environment directory): detect_sharing's groups."""
+    return detect_sharing(fleet, hosts, targets)[0]
+
+
+def detect_sharing(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Which hosts see the same directory (check: each host's workdir; a resume: each checkpoints directory): two
+    round-trips, a mark each, then shared_groups; and the hosts whose mark could not be left, with why (nobody
+    sees theirs: they share only by the marks they see)."""
     nonce = secrets.token_hex(8)
     results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only", site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
-    marked = [h for h in hosts if results[h.name].ok]
-    return shared_groups(fleet, marked, targets, nonce)
+    unmarked = {r.host: why for r in results if (why := mark_refused(r))}
+    return shared_groups(fleet, [h for h in hosts if results[h.name].ok], targets, nonce), unmarked
+
+
+def mark_refused(result: HostResult) -> str | None:
+    """Why a host left no mark (the mark probe answers {"marked": null} or {"marked": "why not"}), or None."""
+    if not result.ok:
+        return f"{result.status.value}: {result.error or result.tail(1) or 'no answer'}"
+    try:
+        why = json.loads(result.stdout.strip().splitlines()[-1])["marked"]
+    except (ValueError, IndexError, KeyError, TypeError):
+        return "the mark probe printed no answer"
+    return str(why) if why else None
 
 
 def groups_of(order: Sequence[str], sees: Mapping[str, set[str]]) -> dict[str, tuple[str, ...]]:
