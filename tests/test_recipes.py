@@ -592,11 +592,38 @@ def in_order(per_rank: list[list[int]]) -> list[int]:
     return [ids[t] for t in range(len(per_rank[0])) for ids in per_rank]
 
 
+@pytest.fixture(scope="module")
+def forty_rows(tmp_path_factory) -> Path:
+    """The first 40 rows of the recipes' instruct data: 5 steps an epoch at a global batch of 8."""
+    lines = (REPO / "mnft" / "recipes" / "assets" / "instruct.jsonl").read_text().splitlines()[:40]
+    path = tmp_path_factory.mktemp("forty") / "d.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_1x8(tmp_path_factory, home):
+    """recipe, args -> the step records of an uninterrupted run on 1 rank x 8 rows for 6 steps, run once per
+    recipe and args in this module (a reference several tests compare with)."""
+    made: dict[tuple, dict[int, dict]] = {}
+
+    def get(recipe: str, args: list[str]) -> dict[int, dict]:
+        key = (recipe, tuple(args))
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"ref-{recipe}")
+            ref = launch(recipe, home, 1, f"output_dir={out}", "micro_batch_size=8", "max_steps=6", *args)
+            assert ref.returncode == 0, ref.stderr[-3000:]
+            made[key] = step_records(out / "metrics.jsonl")
+        return made[key]
+
+    return get
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("recipe,before,after", [("lora", 2, 1), ("lora", 1, 2), ("full", 2, 1)])
 def test_a_checkpoint_resumes_on_another_world_size_with_the_same_state_and_the_data_continued(
-        recipe, before, after, home, tmp_path):
+        recipe, before, after, home, tmp_path, forty_rows, uninterrupted_1x8):
     """Per-rank output dirs emulate nodes that share no filesystem. 40 rows, a global batch of 8 rows (8 / W per
     rank, constant lr): 5 steps an epoch. A run on ``before`` ranks saves step 3; ``after`` ranks resume it:
     - without the old rank dirs they need where they run (full: all of them; lora: their own old rank's, or
@@ -607,18 +634,14 @@ def test_a_checkpoint_resumes_on_another_world_size_with_the_same_state_and_the_
       epoch 1;
     - a second change, back to ``before`` ranks with a global batch of 4, continues epoch 1 at row 8 and says so
       in a line and a ``reshard`` event."""
-    lines = (REPO / "mnft" / "recipes" / "assets" / "instruct.jsonl").read_text().splitlines()[:40]
-    (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n")
-    args = [f"data_path={tmp_path}/d.jsonl", "save_every=3", "keep_last=3", "warmup_steps=0", "min_lr_ratio=1",
+    args = [f"data_path={forty_rows}", "save_every=3", "keep_last=3", "warmup_steps=0", "min_lr_ratio=1",
             "tensorboard=false", "debug_sample_ids=true", "log_every=1"] + (["lora_dropout=0"] if recipe == "lora" else [])
     out, metrics_file = tmp_path / "run", tmp_path / "run" / "0" / "metrics.jsonl"
 
     def run(world: int, batch: int, *extra: str) -> subprocess.CompletedProcess:
         return launch(recipe, home, world, f"output_dir={out}/{{rank}}", f"micro_batch_size={batch // world}", *args, *extra)
 
-    ref = launch(recipe, home, 1, f"output_dir={tmp_path}/ref", "micro_batch_size=8", "max_steps=6", *args)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    want = step_records(tmp_path / "ref" / "metrics.jsonl")
+    want = uninterrupted_1x8(recipe, args)
     res = run(before, 8, "max_steps=3")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     saved = exported(recipe, out / "0")
