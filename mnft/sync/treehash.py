@@ -36,13 +36,11 @@ never raises on a bad file (the error is recorded for that path); exit status 0,
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
 import stat
 import sys
-import tempfile
 import time
 
 CHUNK = 1 << 20
@@ -174,6 +172,8 @@ def escape_literal(relpath: str) -> str:
 
 def sha256_file(path) -> str:
     """A file's sha256, read in chunks."""
+    import hashlib  # in the functions that hash: a mark or seen round-trip imports nothing it does not use
+
     digest = hashlib.sha256()
     with open(path, "rb") as fh:
         while True:
@@ -186,6 +186,8 @@ def sha256_file(path) -> str:
 
 def digest_of(files: dict) -> str:
     """One sha256 over the sorted (path, size, sha256) entries: equal digests mean equal trees."""
+    import hashlib
+
     digest = hashlib.sha256()
     for rel in sorted(files):
         size, sha = files[rel]
@@ -209,6 +211,8 @@ def _load_cache(path):
 def _save_cache(path, files) -> None:
     if not path:
         return
+    import tempfile
+
     try:
         folder = os.path.dirname(path)
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -270,6 +274,8 @@ def tree_hash(root, excludes=(), cache=None):
     A symlink counts as its target text (size = its length), never followed. `cache` is a JSON file outside the
     tree that remembers each file's sha256 by (size, mtime_ns, ctime_ns, inode).
     """
+    import hashlib
+
     root = os.fspath(root)
     rules = excludes if isinstance(excludes, Rules) else Rules(excludes)
     entries, errors = walk(root, rules)
@@ -305,6 +311,8 @@ def tree_hash(root, excludes=(), cache=None):
 
 def default_cache(root: str) -> str:
     """Where a host keeps the cache for a root: outside the tree, in the user's cache directory."""
+    import hashlib
+
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     key = hashlib.sha256(os.path.realpath(root).encode("utf-8", "surrogateescape")).hexdigest()[:20]
     return os.path.join(base, "mnft", "treehash-%s.json" % key)
