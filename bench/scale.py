@@ -3,7 +3,7 @@
 MaxSessions 10): check, setup, sync, sync no-op, train of a small user script to its first step, status, logs,
 stop; pdsh running `PYTHON -c 'import torch'` on every host as the reference. Issue 20; results in docs/scale.md.
 
-    python bench/scale.py [--sizes 8,16,32,64] [--out /tmp/scale.json] [--plot docs/scale.png]
+    python bench/scale.py [--sizes 8,16,32,64] [--out /tmp/scale.json] [--plot docs/scale.png] [--goals]
 
 Per command, each run as the user runs it (`python -m invoke …` in a subprocess, private HOME and MNFT_HOME):
   wall s       from start to exit (train: to rank 0's "step 1/" line; stop: until it returned)
@@ -208,6 +208,15 @@ class Bench:
                 c.python, "-c", "'import torch'"]
         return self.run("pdsh", argv, env=env)
 
+    def goals(self) -> list[dict]:
+        """The commands with a goal relative to pdsh or in seconds (check, sync no-op), each run twice beside pdsh."""
+        inv = str(self.inventory)
+        rows = [self.pdsh(), self.run("sync", self.invoke("sync", "--hosts", inv, "--src", str(self.project)))]
+        for _ in range(2):
+            rows += [self.run("check", self.invoke("check", "--hosts", inv, "--json")),
+                     self.run("sync no-op", self.invoke("sync", "--hosts", inv, "--src", str(self.project)))]
+        return rows + [self.pdsh()]
+
     def all(self) -> list[dict]:
         inv = str(self.inventory)
         rows = [self.pdsh(), self.run("check", self.invoke("check", "--hosts", inv, "--json")),
@@ -302,6 +311,7 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     parser.add_argument("--plot", default=None, help="write a PNG of wall, cpu and rss here")
     parser.add_argument("--pin-from", type=int, default=64, help="static ARP entries (Cluster.pin_neighbours) from this many hosts")
+    parser.add_argument("--goals", action="store_true", help="only pdsh, check and sync no-op (twice each): the goals' figures")
     args = parser.parse_args()
     work = Path(args.work or f"/tmp/mnft-scale-{os.getpid()}")
     work.mkdir(parents=True, exist_ok=True)
@@ -311,7 +321,7 @@ def main() -> int:
         print(f"{n} hosts (stock sshd)", flush=True)
         bench = Bench(n, work, pin_neighbours=n >= args.pin_from)
         try:
-            rows += bench.all()
+            rows += bench.goals() if args.goals else bench.all()
         finally:
             bench.close()
         if args.out:

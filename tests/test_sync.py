@@ -735,3 +735,19 @@ def test_marks_beside_a_directory_inside_the_tree_are_neither_hashed_nor_sent(tm
     (tmp_path / "exp" / ".mnft-share" / "n1.h1").write_text("ckpt")
     (tmp_path / "exp" / "train.py").write_text("x")
     assert sorted(source.tree_hash(tmp_path, source.ALWAYS_EXCLUDES)[1]) == ["exp/train.py"]
+
+
+def test_a_sync_asks_who_shares_only_when_some_host_needs_the_tree():
+    """Who writes and who verifies in a group of hosts sharing a directory matters only when a copy is needed: a
+    no-op sync (every host holds the tree) skips that round-trip to every host."""
+    from types import SimpleNamespace
+
+    from mnft.sync.mirror import all_current
+
+    def tree(digest, **kw):
+        return SimpleNamespace(digest=digest, refused=kw.get("refused"), errors=kw.get("errors", {}))
+
+    assert all_current({"h1": (None, tree("d")), "h2": (None, tree("d"))}, "d")
+    assert not all_current({"h1": (None, tree("d")), "h2": (None, tree("old"))}, "d")
+    assert not all_current({"h1": (None, tree("d")), "h2": (None, None)}, "d")  # unread: not known to hold it
+    assert not all_current({"h1": (None, tree("d", errors={"x": "unreadable"}))}, "d")

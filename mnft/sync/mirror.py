@@ -473,7 +473,9 @@ def sync_tree(
             nonce = None if dry_run else secrets.token_hex(8)  # a dry run leaves no mark: it changes nothing
             before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce)
             readable = [h for h in inventory.hosts if before.get(h.name, (None, None))[1] is not None]
-            shared = shared_groups(fleet, readable, targets, nonce) if nonce else {}
+            # who shares with whom decides who writes and who verifies: nothing to ask when every host already
+            # holds the tree (a no-op sync saves a round-trip to every host)
+            shared = shared_groups(fleet, readable, targets, nonce) if nonce and not all_current(before, local.digest) else {}
             plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete,
                          shared=shared)
             if dry_run:
@@ -488,6 +490,11 @@ def sync_tree(
             fleet.close()
     return SyncReport(kind, local.root, local.digest, len(local.files), local.total_bytes, hosts, dry_run, local.ignore_source,
                       round(time.monotonic() - started, 3))
+
+
+def all_current(before: Mapping[str, tuple[HostResult, RemoteTree | None]], digest: str) -> bool:
+    """Whether every host's copy was read and equals the local tree (nor refused, nor with an unreadable file)."""
+    return all(tree is not None and tree.refused is None and not tree.errors and tree.digest == digest for _, tree in before.values())
 
 
 def _unread(p: HostPlan, read: tuple[HostResult, RemoteTree | None] | None) -> HostSync:
