@@ -107,6 +107,16 @@ def healthy_cluster(cluster):
 
 
 @pytest.fixture
+def lab_scripts(tmp_path: Path) -> Path:
+    """The lab's own tree for the cluster tests: a script that ends at once (quick.py), and one that sleeps (long.py)."""
+    src = tmp_path / "lab-src"
+    src.mkdir()
+    (src / "quick.py").write_text("print('done', flush=True)\n")
+    (src / "long.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
+    return src
+
+
+@pytest.fixture
 def fresh_cluster_factory(testbed, tmp_path_factory: pytest.TempPathFactory):
     built = []
 

@@ -22,16 +22,6 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def project(tmp_path):
-    """The lab's own tree: a script that ends at once, and one that sleeps."""
-    src = tmp_path / "lab"
-    src.mkdir()
-    (src / "quick.py").write_text("print('done', flush=True)\n")
-    (src / "long.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
-    return src
-
-
 def cli_env(tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "controller-home"
     home.mkdir(exist_ok=True)
@@ -62,9 +52,9 @@ def alive(pid: int) -> bool:
 # ------------------------------------------------------------------------------------------------ class 4
 
 
-def test_stop_of_an_ended_run_spares_an_unrelated_process_that_reuses_its_process_group(healthy_cluster, tmp_path, project):
+def test_stop_of_an_ended_run_spares_an_unrelated_process_that_reuses_its_process_group(healthy_cluster, tmp_path, lab_scripts):
     inv = inventory(healthy_cluster, tmp_path)
-    done = mnft(tmp_path, "train", "--hosts", inv, "--src", str(project), "--", "quick.py")
+    done = mnft(tmp_path, "train", "--hosts", inv, "--src", str(lab_scripts), "--", "quick.py")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = latest_record(tmp_path)
     h1 = healthy_cluster.hosts[0]
@@ -101,27 +91,27 @@ def wait_running(tmp_path: Path, run_id: str) -> None:
     raise AssertionError(f"run {run_id} never ran on every host: {status.stdout[-2000:]}")
 
 
-def test_a_second_train_on_busy_hosts_is_refused_naming_the_holder_and_stop_ends_exactly_the_first_run(healthy_cluster, tmp_path, project):
+def test_a_second_train_on_busy_hosts_is_refused_naming_the_holder_and_stop_ends_exactly_the_first_run(healthy_cluster, tmp_path, lab_scripts):
     inv = inventory(healthy_cluster, tmp_path)
     hosts = healthy_cluster.hosts[:2]
     h1 = hosts[0]
-    first = mnft(tmp_path, "train", "--hosts", inv, "--src", str(project), "--detach", "--", "long.py")
+    first = mnft(tmp_path, "train", "--hosts", inv, "--src", str(lab_scripts), "--detach", "--", "long.py")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     run_id = first.stdout.strip().splitlines()[-1]
     wait_running(tmp_path, run_id)
     # a file only h1's workdir has: a second sync (rsync --delete) would remove it
     marker = h1.home / "mnft" / "not-in-the-source.txt"
     marker.write_text("left by the first run's user\n")
-    (project / "long.py").write_text((project / "long.py").read_text() + "# changed after the first run started\n")
+    (lab_scripts / "long.py").write_text((lab_scripts / "long.py").read_text() + "# changed after the first run started\n")
 
-    second = mnft(tmp_path, "train", "--hosts", inv, "--src", str(project), "--", "long.py")
+    second = mnft(tmp_path, "train", "--hosts", inv, "--src", str(lab_scripts), "--", "long.py")
     assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
     line = [ln for ln in second.stderr.splitlines() if "is busy" in ln]
     assert line and line[0].startswith(f"mnft: h1 is busy: train run {run_id} by root@") and f"(mnft stop {run_id}, or wait)" in line[0], second.stderr
     assert "Traceback" not in second.stderr
     assert latest_record(tmp_path)["state"] == "refused"
     assert marker.is_file() and "changed after" not in (h1.home / "mnft" / "long.py").read_text()  # not re-synced
-    synced = mnft(tmp_path, "sync", "--hosts", inv, "--src", str(project))
+    synced = mnft(tmp_path, "sync", "--hosts", inv, "--src", str(lab_scripts))
     assert synced.returncode == 1 and "h1 is busy: train run" in synced.stderr, synced.stderr
     assert marker.is_file()
 
@@ -142,7 +132,7 @@ def test_a_second_train_on_busy_hosts_is_refused_naming_the_holder_and_stop_ends
         other.kill()
         other.wait()
     wait_no_orphans(healthy_cluster, hosts, timeout=10)
-    again = mnft(tmp_path, "sync", "--hosts", inv, "--src", str(project))  # the run is over: its hosts are free
+    again = mnft(tmp_path, "sync", "--hosts", inv, "--src", str(lab_scripts))  # the run is over: its hosts are free
     assert again.returncode == 0, again.stdout + again.stderr
     assert not marker.exists()
 

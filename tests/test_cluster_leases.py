@@ -34,15 +34,6 @@ def lab(testbed, tmp_path_factory):
         yield cluster
 
 
-@pytest.fixture
-def project(tmp_path):
-    src = tmp_path / "lab-src"
-    src.mkdir()
-    (src / "quick.py").write_text("print('done', flush=True)\n")
-    (src / "long.py").write_text("import time\nprint('sleeping', flush=True)\ntime.sleep(600)\n")
-    return src
-
-
 def mnft(tmp_path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     home = tmp_path / "controller-home"
     home.mkdir(exist_ok=True)
@@ -70,7 +61,7 @@ def busy_line(done: subprocess.CompletedProcess) -> str:
     return lines[0]
 
 
-def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, project):
+def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, lab_scripts):
     from mnft.hosts import leases
     from mnft.hosts.fleet import Fleet
     from mnft.hosts.inventory import load
@@ -84,7 +75,7 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, pr
         bobs.take(fleet, fleet.inventory.hosts)
         try:
             assert list(bobs.processes) == ["h1"]
-            refused = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(project), "--", "quick.py")
+            refused = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(lab_scripts), "--", "quick.py")
             line = busy_line(refused)
             assert line.startswith("mnft: h1 is busy: train run 20260101-0900-b0b0 by bob (")
             assert line.endswith("(wait, or ask bob; `mnft status 20260101-0900-b0b0` on " + json.loads(on_h1(lab, LEASE).read_text())["controller"]
@@ -95,7 +86,7 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, pr
             bobs.release()
 
     # bob let go: root's run gets h1, and its keeper holds it while it runs (detached: no controller holds it)
-    started = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(project), "--detach", "--", "long.py")
+    started = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(lab_scripts), "--detach", "--", "long.py")
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     run_id = started.stdout.strip().splitlines()[-1]
     assert (root_workdir / "long.py").is_file()
@@ -104,7 +95,7 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, pr
     assert on_h1(lab, LEASE).stat().st_mode & 0o777 == 0o666  # made by root, usable by bob
 
     # bob cannot read root's processes' environments: the keeper's flock is what tells him the run is alive
-    line = busy_line(mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(project)))
+    line = busy_line(mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(lab_scripts)))
     assert line.startswith(f"mnft: h1 is busy: train run {run_id} by root@")
     assert f"(wait, or ask root; `mnft status {run_id}` on " in line
     assert not bob_workdir.exists()
@@ -114,15 +105,15 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, pr
 
     stopped = mnft(tmp_path, "stop", run_id, "--grace", "2")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    synced = mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(project))  # the run ended: bob gets h1
+    synced = mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(lab_scripts))  # the run ended: bob gets h1
     assert synced.returncode == 0, synced.stdout[-2000:] + synced.stderr[-2000:]
     assert (bob_workdir / "long.py").is_file() and (bob_workdir / "long.py").stat().st_uid != 0
     assert json.loads(on_h1(lab, LEASE).read_text())["login"] == "bob"
 
 
-def test_a_link_planted_at_the_lease_path_by_a_user_is_refused_and_what_it_names_is_untouched(lab, tmp_path, project):
+def test_a_link_planted_at_the_lease_path_by_a_user_is_refused_and_what_it_names_is_untouched(lab, tmp_path, lab_scripts):
     root_inv, _ = inventories(lab, tmp_path)
-    (project / "new-in-this-sync.txt").write_text("a file no sync has brought yet\n")
+    (lab_scripts / "new-in-this-sync.txt").write_text("a file no sync has brought yet\n")
     precious = on_h1(lab, "/tmp/precious")  # a file of root's that bob knows the name of
     precious.write_text("root's, not a lease\n")
     lease = on_h1(lab, LEASE)
@@ -131,7 +122,7 @@ def test_a_link_planted_at_the_lease_path_by_a_user_is_refused_and_what_it_names
     bob = lab.run(lab.hosts[0], ["su", "bob", "-s", "/bin/sh", "-c", f"ln -s /tmp/precious {LEASE}"], check=False)
     assert bob.returncode == 0, bob.stderr
     try:
-        refused = mnft(tmp_path, "sync", "--hosts", root_inv, "--src", str(project))
+        refused = mnft(tmp_path, "sync", "--hosts", root_inv, "--src", str(lab_scripts))
         assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
         assert (f"h1: no lease can be taken: {LEASE} is a symbolic link, never followed by mnft (owner bob): remove it (as bob or root) "
                 "when no mnft runs on this host; nothing was changed on any host") in refused.stderr
@@ -140,7 +131,7 @@ def test_a_link_planted_at_the_lease_path_by_a_user_is_refused_and_what_it_names
     finally:
         lease.unlink()
         precious.unlink()
-    done = mnft(tmp_path, "sync", "--hosts", root_inv, "--src", str(project))  # removed: the next operation makes its own
+    done = mnft(tmp_path, "sync", "--hosts", root_inv, "--src", str(lab_scripts))  # removed: the next operation makes its own
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert on_h1(lab, "/root/mnft/new-in-this-sync.txt").is_file()
     assert not lease.is_symlink() and lease.stat().st_nlink == 1

@@ -35,8 +35,8 @@ from mnft.run.control import exit_meaning, job_of
 from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
 from mnft.run.guard import Guard
 from mnft.run.job import Job, parse_overrides
-from mnft.run.logs import keep_step_times
 from mnft.run.launch import HostLaunch, LaunchOptions
+from mnft.run.logs import keep_step_times
 from mnft.run.needs import job_needs
 from mnft.run.progress import Display
 from mnft.run.recover import Policy
