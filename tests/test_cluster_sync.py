@@ -94,7 +94,7 @@ def test_drift_on_one_host_is_detected_by_check_and_sync_then_repaired(cluster, 
     drifted = cluster.hosts[1]
     cluster.run(drifted, ["sh", "-c", f"echo 'lr: 1' > {workdir}/pkg/sub/shipped.cfg && touch {workdir}/pkg/stray.py"])
     with Fleet(inv) as fleet:
-        hashes = mirror.code_hashes(fleet, inv.hosts, src)
+        hashes, _ = mirror.code_hashes(fleet, inv.hosts, src)
     assert hashes[drifted.name]["matches"] is False
     assert hashes[drifted.name]["differing"] == ["differs: pkg/sub/shipped.cfg", "extra: pkg/stray.py"]
     assert all(hashes[s.name]["matches"] for s in cluster.hosts if s is not drifted)
@@ -128,7 +128,7 @@ def test_outputs_and_logs_a_host_wrote_that_match_gitignore_survive_and_are_no_d
     dry = mirror.sync_code(inv, src, progress=False, dry_run=True)
     assert dry.hosts[sim.name].would_delete == [] and dry.hosts[sim.name].status == "ok"
     with Fleet(inv) as fleet:
-        assert mirror.code_hashes(fleet, inv.hosts, src)[sim.name]["matches"] is True
+        assert mirror.code_hashes(fleet, inv.hosts, src)[0][sim.name]["matches"] is True
     from mnft.check.findings import CheckOptions
     from mnft.check.gather import gather
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +37,58 @@ def test_a_mark_is_seen_for_the_same_path_only_and_never_creates_the_target(tmp_
     assert treehash.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1", "h3"]
     assert treehash.seen(str(shared), "n2", ["h1"]) == []  # another sync's nonce
     assert treehash._mark(str(tmp_path / "home" / "x"), "../../etc.h1") == "invalid mark"
+
+
+def run_treehash(*argv: str) -> dict:
+    """The host script as a host runs it (its own process: marks and looks from the command line)."""
+    done = subprocess.run([sys.executable, "-S", str(REPO / "mnft/sync/treehash.py"), *argv], capture_output=True, text=True, timeout=60,
+                          stdin=subprocess.DEVNULL, check=True)
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_one_round_trip_finds_who_shares_because_the_later_of_two_hosts_to_mark_sees_the_earlier(tmp_path):
+    """Each host marks, then looks for every host's mark, in one run of the script. Hosts run in any order: of two
+    that share, whichever marks later sees the other's mark, and seeing is taken both ways."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "own").mkdir()
+    names = "h1,h2,h3"
+    first = run_treehash(str(tmp_path / "shared" / "mnft"), "--mark", "n1.h1", "--only", "--names", names)
+    third = run_treehash(str(tmp_path / "own" / "mnft"), "--mark", "n1.h3", "--only", "--names", names)
+    second = run_treehash(str(tmp_path / "shared" / "mnft"), "--mark", "n1.h2", "--only", "--names", names)
+    assert (first, second, third) == ({"marked": None, "seen": ["h1"]}, {"marked": None, "seen": ["h1", "h2"]}, {"marked": None, "seen": ["h3"]})
+    sightings = {name: mirror.Sighting.from_json(answer) for name, answer in (("h1", first), ("h2", second), ("h3", third))}
+    hosts = [type("H", (), {"name": n})() for n in ("h1", "h2", "h3")]
+    assert mirror.sharing_of(None, hosts, {}, "n1", sightings) == ({"h1": ("h1", "h2"), "h2": ("h1", "h2")}, {})
+
+
+def test_a_host_whose_mark_could_not_be_left_looks_again_once_every_mark_is_in(monkeypatch):
+    """Nobody sees an unmarked host's mark: it shares only by the marks it sees, and it may have looked before the
+    others marked. It (only it) looks again in a round-trip of its own."""
+    hosts = [type("H", (), {"name": n})() for n in ("h1", "h2", "h3")]
+    sightings = {"h1": mirror.Sighting("Read-only file system", ()), "h2": mirror.Sighting(None, ("h2",)), "h3": mirror.Sighting(None, ("h3",))}
+    asked = []
+
+    def look(fleet, again, targets, nonce, names):
+        asked.append(([h.name for h in again], nonce, list(names)))
+        return {"h1": {"h2"}}
+
+    monkeypatch.setattr(mirror, "look", look)
+    groups, unmarked = mirror.sharing_of(None, hosts, {}, "n1", sightings)
+    assert asked == [(["h1"], "n1", ["h1", "h2", "h3"])]
+    assert groups == {"h1": ("h1", "h2"), "h2": ("h1", "h2")} and unmarked == {"h1": "Read-only file system"}
+
+
+def test_a_mark_appears_whole_and_a_link_planted_at_its_name_is_replaced_never_followed(tmp_path):
+    (tmp_path / "home").mkdir()
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not mnft's\n")
+    share = tmp_path / "home" / ".mnft-share"
+    share.mkdir(mode=0o700)
+    (share / "n1.h1").symlink_to(victim)
+    assert treehash._mark(str(tmp_path / "home" / "mnft"), "n1.h1") is None
+    assert victim.read_text() == "not mnft's\n" and not (share / "n1.h1").is_symlink()
+    assert sorted(os.listdir(share)) == ["n1.h1"]  # written under another name, renamed into place: nothing else left
+    assert treehash.seen(str(tmp_path / "home" / "mnft"), "n1", ["h1"]) == ["h1"]
 
 
 def test_a_target_that_is_a_mount_of_its_own_is_marked_inside_and_its_marks_are_never_synced(tmp_path, monkeypatch):
@@ -262,3 +317,93 @@ def test_hosts_that_share_only_the_data_directory_get_one_copy_of_the_data_and_t
                     "--set", f"data_path={cluster.home_mountpoint}/mnft-data/instruct.jsonl")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "300 rows, world 3" in done.stdout
+
+
+@pytest.mark.cluster
+@pytest.mark.slow
+def test_a_user_script_on_a_shared_home_recovers_from_its_one_copy_of_the_checkpoint(fresh_cluster_factory, tmp_path):
+    """The HF Trainer example (a user's own script, not a recipe) on three hosts with one home, `--max-restarts 1`:
+    its checkpoints are one directory every rank writes into; h3's rank is killed after a checkpoint, and attempt 2
+    resumes from that one copy (read once, nothing copied), the steps after it trained once, on every host under
+    its own run directory (spec, pgid, log: none shared between the three agents), and nothing is left running."""
+    from runhelpers import latest_record, wait_no_orphans
+
+    cluster = fresh_cluster_factory(3, shared_home=("h1", "h2", "h3"))
+    names = ["h1", "h2", "h3"]
+    inv = str(cluster.write_inventory(tmp_path / "inv.yaml", slots=1))
+    repo = tmp_path / "lab"  # the lab's project: the HF Trainer example and its job file, nothing of mnft's
+    (repo / "examples" / "hf_trainer").mkdir(parents=True)
+    (repo / "jobs").mkdir()
+    shutil.copy(REPO / "examples" / "hf_trainer" / "train_tiny.py", repo / "examples" / "hf_trainer" / "train_tiny.py")
+    shutil.copy(REPO / "examples" / "jobs" / "hf_trainer.yaml", repo / "jobs" / "hf_trainer.yaml")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    (tmp_path / "ctl").mkdir()
+    env = dict(os.environ, HOME=str(tmp_path / "ctl"), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
+    # the job's 60 steps cut to 30 (the last --max_steps wins): checkpoints every 10, a loss line every 5
+    proc = subprocess.Popen([sys.executable, "-c", "from mnft.cli.main import main; main()", "train", "--hosts", inv,
+                             "--job", "jobs/hf_trainer.yaml", "--max-restarts", "1", "--backoff", "0.5", "--wait-for-lost", "1",
+                             "--", "--max_steps", "30", "--step_sleep", "0.2"],
+                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        outputs = cluster.hosts[0].home / "mnft" / "outputs"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and not list(outputs.glob("*/checkpoint-10/trainer_state.json")):
+            time.sleep(0.3)
+        assert list(outputs.glob("*/checkpoint-10/trainer_state.json")), "no checkpoint-10 within 240 s"
+        time.sleep(1.0)  # a few steps past the checkpoint: steps the restart trains again
+        workers = [pid for pid, cmd in cluster.processes(cluster.hosts[2]) if "train_tiny.py" in cmd and "torch.distributed.run" not in cmd]
+        assert workers, cluster.processes(cluster.hosts[2])
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-4000:]
+    record = latest_record(tmp_path)
+    run_id, job_id = record["run_id"], record["job_id"]
+    assert record["state"] == "succeeded" and [a["state"] for a in record["attempts"]] == ["failed", "succeeded"]
+    assert record["attempts"][0]["cause"]["host"] == "h3"
+
+    # resumed from the one copy: found once for the three hosts, nothing copied, every rank pointed at it
+    one, two = record["attempts"]
+    resumed = two["resumed_step"]
+    assert resumed and resumed % 10 == 0 and two["checkpoint"] == f"checkpoint-{resumed}", two
+    flat = " ".join(out.split())
+    assert f"resuming from checkpoint-{resumed} (one directory for h1, h2, h3: read once, nothing copied)" in flat, out[-4000:]
+    assert record["checkpoint"]["shared"] == [names] and record["checkpoint"]["copied"] == {} and not record["checkpoint"]["warnings"]
+    ckpt = f"{cluster.home_mountpoint}/mnft/outputs/{job_id}/checkpoint-{resumed}"
+    for name in names:
+        assert record["hosts"][name]["command"].endswith(f"--step_sleep 0.2 --resume_from_checkpoint {ckpt}"), record["hosts"][name]["command"]
+    final = outputs / job_id / "checkpoint-30"  # one directory holding every rank's part: the model once, each rank's RNG state
+    assert {"trainer_state.json", "rng_state_0.pth", "rng_state_1.pth", "rng_state_2.pth"} <= {p.name for p in final.iterdir()}
+    assert json.loads((outputs / job_id / "trainer_state.json").read_text())["global_step"] == 30
+
+    # the steps after the checkpoint trained once: one timeline, attempt 1 up to the checkpoint, then attempt 2
+    assert two["steps"] == [resumed + 5, 30] and one["steps_lost"] == one["steps"][1] - resumed
+    run_dir = tmp_path / "runs" / run_id
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == list(range(5, 31, 5))
+    assert {m["attempt"] for m in metrics if "loss" in m and m["step"] > resumed} == {2}
+    assert json.loads((run_dir / "summary.json").read_text())["last_step"] == 30
+
+    # each host's run files are its own, in both attempts: spec, pgid, exit code and log under its own name
+    remote = cluster.hosts[0].home / "mnft" / "runs"
+    for number, aid, logs in ((1, run_id, run_dir / "attempt-1"), (2, f"{run_id}-a2", run_dir)):
+        assert sorted(p.name for p in (remote / aid).iterdir()) == names
+        specs = [json.loads((remote / aid / name / "spec.json").read_text()) for name in names]
+        assert [s["tag"] for s in specs] == [f"{aid}@{name}" for name in names]
+        assert [s["argv"][s["argv"].index("--node-rank") + 1] for s in specs] == ["0", "1", "2"]
+        assert len({(remote / aid / name / "pgid").read_text() for name in names}) == 3
+        codes = [(remote / aid / name / "exit_code").read_text().strip() for name in names]
+        if number == 1:
+            assert codes[2] != "0", codes  # the killed rank's host; the others were stopped by mnft
+        else:
+            assert codes == ["0", "0", "0"], codes
+        for rank, name in enumerate(names):
+            said = re.findall(r"rank (\d): resume_from_checkpoint=(\S+)", (logs / name / "run" / "output.log").read_text())
+            assert said == [(str(rank), "None" if number == 1 else ckpt)], (number, name, said)
+
+    wait_no_orphans(cluster, cluster.hosts, timeout=30, markers=("torch.distributed.run", "agent.py", "train_tiny.py"))

@@ -627,7 +627,7 @@ def test_a_source_that_is_the_home_or_root_is_refused_before_any_walk(where, pri
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{tmp_path}/w', data_dir: '{tmp_path}/d'}}\n")
     with pytest.raises(InputError, match="give the project directory"):
         mirror.sync_code(inv, src, progress=False)
-    assert mirror.code_hashes(None, inv.hosts, src)["me"]["error"].startswith("source ")
+    assert mirror.code_hashes(None, inv.hosts, src)[0]["me"]["error"].startswith("source ")
 
 
 def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, private_home, monkeypatch):
@@ -645,7 +645,7 @@ def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, priva
     from mnft.hosts.fleet import Fleet
 
     with Fleet(inv) as fleet:
-        hashes = mirror.code_hashes(fleet, inv.hosts, src)  # what check calls
+        hashes, _ = mirror.code_hashes(fleet, inv.hosts, src)  # what check calls
     assert hashes["me"]["matches"] is True and hashes["me"]["local_hash"] == report.local_hash
 
 

@@ -6,6 +6,7 @@ from every host); then the rules (mnft.check.rules) turn facts into problems.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 from mnft.check import probe
@@ -133,21 +134,28 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
     inventory = fleet.inventory
     outcomes, facts, skew = gather_facts(fleet, modules=tuple(sorted({n.module for n in options.modules})))
     report = CheckReport(inventory, dict(outcomes.by_host), facts, skew=skew)
+    probed = [h for h in inventory.hosts if h.name in facts]
+    workdirs = {h.name: h.workdir for h in probed}
+    nonce = secrets.token_hex(8) if len(probed) > 1 else None  # who shares a workdir: marked and looked for with the code hash
+    sightings: dict = {}
     if options.code:
         from pathlib import Path
 
         from mnft.sync.mirror import code_hashes
 
-        report.code = code_hashes(fleet, [h for h in inventory.hosts if h.name in facts], Path(options.code_src) if options.code_src else None)
+        report.code, sightings = code_hashes(fleet, probed, Path(options.code_src) if options.code_src else None, mark=nonce)
         for name, code in report.code.items():
             if code.get("matches") is False:
                 shown = ", ".join(code.get("differing") or [])
                 report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
-    probed = [h for h in inventory.hosts if h.name in facts]
-    if len(probed) > 1:
-        from mnft.sync.mirror import detect_sharing
+    if nonce:
+        from mnft.sync.mirror import detect_sharing, sharing_of
 
-        report.shared, unmarked = detect_sharing(fleet, probed, {h.name: h.workdir for h in probed})
+        if sightings:
+            report.shared, unmarked = sharing_of(fleet, probed, workdirs, nonce, sightings)
+            unmarked.update({h.name: report.code[h.name].get("error") or "no answer" for h in probed if h.name not in sightings})
+        else:  # no code hash (or no local tree to hash): a round-trip of its own
+            report.shared, unmarked = detect_sharing(fleet, probed, workdirs)
         report.problems.extend(shared_fs_problems(probed, report.shared, unmarked))
     report.master_addr, why = master_address(inventory, facts.get(inventory.master_name))
     if why and inventory.master_name in facts:

@@ -76,12 +76,28 @@ class RemoteTree:
     errors: dict[str, str] = field(default_factory=dict)
     refused: str | None = None  # the probe's refusal, judged before it walked anything
     rsync: str | None = ""  # the host's rsync version; None: not installed; "": not reported
+    mark: Sighting | None = None  # asked to mark and look (read_remote with mark and names): what it saw
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
         files = {rel: (int(v[0]), str(v[1])) for rel, v in (data.get("files") or {}).items()}
         return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
-                   dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""))
+                   dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""), Sighting.from_json(data))
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """One host's part in finding who shares a directory: why its mark could not be left (None: it was), and
+    whose marks it saw after leaving its own (its own included)."""
+
+    why: str | None
+    seen: tuple[str, ...]
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> "Sighting | None":
+        if "seen" not in data:
+            return None  # not asked to look (or refused before marking)
+        return cls(str(data["marked"]) if data.get("marked") else None, tuple(str(n) for n in data.get("seen") or ()))
 
 
 @dataclass(frozen=True)
@@ -180,12 +196,13 @@ class SyncReport:
 
 
 def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None,
-                 mark: str | None = None) -> Command:
+                 mark: str | None = None, names: Sequence[str] = ()) -> Command:
     """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap;
-    expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this sync's
-    mark (nonce.host) in the target, for shared_groups."""
+    expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this
+    operation's mark (nonce.host) beside the target and, with names, then look for theirs (sharing_of)."""
     args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
-        + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--if-exists"] if if_exists else [])
+        + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--names", ",".join(names)] if mark and names else []) \
+        + (["--if-exists"] if if_exists else [])
     return pyrun.command(host, *args, site=False)
 
 
@@ -212,24 +229,23 @@ def other_dir(host: Host, target: str) -> str:
 
 def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
                 timeout: float = HASH_TIMEOUT, expect: str | None = None, mark: str | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+    """Each host's copy of its target, hashed; with mark, each host also leaves its mark and looks for the
+    others' (RemoteTree.mark): who shares the target is known from this one round-trip (sharing_of)."""
     stdin = hash_stdin(rules)
+    names = [h.name for h in hosts] if mark and len(hosts) > 1 else ()
 
     def one(host: Host) -> HostResult:
         target = targets[host.name]
-        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark)
+        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names)
         return fleet.run_one(host, command, stdin=stdin, timeout=timeout)
 
     results = fleet.map(one, hosts)
     return {r.host: (r, parse_hash(r)) for r in results}
 
 
-def shared_groups(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], nonce: str) -> dict[str, tuple[str, ...]]:
-    """Which hosts see the same target directory: after every host left its mark (read_remote with mark), each
-    says whose marks it sees. A host -> the hosts of its group, in inventory order (hosts alone are left out)."""
-    if len(hosts) < 2:
-        return {}
-    names = ",".join(h.name for h in hosts)
-    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--seen", nonce, "--names", names, site=False),
+def look(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], nonce: str, names: Sequence[str]) -> dict[str, set[str]]:
+    """A round-trip of its own: whose marks of nonce (among names) each host sees for its target."""
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--seen", nonce, "--names", ",".join(names), site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
     sees = {}
     for result in results:
@@ -237,7 +253,23 @@ def shared_groups(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str
             sees[result.host] = set(json.loads(result.stdout.strip().splitlines()[-1])["seen"]) if result.ok else set()
         except (ValueError, IndexError, KeyError, TypeError):
             sees[result.host] = set()
-    return groups_of([h.name for h in hosts], sees)
+    return sees
+
+
+def sharing_of(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], nonce: str,
+               sightings: Mapping[str, Sighting]) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+    """Which hosts see the same target directory, from one round-trip in which each host left its mark and then
+    looked for everyone's (sightings: host -> its Sighting; a host without one is left out). A mark appears whole
+    (renamed into place), so of two hosts that share, the later to mark sees the earlier's mark: seeing taken both
+    ways (groups_of) finds every group. A host whose mark could not be left is seen by nobody and shares only by
+    the marks it sees: it looks again, after every mark is in (one more round-trip, for those hosts only).
+    Returns the groups and the hosts whose mark could not be left, with why."""
+    unmarked = {name: s.why for name, s in sightings.items() if s.why}
+    sees = {name: set(s.seen) for name, s in sightings.items()}
+    again = [h for h in hosts if h.name in unmarked]
+    if again:
+        sees.update(look(fleet, again, targets, nonce, [h.name for h in hosts if h.name in sightings]))
+    return groups_of([h.name for h in hosts if h.name in sightings], sees), unmarked
 
 
 def detect_shared(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str]) -> dict[str, tuple[str, ...]]:
@@ -246,14 +278,22 @@ def detect_shared(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str
 
 
 def detect_sharing(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str]) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
-    """Which hosts see the same directory (check: each host's workdir; a resume: each checkpoints directory): two
-    round-trips, a mark each, then shared_groups; and the hosts whose mark could not be left, with why (nobody
-    sees theirs: they share only by the marks they see)."""
+    """Which hosts see the same directory (check without the code hash: each host's workdir; a resume: each
+    checkpoints directory): one round-trip, a mark each and a look for everyone's (sharing_of); and the hosts
+    whose mark could not be left, with why (a host that did not answer among them)."""
     nonce = secrets.token_hex(8)
-    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only", site=False),
+    names = ",".join(h.name for h in hosts)
+    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only", "--names", names,
+                                                site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
-    unmarked = {r.host: why for r in results if (why := mark_refused(r))}
-    return shared_groups(fleet, [h for h in hosts if results[h.name].ok], targets, nonce), unmarked
+    sightings = {}
+    for result in results:
+        try:
+            sightings[result.host] = Sighting.from_json(json.loads(result.stdout.strip().splitlines()[-1])) if result.ok else None
+        except (ValueError, IndexError, TypeError, AttributeError):
+            sightings[result.host] = None
+    groups, _ = sharing_of(fleet, hosts, targets, nonce, {name: s for name, s in sightings.items() if s is not None})
+    return groups, {r.host: why for r in results if (why := mark_refused(r))}
 
 
 def mark_refused(result: HostResult) -> str | None:
@@ -311,7 +351,7 @@ def plan(
     shared: Mapping[str, tuple[str, ...]] | None = None,
 ) -> list[HostPlan]:
     """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) and which hosts
-    see the same directory (shared_groups) in; actions out.
+    see the same directory (sharing_of) in; actions out.
 
     Hosts that see one directory get one copy: a host of the group that already holds it, else the first readable
     one with rsync writes it; the others only verify they see it. For data, the hosts the inventory declares
@@ -472,10 +512,10 @@ def sync_tree(
             rules_file = str(Path(tmp) / "excludes")
             nonce = None if dry_run else secrets.token_hex(8)  # a dry run leaves no mark: it changes nothing
             before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce)
-            readable = [h for h in inventory.hosts if before.get(h.name, (None, None))[1] is not None]
-            # who shares with whom decides who writes and who verifies: nothing to ask when every host already
-            # holds the tree (a no-op sync saves a round-trip to every host)
-            shared = shared_groups(fleet, readable, targets, nonce) if nonce and not all_current(before, local.digest) else {}
+            # who shares with whom (each host marked and looked in that round-trip) decides who writes and who
+            # verifies; not needed when every host already holds the tree
+            sightings = {name: tree.mark for name, (_, tree) in before.items() if tree is not None and tree.mark is not None}
+            shared = sharing_of(fleet, inventory.hosts, targets, nonce, sightings)[0] if nonce and not all_current(before, local.digest) else {}
             plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete,
                          shared=shared)
             if dry_run:
@@ -593,9 +633,11 @@ def sync_data(inventory: Inventory, path: Path, *, fleet: Fleet | None = None, p
 
 
 def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *, extra_excludes: Iterable[str] = (),
-                config: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+                config: Mapping[str, Any] | None = None, mark: str | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Sighting]]:
     """For `invoke check`: each host's code hash when its workdir exists, and whether it matches the tree
-    `invoke sync` would copy (the same source and rules: code_source)."""
+    `invoke sync` would copy (the same source and rules: code_source). With mark, each host also marks its
+    workdir and looks for the others' marks in that round-trip: the Sightings, for sharing_of (none when the
+    local tree could not be read: no round-trip)."""
     try:
         source = code_source(src, extra_excludes, config=config)
         why = source_problem(source.root)
@@ -603,8 +645,8 @@ def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *,
             raise InputError(why)
         local = read_local(source.root, source.excludes)
     except MnftError as exc:
-        return {h.name: {"hash": None, "exists": None, "matches": None, "error": str(exc)} for h in hosts}
-    read = read_remote(fleet, hosts, {h.name: h.workdir for h in hosts}, local.rules, if_exists=True)
+        return {h.name: {"hash": None, "exists": None, "matches": None, "error": str(exc)} for h in hosts}, {}
+    read = read_remote(fleet, hosts, {h.name: h.workdir for h in hosts}, local.rules, if_exists=True, mark=mark)
     out: dict[str, dict[str, Any]] = {}
     for name, (result, tree) in read.items():
         if tree is None:
@@ -622,4 +664,4 @@ def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *,
             "local_hash": local.digest,
             "differing": diff.describe() if diff and not diff.empty else [],
         }
-    return out
+    return out, {name: tree.mark for name, (_, tree) in read.items() if tree is not None and tree.mark is not None}

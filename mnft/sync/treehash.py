@@ -44,9 +44,11 @@ import sys
 import time
 
 CHUNK = 1 << 20
-# Shared storage: the sync leaves a mark <nonce>.<host> for each target in this directory beside it (in the
+# Shared storage: each host leaves a mark <nonce>.<host> for its target in this directory beside it (in the
 # deepest existing directory above it; inside it when the target is a mount point of its own, as a lab's NFS data
-# mount is), then asks every host which of the others' marks it sees for the same path.
+# mount is), then, in the same round-trip, looks for every host's mark of that nonce for the same path. A mark
+# appears whole (written under another name, then renamed), so of two hosts that share, the later to mark sees
+# the earlier's: the sightings taken both ways find every group (mirror.sharing_of).
 SHARE_DIR = ".mnft-share"
 MARK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 CACHE_VERSION = 1
@@ -459,13 +461,15 @@ def _mark(root: str, mark: str):
                     os.unlink(entry.name, dir_fd=where)  # a link is removed itself, never what it points to
             except OSError:
                 pass
+        part = "." + mark + ".part"  # written whole under this name, then renamed: a mark is never seen half-written
         try:
-            os.unlink(mark, dir_fd=where)  # the same nonce and host again (a retry): written anew
+            os.unlink(part, dir_fd=where)  # the same nonce and host again (a retry): written anew
         except FileNotFoundError:
             pass
-        fd = os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=where)
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=where)
         with os.fdopen(fd, "w") as f:
             f.write(rest)
+        os.rename(part, mark, src_dir_fd=where, dst_dir_fd=where)  # replaces a link there, never follows it
     except OSError as exc:
         return exc.strerror or str(exc)
     finally:
@@ -536,9 +540,11 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
 
 
 def main(argv) -> int:
-    usage = ("usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--mark NONCE.HOST] [--if-exists] < rules.json\n"
-             "       treehash.py ROOT --mark NONCE.HOST --only\n"
-             "       treehash.py ROOT --seen NONCE --names HOST,HOST...\n")
+    usage = ("usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--mark NONCE.HOST [--names HOST,HOST...]] [--if-exists]"
+             " < rules.json\n"
+             "       treehash.py ROOT --mark NONCE.HOST --only [--names HOST,HOST...]\n"
+             "       treehash.py ROOT --seen NONCE --names HOST,HOST...\n"
+             "--mark with --names: after marking (and hashing), whose marks of that nonce this host sees\n")
     args = list(argv)
     values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None}
     if_exists = "--if-exists" in args
@@ -557,8 +563,9 @@ def main(argv) -> int:
     if len(args) != 1:
         sys.stderr.write(usage)
         return 2
-    if values["--mark"] is not None and "--only" in argv:  # check: mark, hash nothing
-        sys.stdout.write(json.dumps({"marked": _mark(args[0], values["--mark"])}) + "\n")
+    mark, names = values["--mark"], (values["--names"] or "").split(",") if values["--names"] else None
+    if mark is not None and "--only" in argv:  # mark (and look), hash nothing
+        sys.stdout.write(json.dumps(_looked({"marked": _mark(args[0], mark)}, args[0], mark, names)) + "\n")
         return 0
     if values["--seen"] is not None:
         sys.stdout.write(json.dumps({"seen": seen(args[0], values["--seen"], (values["--names"] or "").split(","))}) + "\n")
@@ -573,8 +580,16 @@ def main(argv) -> int:
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
         return 2
-    sys.stdout.write(json.dumps(report(args[0], patterns, cache, if_exists, other, expect, values["--mark"])) + "\n")
+    sys.stdout.write(json.dumps(_looked(report(args[0], patterns, cache, if_exists, other, expect, mark), args[0], mark, names)) + "\n")
     return 0
+
+
+def _looked(out: dict, root: str, mark, names) -> dict:
+    """out with "seen" (whose marks of this nonce this host sees for root) when it marked and was given the names.
+    Looked for after its own mark was left (or could not be): what makes one round-trip enough."""
+    if mark is not None and names is not None and "marked" in out:
+        out["seen"] = seen(root, mark.split(".", 1)[0], names)
+    return out
 
 
 if __name__ == "__main__":
