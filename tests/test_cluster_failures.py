@@ -35,7 +35,9 @@ SCRIPTS = {
     "full_disk.py": PRELUDE + 'if rank == 1:\n    open(os.environ["OUT"], "wb").write(b"x" * (5 * 1024 * 1024))\ndist.barrier()\n',
     "late_rank.py": PRELUDE + 'if rank == 1:\n    time.sleep(60)\ndist.all_reduce(torch.ones(1))\n',
     "killed.py": PRELUDE + 'if rank == 1:\n    os.kill(os.getpid(), 9)\ndist.barrier()\n',
-    "abort_at_exit.py": PRELUDE + 'dist.barrier()\nif rank == 0:\n    atexit.register(os.abort)\nprint(f"rank {rank} done", flush=True)\n',
+    # rank 0 dies at exit on purpose; rank 1 ends cleanly (gloo itself may abort a rank at exit that never destroyed its group)
+    "abort_at_exit.py": PRELUDE + ('dist.barrier()\nif rank == 0:\n    atexit.register(os.abort)\nelse:\n    dist.destroy_process_group()\n'
+                                   'print(f"rank {rank} done", flush=True)\n'),
     "quick.py": PRELUDE + 'dist.barrier()\ndist.destroy_process_group()\n',
     # rank 1 waits until the test has put it in a memory cgroup too small for what it then allocates: the
     # kernel's OOM killer ends it (a host's own /sys shows no cgroups, so the test moves it from outside)
@@ -197,8 +199,11 @@ def test_an_abort_at_exit_after_the_work_is_a_finished_run_with_a_warning_and_ne
     record = latest_record(tmp_path)
     assert record["state"] == "succeeded" and len(record["attempts"]) == 1
     assert record["hosts"]["h1"]["exit_code"] != 0  # torchrun on h1 did fail; the job had finished
-    (warning,) = record["warnings"]
+    warning = record["warnings"][0]
     assert warning["cause"] == "h1: rank 0 was killed by SIGABRT while the interpreter exited, after its work was done"
+    # gloo's own abort at exit (torch's, not the script's: "terminate called without an active exception") may end
+    # h2's rank too, rarely: told the same way, never as a failure
+    assert all(w["cause"].endswith("while the interpreter exited, after its work was done") for w in record["warnings"])
     out = " ".join(done.stdout.split())
     assert f"warning: {warning['cause']}" in out and "destroy_process_group()" in out
     assert json.loads((tmp_path / "runs" / record["run_id"] / "summary.json").read_text())  # logs were collected as for any end

@@ -44,10 +44,38 @@ def env_for(home: Path) -> dict[str, str]:
     return env
 
 
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def torchrun(recipe: str, home: Path, *args: str, nproc: int = 2, timeout: int = 120) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
            f"--master-port={free_port()}", "-m", f"mnft.recipes.{recipe}", *args]
-    return subprocess.run(cmd, env=env_for(home), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(cmd, env=env_for(home), cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0 and aborted_at_exit_after_the_work(done):
+        # torch's gloo, rarely (once in a full CI run; 0 of 10 launches in a loop), aborts a rank in the interpreter's
+        # exit after destroy_process_group: the run is judged by what it wrote, which every caller checks, as
+        # mnft judges it (finished, with a warning: tests/test_finished_job.py)
+        return subprocess.CompletedProcess(done.args, 0, done.stdout, done.stderr)
+    return done
+
+
+def aborted_at_exit_after_the_work(done: subprocess.CompletedProcess) -> bool:
+    """The rank that failed first was ended by SIGABRT with gloo's exit-time message, after rank 0 had summed up
+    the whole run (its summary line comes after the last step and the last checkpoint)."""
+    root_cause = done.stderr.partition("Root Cause (first observed failure):")[2]
+    return GLOO_EXIT_ABORT in done.stderr and "Signal 6 (SIGABRT)" in root_cause and "\nsummary: steps" in done.stdout
+
+
+def test_only_gloos_abort_at_exit_after_the_summary_is_taken_for_a_finished_run():
+    def ran(stdout: str, stderr: str) -> subprocess.CompletedProcess:
+        return subprocess.CompletedProcess([], 1, stdout, stderr)
+
+    cause = "Root Cause (first observed failure):\n[0]:\n  exitcode  : -6 (pid: 3467)  (SIGABRT)\n  traceback : Signal 6 (SIGABRT) received by PID 3467\n"
+    summed_up = "step     3/3  loss   5.8577\nsummary: steps 3  initial loss 6.2919\n"
+    assert aborted_at_exit_after_the_work(ran(summed_up, GLOO_EXIT_ABORT + "\n" + cause))
+    assert not aborted_at_exit_after_the_work(ran("step     2/3  loss   6.0399\n", GLOO_EXIT_ABORT + "\n" + cause))  # mid-run
+    assert not aborted_at_exit_after_the_work(ran(summed_up, cause))  # another abort than gloo's at exit
+    assert not aborted_at_exit_after_the_work(ran(summed_up, GLOO_EXIT_ABORT + "\n" + cause.replace("Signal 6 (SIGABRT)", "exit 17")))
 
 
 def single(recipe: str, home: Path, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
