@@ -5,11 +5,24 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import time
 from pathlib import Path
 
 RUN_MARKERS = ("torch.distributed.run", "mnft.recipes", "agent.py", "mnft-script")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def add_hf_trainer_example(repo: Path) -> Path:
+    """The project's HF Trainer example and its job file, as a lab's own git repository holds them (staged)."""
+    (repo / "examples" / "hf_trainer").mkdir(parents=True)
+    (repo / "jobs").mkdir()
+    shutil.copy(REPO / "examples" / "hf_trainer" / "train_tiny.py", repo / "examples" / "hf_trainer" / "train_tiny.py")
+    shutil.copy(REPO / "examples" / "jobs" / "hf_trainer.yaml", repo / "jobs" / "hf_trainer.yaml")
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    return repo
 
 
 def wait_for_output(proc: subprocess.Popen, pattern: str, timeout: float = 180) -> list[str]:

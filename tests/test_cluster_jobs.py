@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import runhelpers
-from runhelpers import latest_record, wait_for_output
+from runhelpers import add_hf_trainer_example, latest_record, wait_for_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -80,13 +79,7 @@ def user_repo(tmp_path):
     # what matters here is how the arguments arrive, not a process group (gloo's teardown can abort a rank at
     # exit under load, torch's race, not ours): print them on every rank and exit
     (repo / "userpkg" / "train.py").write_text('import json, sys\nprint("ARGV " + json.dumps(sys.argv[1:]), flush=True)\n')
-    (repo / "examples" / "hf_trainer").mkdir(parents=True)
-    (repo / "jobs").mkdir()
-    shutil.copy(REPO / "examples" / "hf_trainer" / "train_tiny.py", repo / "examples" / "hf_trainer" / "train_tiny.py")
-    shutil.copy(REPO / "examples" / "jobs" / "hf_trainer.yaml", repo / "jobs" / "hf_trainer.yaml")
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
-    return repo
+    return add_hf_trainer_example(repo)
 
 
 def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:

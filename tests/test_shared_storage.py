@@ -326,18 +326,13 @@ def test_a_user_script_on_a_shared_home_recovers_from_its_one_copy_of_the_checkp
     its checkpoints are one directory every rank writes into; h3's rank is killed after a checkpoint, and attempt 2
     resumes from that one copy (read once, nothing copied), the steps after it trained once, on every host under
     its own run directory (spec, pgid, log: none shared between the three agents), and nothing is left running."""
-    from runhelpers import latest_record, wait_no_orphans
+    from runhelpers import add_hf_trainer_example, latest_record, wait_no_orphans
 
     cluster = fresh_cluster_factory(3, shared_home=("h1", "h2", "h3"))
     names = ["h1", "h2", "h3"]
     inv = str(cluster.write_inventory(tmp_path / "inv.yaml", slots=1))
     repo = tmp_path / "lab"  # the lab's project: the HF Trainer example and its job file, nothing of mnft's
-    (repo / "examples" / "hf_trainer").mkdir(parents=True)
-    (repo / "jobs").mkdir()
-    shutil.copy(REPO / "examples" / "hf_trainer" / "train_tiny.py", repo / "examples" / "hf_trainer" / "train_tiny.py")
-    shutil.copy(REPO / "examples" / "jobs" / "hf_trainer.yaml", repo / "jobs" / "hf_trainer.yaml")
-    subprocess.run(["git", "init", "-q", str(repo)], check=True)
-    subprocess.run(["git", "-C", str(repo), "add", "-A"], check=True)
+    add_hf_trainer_example(repo)
     (tmp_path / "ctl").mkdir()
     env = dict(os.environ, HOME=str(tmp_path / "ctl"), MNFT_RUNS_DIR=str(tmp_path / "runs"), PYTHONUNBUFFERED="1")
     # the job's 60 steps cut to 30 (the last --max_steps wins): checkpoints every 10, a loss line every 5

@@ -9,6 +9,7 @@ examples/jobs/hf_trainer.yaml. Every standard TrainingArguments option works (--
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -57,9 +58,16 @@ def main() -> None:
     print(f"rank {os.environ.get('RANK', '0')}: resume_from_checkpoint={training.resume_from_checkpoint}", flush=True)
     trainer.train(resume_from_checkpoint=training.resume_from_checkpoint)
     trainer.save_state()
-    if torch.distributed.is_initialized():  # as torch asks: left to the interpreter's exit, gloo's threads can abort it
+    if torch.distributed.is_initialized():
+        # Everything is saved. Leave now, not through Python's teardown: with gloo, freeing the process group that
+        # DDP's reducer still holds can deadlock (the group joins its worker thread holding the GIL while that
+        # thread frees a finished collective's tensors, which needs the GIL: seen on the test bed, torch 2.13) or
+        # abort the interpreter ("terminate called without an active exception").
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
