@@ -197,6 +197,91 @@ def test_a_hold_without_heartbeat_lets_go_after_its_deadman(lease_dir):
     assert holder_on_disk(lease_dir)["released"]
 
 
+# ------------------------------------------------------------------------------------ runs in the holder
+
+ECHO = "import json, sys\nprint(json.dumps({'argv': sys.argv[1:], 'stdin': sys.stdin.read()}))\nsys.exit(int(sys.argv[1]))\n"
+
+
+def ask(proc: subprocess.Popen, request: dict, *pieces: bytes) -> dict:
+    """Write a run request (after `pieces`: heartbeats, a request split in two…) and read the holder's answer."""
+    body = json.dumps(request).encode()
+    for piece in pieces:
+        proc.stdin.write(piece)
+        proc.stdin.flush()
+    proc.stdin.write(b"run %d\n" % len(body) + body)
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def test_the_holder_runs_the_operations_scripts_forked_with_their_arguments_and_stdin_between_heartbeats(lease_dir):
+    proc = hold_process(lease_dir, dict(OTHER))
+    try:
+        answer = ask(proc, {"source": ECHO, "argv": ["0", "a b", "$HOME"], "stdin": "rules\n"}, b"hb\n")
+        assert answer["ran"] == 0 and json.loads(answer["out"]) == {"argv": ["0", "a b", "$HOME"], "stdin": "rules\n"}
+        answer = ask(proc, {"source": ECHO, "argv": ["3"], "stdin": ""}, b"hb\nhb\n")  # an exit status is told
+        assert answer["ran"] == 3
+        answer = ask(proc, {"source": "raise ValueError('a bug')", "argv": []})
+        assert answer["ran"] == 1 and answer["out"] == ""
+        assert holder_on_disk(lease_dir)["op"] == OTHER["op"] and proc.poll() is None  # still held
+    finally:
+        let_go(proc)
+    assert holder_on_disk(lease_dir)["released"]
+
+
+def test_a_release_during_a_run_ends_the_run_with_the_lease(lease_dir, tmp_path):
+    proc = hold_process(lease_dir, dict(OTHER))
+    sleeper = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    body = json.dumps({"source": sleeper, "argv": [str(tmp_path / "pid")]}).encode()
+    proc.stdin.write(b"run %d\n" % len(body) + body)
+    proc.stdin.flush()
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int((tmp_path / "pid").read_text())
+    let_go(proc)
+    assert holder_on_disk(lease_dir)["released"]
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+@pytest.mark.parametrize("header", [b"run x\n", b"run 0\n", b"run 99999999999\n", b"release\n"])
+def test_a_malformed_request_or_release_lets_the_lease_go(lease_dir, header):
+    proc = hold_process(lease_dir, dict(OTHER))
+    proc.stdin.write(header)
+    proc.stdin.flush()
+    assert proc.wait(timeout=10) == 0
+    assert holder_on_disk(lease_dir)["released"]
+
+
+def test_a_sync_hashes_each_host_in_its_lease_holder_and_answers_as_its_own_round_trip_would(lease_dir, tmp_path):
+    from mnft.sync import mirror
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "a.py").write_text("print('a')\n")
+    with fleet_of("h1", "h2") as fleet:
+        hosts = fleet.inventory.hosts
+        targets = {h.name: str(tree) for h in hosts}
+        alone = mirror.read_remote(fleet, hosts, targets, ["*.pyc"], mark="n1")
+        with leases.hold(fleet, hosts[:1], "sync") as held:
+            calls = []
+            run = held.run
+
+            def counted(host, *args, **options):
+                result = run(host, *args, **options)
+                calls.append(host) if result is not None else None
+                return result
+
+            held.run = counted
+            leased = mirror.read_remote(fleet, hosts, targets, ["*.pyc"], mark="n2")
+    assert calls == ["h1"]  # h2 (another name for this machine) is no hold process of this lease: its own round-trip
+    for name in ("h1", "h2"):
+        (_, a), (result, b) = alone[name], leased[name]
+        assert result.ok and (a.digest, a.files, a.root) == (b.digest, b.files, b.root) and b.mark.why is None
+    sees = {name: set(leased[name][1].mark.seen) for name in ("h1", "h2")}
+    assert mirror.groups_of(["h1", "h2"], sees) == {"h1": ("h1", "h2"), "h2": ("h1", "h2")}  # one directory: found sharing
+
+
 # ------------------------------------------------------------------------------------ where the lease is
 
 

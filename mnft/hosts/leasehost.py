@@ -4,7 +4,10 @@ Python 3.8 syntax; shipped to hosts with mnft.hosts.pyrun (mnft.hosts.leases is 
 
     hold    read the holder (one JSON line) from stdin; take the lease, or say who holds it; then keep it until
             stdin closes (the controller released it, or its SSH channel is gone) or no line came for the
-            holder's "deadman" seconds (a controller that vanished without closing its connection)
+            holder's "deadman" seconds (a controller that vanished without closing its connection). While it
+            holds the lease it also runs the operation's own host scripts: `run N` and N bytes of JSON
+            (source, argv, stdin) on stdin runs that standard-library script in a forked child (no new SSH
+            session, no new interpreter) and answers one line, {"ran": exit status, "out": its stdout}
     show    who holds the lease now, if anyone
 
 The lease is machine-wide: one file for every login user of the host, mnft-lease.json in the lease directory:
@@ -35,10 +38,12 @@ refused with one line naming the path, its owner and what to do (`Refused`).
 
 import errno
 import fcntl
+import io
 import json
 import os
 import pwd
 import select
+import signal
 import stat
 import sys
 import time
@@ -50,6 +55,8 @@ LEASE_NAME, MUTEX_NAME = "mnft-lease.json", "mnft-lease.lock"
 LEASE_MODE, MUTEX_MODE = 0o666, 0o644
 MUTEX_WAIT = 10.0  # seconds to wait for another controller's critical section (it lasts milliseconds)
 MAX_LEASE_BYTES = 65536
+MAX_RUN_BYTES = 64 << 20  # a run request: a script, its arguments and its stdin
+MAX_OUT_BYTES = 1 << 30  # what a run may print (a tree hash lists every file)
 
 
 class Refused(Exception):
@@ -389,17 +396,122 @@ def hold():
         return 0
     deadman = float(holder.get("deadman") or 25)
     last = time.time()
+    pending = b""
+    child = None  # the run in progress: [pid, its stdout's read end, what it printed so far, bytes]
     try:
         while time.time() - last < deadman:
-            ready, _, _ = select.select([stdin], [], [], 1.0)
-            if ready:
-                data = os.read(stdin.fileno(), 4096)
-                if not data or b"release" in data:
+            ready, _, _ = select.select([stdin] + ([child[1]] if child else []), [], [], 1.0)
+            if child and child[1] in ready:
+                data = os.read(child[1], 1 << 16)
+                child[2].append(data)
+                child[3] += len(data)
+                if not data or child[3] > MAX_OUT_BYTES:
+                    _answer(child, data == b"")
+                    child = None
+            if stdin in ready:
+                data = os.read(stdin.fileno(), 1 << 16)
+                if not data:
                     break
                 last = time.time()
+                pending += data
+                request, pending, stop = _next_request(pending)
+                if stop:
+                    break
+                if request is not None:
+                    child = _answer_now(request, fd) if child is None else _busy(child, request)
     finally:
+        if child:  # released (or the controller is gone) mid-run: the run ends with the lease
+            os.kill(child[0], signal.SIGKILL)
+            os.waitpid(child[0], 0)
         release(fd, holder)
     return 0
+
+
+def _next_request(pending):
+    """(the JSON of a complete `run N` request or None, what is left, whether to stop): heartbeats and other
+    lines are consumed, `release` (or a malformed request) stops."""
+    while b"\n" in pending:
+        line, rest = pending.split(b"\n", 1)
+        if line.startswith(b"run "):
+            try:
+                size = int(line[4:])
+            except ValueError:
+                return None, b"", True
+            if not 0 < size <= MAX_RUN_BYTES:
+                return None, b"", True
+            if len(rest) < size:
+                return None, pending, False  # the rest of the request is still on its way
+            return rest[:size], rest[size:], False
+        if line.strip() == b"release":
+            return None, b"", True
+        pending = rest
+    return None, pending, False
+
+
+def _answer_now(request, lease_fd):
+    """Start the run (a forked child); a request that cannot start is answered at once."""
+    try:
+        return _spawn(json.loads(request.decode("utf-8")), lease_fd)
+    except (ValueError, KeyError, TypeError, OSError) as exc:
+        print(json.dumps({"ran": 2, "out": "", "error": "the run request: %s" % exc}), flush=True)
+        return None
+
+
+def _busy(child, request):
+    print(json.dumps({"ran": 2, "out": "", "error": "a run is in progress: one at a time"}), flush=True)
+    return child
+
+
+def _spawn(request, lease_fd):
+    """Fork; the child runs the script as `python -c` would with sys.argv[1:] = argv and stdin = the given text
+    (the lease's channel is not its stdin), its stdout to a pipe the holder reads. It does not keep the lease's
+    descriptor: a run left behind by a killed holder never holds the lease."""
+    source, argv, text = str(request["source"]), [str(a) for a in request["argv"]], str(request.get("stdin") or "")
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        code = 1
+        try:
+            os.close(read_end)
+            os.close(lease_fd)
+            os.dup2(write_end, 1)
+            os.close(write_end)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", errors="surrogateescape")
+            sys.stdin = io.TextIOWrapper(io.BytesIO(text.encode("utf-8", "surrogateescape")), encoding="utf-8")
+            sys.argv = ["-c"] + argv
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                exec(compile(source, "mnft-script", "exec"), {"__name__": "__main__", "__source__": source.encode()})
+                code = 0
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:  # noqa: BLE001 - its traceback on stderr, as python would print it
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+            finally:
+                os._exit(code)
+    os.close(write_end)
+    return [pid, read_end, [], 0]
+
+
+def _answer(child, complete):
+    os.close(child[1])
+    if not complete:
+        os.kill(child[0], signal.SIGKILL)
+    _, status = os.waitpid(child[0], 0)
+    code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else -os.WTERMSIG(status)
+    reply = {"ran": code, "out": b"".join(child[2]).decode("utf-8", "surrogateescape")}
+    if not complete:
+        reply["error"] = "printed more than %d bytes" % MAX_OUT_BYTES
+    print(json.dumps(reply), flush=True)
 
 
 def main(argv):

@@ -27,7 +27,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from mnft.core.errors import MnftError
 from mnft.hosts import leasehost, pyrun
@@ -141,6 +141,8 @@ class Leases:
     took_over: dict[str, dict] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _beat: threading.Thread | None = None
+    _writing: threading.Lock = field(default_factory=threading.Lock)  # a heartbeat never cuts into a run request
+    _running: dict[str, threading.Lock] = field(default_factory=dict)  # host -> held while a run is asked and answered
 
     def holder(self) -> dict:
         return {"op": self.op, "command": self.command, "run_id": self.run_id, "user": getpass.getuser(), "controller": socket.gethostname(),
@@ -226,9 +228,46 @@ class Leases:
         while not self._stop.wait(HEARTBEAT_EVERY):
             for process in list(self.processes.values()):
                 try:
-                    process.write(b"hb\n")
+                    with self._writing:
+                        process.write(b"hb\n")
                 except Exception:  # noqa: BLE001 - a lost channel: the host let the lease go itself
                     pass
+
+    def run(self, host: str, source: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
+        """Run a standard-library host script (as `python -S -c`, sys.argv[1:] = args, its stdin the text given) in
+        the host's hold process, forked: no new SSH session nor interpreter on the host. None when this lease is
+        not held there (the caller makes its own round-trip). One run per host at a time."""
+        process = self.processes.get(host)
+        if process is None:
+            return None
+        request = json.dumps({"source": source, "argv": list(args), "stdin": stdin}).encode()
+        started = time.monotonic()
+        with self._running.setdefault(host, threading.Lock()):
+            try:
+                with self._writing:
+                    process.write(b"run %d\n" % len(request) + request)
+            except Exception as exc:  # noqa: BLE001 - the channel is gone: so is the lease there
+                return HostResult(host, Status.FAILED, error=f"the lease holder is gone: {exc}")
+            said: list[str] = []
+            deadline = started + timeout
+            while time.monotonic() < deadline:
+                item = process.readline(timeout=max(0.0, deadline - time.monotonic()))
+                if item is None:
+                    break
+                stream, line = item
+                if line is None:
+                    if stream == "stdout":
+                        break
+                    continue
+                if stream == "stderr":
+                    said.append(line)
+                elif line.lstrip().startswith("{"):
+                    reply = json.loads(line)
+                    code = int(reply.get("ran", 1))
+                    error = reply.get("error") or ("" if code == 0 else f"exit status {code}")
+                    return HostResult(host, Status.OK if code == 0 else Status.FAILED, code, str(reply.get("out") or ""), "".join(said),
+                                      error, round(time.monotonic() - started, 3))
+        return HostResult(host, Status.FAILED, error=f"the lease holder gave no answer within {timeout:g}s", stderr="".join(said))
 
     def _forget(self, name: str) -> None:
         with _held_lock:
@@ -252,6 +291,13 @@ class Leases:
         self.processes.clear()
         for name in list(self.keys):
             self._forget(name)
+
+
+def run_held(host: Host, source: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
+    """Leases.run in whichever of this controller's leases holds the host (a nested operation's too), or None."""
+    with _held_lock:
+        holder = _held.get(host_key(host))
+    return holder.run(host.name, source, args, stdin, timeout) if holder is not None else None
 
 
 @contextmanager

@@ -195,19 +195,27 @@ class SyncReport:
 # ------------------------------------------------------------------------------------------------ read: remote
 
 
-def hash_command(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None,
-                 mark: str | None = None, names: Sequence[str] = ()) -> Command:
-    """The host's tree hash probe for target; other is the host's other mnft directory, which must not overlap;
-    expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this
+def hash_args(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None,
+              mark: str | None = None, names: Sequence[str] = ()) -> list[str]:
+    """The tree hash script's arguments for target; other is the host's other mnft directory, which must not
+    overlap; expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this
     operation's mark (nonce.host) beside the target and, with names, then look for theirs (sharing_of)."""
-    args = [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
+    return [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
         + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--names", ",".join(names)] if mark and names else []) \
         + (["--if-exists"] if if_exists else [])
-    return pyrun.command(host, *args, site=False)
+
+
+def hash_command(host: Host, target: str, **options: Any) -> Command:
+    """The host's tree hash probe (hash_args) as a command of its own."""
+    return pyrun.command(host, *hash_args(host, target, **options), site=False)
+
+
+def rules_line(rules: Sequence[str]) -> str:
+    return json.dumps(list(rules)) + "\n"
 
 
 def hash_stdin(rules: Sequence[str]) -> bytes:
-    return pyrun.payload(treehash.source()) + (json.dumps(list(rules)) + "\n").encode()
+    return pyrun.payload(treehash.source()) + rules_line(rules).encode()
 
 
 def parse_hash(result: HostResult) -> RemoteTree | None:
@@ -236,8 +244,10 @@ def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str],
 
     def one(host: Host) -> HostResult:
         target = targets[host.name]
-        command = hash_command(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names)
-        return fleet.run_one(host, command, stdin=stdin, timeout=timeout)
+        args = hash_args(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names)
+        # a host this controller holds the lease of hashes in its lease holder's process (no new session)
+        held = leases.run_held(host, treehash.source(), args, rules_line(rules), timeout)
+        return held if held is not None else fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=stdin, timeout=timeout)
 
     results = fleet.map(one, hosts)
     return {r.host: (r, parse_hash(r)) for r in results}
