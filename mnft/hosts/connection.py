@@ -9,6 +9,7 @@ and refuse unknown, changed or revoked host keys.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
 import os
@@ -138,6 +139,27 @@ class Process:
             return self.lines.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def json_reply(self, timeout: float) -> tuple[dict | None, list[str]]:
+        """The first JSON object the command prints on stdout (a line starting with "{"), and the lines it printed
+        on stderr until then (stripped, blank ones left out); None when stdout ends or timeout passes first."""
+        deadline = time.monotonic() + timeout
+        said: list[str] = []
+        while time.monotonic() < deadline:
+            item = self.readline(timeout=max(0.0, deadline - time.monotonic()))
+            if item is None:
+                break
+            stream, line = item
+            if line is None:
+                if stream == "stdout":
+                    break
+                continue
+            if stream == "stderr":
+                if line.strip():
+                    said.append(line.strip())
+            elif line.lstrip().startswith("{"):
+                return json.loads(line), said
+        return None, said
 
     def stream(self) -> Iterator[tuple[str, str]]:
         """Every line as it arrives, until both streams end."""

@@ -201,26 +201,13 @@ class Leases:
             process.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
         except (Unreachable, HostKeyRejected) as exc:
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
-        deadline = time.monotonic() + REPLY_TIMEOUT
-        said: list[str] = []
-        while time.monotonic() < deadline:
-            item = process.readline(timeout=max(0.0, deadline - time.monotonic()))
-            if item is None:
-                break
-            stream, line = item
-            if line is None:
-                if stream == "stdout":
-                    break
-                continue
-            if stream == "stderr" and line.strip():
-                said.append(line.strip())
-            if stream == "stdout" and line.lstrip().startswith("{"):
-                reply = json.loads(line)
-                if reply.get("taken"):
-                    self.processes[host.name] = process
-                else:
-                    process.close_stdin()
-                return HostResult(host.name, Status.OK, stdout=json.dumps(reply))
+        reply, said = process.json_reply(REPLY_TIMEOUT)
+        if reply is not None:
+            if reply.get("taken"):
+                self.processes[host.name] = process
+            else:
+                process.close_stdin()
+            return HostResult(host.name, Status.OK, stdout=json.dumps(reply))
         process.close_stdin()
         return HostResult(host.name, Status.FAILED, error="the lease script gave no answer" + (f": {said[-1]}" if said else ""))
 
@@ -248,26 +235,13 @@ class Leases:
                     process.write(b"run %d\n" % len(request) + request)
             except Exception as exc:  # noqa: BLE001 - the channel is gone: so is the lease there
                 return HostResult(host, Status.FAILED, error=f"the lease holder is gone: {exc}")
-            said: list[str] = []
-            deadline = started + timeout
-            while time.monotonic() < deadline:
-                item = process.readline(timeout=max(0.0, deadline - time.monotonic()))
-                if item is None:
-                    break
-                stream, line = item
-                if line is None:
-                    if stream == "stdout":
-                        break
-                    continue
-                if stream == "stderr":
-                    said.append(line)
-                elif line.lstrip().startswith("{"):
-                    reply = json.loads(line)
-                    code = int(reply.get("ran", 1))
-                    error = reply.get("error") or ("" if code == 0 else f"exit status {code}")
-                    return HostResult(host, Status.OK if code == 0 else Status.FAILED, code, str(reply.get("out") or ""), "".join(said),
-                                      error, round(time.monotonic() - started, 3))
-        return HostResult(host, Status.FAILED, error=f"the lease holder gave no answer within {timeout:g}s", stderr="".join(said))
+            reply, said = process.json_reply(timeout)
+        if reply is None:
+            return HostResult(host, Status.FAILED, error=f"the lease holder gave no answer within {timeout:g}s", stderr="\n".join(said))
+        code = int(reply.get("ran", 1))
+        error = reply.get("error") or ("" if code == 0 else f"exit status {code}")
+        return HostResult(host, Status.OK if code == 0 else Status.FAILED, code, str(reply.get("out") or ""), "\n".join(said), error,
+                          round(time.monotonic() - started, 3))
 
     def _forget(self, name: str) -> None:
         with _held_lock:
