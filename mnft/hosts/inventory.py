@@ -150,7 +150,7 @@ def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
             raise InputError(f"{where}:{number}: more than {limits.HOSTS} hosts (a limit of mnft's input, see docs/security.md)")
         settings = LineMap()
         settings.line, settings.key_lines = number, {"slots": number}
-        if any("=" in option for option in options) and not all(re.match(r"^[^=]+=[^=]+$", o) for o in options):
+        if any("=" in option for option in options) and not all(re.fullmatch(r"[^=]+=[^=]+", o) for o in options):
             raise InputError(f"{where}:{number}: host {name!r}: write 'slots=N' with no spaces around '=' (a hostfile line is 'hostname slots=N')")
         for option in options:
             key, _, value = option.partition("=")

@@ -168,7 +168,7 @@ def _choose_torchtune_released(entries: dict[str, dict], names: set[str]) -> Cho
     is not resumable, nor is an epoch whose save was cut short. Both entries are the checkpoint (copied together)."""
     state_at = {host: e[TORCHTUNE_STATE_DIR].get("newest") for host, e in entries.items()
                 if f"{TORCHTUNE_STATE_DIR}/{TORCHTUNE_STATE}" in _files(TORCHTUNE_STATE_DIR, e.get(TORCHTUNE_STATE_DIR) or {})}
-    epochs = sorted((n for n in names if re.match(r"^epoch_\d+$", n)), key=_number, reverse=True)
+    epochs = sorted((n for n in names if re.fullmatch(r"epoch_\d+", n)), key=_number, reverse=True)
     considered = []
     for name in epochs:
         done = any(isinstance(t, (int, float)) and isinstance((entries[h].get(name) or {}).get("newest"), (int, float))
@@ -201,7 +201,7 @@ def _choose_mnft(entries: dict[str, dict], needs: str) -> Choice:
         metas: dict[int, int] = {}
         for e in entries.values():
             for rel, meta in ((e.get(name) or {}).get("meta") or {}).items():
-                match = re.match(r"^rank-(\d+)/meta\.json$", rel)
+                match = re.fullmatch(r"rank-(\d+)/meta\.json", rel)
                 if match and isinstance(meta.get("world_size"), int):
                     metas[int(match.group(1))] = meta["world_size"]
         if metas:
