@@ -42,6 +42,7 @@ class CheckOptions:
     code_src: str | None = None  # the local tree; default: source.default_source() (the git top level)
     required_files: tuple[str, ...] = ()  # files every host must hold (a job's script outside the synced tree)
     modules: tuple[Need, ...] = ()  # modules the job imports that every host's Python must resolve (mnft.run.needs)
+    own_devices: dict[str, tuple[int, ...]] | None = None  # train --gpus: host -> the GPUs the run took (others are others')
 
     def __post_init__(self) -> None:
         """Bad arguments are bad input (exit 2), refused before any host is touched."""
@@ -65,7 +66,7 @@ class Problem:
     field: str
     message: str
     fix: str
-    severity: str = "error"  # "error" fails the check; "warning" is shown only
+    severity: str = "error"  # "error" fails the check; "warning" and "note" are shown only
 
 
 @dataclass

@@ -285,8 +285,24 @@ def _parse_apps(text: str) -> list:
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < 4 or _int_or_none(parts[1]) is None:
             continue
-        apps.append((parts[0], {"pid": int(parts[1]), "name": ", ".join(parts[2:-1]), "used_mib": _int_or_none(parts[-1])}))
+        pid = int(parts[1])
+        apps.append((parts[0], {"pid": pid, "name": ", ".join(parts[2:-1]), "used_mib": _int_or_none(parts[-1]), **_owner(pid)}))
     return apps
+
+
+def _owner(pid: int) -> dict:
+    """{"user": who runs the process, "mine": whether the probe's user does} ({} when /proc does not say)."""
+    try:
+        uid = os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return {}
+    try:
+        import pwd
+
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = "uid %d" % uid
+    return {"user": user, "mine": uid == os.getuid()}
 
 
 class _Nvidia:

@@ -86,5 +86,5 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     for outcome in unreachable:
         out.print(Text.assemble((f"{outcome.host}: {outcome.status.value}", STATUS_STYLE[outcome.status.value]), f": {outcome.error}"))
     for p in problems:
-        style = "yellow" if p.severity == "warning" else "red"
-        out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}\n    fix: {p.fix}"))
+        style = {"warning": "yellow", "note": "cyan"}.get(p.severity, "red")
+        out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}\n    {'note' if p.severity == 'note' else 'fix'}: {p.fix}"))

@@ -126,6 +126,27 @@ def environment_drift(name: str, facts: dict, reference: dict, label: str) -> Pr
     return Problem(name, "env", diff.describe(label), "make the hosts' environments identical from one lock: invoke provision --hosts FILE")
 
 
+def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None) -> list[Problem]:
+    """GPUs a process uses already. Your own processes are a leftover of an ended run (a warning: stop it); another
+    user's are their run, not a problem of yours (a note: `mnft lab` tells whose run, since when). own: the GPUs
+    this run took (train --gpus): only those matter, the rest are other runs' to use."""
+    problems = []
+    for gpu in gpus:
+        procs = gpu.get("processes") or []
+        if not procs or own is not None and gpu.get("index") not in own:
+            continue
+        theirs = [p for p in procs if p.get("mine") is False]
+        pids = ", ".join(str(p.get("pid")) for p in procs)
+        if theirs and len(theirs) == len(procs):
+            users = ", ".join(sorted({str(p.get("user")) for p in theirs}))
+            problems.append(Problem(host, "gpus", f"GPU {gpu.get('index')} is in use by {users} (pid {pids})",
+                                    "another user's work: `mnft lab` shows whose run and since when; --gpus G takes free GPUs beside it", "note"))
+        else:
+            problems.append(Problem(host, "gpus", f"GPU {gpu.get('index')} is held by your process(es) {pids}",
+                                    "a leftover of an ended run: stop it (invoke stop RUN) or those processes before training", "warning"))
+    return problems
+
+
 def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, options: CheckOptions) -> list[Problem]:
     problems: list[Problem] = []
     master = inventory.master_name
@@ -151,10 +172,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
         if uses_gpu:
             if len(gpus) < host.slots:
                 problems.append(Problem(host.name, "gpus", f"{len(gpus)} GPU(s) for {host.slots} slot(s)", "lower 'slots' for this host or fix the GPUs (nvidia-smi)"))
-            busy = [g for g in gpus if g.get("processes")]
-            for gpu in busy:
-                pids = ", ".join(str(p.get("pid")) for p in gpu["processes"])
-                problems.append(Problem(host.name, "gpus", f"GPU {gpu.get('index')} is held by process(es) {pids}", "stop the old run (invoke stop) or those processes before training", "warning"))
+            problems += gpus_in_use(host.name, gpus, (options.own_devices or {}).get(host.name) if options.own_devices is not None else None)
         disk = f.get("disk") or {}
         free = disk.get("free_bytes")
         if isinstance(free, int) and free < options.min_free_gb * GIB:

@@ -64,6 +64,15 @@ def _seconds(option: str, value: str | None, default: float, most: float = 3600.
     return seconds
 
 
+def _wait(value) -> float | None:
+    """--wait (as long as it takes: inf) or --wait SECONDS; None when not given."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return float("inf")
+    return _seconds("--wait", value, 0.0, most=30 * 86400.0)
+
+
 def _timeouts(connect_timeout: float, timeout: float):
     from mnft.hosts.connection import Timeouts
 
@@ -216,6 +225,7 @@ def _job(recipe, job_file, entry, overrides):
 
 @task(
     iterable=["set", "env", "env_file", "sbatch_arg"],
+    optional=["wait"],
     help={
         "recipe": "one of mnft's recipes: lora or full (the default when no script or job is given)",
         "job": "a job file (YAML): your script, its arguments, env, resume rule and metrics; see docs/jobs.md",
@@ -243,7 +253,12 @@ def _job(recipe, job_file, entry, overrides):
         "slurm": "run on Slurm: submit an sbatch script rendered from the launch plan (or, inside salloc, use the allocation); "
                  "see docs/slurm.md. With --slurm, --max-restarts is how often the batch requeues itself (default 3)",
         "partition": "--slurm: the partition (default: Slurm's default)",
-        "nodes": "--slurm: nodes to allocate (one agent, one torchrun per node)",
+        "nodes": "N hosts of the inventory where the run's devices are free (node_rank in inventory order; --dry-run shows the pick "
+                 "and why); with --slurm: nodes to allocate (one agent, one torchrun per node)",
+        "gpus": "G GPUs on each host, picked among the free ones (the fastest-linked), seen by the ranks as CUDA_VISIBLE_DEVICES; "
+                "the rest stay free for other runs (default: every device of every host); also a job file's gpus:",
+        "wait": "when the devices are taken, wait in line for them (first come, first served across users) instead of failing; "
+                "--wait SECONDS gives up after that long",
         "time": "--slurm: the time limit, in Slurm's format (minutes, HH:MM:SS, D-HH:MM …)",
         "account": "--slurm: the account to charge",
         "gpus_per_node": "--slurm: GPUs per node (also the processes per node)",
@@ -255,8 +270,8 @@ def _job(recipe, job_file, entry, overrides):
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
-          slurm=False, partition=None, nodes=1, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
-          backoff=None, wait_for_lost=None):  # last: the earlier options keep their short flags
+          slurm=False, partition=None, nodes=0, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
+          backoff=None, wait_for_lost=None, gpus=0, wait=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -283,7 +298,10 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         from mnft.slurm.submit import SlurmTrain
         from mnft.slurm.submit import train as slurm_train
 
-        asked = SlurmOptions(nodes=nodes, partition=partition, time=time, account=account, gpus_per_node=gpus_per_node or None, requeue=requeue,
+        if gpus or wait is not None:
+            raise InputError("--gpus and --wait share a lab's hosts without a scheduler: under --slurm, Slurm places the job "
+                             "(--gpus-per-node, and it queues the job itself)")
+        asked = SlurmOptions(nodes=nodes or 1, partition=partition, time=time, account=account, gpus_per_node=gpus_per_node or None, requeue=requeue,
                              signal=signal, max_requeues=max_restarts or 3, sbatch_args=tuple(sbatch_arg or ()))
         template = _inventory(hosts).hosts[0] if hosts else None
         return slurm_train(SlurmTrain(the_job, asked, template, envs, env_files, rdzv, rdzv_timeout, int(port), Path(src) if src else None,
@@ -299,6 +317,9 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         recovery=Policy(max_restarts=max_restarts, min_nodes=min_nodes or None,  # invoke parses both as int
                         backoff_s=_seconds("--backoff", backoff, Policy.backoff_s),
                         reuse_wait_s=_seconds("--wait-for-lost", wait_for_lost, Policy.reuse_wait_s)),
+        gpus=gpus or None,
+        nodes=nodes or None,
+        wait=_wait(wait),
     )
     return run_train(_inventory(hosts), options, _console())
 
@@ -471,4 +492,23 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     return report.exit_code()
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision)
+@task(help={"hosts": "inventory file; default: the embedded inventory/local.yaml", "json": "machine-readable output",
+            "connect_timeout": "seconds to wait for each host's SSH connection"})
+@_mnft_errors
+def lab(c, hosts=None, json=False, connect_timeout=10.0):
+    """The lab in one table: every host's devices, free / held by whom (user, run, command, since) / in use outside
+    mnft, memory and utilisation, and the runs waiting in line; one round-trip per host. Exit 4 when a host did not answer."""
+    import time as clock
+
+    from mnft.hosts.fleet import Fleet
+    from mnft.hosts.lab import look
+    from mnft.hosts.report import print_lab
+
+    inv = _inventory(hosts)
+    started = clock.monotonic()
+    with Fleet(inv, _timeouts(connect_timeout, 30.0)) as fleet:
+        views = look(fleet, inv.hosts)
+    return print_lab(inv, views, json, clock.monotonic() - started)
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab)

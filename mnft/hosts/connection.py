@@ -94,6 +94,7 @@ class Process:
         self._out: list[str] = []
         self._err: list[str] = []
         self._readers: list[threading.Thread] = []
+        self.stdout_ended = False  # json_reply saw stdout end (a later call would only wait)
 
     # -- implemented by the two kinds
     def write(self, data: bytes) -> None:
@@ -152,6 +153,7 @@ class Process:
             stream, line = item
             if line is None:
                 if stream == "stdout":
+                    self.stdout_ended = True
                     break
                 continue
             if stream == "stderr":

@@ -7,8 +7,12 @@ Python 3.8 syntax; shipped to hosts with mnft.hosts.pyrun (mnft.hosts.leases is 
             holder's "deadman" seconds (a controller that vanished without closing its connection). While it
             holds the lease it also runs the operation's own host scripts: `run N` and N bytes of JSON
             (source, argv, stdin) on stdin runs that standard-library script in a forked child (no new SSH
-            session, no new interpreter) and answers one line, {"ran": exit status, "out": its stdout}
-    show    who holds the lease now, if anyone
+            session, no new interpreter) and answers one line, {"ran": exit status, "out": its stdout}.
+            A holder with a "scope" ({"gpus": G or null for all, "workdir": path}) takes devices and a workdir
+            instead of the host (see "devices" below); with "wait" it waits in the host's line for them, a
+            {"waiting": …} line each time its place or what holds the devices changes, until they are taken
+    show    who holds the host's lease now, if anyone
+    lab     the host for `mnft lab`: its lease, every device and who holds or uses it, workdirs held, the line
 
 The lease is machine-wide: one file for every login user of the host, mnft-lease.json in the lease directory:
 $MNFT_LEASE_DIR if set (an absolute path, the same for every user: tests, or a lab that wants it elsewhere),
@@ -38,13 +42,17 @@ refused with one line naming the path, its owner and what to do (`Refused`).
 
 import errno
 import fcntl
+import hashlib
 import io
+import itertools
 import json
 import os
 import pwd
 import select
+import shutil
 import signal
 import stat
+import subprocess
 import sys
 import time
 
@@ -303,32 +311,380 @@ def _login():
     return {"login": user_name(uid), "uid": uid}
 
 
-def take(holder):
-    """(reply, fd): the lease taken (fd keeps its shared flock) or who holds it (fd None)."""
-    path = lease_path()
+# ------------------------------------------------------------------------------------------------ devices
+# A run takes devices, not the host: each device (a GPU by its nvidia-smi index; on a host without nvidia-smi the
+# host's CPUs as one device, "cpu") has a lease file of its own, mnft-dev-<key>.json, and the run's workdir one,
+# mnft-work-<hash of its path>.json, both taken, held and let go exactly as the host's (same files rules, same
+# flocks, same critical section). The host's lease is for operations that change the whole host (setup,
+# provision): taken only while no device or workdir lease is held, and while it is held no device is taken.
+
+DEVICE_PREFIX, WORK_PREFIX, TICKET_PREFIX = "mnft-dev-", "mnft-work-", "mnft-wait-"
+SMI_QUERY = "index,uuid,name,memory.total,memory.used,utilization.gpu"
+SMI_APPS = "gpu_uuid,pid,used_memory"
+SMI_TIMEOUT = 5.0  # nvidia-smi can hang on a wedged driver
+MAX_SMI_BYTES = 1 << 20
+MAX_COMBINATIONS = 20000  # device sets weighed for their links; beyond, the lowest free indices
+WAIT_POLL = 1.0  # seconds between two looks of a waiting run at its host's devices
+
+
+def device_key(device):
+    return "cpu" if device.get("index") is None else "gpu%d" % device["index"]
+
+
+def device_name(device):
+    return DEVICE_PREFIX + device_key(device) + ".json"
+
+
+def work_name(workdir):
+    """The workdir's lease file: one per directory of the host, whoever syncs or runs there."""
+    path = os.path.abspath(os.path.expanduser(workdir))
+    return WORK_PREFIX + hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:16] + ".json"
+
+
+def _number(text):
+    text = text.strip().split(" ")[0]
+    try:
+        return int(float(text))
+    except ValueError:
+        return None
+
+
+def parse_devices(text):
+    """nvidia-smi --query-gpu=SMI_QUERY --format=csv,noheader,nounits: one dict per device."""
+    found = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 6 or _number(parts[0]) is None:
+            continue
+        found.append({"index": _number(parts[0]), "uuid": parts[1], "name": ", ".join(parts[2:-3]), "memory_total_mib": _number(parts[-3]),
+                      "memory_used_mib": _number(parts[-2]), "utilization": _number(parts[-1]), "processes": []})
+    return found
+
+
+def parse_apps(text):
+    """nvidia-smi --query-compute-apps=SMI_APPS: (uuid, pid, used MiB) per compute process."""
+    found = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 3 and _number(parts[1]) is not None:
+            found.append((parts[0], _number(parts[1]), _number(parts[2])))
+    return found
+
+
+LINKS = (("NV", 100), ("PIX", 50), ("PXB", 40), ("PHB", 30), ("NODE", 20), ("SYS", 10))
+
+
+def link_score(word):
+    """How fast a link of `nvidia-smi topo -m` is, higher faster: NV<n> (n bonded NVLinks) > PIX > PXB > PHB > NODE > SYS."""
+    word = word.strip()
+    if word.startswith("NV") and word[2:].isdigit():
+        return 100 + int(word[2:])
+    return dict(LINKS[1:]).get(word, 0)
+
+
+def parse_topology(text):
+    """{(i, j): score} for every pair of GPUs `nvidia-smi topo -m` prints a link for."""
+    links, columns = {}, None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.split("\t")]
+        if columns is None:
+            if any(c.startswith("GPU") for c in cells):
+                columns = [int(c[3:]) if c.startswith("GPU") and c[3:].isdigit() else None for c in cells]
+            continue
+        if not cells or not cells[0].startswith("GPU") or not cells[0][3:].isdigit():
+            if cells and cells[0].startswith("Legend"):
+                break
+            continue
+        row = int(cells[0][3:])
+        for column, cell in zip(columns[1:], cells[1:]):
+            if column is not None and column != row:
+                links[(row, column)] = link_score(cell)
+    return links
+
+
+def pick(free, want, links):
+    """The `want` devices of `free` (indices) whose slowest link between two of them is fastest (then the fastest
+    links in all, then the lowest indices): two GPUs of one NVLink pair rather than two across sockets. None when
+    fewer are free."""
+    free = sorted(free)
+    if want > len(free):
+        return None
+    if want <= 1 or want == len(free) or not links:
+        return free[:want]
+    best = None
+    for n, combo in enumerate(itertools.combinations(free, want)):
+        if n >= MAX_COMBINATIONS:
+            break
+        scores = [links.get((a, b), links.get((b, a), 0)) for a, b in itertools.combinations(combo, 2)]
+        key = (min(scores), sum(scores))
+        if best is None or key > best[0]:
+            best = (key, list(combo))
+    return best[1]
+
+
+def _spawn_smi(argv):
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+
+
+def _smi_output(proc, deadline):
+    try:
+        out, _ = proc.communicate(timeout=max(0.1, deadline - time.time()))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise OSError("nvidia-smi did not answer within %gs" % SMI_TIMEOUT)
+    if proc.returncode != 0:
+        raise OSError("nvidia-smi exited %d" % proc.returncode)
+    return out[:MAX_SMI_BYTES].decode("utf-8", "replace")
+
+
+def _process_owner(pid):
+    try:
+        return user_name(os.stat("/proc/%d" % pid).st_uid)
+    except OSError:
+        return None
+
+
+def read_devices(topology=False):
+    """(devices, links): the host's GPUs from nvidia-smi (index, uuid, name, memory, utilisation, and the compute
+    processes on each: pid, user, MiB), and their links when asked; ([{"index": None, "name": "cpu"}], {}) on a host
+    without nvidia-smi (its CPUs are one device). OSError when nvidia-smi is there but does not answer."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return [{"index": None, "uuid": None, "name": "cpu", "processes": []}], {}
+    fmt = "--format=csv,noheader,nounits"
+    deadline = time.time() + SMI_TIMEOUT
+    procs = [_spawn_smi([exe, "--query-gpu=" + SMI_QUERY, fmt]), _spawn_smi([exe, "--query-compute-apps=" + SMI_APPS, fmt])]
+    if topology:
+        procs.append(_spawn_smi([exe, "topo", "-m"]))
+    try:
+        outputs = [_smi_output(p, deadline) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    devices = parse_devices(outputs[0])
+    by_uuid = dict((d["uuid"], d) for d in devices)
+    for uuid, pid, mib in parse_apps(outputs[1]):
+        if uuid in by_uuid:
+            by_uuid[uuid]["processes"].append({"pid": pid, "user": _process_owner(pid), "used_mib": mib})
+    links = parse_topology(outputs[2]) if topology and len(outputs) > 2 else {}
+    return devices, links
+
+
+def _existing(name):
+    """A descriptor on an existing lease file of the lease directory (None: there is none)."""
+    path = os.path.join(lease_dir(), name)
+    if not os.path.lexists(path):
+        return None
+    return open_shared(path, False, LEASE_MODE)
+
+
+def _held_by(name, op=None):
+    """(held, holder, lockers) of a lease file without keeping anything: held when somebody holds its flock (or its
+    run's processes live), unless `op` holds it (this operation, through another name for the machine)."""
+    fd = _existing(name)
+    if fd is None:
+        return False, None, []
+    try:
+        holder = _read(fd)
+        if _free(fd, holder):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return False, holder, []
+        return not (op and holder and holder.get("op") == op), holder, lockers(fd)
+    finally:
+        os.close(fd)
+
+
+def held_leases(prefixes=(DEVICE_PREFIX, WORK_PREFIX), op=None):
+    """[(file name, holder, lockers)] of every device and workdir lease held now (whole-host operations wait for none)."""
+    try:
+        names = sorted(n for n in os.listdir(lease_dir()) if n.startswith(prefixes) and n.endswith(".json"))
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        held, holder, who = _held_by(name, op)
+        if held:
+            found.append((name, holder, who))
+    return found
+
+
+def tickets(skip=None):
+    """The line of waiting runs on this host, first come first: [(order, holder)] of every ticket whose waiter
+    still holds its flock (a ticket left by a waiter that is gone is no one's place in line)."""
+    try:
+        names = [n for n in os.listdir(lease_dir()) if n.startswith(TICKET_PREFIX) and n.endswith(".json") and n != skip]
+    except OSError:
+        return []
+    line = []
+    for name in names:
+        try:
+            fd = _existing(name)
+        except (OSError, Refused):
+            continue
+        if fd is None:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            continue  # nobody waits on it
+        except BlockingIOError:
+            holder = _read(fd) or {}
+        finally:
+            os.close(fd)
+        line.append((order(holder), holder))
+    return sorted(line, key=lambda item: item[0])
+
+
+def order(holder):
+    """A waiting run's place: when its controller queued it (the same on every host of the run), then its ticket."""
+    queued = holder.get("queued")
+    return (queued if isinstance(queued, (int, float)) and not isinstance(queued, bool) else float("inf"), str(holder.get("ticket") or ""))
+
+
+def device_states(devices, op=None):
+    """Each device with its lease's state: "free", "held" (holder, lockers: what /proc/locks says) or "outside" (free
+    of leases but a compute process uses it: someone ran a program by hand)."""
+    out = []
+    for device in devices:
+        state = dict(device)
+        held, holder, who = _held_by(device_name(device), op)
+        if held:
+            state.update(state="held", holder=holder, lockers=who)
+        elif device.get("processes"):
+            state.update(state="outside")
+        else:
+            state.update(state="free")
+        out.append(state)
+    return out
+
+
+def _take_file(name, holder, extra=None):
+    """Take one lease file (the caller holds the critical section and knows it is free): (fd with a shared flock,
+    the holder it named before, unless released), or (None, its holder) when it is held after all."""
+    path = os.path.join(lease_dir(), name)
+    fd = open_shared(path, True, LEASE_MODE)
+    try:
+        previous = _read(fd)
+        if not _free(fd, previous, holder.get("op")):
+            os.close(fd)
+            return None, previous
+        _check_lease(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    _write(fd, dict(holder, taken=time.time(), **dict(_login(), **(extra or {}))))
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd, (previous if previous and not previous.get("released") else None)
+
+
+def take_devices(holder, devices, links):
+    """Take what a run (or a sync: no devices) asks of this host, all or nothing: ({"taken": True, "devices": [the
+    ones taken], "paths": [every lease file held]}, fds) or ({"busy": True, ...why}, [])."""
+    scope = holder.get("scope") or {}
+    want = scope.get("gpus")  # None: every device (a run without --gpus); 0: none (a sync)
+    host_held, host_holder, _ = _held_by(LEASE_NAME)
+    if host_held:
+        return {"busy": True, "what": "host", "holder": host_holder}, []
+    workdir = scope.get("workdir")
+    if workdir:
+        held, previous, who = _held_by(work_name(workdir), holder.get("op"))
+        if held:
+            return {"busy": True, "what": "workdir", "workdir": workdir, "holder": previous, "lockers": who,
+                    "run_processes": len(run_processes(_text(previous, "run_id")))}, []
+    chosen = []
+    if want != 0:
+        mine = order(holder) if holder.get("ticket") else (float("inf"), "")
+        ahead = [h for o, h in tickets(ticket_name(holder) if holder.get("ticket") else None) if o < mine]
+        states = device_states(devices, holder.get("op"))
+        free = [s for s in states if s["state"] == "free"]
+        if want is None:
+            picked = [s["index"] for s in states] if len(free) == len(states) else None
+        elif devices and devices[0].get("index") is None:
+            return {"busy": True, "what": "no-gpus", "want": want}, []
+        else:
+            picked = pick([s["index"] for s in free], want, links)
+        if picked is None or ahead:
+            return {"busy": True, "what": "devices", "want": want, "devices": states, "ahead": ahead, "count": len(states)}, []
+        chosen = [s for s in states if s["index"] in picked]
+    fds, took_over, paths = [], [], []
+    try:
+        names = [(device_name(s), {"device": {"index": s["index"], "uuid": s.get("uuid"), "name": s.get("name")}}) for s in chosen]
+        if workdir:
+            names.append((work_name(workdir), {"workdir": workdir}))
+        for name, extra in names:
+            fd, previous = _take_file(name, holder, extra)
+            if fd is None:  # held after all (a keeper sharing it without the critical section): let go of the rest
+                for other in fds:
+                    os.close(other)
+                return {"busy": True, "what": "devices", "want": want, "devices": device_states(devices, holder.get("op")), "ahead": []}, []
+            fds.append(fd)
+            paths.append(os.path.join(lease_dir(), name))
+            if previous:
+                took_over.append(previous)
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    taken = [{"index": s["index"], "uuid": s.get("uuid"), "name": s.get("name")} for s in chosen]
+    return {"taken": True, "devices": taken, "count": len(devices), "paths": paths, "took_over": took_over[0] if took_over else None}, fds
+
+
+def ticket_name(holder):
+    ticket = "".join(c for c in str(holder.get("ticket") or "") if c.isalnum())[:32]
+    return TICKET_PREFIX + ticket + ".json"
+
+
+def make_ticket(holder):
+    """This run's place in the host's line: a ticket file it holds an exclusive flock on while it waits."""
+    path = os.path.join(lease_dir(), ticket_name(holder))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    os.fchmod(fd, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _write(fd, dict(holder, **_login()))
+    return fd, path
+
+
+def take(holder, devices=None, links=None):
+    """(reply, fds): the lease taken (each fd keeps its shared flock) or who holds it (no fds). A holder with a
+    "scope" takes devices and a workdir (take_devices, with the devices read before); without one, the host."""
     mutex = _lock_mutex()
     try:
-        fd = open_shared(path, True, LEASE_MODE)
-        try:
-            previous = _read(fd)
-            if not _free(fd, previous, holder.get("op")):
-                if previous and previous.get("op") == holder.get("op"):  # the same operation through another name
-                    fcntl.flock(fd, fcntl.LOCK_SH)
-                    return {"taken": True, "shared": True, "path": path}, fd
-                os.close(fd)
-                alive = run_processes(_text(previous, "run_id"))
-                same = isinstance(previous, dict) and previous.get("uid") == os.getuid()
-                return {"busy": True, "holder": previous, "run_processes": len(alive), "same_login": same, "path": path}, None
-            _check_lease(fd, path)
-        except BaseException:
-            os.close(fd)
-            raise
-        took_over = previous if previous and not previous.get("released") else None
-        _write(fd, dict(holder, taken=time.time(), **_login()))
-        fcntl.flock(fd, fcntl.LOCK_SH)  # others may share it (a run's keeper), nobody may take it
-        return {"taken": True, "took_over": took_over, "path": path}, fd
+        if holder.get("scope") is not None:
+            return take_devices(holder, devices or [], links or {})
+        return _take_host(holder)
     finally:
         os.close(mutex)
+
+
+def _take_host(holder):
+    path = lease_path()
+    fd = open_shared(path, True, LEASE_MODE)
+    try:
+        previous = _read(fd)
+        if not _free(fd, previous, holder.get("op")):
+            if previous and previous.get("op") == holder.get("op"):  # the same operation through another name
+                fcntl.flock(fd, fcntl.LOCK_SH)
+                return {"taken": True, "shared": True, "path": path, "paths": [path]}, [fd]
+            os.close(fd)
+            alive = run_processes(_text(previous, "run_id"))
+            same = isinstance(previous, dict) and previous.get("uid") == os.getuid()
+            return {"busy": True, "holder": previous, "run_processes": len(alive), "same_login": same, "path": path}, []
+        runs = held_leases(op=holder.get("op"))
+        if runs:  # a run holds devices (or a sync a workdir) here: the whole host is not to be changed under it
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            return {"busy": True, "what": "runs", "held": [dict(h or {}, file=n, lockers=w) for n, h, w in runs], "path": path}, []
+        _check_lease(fd, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    took_over = previous if previous and not previous.get("released") else None
+    _write(fd, dict(holder, taken=time.time(), **_login()))
+    fcntl.flock(fd, fcntl.LOCK_SH)  # others may share it (a run's keeper), nobody may take it
+    return {"taken": True, "took_over": took_over, "path": path, "paths": [path]}, [fd]
 
 
 def release(fd, holder):
@@ -369,6 +725,31 @@ def show():
         os.close(mutex)
 
 
+def lab():
+    """The host as `mnft lab` shows it: the host's lease, each device with its state (free, held by whom as the
+    lease names it and as /proc/locks proves it, in use outside mnft), the workdirs held and the line of waiting
+    runs."""
+    out = {"host": os.uname()[1], "now": time.time()}
+    try:
+        devices, _ = read_devices()
+    except OSError as exc:
+        devices, out["devices_error"] = [], str(exc)
+    out.update(show())
+    mutex = _lock_mutex()
+    try:
+        if out.get("held"):
+            fd = _existing(LEASE_NAME)
+            if fd is not None:
+                out["lockers"] = lockers(fd)
+                os.close(fd)
+        out["devices"] = device_states(devices)
+        out["workdirs"] = [dict(h or {}, lockers=w) for n, h, w in held_leases((WORK_PREFIX,))]
+        out["line"] = [h for _, h in tickets()]
+    finally:
+        os.close(mutex)
+    return out
+
+
 def _failure(exc):
     """The reply for a lease that could not be taken or read: refused (a file mnft will not use) or an error."""
     try:
@@ -380,6 +761,64 @@ def _failure(exc):
     return {"error": str(exc), "path": path}
 
 
+def _take_now(holder):
+    """take, with the devices read first (outside the critical section: nvidia-smi may take a second)."""
+    scope = holder.get("scope")
+    if scope is None or scope.get("gpus") == 0:
+        return take(holder)
+    devices, links = read_devices(topology=scope.get("gpus") is not None)
+    return take(holder, devices, links)
+
+
+def _brief(holder):
+    holder = holder if isinstance(holder, dict) else {}
+    return dict((k, holder.get(k)) for k in ("command", "run_id", "user", "login", "controller", "started", "queued", "want"))
+
+
+def waiting_reply(reply):
+    """What a waiting run is told of its place: its position in the host's line, the runs ahead, and what holds the
+    devices now (only what changes the picture: a new line is printed when it does)."""
+    devices = [dict(index=d.get("index"), state=d.get("state"), holder=_brief(d.get("holder")), processes=d.get("processes") or [])
+               for d in reply.get("devices") or [] if d.get("state") != "free"]
+    return {"waiting": True, "what": reply.get("what"), "position": len(reply.get("ahead") or []) + 1,
+            "ahead": [_brief(h) for h in reply.get("ahead") or []], "devices": devices, "holder": _brief(reply.get("holder")),
+            "want": reply.get("want"), "count": reply.get("count")}
+
+
+def wait_in_line(holder, stdin, reply):
+    """Wait for the devices in the host's line (a ticket held while waiting, first come first served): (reply, fds)
+    once taken, (None, []) when the controller let go or went silent (the ticket goes with the wait)."""
+    ticket, path = make_ticket(holder)
+    deadman = float(holder.get("deadman") or 25)
+    last = time.time()
+    said = None
+    try:
+        while True:
+            now = waiting_reply(reply)
+            if now != said:
+                print(json.dumps(now), flush=True)
+                said = now
+            look = time.time() + WAIT_POLL
+            while time.time() < look:
+                ready, _, _ = select.select([stdin], [], [], max(0.0, look - time.time()))
+                if ready:
+                    data = os.read(stdin.fileno(), 1 << 16)
+                    if not data or b"release" in data:
+                        return None, []
+                    last = time.time()
+                if time.time() - last > deadman:
+                    return None, []
+            reply, fds = _take_now(holder)
+            if fds or not reply.get("busy") or reply.get("what") not in ("devices", "workdir", "host"):
+                return reply, fds
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        os.close(ticket)
+
+
 def hold():
     line = sys.stdin.buffer.readline(MAX_LEASE_BYTES)  # the holder; then the raw stream: heartbeats, EOF
     if not line.endswith(b"\n"):
@@ -387,12 +826,16 @@ def hold():
     holder = json.loads(line.decode("utf-8"))
     stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
     try:
-        reply, fd = take(holder)
+        reply, fds = _take_now(holder)
+        if reply.get("busy") and holder.get("wait") and reply.get("what") in ("devices", "workdir", "host"):
+            reply, fds = wait_in_line(holder, stdin, reply)
+            if reply is None:
+                return 0
     except (OSError, Refused) as exc:
         print(json.dumps(_failure(exc)), flush=True)
         return 1
     print(json.dumps(reply), flush=True)
-    if fd is None:
+    if not fds:
         return 0
     deadman = float(holder.get("deadman") or 25)
     last = time.time()
@@ -418,12 +861,13 @@ def hold():
                 if stop:
                     break
                 if request is not None:
-                    child = _answer_now(request, fd) if child is None else _busy(child, request)
+                    child = _answer_now(request, fds) if child is None else _busy(child, request)
     finally:
         if child:  # released (or the controller is gone) mid-run: the run ends with the lease
             os.kill(child[0], signal.SIGKILL)
             os.waitpid(child[0], 0)
-        release(fd, holder)
+        for fd in fds:
+            release(fd, holder)
     return 0
 
 
@@ -448,10 +892,10 @@ def _next_request(pending):
     return None, pending, False
 
 
-def _answer_now(request, lease_fd):
+def _answer_now(request, lease_fds):
     """Start the run (a forked child); a request that cannot start is answered at once."""
     try:
-        return _spawn(json.loads(request.decode("utf-8")), lease_fd)
+        return _spawn(json.loads(request.decode("utf-8")), lease_fds)
     except (ValueError, KeyError, TypeError, OSError) as exc:
         print(json.dumps({"ran": 2, "out": "", "error": "the run request: %s" % exc}), flush=True)
         return None
@@ -462,7 +906,7 @@ def _busy(child, request):
     return child
 
 
-def _spawn(request, lease_fd):
+def _spawn(request, lease_fds):
     """Fork; the child runs the script as `python -c` would with sys.argv[1:] = argv and stdin = the given text
     (the lease's channel is not its stdin), its stdout to a pipe the holder reads. It does not keep the lease's
     descriptor: a run left behind by a killed holder never holds the lease."""
@@ -474,7 +918,8 @@ def _spawn(request, lease_fd):
         code = 1
         try:
             os.close(read_end)
-            os.close(lease_fd)
+            for fd in lease_fds:
+                os.close(fd)
             os.dup2(write_end, 1)
             os.close(write_end)
             null = os.open(os.devnull, os.O_RDONLY)
@@ -518,9 +963,9 @@ def main(argv):
     mode = argv[0] if argv else ""
     if mode == "hold":
         return hold()
-    if mode == "show":
+    if mode in ("show", "lab"):
         try:
-            print(json.dumps(show()))
+            print(json.dumps(show() if mode == "show" else lab()))
         except (OSError, Refused) as exc:
             print(json.dumps(_failure(exc)))
         return 0

@@ -99,6 +99,87 @@ def busy_line(host: str, holder: dict | None, run_processes: int = 0, same_login
     return f"{host} is busy: {describe(holder)} ({hint})"
 
 
+def gpu_list(indices) -> str:
+    return ", ".join(str(i) for i in indices)
+
+
+def device_label(device: dict) -> str:
+    return "the host's CPUs" if device.get("index") is None else f"GPU {device['index']}"
+
+
+def verified(holder: dict | None, lockers: Sequence[str] | None) -> str:
+    """" (its lock held by bob pid 42)" when /proc/locks names someone else than the login the file claims: the
+    kernel's record of the lock's holder is what no user can forge."""
+    users = sorted({str(w).split(" pid ")[0] for w in lockers or ()})
+    login = holder_login(holder)
+    if users and login not in users:
+        return f" (its lock is held by {', '.join(shown(w) or '?' for w in (lockers or ())[:3])})"
+    return ""
+
+
+def holders_of(devices: Sequence[dict]) -> list[str]:
+    """"GPU 0, 1: train run R by alice@ctl pid 5 since 10:02" per holder, "GPU 2: in use outside mnft (pid 77 of
+    carol)" per device used by a process no lease accounts for."""
+    groups: dict[str, list] = {}
+    for d in devices:
+        if d.get("state") == "held":
+            text = describe(d.get("holder")) + verified(d.get("holder"), d.get("lockers"))
+        elif d.get("state") == "outside":
+            procs = ", ".join(f"pid {shown(p.get('pid'))} of {shown(p.get('user')) or '?'}" for p in (d.get("processes") or [])[:4])
+            text = f"in use outside mnft ({procs})"
+        else:
+            continue
+        groups.setdefault(text, []).append(d.get("index"))
+    return [("the host's CPUs" if idx == [None] else f"GPU {gpu_list(idx)}") + f": {text}" for text, idx in groups.items()]
+
+
+def scope_busy_line(host: str, reply: dict) -> str:
+    """Why a run (or a sync) cannot have what it asked of a host: its devices, its workdir, the whole host."""
+    what = reply.get("what")
+    if what == "host":
+        return f"{host} is busy: {describe(reply.get('holder'))} changes the whole host (wait for it to end)"
+    if what == "workdir":
+        holder = reply.get("holder")
+        run_id = shown((holder or {}).get("run_id"))
+        hint = f"mnft stop {run_id}, wait, or give this run another workdir" if run_id else "wait, or give this run another workdir"
+        return f"{host}: workdir {shown(reply.get('workdir'), 200)} is busy: {describe(holder)}{verified(holder, reply.get('lockers'))} ({hint})"
+    if what == "no-gpus":
+        return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
+    if what == "runs":
+        held = [dict(device=h.get("device"), holder=h, lockers=h.get("lockers")) for h in reply.get("held") or []]
+        parts = [f"{'workdir ' + shown(h['holder'].get('workdir'), 200) if not h['device'] else device_label(h['device'])}: "
+                 f"{describe(h['holder'])}{verified(h['holder'], h['lockers'])}" for h in held]
+        return f"{host} is busy: {'; '.join(parts)}: the whole host is not changed under a run (wait for it to end, or ask its user)"
+    devices, want = reply.get("devices") or [], reply.get("want")
+    free = sum(1 for d in devices if d.get("state") == "free")
+    asked = "every device of the host (no --gpus)" if want is None else f"{want} GPU(s)"
+    why = "; ".join(holders_of(devices))
+    ahead = [describe(h) for h in reply.get("ahead") or []]
+    line = f"{host}: {asked} asked, {free} of {len(devices)} free" + (f": {why}" if why else "")
+    if ahead:
+        line += f"; {len(ahead)} run(s) wait in line before this one: {'; '.join(ahead[:3])}"
+    return line + " (--wait to wait in line; `mnft lab` shows the lab)"
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a run or a sync takes on each host instead of the whole host: `gpus` devices (None: every one, as a run
+    without --gpus; 0: none, as a sync) and a directory of the host's. `wait`: seconds to wait in line for them
+    (None: do not wait; inf: as long as it takes)."""
+
+    gpus: int | None = None
+    directory: str | None = "workdir"  # the host setting naming the directory it takes: workdir, or data_dir (sync --data)
+    wait: float | None = None
+
+    def on(self, host: Host) -> dict:
+        return {"gpus": self.gpus, "workdir": getattr(host, self.directory) if self.directory else None}
+
+
+def sync_scope(kind: str) -> Scope:
+    """A sync takes no device, only the directory it writes: one user's sync never waits for another user's run."""
+    return Scope(gpus=0, directory="workdir" if kind == "code" else "data_dir")
+
+
 def host_key(host: Host) -> tuple:
     """One lease per machine: what two inventory names (or two logins) for the same machine share."""
     return ("local",) if host.is_local else (host.address, host.port)
@@ -135,18 +216,29 @@ class Leases:
 
     command: str
     run_id: str | None = None
+    scope: Scope | None = None  # None: the whole host (setup, provision)
     op: str = field(default_factory=lambda: secrets.token_hex(8))
     processes: dict[str, Process] = field(default_factory=dict)
     keys: dict[str, tuple] = field(default_factory=dict)
     took_over: dict[str, dict] = field(default_factory=dict)
+    devices: dict[str, list[dict]] = field(default_factory=dict)  # host -> the devices taken there (scoped)
+    paths: dict[str, list[str]] = field(default_factory=dict)  # host -> the lease files held there
+    on_wait: Callable[[str, dict], None] | None = None  # a waiting host's place in line, each time it changes
     _stop: threading.Event = field(default_factory=threading.Event)
     _beat: threading.Thread | None = None
     _writing: threading.Lock = field(default_factory=threading.Lock)  # a heartbeat never cuts into a run request
     _running: dict[str, threading.Lock] = field(default_factory=dict)  # host -> held while a run is asked and answered
+    _give_up: threading.Event = field(default_factory=threading.Event)  # a host refused outright: nobody waits on
 
     def holder(self) -> dict:
-        return {"op": self.op, "command": self.command, "run_id": self.run_id, "user": getpass.getuser(), "controller": socket.gethostname(),
-                "pid": os.getpid(), "started": time.time(), "deadman": DEADMAN}
+        holder = {"op": self.op, "command": self.command, "run_id": self.run_id, "user": getpass.getuser(), "controller": socket.gethostname(),
+                  "pid": os.getpid(), "started": time.time(), "deadman": DEADMAN}
+        if self.scope is not None and self.scope.wait is not None:  # one place in every host's line: the same ticket
+            holder.update(wait=True, queued=time.time(), ticket=secrets.token_hex(8), want=self.scope.gpus)
+        return holder
+
+    def holder_on(self, holder: dict, host: Host) -> dict:
+        return holder if self.scope is None else dict(holder, scope=self.scope.on(host))
 
     def take(self, fleet: Fleet, hosts: Iterable[Host], on_took_over: Callable[[str, dict], None] = say_took_over,
              on_problem: Callable[[str, str], None] = say_problem, python: Callable[[Host], str | None] = lambda host: None) -> None:
@@ -164,8 +256,11 @@ class Leases:
                     todo.append(host)
                     _held[key] = self
                     self.keys[host.name] = key
+        self._give_up = threading.Event()
+        if self.scope is not None and self.scope.wait is not None:
+            self._start_heartbeat()  # waiting hosts are kept alive while they wait
         try:
-            results = fleet.map(lambda h: self._take_one(fleet, h, holder, python(h)), todo)
+            results = fleet.map(lambda h: self._take_one(fleet, h, self.holder_on(holder, h), python(h)), todo)
         except BaseException:  # an interrupt, bad input: nothing of this take is kept
             self.release()
             raise
@@ -173,7 +268,10 @@ class Leases:
         refusals = []
         for r in results:
             reply = replies[r.host]
-            if reply.get("busy"):
+            if reply.get("busy") and reply.get("what"):
+                waited = f"still waiting after {self.scope.wait:g}s: " if self.scope and self.scope.wait and reply.get("waited") else ""
+                refusals.append((r.host, waited + scope_busy_line(r.host, reply)))
+            elif reply.get("busy"):
                 refusals.append((r.host, busy_line(r.host, reply.get("holder"), reply.get("run_processes") or 0, reply.get("same_login", True))))
             elif reply.get("refused"):  # a lease file mnft will not use: the host is not to be changed either
                 refusals.append((r.host, f"{r.host}: no lease can be taken: {shown(reply['refused'], 1000)}"))
@@ -187,11 +285,18 @@ class Leases:
         for r in results:
             if r.status is Status.FAILED or replies[r.host].get("error"):
                 on_problem(r.host, r.error or replies[r.host]["error"])
+            if replies[r.host].get("taken"):
+                self.devices[r.host] = [d for d in replies[r.host].get("devices") or [] if isinstance(d, dict)]
+                self.paths[r.host] = [p for p in replies[r.host].get("paths") or [] if isinstance(p, str)]
             previous = replies[r.host].get("took_over")
             if previous:
                 self.took_over[r.host] = previous
                 on_took_over(r.host, previous)
-        if self.processes and self._beat is None:
+        if self.processes:
+            self._start_heartbeat()
+
+    def _start_heartbeat(self) -> None:
+        if self._beat is None:
             self._beat = threading.Thread(target=self._heartbeat, daemon=True, name="mnft-lease-heartbeat")
             self._beat.start()
 
@@ -201,15 +306,44 @@ class Leases:
             process.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
         except (Unreachable, HostKeyRejected) as exc:
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
+        waiting = self.scope is not None and self.scope.wait is not None
+        if waiting:
+            self.processes[host.name] = process  # heartbeats while it waits
         reply, said = process.json_reply(REPLY_TIMEOUT)
+        if waiting:
+            reply = self._wait(host.name, process, reply)
         if reply is not None:
             if reply.get("taken"):
                 self.processes[host.name] = process
             else:
+                self.processes.pop(host.name, None)
                 process.close_stdin()
+                if not reply.get("waited"):
+                    self._give_up.set()  # refused outright: the other hosts stop waiting
             return HostResult(host.name, Status.OK, stdout=json.dumps(reply))
+        self.processes.pop(host.name, None)
         process.close_stdin()
         return HostResult(host.name, Status.FAILED, error="the lease script gave no answer" + (f": {said[-1]}" if said else ""))
+
+    def _wait(self, host: str, process: Process, reply: dict | None) -> dict | None:
+        """Follow a host's place in line until its devices are taken, the wait's time is up, or another host was
+        refused outright (then the last word on this host, marked "waited", is the refusal)."""
+        deadline = time.monotonic() + (self.scope.wait if self.scope and self.scope.wait is not None else 0)
+        last = None
+        while reply is not None and reply.get("waiting"):
+            last = reply
+            if self.on_wait is not None:
+                self.on_wait(host, reply)
+            while True:
+                if self._give_up.is_set() or time.monotonic() > deadline:
+                    return dict(last, busy=True, waiting=False, waited=True, devices=last.get("devices"))
+                got, _ = process.json_reply(1.0)
+                if got is not None:
+                    reply = got
+                    break
+                if process.stdout_ended:
+                    return None
+        return reply
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY):
@@ -276,10 +410,11 @@ def run_held(host: Host, source: str, args: Sequence[str], stdin: str = "", time
 
 @contextmanager
 def hold(fleet: Fleet, hosts: Iterable[Host], command: str, run_id: str | None = None, *, skip: bool = False,
-         on_took_over: Callable[[str, dict], None] = say_took_over, python: Callable[[Host], str | None] = lambda host: None) -> Iterator[Leases]:
+         on_took_over: Callable[[str, dict], None] = say_took_over, python: Callable[[Host], str | None] = lambda host: None,
+         scope: Scope | None = None) -> Iterator[Leases]:
     """Hold the hosts' leases for the block (see the module docstring); HostBusy before it if one is taken.
-    skip: take none (a dry run changes nothing)."""
-    leases = Leases(command, run_id)
+    skip: take none (a dry run changes nothing). scope: devices and the workdir instead of the whole host."""
+    leases = Leases(command, run_id, scope)
     if not skip:
         leases.take(fleet, hosts, on_took_over, python=python)
     try:
@@ -296,4 +431,15 @@ def show(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
     for result in results:
         data = pyrun.reply(result, "the lease script")
         out[result.host] = data if data is not None else {"error": result.error or result.status.value}
+    return out
+
+
+def lab(fleet: Fleet, hosts: Iterable[Host], timeout: float = 30) -> dict[str, dict]:
+    """host -> what its lease directory and nvidia-smi say now (mnft.hosts.leasehost.lab), one round-trip each;
+    {"error": …} for a host that did not answer (its status in "status")."""
+    results = fleet.run(lambda h: pyrun.command(h, "lab", site=False), stdin=pyrun.payload(leasehost.source()), hosts=list(hosts), timeout=timeout)
+    out = {}
+    for result in results:
+        data = pyrun.reply(result, "the lease script")
+        out[result.host] = data if data is not None else {"error": result.error or result.status.value, "status": result.status.value}
     return out

@@ -83,3 +83,32 @@ def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
         style = {"recorded": "yellow", "already-trusted": "green"}.get(r.state, "bold red")
         table.add_row(plain(r.name), plain(r.known_as), plain(r.key_type), plain(r.fingerprint), Text(r.state + (f": {r.detail}" if r.detail else ""), style=style))
     console().print(table)
+
+
+LAB_STYLE = {"free": "green", "held": "yellow", "outside": "magenta", "waiting": "cyan", "unreachable": "red", "failed": "red",
+             "host-key-rejected": "red"}
+
+
+def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, seconds: float) -> int:
+    """`mnft lab`: host × device → free / held (user, run, command, since) / in use outside mnft, memory and
+    utilisation, then each host's line of waiting runs. Exit 0, or 4 when a host did not answer."""
+    from mnft.core.errors import ExitCode
+    from mnft.hosts.lab import rows, since
+
+    table_rows = rows(inventory, views)
+    unanswered = [name for name, v in views.items() if v.get("error") and not v.get("devices")]
+    if as_json:
+        print_json({"hosts": [h.name for h in inventory.hosts], "seconds": round(seconds, 3), "devices": [r.to_json() for r in table_rows]})
+        return ExitCode.UNREACHABLE if unanswered else ExitCode.OK
+    free = sum(1 for r in table_rows if r.state == "free")
+    devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside"))
+    table = Table(title=plain(f"{inventory.path or 'the lab'}: {free} of {devices} device(s) free on {len(inventory.hosts)} host(s) "
+                              f"(asked in {seconds:.2f}s)"))
+    for col in ("host", "device", "state", "user", "run", "command", "since", "memory", "util", "detail"):
+        table.add_column(col)
+    for r in table_rows:
+        table.add_row(plain(r.host), plain(r.device), plain(r.state, LAB_STYLE.get(r.state, "")), plain(r.user or ""), plain(r.run or ""),
+                      plain(r.command or ""), plain(since(r.since)), plain(r.memory or ""),
+                      plain("" if r.utilization is None else f"{r.utilization}%"), plain(r.detail or ""))
+    console().print(table)
+    return ExitCode.UNREACHABLE if unanswered else ExitCode.OK

@@ -27,8 +27,9 @@ have it). Any other process is signalled only if its own environment carries the
 where the kernel has them (no pid reuse between the check and the signal). A process of another user is never
 signalled (and never a PermissionError).
 
-The keeper also holds the host's lease (mnft.hosts.leasehost: one operation per host) when the lease names its
-run: the agent opens and share-locks it and hands it to the keeper, so the host stays the run's to its end.
+The keeper also holds the run's leases (mnft.hosts.leasehost: its devices and workdir, named in the spec's
+"leases"; else the host's) when they name its run: the agent opens and share-locks them and hands them to the
+keeper, so they stay the run's to its end.
 """
 
 import glob
@@ -577,14 +578,26 @@ def lease_path(environ=None, stat_of=os.stat):
     return os.path.join(directory, "mnft-lease.json")
 
 
-def lease_fd(run_id):
-    """The host's lease, opened and share-locked for the keeper, when it names this run (any attempt of it): a run
-    holds its host's lease to its end, detached or not, so no other operation changes the host under it."""
+def lease_fds(run_id, paths=None):
+    """The run's leases on this host (the files the controller took: its devices and workdir; else the host's),
+    each opened and share-locked for the keeper when it names this run: a run holds them to its end, detached or
+    not, so nobody takes its devices or changes its workdir under it."""
+    found = []
+    for path in paths or [lease_path()]:
+        fd = lease_fd(run_id, path)
+        if fd is not None:
+            found.append(fd)
+    return found
+
+
+def lease_fd(run_id, path=None):
+    """A lease file (default the host's), opened and share-locked for the keeper, when it names this run (any
+    attempt of it)."""
     import fcntl
     import stat
 
     try:
-        path = lease_path()
+        path = path or lease_path()
         if path is None:
             return None
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)  # anyone may plant it
@@ -636,7 +649,7 @@ def launch():
         env = dict(os.environ)
         env[RUN_ID_VAR] = spec["run_id"]
         env[TAG_VAR] = spec["tag"]
-        lease = lease_fd(spec["run_id"])
+        held = lease_fds(spec["run_id"], spec.get("leases"))
         keeper = subprocess.Popen(
             [sys.executable, own, "keep", run_dir],
             stdin=subprocess.DEVNULL,
@@ -645,10 +658,10 @@ def launch():
             start_new_session=True,
             env=env,
             cwd=run_dir,
-            pass_fds=(lease,) if lease is not None else (),  # the keeper holds the host's lease to the run's end
+            pass_fds=tuple(held),  # the keeper holds the run's leases to the run's end
         )
-        if lease is not None:
-            os.close(lease)
+        for fd in held:
+            os.close(fd)
     finally:
         if keeper is None and os.path.exists(secrets_file):
             os.unlink(secrets_file)  # no keeper will read it: never leave a secret behind

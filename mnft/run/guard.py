@@ -1,10 +1,11 @@
 """What one `invoke train` holds, and leaves right however it ends: the hosts' leases and the record's end.
 
-* The leases (mnft.hosts.leases): taken on every host of the inventory (spares too) once the run is recorded and
-  before anything is checked, synced or started; a host busy with any login's operation, or whose lease file
-  mnft will not use, refuses the run (`refused`, exit 1, the hosts untouched). They are held on a connection of
-  their own for the whole run (through every attempt) and let go at its end; a run's keepers hold their host's
-  lease on until the run ends there (a detached run's too).
+* The leases (mnft.hosts.leases): the run's devices (--gpus G of them, or every one) and its workdir, taken on
+  every host of the inventory (spares too) once the run is recorded and before anything is checked, synced or
+  started; devices another run holds, a workdir in use, a host under setup or provision, or a lease file mnft will
+  not use refuse the run (`refused`, exit 1, the hosts untouched), unless it waits in line (--wait). They are held
+  on a connection of their own for the whole run (through every attempt) and let go at its end; a run's keepers
+  hold their host's leases on until the run ends there (a detached run's too).
 * An interrupt (Ctrl-C or SIGTERM, mnft.core.interrupts) in any phase (check, sync, launch, supervision, the wait
   before a restart) ends with run.json `interrupted` and the reason, after the phase's own unwinding tore the gang
   down and ended mnft's children.
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from mnft.core import interrupts
 from mnft.hosts import leases
@@ -30,18 +32,24 @@ class Guard:
     def __enter__(self) -> "Guard":
         return self
 
-    def hold(self, record: records.RunRecord | None, inventory: Inventory, run_id: str) -> None:
-        """The run is `record` (None: a dry run, which takes no lease); take every host's lease or refuse."""
+    def hold(self, record: records.RunRecord | None, inventory: Inventory, run_id: str, scope: leases.Scope | None = None,
+             on_wait: Callable[[str, dict], None] | None = None) -> None:
+        """The run is `record` (None: a dry run, which takes no lease); take on every host its devices (scope.gpus
+        of them, or every one) and its workdir, waiting in line when asked to, or refuse."""
         self.record = record
         if record is None:
             return
         self.fleet = Fleet(inventory)
-        self.leases = leases.Leases("train", run_id)
+        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=on_wait)
+        if scope is not None and scope.wait is not None:
+            record.update(state="waiting")
         try:
             self.leases.take(self.fleet, inventory.hosts)
         except leases.HostBusy as exc:
             record.update(state="refused", reason=str(exc))
             raise
+        record.update(devices={host: [d.get("index") for d in found] for host, found in self.leases.devices.items()},
+                      leases={host: paths for host, paths in self.leases.paths.items()})
 
     def __exit__(self, kind, exc, tb) -> None:
         try:

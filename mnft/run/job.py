@@ -52,7 +52,7 @@ METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "tensorboard", "re
 # torchrun options mnft sets itself (or that would break supervision, logs or ranks) are refused however argparse
 # would read them (abbreviated, --opt=value, PET_* variables): mnft.run.torchrunargs.
 
-JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires")
+JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus")
 # What mnft's recipes import beyond what reading their source finds (mnft.run.needs reads the rest).
 RECIPE_REQUIRES = ("torch", "transformers", "peft", "safetensors", "yaml")
 RESUME_KEYS = ("layout", "checkpoints", "pattern", "marker", "args", "exit_codes")
@@ -101,6 +101,7 @@ class Job:
     source: str | None = None  # the job file, for messages and the run record
     elastic: bool = False
     requires: tuple[str, ...] = ()  # modules every host's Python must import (a job file's `requires:`, a recipe's own)
+    gpus: int | None = None  # a job file's `gpus:`: the devices it takes on each host (--gpus overrides); None: every one
 
     @property
     def kind(self) -> str:
@@ -127,7 +128,7 @@ class Job:
             "resume": {"layout": self.resume.layout, "checkpoints": self.resume.checkpoints, "pattern": self.resume.pattern,
                        "marker": self.resume.marker, "args": list(self.resume.args), "exit_codes": list(self.resume.exit_codes)},
             "metrics": {"format": self.metrics.format, "path": self.metrics.path, "regex": self.metrics.regex},
-            "torchrun": list(self.torchrun), "elastic": self.elastic, "requires": list(self.requires),
+            "torchrun": list(self.torchrun), "elastic": self.elastic, "requires": list(self.requires), "gpus": self.gpus,
         }
 
 
@@ -141,6 +142,7 @@ def from_record(data: Mapping[str, Any]) -> Job:
         metrics=MetricsSource(metrics.get("format", "auto"), metrics.get("path"), metrics.get("regex")),
         torchrun=tuple(data.get("torchrun") or ()), name=data.get("name"), recipe=data.get("recipe"), source=data.get("source"),
         elastic=bool(data.get("elastic")), requires=tuple(data.get("requires") or ()),
+        gpus=data.get("gpus") if isinstance(data.get("gpus"), int) and not isinstance(data.get("gpus"), bool) else None,
     )
 
 
@@ -245,8 +247,11 @@ def load_job_file(path: Path) -> Job:
     for module in requires:
         if not _module_name(module):
             raise InputError(f"{at('requires')}: key 'requires': {module!r} is not a module name (the name you import, e.g. peft)")
+    gpus = doc.get("gpus")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 64):
+        raise InputError(f"{at('gpus')}: key 'gpus': {gpus!r}: a whole number of GPUs per host from 1 to 64 (leave it out: every GPU)")
     job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic,
-              requires=requires)
+              requires=requires, gpus=gpus)
     if doc.get("recipe") is not None:
         base = recipe_job(doc["recipe"])
         job = replace(job, recipe=doc["recipe"], resume=base.resume, metrics=base.metrics, requires=base.requires + requires)

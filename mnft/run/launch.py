@@ -72,6 +72,8 @@ class HostLaunch:
     collect: tuple[str, ...] = ()  # files / directories / globs `invoke logs` brings back besides the run directory
     checkpoints: str | None = None  # the job's checkpoints directory on this host
     timings: str | None = None  # the per-rank step timings this host's ranks write (mnft's recipes), a glob
+    devices: tuple[int, ...] = ()  # the GPUs this host's ranks see (CUDA_VISIBLE_DEVICES), when the run took some
+    leases: tuple[str, ...] = ()  # the lease files the run holds on this host: its keeper holds them to its end
 
     def spec(self, run_id: str, secrets: dict[str, str], options: LaunchOptions) -> dict:
         """What the host agent receives on stdin (the only place secret values travel)."""
@@ -89,6 +91,7 @@ class HostLaunch:
             "deadman": options.deadman,
             "grace": options.grace,
             "entry": ENTRY_SOURCE,  # the launch wrapper's source: the agent writes it as <run_dir>/entry.py
+            "leases": list(self.leases),
         }
 
     def display(self) -> dict:
@@ -231,13 +234,17 @@ def plan(
     secret_names: tuple[str, ...],
     latest_checkpoint: str | None = None,
     attempt: int = 1,
+    visible: dict[str, tuple[int, ...]] | None = None,
+    held: dict[str, tuple[str, ...]] | None = None,
 ) -> list[HostLaunch]:
     """One torchrun command per host for the job: `python -m torch.distributed.run <mnft's flags> <the job's torchrun
     options> <entry point> <job args> <command-line args> [<resume args>]`, with its environment.
 
     latest_checkpoint: on resume, the checkpoint mnft found (relative to the job's checkpoints directory), the
     value of {latest_checkpoint}. attempt: the attempt number after automatic restarts (its own run directory,
-    MNFT_ATTEMPT in the job's environment).
+    MNFT_ATTEMPT in the job's environment). visible: host -> the GPUs the run took there (--gpus), which its ranks
+    see as CUDA_VISIBLE_DEVICES, numbered as nvidia-smi numbers them (CUDA_DEVICE_ORDER=PCI_BUS_ID). held: host ->
+    the lease files the run holds there, handed to its keeper.
     """
     job = options.job
     if options.rdzv not in ("static", "c10d"):
@@ -284,6 +291,10 @@ def plan(
                     "MNFT_OUTPUT_DIR": values["output_dir"], "MNFT_JOB_ID": job_id, "MNFT_ATTEMPT": str(attempt)}
         host_env.update({name: fill(value, values) for name, value in job.env})
         host_env.update(env)
+        devices = tuple((visible or {}).get(host.name) or ())
+        if devices:
+            host_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+            host_env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
         iface = host.iface or ifaces.get(host.name)
         if iface:
             host_env["NCCL_SOCKET_IFNAME"] = iface
@@ -310,6 +321,8 @@ def plan(
                 collect=(collected(source.format, metrics_path) if metrics_path and rank0_here else ()) + ((timings,) if timings else ()),
                 checkpoints=host_path(host, fill(job.resume.checkpoints, values)),
                 timings=timings,
+                devices=devices,
+                leases=tuple((held or {}).get(host.name) or ()),
             )
         )
         offset += host.slots

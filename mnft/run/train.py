@@ -27,6 +27,8 @@ from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.command import shell_line, shell_word
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, Status
+from mnft.hosts.lab import check_gpus, with_gpus
+from mnft.hosts.leases import Scope
 from mnft.hosts.settings import Inventory
 from mnft.run import diagnose as diagnosing
 from mnft.run import launch as launching
@@ -60,6 +62,9 @@ class TrainOptions:
     dry_run: bool = False
     resume_run: str | None = None
     recovery: Policy = Policy()  # --max-restarts, --min-nodes (mnft.run.recover)
+    gpus: int | None = None  # --gpus G: G devices on each host (None: every device, as a host's slots say)
+    nodes: int | None = None  # --nodes N: N hosts of the inventory, where the devices are free
+    wait: float | None = None  # --wait [S]: wait in line for the devices (inf: as long as it takes)
 
 
 # ------------------------------------------------------------------------------------------------ port
@@ -133,6 +138,9 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
     if options.sync and (why := source_problem(tree)):
         raise InputError(why)
     needs = job_needs(job, tree, options.sync)  # a missing entry point: bad input, here
+    gpus = check_gpus(options.gpus if options.gpus is not None else job.gpus)
+    if options.nodes is not None:
+        inventory = picked_nodes(inventory, options, gpus, console)
     run_id = launching.new_run_id()
     job_id = job_id or run_id
     record = None
@@ -145,9 +153,17 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             recovery={"max_restarts": policy.max_restarts, "min_nodes": policy.min_nodes,
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
         )
-    guard.hold(record, inventory, run_id)  # a host another operation holds refuses the run here, untouched
+    # the run's devices and workdir on every host; taken by another run (or a host under setup) refuses it here,
+    # untouched, unless it waits in line
+    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait), on_wait=WaitLine(console).update)
+    held = guard.leases
+    visible = {h: tuple(d["index"] for d in found if d.get("index") is not None) for h, found in held.devices.items()} \
+        if held is not None and gpus is not None else {}
+    inventory = with_gpus(inventory, gpus)
     with Fleet(inventory) as fleet:
-        check_options = replace(options.check, find_free_port=True, required_files=needs.files, modules=needs.modules)
+        port_asked = options.check.port or rendezvous_port(inventory, visible)
+        check_options = replace(options.check, port=port_asked, find_free_port=True, required_files=needs.files, modules=needs.modules,
+                                own_devices=visible or None)
         report = gather_check(fleet, check_options)
         timings["check_s"] = round(time.monotonic() - t0, 3)
         spares = usable_spares(inventory, report, console)
@@ -157,7 +173,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         reached = {name: reach.ok for name, reach in report.reach.items()}
         port = chosen_port(report)
         run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory, reached,
-                  {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()})
+                  {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()},
+                  visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {})
         try:  # the launch plan refuses (slots, rendezvous, the master's address) before any byte is synced
             run.plan(inventory.gang(gang_names), report.master_addr, port, 1, lopts.resume)
         except InputError as exc:
@@ -180,6 +197,56 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             timings["sync_s"] = round(time.monotonic() - t_sync, 3)
         record.update(code_hash=code_hash, sync={"ok": True, "src": str(tree)} if options.sync else None, timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
+
+
+def rendezvous_port(inventory: Inventory, visible: dict[str, tuple[int, ...]]) -> int | None:
+    """Where the master's free-port search starts: past the inventory's port by the lowest GPU the run holds on
+    the master, so two runs on disjoint devices of one master never reach for the same port (None: the inventory's)."""
+    mine = visible.get(inventory.master_name) if inventory.master_name in visible else None
+    return inventory.rendezvous_port + min(mine) if mine else None
+
+
+def picked_nodes(inventory: Inventory, options: TrainOptions, gpus: int | None, console: Console) -> Inventory:
+    """--nodes N: the inventory cut to the N hosts picked where the devices are free (mnft.hosts.lab.pick_nodes),
+    after one look at every host; a dry run prints the pick and why."""
+    from mnft.hosts.lab import look, not_picked_line, pick_nodes
+
+    with Fleet(inventory) as fleet:
+        views = look(fleet, inventory.hosts)
+    pick = pick_nodes(inventory, views, options.nodes, gpus, wait=options.wait is not None)
+    if options.dry_run:
+        for name, why in pick.why:
+            console.print(Text.assemble((name, "bold"), f": {why}"), soft_wrap=True)
+    if pick.hosts is None:
+        from mnft.hosts.leases import HostBusy
+
+        raise HostBusy(not_picked_line(pick, options.nodes, gpus) + "; nothing was changed on any host")
+    if options.dry_run:
+        console.print(Text(f"--nodes {options.nodes}: {', '.join(pick.hosts)} (node_rank in this order)"), soft_wrap=True)
+    return inventory.only(pick.hosts)
+
+
+class WaitLine:
+    """What a run waiting in line says: each host's place and what holds the devices, a line each time it changes."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def update(self, host: str, reply: dict) -> None:
+        from mnft.hosts.leases import describe, holders_of
+
+        ahead = [describe(h) for h in reply.get("ahead") or []]
+        parts = [f"{host}: waiting in line, position {reply.get('position') or 1}"]
+        if ahead:
+            parts.append("ahead: " + "; ".join(ahead[:3]) + (f" and {len(ahead) - 3} more" if len(ahead) > 3 else ""))
+        if reply.get("what") == "workdir":
+            parts.append(f"workdir held by {describe(reply.get('holder'))}")
+        elif reply.get("what") == "host":
+            parts.append(f"the host is held by {describe(reply.get('holder'))}")
+        held = holders_of(reply.get("devices") or [])
+        if held:
+            parts.append("; ".join(held))
+        self.console.print(Text(" — ".join(parts), style="yellow"), soft_wrap=True)
 
 
 RESUME_FIX = ("give the job a resume rule in a job file (docs/jobs.md), e.g. for an HF Trainer script "
@@ -268,12 +335,15 @@ class Run:
     inventory: Inventory  # every host, spares included
     reached: dict[str, bool] = field(default_factory=dict)  # host -> it reached the master's port in the check
     pythons: dict[str, str] = field(default_factory=dict)  # host -> the Python that runs the job there
+    visible: dict[str, tuple[int, ...]] = field(default_factory=dict)  # host -> the GPUs the run took (--gpus)
+    held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> the lease files the run holds there
 
     def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
         return launching.plan(
             gang, master_addr=master_addr, port=port, run_id=self.run_id, job_id=self.job_id,
             options=replace(self.lopts, resume=resume), ifaces=self.ifaces, env=self.env,
             secret_names=tuple(sorted(self.secrets)), latest_checkpoint=latest, attempt=attempt,
+            visible=self.visible, held=self.held,
         )
 
     def dry_run(self, gang: Inventory, master_addr: str, port: int) -> int:

@@ -517,8 +517,9 @@ def sync_tree(
     fleet = fleet or Fleet(inventory, Timeouts(connect=SSH_CONNECT_TIMEOUT, command=HASH_TIMEOUT))
     targets = {h.name: (h.workdir if kind == "code" else h.data_dir) for h in inventory.hosts}
     try:
-        # the hosts' leases first (dry run: none): one operation per host; a busy host refuses, nothing touched
-        with leases.hold(fleet, inventory.hosts, "sync", skip=dry_run), tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
+        # the directory's lease on each host first (dry run: none): one sync or run per directory; a busy one refuses,
+        # nothing touched; another user's run on the same hosts does not
+        with leases.hold(fleet, inventory.hosts, "sync", skip=dry_run, scope=leases.sync_scope(kind)), tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
             rules_file = str(Path(tmp) / "excludes")
             nonce = None if dry_run else secrets.token_hex(8)  # a dry run leaves no mark: it changes nothing
             before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce)

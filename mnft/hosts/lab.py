@@ -1,0 +1,193 @@
+"""The lab as its people share it: every host's devices and who holds or uses each, in one round-trip per host.
+
+read (`look`): each host's lease directory and nvidia-smi, through mnft.hosts.leasehost's `lab` mode; plan (pure):
+the rows of `mnft lab` (`rows`), how many devices a host has free (`free_count`), and which hosts a run asking
+`--nodes N --gpus G` takes (`pick_nodes`). What a lease file says is anyone's writing: it is shown cut and
+without control characters (mnft.hosts.leases.shown); who holds a lease is also told from /proc/locks (the
+kernel's record of the flock's holder and that process's owner), which no user can forge.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from mnft.core.errors import InputError
+from mnft.hosts import leases
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.settings import Host, Inventory
+
+
+def look(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
+    """host -> its lab view (leasehost.lab), or {"error", "status"} for a host that did not answer."""
+    return leases.lab(fleet, hosts)
+
+
+def free_count(view: dict) -> int:
+    """Devices nobody holds or uses on a host (a host without GPUs: its CPUs, one device)."""
+    return sum(1 for d in view.get("devices") or [] if d.get("state") == "free")
+
+
+def device_count(view: dict) -> int:
+    return len(view.get("devices") or [])
+
+
+def has_gpus(view: dict) -> bool:
+    return any(d.get("index") is not None for d in view.get("devices") or [])
+
+
+def lockers_users(device: dict) -> list[str]:
+    """The users /proc/locks says hold a lease (each locker is "user pid N")."""
+    return sorted({str(w).split(" pid ")[0] for w in device.get("lockers") or []})
+
+
+def holder_user(device: dict) -> str | None:
+    """Who holds a device: the owner of the process holding its lock (the kernel's word), else the login the lease
+    file names."""
+    users = lockers_users(device)
+    return ", ".join(users) if users else leases.holder_login(device.get("holder"))
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of `mnft lab`: a device of a host (or the host when it did not answer)."""
+
+    host: str
+    device: str  # "0", "1" … or "cpu" or "-"
+    state: str  # free | held | outside | unreachable | failed | waiting
+    user: str | None = None
+    run: str | None = None
+    command: str | None = None
+    since: float | None = None
+    memory: str | None = None  # "12034/81559 MiB"
+    utilization: int | None = None
+    detail: str | None = None  # the lease file's own words when /proc/locks disagrees; an error
+
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
+    """The table of `mnft lab`, hosts in inventory order, each device in index order, then the host's line."""
+    out: list[Row] = []
+    for host in inventory.hosts:
+        view = views.get(host.name) or {"error": "no answer", "status": "failed"}
+        if view.get("error") and not view.get("devices"):
+            out.append(Row(host.name, "-", view.get("status") or "failed", detail=leases.shown(view["error"], 200)))
+            continue
+        for d in view.get("devices") or []:
+            key = "cpu" if d.get("index") is None else str(d.get("index"))
+            total, used = d.get("memory_total_mib"), d.get("memory_used_mib")
+            memory = f"{used}/{total} MiB" if isinstance(total, int) and isinstance(used, int) else None
+            util = d.get("utilization") if isinstance(d.get("utilization"), int) else None
+            state = d.get("state") or "free"
+            if state == "held":
+                holder = d.get("holder") or {}
+                claimed, proven = leases.holder_login(holder), lockers_users(d)
+                detail = f"the lease file names {claimed}" if proven and claimed and claimed not in proven else None
+                out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), leases.shown(holder.get("command"), 20),
+                               _number(holder.get("taken") or holder.get("started")), memory, util, detail))
+            elif state == "outside":
+                procs = d.get("processes") or []
+                users = sorted({leases.shown(p.get("user")) or "?" for p in procs})
+                pids = ", ".join(f"pid {leases.shown(p.get('pid'))}" for p in procs[:4])
+                out.append(Row(host.name, key, "outside", ", ".join(users), None, None, None, memory, util, f"in use outside mnft: {pids}"))
+            else:
+                out.append(Row(host.name, key, "free", memory=memory, utilization=util))
+        for place, waiting in enumerate(view.get("line") or [], 1):
+            want = waiting.get("want")
+            out.append(Row(host.name, f"#{place}", "waiting", leases.holder_login(waiting) or leases.shown(waiting.get("user")),
+                           leases.shown(waiting.get("run_id")), leases.shown(waiting.get("command"), 20), _number(waiting.get("queued")),
+                           detail=f"wants {'every device' if want is None else f'{want} GPU(s)'}"))
+    return out
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < 1e11 else None
+
+
+def since(value: float | None, now: float | None = None) -> str:
+    """"12m" / "3h05m" / "2d" ago."""
+    if value is None:
+        return ""
+    seconds = max(0, int((now or time.time()) - value))
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{(seconds % 3600) // 60:02d}m"
+    return f"{seconds // 86400}d"
+
+
+# ------------------------------------------------------------------------------------------------ --nodes
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The hosts a run takes (inventory order) and, per host of the inventory, why it was or was not taken."""
+
+    hosts: tuple[str, ...] | None  # None: not enough hosts
+    why: tuple[tuple[str, str], ...]
+
+
+def pick_nodes(inventory: Inventory, views: dict[str, dict], nodes: int, gpus: int | None, wait: bool = False) -> Pick:
+    """The first `nodes` training hosts of the inventory (its order: node_rank follows it) on which the run's
+    devices are free now (`gpus` of them, or every one). With `wait`, hosts where they are not free now but could
+    be (enough devices in all) make up the rest, those with the most free first."""
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise InputError(f"--nodes {nodes!r}: a whole number ≥ 1")
+    training = [h for h in inventory.hosts if not h.spare]
+    if nodes > len(training):
+        raise InputError(f"--nodes {nodes}: {inventory.path or 'the inventory'} has {len(training)} training host(s)")
+    why: dict[str, str] = {}
+    ready, could = [], []
+    for host in training:
+        view = views.get(host.name) or {}
+        if view.get("error") and not view.get("devices"):
+            why[host.name] = f"left out: {view.get('status') or 'failed'} ({leases.shown(view['error'], 120)})"
+            continue
+        free, count = free_count(view), device_count(view)
+        needed = count if gpus is None else gpus
+        if gpus is not None and not has_gpus(view):
+            why[host.name] = f"left out: no GPUs (no nvidia-smi) for --gpus {gpus}"
+        elif free >= needed and count:
+            ready.append(host.name)
+            why[host.name] = f"{free} of {count} device(s) free"
+        elif count >= needed:
+            could.append((free, host.name))
+            why[host.name] = f"{free} of {count} device(s) free, {needed} needed"
+        else:
+            why[host.name] = f"left out: {count} device(s), {needed} needed"
+    chosen = ready[:nodes]
+    if len(chosen) < nodes and wait:
+        chosen += [name for _, name in sorted(could, key=lambda c: -c[0])][: nodes - len(chosen)]
+    if len(chosen) < nodes:
+        return Pick(None, tuple((h.name, why.get(h.name, "")) for h in training))
+    order = [h.name for h in training if h.name in chosen]
+    for name in order:
+        why[name] = "picked: " + why[name] + ("" if name in ready else " (waits in line)")
+    return Pick(tuple(order), tuple((h.name, why.get(h.name, "")) for h in training))
+
+
+def with_gpus(inventory: Inventory, gpus: int | None) -> Inventory:
+    """The inventory as a run of `gpus` devices per host sees it: that many processes on each host (slots)."""
+    from dataclasses import replace
+
+    if gpus is None:
+        return inventory
+    return replace(inventory, hosts=tuple(replace(h, slots=gpus) for h in inventory.hosts))
+
+
+def not_picked_line(pick: Pick, nodes: int, gpus: int | None) -> str:
+    asked = "every device" if gpus is None else f"{gpus} free GPU(s)"
+    return (f"--nodes {nodes}: fewer than {nodes} host(s) have {asked}: " + "; ".join(f"{h}: {w}" for h, w in pick.why)
+            + " (--wait to wait in line; `mnft lab` shows the lab)")
+
+
+def check_gpus(gpus: Sequence | int | None) -> int | None:
+    """--gpus G (a job file's `gpus:`): a whole number of devices per host, ≥ 1 (None: every device)."""
+    if gpus is None:
+        return None
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 64:
+        raise InputError(f"--gpus {gpus!r}: a whole number of GPUs per host from 1 to 64")
+    return gpus
