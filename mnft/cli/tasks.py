@@ -194,6 +194,13 @@ def _record_fleet(run, hosts):
     return record, Fleet(inv)
 
 
+def _someone_elses(run) -> bool:
+    """A run id this controller has no record of (another user's run, seen in `mnft lab`)."""
+    from mnft.run import records
+
+    return bool(run) and isinstance(run, str) and bool(records.RUN_ID.fullmatch(run)) and not (records.runs_root() / run / "run.json").is_file()
+
+
 def _slurm_record(run):
     """The run's record when it is a Slurm run (status, stop and logs then ask Slurm), else None."""
     from mnft.run import records
@@ -352,6 +359,10 @@ def status(c, run=None, json=False, hosts=None):
     from mnft.run.control import supervisor
     from mnft.run.report import print_status
 
+    if _someone_elses(run):  # not started from here: as its leases on the hosts show it
+        from mnft.run import others
+
+        return others.print_status(run, others.find(_inventory(hosts), run), json, _console())
     if (slurm_run := _slurm_record(run)) is not None:
         from mnft.slurm.submit import status as slurm_status
 
@@ -369,6 +380,13 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     from mnft.run.control import stop as run_stop
     from mnft.run.report import print_stop
 
+    if _someone_elses(run):  # another user's run (only its holder or root may stop it)
+        from mnft.run import others
+
+        inv = _inventory(hosts)
+        held = others.find(inv, run)
+        others.refuse_stop(run, held)
+        return others.print_stop(run, others.stop(inv, run, held, float(grace)), json, _console())
     if (slurm_run := _slurm_record(run)) is not None:
         from mnft.slurm.submit import stop as slurm_stop
 

@@ -13,6 +13,7 @@ Python 3.8 syntax; shipped to hosts with mnft.hosts.pyrun (mnft.hosts.leases is 
             {"waiting": …} line each time its place or what holds the devices changes, until they are taken
     show    who holds the host's lease now, if anyone
     lab     the host for `mnft lab`: its lease, every device and who holds or uses it, workdirs held, the line
+    rundirs RUN   the run directories of the keepers that hold RUN's leases (root's stop of another user's run)
 
 The lease is machine-wide: one file for every login user of the host, mnft-lease.json in the lease directory:
 $MNFT_LEASE_DIR if set (an absolute path, the same for every user: tests, or a lab that wants it elsewhere),
@@ -750,6 +751,27 @@ def lab():
     return out
 
 
+def run_dirs(run_id):
+    """The run directories of the keepers holding the run's leases here (a keeper works in its run directory):
+    those processes are the run's (their environment carries its id), found through /proc/locks, not by name."""
+    found = []
+    for name, holder, who in held_leases((DEVICE_PREFIX, WORK_PREFIX, LEASE_NAME[:-5])):
+        named = _text(holder, "run_id")
+        if not named or not (run_id == named or run_id.startswith(named + "-a")):
+            continue
+        for locker in who:
+            pid = int(locker.rsplit(" ", 1)[1])
+            if not any(e.startswith((RUN_ID_VAR + "=" + named).encode()) for e in _environ(pid)):
+                continue
+            try:
+                cwd = os.readlink("/proc/%d/cwd" % pid)
+            except OSError:
+                continue
+            if os.path.isfile(os.path.join(cwd, "spec.json")) and cwd not in found:
+                found.append(cwd)
+    return found
+
+
 def _failure(exc):
     """The reply for a lease that could not be taken or read: refused (a file mnft will not use) or an error."""
     try:
@@ -963,6 +985,12 @@ def main(argv):
     mode = argv[0] if argv else ""
     if mode == "hold":
         return hold()
+    if mode == "rundirs" and len(argv) == 2:
+        try:
+            print(json.dumps({"run_dirs": run_dirs(argv[1])}))
+        except (OSError, Refused) as exc:
+            print(json.dumps(_failure(exc)))
+        return 0
     if mode in ("show", "lab"):
         try:
             print(json.dumps(show() if mode == "show" else lab()))
