@@ -475,11 +475,17 @@ def read_devices(topology=False):
 
 
 def _existing(name):
-    """A descriptor on an existing lease file of the lease directory (None: there is none)."""
-    path = os.path.join(lease_dir(), name)
-    if not os.path.lexists(path):
+    """A read-only descriptor on an existing lease file of the lease directory, never created, never through a
+    link (None: there is none, or it is not a file mnft would use: whoever planted it holds nothing by it)."""
+    try:
+        fd = os.open(os.path.join(lease_dir(), name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
         return None
-    return open_shared(path, False, LEASE_MODE)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        return None
+    return fd
 
 
 def _held_by(name, op=None):
@@ -521,10 +527,7 @@ def tickets(skip=None):
         return []
     line = []
     for name in names:
-        try:
-            fd = _existing(name)
-        except (OSError, Refused):
-            continue
+        fd = _existing(name)
         if fd is None:
             continue
         try:
