@@ -173,3 +173,29 @@ def test_a_run_on_gpus_sees_exactly_its_devices_numbered_as_nvidia_smi_numbers_t
     assert "--nproc-per-node" in plans[0].argv and plans[0].argv[plans[0].argv.index("--nproc-per-node") + 1] == "2"
     assert plans[0].spec("R", {}, launch.LaunchOptions())["leases"] == ["/run/lock/mnft-dev-gpu2.json"]
     assert json.dumps(plans[1].spec("R", {}, launch.LaunchOptions())["leases"]) == "[]"
+
+
+def test_check_tells_another_users_run_from_a_leftover_of_your_own_and_judges_only_a_runs_own_gpus():
+    from mnft.check.rules import gpus_in_use
+
+    leftover = {"index": 0, "processes": [{"pid": 11, "user": "root", "mine": True}]}
+    theirs = {"index": 1, "processes": [{"pid": 12, "user": "bob", "mine": False}]}
+    held = {"index": 2, "processes": [{"pid": 13, "user": "bob", "mine": False}],
+            "lease": {"holder": {"run_id": "R2", "command": "train", "user": "bob", "login": "bob", "controller": "ctl", "pid": 9,
+                                 "started": NOW}, "lockers": ["bob pid 98"]}}
+    found = {p.message: (p.severity, p.fix) for p in gpus_in_use("h1", [leftover, theirs, held, {"index": 3, "processes": []}])}
+    assert found["GPU 0 is held by your process(es) 11"][0] == "warning"
+    assert found["GPU 1 is in use by bob (pid 12)"][0] == "note"
+    message = next(m for m in found if m.startswith("GPU 2 is held by another user's train run R2 by bob@ctl pid 9 since "))
+    assert found[message][0] == "note"
+    assert len(found) == 3
+    assert [p.message for p in gpus_in_use("h1", [leftover, theirs, held], own=(1,))] == ["GPU 1 is in use by bob (pid 12)"]
+
+
+def test_two_runs_on_one_master_search_for_their_rendezvous_port_from_different_places():
+    from mnft.run.train import rendezvous_port
+
+    inv = inventory(2)
+    assert rendezvous_port(inv, {"h1": (2, 3), "h2": (0, 1)}) == inv.rendezvous_port + 2
+    assert rendezvous_port(inv, {"h1": (0, 1)}) == inv.rendezvous_port
+    assert rendezvous_port(inv, {}) is None  # no --gpus: the inventory's port, as before

@@ -164,8 +164,25 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
         gather_network(fleet, report, options)
     if options.required_files:
         report.problems.extend(missing_files(fleet, [h for h in inventory.hosts if h.name in facts], options.required_files))
+    if options.own_devices is None:
+        gpu_leases(fleet, [h for h in inventory.hosts if h.name in facts], facts)
     report.problems.extend(evaluate(inventory, facts, report, options))
     return report
+
+
+def gpu_leases(fleet: Fleet, hosts: list[Host], facts: dict[str, dict]) -> None:
+    """On hosts where a GPU is in use, whose run holds it (each GPU's "lease": the lab's word, mnft.hosts.lab),
+    asked only there: a lab with every GPU idle costs no round-trip more."""
+    busy = [h for h in hosts if any(g.get("processes") for g in (facts[h.name].get("nvidia") or {}).get("gpus") or [])]
+    if not busy:
+        return
+    from mnft.hosts import leases
+
+    for name, view in leases.lab(fleet, busy).items():
+        held = {d.get("index"): d for d in view.get("devices") or [] if d.get("state") == "held"}
+        for gpu in (facts[name].get("nvidia") or {}).get("gpus") or []:
+            if gpu.get("index") in held:
+                gpu["lease"] = {"holder": held[gpu["index"]].get("holder"), "lockers": held[gpu["index"]].get("lockers")}
 
 
 def missing_files(fleet: Fleet, hosts: list[Host], paths: tuple[str, ...]) -> list[Problem]:

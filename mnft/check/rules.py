@@ -8,6 +8,7 @@ from typing import Any
 
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
 from mnft.env.diff import compare
+from mnft.hosts.leases import describe, verified
 from mnft.hosts.settings import Host, Inventory
 
 
@@ -137,7 +138,14 @@ def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None)
             continue
         theirs = [p for p in procs if p.get("mine") is False]
         pids = ", ".join(str(p.get("pid")) for p in procs)
-        if theirs and len(theirs) == len(procs):
+        lease = gpu.get("lease")
+        if lease and own is None:  # a run of mnft holds it: whose, which, since when (the lock's holder, not the file's word)
+            mine = not theirs
+            whose = "your" if mine else "another user's"
+            problems.append(Problem(host, "gpus", f"GPU {gpu.get('index')} is held by {whose} "
+                                    f"{describe(lease.get('holder'))}{verified(lease.get('holder'), lease.get('lockers'))}",
+                                    "a run holds it: --gpus G takes free GPUs beside it; `mnft lab` shows the lab", "note"))
+        elif theirs and len(theirs) == len(procs):
             users = ", ".join(sorted({str(p.get("user")) for p in theirs}))
             problems.append(Problem(host, "gpus", f"GPU {gpu.get('index')} is in use by {users} (pid {pids})",
                                     "another user's work: `mnft lab` shows whose run and since when; --gpus G takes free GPUs beside it", "note"))
