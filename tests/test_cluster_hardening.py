@@ -106,18 +106,19 @@ def test_a_second_train_on_busy_hosts_is_refused_naming_the_holder_and_stop_ends
 
     second = mnft(tmp_path, "train", "--hosts", inv, "--src", str(lab_scripts), "--", "long.py")
     assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
-    line = [ln for ln in second.stderr.splitlines() if "is busy" in ln]
-    assert line and line[0].startswith(f"mnft: h1 is busy: train run {run_id} by root@") and f"(mnft stop {run_id}, or wait)" in line[0], second.stderr
+    line = [ln for ln in second.stderr.splitlines() if "is busy" in ln]  # its workdir is the first run's
+    assert line and line[0].startswith(f"mnft: h1: workdir /root/mnft is busy: train run {run_id} by root@"), second.stderr
+    assert f"(mnft stop {run_id}, wait, or give this run another workdir)" in line[0], second.stderr
     assert "Traceback" not in second.stderr
     assert latest_record(tmp_path)["state"] == "refused"
     assert marker.is_file() and "changed after" not in (h1.home / "mnft" / "long.py").read_text()  # not re-synced
     synced = mnft(tmp_path, "sync", "--hosts", inv, "--src", str(lab_scripts))
-    assert synced.returncode == 1 and "h1 is busy: train run" in synced.stderr, synced.stderr
+    assert synced.returncode == 1 and f"h1: workdir /root/mnft is busy: train run {run_id}" in synced.stderr, synced.stderr
     assert marker.is_file()
 
     status = mnft(tmp_path, "status", run_id)
     assert status.returncode == 0, status.stdout + status.stderr
-    assert f"h1: lease held by train run {run_id} by root@" in status.stdout
+    assert f"h1: its CPUs held by train run {run_id} by root@" in status.stdout
     assert {h["state"] for h in json.loads(mnft(tmp_path, "status", run_id, "--json").stdout)["hosts"].values()} == {"running"}
 
     # another run's process on h1 (its own tag): stop ends exactly this run

@@ -1,10 +1,12 @@
-"""Issue 19, class 6, on a real simulated cluster: two login users of one host are kept apart by its lease.
+"""Issue 19, class 6, and issue 29 on a real simulated cluster: two login users of one host are kept apart by its
+leases, and one's sync never waits for the other's run.
 
 Root (with torch, as the lab's admin would run a job) and bob (a plain login user of the host, whose Python has no
-torch: what he takes there is the lease, through mnft's own controller code over SSH, and `sync`) share h1. While
-one of them holds h1, the other's train or sync is refused naming him, and nothing changes on the host for the one
-refused; once the holder is done, the other gets the host. A file planted at the lease path by a user is refused
-and nothing is written through it. One private host: users are added to its copies of /etc/passwd."""
+torch: what he takes there are leases, through mnft's own controller code over SSH, and `sync`) share h1, a host
+without GPUs: its CPUs are one device. While one of them holds it, the other's train is refused naming him, and
+nothing changes on the host for the one refused; bob's sync of his own workdir goes on beside root's run; once the
+holder is done, the other gets the device. A file planted at a lease path by a user is refused and nothing is
+written through it. One private host: users are added to its copies of /etc/passwd."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ pytestmark = [pytest.mark.cluster]
 
 REPO = Path(__file__).resolve().parent.parent
 BOB_HOME = "/tmp/home-bob"  # inside the host (its private /tmp), as Cluster.add_user makes it
-LEASE = "/tmp/mnft-lease.json"  # the host has no /run/lock: the lease directory is /tmp
+DEVICE = "/tmp/mnft-dev-cpu.json"  # h1 has no /run/lock (the lease directory is /tmp) nor nvidia-smi (its CPUs are its one device)
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +57,7 @@ def on_h1(cluster, path: str) -> Path:
     return h1.home / path[len("/root/"):] if path.startswith("/root/") else h1.root / "tmp" / path[len("/tmp/"):]
 
 
-def busy_line(done: subprocess.CompletedProcess) -> str:
-    lines = [ln for ln in done.stderr.splitlines() if "is busy" in ln]
-    assert done.returncode == 1 and lines and "Traceback" not in done.stderr, done.stdout[-2000:] + done.stderr[-2000:]
-    return lines[0]
-
-
-def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, lab_scripts):
+def test_two_login_users_of_a_host_are_kept_apart_by_its_device_lease_and_a_sync_does_not_wait_for_the_other(lab, tmp_path, lab_scripts):
     from mnft.hosts import leases
     from mnft.hosts.fleet import Fleet
     from mnft.hosts.inventory import load
@@ -69,62 +65,73 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_lease(lab, tmp_path, la
     root_inv, bob_inv = inventories(lab, tmp_path)
     root_workdir, bob_workdir = on_h1(lab, "/root/mnft"), on_h1(lab, f"{BOB_HOME}/mnft")
 
-    # bob holds h1 (his controller's hold process, as bob on the host): root's train is refused naming bob
+    # bob's run holds h1's device (his controller's hold process, as bob on the host): root's train is refused naming bob
     with Fleet(load(bob_inv)) as fleet:
-        bobs = leases.Leases("train", run_id="20260101-0900-b0b0")
+        bobs = leases.Leases("train", run_id="20260101-0900-b0b0", scope=leases.Scope())
         bobs.take(fleet, fleet.inventory.hosts)
         try:
-            assert list(bobs.processes) == ["h1"]
+            assert list(bobs.processes) == ["h1"] and bobs.devices == {"h1": [{"index": None, "uuid": None, "name": "cpu"}]}
             refused = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(lab_scripts), "--", "quick.py")
-            line = busy_line(refused)
-            assert line.startswith("mnft: h1 is busy: train run 20260101-0900-b0b0 by bob (")
-            assert line.endswith("(wait, or ask bob; `mnft status 20260101-0900-b0b0` on " + json.loads(on_h1(lab, LEASE).read_text())["controller"]
-                                 + " shows it); nothing was changed on any host")
+            line = [ln for ln in refused.stderr.splitlines() if "asked, 0 of 1 free" in ln]
+            assert refused.returncode == 1 and line and "Traceback" not in refused.stderr, refused.stdout[-2000:] + refused.stderr[-2000:]
+            controller = json.loads(on_h1(lab, DEVICE).read_text())["controller"]
+            assert line[0].startswith("mnft: h1: every device of the host (no --gpus) asked, 0 of 1 free: the host's CPUs: "
+                                      f"train run 20260101-0900-b0b0 by bob (root@{controller}) pid ")
+            assert line[0].endswith("(--wait to wait in line; `mnft lab` shows the lab); nothing was changed on any host")
             assert latest_record(tmp_path)["state"] == "refused"
             assert not root_workdir.exists()  # nothing synced, nothing started
         finally:
             bobs.release()
 
-    # bob let go: root's run gets h1, and its keeper holds it while it runs (detached: no controller holds it)
+    # bob let go: root's run gets h1, and its keeper holds the device while it runs (detached: no controller holds it)
     started = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(lab_scripts), "--detach", "--", "long.py")
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     run_id = started.stdout.strip().splitlines()[-1]
     assert (root_workdir / "long.py").is_file()
-    holder = json.loads(on_h1(lab, LEASE).read_text())
+    holder = json.loads(on_h1(lab, DEVICE).read_text())
     assert holder["run_id"] == run_id and holder["login"] == "root"
-    assert on_h1(lab, LEASE).stat().st_mode & 0o777 == 0o666  # made by root, usable by bob
+    assert on_h1(lab, DEVICE).stat().st_mode & 0o777 == 0o666  # made by root, usable by bob
 
-    # bob cannot read root's processes' environments: the keeper's flock is what tells him the run is alive
-    line = busy_line(mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(lab_scripts)))
-    assert line.startswith(f"mnft: h1 is busy: train run {run_id} by root@")
-    assert f"(wait, or ask root; `mnft status {run_id}` on " in line
-    assert not bob_workdir.exists()
+    # bob's sync of his own workdir does not wait for root's run
+    synced = mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(lab_scripts))
+    assert synced.returncode == 0, synced.stdout[-2000:] + synced.stderr[-2000:]
+    assert (bob_workdir / "long.py").is_file() and (bob_workdir / "long.py").stat().st_uid != 0
+
+    # bob cannot read root's processes' environments: the keeper's flock is what tells him the run holds the device
+    with Fleet(load(bob_inv)) as fleet:
+        with pytest.raises(leases.HostBusy, match=rf"^h1: every device of the host \(no --gpus\) asked, 0 of 1 free: the host's CPUs: train run {run_id} by root@"):
+            leases.Leases("train", run_id="20260101-0901-b0b1", scope=leases.Scope()).take(fleet, fleet.inventory.hosts)
+        lab_view = leases.lab(fleet, fleet.inventory.hosts)["h1"]["devices"][0]
+        assert lab_view["state"] == "held" and [w.split(" pid ")[0] for w in lab_view["lockers"]] == ["root"]  # the kernel's word
 
     status = mnft(tmp_path, "status", run_id)
-    assert f"h1: lease held by train run {run_id} by root@" in status.stdout, status.stdout + status.stderr
+    assert f"h1: its CPUs held by train run {run_id} by root@" in status.stdout, status.stdout + status.stderr
 
     stopped = mnft(tmp_path, "stop", run_id, "--grace", "2")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    synced = mnft(tmp_path, "sync", "--hosts", bob_inv, "--src", str(lab_scripts))  # the run ended: bob gets h1
-    assert synced.returncode == 0, synced.stdout[-2000:] + synced.stderr[-2000:]
-    assert (bob_workdir / "long.py").is_file() and (bob_workdir / "long.py").stat().st_uid != 0
-    assert json.loads(on_h1(lab, LEASE).read_text())["login"] == "bob"
+    with Fleet(load(bob_inv)) as fleet:  # the run ended: bob gets h1's device
+        with leases.hold(fleet, fleet.inventory.hosts, "train", "20260101-0902-b0b2", scope=leases.Scope()) as held:
+            assert held.devices == {"h1": [{"index": None, "uuid": None, "name": "cpu"}]}
+            assert json.loads(on_h1(lab, DEVICE).read_text())["login"] == "bob"
 
 
-def test_a_link_planted_at_the_lease_path_by_a_user_is_refused_and_what_it_names_is_untouched(lab, tmp_path, lab_scripts):
+def test_a_link_planted_at_a_lease_path_by_a_user_is_refused_and_what_it_names_is_untouched(lab, tmp_path, lab_scripts):
+    from mnft.hosts.leasehost import work_name
+
     root_inv, _ = inventories(lab, tmp_path)
+    workdir_lease = "/tmp/" + work_name("/root/mnft")  # what a sync of /root/mnft takes
     (lab_scripts / "new-in-this-sync.txt").write_text("a file no sync has brought yet\n")
     precious = on_h1(lab, "/tmp/precious")  # a file of root's that bob knows the name of
     precious.write_text("root's, not a lease\n")
-    lease = on_h1(lab, LEASE)
+    lease = on_h1(lab, workdir_lease)
     if lease.exists():
         lease.unlink()
-    bob = lab.run(lab.hosts[0], ["su", "bob", "-s", "/bin/sh", "-c", f"ln -s /tmp/precious {LEASE}"], check=False)
+    bob = lab.run(lab.hosts[0], ["su", "bob", "-s", "/bin/sh", "-c", f"ln -s /tmp/precious {workdir_lease}"], check=False)
     assert bob.returncode == 0, bob.stderr
     try:
         refused = mnft(tmp_path, "sync", "--hosts", root_inv, "--src", str(lab_scripts))
         assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
-        assert (f"h1: no lease can be taken: {LEASE} is a symbolic link, never followed by mnft (owner bob): remove it (as bob or root) "
+        assert (f"h1: no lease can be taken: {workdir_lease} is a symbolic link, never followed by mnft (owner bob): remove it (as bob or root) "
                 "when no mnft runs on this host; nothing was changed on any host") in refused.stderr
         assert precious.read_text() == "root's, not a lease\n"
         assert not on_h1(lab, "/root/mnft/new-in-this-sync.txt").exists()

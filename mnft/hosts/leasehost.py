@@ -591,7 +591,8 @@ def take_devices(holder, devices, links):
     want = scope.get("gpus")  # None: every device (a run without --gpus); 0: none (a sync)
     host_held, host_holder, _ = _held_by(LEASE_NAME)
     if host_held:
-        return {"busy": True, "what": "host", "holder": host_holder}, []
+        same = isinstance(host_holder, dict) and host_holder.get("uid") == os.getuid()
+        return {"busy": True, "what": "host", "holder": host_holder, "same_login": same}, []
     workdir = scope.get("workdir")
     if workdir:
         held, previous, who = _held_by(work_name(workdir), holder.get("op"))

@@ -136,8 +136,8 @@ def holders_of(devices: Sequence[dict]) -> list[str]:
 def scope_busy_line(host: str, reply: dict) -> str:
     """Why a run (or a sync) cannot have what it asked of a host: its devices, its workdir, the whole host."""
     what = reply.get("what")
-    if what == "host":
-        return f"{host} is busy: {describe(reply.get('holder'))} changes the whole host (wait for it to end)"
+    if what == "host":  # setup or provision changes the whole host now
+        return busy_line(host, reply.get("holder"), 0, reply.get("same_login", True))
     if what == "workdir":
         holder = reply.get("holder")
         run_id = shown((holder or {}).get("run_id"))

@@ -39,6 +39,11 @@ def query(record: records.RunRecord, fleet: Fleet, mode: str, *args: str):
     )
 
 
+def runs_lease(run_id: str, named) -> bool:
+    """Whether a lease naming `named` is this run's (any attempt of it)."""
+    return isinstance(named, str) and bool(named) and (run_id == named or run_id.startswith(named + "-a") or named.startswith(run_id + "-a"))
+
+
 def write_back(record: records.RunRecord, states: dict[str, dict]) -> None:
     """A detached run's end, as status/logs see it on the hosts, goes into its record: per host state and exit
     code, and the run's state once every host has ended (succeeded only if every host exited 0)."""
@@ -114,7 +119,7 @@ def supervisor(record: records.RunRecord, now: float | None = None) -> dict | No
 
 
 def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
-    """Each host's state, its last metrics, who holds its lease (mnft.hosts.leases), and whether it is the gang's
+    """Each host's state, its last metrics, the devices the run holds there (mnft.hosts.leases), and whether it is the gang's
     straggler: as the run's supervisor names
     them when one is attached (sustained over several samples), else from the hosts' samples now (mnft.run.straggler,
     over the ranks' recent steps and the hosts' utilisation)."""
@@ -122,7 +127,7 @@ def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
 
     out = {}
     queried = query(record, fleet, "status")
-    held = leases.show(fleet, [fleet.inventory.host(name) for name in queried.by_host])  # who holds each host now
+    views = leases.lab(fleet, [fleet.inventory.host(name) for name in queried.by_host])  # who holds each host's devices now
     for result in queried:
         if result.ok:
             state = json.loads(result.stdout.strip().splitlines()[-1])
@@ -137,8 +142,11 @@ def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
             out[result.host] = state
         else:
             out[result.host] = {"state": result.status.value, "error": result.error}
-        if held.get(result.host, {}).get("held"):
-            out[result.host]["lease"] = held[result.host]["holder"] or {}
+        mine = [d for d in (views.get(result.host) or {}).get("devices") or []
+                if d.get("state") == "held" and runs_lease(record.run_id, (d.get("holder") or {}).get("run_id"))]
+        if mine:
+            out[result.host]["lease"] = mine[0].get("holder") or {}
+            out[result.host]["devices"] = [d.get("index") for d in mine]
     live = supervisor(record)
     if live is not None:
         for found in live.get("stragglers") or []:

@@ -46,7 +46,9 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                                   + (f" ({live['note']})" if live.get("note") else ""), "yellow" if (live.get("attempt") or 1) > 1 else ""))
         for name, st in states.items():
             if st.get("lease") is not None:
-                console().print(plain(f"{name}: lease held by {describe_holder(st['lease'])}"))
+                held = st.get("devices") or []
+                what = "its CPUs" if held == [None] else "GPU " + ", ".join(str(d) for d in held)
+                console().print(plain(f"{name}: {what} held by {describe_holder(st['lease'])}"))
             if st.get("meaning"):
                 console().print(plain(f"{name}: exit code {st.get('exit_code')}: {st['meaning']}", "yellow"))
             if st.get("straggler"):
