@@ -12,8 +12,10 @@
     fleet       one command on every host in parallel, one outcome per host (ok/failed/unreachable/rejected)
     fanin       hosts connecting to hosts: batches no sshd receives more than K of (MaxStartups), drops retried
     pyrun       a stdlib-only Python script run on a host in one round-trip
-    leases      one operation per host at a time: the controller takes, holds and lets go of host leases
-    leasehost   a host's lease file and its flock: take, hold while the controller's channel lives, show
-                (stdlib only)
+    leases      the controller takes, holds and lets go of leases: a run's devices and workdir, a sync's
+                directory, the whole host for setup and provision; waits in line for them (--wait)
+    leasehost   a host's lease files and their flocks: take, wait in line, hold while the controller's channel
+                lives, show the host for `mnft lab` (stdlib only)
+    lab         the lab as its people share it: every device's holder, the rows of `mnft lab`, --nodes' pick
     report      the inventory's effective settings, per-host results and trust outcomes as tables
 """

@@ -9,7 +9,7 @@
     needs        what a job needs on every host, read from its source: its entry point and the modules it imports
     gang         every host's agent started in parallel and supervised as one gang
     train        the launch sequence: check, sync, resume point, plan, gang, recovery, finish
-    guard        what one train holds and leaves right: the hosts' leases, an interrupt recorded
+    guard        what one train holds and leaves right: its devices and workdir leased (or waited for), an interrupt recorded
     progress     the live progress lines a person reads while a run goes
     rerun        a previous run's settings reused (`--resume`, `logs`/`status` of an old run)
     recover      why an attempt failed and what to do next (pure rules)
@@ -21,6 +21,7 @@
     goodput      where a run's wall time went, per attempt, and its goodput (pure)
     records      runs/<id>/run.json: the local record of a run
     control      a started run afterwards: status and stop on every host
+    others       another user's run, seen from its leases: status shown, stop only by its holder or root
     logs         `invoke logs`: every host's logs and metrics collected, summary and loss plot
     report       the status, stop and time tables
 """
