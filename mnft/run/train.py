@@ -353,6 +353,10 @@ class Run:
             self.console.print(Text.assemble((p.host, "bold"), f" (node_rank {p.node_rank}, cwd {shown['cwd']})"))
             self.console.print(Text("  env: " + " ".join(shell_word(f"{k}={v}") for k, v in shown["env"].items())), soft_wrap=True)
             self.console.print(Text("  " + shown["command"]), soft_wrap=True)
+        gpus = self.options.gpus if self.options.gpus is not None else job.gpus
+        if gpus is not None:
+            self.console.print(Text(f"(--gpus {gpus}: the GPUs are picked when the run starts, among those free on each host then, "
+                                    "and set as CUDA_VISIBLE_DEVICES; `mnft lab` shows which are free now)"), soft_wrap=True)
         if self.lopts.resume and job.resume.layout not in ("none", "mnft"):
             self.console.print(Text(f"(on resume, mnft looks for the latest complete checkpoint ({job.resume.layout}) in {job.resume.checkpoints} "
                                "and passes " + shell_line(job.resume.args) + " only when it finds one)"), soft_wrap=True)
