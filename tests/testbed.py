@@ -4,7 +4,8 @@ Each host is a network namespace with its own `eth0` (a veth whose other end sit
 namespace), its own `sshd` with its own host key, and a private mount namespace in which `/root` (HOME),
 `/tmp`, `/etc/hosts`, `/etc/ssh` and `/run` are per-host directories under the cluster's workdir. The Python
 installation that runs this code is bound read-only into every private home, so `Cluster.python` works inside
-every host. The controller is the calling process: it reaches every host through the bridge address.
+every host. The controller is the calling process: it reaches every host through the bridge address. With
+`gpus=N` every host also has N GPUs that are not there: tests/fakegpu.py answers as its `nvidia-smi`.
 
     cluster = Cluster.create(4, Path("/tmp/tb"))
     try:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import ipaddress
+import json
 import os
 import pwd
 import random
@@ -66,6 +68,9 @@ IFACE = "eth0"
 # What OpenSSH (Debian build) puts on PATH for a non-interactive session; `run` uses the same.
 SESSION_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 SSHD_START_TIMEOUT = 20.0
+FAKE_GPU = Path(__file__).resolve().with_name("fakegpu.py")  # the hosts' nvidia-smi when a cluster has gpus
+FAKE_GPU_STATE = "/run/mnft-fake-gpu"  # inside a host (its private /run): config.json and used/<index>/<pid>
+GPU_BIN = "/usr/local/bin"  # where a host's nvidia-smi appears: on the PATH of root's and every user's ssh session
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")  # veth "<prefix>-v123" must fit in 15 characters
 _ALIAS_RE = re.compile(r"^mnft-testbed:pid=(\d+):start=(\d+)$")
 
@@ -292,7 +297,11 @@ def _python_paths() -> tuple[str, list[str]]:
 
 
 class Cluster:
-    """A running simulated cluster. Build with `Cluster.create`; always `teardown()` (it is idempotent)."""
+    """A running simulated cluster. Build with `Cluster.create`; always `teardown()` (it is idempotent).
+
+    `gpus` is how many (fake) GPUs each host has: with gpus > 0 `nvidia-smi` in a host is tests/fakegpu.py, and
+    `gpu_users(host)` says which processes use which of them. `add_user(name, torch=True)` makes a login user who can
+    run `python` (the interpreter with torch, under root's home)."""
 
     hosts: list[SimHost]
     outsider: SimHost | None
@@ -300,9 +309,11 @@ class Cluster:
     controller_key: Path
     known_hosts: Path
     python: str
+    gpus: int
 
     def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False,
-                 stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None):
+                 stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
+                 gpus: int = 0):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -325,6 +336,7 @@ class Cluster:
         self.stock_sshd = stock_sshd
         self.shared_home = tuple(shared_home)
         self.shared_dirs = self._shared_dirs(shared_dirs or {})  # host-side path -> (the hosts that see it, the source)
+        self.gpus = gpus
 
     # ------------------------------------------------------------------ building
 
@@ -332,6 +344,7 @@ class Cluster:
     def create(
         cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False,
         stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
+        gpus: int = 0,
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
 
@@ -351,6 +364,15 @@ class Cluster:
         `/root/…`) or under `/tmp`, where the test bed owns every host's directory (a mount point elsewhere would
         have to be made on this machine); `ValueError` otherwise.
 
+        `gpus=N` (N > 0) gives every host (not the outsider) N GPUs that are not there: `nvidia-smi` on the PATH of
+        its ssh sessions (root's and every user's) and of `run` is tests/fakegpu.py, which answers the queries mnft
+        asks (`--query-gpu`, `--query-compute-apps`, `topo -m`, `-L`, the banner) as the real one formats them, from
+        the host's `/run/mnft-fake-gpu/config.json` (N H100s, NVLinked in consecutive pairs: `fakegpu.default_config`).
+        A process uses a device while it is registered in `/run/mnft-fake-gpu/used/<index>/` (`nvidia-smi --fake-use
+        INDEX -- COMMAND…`, or `fakegpu.RANK_SNIPPET` in a training script); `gpu_users(host)` reads that from here.
+        The stand-in is stacked onto the host's /usr/local/bin (a read-only overlay: what this machine has there
+        stays visible), so it needs overlayfs and Debian's /usr/bin/python3.
+
         Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
         tearing down whatever was built).
         """
@@ -363,9 +385,15 @@ class Cluster:
         workdir = Path(workdir).absolute()
         if re.match(r"^/(run|etc|proc|sys|dev)(/|$)", os.path.realpath(workdir)):
             raise ValueError(f"workdir {workdir} must not be under /run, /etc, /proc, /sys or /dev")
+        if not isinstance(gpus, int) or gpus < 0:
+            raise ValueError(f"gpus must be a count of GPUs per host (0 for none), not {gpus!r}")
+        if gpus and re.search(r"[:,\\\s]", f"{workdir}{os.path.realpath(workdir)}"):
+            raise ValueError(f"gpus: workdir {workdir} must not hold ':', ',', '\\' or spaces (it names an overlay's lower directory)")
+        if gpus and not os.access("/usr/bin/python3", os.X_OK):
+            raise ClusterUnavailable("Cluster.create(gpus=N) needs /usr/bin/python3 (the fake nvidia-smi runs on it)")
         workdir.mkdir(parents=True, exist_ok=True)
         cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd, shared_home=shared_home,
-                      shared_dirs=shared_dirs)
+                      shared_dirs=shared_dirs, gpus=gpus)
         unknown = sorted({n for names, _ in cluster.shared_dirs.values() for n in names} - {f"h{i}" for i in range(1, n_hosts + 1)})
         if unknown:
             raise ValueError(f"shared_dirs names hosts this cluster does not have: {', '.join(unknown)}")
@@ -494,9 +522,39 @@ class Cluster:
             os.chmod(ssh_dir, 0o700)
             _write(ssh_dir / "authorized_keys", public + "\n", 0o600)
             _write(host.root / "etc" / "ssh" / "sshd_config", _sshd_config(stock=self.stock_sshd))
+            if self.gpus:
+                self._write_fake_gpus(host)
             self._install_host_key(host, *_ed25519_keypair(f"root@{host.name}"))
             self._original_keys[host.name] = (self._host_key_path(host).read_bytes(), host.host_key_pub)
         self._write_known_hosts()
+
+    def _write_fake_gpus(self, host: SimHost) -> None:
+        """The host's GPUs that are not there: the stand-in as <host>/gpu-bin/nvidia-smi (stacked onto /usr/local/bin
+        by the mount script), its config and a registry directory per device that every user may write to."""
+        import fakegpu
+
+        _write(host.root / "gpu-bin" / "nvidia-smi", FAKE_GPU.read_bytes(), 0o755)
+        os.chmod(host.root / "gpu-bin", 0o755)
+        state = self._fake_gpu_state(host)
+        _write(state / "config.json", json.dumps(fakegpu.default_config(self.gpus)) + "\n", 0o644)
+        for index in range(self.gpus):
+            (state / "used" / str(index)).mkdir(parents=True, exist_ok=True)
+            os.chmod(state / "used" / str(index), 0o1777)
+        os.chmod(state / "used", 0o755)
+        os.chmod(state, 0o755)
+
+    def _fake_gpu_state(self, host: SimHost) -> Path:
+        return host.root / os.path.relpath(FAKE_GPU_STATE, "/")
+
+    def gpu_users(self, host: SimHost) -> dict[int, list[int]]:
+        """{index: [pid, …]} of every fake GPU of the host (a cluster with gpus): the processes that use it now, as
+        its nvidia-smi shows them (registered, alive, not a zombie, not a reused pid). Read from this machine."""
+        import fakegpu
+
+        if not self.gpus:
+            raise ClusterError("this cluster has no GPUs: Cluster.create(..., gpus=N)")
+        found = fakegpu.uses(str(self._fake_gpu_state(host)), self.gpus)
+        return {index: [pid for pid, _ in users] for index, users in found.items()}
 
     def _host_key_path(self, host: SimHost) -> Path:
         return host.root / "etc" / "ssh" / "ssh_host_ed25519_key"
@@ -519,6 +577,9 @@ class Cluster:
         for top in self._python_binds:  # before /root is covered: afterwards the real one is out of reach
             target = host.home / os.path.basename(top)
             steps += [f"mount --bind {q(top)} {q(str(target))}", f"mount -o remount,bind,ro {q(str(target))}"]
+        if self.gpus:  # the fake nvidia-smi on top of this machine's /usr/local/bin, hiding nothing there
+            lower = f"{r / 'gpu-bin'}:{GPU_BIN}"
+            steps.append(f"mount -t overlay mnft-fake-gpu -o {q('ro,lowerdir=' + lower)} {GPU_BIN}")
         # shared_dirs: onto the mount point inside the host's home or tmp while both are still in reach here; the
         # recursive binds below carry them to /root and /tmp
         shared = [(path, source) for path, (names, source) in self.shared_dirs.items() if host.name in names]
@@ -749,7 +810,7 @@ class Cluster:
 
     # ------------------------------------------------------------------ users
 
-    def add_user(self, name: str, *, password: str | None = None, sudo: bool = False) -> str:
+    def add_user(self, name: str, *, password: str | None = None, sudo: bool = False, torch: bool = False) -> str:
         """Add a non-root login user to every host; returns its home directory as the hosts see it.
 
         The user logs in with the controller key. Each host gets private copies of /etc/passwd, /etc/group and
@@ -757,6 +818,12 @@ class Cluster:
         bind-mounted in its mount namespace: the real machine's files are never touched. `password` (for sudo)
         goes to `openssl passwd` on stdin, never on a command line. The home is /tmp/home-<name> inside the host
         (its private /tmp). Raises ClusterError when the name is taken or sudo is asked for but not installed.
+
+        `torch=True`: the user can run `self.python` (torch's interpreter, bound under root's home /root, which is
+        0700). Every host's home becomes 0711: anyone may pass through /root to a path whose name they know, nobody
+        may list or write it (sshd's StrictModes still accepts root's key). Only the binds under it (e.g. /root/.pyenv,
+        read-only) are meant to be reached: what root writes in its home is as open as its own mode makes it.
+        ClusterUnavailable when the interpreter's own directories do not let other users through.
         """
         if not re.match(r"^[a-z_][a-z0-9_-]{0,30}$", name) or name == "root":
             raise ValueError(f"bad user name {name!r}")
@@ -765,6 +832,8 @@ class Cluster:
             raise ClusterError(f"user {name} exists on this machine: pick another name")
         if sudo and not (shutil.which("sudo") and os.path.exists("/etc/sudoers")):
             raise ClusterUnavailable("add_user(sudo=True) needs sudo installed (apt-get install sudo)")
+        if torch:
+            self._python_for_everyone()
         taken = {int(line.split(":")[2]) for line in users.values() if line.count(":") >= 6}
         uid = next(u for u in range(4200, 60000) if u not in taken)
         home = f"/tmp/home-{name}"
@@ -795,7 +864,24 @@ class Cluster:
             pid = str(self._anchors[host.name].pid)
             for argv in mounts:
                 _sh(["nsenter", "-t", pid, "-m", "--", *argv])
+            if torch:
+                os.chmod(host.home, 0o711)
         return home
+
+    def _python_for_everyone(self) -> None:
+        """Check that other users may run the hosts' python once through the home: every directory from the
+        interpreter's top under the home (as bound into the hosts) down to it is o+x, the interpreter o+rx."""
+        home = self.home_mountpoint.rstrip("/")
+        for python in (self.python, os.path.realpath(self.python)):
+            if not python.startswith(home + "/"):
+                continue
+            parts = python[len(home) + 1:].split("/")
+            for depth in range(1, len(parts) + 1):
+                path = os.path.join(home, *parts[:depth])
+                need = 0o005 if depth == len(parts) else 0o001
+                if os.stat(path).st_mode & need != need:
+                    raise ClusterUnavailable(f"add_user(torch=True): {path} does not let other users through "
+                                             f"(mode {os.stat(path).st_mode & 0o7777:o}), so they cannot run {self.python}")
 
     # ------------------------------------------------------------------ inventory
 

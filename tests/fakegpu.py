@@ -1,0 +1,576 @@
+#!/usr/bin/python3
+"""A stand-in for `nvidia-smi` on the simulated cluster's hosts (`Cluster.create(..., gpus=N)` in tests/testbed.py):
+GPUs that are not there, answering the way the real nvidia-smi formats its answers, so that the suite can test GPU
+servers shared between users (device leases, who uses which GPU) on a machine without any.
+
+One file, standard library only, run by Debian's /usr/bin/python3 as any user. Its state is the host's
+STATE_DIR (/run/mnft-fake-gpu, the host's private /run; MNFT_FAKE_GPU_DIR overrides it for unit tests):
+
+    config.json         written by the test bed: {"count": 4, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
+                        "driver": "550.54.15", "cuda": "12.4", "links": [[0, 1, "NV18"], [2, 3, "NV18"]]}
+                        (pairs not listed are "SYS"); `default_config(count)` makes it
+    used/<index>/<pid>  a process uses device <index> while this file exists, holds "<starttime> <used_mib>"
+                        (starttime: field 22 of /proc/<pid>/stat, so a reused pid is not counted) and that pid is
+                        alive and not a zombie. The directories are mode 1777: every user can register; a stale
+                        file is ignored (and removed when the caller may remove it)
+
+Without STATE_DIR/config.json it answers as nvidia-smi does on a host whose driver is not loaded (exit 9).
+
+Answers: `--query-gpu=FIELDS` and `--query-compute-apps=FIELDS` with `--format=csv[,noheader][,nounits]` (and
+`-i/--id`), `topo -m`, `-L`, `--version`, `-h`, and no argument at all (the banner and its table). Anything else
+exits 2 with a message on stderr, as the real one refuses an invalid combination of arguments.
+
+Test-only parts:
+
+    nvidia-smi --fake-use 1[,2…] [--mib N] -- COMMAND ARGS…
+        registers its own pid on those devices, then execs COMMAND (which keeps the pid): "someone ran python by
+        hand on GPU 1", as `nvidia-smi` shows it.
+    RANK_SNIPPET
+        Python source (standard library only) for a test's training script, at its top level: a torchrun worker
+        registers itself on device CUDA_VISIBLE_DEVICES.split(",")[LOCAL_RANK] (indices, as mnft sets them; every
+        device when the variable is unset, none when it is empty; a device the host lacks ends the worker as CUDA's
+        "invalid device ordinal" would) and prints one line "mnft-test: rank R local L sees CUDA_VISIBLE_DEVICES=…"
+        (R: $RANK; "(unset)" when unset). Where STATE_DIR does not exist it only prints. It leaves no name behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import sys
+import time
+
+STATE_DIR = "/run/mnft-fake-gpu"
+STATE_ENV = "MNFT_FAKE_GPU_DIR"
+DEFAULT_MIB = 1024  # what --fake-use and RANK_SNIPPET register when not told otherwise
+BUSY_UTILIZATION = 97  # utilization.gpu of a device someone uses (0 otherwise)
+USAGE_EXIT = 2  # an invalid combination of arguments, as the real one
+NO_DRIVER_EXIT = 9  # "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"
+INVALID = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
+NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
+             "NVIDIA driver is installed and running.")
+# DGX H100's bus ids; a device beyond them gets a made-up one of the same form
+BUS_IDS = ("18", "2A", "3A", "5D", "9A", "AB", "BA", "DB")
+
+
+class Refused(Exception):
+    """A request the real nvidia-smi refuses: the message goes to stderr, the exit status is `code`."""
+
+    def __init__(self, message: str, code: int = USAGE_EXIT):
+        super().__init__(message)
+        self.code = code
+
+
+# --------------------------------------------------------------------------------------------------- the devices
+
+
+def default_config(count: int) -> dict:
+    """config.json of a host with `count` H100s, NVLinked in consecutive pairs (0-1, 2-3, …): what the test bed writes."""
+    return {"count": count, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559, "driver": "550.54.15", "cuda": "12.4",
+            "links": [[i, i + 1, "NV18"] for i in range(0, count - 1, 2)]}
+
+
+def state_dir() -> str:
+    return os.environ.get(STATE_ENV) or STATE_DIR
+
+
+def load_config(state: str) -> dict | None:
+    """The host's config.json with its defaults filled in, or None when the host has no (fake) driver."""
+    try:
+        with open(os.path.join(state, "config.json"), encoding="utf-8") as f:
+            given = json.load(f)
+    except (OSError, ValueError):
+        return None
+    config = default_config(int(given.get("count", 0)))
+    config.update(given)
+    return config
+
+
+def gpu_uuid(hostname: str, index: int) -> str:
+    """The device's UUID, the same every time for one host and index: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
+    h = hashlib.sha256(("%s:%d" % (hostname, index)).encode()).hexdigest()
+    return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:32])
+
+
+def bus_id(index: int) -> str:
+    bus = BUS_IDS[index] if index < len(BUS_IDS) else "%02X" % (0x18 + 0x10 * index % 0xE0)
+    return "00000000:%s:00.0" % bus
+
+
+def link(config: dict, a: int, b: int) -> str:
+    """What `topo -m` prints between two devices: " X " for itself, the configured link, else SYS."""
+    if a == b:
+        return " X "
+    for x, y, kind in config.get("links", ()):
+        if {int(x), int(y)} == {a, b}:
+            return str(kind)
+    return "SYS"
+
+
+# --------------------------------------------------------------------------------------------------- who uses them
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of /proc/<pid>/stat (when the process started, in clock ticks), None when the pid is gone or a zombie."""
+    try:
+        with open("/proc/%d/stat" % pid, encoding="utf-8", errors="replace") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if not fields or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def register(state: str, index: int, pid: int | None = None, mib: int = DEFAULT_MIB) -> str:
+    """Record that `pid` (default: this process) uses device `index`; returns the file. Written whole, then renamed
+    into place, so a reader never sees it half written."""
+    pid = os.getpid() if pid is None else pid
+    began = start_time(pid)
+    if began is None:
+        raise Refused("no such process: %d" % pid)
+    directory = os.path.join(state, "used", str(index))
+    path = os.path.join(directory, str(pid))
+    partial = os.path.join(directory, ".%d.%d" % (pid, os.getpid()))
+    with open(partial, "w", encoding="utf-8") as f:
+        f.write("%d %d\n" % (began, mib))
+    try:
+        os.chmod(partial, 0o644)
+        os.replace(partial, path)
+    except OSError:
+        os.unlink(partial)
+        raise
+    return path
+
+
+def uses(state: str, count: int) -> dict[int, list[tuple[int, int]]]:
+    """{index: [(pid, used MiB), …]} of every device, by pid: only live registrations count. Stale files are
+    removed where the caller may (its own, or any for root); the rest are ignored."""
+    found: dict[int, list[tuple[int, int]]] = {}
+    for index in range(count):
+        directory = os.path.join(state, "used", str(index))
+        try:
+            names = os.listdir(directory)
+        except OSError:
+            names = []
+        live = []
+        for name in names:
+            if not name.isdigit():
+                continue
+            path = os.path.join(directory, name)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    began, mib = (int(word) for word in f.read().split())
+            except (OSError, ValueError):
+                began, mib = None, 0
+            if began is not None and start_time(int(name)) == began:
+                live.append((int(name), mib))
+                continue
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # another user's stale file: ignored all the same
+        found[index] = sorted(live)
+    return found
+
+
+def process_name(pid: int) -> str:
+    """What nvidia-smi names a process: its executable's path, else its argv[0], else its comm."""
+    try:
+        return os.readlink("/proc/%d/exe" % pid)
+    except OSError:
+        pass
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            first = f.read().split(b"\0")[0].decode(errors="replace")
+        if first:
+            return first
+    except OSError:
+        pass
+    try:
+        with open("/proc/%d/comm" % pid, encoding="utf-8", errors="replace") as f:
+            return f.read().strip()
+    except OSError:
+        return "[Not Found]"
+
+
+# --------------------------------------------------------------------------------------------------- queries
+
+
+class Host:
+    """One look at the host: its config, name and who uses which device, read once per invocation."""
+
+    def __init__(self, config: dict, hostname: str, used: dict[int, list[tuple[int, int]]]):
+        self.config, self.hostname, self.used = config, hostname, used
+        self.count = int(config["count"])
+
+    def used_mib(self, index: int) -> int:
+        return sum(mib for _, mib in self.used.get(index, ()))
+
+    def busy(self, index: int) -> bool:
+        return bool(self.used.get(index))
+
+
+# field -> (unit shown in a header and after a value, or "", and the value)
+GPU_FIELDS = {
+    "timestamp": ("", lambda h, i: time.strftime("%Y/%m/%d %H:%M:%S.000")),
+    "driver_version": ("", lambda h, i: h.config["driver"]),
+    "count": ("", lambda h, i: str(h.count)),
+    "index": ("", lambda h, i: str(i)),
+    "name": ("", lambda h, i: h.config["name"]),
+    "gpu_name": ("", lambda h, i: h.config["name"]),
+    "uuid": ("", lambda h, i: gpu_uuid(h.hostname, i)),
+    "gpu_uuid": ("", lambda h, i: gpu_uuid(h.hostname, i)),
+    "serial": ("", lambda h, i: str(1650923000000 + int(gpu_uuid(h.hostname, i)[4:12], 16) % 1000000)),
+    "pci.bus_id": ("", lambda h, i: bus_id(i)),
+    "gpu_bus_id": ("", lambda h, i: bus_id(i)),
+    "vbios_version": ("", lambda h, i: "96.00.74.00.01"),
+    "persistence_mode": ("", lambda h, i: "Enabled"),
+    "compute_mode": ("", lambda h, i: "Default"),
+    "mig.mode.current": ("", lambda h, i: "Disabled"),
+    "pstate": ("", lambda h, i: "P0"),
+    "temperature.gpu": ("", lambda h, i: "58" if h.busy(i) else "31"),
+    "fan.speed": ("%", lambda h, i: "[N/A]"),
+    "memory.total": ("MiB", lambda h, i: str(h.config["memory_mib"])),
+    "memory.used": ("MiB", lambda h, i: str(h.used_mib(i))),
+    "memory.free": ("MiB", lambda h, i: str(max(0, int(h.config["memory_mib"]) - h.used_mib(i)))),
+    "utilization.gpu": ("%", lambda h, i: str(BUSY_UTILIZATION if h.busy(i) else 0)),
+    "utilization.memory": ("%", lambda h, i: str(41 if h.busy(i) else 0)),
+    "power.draw": ("W", lambda h, i: "512.37" if h.busy(i) else "69.52"),
+    "power.limit": ("W", lambda h, i: "700.00"),
+    "clocks.sm": ("MHz", lambda h, i: "1980" if h.busy(i) else "345"),
+    "clocks.max.sm": ("MHz", lambda h, i: "1980"),
+}
+
+# field -> (unit, header, value from (host, index, pid, MiB))
+APP_FIELDS = {
+    "timestamp": ("", "timestamp", lambda h, i, pid, mib: time.strftime("%Y/%m/%d %H:%M:%S.000")),
+    "gpu_name": ("", "gpu_name", lambda h, i, pid, mib: h.config["name"]),
+    "gpu_uuid": ("", "gpu_uuid", lambda h, i, pid, mib: gpu_uuid(h.hostname, i)),
+    "gpu_bus_id": ("", "gpu_bus_id", lambda h, i, pid, mib: bus_id(i)),
+    "gpu_serial": ("", "gpu_serial", lambda h, i, pid, mib: GPU_FIELDS["serial"][1](h, i)),
+    "pid": ("", "pid", lambda h, i, pid, mib: str(pid)),
+    "process_name": ("", "process_name", lambda h, i, pid, mib: process_name(pid)),
+    "name": ("", "process_name", lambda h, i, pid, mib: process_name(pid)),
+    "used_memory": ("MiB", "used_gpu_memory", lambda h, i, pid, mib: str(mib)),
+    "used_gpu_memory": ("MiB", "used_gpu_memory", lambda h, i, pid, mib: str(mib)),
+}
+
+
+def parse_format(text: str | None) -> tuple[bool, bool]:
+    """--format=csv[,noheader][,nounits] -> (header, units)."""
+    if text is None:
+        raise Refused("Format must be specified: use --format=csv[,noheader][,nounits]")
+    words = [w.strip() for w in text.split(",")]
+    if "csv" not in words or set(words) - {"csv", "noheader", "nounits"}:
+        raise Refused('"%s" is not a valid format: use --format=csv[,noheader][,nounits]' % text)
+    return "noheader" not in words, "nounits" not in words
+
+
+def _fields(text: str, table: dict) -> list[str]:
+    fields = [f.strip() for f in text.split(",") if f.strip()]
+    for field in fields:
+        if field not in table:
+            raise Refused('Field "%s" is not a valid field to query.' % field)
+    if not fields:
+        raise Refused(INVALID)
+    return fields
+
+
+def _chosen(host: Host, ids: str | None) -> list[int]:
+    """The devices -i/--id names (indices or UUIDs), all by default."""
+    if ids is None:
+        return list(range(host.count))
+    chosen = []
+    for word in (w.strip() for w in ids.split(",")):
+        match = [i for i in range(host.count) if word in (str(i), gpu_uuid(host.hostname, i), bus_id(i))]
+        if not match:
+            raise Refused("No devices were found", code=6)
+        chosen += match
+    return chosen
+
+
+def _with_unit(value: str, unit: str, units: bool) -> str:
+    if not units or not unit or value.startswith("["):
+        return value
+    return value + (" %" if unit == "%" else " " + unit)
+
+
+def query_gpu(host: Host, fields_text: str, fmt: str | None, ids: str | None = None) -> str:
+    fields = _fields(fields_text, GPU_FIELDS)
+    header, units = parse_format(fmt)
+    lines = []
+    if header:
+        lines.append(", ".join(f + (" [%s]" % GPU_FIELDS[f][0] if units and GPU_FIELDS[f][0] else "") for f in fields))
+    for index in _chosen(host, ids):
+        lines.append(", ".join(_with_unit(GPU_FIELDS[f][1](host, index), GPU_FIELDS[f][0], units) for f in fields))
+    return "".join(line + "\n" for line in lines)
+
+
+def query_apps(host: Host, fields_text: str, fmt: str | None, ids: str | None = None) -> str:
+    fields = _fields(fields_text, APP_FIELDS)
+    header, units = parse_format(fmt)
+    lines = []
+    if header:
+        lines.append(", ".join(APP_FIELDS[f][1] + (" [%s]" % APP_FIELDS[f][0] if units and APP_FIELDS[f][0] else "")
+                               for f in fields))
+    for index in _chosen(host, ids):
+        for pid, mib in host.used.get(index, ()):
+            lines.append(", ".join(_with_unit(APP_FIELDS[f][2](host, index, pid, mib), APP_FIELDS[f][0], units) for f in fields))
+    return "".join(line + "\n" for line in lines)
+
+
+LEGEND = """
+Legend:
+
+  X    = Self
+  SYS  = Connection traversing PCIe as well as the SMP interconnect between NUMA nodes (e.g., QPI/UPI)
+  NODE = Connection traversing PCIe as well as the interconnect between PCIe Host Bridges within a NUMA node
+  PHB  = Connection traversing PCIe as well as a PCIe Host Bridge (typically the CPU)
+  PXB  = Connection traversing multiple PCIe bridges (without traversing the PCIe Host Bridge)
+  PIX  = Connection traversing at most a single PCIe bridge
+  NV#  = Connection traversing a bonded set of # NVLinks
+"""
+
+
+def topology(host: Host, cpus: int | None = None) -> str:
+    """`nvidia-smi topo -m`: the tab-separated matrix (the first half of the devices on NUMA node 0 with the first half
+    of the CPUs, the rest on node 1), then the legend."""
+    n = host.count
+    cpus = cpus or os.cpu_count() or 1
+    nodes = 2 if n > 1 and cpus > 1 else 1
+    per_node = -(-n // nodes)
+
+    def affinity(node: int) -> str:
+        first, last = cpus * node // nodes, cpus * (node + 1) // nodes - 1
+        return str(first) if first == last else "%d-%d" % (first, last)
+
+    lines = ["\t" + "".join("GPU%d\t" % i for i in range(n)) + "CPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
+    for a in range(n):
+        node = a // per_node
+        lines.append("GPU%d\t" % a + "".join(link(host.config, a, b) + "\t" for b in range(n))
+                     + "%s\t%d\t\tN/A" % (affinity(node), node))
+    return "\n".join(lines) + "\n" + LEGEND
+
+
+def list_gpus(host: Host) -> str:
+    return "".join("GPU %d: %s (UUID: %s)\n" % (i, host.config["name"], gpu_uuid(host.hostname, i)) for i in range(host.count))
+
+
+def version(host: Host) -> str:
+    driver = host.config["driver"]
+    return ("\nNVIDIA-SMI version  : %s\nNVML version        : %s\nDRIVER version      : %s\nCUDA Version        : %s\n"
+            % (driver, driver.rsplit(".", 1)[0], driver, host.config["cuda"]))
+
+
+def banner(host: Host) -> str:
+    """What a bare `nvidia-smi` prints: the date, driver and CUDA versions, a box per device, the processes."""
+    a, b, c = 41, 24, 22
+    rule = "+" + "-" * a + "+" + "-" * b + "+" + "-" * c + "+"
+    wide = 2 + a + b + c
+
+    def row(x: str, y: str, z: str) -> str:
+        return "|" + x.ljust(a)[:a] + "|" + y.rjust(b)[:b] + "|" + z.rjust(c)[:c] + "|"
+
+    def full(text: str) -> str:
+        return "|" + text.ljust(wide)[:wide] + "|"
+
+    top = "+" + "-" * wide + "+"
+    lines = [time.strftime("%a %b %d %H:%M:%S %Y") + "       ", top,
+             full(" NVIDIA-SMI %-22s Driver Version: %s     CUDA Version: %s" % (host.config["driver"], host.config["driver"],
+                                                                                  host.config["cuda"])),
+             "|" + "-" * a + "+" + "-" * b + "+" + "-" * c + "+",
+             "| GPU  Name                 Persistence-M | Bus-Id          Disp.A | Volatile Uncorr. ECC |",
+             "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |",
+             "|                                         |                        |               MIG M. |",
+             "|" + "=" * a + "+" + "=" * b + "+" + "=" * c + "|"]
+    for i in range(host.count):
+        watts = GPU_FIELDS["power.draw"][1](host, i).split(".")[0]
+        lines += [
+            row(" %3d  %-30s On  " % (i, host.config["name"][:30]), "%s Off " % bus_id(i), "0 "),
+            row(" N/A   %sC    P0 %14sW /  700W " % (GPU_FIELDS["temperature.gpu"][1](host, i), watts),
+                "%dMiB / %6dMiB " % (host.used_mib(i), int(host.config["memory_mib"])),
+                "%3d%%      Default " % (BUSY_UTILIZATION if host.busy(i) else 0)),
+            row("", "", "Disabled "),
+            rule,
+        ]
+    lines += [" " * (wide + 2), top, full(" Processes:"),
+              full("  GPU   GI   CI        PID   Type   Process name                              GPU Memory"),
+              full("        ID   ID                                                               Usage"),
+              "|" + "=" * wide + "|"]
+    apps = [(i, pid, mib) for i in range(host.count) for pid, mib in host.used.get(i, ())]
+    for i, pid, mib in apps:
+        name = process_name(pid)
+        name = name if len(name) <= 38 else "..." + name[-35:]
+        lines.append(full(" %4d   N/A  N/A  %8d      C   %-38s %10dMiB" % (i, pid, name, mib)))
+    if not apps:
+        lines.append(full("  No running processes found"))
+    lines.append(top)
+    return "\n".join(lines) + "\n"
+
+
+HELP = """NVIDIA System Management Interface -- v{driver} (a stand-in of the mnft test bed: no GPU is there)
+
+    nvidia-smi                                       the banner: driver, CUDA, each device and its processes
+    nvidia-smi -L, --list-gpus                       each device and its UUID
+    nvidia-smi --query-gpu=FIELDS --format=csv[,noheader][,nounits] [-i IDS]
+    nvidia-smi --query-compute-apps=FIELDS --format=csv[,noheader][,nounits] [-i IDS]
+    nvidia-smi topo -m                               the links between devices
+    nvidia-smi --version
+    nvidia-smi --fake-use INDEX[,INDEX…] [--mib N] -- COMMAND ARGS…   (tests: COMMAND uses those devices)
+
+--query-gpu fields: {gpu_fields}
+--query-compute-apps fields: {app_fields}
+"""
+
+
+# --------------------------------------------------------------------------------------------------- command line
+
+
+def _options(argv: list[str]) -> dict[str, str]:
+    """The query options as {name: value}; Refused for anything this stand-in (and mostly the real one) refuses."""
+    takes_value = {"--query-gpu", "--query-compute-apps", "--format", "-i", "--id"}
+    flags = {"-L": "--list-gpus", "--list-gpus": "--list-gpus", "-h": "--help", "--help": "--help", "--version": "--version"}
+    found: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        name, eq, value = word.partition("=")
+        if name in takes_value:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise Refused(INVALID)
+                i, value = i + 1, argv[i + 1]
+            found["--id" if name == "-i" else name] = value
+        elif word in flags:
+            found[flags[word]] = ""
+        else:
+            raise Refused(INVALID)
+        i += 1
+    return found
+
+
+def _fake_use(argv: list[str]) -> tuple[list[int], int, list[str]]:
+    """--fake-use 1,2 [--mib N] -- COMMAND… -> (indices, MiB, command)."""
+    if "--" not in argv:
+        raise Refused("usage: nvidia-smi --fake-use INDEX[,INDEX…] [--mib N] -- COMMAND ARGS…")
+    cut = argv.index("--")
+    options, command = argv[:cut], argv[cut + 1:]
+    indices, mib = None, DEFAULT_MIB
+    i = 0
+    try:
+        while i < len(options):
+            name, eq, value = options[i].partition("=")
+            if not eq:
+                i, value = i + 1, options[i + 1]
+            if name == "--fake-use":
+                indices = [int(w) for w in value.split(",")]
+            elif name == "--mib":
+                mib = int(value)
+            else:
+                raise ValueError(name)
+            i += 1
+    except (IndexError, ValueError):
+        indices = None
+    if not indices or not command or mib < 0:
+        raise Refused("usage: nvidia-smi --fake-use INDEX[,INDEX…] [--mib N] -- COMMAND ARGS…")
+    return indices, mib, command
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    state = state_dir()
+    try:
+        config = load_config(state)
+        if argv[:1] in (["-h"], ["--help"]) and len(argv) == 1:
+            driver = config["driver"] if config else default_config(0)["driver"]
+            sys.stdout.write(HELP.format(driver=driver, gpu_fields=", ".join(GPU_FIELDS), app_fields=", ".join(APP_FIELDS)))
+            return 0
+        if config is None:
+            print(NO_DRIVER)
+            return NO_DRIVER_EXIT
+        if argv and argv[0].partition("=")[0] == "--fake-use":
+            indices, mib, command = _fake_use(argv)
+            bad = [i for i in indices if not 0 <= i < int(config["count"])]
+            if bad:
+                raise Refused("--fake-use: no device %d on this host (it has %d)" % (bad[0], int(config["count"])))
+            paths = []
+            for index in indices:
+                try:
+                    paths.append(register(state, index, mib=mib))
+                except OSError as exc:
+                    raise Refused("--fake-use: cannot register on device %d: %s" % (index, exc)) from None
+            try:
+                os.execvp(command[0], command)
+            except OSError as exc:
+                for path in paths:
+                    os.unlink(path)
+                raise Refused("--fake-use: cannot run %s: %s" % (command[0], exc.strerror), code=127) from None
+        host = Host(config, socket.gethostname(), uses(state, int(config["count"])))
+        if argv[:1] == ["topo"]:
+            if argv[1:] not in (["-m"], ["--matrix"]):
+                raise Refused(INVALID)
+            sys.stdout.write(topology(host))
+            return 0
+        options = _options(argv)
+        queries = [k for k in ("--query-gpu", "--query-compute-apps", "--list-gpus", "--version", "--help") if k in options]
+        if len(queries) > 1 or (not queries and options.keys() - {"--id"}):
+            raise Refused(INVALID)
+        if not queries:
+            sys.stdout.write(banner(host))
+        elif queries[0] == "--query-gpu":
+            sys.stdout.write(query_gpu(host, options["--query-gpu"], options.get("--format"), options.get("--id")))
+        elif queries[0] == "--query-compute-apps":
+            sys.stdout.write(query_apps(host, options["--query-compute-apps"], options.get("--format"), options.get("--id")))
+        elif queries[0] == "--list-gpus":
+            sys.stdout.write(list_gpus(host))
+        elif queries[0] == "--version":
+            sys.stdout.write(version(host))
+        else:
+            raise Refused(INVALID)
+        return 0
+    except Refused as exc:
+        print(str(exc), file=sys.stderr)
+        return exc.code
+
+
+# --------------------------------------------------------------------------------------------------- for tests
+
+RANK_SNIPPET = """
+def _mnft_fake_gpu_rank():
+    \"\"\"mnft test: this torchrun worker uses its GPU (tests/fakegpu.py) and says what it was given.\"\"\"
+    import json
+    import os
+    import sys
+
+    rank, local = os.environ.get("RANK", "?"), int(os.environ.get("LOCAL_RANK", "0"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    print("mnft-test: rank %s local %d sees CUDA_VISIBLE_DEVICES=%s" % (rank, local, "(unset)" if visible is None else visible),
+          flush=True)
+    state = os.environ.get("@ENV@") or "@STATE@"
+    if not os.path.isdir(state) or visible == "":
+        return
+    with open(os.path.join(state, "config.json")) as f:
+        count = int(json.load(f)["count"])
+    devices = [d.strip() for d in visible.split(",")] if visible is not None else [str(i) for i in range(count)]
+    if local >= len(devices) or not devices[local].isdigit() or int(devices[local]) >= count:
+        sys.exit("CUDA error: invalid device ordinal (LOCAL_RANK %d, CUDA_VISIBLE_DEVICES=%s)" % (local, visible))
+    with open("/proc/self/stat") as f:
+        began = f.read().rsplit(")", 1)[1].split()[19]
+    directory = os.path.join(state, "used", devices[local])
+    partial = os.path.join(directory, ".%d.partial" % os.getpid())
+    with open(partial, "w") as f:
+        f.write("%s @MIB@\\n" % began)
+    os.chmod(partial, 0o644)
+    os.replace(partial, os.path.join(directory, str(os.getpid())))
+
+
+_mnft_fake_gpu_rank()
+del _mnft_fake_gpu_rank
+""".replace("@ENV@", STATE_ENV).replace("@STATE@", STATE_DIR).replace("@MIB@", str(DEFAULT_MIB))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
