@@ -42,6 +42,7 @@ import time
 
 RUN_ID_VAR = "MNFT_RUN_ID"
 TAG_VAR = "MNFT_RUN_TAG"  # run id @ inventory host name: what processes are found (and killed) by
+LEASE_FDS_VAR = "MNFT_LEASE_FDS"  # the keeper's inherited lease descriptors (it locks the files anew itself)
 
 
 def emit(event, **fields):
@@ -341,6 +342,31 @@ def _reap_group(tag, grace=5.0):
         _signal_tagged(pid, tag, signal.SIGKILL)
 
 
+def relock(fds):
+    """The keeper's own flocks on the run's leases (fds: the descriptors the agent passed, "5,6"): each file opened
+    anew and share-locked by the keeper before the agent's descriptor is let go, so that /proc/locks names the
+    keeper, a live process of the run's user, as the holder (a lock keeps the pid of the process that took it, and
+    the agent exits). Returns the keeper's descriptors."""
+    import fcntl
+
+    held = []
+    for word in fds.split(","):
+        if not word.isdigit():
+            continue
+        fd = int(word)
+        try:
+            mine = os.open("/proc/self/fd/%d" % fd, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+            if (os.fstat(mine).st_dev, os.fstat(mine).st_ino) == (os.fstat(fd).st_dev, os.fstat(fd).st_ino):
+                fcntl.flock(mine, fcntl.LOCK_SH)
+                held.append(mine)
+                os.close(fd)
+            else:
+                os.close(mine)
+        except OSError:
+            pass  # kept as the agent passed it
+    return held
+
+
 def keep(run_dir):
     """Session leader of the run (pgid = our pid): run the command, record its exit code."""
     import subprocess
@@ -357,6 +383,7 @@ def keep(run_dir):
             os.unlink(secrets_file)
     env[RUN_ID_VAR] = spec["run_id"]
     env[TAG_VAR] = spec["tag"]
+    held = relock(env.pop(LEASE_FDS_VAR, ""))
     signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is for the command; we record its end
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
@@ -369,6 +396,8 @@ def keep(run_dir):
     if code < 0:
         code = 128 - code
     _reap_group(spec["tag"])
+    for fd in held:  # the run has ended here: its leases go (before the end is written: whoever reads it finds them free)
+        os.close(fd)
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code
@@ -650,6 +679,7 @@ def launch():
         env[RUN_ID_VAR] = spec["run_id"]
         env[TAG_VAR] = spec["tag"]
         held = lease_fds(spec["run_id"], spec.get("leases"))
+        env[LEASE_FDS_VAR] = ",".join(str(fd) for fd in held)
         keeper = subprocess.Popen(
             [sys.executable, own, "keep", run_dir],
             stdin=subprocess.DEVNULL,
