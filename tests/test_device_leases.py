@@ -83,7 +83,7 @@ def test_setup_and_provision_wait_for_no_run_they_are_refused_while_one_holds_a_
             with leases.hold(fleet, fleet.inventory.hosts, "provision"):
                 pytest.fail("provision ran under a run")
         line = str(refused.value)
-        assert line.startswith("h1 is busy: the host's CPUs: train run R1 by ") and "; workdir " in line
+        assert line.startswith(f"h1 is busy: the host's CPUs, workdir {tmp_path / 'a'}: train run R1 by ")
         assert ": the whole host is not changed under a run (wait for it to end, or ask its user); nothing was changed" in line
     finally:
         let_go(first)

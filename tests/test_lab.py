@@ -144,6 +144,9 @@ def test_the_whole_host_is_refused_while_a_run_holds_devices_there_naming_each()
     line = leases.scope_busy_line("h1", reply)
     assert line.startswith("h1 is busy: GPU 0: train run R1 by alice@ctl pid 7 since ")
     assert "; workdir /home/bob/mnft: train run R2 by bob@ctl pid 7 since " in line
+    two = leases.scope_busy_line("h1", {"what": "runs", "held": [dict(reply["held"][0], device={"index": i}) for i in (0, 1)]
+                                        + [dict(reply["held"][0], device=None, workdir="/home/alice/mnft")]})
+    assert two.startswith("h1 is busy: GPU 0, 1, workdir /home/alice/mnft: train run R1 by alice@ctl pid 7 since ")
     assert line.endswith(": the whole host is not changed under a run (wait for it to end, or ask its user)")
 
 

@@ -817,7 +817,8 @@ class Cluster:
         /etc/shadow (plus /etc/sudoers granting `name ALL=(ALL:ALL) ALL` when `sudo`, which needs sudo installed),
         bind-mounted in its mount namespace: the real machine's files are never touched. `password` (for sudo)
         goes to `openssl passwd` on stdin, never on a command line. The home is /tmp/home-<name> inside the host
-        (its private /tmp). Raises ClusterError when the name is taken or sudo is asked for but not installed.
+        (its private /tmp). Users add up: each call keeps the users added before. Raises ClusterError when the name
+        is taken or sudo is asked for but not installed.
 
         `torch=True`: the user can run `self.python` (torch's interpreter, bound under root's home /root, which is
         0700). Every host's home becomes 0711: anyone may pass through /root to a path whose name they know, nobody
@@ -827,9 +828,15 @@ class Cluster:
         """
         if not re.match(r"^[a-z_][a-z0-9_-]{0,30}$", name) or name == "root":
             raise ValueError(f"bad user name {name!r}")
-        users = {line.split(":", 1)[0]: line for line in Path("/etc/passwd").read_text().splitlines() if line}
+        private = self.hosts[0].root / "tmp" / ".mnft-users"  # the users added before: the hosts' copies hold them all
+
+        def current(target: str) -> str:
+            copy = private / os.path.basename(target)
+            return (copy if copy.is_file() else Path(target)).read_text()
+
+        users = {line.split(":", 1)[0]: line for line in current("/etc/passwd").splitlines() if line}
         if name in users:
-            raise ClusterError(f"user {name} exists on this machine: pick another name")
+            raise ClusterError(f"user {name} exists on this machine or was added already: pick another name")
         if sudo and not (shutil.which("sudo") and os.path.exists("/etc/sudoers")):
             raise ClusterUnavailable("add_user(sudo=True) needs sudo installed (apt-get install sudo)")
         if torch:
@@ -841,13 +848,14 @@ class Cluster:
         if password is not None:
             hashed = _sh(["openssl", "passwd", "-6", "-stdin"], input=password + "\n").stdout.strip()
         files = {
-            "/etc/passwd": Path("/etc/passwd").read_text().rstrip("\n") + f"\n{name}:x:{uid}:{uid}::{home}:/bin/sh\n",
-            "/etc/group": Path("/etc/group").read_text().rstrip("\n") + f"\n{name}:x:{uid}:\n",
-            "/etc/shadow": Path("/etc/shadow").read_text().rstrip("\n") + f"\n{name}:{hashed}:19000:0:99999:7:::\n",
+            "/etc/passwd": current("/etc/passwd").rstrip("\n") + f"\n{name}:x:{uid}:{uid}::{home}:/bin/sh\n",
+            "/etc/group": current("/etc/group").rstrip("\n") + f"\n{name}:x:{uid}:\n",
+            "/etc/shadow": current("/etc/shadow").rstrip("\n") + f"\n{name}:{hashed}:19000:0:99999:7:::\n",
         }
         modes = {"/etc/passwd": 0o644, "/etc/group": 0o644, "/etc/shadow": 0o640, "/etc/sudoers": 0o440}
         if sudo:
-            files["/etc/sudoers"] = f"Defaults env_reset\nroot ALL=(ALL:ALL) ALL\n{name} ALL=(ALL:ALL) ALL\n"
+            before = (private / "sudoers").read_text() if (private / "sudoers").is_file() else "Defaults env_reset\nroot ALL=(ALL:ALL) ALL\n"
+            files["/etc/sudoers"] = before + f"{name} ALL=(ALL:ALL) ALL\n"
         public = self.controller_key.with_suffix(".pub").read_text()
         for host in self.hosts:
             # under the host's private /tmp: the one place both sides see (inside, as /tmp/.mnft-users)

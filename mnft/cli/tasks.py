@@ -385,7 +385,7 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
 
         inv = _inventory(hosts)
         held = others.find(inv, run)
-        others.refuse_stop(run, held)
+        others.refuse_stop(run, held, inv)
         return others.print_stop(run, others.stop(inv, run, held, float(grace)), json, _console())
     if (slurm_run := _slurm_record(run)) is not None:
         from mnft.slurm.submit import stop as slurm_stop

@@ -107,6 +107,13 @@ def device_label(device: dict) -> str:
     return "the host's CPUs" if device.get("index") is None else f"GPU {device['index']}"
 
 
+def join_labels(labels: Sequence[str]) -> str:
+    """["GPU 0", "GPU 1", "workdir /x"] -> "GPU 0, 1, workdir /x"."""
+    gpus = [label[4:] for label in labels if label.startswith("GPU ")]
+    rest = [label for label in labels if not label.startswith("GPU ")]
+    return ", ".join(([f"GPU {', '.join(gpus)}"] if gpus else []) + rest)
+
+
 def verified(holder: dict | None, lockers: Sequence[str] | None) -> str:
     """" (its lock held by bob pid 42)" when /proc/locks names someone else than the login the file claims: the
     kernel's record of the lock's holder is what no user can forge."""
@@ -145,10 +152,13 @@ def scope_busy_line(host: str, reply: dict) -> str:
         return f"{host}: workdir {shown(reply.get('workdir'), 200)} is busy: {describe(holder)}{verified(holder, reply.get('lockers'))} ({hint})"
     if what == "no-gpus":
         return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
-    if what == "runs":
-        held = [dict(device=h.get("device"), holder=h, lockers=h.get("lockers")) for h in reply.get("held") or []]
-        parts = [f"{'workdir ' + shown(h['holder'].get('workdir'), 200) if not h['device'] else device_label(h['device'])}: "
-                 f"{describe(h['holder'])}{verified(h['holder'], h['lockers'])}" for h in held]
+    if what == "runs":  # grouped by holder: "GPU 0, 1, workdir /home/a/mnft: train run R by alice …"
+        groups: dict[str, list[str]] = {}
+        for h in reply.get("held") or []:
+            device = h.get("device") if isinstance(h.get("device"), dict) else None
+            label = device_label(device) if device else f"workdir {shown(h.get('workdir'), 200)}"
+            groups.setdefault(describe(h) + verified(h, h.get("lockers")), []).append(label)
+        parts = [f"{join_labels(labels)}: {text}" for text, labels in groups.items()]
         return f"{host} is busy: {'; '.join(parts)}: the whole host is not changed under a run (wait for it to end, or ask its user)"
     devices, want = reply.get("devices") or [], reply.get("want")
     free = sum(1 for d in devices if d.get("state") == "free")

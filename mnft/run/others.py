@@ -72,17 +72,23 @@ def print_status(run_id: str, held: dict[str, list[dict]], as_json: bool, consol
     return ExitCode.OK
 
 
-def refuse_stop(run_id: str, held: dict[str, list[dict]], me: str | None = None) -> None:
-    """NotYours unless `me` (this login) holds the run on every host, or is root: the kernel's word, not the file's."""
-    me = me or getpass.getuser()
-    if me == "root":
-        return
-    owners = {holder_user(d) for found in held.values() for d in found}
-    if owners - {me}:
-        where = "; ".join(f"{h}: {', '.join(leases.holders_of(found) or ['?'])}" for h, found in held.items()
-                          if any(holder_user(d) != me for d in found))
-        raise NotYours(f"run {run_id} is not yours ({where}): only {', '.join(sorted(o or '?' for o in owners - {me}))} "
-                       "or root may stop it; nothing was changed")
+def login_on(inventory: Inventory, host: str) -> str:
+    """The user this inventory logs in as on a host (the controller's own for a local host or an unnamed user)."""
+    return inventory.host(host).user if inventory.host(host).user and not inventory.host(host).is_local else getpass.getuser()
+
+
+def refuse_stop(run_id: str, held: dict[str, list[dict]], inventory: Inventory) -> None:
+    """NotYours unless the login on every host holds the run there, or is root: the kernel's word, not the file's."""
+    theirs = {}
+    for host, found in held.items():
+        me = login_on(inventory, host)
+        owners = {holder_user(d) or "?" for d in found} - {me}
+        if owners and me != "root":
+            theirs[host] = owners
+    if theirs:
+        where = "; ".join(f"{h}: {', '.join(leases.holders_of(held[h]) or ['?'])}" for h in theirs)
+        owners = sorted(set().union(*theirs.values()))
+        raise NotYours(f"run {run_id} is not yours ({where}): only {', '.join(owners)} or root may stop it; nothing was changed")
 
 
 def stop(inventory: Inventory, run_id: str, held: dict[str, list[dict]], grace: float) -> dict[str, dict]:
