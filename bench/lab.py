@@ -101,8 +101,9 @@ def lease_cost(work: Path, repeat: int) -> dict:
         inv = load(str(cluster.write_inventory(work / "inventory8.yaml")))
         devices, host = [], []
         with Fleet(inv) as fleet:
-            leases.Leases("warm-up").take(fleet, inv.hosts)  # connections open, as train's are when it takes its leases
-            leases._held.clear()
+            warm = leases.Leases("warm-up")  # connections open, as train's are when it takes its leases
+            warm.take(fleet, inv.hosts)
+            warm.release()
             for _ in range(repeat):
                 for kind, out in (("devices", devices), ("host", host)):
                     taking = leases.Leases("train", "20261127-100000-bbbb", leases.Scope(gpus=2) if kind == "devices" else None)

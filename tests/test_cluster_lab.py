@@ -83,6 +83,12 @@ class Person:
     def train(self, src: Path, tag: str, *options: str) -> subprocess.Popen:
         return self.start("train", "--hosts", self.inventory, "--src", str(src), *options, "--", "hold.py", tag)
 
+    def detach(self, src: Path, tag: str, *options: str) -> str:
+        """A detached run (its keepers hold its GPUs; no controller does): its run id."""
+        started = self.mnft("train", "--hosts", self.inventory, "--src", str(src), *options, "--detach", "--", "hold.py", tag)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
+        return started.stdout.strip().splitlines()[-1]
+
     def lab(self) -> list[dict]:
         done = self.mnft("lab", "--hosts", self.inventory, "--json")
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -235,9 +241,7 @@ def test_nodes_picks_the_hosts_with_free_gpus_a_gpu_used_by_hand_is_never_picked
 def test_a_detached_runs_keeper_killed_with_its_process_group_leaves_its_gpus_to_be_taken_over(lab, tmp_path, src):
     h3 = lab.hosts[2]
     alice, bob = Person(lab, tmp_path, "alice", (h3,)), Person(lab, tmp_path, "bob", (h3,))
-    started = alice.mnft("train", "--hosts", alice.inventory, "--src", str(src), "--gpus", "4", "--detach", "--", "hold.py", "k")
-    assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
-    run_id = started.stdout.strip().splitlines()[-1]
+    run_id = alice.detach(src, "k", "--gpus", "4")
     wait_held(bob, "h3", 4)
     for pid, _ in lab.processes(h3):  # the run dies, keeper and ranks (torchrun starts each rank in a session of its own)
         try:
@@ -253,3 +257,21 @@ def test_a_detached_runs_keeper_killed_with_its_process_group_leaves_its_gpus_to
         end(lab, "k2", (h3,))
         end(lab, "k", (h3,))
     finished(taken)
+
+
+def test_root_stops_another_users_run_through_the_keeper_that_holds_its_gpus_and_nothing_of_it_is_left(lab, tmp_path, src):
+    h4 = lab.hosts[3]
+    alice, root = Person(lab, tmp_path, "alice", (h4,)), Person(lab, tmp_path, "root", (h4,))
+    run_id = alice.detach(src, "s", "--gpus", "2")
+    try:
+        wait_held(root, "h4", 2)
+        deadline = time.monotonic() + 60
+        while sum(1 for pids in lab.gpu_users(h4).values() if pids) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)  # both ranks on their GPUs
+        stopped = root.mnft("stop", run_id, "--hosts", root.inventory, "--json")
+        assert stopped.returncode == 0, stopped.stdout[-2000:] + stopped.stderr[-2000:]
+        assert json.loads(stopped.stdout)["stopped"] is True
+        assert all(not pids for pids in lab.gpu_users(h4).values())  # no rank of it is left on any GPU
+        assert {r["state"] for r in root.lab()} == {"free"}
+    finally:
+        end(lab, "s", (h4,))

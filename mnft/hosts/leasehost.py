@@ -446,18 +446,24 @@ def _process_owner(pid):
         return None
 
 
-def read_devices(topology=False):
+def read_devices(topology=False, live=True):
     """(devices, links): the host's GPUs from nvidia-smi (index, uuid, name, memory, utilisation, and the compute
     processes on each: pid, user, MiB), and their links when asked; ([{"index": None, "name": "cpu"}], {}) on a host
-    without nvidia-smi (its CPUs are one device). OSError when nvidia-smi is there but does not answer."""
+    without nvidia-smi (its CPUs are one device). OSError when nvidia-smi is there but does not answer.
+
+    What does not change while the machine is up (each GPU's index, uuid, name and memory, their links) is kept
+    per boot and nvidia-smi in the user's cache (load_static, save_static): a take (live=False: no memory use nor
+    utilisation needed) then asks nvidia-smi one question, its compute processes."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return [{"index": None, "uuid": None, "name": "cpu", "processes": []}], {}
     fmt = "--format=csv,noheader,nounits"
+    cached = None if live else load_static(exe)
+    asks = [[exe, "--query-compute-apps=" + SMI_APPS, fmt]]
+    if cached is None:  # a take asks the links too, to cache them with the devices
+        asks += [[exe, "--query-gpu=" + SMI_QUERY, fmt]] + ([[exe, "topo", "-m"]] if topology or not live else [])
     deadline = time.time() + SMI_TIMEOUT
-    procs = [_spawn_smi([exe, "--query-gpu=" + SMI_QUERY, fmt]), _spawn_smi([exe, "--query-compute-apps=" + SMI_APPS, fmt])]
-    if topology:
-        procs.append(_spawn_smi([exe, "topo", "-m"]))
+    procs = [_spawn_smi(argv) for argv in asks]
     try:
         outputs = [_smi_output(p, deadline) for p in procs]
     finally:
@@ -465,13 +471,76 @@ def read_devices(topology=False):
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    devices = parse_devices(outputs[0])
+    if cached is not None:
+        devices = [dict(d, processes=[]) for d in cached["devices"]]
+        links = dict(((a, b), score) for a, b, score in cached["links"])
+    else:
+        devices = parse_devices(outputs[1])
+        links = parse_topology(outputs[2]) if len(outputs) > 2 else {}
+        if len(outputs) > 2:
+            save_static(exe, devices, links)
     by_uuid = dict((d["uuid"], d) for d in devices)
-    for uuid, pid, mib in parse_apps(outputs[1]):
+    for uuid, pid, mib in parse_apps(outputs[0]):
         if uuid in by_uuid:
             by_uuid[uuid]["processes"].append({"pid": pid, "user": _process_owner(pid), "used_mib": mib})
-    links = parse_topology(outputs[2]) if topology and len(outputs) > 2 else {}
-    return devices, links
+        elif cached is not None:  # a GPU the cache does not know (a driver reloaded): ask it all again
+            try:
+                os.unlink(static_path(exe))
+            except OSError:
+                pass
+            return read_devices(topology, live=True)
+    return devices, (links if topology else {})
+
+
+def boot_id():
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return "".join(c for c in fh.read(64) if c.isalnum() or c == "-")
+    except OSError:
+        return None
+
+
+def static_path(exe):
+    """This user's cache of the GPUs for this boot and this nvidia-smi (a driver installed since is another)."""
+    try:
+        st = os.stat(exe)
+    except OSError:
+        return None
+    key = "%s %s %d %d" % (boot_id(), os.path.realpath(exe), st.st_ino, st.st_mtime_ns)
+    return os.path.expanduser("~/.cache/mnft/gpus-%s.json" % hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:16])
+
+
+def load_static(exe):
+    """This boot's GPUs and links, as this user's cache holds them (None: not cached, or not this boot's)."""
+    path = static_path(exe) if boot_id() is not None else None
+    if path is None:
+        return None
+    try:
+        with open(path) as fh:
+            data = json.loads(fh.read(MAX_LEASE_BYTES))
+        devices = [dict((k, d[k]) for k in ("index", "uuid", "name", "memory_total_mib")) for d in data["devices"]]
+        links = [(int(a), int(b), int(score)) for a, b, score in data["links"]]
+        return {"devices": devices, "links": links} if devices else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save_static(exe, devices, links):
+    """Keep what does not change until the next boot (best effort: a home that cannot be written keeps nothing)."""
+    path = static_path(exe) if boot_id() is not None else None
+    if path is None or not devices:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        data = {"devices": [dict((k, d.get(k)) for k in ("index", "uuid", "name", "memory_total_mib")) for d in devices],
+                "links": [[a, b, score] for (a, b), score in sorted(links.items())]}
+        tmp = "%s.%d" % (path, os.getpid())
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(data))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def _existing(name):
@@ -792,7 +861,7 @@ def _take_now(holder):
     scope = holder.get("scope")
     if scope is None or scope.get("gpus") == 0:
         return take(holder)
-    devices, links = read_devices(topology=scope.get("gpus") is not None)
+    devices, links = read_devices(topology=scope.get("gpus") is not None, live=False)
     return take(holder, devices, links)
 
 

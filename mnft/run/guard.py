@@ -48,7 +48,7 @@ class Guard:
         except leases.HostBusy as exc:
             record.update(state="refused", reason=str(exc))
             raise
-        record.update(devices={host: [d.get("index") for d in found] for host, found in self.leases.devices.items()},
+        record.update(state="checking", devices={host: [d.get("index") for d in found] for host, found in self.leases.devices.items()},
                       leases={host: paths for host, paths in self.leases.paths.items()})
 
     def __exit__(self, kind, exc, tb) -> None:
