@@ -43,19 +43,19 @@ refused with one line naming the path, its owner and what to do (`Refused`).
 
 import errno
 import fcntl
-import hashlib
 import io
 import itertools
 import json
 import os
 import pwd
 import select
-import shutil
 import signal
 import stat
-import subprocess
 import sys
 import time
+
+# hashlib, shutil and subprocess are imported where a take of devices needs them: a hold of the host's lease alone
+# (setup, provision, every sync's tree hash) does not pay their ~15 ms of start-up on every host
 
 RUN_ID_VAR = "MNFT_RUN_ID"  # as mnft.run.agent sets it on every process of a run (an attempt's is <run id>-a<k>)
 LEASE_DIR_VAR = "MNFT_LEASE_DIR"
@@ -255,19 +255,46 @@ def _zombie(pid):
 
 def run_processes(run_id):
     """Live processes whose environment carries the run's id (any attempt of it). Only the environments this user
-    may read are seen: its own processes, or every one as root; another login's run is told by its flock."""
+    may read are seen: its own processes, or every one as root; another login's run is told by its flock. Inside
+    one take (or look) /proc is read once for every run id asked (_RUNS)."""
     if not run_id or not isinstance(run_id, str):
         return []
-    exact = (RUN_ID_VAR + "=" + run_id).encode()
-    attempt = exact + b"-a"
+    runs = _RUNS if _RUNS is not None else _scan_runs()
     found = []
+    for value, pids in runs.items():
+        if value == run_id or value.startswith(run_id + "-a") and value[len(run_id) + 2:].isdigit():
+            found += pids
+    return sorted(found)
+
+
+_RUNS = None  # run id (as in the environment) -> live pids, while one take or look lasts
+
+
+def _scan_runs():
+    """MNFT_RUN_ID value -> pids, of every live process whose environment this user may read."""
+    key = (RUN_ID_VAR + "=").encode()
+    out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit() or int(name) == os.getpid():
             continue
-        env = _environ(int(name))
-        if any(e == exact or e.startswith(attempt) and e[len(attempt):].isdigit() for e in env) and not _zombie(int(name)):
-            found.append(int(name))
-    return found
+        for entry in _environ(int(name)):
+            if entry.startswith(key):
+                if not _zombie(int(name)):
+                    out.setdefault(entry[len(key):].decode("utf-8", "replace"), []).append(int(name))
+                break
+    return out
+
+
+class _one_look(object):
+    """Within the block, /proc is read once for the processes of every run (a take weighs several leases)."""
+
+    def __enter__(self):
+        global _RUNS
+        _RUNS = _scan_runs()
+
+    def __exit__(self, *exc):
+        global _RUNS
+        _RUNS = None
 
 
 def _lock_mutex():
@@ -338,6 +365,8 @@ def device_name(device):
 
 def work_name(workdir):
     """The workdir's lease file: one per directory of the host, whoever syncs or runs there."""
+    import hashlib
+
     path = os.path.abspath(os.path.expanduser(workdir))
     return WORK_PREFIX + hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:16] + ".json"
 
@@ -424,10 +453,14 @@ def pick(free, want, links):
 
 
 def _spawn_smi(argv):
+    import subprocess
+
     return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
 def _smi_output(proc, deadline):
+    import subprocess
+
     try:
         out, _ = proc.communicate(timeout=max(0.1, deadline - time.time()))
     except subprocess.TimeoutExpired:
@@ -454,6 +487,8 @@ def read_devices(topology=False, live=True):
     What does not change while the machine is up (each GPU's index, uuid, name and memory, their links) is kept
     per boot and nvidia-smi in the user's cache (load_static, save_static): a take (live=False: no memory use nor
     utilisation needed) then asks nvidia-smi one question, its compute processes."""
+    import shutil
+
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return [{"index": None, "uuid": None, "name": "cpu", "processes": []}], {}
@@ -506,6 +541,8 @@ def static_path(exe):
         st = os.stat(exe)
     except OSError:
         return None
+    import hashlib
+
     key = "%s %s %d %d" % (boot_id(), os.path.realpath(exe), st.st_ino, st.st_mtime_ns)
     return os.path.expanduser("~/.cache/mnft/gpus-%s.json" % hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()[:16])
 
@@ -726,9 +763,10 @@ def take(holder, devices=None, links=None):
     "scope" takes devices and a workdir (take_devices, with the devices read before); without one, the host."""
     mutex = _lock_mutex()
     try:
-        if holder.get("scope") is not None:
-            return take_devices(holder, devices or [], links or {})
-        return _take_host(holder)
+        with _one_look():
+            if holder.get("scope") is not None:
+                return take_devices(holder, devices or [], links or {})
+            return _take_host(holder)
     finally:
         os.close(mutex)
 
@@ -816,9 +854,10 @@ def lab():
             if fd is not None:
                 out["lockers"] = lockers(fd)
                 os.close(fd)
-        out["devices"] = device_states(devices)
-        out["workdirs"] = [dict(h or {}, lockers=w) for n, h, w in held_leases((WORK_PREFIX,))]
-        out["line"] = [h for _, h in tickets()]
+        with _one_look():
+            out["devices"] = device_states(devices)
+            out["workdirs"] = [dict(h or {}, lockers=w) for n, h, w in held_leases((WORK_PREFIX,))]
+            out["line"] = [h for _, h in tickets()]
     finally:
         os.close(mutex)
     return out
