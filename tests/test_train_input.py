@@ -54,6 +54,12 @@ def test_version_and_help_work_outside_the_checkout(repo, tmp_path):
     (["train", "--set", "lr=1", "--", "train.py"], "--set is for mnft's recipes"),
     (["train", "--", "-m", "not a module"], "expected a module name"),
     (["train", "--", "--lr", "1"], "not a script path"),
+    (["train", "--recipe", "lora", "--set", "max_stepz=5"], "--set: recipe lora: config key 'max_stepz' unknown (did you mean 'max_steps'?)"),
+    (["train", "--recipe", "full", "--set", "lr=fast"], "--set: recipe full: config key 'lr' expects a float, got 'fast'"),
+    (["train", "--recipe", "lora", "--set", "max_steps=0"], "--set: recipe lora: config key 'max_steps' must be >= 1, got 0"),
+    (["train", "--recipe", "lora", "--set", "config=missing.yaml", "--set", "lora_rnak=4"], "config key 'lora_rnak' unknown (did you mean 'lora_rank'?)"),
+    (["train", "--gpus", "0", "--", "train.py"], "--gpus 0: a whole number of GPUs per host from 1 to 64"),
+    (["train", "--wait", "soon", "--", "train.py"], "--wait 'soon': give seconds from 0 to"),
 ])
 def test_bad_input_is_one_line_exit_2_and_starts_nothing(repo, tmp_path, args, message):
     (repo / "jobs" / "bad.yaml").write_text("script: train.py\nargz: [1]\n")

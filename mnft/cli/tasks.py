@@ -64,6 +64,18 @@ def _seconds(option: str, value: str | None, default: float, most: float = 3600.
     return seconds
 
 
+def _whole(option: str, value) -> int | None:
+    """A whole number given on the command line (None: not given); anything else is one line."""
+    from mnft.core.errors import InputError
+
+    if value is None:
+        return None
+    try:
+        return int(str(value), 10)
+    except ValueError:
+        raise InputError(f"{option} {str(value)[:40]!r}: a whole number") from None
+
+
 def _wait(value) -> float | None:
     """--wait (as long as it takes: inf) or --wait SECONDS; None when not given."""
     if value is None or value is False:
@@ -277,8 +289,8 @@ def _job(recipe, job_file, entry, overrides):
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
-          slurm=False, partition=None, nodes=0, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
-          backoff=None, wait_for_lost=None, gpus=0, wait=None):  # last: the earlier options keep their short flags
+          slurm=False, partition=None, nodes=None, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
+          backoff=None, wait_for_lost=None, gpus=None, wait=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -290,6 +302,7 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     from mnft.run.train import train as run_train
 
     overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
+    gpus, nodes = _whole("--gpus", gpus), _whole("--nodes", nodes)
     if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
         from mnft.run.rerun import previous_run, reuse_previous
 
@@ -300,15 +313,19 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
     else:
         the_job = _job(recipe, job, entry, overrides)
+    if the_job.recipe:  # a typo in --set is bad input here, before any host is touched
+        from mnft.cli.recipes import check_overrides
+
+        check_overrides(the_job.recipe, the_job.extra_args, Path(src) if src else None)
     if slurm:  # the same job on a Slurm allocation (mnft.slurm)
         from mnft.slurm.plan import SlurmOptions
         from mnft.slurm.submit import SlurmTrain
         from mnft.slurm.submit import train as slurm_train
 
-        if gpus or wait is not None:
+        if gpus is not None or wait is not None:
             raise InputError("--gpus and --wait share a lab's hosts without a scheduler: under --slurm, Slurm places the job "
                              "(--gpus-per-node, and it queues the job itself)")
-        asked = SlurmOptions(nodes=nodes or 1, partition=partition, time=time, account=account, gpus_per_node=gpus_per_node or None, requeue=requeue,
+        asked = SlurmOptions(nodes=1 if nodes is None else nodes, partition=partition, time=time, account=account, gpus_per_node=gpus_per_node or None, requeue=requeue,
                              signal=signal, max_requeues=max_restarts or 3, sbatch_args=tuple(sbatch_arg or ()))
         template = _inventory(hosts).hosts[0] if hosts else None
         return slurm_train(SlurmTrain(the_job, asked, template, envs, env_files, rdzv, rdzv_timeout, int(port), Path(src) if src else None,
@@ -324,8 +341,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         recovery=Policy(max_restarts=max_restarts, min_nodes=min_nodes or None,  # invoke parses both as int
                         backoff_s=_seconds("--backoff", backoff, Policy.backoff_s),
                         reuse_wait_s=_seconds("--wait-for-lost", wait_for_lost, Policy.reuse_wait_s)),
-        gpus=gpus or None,
-        nodes=nodes or None,
+        gpus=gpus,
+        nodes=nodes,
         wait=_wait(wait),
     )
     return run_train(_inventory(hosts), options, _console())
