@@ -437,3 +437,18 @@ def test_a_shared_dir_outside_the_hosts_own_directories_is_refused(testbed, tmp_
 def test_a_shared_dir_for_a_host_the_cluster_does_not_have_is_refused(testbed, tmp_path):
     with pytest.raises(ValueError, match="hosts this cluster does not have: h3"):
         testbed.Cluster.create(2, tmp_path, outsider=False, shared_dirs={"~/data": ("h1", "h3")})
+
+
+def test_a_checkout_under_tmp_is_seen_by_the_hosts_at_its_own_path_read_only(testbed, fresh_cluster_factory, monkeypatch, tmp_path):
+    """Every host has a private /tmp: a fresh clone there (CI, a new user) would be out of the hosts' sight, and their
+    Python imports mnft from it (the editable install). The test bed binds it in, read-only, at the same path."""
+    checkout = tmp_path / "clone"  # pytest's tmp_path lies under /tmp
+    (checkout / "mnft").mkdir(parents=True)
+    (checkout / "mnft" / "__init__.py").write_text("seen = True\n")
+    monkeypatch.setattr(testbed, "_project_paths", lambda: [str(checkout)])
+    cluster = fresh_cluster_factory(1)
+    h1 = cluster.hosts[0]
+    seen = cluster.run(h1, [cluster.python, "-c", "import mnft; print(mnft.seen, mnft.__file__)"], env={"PYTHONPATH": str(checkout)})
+    assert seen.stdout.split() == ["True", str(checkout / "mnft" / "__init__.py")]
+    written = cluster.run(h1, ["touch", str(checkout / "mnft" / "x")], check=False)
+    assert written.returncode != 0 and not (checkout / "mnft" / "x").exists()

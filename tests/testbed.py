@@ -276,6 +276,19 @@ def _used_ipv4_networks() -> list[ipaddress.IPv4Network]:
     return nets
 
 
+def _project_paths() -> list[str]:
+    """The directory this checkout's mnft is imported from, when it lies under /tmp: every host has a private /tmp,
+    so a checkout there (a fresh clone, CI) would not be seen by the hosts' Python, which imports mnft from it
+    (the editable install points there; a Slurm batch runs `python -m mnft.slurm.allocation` on a node)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("mnft")  # finds the package, imports nothing of it
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    top = os.path.dirname(os.path.realpath(list(spec.submodule_search_locations)[0]))
+    return [top] if top.startswith("/tmp/") else []
+
+
 def _python_paths() -> tuple[str, list[str]]:
     """(python for the hosts, top-level directories under root's home to bind into every private home)."""
     home = pwd.getpwuid(0).pw_dir.rstrip("/") or "/"
@@ -337,6 +350,7 @@ class Cluster:
         self.shared_home = tuple(shared_home)
         self.shared_dirs = self._shared_dirs(shared_dirs or {})  # host-side path -> (the hosts that see it, the source)
         self.gpus = gpus
+        self._carried = _project_paths()  # bound into every host at the same path (a checkout under /tmp)
 
     # ------------------------------------------------------------------ building
 
@@ -513,6 +527,8 @@ class Cluster:
                 continue
             for top in self._python_binds:
                 (host.home / os.path.basename(top)).mkdir(exist_ok=True)
+            for path in self._carried:
+                self._host_side(host, path).mkdir(parents=True, exist_ok=True)
             for path, (names, source) in self.shared_dirs.items():  # the mount point in the host, the shared source here
                 if host.name in names:
                     source.mkdir(parents=True, exist_ok=True)
@@ -584,6 +600,10 @@ class Cluster:
         # recursive binds below carry them to /root and /tmp
         shared = [(path, source) for path, (names, source) in self.shared_dirs.items() if host.name in names]
         steps += [f"mount --bind {q(str(source))} {q(str(self._host_side(host, path)))}" for path, source in shared]
+        for path in self._carried:  # the project's checkout at its own path, read-only (its editable install points there)
+            target = q(str(self._host_side(host, path)))
+            steps += [f"mount --bind {q(path)} {target}", f"mount -o remount,bind,ro {target}"]
+            shared.append((path, Path(path)))
         steps += [
             f"mount --bind {q(str(r / 'etc' / 'hosts'))} /etc/hosts",
             f"mount --bind {q(str(r / 'etc' / 'ssh'))} /etc/ssh",
