@@ -301,15 +301,18 @@ def test_nvidia_smi_compute_apps_are_parsed():
     assert agent.parse_compute_apps("") == []
 
 
-def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_others_warns():
-    report = agent.gpu_report(agent.parse_compute_apps(SMI), {1234, 77})
+def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_your_other_processes_warns():
+    me, bob = os.getuid(), os.getuid() + 1
+    owners = {1234: me, 5678: me, 9: me, 4242: bob}.get
+    apps = agent.parse_compute_apps(SMI + "4242, 900\n")  # 4242: another user's run on the shared host: not a warning
+    report = agent.gpu_report(apps, {1234, 77}, owner=owners)
     assert report == {"gpus_held": ["pid 1234 (15360 MiB)"], "gpus_other": ["pid 5678 (812 MiB)", "pid 9 (? MiB)"]}
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=200)
     result = {"h1": {"killed": [1234], "remaining": [], **report}, "h2": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": []}}
     assert control.gpu_verdict(result, ExitCode.OK, console) == ExitCode.FAILED
     assert "h1: a GPU is still held by the run: pid 1234 (15360 MiB)" in out.getvalue()
-    assert "h1: warning: GPUs held by other processes (not this run's): pid 5678 (812 MiB), pid 9 (? MiB)" in out.getvalue()
+    assert "h1: warning: GPUs held by your other processes (not this run's): pid 5678 (812 MiB), pid 9 (? MiB)" in out.getvalue()
     others_only = {"h1": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": ["pid 5678 (812 MiB)"]}}
     assert control.gpu_verdict(others_only, ExitCode.OK, None) == ExitCode.OK
     assert agent.gpu_report(None, set())["gpu_error"] == "nvidia-smi failed"

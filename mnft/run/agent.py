@@ -311,19 +311,28 @@ def gpu_apps():
     return parse_compute_apps(done.stdout) if done.returncode == 0 else None
 
 
-def gpu_report(apps, run_pids_seen):
-    """Split GPU holders into the run's (a failed stop) and others' (a warning: the GPUs are not free)."""
+def gpu_report(apps, run_pids_seen, owner=None):
+    """Split GPU holders into the run's (a failed stop) and this user's others (a warning: a leftover keeps GPUs
+    from the next run). Another user's processes are their work on a shared host, not this stop's business."""
     if apps is None:
         return {"gpus_held": [], "gpus_other": [], "gpu_error": "nvidia-smi failed"}
     mine = set(run_pids_seen)
+    owner = owner or _uid_of
 
     def show(app):
         return "pid %d (%s MiB)" % (app["pid"], app["memory_mib"] if app["memory_mib"] is not None else "?")
 
     return {
         "gpus_held": [show(a) for a in apps if a["pid"] in mine],
-        "gpus_other": [show(a) for a in apps if a["pid"] not in mine],
+        "gpus_other": [show(a) for a in apps if a["pid"] not in mine and owner(a["pid"]) == os.getuid()],
     }
+
+
+def _uid_of(pid):
+    try:
+        return os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------- keeper

@@ -195,7 +195,7 @@ def gpu_verdict(result: dict[str, dict], code: int, console: Console | None) -> 
         for name, apps in held.items():
             console.print(Text(f"{name}: a GPU is still held by the run: {', '.join(apps)}", style="bold red"))
         for name, apps in other.items():
-            console.print(Text(f"{name}: warning: GPUs held by other processes (not this run's): {', '.join(apps)}", style="yellow"))
+            console.print(Text(f"{name}: warning: GPUs held by your other processes (not this run's): {', '.join(apps)}", style="yellow"))
         for name, r in result.items():
             if r.get("gpu_error"):
                 console.print(Text(f"{name}: warning: could not ask the GPUs: {r['gpu_error']}", style="yellow"))
