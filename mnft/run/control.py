@@ -118,11 +118,12 @@ def supervisor(record: records.RunRecord, now: float | None = None) -> dict | No
     return live
 
 
-def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
+def status(record: records.RunRecord, fleet: Fleet, lines: int = 0) -> dict[str, dict]:
     """Each host's state, its last metrics, the devices the run holds there (mnft.hosts.leases), and whether it is the gang's
     straggler: as the run's supervisor names
     them when one is attached (sustained over several samples), else from the hosts' samples now (mnft.run.straggler,
-    over the ranks' recent steps and the hosts' utilisation)."""
+    over the ranks' recent steps and the hosts' utilisation). lines: also the host's last output lines, each as
+    [global rank or None, text] (`mnft board`)."""
     from mnft.run import straggler
 
     out = {}
@@ -133,9 +134,12 @@ def status(record: records.RunRecord, fleet: Fleet) -> dict[str, dict]:
             state = json.loads(result.stdout.strip().splitlines()[-1])
             metric = last_metric(record.data, result.host, state)
             state.pop("metric_lines", None)
-            lines = state.pop("output_lines", None) or []
+            output = state.pop("output_lines", None) or []
             state["last_metric"] = metric
-            state["last_line"] = split_rank(lines[-1], 0)[1] if lines else None
+            state["last_line"] = split_rank(output[-1], 0)[1] if output else None
+            if lines:
+                offset = rank_offset(record.data, result.host)
+                state["lines"] = [list(piece) for line in output for piece in split_ranks(line, offset)][-lines:]
             meaning = exit_meaning(job_of(record.data), state.get("exit_code"))
             if meaning:
                 state["meaning"] = meaning

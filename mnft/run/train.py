@@ -473,7 +473,7 @@ class Run:
         display.attempt = label
         fmt = job.metrics.format
         gang_run = Gang(fleet, plans, launching.attempt_id(self.run_id, attempt), self.lopts, self.secrets, on_line=display.line,
-                        on_metric=display.metric, on_sample=display.sample, parse_metric=for_job_output(fmt, job.metrics.regex),
+                        on_metric=live.follow(attempt, display), on_sample=display.sample, parse_metric=for_job_output(fmt, job.metrics.regex),
                         metrics_from_output=fmt not in ("mnft", "none") and not any(p.metrics for p in plans))
         t_launch = time.monotonic()
         try:
@@ -625,16 +625,43 @@ def attempts_note(attempts: list[dict], why: str) -> str:
 
 
 class Live:
-    """runs/<id>/live.json: what the attached supervisor knows now (attempt, its hosts, the stragglers it names),
-    for `invoke status` from another terminal. Rewritten on each change and every few seconds; gone when the
-    supervisor ends."""
+    """runs/<id>/live.json: what the attached supervisor knows now (attempt, its hosts, the stragglers it names, the
+    last step record as `metric`), for `invoke status` from another terminal and `mnft board`. Rewritten on each
+    change, at most every second for a step record, and every few seconds; gone when the supervisor ends.
+
+    runs/<id>/live-metrics.jsonl: every step record of rank 0 as it reached the supervisor, with its attempt and
+    the wall time it arrived (`t`): the loss curve of a run still going (`mnft board`); kept after the run, where
+    metrics.jsonl (mnft.run.logs) is the run's timeline once its logs are collected."""
 
     EVERY = 5.0
+    METRIC_EVERY = 1.0
+    METRICS = "live-metrics.jsonl"
 
     def __init__(self, path: Path, max_restarts: int) -> None:
         self.file = path / "live.json"
+        self.metrics = path / self.METRICS
         self.data: dict[str, Any] = {"pid": os.getpid(), "max_restarts": max_restarts, "stragglers": []}
         self.written = 0.0
+
+    def follow(self, attempt: int, display: Display):
+        """The gang's on_metric: the display shows each record; a step record (not HF's bar nor a summary) is also
+        appended to live-metrics.jsonl and becomes live.json's `metric`."""
+
+        def on_metric(data: dict) -> None:
+            seen = display.last_metric
+            display.metric(data)
+            if display.last_metric is not seen:
+                self.metric(attempt, display.last_metric)
+
+        return on_metric
+
+    def metric(self, attempt: int, data: dict) -> None:
+        point = {"attempt": attempt, "t": round(time.time(), 3), **data}
+        with self.metrics.open("a") as out:
+            out.write(json.dumps(point) + "\n")
+        self.data["metric"] = point
+        if time.monotonic() - self.written >= self.METRIC_EVERY:
+            self._write()
 
     def update(self, **data: Any) -> None:
         self.data.update(data)
