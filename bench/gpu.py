@@ -112,7 +112,8 @@ class Bench:
         out = self.work / f"hf-{name}.json"
         argv = [sys.executable, str(REPO / "bench" / "assets" / "hf_baseline.py"), "--recipe", name, "--model-dir", self.model_dir(),
                 "--steps", str(self.steps), "--micro-batch", "8", "--seq", "64", "--out", str(out)] + (["--bf16"] if self.device else [])
-        env = dict(self.env, CUDA_VISIBLE_DEVICES=self.env.get("CUDA_VISIBLE_DEVICES", "0")) if self.device else self.env
+        # on the CPU, torchrun gives each rank OMP_NUM_THREADS=1: the baseline gets the same threads, or it compares cores
+        env = dict(self.env, CUDA_VISIBLE_DEVICES=self.env.get("CUDA_VISIBLE_DEVICES", "0")) if self.device else dict(self.env, OMP_NUM_THREADS="1")
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
             return {"exit_code": done.returncode, "error": done.stderr[-1500:]}
