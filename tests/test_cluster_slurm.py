@@ -7,6 +7,9 @@ as a user would: sbatch, squeue, scontrol and scancel are Slurm's own. Nothing i
 from __future__ import annotations
 
 import json
+import re
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -84,7 +87,7 @@ def leftovers(slurm) -> dict[str, list[str]]:
 
 
 def test_a_recipe_runs_on_two_nodes_with_checks_logs_metrics_and_status(slurm):
-    run_id = submitted(mnft(slurm, "train", "--slurm", "--nodes", "2", "--recipe", "lora", "--set", "max_steps=6", "--set", "save_every=3"))
+    run_id = submitted(mnft(slurm, "train", "--slurm", "--detach", "--nodes", "2", "--recipe", "lora", "--set", "max_steps=6", "--set", "save_every=3"))
     follow = mnft(slurm, "logs", "-f", run_id, timeout=240)
     assert follow.returncode == 0, follow.stdout + follow.stderr
     assert "summary: steps 6" in follow.stdout
@@ -108,25 +111,48 @@ def test_a_recipe_runs_on_two_nodes_with_checks_logs_metrics_and_status(slurm):
     assert leftovers(slurm) == {"h1": [], "h2": [], "h3": []}
 
 
-def test_a_user_script_gets_node_rank_from_slurm_nodeid(slurm):
+def test_train_follows_the_job_to_its_end_by_default_and_a_user_script_gets_node_rank_from_slurm_nodeid(slurm):
     (home(slurm) / "proj").mkdir(exist_ok=True)
     (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
-    proc = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
-                                                        "train", "--slurm", "--nodes", "2", "--", "train.py", "0", "a b"],
-                             env=slurm.env, check=False, timeout=120)
-    run_id = submitted(proc)
-    follow = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
-                                                          "logs", "-f", run_id], env=slurm.env, check=False, timeout=240)
-    assert follow.returncode == 0, follow.stdout + follow.stderr
-    assert "script rank=0 node_rank=0 nodeid=0 host=h1 args=['0', 'a b']" in follow.stdout
-    assert "script rank=1 node_rank=1 nodeid=1 host=h2 args=['0', 'a b']" in follow.stdout
+    # as over SSH, the person at the terminal sees the job's lines and its end; the exit status is the job's
+    followed = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                            "train", "--slurm", "--nodes", "2", "--", "train.py", "0", "a b"],
+                                 env=slurm.env, check=False, timeout=240)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    run_id = re.search(r"^run (\S+): Slurm job \d+ submitted", followed.stdout, re.M).group(1)
+    assert "following it to its end (Ctrl-C cancels it; --detach returns at once)" in followed.stdout
+    assert "script rank=0 node_rank=0 nodeid=0 host=h1 args=['0', 'a b']" in followed.stdout
+    assert "script rank=1 node_rank=1 nodeid=1 host=h2 args=['0', 'a b']" in followed.stdout
+    assert re.search(rf"^run {run_id}: Slurm job \d+ COMPLETED \(exit 0:0\); run succeeded", followed.stdout, re.M), followed.stdout[-2000:]
+    assert "Traceback" not in followed.stdout + followed.stderr
+
+
+def test_ctrl_c_of_a_followed_slurm_run_cancels_its_job_and_leaves_nothing_on_any_node(slurm):
+    (home(slurm) / "proj").mkdir(exist_ok=True)
+    (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
+    follower = slurm.cluster.popen(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                             "train", "--slurm", "--nodes", "2", "--", "train.py", "300"],
+                                   env=slurm.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: any("train.py" in c for c in leftovers(slurm)["h2"]), 90, "the script never ran on h2")
+        follower.send_signal(signal.SIGINT)
+        out, _ = follower.communicate(timeout=120)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    assert follower.returncode == 130, out[-3000:]
+    run_id = re.search(r"^run (\S+): Slurm job (\d+) submitted", out, re.M).group(1)
+    assert "interrupted: cancelling Slurm job" in out and "Traceback" not in out
+    data = json.loads((home(slurm) / "proj" / "runs" / run_id / "run.json").read_text())
+    assert data["state"] == "interrupted" and slurm.client(["squeue", "-h", "-j", str(data["slurm_job_id"])], check=False).stdout.strip() == ""
+    wait_for(lambda: leftovers(slurm) == {"h1": [], "h2": [], "h3": []}, 30, f"processes left after the cancel: {leftovers(slurm)}")
 
 
 def test_stop_is_scancel_and_leaves_no_process_on_any_node(slurm):
     (home(slurm) / "proj").mkdir(exist_ok=True)
     (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
     proc = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
-                                                        "train", "--slurm", "--nodes", "2", "--", "train.py", "300"],
+                                                        "train", "--slurm", "--detach", "--nodes", "2", "--", "train.py", "300"],
                              env=slurm.env, check=False, timeout=120)
     run_id = submitted(proc)
     runs = home(slurm) / "proj" / "runs" / run_id / "run.json"
@@ -140,7 +166,7 @@ def test_stop_is_scancel_and_leaves_no_process_on_any_node(slurm):
 
 
 def test_the_warning_signal_saves_and_requeues_and_the_next_attempt_resumes(slurm):
-    run_id = submitted(mnft(slurm, "train", "--slurm", "--nodes", "2", "--requeue", "--signal", "USR2@60", "--recipe", "lora",
+    run_id = submitted(mnft(slurm, "train", "--slurm", "--detach", "--nodes", "2", "--requeue", "--signal", "USR2@60", "--recipe", "lora",
                             "--set", "max_steps=150", "--set", "save_every=1000", "--set", "log_every=1000"))
     job = record(slurm, run_id)["slurm_job_id"]
     wait_for(lambda: len(steps(slurm, run_id)) >= 5, 120, "the job never trained 5 steps")
@@ -196,7 +222,7 @@ def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_che
     (proj / "steps.py").write_text(STEPS)
     (proj / "job.yaml").write_text(JOB)
     run = ["sh", "-c", 'cd steps && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN]
-    run_id = submitted(slurm.cluster.run(slurm.cluster.hosts[0], run + ["train", "--slurm", "--nodes", "2", "--requeue", "--job", "job.yaml"],
+    run_id = submitted(slurm.cluster.run(slurm.cluster.hosts[0], run + ["train", "--slurm", "--detach", "--nodes", "2", "--requeue", "--job", "job.yaml"],
                                          env=slurm.env, check=False, timeout=120))
     ckpt = home(slurm) / "mnft" / "outputs" / run_id / "step.txt"
     wait_for(lambda: ckpt.is_file() and int(ckpt.read_text() or 0) >= 6, 120, "the job never reached step 6")

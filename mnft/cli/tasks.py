@@ -329,7 +329,7 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
                              signal=signal, max_requeues=max_restarts or 3, sbatch_args=tuple(sbatch_arg or ()))
         template = _inventory(hosts).hosts[0] if hosts else None
         return slurm_train(SlurmTrain(the_job, asked, template, envs, env_files, rdzv, rdzv_timeout, int(port), Path(src) if src else None,
-                                      not no_sync, dry_run, resume_run, resume), _console())
+                                      not no_sync, dry_run, resume_run, resume, detach), _console())
     options = TrainOptions(
         launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout),
         check=CheckOptions(port=int(port) or None),
@@ -546,4 +546,22 @@ def lab(c, hosts=None, json=False, connect_timeout=10.0):
     return print_lab(inv, views, json, clock.monotonic() - started)
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab)
+@task(help={"hosts": "inventory file whose lab the board shows; default: the embedded inventory/local.yaml",
+            "port": "TCP port to serve on (default 8765; 0: a free one, printed)",
+            "listen": "address to listen on (default 127.0.0.1: reach it with ssh -L); another one shows the lab to anyone who can reach it",
+            "connect_timeout": "seconds to wait for each host's SSH connection"})
+@_mnft_errors
+def board(c, hosts=None, port=8765, listen="127.0.0.1", connect_timeout=10.0):
+    """The lab and its runs in a browser, live and read-only: every device free / held / in use outside mnft and the
+    line (as `mnft lab`), every run with its state, step, loss and goodput, a run's loss curve, where its time went,
+    its hosts' last lines and its first failure with the fix (docs/board.md). Nothing on the page changes a host."""
+    from mnft.board.app import serve
+    from mnft.board.state import Board
+
+    console = _console()
+    inv = _inventory(hosts)
+    return serve(Board(inv, timeouts=_timeouts(connect_timeout, 30.0)), str(listen), int(port),
+                 lambda message, style: console.print(message, style=style or None, highlight=False, soft_wrap=True))
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board)

@@ -48,6 +48,7 @@ class SlurmTrain:
     dry_run: bool = False
     resume_run: str | None = None
     resume: bool = False
+    detach: bool = False  # return once sbatch accepted the job (default: follow it to its end)
 
 
 def template_host(given: Host | None, slurm: SlurmOptions) -> Host:
@@ -123,11 +124,76 @@ def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None 
     except MnftError as exc:
         record.update(state="refused", reason=str(exc))
         raise
-    record.update(state="submitted", slurm_job_id=job_number, submitted=time.time(), launched=True)
+    record.update(state="submitted", slurm_job_id=job_number, submitted=time.time(), launched=True, detach=request.detach)
+    if request.detach:
+        console.print(Text.assemble("run ", (run_id, "bold"), f": Slurm job {job_number} submitted ({job.label}, {request.slurm.nodes} node(s)); "
+                                    f"follow with `mnft logs -f {run_id}`, stop with `mnft stop {run_id}`"), soft_wrap=True)
+        print(run_id)
+        return int(ExitCode.OK)
     console.print(Text.assemble("run ", (run_id, "bold"), f": Slurm job {job_number} submitted ({job.label}, {request.slurm.nodes} node(s)); "
-                                f"follow with `mnft logs -f {run_id}`, stop with `mnft stop {run_id}`"), soft_wrap=True)
-    print(run_id)
-    return int(ExitCode.OK)
+                                "following it to its end (Ctrl-C cancels it; --detach returns at once)"), soft_wrap=True)
+    return follow(record, console)
+
+
+def follow(record: records.RunRecord, console: Console, poll: float = 1.0) -> int:
+    """A submitted job followed to its end, as `mnft train` follows a run over SSH: its state while it waits, every
+    node's lines as they come, then the run's outcome as the allocation recorded it (its cause and fix when it
+    failed) and the job's state and exit code; exit 0 only when the job completed and the run succeeded. Ctrl-C or
+    SIGTERM cancels the job (scancel: Slurm ends its steps on every node) and waits until Slurm says it ended."""
+    number = job_number(record)
+    offsets: dict[Path, int] = {}
+    said = None
+    try:
+        while True:
+            tail_nodes(records.load(record.run_id).data, offsets, console)
+            state = cluster.show_job(number)
+            if state.ended:
+                tail_nodes(records.load(record.run_id).data, offsets, console)
+                return outcome(records.load(record.run_id), state, console)
+            if state.state != said:
+                console.print(Text(f"Slurm job {number}: {state.state}" + (f" ({state.reason})" if state.reason and state.reason != "None" else "")
+                                   + (f" on {', '.join(state.nodes)}" if state.nodes and state.state == "RUNNING" else ""), style="dim"), soft_wrap=True)
+                said = state.state
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        console.print(Text(f"interrupted: cancelling Slurm job {number} (scancel)", style="yellow"), soft_wrap=True)
+        cluster.run(["scancel", number])
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not cluster.show_job(number).ended:
+            time.sleep(0.5)
+        records.load(record.run_id).update(state="interrupted", reason=f"interrupted: Slurm job {number} cancelled (scancel)", ended=time.time())
+        raise
+
+
+def outcome(record: records.RunRecord, state: "cluster.JobState", console: Console) -> int:
+    """The followed job's end: the run's state and reason as the allocation recorded them, its last step and loss."""
+    data = record.data
+    summary = data.get("summary") or {}
+    ok = state.state == "COMPLETED" and data.get("state") == "succeeded"
+    where = f"; step {summary.get('last_step')}, loss {summary.get('last_loss')}" if summary.get("last_step") is not None else ""
+    console.print(Text.assemble("run ", (record.run_id, "bold"), f": Slurm job {state.job_id} ", (state.state, "green" if ok else "red"),
+                                f" (exit {state.exit_code})" if state.exit_code else "", f"; run {data.get('state')}{where}"), soft_wrap=True)
+    if not ok and data.get("reason"):
+        console.print(Text(f"  {data['reason']}", style="red"), soft_wrap=True)
+    console.print(Text(f"logs in {record.path} (batch output: {record.path}/slurm-*.out; `mnft logs {record.run_id}`)"), soft_wrap=True)
+    return int(ExitCode.OK if ok else ExitCode.FAILED)
+
+
+def tail_nodes(data: dict, offsets: dict[Path, int], console: Console) -> None:
+    """New complete lines of every node's output.log (on the shared filesystem) since the offsets, as `node | line`."""
+    for name, info in (data.get("hosts") or {}).items():
+        if not info.get("run_dir"):
+            continue
+        path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
+        if not path.is_file():
+            continue
+        with open(path, "rb") as fh:
+            fh.seek(offsets.get(path, 0))
+            chunk = fh.read(1 << 20)
+        complete = chunk[: chunk.rfind(b"\n") + 1]
+        offsets[path] = offsets.get(path, 0) + len(complete)
+        for line in complete.decode("utf-8", "replace").splitlines():
+            console.print(Text(f"{name} | {line}"), soft_wrap=True, highlight=False)
 
 
 def sync_local(template: Host, tree: Path, record: records.RunRecord, console: Console) -> None:
@@ -249,18 +315,7 @@ def logs(record: records.RunRecord, lines: int, follow: bool, console: Console) 
     number = job_number(record)
     offsets: dict[Path, int] = {}
     while True:
-        hosts = records.load(record.run_id).data.get("hosts") or {}
-        for name, info in hosts.items():
-            path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
-            if not path.is_file():
-                continue
-            with open(path, "rb") as fh:
-                fh.seek(offsets.get(path, 0))
-                data = fh.read()
-            complete = data[: data.rfind(b"\n") + 1]
-            offsets[path] = offsets.get(path, 0) + len(complete)
-            for line in complete.decode("utf-8", "replace").splitlines():
-                console.print(Text(f"{name} | {line}"), soft_wrap=True, highlight=False)
+        tail_nodes(records.load(record.run_id).data, offsets, console)
         state = cluster.show_job(number)
         if state.ended:
             console.print(f"Slurm job {number} ended: {state.state} (exit {state.exit_code})", highlight=False)
