@@ -127,6 +127,21 @@ def test_train_follows_the_job_to_its_end_by_default_and_a_user_script_gets_node
     assert "Traceback" not in followed.stdout + followed.stderr
 
 
+def test_a_workdir_the_nodes_do_not_see_is_found_by_the_check_step_before_anything_starts(slurm):
+    (home(slurm) / "proj").mkdir(exist_ok=True)
+    (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
+    # /tmp is each host's own: the login node (h1) syncs there, h2 never sees it
+    (home(slurm) / "proj" / "lab.yaml").write_text(f"hosts:\n  t:\n    address: x\n    python: {slurm.cluster.python}\n    workdir: /tmp/mnft-private\n")
+    followed = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                            "train", "--slurm", "--nodes", "2", "--hosts", "lab.yaml", "--", "train.py", "0"],
+                                 env=slurm.env, check=False, timeout=240)
+    assert followed.returncode == 1, followed.stdout + followed.stderr
+    said = followed.stdout + followed.stderr
+    assert "h2: workdir: /tmp/mnft-private does not exist on this node: the nodes do not see the login node's workdir" in said, said[-3000:]
+    assert "set `workdir:` (in the --hosts inventory) to a directory on the shared filesystem" in said
+    assert "run invoke sync first" not in said and "script rank=" not in said  # refused in the check: nothing started
+
+
 def test_ctrl_c_of_a_followed_slurm_run_cancels_its_job_and_leaves_nothing_on_any_node(slurm):
     (home(slurm) / "proj").mkdir(exist_ok=True)
     (home(slurm) / "proj" / "train.py").write_text(SCRIPT)

@@ -159,3 +159,16 @@ def test_the_recipes_save_request_is_set_by_the_named_signal_only():
         assert request.requested and request.name == "USR2"
     finally:
         signal.signal(signal.SIGUSR2, before)
+
+
+def test_the_check_step_names_a_node_that_does_not_see_the_synced_workdir_with_what_to_do_under_slurm():
+    from mnft.slurm.allocation import unseen_workdir
+
+    inventory = plan.allocation_inventory(["node0", "node1"], Host(name="t", rank=0, address="t", workdir="/home/u/mnft"), 29500)
+    facts = {"node0": {"disk": {"path": "/home/u/mnft", "workdir": "/home/u/mnft"}},
+             "node1": {"disk": {"path": "/home/u", "workdir": "/home/u/mnft"}}}  # the probe measured a parent: no such directory
+    (problem,) = unseen_workdir(inventory, facts)
+    assert (problem.host, problem.field, problem.severity) == ("node1", "workdir", "error")
+    assert problem.message.startswith("/home/u/mnft does not exist on this node: the nodes do not see the login node's workdir")
+    assert "to a directory on the shared filesystem" in problem.fix and "docs/slurm.md" in problem.fix and "invoke sync" not in problem.fix
+    assert unseen_workdir(inventory, {"node0": facts["node0"]}) == []

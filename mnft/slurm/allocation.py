@@ -38,7 +38,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
-from mnft.check.findings import CheckOptions, CheckReport, Need
+from mnft.check.findings import CheckOptions, CheckReport, Need, Problem
 from mnft.check.probe import source as probe_source
 from mnft.check.rules import evaluate, master_address
 from mnft.core.errors import ExitCode, MnftError
@@ -177,7 +177,7 @@ class Allocation:
                 outcomes[host.name] = HostResult(host.name, Status.FAILED, error=f"the probe printed no facts: {error}")
         options = CheckOptions(network=False, code=False, modules=needs)
         report = CheckReport(inventory, outcomes, facts)
-        report.problems = evaluate(inventory, facts, report, options)
+        report.problems = evaluate(inventory, facts, report, options) + unseen_workdir(inventory, facts)
         (self.record.path / f"check-{entry['number']}.json").write_text(json.dumps(report.to_json(), indent=1, default=str))
         bad = [h.name for h in inventory.hosts if report.status(h.name) != Status.OK.value]
         for p in report.problems:
@@ -399,6 +399,21 @@ class Allocation:
                 shutil.rmtree(dest / name, ignore_errors=True)
                 shutil.move(str(self.record.path / name), str(dest / name))
         self.record.save()
+
+
+def unseen_workdir(inventory: Inventory, facts: dict[str, dict]) -> list[Problem]:
+    """A node on which the run's workdir does not exist (the probe measured the disk of a parent: mnft.check.probe
+    `_disk`): it does not see the filesystem the login node synced the code to, and nothing mnft could sync would
+    reach it. Said in the check, before anything starts, with what to do under Slurm."""
+    problems = []
+    for host in inventory.hosts:
+        disk = (facts.get(host.name) or {}).get("disk") or {}
+        if disk.get("workdir") and disk.get("path") and disk["path"] != disk["workdir"]:
+            problems.append(Problem(host.name, "workdir", f"{disk['workdir']} does not exist on this node: the nodes do not see the "
+                                    "login node's workdir (it is not on a filesystem every node shares)",
+                                    "set `workdir:` (in the --hosts inventory) to a directory on the shared filesystem, e.g. /shared/$USER/mnft; "
+                                    "see docs/slurm.md"))
+    return problems
 
 
 def collect_run(record: records.RunRecord, say, launches: list[HostLaunch] | None = None) -> None:
