@@ -23,7 +23,7 @@ LAYERS = (
     ("env",),
     ("check",),
     ("run", "setup"),
-    ("perf", "slurm"),
+    ("perf", "slurm", "board"),
     ("cli",),
 )
 APART = {"recipes": ("core",)}

@@ -1,0 +1,325 @@
+"""A run as the board shows it: its row in the list and its page, from what mnft records of it and, for a run going
+on, what its hosts answer (mnft.run.control.status, asked by mnft.board.state's poller). Nothing here asks a host.
+
+Every figure comes from where the terminal reads it: the record (mnft.run.records: state, reason, hosts, attempts
+with their diagnosis, `time` from mnft.run.goodput), the attached supervisor (mnft.run.train.Live: live.json's
+`metric`, live-metrics.jsonl), the collected run (mnft.run.logs: metrics.jsonl, summary.json, each host's
+output.log) and the hosts' status. What a record or a log says is anyone's writing (a job name, a host's output):
+it is passed on as text, cut, without control characters; the page only ever sets it as text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from mnft.core.errors import InputError
+from mnft.run import goodput, records
+from mnft.run.control import job_of, rank_offset, runs_lease, supervisor
+from mnft.run.gang import split_ranks
+from mnft.run.logs import METRICS, restarts
+from mnft.run.report import TIME_COLUMNS
+from mnft.run.scrape import ANSI
+from mnft.run.train import Live
+
+GOING = frozenset({"waiting", "checking", "syncing", "starting", "running"})  # a record's states while its run goes on
+LOG_LINES = 40  # per host on a run's page
+POINTS_MAX = 50_000  # points of a loss curve sent to the page (a longer run: every k-th, the last one kept)
+JSON_MAX = 4 << 20  # bytes of a summary.json / live.json read at most
+TEXT_MAX = 500  # characters of one line of text
+
+
+def text(value: Any, limit: int = TEXT_MAX) -> str | None:
+    """A value from a record or a log as the page may show it: a string or number, terminal colours dropped,
+    other control characters as '?' (a tab kept), cut to `limit` characters."""
+    if value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        return None
+    raw = ANSI.sub("", str(value)[: limit * 2])[:limit]
+    return "".join(c if c.isprintable() or c == "\t" else "?" for c in raw)
+
+
+def number(value: Any) -> float | int | None:
+    """A finite number as JSON carries it (nan/inf, written as text by mnft.run.scrape, are None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return value if value == value and abs(value) != float("inf") else None
+
+
+def read_json(path: Path, limit: int = JSON_MAX) -> dict | None:
+    try:
+        if path.stat().st_size > limit:
+            return None
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def read_jsonl(path: Path, keep: int = POINTS_MAX * 4) -> list[dict]:
+    """The JSON objects of a .jsonl file mnft wrote (a damaged line skipped), the last `keep` of them."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - keep * 512))
+            lines = f.read().splitlines()
+    except OSError:
+        return []
+    out = []
+    for line in lines[-keep:]:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out
+
+
+def last_lines(path: Path, count: int, chunk: int = 1 << 16) -> list[str]:
+    """The last lines of a file, reading only its end."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - chunk))
+            data = f.read()
+    except OSError:
+        return []
+    lines = data.decode("utf-8", "replace").splitlines()
+    return lines[1 if size > chunk and len(lines) > count else 0:][-count:]
+
+
+def job_label(data: dict) -> str:
+    try:
+        return text(job_of(data).label, 200) or "?"
+    except Exception:  # noqa: BLE001 - a damaged record's job is shown as unknown, never a failed page
+        return "?"
+
+
+def host_names(data: dict) -> list[str]:
+    hosts = data.get("hosts") if isinstance(data.get("hosts"), dict) else {}
+    if not hosts and isinstance(data.get("inventory"), dict):
+        return [text(h.get("name"), 100) or "?" for h in data["inventory"].get("hosts") or [] if isinstance(h, dict)]
+    return [text(name, 100) or "?" for name in hosts]
+
+
+def going(data: dict) -> bool:
+    return data.get("state") in GOING
+
+
+def metric_of(found: dict | None) -> dict:
+    """step, loss, tokens/s of a step record (mnft.run.scrape's), numbers only."""
+    found = found or {}
+    step = found.get("step") if isinstance(found.get("step"), int) and not isinstance(found.get("step"), bool) else None
+    loss = found.get("loss")
+    return {"step": step, "step_about": bool(found.get("step_about")), "loss": number(loss) if not isinstance(loss, str) else text(loss, 8),
+            "tokens_per_s": number(found.get("tokens_per_s"))}
+
+
+# ------------------------------------------------------------------------------------------------ a run's row
+
+
+def summary(run_id: str, path: Path, answers: dict | None = None, now: float | None = None) -> dict:
+    """The run's row: state, job, hosts, step, loss, tokens/s, restarts, goodput; `answers`: its hosts' answers to
+    the status query (host -> mnft.run.control.status's), when the poller asked them."""
+    try:
+        data = records.read_record(path / "run.json")
+    except InputError as exc:
+        return {"id": text(run_id, 128), "mine": True, "state": "unreadable", "reason": text(str(exc)), "job": "?", "hosts": []}
+    live = supervisor(records.RunRecord(path, data), now)
+    shown = read_json(path / "summary.json") if not going(data) else None
+    metric: dict = {}
+    if answers:  # the hosts' answer: rank 0's host first
+        ranked = sorted(answers, key=lambda h: ((data.get("hosts") or {}).get(h) or {}).get("node_rank", 0))
+        metric = next((m for h in ranked if (m := (answers[h] or {}).get("last_metric"))), None) or {}
+    if not metric and live:
+        metric = live.get("metric") or {}
+    if not metric and shown:
+        metric = {"step": shown.get("last_step"), "loss": shown.get("final_loss", shown.get("last_loss")), "tokens_per_s": shown.get("tokens_per_s")}
+    attempts = [a for a in data.get("attempts") or [] if isinstance(a, dict)]
+    spent = data.get("time") if isinstance(data.get("time"), dict) else (shown or {}).get("time") if isinstance((shown or {}).get("time"), dict) else {}
+    return {
+        "id": text(run_id, 128), "mine": True, "user": None, "state": text(data.get("state"), 40) or "?",
+        "supervised": bool(live), "detached": bool(data.get("detach")), "slurm": bool(data.get("slurm")),
+        "reason": text(data.get("reason")), "job": job_label(data), "hosts": host_names(data),
+        "devices": {text(h, 100): [d for d in v if isinstance(d, int)] for h, v in (data.get("devices") or {}).items() if isinstance(v, list)}
+        if isinstance(data.get("devices"), dict) else {},
+        "created": number(data.get("created")), "ended": number(data.get("ended")),
+        "attempt": len(attempts) or None, "restarts": max(0, len(attempts) - 1),
+        "goodput": number(spent.get("goodput")), **metric_of(metric),
+    }
+
+
+def others(rows: list[dict], mine: set[str], now: float | None = None) -> list[dict]:
+    """The runs of other controllers the lab shows (their leases on the hosts, mnft.hosts.lab.rows as JSON): one
+    row each, with its user, hosts and devices and since when; a run of this controller's runs/ is left out."""
+    found: dict[str, dict] = {}
+    for row in rows:
+        run = row.get("run")
+        if row.get("state") not in ("held", "waiting") or not run or any(runs_lease(m, run) for m in mine):
+            continue
+        entry = found.setdefault(run, {"id": run, "mine": False, "user": row.get("user"), "state": "running" if row["state"] == "held" else "waiting",
+                                       "job": row.get("command"), "hosts": [], "devices": {}, "created": row.get("since"), "restarts": None,
+                                       "goodput": None, "step": None, "loss": None, "tokens_per_s": None})
+        if row["state"] == "held":
+            entry["state"] = "running"
+            if row["host"] not in entry["hosts"]:
+                entry["hosts"].append(row["host"])
+            if row.get("device") not in (None, "-"):
+                entry["devices"].setdefault(row["host"], []).append(row["device"])
+        elif row["host"] not in entry["hosts"]:
+            entry["hosts"].append(row["host"])
+        if isinstance(row.get("since"), (int, float)) and (entry["created"] is None or row["since"] < entry["created"]):
+            entry["created"] = row["since"]
+    return list(found.values())
+
+
+# ------------------------------------------------------------------------------------------------ a run's page
+
+
+def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | None = None, now: float | None = None) -> dict:
+    """The run's page: its row, the loss curve (attempts, restarts, lost steps), where the time went, each host's
+    state and last lines, the first failure named with its fix."""
+    now = time.time() if now is None else now
+    out = summary(run_id, path, answers, now)
+    try:
+        data = records.read_record(path / "run.json")
+    except InputError:
+        return out
+    attempts = [a for a in data.get("attempts") or [] if isinstance(a, dict)]
+    live = supervisor(records.RunRecord(path, data), now)
+    out["attempts"] = [{"number": a.get("number"), "state": text(a.get("state"), 40), "hosts": [text(h, 100) for h in a.get("hosts") or []],
+                        "started": number(a.get("started")), "ended": number(a.get("ended")), "resumed_step": a.get("resumed_step"),
+                        "steps": a.get("steps"), "steps_lost": a.get("steps_lost"), "cause": text((a.get("cause") or {}).get("detail")),
+                        "decision": text(a.get("decision"))} for a in attempts]
+    out["curve"] = curve(path, data, live is not None or going(data))
+    out["time"] = time_spent(path, data, now)
+    out["failure"] = failure(data)
+    out["warnings"] = [{"cause": text(w.get("cause")), "fix": text(w.get("fix"))} for w in data.get("warnings") or [] if isinstance(w, dict)]
+    out["live"] = {"state": text(live.get("state"), 40), "attempt": live.get("attempt"), "note": text(live.get("note")),
+                   "stragglers": [text(s.get("why")) for s in live.get("stragglers") or [] if isinstance(s, dict)]} if live else None
+    out["host_states"] = host_states(path, data, answers)
+    out["asked"] = number(asked)
+    return out
+
+
+def curve(path: Path, data: dict, running: bool) -> dict:
+    """The loss curve: once the run's logs are collected, metrics.jsonl (mnft.run.logs: the kept timeline over
+    every attempt); while it goes on, or without them, the step records the supervisor kept as they came
+    (live-metrics.jsonl). Restarts where each later attempt resumed (mnft.run.logs.restarts); lost steps: each
+    attempt's steps past where the next one resumed (the record's attempts)."""
+    source, found = None, []
+    if not running and (path / METRICS).is_file():
+        source, found = "metrics", [r for r in read_jsonl(path / METRICS) if "loss" in r and r.get("event") is None]
+    if not found and (path / Live.METRICS).is_file():
+        source, found = "live", [r for r in read_jsonl(path / Live.METRICS) if "loss" in r]
+    by_step = bool(found) and all(isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) for r in found)
+    if len(found) > POINTS_MAX:
+        every = -(-len(found) // POINTS_MAX)
+        found = found[::every] + ([found[-1]] if (len(found) - 1) % every else [])
+    xs = [r["step"] if by_step else r.get("index") if isinstance(r.get("index"), int) else i for i, r in enumerate(found, 1)]
+    losses = [number(r.get("loss")) for r in found]
+    marks = [{"step": step, "label": text(label, 100)} for step, label in restarts(data) if isinstance(step, int)]
+    lost = []
+    for a in data.get("attempts") or []:
+        steps, count = (a or {}).get("steps"), (a or {}).get("steps_lost")
+        if isinstance(count, int) and count > 0 and isinstance(steps, list) and len(steps) == 2 and isinstance(steps[1], int):
+            lost.append({"attempt": a.get("number"), "from": steps[1] - count, "to": steps[1], "steps": count})
+    return {"source": source, "by_step": by_step, "x": xs, "loss": losses, "attempt": [r.get("attempt") if isinstance(r.get("attempt"), int) else 1 for r in found],
+            "tokens_per_s": [number(r.get("tokens_per_s")) for r in found] if any("tokens_per_s" in r for r in found) else None,
+            "points": len(found), "restarts": marks, "lost": lost}
+
+
+def time_spent(path: Path, data: dict, now: float) -> dict | None:
+    """Where the time went (mnft.run.goodput, as `logs` and `status` print it): the record's once it is summed up,
+    while it goes on measured the same way from the step records kept so far."""
+    spent = data.get("time") if isinstance(data.get("time"), dict) else None
+    if spent is None and (path / Live.METRICS).is_file() and isinstance(data.get("created"), (int, float)) and data.get("attempts"):
+        times: dict[int, list[tuple[float, int | None]]] = {}
+        for r in read_jsonl(path / Live.METRICS):
+            if isinstance(r.get("t"), (int, float)) and isinstance(r.get("attempt"), int):
+                times.setdefault(r["attempt"], []).append((float(r["t"]), r["step"] if isinstance(r.get("step"), int) else None))
+        try:
+            spent = goodput.measure(data["created"], data.get("ended") or now, data["attempts"], times).to_json()
+        except (TypeError, ValueError, KeyError):
+            spent = None
+    if not spent:
+        return None
+    keys = [key for _, key in TIME_COLUMNS if key != "kept_s"]
+    return {"wall_s": number(spent.get("wall_s")), "goodput": number(spent.get("goodput")), "steps_lost": spent.get("steps_lost"),
+            "columns": [[name, key] for name, key in TIME_COLUMNS],
+            "attempts": [{"number": a.get("number"), "state": text(a.get("state"), 40), **{k: number(a.get(k)) for k in keys + ["kept_s"]},
+                          "steps_lost": a.get("steps_lost")} for a in spent.get("attempts") or [] if isinstance(a, dict)]}
+
+
+def failure(data: dict) -> dict | None:
+    """The first failure, named with its fix as the terminal said it (mnft.run.diagnose: the record's attempts'
+    `diagnosis`, else the run's), and the run's reason."""
+    named = next(((a.get("number"), a["diagnosis"]) for a in data.get("attempts") or [] if isinstance(a, dict) and isinstance(a.get("diagnosis"), dict)),
+                 None) or ((None, data["diagnosis"]) if isinstance(data.get("diagnosis"), dict) else None)
+    if named is None and data.get("state") not in ("failed", "refused", "sync-failed", "interrupted", "resumable"):
+        return None
+    attempt, found = named or (None, {})
+    return {"attempt": attempt, "kind": text(found.get("kind"), 40), "cause": text(found.get("cause"), 2000), "fix": text(found.get("fix"), 2000),
+            "reason": text(data.get("reason"), 2000), "host": text(data.get("failed_host"), 100)}
+
+
+def host_states(path: Path, data: dict, answers: dict | None) -> list[dict]:
+    """Each host of the run: its state (from its answer now, else as recorded), exit code, step and loss, since,
+    and its last output lines (the answer's, else the collected output.log's, else the record's last lines)."""
+    hosts = data.get("hosts") if isinstance(data.get("hosts"), dict) else {}
+    out = []
+    for name, info in hosts.items():
+        info = info if isinstance(info, dict) else {}
+        seen = (answers or {}).get(name)
+        row: dict[str, Any] = {"name": text(name, 100), "node_rank": info.get("node_rank") if isinstance(info.get("node_rank"), int) else None}
+        if seen:
+            row.update(state=text(seen.get("state"), 40), exit_code=seen.get("exit_code"), processes=seen.get("processes"),
+                       since=number(seen.get("ended") or seen.get("started")), error=text(seen.get("error")), meaning=text(seen.get("meaning")),
+                       straggler=text((seen.get("straggler") or {}).get("why")), devices=seen.get("devices"), **metric_of(seen.get("last_metric")))
+            lines = [(r, t) for r, t in seen.get("lines") or []]
+            row["lines_from"] = "host"
+        else:
+            row.update(state=text(info.get("state"), 40), exit_code=info.get("exit_code"), since=number(info.get("ended") or info.get("started")),
+                       error=text(info.get("error")))
+            lines, row["lines_from"] = collected_lines(path, data, name), "collected"
+            if not lines:
+                lines, row["lines_from"] = [(None, t) for t in info.get("last_lines") or [] if isinstance(t, str)][-LOG_LINES:], "record"
+        row["lines"] = [[r if isinstance(r, int) else None, text(t, 2000) or ""] for r, t in lines[-LOG_LINES:]]
+        out.append(row)
+    return out
+
+
+def collected_lines(path: Path, data: dict, host: str) -> list[tuple[int | None, str]]:
+    """The host's last output lines as `logs` collected them (runs/<id>/<host>/run/output.log), with each rank."""
+    log = path / host / "run" / "output.log" if records.RUN_ID.fullmatch(str(host)) else None
+    if log is None or not log.is_file():
+        return []
+    try:
+        offset = rank_offset(data, host)
+    except (KeyError, TypeError, IndexError):
+        offset = 0
+    return [piece for line in last_lines(log, LOG_LINES) for piece in split_ranks(line, offset)][-LOG_LINES:]
+
+
+def run_dirs() -> dict[str, Path]:
+    """run id -> its directory, for every run recorded under runs/ (mnft.run.records.all_runs)."""
+    root = records.runs_root()
+    try:
+        return {name: root / name for name in records.all_runs() if records.RUN_ID.fullmatch(name)}
+    except OSError:
+        return {}
+
+
+def stamp(path: Path) -> tuple:
+    """What changes when a run's row or page may: its record, summary, live files and collected metrics."""
+    out = []
+    for name in ("run.json", "summary.json", "live.json", Live.METRICS, METRICS):
+        try:
+            st = os.stat(path / name)
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)

@@ -1,0 +1,287 @@
+"""What the board knows now, shared by every page that is open: one poller thread asks the hosts, pages only read.
+
+Each round (every EVERY seconds, or as soon as the previous one is done when asking takes longer) the poller:
+- asks the lab, as `mnft lab` does (mnft.hosts.lab.look over one fleet kept open, then mnft.hosts.lab.rows): every
+  host's devices, free / held / in use outside mnft, and the line; the time of each host's last answer is kept, and
+  a host that does not answer is shown as such (its fleet is opened again on the next round);
+- reads the runs of this controller's runs/ (mnft.board.runs: a run's row is read again only when its files change
+  or while it goes on) and adds the runs of other controllers the lab shows;
+- asks the hosts of a run going on, as `mnft status` does (mnft.run.control.status), when its page is open or when
+  no supervisor of it is alive here (a detached run: its hosts are the only ones who know its step).
+The lab and the runs' questions go out side by side. Each result is kept as the JSON the page receives, with a
+version that changes when the JSON does: the event stream of every page sends what changed (mnft.board.app).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from mnft.core.errors import MnftError
+from mnft.hosts import leases
+from mnft.hosts.connection import Timeouts
+from mnft.hosts.lab import device_count, free_count, rows, since
+from mnft.hosts.settings import Inventory
+from mnft.board import runs as runs_of
+
+EVERY = 2.5  # seconds between two rounds of questions to the hosts
+RUN_FLEETS = 8  # runs whose hosts are asked side by side at most
+
+
+def dumps(value: Any) -> str:
+    """Compact JSON for the page: no NaN or Infinity (JSON.parse refuses them), every non-ASCII character escaped."""
+    return json.dumps(_finite(value), separators=(",", ":"), default=str)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+class Published:
+    """A JSON document and its version (it changes with the text)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.text = "null"
+
+    def set(self, value: Any) -> bool:
+        text = dumps(value)
+        if text == self.text:
+            return False
+        self.text, self.version = text, self.version + 1
+        return True
+
+
+class Board:
+    """The lab and the runs, as every open page sees them; `start` the poller, `close` it."""
+
+    def __init__(self, inventory: Inventory, look: Callable[[], dict[str, dict]] | None = None, timeouts: Timeouts | None = None,
+                 every: float = EVERY, status: Callable | None = None) -> None:
+        self.inventory = inventory
+        self.timeouts = timeouts or Timeouts(connect=10.0, command=30.0)
+        self.every = every
+        self._look = look  # None: the hosts' own answer (mnft.hosts.lab.look over a fleet kept open)
+        self._status = status  # None: mnft.run.control.status over the run's own inventory
+        self._fleet = None
+        self._run_fleets: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.lab = Published()
+        self.runs = Published()
+        self.answered: dict[str, float] = {}  # host -> when it last answered
+        self.asked_s: float | None = None
+        self.rows: list[dict] = []
+        self.views: dict[str, dict] = {}
+        self._rows_cache: dict[str, tuple[tuple, dict]] = {}  # run id -> (its files' stamp, its row)
+        self._details: dict[str, tuple[Any, Published]] = {}  # run id -> (what it was read from, its page)
+        self.answers: dict[str, tuple[float, dict]] = {}  # run id -> (when, host -> its status answer)
+        self.watching: Counter[str] = Counter()  # run id -> pages open on it
+        self.rounds = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._pool = ThreadPoolExecutor(max_workers=RUN_FLEETS + 1, thread_name_prefix="mnft-board")
+        self._publish_lab(started=True)
+        self.refresh_runs()
+
+    # -------------------------------------------------------------------------------------------- the poller
+
+    def start(self) -> "Board":
+        self._thread = threading.Thread(target=self._loop, name="mnft-board-poller", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for fleet in [self._fleet, *self._run_fleets.values()]:
+            if fleet is not None:
+                fleet.close()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            started = time.monotonic()
+            try:
+                self.round()
+            except Exception as exc:  # noqa: BLE001 - a bug in one round must not end the board: said, tried again
+                import traceback
+
+                traceback.print_exception(exc)
+            self._stop.wait(max(0.2, self.every - (time.monotonic() - started)))
+
+    def round(self) -> None:
+        """One round: the lab and the going runs' hosts asked side by side, then the runs' rows read again."""
+        going = self._runs_to_ask()
+        lab = self._pool.submit(self._ask_lab)
+        asked = {run_id: self._pool.submit(self._ask_run, run_id) for run_id in going}
+        lab.result()
+        for run_id, future in asked.items():
+            answer = future.result()
+            if answer is not None:
+                with self.lock:
+                    self.answers[run_id] = (time.time(), answer)
+        for run_id in [r for r in self.answers if r not in going]:
+            self.answers.pop(run_id, None)
+            fleet = self._run_fleets.pop(run_id, None)
+            if fleet is not None:
+                fleet.close()
+        self.refresh_runs()
+        self.rounds += 1
+
+    # -------------------------------------------------------------------------------------------- the lab
+
+    def _ask_lab(self) -> None:
+        started = time.monotonic()
+        try:
+            views = self._look() if self._look is not None else self._look_hosts()
+        except MnftError as exc:  # e.g. the known_hosts file became unreadable: every host said so
+            views = {h.name: {"error": str(exc), "status": "failed"} for h in self.inventory.hosts}
+        self.asked_s = time.monotonic() - started
+        now = time.time()
+        for name, view in views.items():
+            if not (view.get("error") and not view.get("devices")):
+                self.answered[name] = now
+        self.views = views
+        self._publish_lab()
+
+    def _look_hosts(self) -> dict[str, dict]:
+        from mnft.hosts.fleet import Fleet
+        from mnft.hosts.lab import look
+
+        if self._fleet is None:
+            self._fleet = Fleet(self.inventory, self.timeouts)
+        views = look(self._fleet, self.inventory.hosts)
+        if any(v.get("status") in ("unreachable", "host-key-rejected") for v in views.values()):
+            self._fleet.close()  # a fleet remembers an unreachable host: the next round opens a new one
+            self._fleet = None
+        return views
+
+    def _publish_lab(self, started: bool = False) -> None:
+        """The lab's JSON: `devices` is `mnft lab --json`'s (mnft.hosts.lab.rows), each with the since and memory
+        figures the page draws; `hosts` each host's last answer, its state and the whole-host lease when held."""
+        now = time.time()
+        table = [] if started else rows(self.inventory, self.views)
+        devices = []
+        for row in table:
+            item = row.to_json()
+            view = self.views.get(row.host) or {}
+            device = next((d for d in view.get("devices") or [] if str(d.get("index") if d.get("index") is not None else "cpu") == row.device), {})
+            used, total = device.get("memory_used_mib"), device.get("memory_total_mib")
+            item.update(since_text=since(row.since, now) if row.since else "", memory_used_mib=used if isinstance(used, int) else None,
+                        memory_total_mib=total if isinstance(total, int) else None, model=leases.shown(device.get("name"), 40))
+            devices.append(item)
+        hosts = []
+        for host in self.inventory.hosts:
+            view = self.views.get(host.name)
+            down = view is None or bool(view.get("error") and not view.get("devices"))
+            hosts.append({"name": host.name, "answered": self.answered.get(host.name),
+                          "state": "asking" if view is None else (view.get("status") or "failed") if down else "ok",
+                          "error": leases.shown(view.get("error"), 200) if view and down else None,
+                          "whole_host": leases.describe(view.get("holder")) if view and view.get("held") else None,
+                          "free": free_count(view or {}), "devices": device_count(view or {})})
+        self.rows = devices
+        with self.lock:
+            self.lab.set({"inventory": str(self.inventory.path) if self.inventory.path else "the embedded local inventory",
+                          "now": now, "asked_s": None if started else round(self.asked_s or 0, 3), "round": self.rounds,
+                          "hosts": hosts, "devices": devices})
+
+    # -------------------------------------------------------------------------------------------- the runs
+
+    def _runs_to_ask(self) -> list[str]:
+        """Runs going on whose hosts the round asks: those whose page is open, and those no supervisor here follows."""
+        out = []
+        for run_id, (_, row) in list(self._rows_cache.items()):
+            if row.get("state") in runs_of.GOING and not row.get("slurm") and (self.watching[run_id] > 0 or not row.get("supervised")):
+                out.append(run_id)
+        return out[:RUN_FLEETS * 4]
+
+    def _ask_run(self, run_id: str) -> dict | None:
+        """The run's hosts' answer to `mnft status` (host -> state, last metric, last lines), or None."""
+        from mnft.hosts.fleet import Fleet
+        from mnft.run import control, records
+        from mnft.run.rerun import from_snapshot
+
+        try:
+            record = records.load(run_id)
+            if self._status is not None:
+                return self._status(record)
+            fleet = self._run_fleets.get(run_id)
+            if fleet is None:
+                fleet = self._run_fleets[run_id] = Fleet(from_snapshot(record.data.get("inventory"), f"{record.path}/run.json"), self.timeouts)
+            answer = control.status(record, fleet, lines=runs_of.LOG_LINES)
+        except MnftError:  # a damaged record or inventory snapshot: its page says what the record says
+            return None
+        if any(a.get("state") in ("unreachable", "host-key-rejected") for a in answer.values()):
+            self._run_fleets.pop(run_id).close()
+        return answer
+
+    def refresh_runs(self) -> None:
+        """Every run's row (read again where its files changed, or while it goes on) and the others' runs the lab
+        shows, newest first."""
+        now = time.time()
+        found = runs_of.run_dirs()
+        rows_now = []
+        for run_id, path in found.items():
+            stamp = runs_of.stamp(path)
+            cached = self._rows_cache.get(run_id)
+            answered = self.answers.get(run_id)
+            if cached is None or cached[0] != stamp or cached[1].get("state") in runs_of.GOING or cached[1].get("supervised") or answered:
+                row = runs_of.summary(run_id, path, answered[1] if answered else None, now)
+                self._rows_cache[run_id] = (stamp, row)
+            rows_now.append(self._rows_cache[run_id][1])
+        for gone in [r for r in self._rows_cache if r not in found]:
+            del self._rows_cache[gone]
+        rows_now.sort(key=lambda r: (r.get("created") or 0, r.get("id") or ""), reverse=True)
+        theirs = runs_of.others(self.rows, set(found), now)
+        with self.lock:
+            self.runs.set({"now": now, "root": str(runs_of.records.runs_root()), "runs": theirs + rows_now})
+
+    def detail(self, run_id: str) -> Published:
+        """The run's page (read again when its files or its hosts' answer changed)."""
+        from mnft.run import records
+
+        path = records.runs_root() / run_id
+        answered = self.answers.get(run_id)
+        key = (runs_of.stamp(path), answered[0] if answered else None, int(time.time() // 10))
+        with self.lock:
+            known = self._details.get(run_id)
+        if known is not None and known[0] == key:
+            return known[1]
+        page = known[1] if known is not None else Published()
+        if (path / "run.json").is_file():
+            value = runs_of.detail(run_id, path, answered[1] if answered else None, answered[0] if answered else None)
+        else:
+            value = self._their_run(run_id)
+        with self.lock:
+            page.set(value)
+            self._details[run_id] = (key, page)
+        return page
+
+    def _their_run(self, run_id: str) -> dict:
+        """A run this controller has no record of: what the lab shows of it (its leases on the hosts)."""
+        seen = next((r for r in runs_of.others(self.rows, set()) if r["id"] == run_id), None)
+        if seen is None:
+            return {"id": run_id, "mine": False, "state": "unknown", "missing": True}
+        held = [{"host": r["host"], "device": r["device"], "state": r["state"], "user": r.get("user"), "command": r.get("command"),
+                 "since": r.get("since"), "since_text": r.get("since_text"), "detail": r.get("detail")}
+                for r in self.rows if r.get("run") == run_id]
+        return {**seen, "leases": held}
+
+    def watch(self, run_id: str | None, delta: int) -> None:
+        if run_id:
+            with self.lock:
+                self.watching[run_id] += delta
+                if self.watching[run_id] <= 0:
+                    del self.watching[run_id]
+                    self._details.pop(run_id, None)

@@ -1,0 +1,475 @@
+// mnft board: the page. It reads /api/events (server-sent events: lab, runs, run) and draws what it receives.
+// Everything the server sends that came from a host, a record or a log is set as text (textContent, text nodes,
+// title): nothing is ever parsed as HTML, so a job name or a log line with markup shows as what it is. The page
+// has no form and no button: it cannot change anything, on this machine or on any host.
+"use strict";
+
+(function () {
+  const $ = (id) => document.getElementById(id);
+  const state = { lab: null, runs: null, run: null, runId: null, skew: 0, drawn: false, chart: null, chartKey: null };
+  const COLORS = ["#1c7ed6", "#e8590c", "#2f9e44", "#ae3ec9", "#f08c00", "#0c8599", "#c2255c", "#5c940d"];
+  const TIME_COLORS = { launch_s: "#868e96", kept_s: "#2f9e44", checkpoint_s: "#1c7ed6", lost_s: "#e03131", detection_s: "#f08c00",
+    finish_s: "#74c0fc", restart_s: "#ae3ec9" };
+
+  // ------------------------------------------------------------------------------------------ building the DOM
+
+  function el(tag, props, ...children) {
+    const node = document.createElement(tag);
+    for (const [key, value] of Object.entries(props || {})) {
+      if (value === null || value === undefined || value === false) continue;
+      if (key === "className") node.className = value;
+      else if (key === "id") node.id = value;
+      else if (key === "title") node.title = String(value);
+      else if (key === "href") node.href = value; // only "#/…" fragments built below
+      else if (key === "hidden") node.hidden = true;
+      else if (key === "style") Object.assign(node.style, value); // CSSOM, not markup: allowed by the CSP
+      else if (key.startsWith("data-")) node.setAttribute(key, String(value));
+      else throw new Error("el: unknown property " + key);
+    }
+    for (const child of children.flat()) {
+      if (child === null || child === undefined || child === false) continue;
+      node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return node;
+  }
+
+  const runLink = (id, text) => el("a", { href: "#/run/" + encodeURIComponent(id) }, text === undefined ? id : text);
+  const badge = (word) => el("span", { className: "badge", "data-state": word || "?" }, word || "?");
+
+  // ------------------------------------------------------------------------------------------ numbers as text
+
+  const isNum = (v) => typeof v === "number" && isFinite(v);
+  const fmtLoss = (v) => (isNum(v) ? v.toFixed(4) : v === null || v === undefined ? "-" : String(v));
+  const fmtInt = (v) => (isNum(v) ? String(Math.round(v)) : "-");
+  const fmtRate = (v) => (isNum(v) ? (v >= 1e4 ? (v / 1e3).toFixed(1) + "k" : v.toFixed(0)) : "-");
+  const fmtPct = (v) => (isNum(v) ? Math.round(v * 100) + "%" : "-");
+  const now = () => Date.now() / 1000 + state.skew; // the server's clock
+
+  function fmtSeconds(s) {
+    if (!isNum(s)) return "-";
+    if (s < 60) return s.toFixed(1) + "s";
+    const m = Math.floor(s / 60);
+    if (m < 60) return m + "m" + String(Math.floor(s % 60)).padStart(2, "0") + "s";
+    return Math.floor(m / 60) + "h" + String(m % 60).padStart(2, "0") + "m";
+  }
+
+  function fmtAgo(t) {
+    if (!isNum(t)) return "never";
+    const s = Math.max(0, now() - t);
+    if (s < 90) return Math.round(s) + "s ago";
+    if (s < 5400) return Math.round(s / 60) + "m ago";
+    if (s < 172800) return Math.round(s / 3600) + "h ago";
+    return Math.round(s / 86400) + "d ago";
+  }
+
+  function fmtWhen(t) {
+    if (!isNum(t)) return "-";
+    const d = new Date(t * 1000);
+    const hm = d.toTimeString().slice(0, 5);
+    return d.toDateString() === new Date().toDateString() ? hm : d.toISOString().slice(5, 10) + " " + hm;
+  }
+
+  // ------------------------------------------------------------------------------------------ the lab
+
+  function deviceName(row) {
+    if (row.device === "cpu") return "CPUs";
+    if (row.device === "-") return "host";
+    return "GPU " + row.device;
+  }
+
+  function bar(kind, fraction, label) {
+    const pct = Math.max(0, Math.min(100, fraction * 100));
+    return el("div", { className: "bar " + kind, title: label }, el("span", { style: { width: pct.toFixed(1) + "%" } }), el("em", null, label));
+  }
+
+  function tile(row) {
+    const words = [deviceName(row) + ": " + row.state];
+    if (row.user) words.push("user " + row.user);
+    if (row.run) words.push("run " + row.run);
+    if (row.command) words.push(row.command);
+    if (row.since_text) words.push("since " + row.since_text);
+    if (row.memory) words.push("memory " + row.memory);
+    if (isNum(row.utilization)) words.push("util " + row.utilization + "%");
+    if (row.detail) words.push(row.detail);
+    const who = row.state === "held" ? [row.user || "?", row.since_text ? " · " + row.since_text : ""].join("")
+      : row.state === "outside" ? "outside mnft: " + (row.user || "?") : row.state;
+    const bars = [];
+    if (isNum(row.memory_total_mib) && row.memory_total_mib > 0 && isNum(row.memory_used_mib)) {
+      bars.push(bar("mem", row.memory_used_mib / row.memory_total_mib, "mem " + Math.round(row.memory_used_mib / 1024) + "/" + Math.round(row.memory_total_mib / 1024) + " GiB"));
+    }
+    if (isNum(row.utilization)) bars.push(bar("util", row.utilization / 100, "util " + row.utilization + "%"));
+    return el("div", { className: "tile", "data-host": row.host, "data-device": row.device, "data-state": row.state, "data-user": row.user || "",
+      "data-run": row.run || "", title: words.join("\n") },
+      el("div", { className: "tile-head" }, el("b", null, row.device === "cpu" ? "CPU" : row.device), el("span", { className: "state" }, row.state)),
+      el("div", { className: "who" }, who),
+      row.run ? el("div", { className: "run-id" }, runLink(row.run)) : el("div", { className: "run-id muted" }, row.detail || "\u00a0"),
+      bars);
+  }
+
+  function renderLab() {
+    const lab = state.lab;
+    if (!lab) return;
+    $("inventory").textContent = lab.inventory;
+    const byHost = new Map();
+    const line = [];
+    for (const row of lab.devices) {
+      if (row.state === "waiting") { line.push(row); continue; }
+      if (!byHost.has(row.host)) byHost.set(row.host, []);
+      byHost.get(row.host).push(row);
+    }
+    const devices = lab.devices.filter((r) => ["free", "held", "outside"].includes(r.state));
+    const free = devices.filter((r) => r.state === "free").length;
+    const down = lab.hosts.filter((h) => h.state !== "ok" && h.state !== "asking").length;
+    const asking = lab.hosts.every((h) => h.state === "asking");
+    $("lab-summary").textContent = asking ? "asking " + lab.hosts.length + " host(s)…"
+      : free + " of " + devices.length + " device(s) free on " + lab.hosts.length + " host(s)" + (down ? ", " + down + " not answering" : "")
+        + (isNum(lab.asked_s) ? " · asked in " + lab.asked_s.toFixed(2) + "s" : "");
+    const cards = lab.hosts.map((host) => {
+      const rows = (byHost.get(host.name) || []).filter((r) => r.device !== "-");
+      const okay = host.state === "ok";
+      return el("article", { className: "host", "data-host": host.name, "data-state": host.state },
+        el("header", null,
+          el("b", { className: "host-name", title: host.name }, host.name),
+          okay ? el("span", { className: "free" }, host.free + "/" + host.devices + " free") : badge(host.state),
+          el("span", { className: "ago muted", "data-answered": isNum(host.answered) ? host.answered : "" }, "answered " + fmtAgo(host.answered))),
+        host.whole_host ? el("p", { className: "note" }, "whole host: " + host.whole_host) : null,
+        !okay && host.error ? el("p", { className: "error" }, host.error) : null,
+        el("div", { className: "tiles" }, rows.map(tile)));
+    });
+    $("hosts").replaceChildren(...cards);
+    $("line").replaceChildren(...(line.length ? [el("h3", null, "Waiting in line"), el("ol", { className: "waiting" }, line.map((r) =>
+      el("li", { "data-host": r.host, "data-state": "waiting" }, el("b", null, r.host + " " + r.device), " ", r.user || "?",
+        r.run ? [" · run ", runLink(r.run)] : null, r.command ? " · " + r.command : "", " · " + (r.detail || ""),
+        r.since_text ? " · " + r.since_text : "")))] : []));
+    $("legend").replaceChildren(...["free", "held", "outside", "unreachable"].map((s) => el("span", { className: "key", "data-state": s }, s === "outside" ? "in use outside mnft" : s)));
+  }
+
+  // ------------------------------------------------------------------------------------------ the runs
+
+  function renderRuns() {
+    const data = state.runs;
+    if (!data) return;
+    const going = data.runs.filter((r) => ["running", "starting", "checking", "syncing", "waiting"].includes(r.state)).length;
+    $("runs-summary").textContent = data.runs.length + " run(s), " + going + " going on · " + data.root;
+    const rows = data.runs.map((r) => el("tr", { "data-run": r.id, "data-state": r.state, "data-mine": r.mine ? "1" : "0" },
+      el("td", { className: "id" }, runLink(r.id)),
+      el("td", null, badge(r.state)),
+      el("td", { className: "job", title: r.job || "" }, r.job || "-"),
+      el("td", null, r.user || "-"),
+      el("td", { className: "hosts-cell", title: (r.hosts || []).join(", ") }, (r.hosts || []).length > 3 ? r.hosts.slice(0, 3).join(", ") + " +" + (r.hosts.length - 3) : (r.hosts || []).join(", ")),
+      el("td", { className: "num step" }, isNum(r.step) ? (r.step_about ? "~" : "") + r.step : "-"),
+      el("td", { className: "num loss" }, fmtLoss(r.loss)),
+      el("td", { className: "num" }, fmtRate(r.tokens_per_s)),
+      el("td", { className: "num" }, isNum(r.restarts) ? String(r.restarts) : "-"),
+      el("td", { className: "num" }, fmtPct(r.goodput)),
+      el("td", { title: isNum(r.created) ? new Date(r.created * 1000).toString() : "" }, fmtWhen(r.created))));
+    $("runs-body").replaceChildren(...rows);
+  }
+
+  // ------------------------------------------------------------------------------------------ a run's page
+
+  function runSkeleton(id) {
+    const page = $("run");
+    state.chart && state.chart.destroy();
+    state.chart = null;
+    state.chartKey = null;
+    page.replaceChildren(
+      el("nav", { className: "crumbs" }, el("a", { href: "#/" }, "← lab and runs")),
+      el("div", { id: "run-head", className: "panel" }, el("h2", null, "run " + id), el("p", { className: "muted" }, "reading…")),
+      el("div", { id: "run-failure" }),
+      el("section", { id: "run-curve", className: "panel", hidden: true }, el("h3", null, "Loss"), el("p", { id: "curve-note", className: "muted" }),
+        el("div", { id: "chart", className: "chart" }), el("p", { id: "curve-marks", className: "marks" })),
+      el("section", { id: "run-time", className: "panel", hidden: true }),
+      el("section", { id: "run-hosts", className: "panel", hidden: true }),
+      el("section", { id: "run-logs", className: "panel", hidden: true }));
+  }
+
+  function stat(label, value) {
+    return el("div", { className: "stat" }, el("span", { className: "muted" }, label), el("b", null, value));
+  }
+
+  function renderRun() {
+    const r = state.run;
+    if (!r || r.id !== state.runId) return;
+    const head = $("run-head");
+    if (r.missing) {
+      head.replaceChildren(el("h2", null, "run " + r.id), el("p", null, "No such run here, and no host of the lab holds anything for it now."));
+      return;
+    }
+    const hosts = r.hosts || [];
+    head.replaceChildren(
+      el("h2", null, "run ", el("span", { className: "mono" }, r.id), " ", badge(r.state)),
+      el("p", { className: "meta" }, el("span", { className: "job" }, r.job || "-"), " · ", r.user || "?", " · ", hosts.length + " host(s): " + hosts.join(", "),
+        " · started " + fmtWhen(r.created), isNum(r.ended) ? " · ended " + fmtWhen(r.ended) + " (" + fmtSeconds(r.ended - r.created) + ")" : "",
+        r.attempt > 1 ? " · attempt " + r.attempt : "", r.live && r.live.state ? " · supervisor: " + r.live.state : "",
+        r.detached ? " · detached" : "", r.slurm ? " · on Slurm" : ""),
+      el("div", { className: "stats" }, stat("step", isNum(r.step) ? (r.step_about ? "~" : "") + r.step : "-"), stat("loss", fmtLoss(r.loss)),
+        stat("tokens/s", fmtRate(r.tokens_per_s)), stat("restarts", isNum(r.restarts) ? String(r.restarts) : "-"), stat("goodput", fmtPct(r.goodput))),
+      r.reason && !r.failure ? el("p", { className: "reason" }, r.reason) : null,
+      r.live && r.live.note ? el("p", { className: "note" }, r.live.note) : null,
+      ...(r.live && r.live.stragglers || []).map((s) => el("p", { className: "note" }, "straggler: " + s)));
+    if (!r.mine) {
+      renderTheirs(r);
+      return;
+    }
+    renderFailure(r);
+    renderCurve(r.curve);
+    renderTime(r.time);
+    renderHosts(r);
+    renderLogs(r);
+  }
+
+  function renderTheirs(r) {
+    const leases = r.leases || [];
+    const section = $("run-hosts");
+    section.hidden = false;
+    section.replaceChildren(el("h3", null, "Where it runs"),
+      el("p", { className: "muted" }, "Started from another controller" + (r.user ? " by " + r.user : "") + ": as its leases on the hosts show it (its curve and logs are on its controller; `mnft status " + r.id + "` there)."),
+      el("table", { className: "hosts-table" }, el("thead", null, el("tr", null, ["host", "device", "state", "user", "command", "since", "detail"].map((h) => el("th", null, h)))),
+        el("tbody", null, leases.map((l) => el("tr", { "data-host": l.host }, [l.host, l.device, l.state, l.user, l.command, l.since_text, l.detail].map((v) => el("td", null, v || "-")))))));
+  }
+
+  function renderFailure(r) {
+    const box = $("run-failure");
+    const f = r.failure;
+    const warnings = r.warnings || [];
+    box.replaceChildren(
+      f ? el("section", { className: "panel failure", "data-kind": f.kind || "" },
+        el("h3", null, f.attempt ? "First failure (attempt " + f.attempt + ")" : "Failure", f.host ? " on " + f.host : ""),
+        f.cause ? el("p", { className: "cause" }, el("b", null, "cause: "), f.cause) : null,
+        f.fix ? el("p", { className: "fix" }, el("b", null, "fix: "), f.fix) : null,
+        f.reason ? el("p", { className: "reason muted" }, f.reason) : null) : null,
+      ...warnings.map((w) => el("section", { className: "panel warning" }, el("p", null, el("b", null, "warning: "), w.cause || ""), el("p", null, el("b", null, "fix: "), w.fix || ""))));
+  }
+
+  function curveData(curve) {
+    const tables = new Map();
+    curve.x.forEach((x, i) => {
+      const attempt = curve.attempt[i] || 1;
+      if (!tables.has(attempt)) tables.set(attempt, []);
+      tables.get(attempt).push([x, curve.loss[i]]);
+    });
+    const attempts = [...tables.keys()].sort((a, b) => a - b);
+    const aligned = attempts.map((a) => {
+      const pairs = tables.get(a).sort((p, q) => p[0] - q[0]);
+      return [pairs.map((p) => p[0]), pairs.map((p) => p[1])];
+    });
+    const data = aligned.length === 1 ? aligned[0] : uPlot.join(aligned);
+    let points = 0;
+    for (const series of data.slice(1)) for (const y of series) if (y !== null && y !== undefined) points += 1;
+    return { attempts, data, points };
+  }
+
+  function drawMarks(u, curve) {
+    if (!curve.by_step) return;
+    const ctx = u.ctx;
+    const { left, top, width, height } = u.bbox;
+    const px = window.devicePixelRatio || 1;
+    const clamp = (x) => Math.max(left, Math.min(left + width, x));
+    ctx.save();
+    ctx.font = 11 * px + "px sans-serif";
+    for (const band of curve.lost) {
+      const x0 = clamp(u.valToPos(band.from, "x", true));
+      const x1 = clamp(u.valToPos(band.to, "x", true));
+      ctx.fillStyle = "rgba(224, 49, 49, 0.13)";
+      ctx.fillRect(x0, top, Math.max(1, x1 - x0), height);
+      ctx.fillStyle = "#c92a2a";
+      ctx.fillText(band.steps + " steps lost", x0 + 3 * px, top + height - 6 * px);
+    }
+    ctx.strokeStyle = "#e03131";
+    ctx.fillStyle = "#c92a2a";
+    ctx.setLineDash([5 * px, 4 * px]);
+    ctx.lineWidth = px;
+    for (const mark of curve.restarts) {
+      const x = u.valToPos(mark.step, "x", true);
+      if (x < left || x > left + width) continue;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
+      ctx.stroke();
+      ctx.fillText(mark.label || "restart", x + 3 * px, top + 12 * px);
+    }
+    ctx.restore();
+  }
+
+  function renderCurve(curve) {
+    const section = $("run-curve");
+    if (!curve || !curve.points) {
+      section.hidden = !curve;
+      if (curve) {
+        $("curve-note").textContent = "no step records yet";
+        $("chart").replaceChildren();
+        $("chart").setAttribute("data-points", "0");
+        state.chart && state.chart.destroy();
+        state.chart = null;
+        state.chartKey = null;
+      }
+      return;
+    }
+    section.hidden = false;
+    const { attempts, data, points } = curveData(curve);
+    const source = curve.source === "metrics" ? "metrics.jsonl (the run's collected metrics)" : "step records as the supervisor received them (live)";
+    $("curve-note").textContent = curve.points + " point(s) from " + source + (curve.by_step ? "" : "; the format gives no step: x is the logged point");
+    const marks = [...curve.restarts.map((m) => (m.label || "restart") + " resumed at step " + m.step),
+      ...curve.lost.map((l) => "attempt " + l.attempt + ": steps " + (l.from + 1) + "–" + l.to + " lost (trained again)")];
+    $("curve-marks").replaceChildren(...marks.map((m) => el("span", { className: "mark" }, m)));
+    const box = $("chart");
+    box.setAttribute("data-points", String(points));
+    box.setAttribute("data-attempts", String(attempts.length));
+    const key = state.runId + "|" + attempts.join(",") + "|" + curve.by_step;
+    state.curve = curve;
+    if (state.chart && state.chartKey === key) {
+      state.chart.setData(data);
+      return;
+    }
+    state.chart && state.chart.destroy();
+    const opts = {
+      width: Math.max(320, box.clientWidth || 800),
+      height: 300,
+      scales: { x: { time: false } },
+      axes: [{ label: curve.by_step ? "step" : "logged point" }, { label: "loss", size: 60 }],
+      series: [{ label: curve.by_step ? "step" : "point" },
+        ...attempts.map((a, i) => ({ label: attempts.length > 1 ? "attempt " + a : "loss", stroke: COLORS[i % COLORS.length], width: 1.5,
+          spanGaps: true, points: { show: points <= 120 }, value: (u, v) => fmtLoss(v) }))],
+      hooks: { draw: [(u) => drawMarks(u, state.curve)] },
+    };
+    state.chart = new uPlot(opts, data, box);
+    state.chartKey = key;
+  }
+
+  function renderTime(spent) {
+    const section = $("run-time");
+    if (!spent || !isNum(spent.wall_s) || spent.wall_s <= 0) {
+      section.hidden = true;
+      return;
+    }
+    section.hidden = false;
+    const columns = spent.columns || [];
+    const keys = ["launch_s", "kept_s", "checkpoint_s", "lost_s", "detection_s", "finish_s", "restart_s"];
+    const names = Object.fromEntries(columns.map(([name, key]) => [key, name]));
+    names.kept_s = "training (kept)";
+    const total = (key) => spent.attempts.reduce((sum, a) => sum + (isNum(a[key]) ? a[key] : 0), 0);
+    const parts = keys.map((k) => [k, total(k)]).filter(([, v]) => v > 0);
+    const counted = parts.reduce((s, [, v]) => s + v, 0);
+    if (spent.wall_s - counted > spent.wall_s * 0.01) parts.push(["other", spent.wall_s - counted]);
+    const segment = ([k, v]) => el("span", { className: "seg", "data-part": k, title: (names[k] || k) + ": " + fmtSeconds(v),
+      style: { width: (100 * v / Math.max(spent.wall_s, counted)).toFixed(2) + "%", background: TIME_COLORS[k] || "#dee2e6" } });
+    const head = ["attempt", ...columns.map(([name]) => name), "steps lost"];
+    section.replaceChildren(
+      el("h3", null, "Where the time went: " + fmtSeconds(spent.wall_s) + " wall" + (isNum(spent.goodput) ? ", goodput " + fmtPct(spent.goodput) : "")),
+      el("div", { className: "timebar" }, parts.map(segment)),
+      el("div", { className: "timekeys" }, parts.map(([k, v]) => el("span", { className: "key" }, el("i", { style: { background: TIME_COLORS[k] || "#dee2e6" } }),
+        (names[k] || k) + " " + fmtSeconds(v)))),
+      el("table", { className: "time-table" }, el("thead", null, el("tr", null, head.map((h) => el("th", null, h)))),
+        el("tbody", null, spent.attempts.map((a) => el("tr", null, el("td", null, a.number + " (" + (a.state || "?") + ")"),
+          columns.map(([, key]) => el("td", { className: "num" }, fmtSeconds(a[key]))), el("td", { className: "num" }, isNum(a.steps_lost) ? String(a.steps_lost) : "-"))))));
+  }
+
+  function renderHosts(r) {
+    const section = $("run-hosts");
+    const hosts = r.host_states || [];
+    section.hidden = !hosts.length;
+    const head = ["host", "node rank", "state", "exit code", "processes", "step", "loss", "since", "note"];
+    section.replaceChildren(
+      el("h3", null, "Hosts", isNum(r.asked) ? el("span", { className: "muted ago", "data-answered": r.asked }, " answered " + fmtAgo(r.asked)) : el("span", { className: "muted" }, " as recorded")),
+      el("table", { className: "hosts-table" }, el("thead", null, el("tr", null, head.map((h) => el("th", null, h)))),
+        el("tbody", null, hosts.map((h) => el("tr", { "data-host": h.name, "data-state": h.state || "" },
+          el("td", null, h.name), el("td", null, isNum(h.node_rank) ? String(h.node_rank) : "-"), el("td", null, badge(h.state)),
+          el("td", { className: "num" }, h.exit_code === null || h.exit_code === undefined ? "-" : String(h.exit_code)),
+          el("td", { className: "num" }, isNum(h.processes) ? String(h.processes) : "-"),
+          el("td", { className: "num" }, isNum(h.step) ? String(h.step) : "-"), el("td", { className: "num" }, fmtLoss(h.loss)),
+          el("td", null, isNum(h.since) ? fmtAgo(h.since) : "-"),
+          el("td", { className: "note-cell" }, [h.error, h.meaning, h.straggler ? "straggler: " + h.straggler : null].filter(Boolean).join("; ") || ""))))));
+  }
+
+  function renderLogs(r) {
+    const section = $("run-logs");
+    const hosts = (r.host_states || []).filter((h) => h.lines && h.lines.length);
+    section.hidden = !hosts.length;
+    if (!hosts.length) return;
+    const from = { host: "from the host, following", collected: "as `mnft logs` collected them", record: "as the record kept them" };
+    const old = new Map([...section.querySelectorAll("pre[data-host]")].map((p) => [p.getAttribute("data-host"), p]));
+    const blocks = hosts.map((h) => {
+      const previous = old.get(h.name);
+      const atEnd = !previous || previous.scrollTop + previous.clientHeight >= previous.scrollHeight - 24;
+      const pre = el("pre", { className: "log", "data-host": h.name },
+        h.lines.map(([rank, text]) => el("span", { className: "line" }, el("span", { className: "rank" }, h.name + (rank === null ? "" : " r" + rank) + "| "), text, "\n")));
+      return [el("h4", null, h.name, el("span", { className: "muted" }, " · last " + h.lines.length + " line(s), " + (from[h.lines_from] || ""))), pre, atEnd, previous];
+    });
+    section.replaceChildren(el("h3", null, "Last lines"), ...blocks.flatMap(([h4, pre]) => [h4, pre]));
+    for (const [, pre, atEnd, previous] of blocks) pre.scrollTop = atEnd ? pre.scrollHeight : previous.scrollTop;
+  }
+
+  // ------------------------------------------------------------------------------------------ events and routes
+
+  let source = null;
+
+  function connect(runId) {
+    if (source && source.runId === runId && source.readyState !== EventSource.CLOSED) return;
+    if (source) source.close();
+    source = new EventSource("/api/events" + (runId ? "?run=" + encodeURIComponent(runId) : ""));
+    source.runId = runId;
+    const conn = $("conn");
+    source.onopen = () => { conn.textContent = "live"; conn.setAttribute("data-state", "live"); };
+    source.onerror = () => { conn.textContent = "reconnecting…"; conn.setAttribute("data-state", "down"); };
+    const take = (name, render) => source.addEventListener(name, (event) => {
+      const data = JSON.parse(event.data);
+      if (isNum(data.now)) state.skew = data.now - Date.now() / 1000;
+      state[name] = data;
+      if (name !== "run" || !$("run").hidden) render();
+      firstPaint();
+    });
+    take("lab", renderLab);
+    take("runs", renderRuns);
+    take("run", renderRun);
+  }
+
+  function firstPaint() {
+    if (state.drawn || !state.lab || !state.runs) return;
+    state.drawn = true;
+    requestAnimationFrame(() => {
+      performance.mark("board-drawn");
+      document.documentElement.setAttribute("data-drawn", "1");
+    });
+  }
+
+  function route() {
+    const match = /^#\/run\/(.+)$/.exec(location.hash);
+    let runId = null;
+    try {
+      runId = match ? decodeURIComponent(match[1]) : null;
+    } catch (e) {
+      runId = null;
+    }
+    $("overview").hidden = Boolean(runId);
+    $("run").hidden = !runId;
+    if (runId !== state.runId) {
+      state.runId = runId;
+      state.run = null;
+      if (runId) runSkeleton(runId);
+      else if (state.chart) { state.chart.destroy(); state.chart = null; state.chartKey = null; }
+    }
+    document.title = runId ? "run " + runId + " · mnft board" : "mnft board";
+    connect(runId);
+    window.scrollTo(0, 0);
+  }
+
+  function tick() {
+    for (const node of document.querySelectorAll("[data-answered]")) {
+      const t = parseFloat(node.getAttribute("data-answered"));
+      node.textContent = (node.closest("h3") ? " " : "") + "answered " + fmtAgo(isFinite(t) ? t : null);
+    }
+  }
+
+  let resizing = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizing);
+    resizing = setTimeout(() => {
+      const box = $("chart");
+      if (state.chart && box) state.chart.setSize({ width: Math.max(320, box.clientWidth), height: 300 });
+    }, 150);
+  });
+  window.addEventListener("hashchange", route);
+  setInterval(tick, 1000);
+  route();
+})();
