@@ -142,6 +142,31 @@ def test_a_workdir_the_nodes_do_not_see_is_found_by_the_check_step_before_anythi
     assert "run invoke sync first" not in said and "script rank=" not in said  # refused in the check: nothing started
 
 
+FAILS = """\
+import os, sys, time
+if os.environ["RANK"] == "1":
+    time.sleep(2)
+    sys.exit("rank 1 gives up: a bad batch")
+time.sleep(120)
+"""
+
+
+def test_a_failed_slurm_run_shows_the_failing_rank_and_keeps_the_other_nodes_teardown_in_their_logs(slurm):
+    (home(slurm) / "proj").mkdir(exist_ok=True)
+    (home(slurm) / "proj" / "fails.py").write_text(FAILS)
+    followed = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                            "train", "--slurm", "--nodes", "2", "--", "fails.py"],
+                                 env=slurm.env, check=False, timeout=240)
+    said = followed.stdout + followed.stderr
+    assert followed.returncode == 1, said[-3000:]
+    assert "rank 1 gives up: a bad batch" in said and re.search(r"run \S+ failed: h2: torchrun exited with code 1", said), said[-3000:]
+    assert "SignalException" not in said and said.count("Traceback") <= 1, said[-4000:]  # the failing rank's own, at most
+    assert re.search(r"h1: stopped with the gang \(\d+ line\(s\) of its shutdown in \S+/h1/run/output.log\)", said), said[-3000:]
+    run_id = re.search(r"^run (\S+): Slurm job \d+ submitted", followed.stdout, re.M).group(1)
+    kept = (home(slurm) / "proj" / "runs" / run_id / "h1" / "run" / "output.log").read_text()
+    assert "SignalException" in kept or "Signal" in kept or "signal" in kept  # the teardown is in h1's log
+
+
 def test_ctrl_c_of_a_followed_slurm_run_cancels_its_job_and_leaves_nothing_on_any_node(slurm):
     (home(slurm) / "proj").mkdir(exist_ok=True)
     (home(slurm) / "proj" / "train.py").write_text(SCRIPT)

@@ -71,6 +71,7 @@ class NodeRun:
     exit_code: int | None = None
     error: str | None = None
     tail: list = field(default_factory=list)
+    hidden: int = 0  # lines of its shutdown after another node failed: in its log, not on the terminal
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Allocation:
         self.options = plan.SlurmOptions(**{k: tuple(v) if k == "sbatch_args" else v for k, v in self.slurm["options"].items()})
         self.job: Job = job_of(record.data)
         self.signalled: float | None = None
+        self.failed_first: str | None = None  # the first node whose torchrun failed: the others' teardown is noise
 
     # ---------------------------------------------------------------------------------------------- attempt
 
@@ -318,12 +320,17 @@ class Allocation:
         if kind == "line":
             for rank, piece in split_ranks(event.get("text", ""), run.launch.rank_offset):
                 run.tail = (run.tail + [(rank, piece)])[-200:]
+                if self.failed_first is not None and name != self.failed_first:  # srun ends the others: their
+                    run.hidden += 1  # torchrun's SignalException tracebacks stay in their logs, as over SSH
+                    continue
                 label = f"{name} r{rank}" if rank is not None else name
                 self.console.print(Text(f"{label:<{width}}| {piece}"), soft_wrap=True, highlight=False)
         elif kind == "started":
             run.state = "running"
         elif kind == "exit":
             run.state, run.exit_code = "exited", int(event.get("code", 1))
+            if run.exit_code != 0 and self.failed_first is None:
+                self.failed_first = name
         elif kind == "stopped":
             run.state = "stopped"
             try:
@@ -373,6 +380,9 @@ class Allocation:
         self.say(f"run {record.run_id} failed: {reason}", "bold red")
         for _, text in (run.tail[-8:] if run is not None else []):
             self.say(f"  {failed}| {text}")
+        for name, other in result.nodes.items():
+            if other.hidden:
+                self.say(f"{name}: stopped with the gang ({other.hidden} line(s) of its shutdown in {record.path}/{name}/run/output.log)", "dim")
         return int(ExitCode.FAILED)
 
     def collect(self, plans: list[HostLaunch]) -> None:

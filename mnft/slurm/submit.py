@@ -136,19 +136,21 @@ def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None 
 
 
 def follow(record: records.RunRecord, console: Console, poll: float = 1.0) -> int:
-    """A submitted job followed to its end, as `mnft train` follows a run over SSH: its state while it waits, every
-    node's lines as they come, then the run's outcome as the allocation recorded it (its cause and fix when it
-    failed) and the job's state and exit code; exit 0 only when the job completed and the run succeeded. Ctrl-C or
-    SIGTERM cancels the job (scancel: Slurm ends its steps on every node) and waits until Slurm says it ended."""
+    """A submitted job followed to its end, as `mnft train` follows a run over SSH: its state while it waits, then
+    what the allocation says as it says it (the batch output on the shared filesystem: the check, every node's
+    lines, the failure named, the other nodes' teardown kept in their logs), then the job's state and exit code;
+    exit 0 only when the job completed and the run succeeded. Ctrl-C or SIGTERM cancels the job (scancel: Slurm
+    ends its steps on every node) and waits until Slurm says it ended."""
     number = job_number(record)
-    offsets: dict[Path, int] = {}
+    batch = record.path / f"slurm-{number}.out"  # what the allocation says, as `mnft train` over SSH says it
+    offset = 0
     said = None
     try:
         while True:
-            tail_nodes(records.load(record.run_id).data, offsets, console)
+            offset = tail_file(batch, offset, console)
             state = cluster.show_job(number)
             if state.ended:
-                tail_nodes(records.load(record.run_id).data, offsets, console)
+                tail_file(batch, offset, console)
                 return outcome(records.load(record.run_id), state, console)
             if state.state != said:
                 console.print(Text(f"Slurm job {number}: {state.state}" + (f" ({state.reason})" if state.reason and state.reason != "None" else "")
@@ -173,10 +175,21 @@ def outcome(record: records.RunRecord, state: "cluster.JobState", console: Conso
     where = f"; step {summary.get('last_step')}, loss {summary.get('last_loss')}" if summary.get("last_step") is not None else ""
     console.print(Text.assemble("run ", (record.run_id, "bold"), f": Slurm job {state.job_id} ", (state.state, "green" if ok else "red"),
                                 f" (exit {state.exit_code})" if state.exit_code else "", f"; run {data.get('state')}{where}"), soft_wrap=True)
-    if not ok and data.get("reason"):
-        console.print(Text(f"  {data['reason']}", style="red"), soft_wrap=True)
     console.print(Text(f"logs in {record.path} (batch output: {record.path}/slurm-*.out; `mnft logs {record.run_id}`)"), soft_wrap=True)
     return int(ExitCode.OK if ok else ExitCode.FAILED)
+
+
+def tail_file(path: Path, offset: int, console: Console) -> int:
+    """Print the complete lines a file gained since `offset` (read at most 1 MiB at a time); the new offset."""
+    if not path.is_file():
+        return offset
+    with open(path, "rb") as fh:
+        fh.seek(offset)
+        chunk = fh.read(1 << 20)
+    complete = chunk[: chunk.rfind(b"\n") + 1]
+    for line in complete.decode("utf-8", "replace").splitlines():
+        console.print(Text(line), soft_wrap=True, highlight=False)
+    return offset + len(complete)
 
 
 def tail_nodes(data: dict, offsets: dict[Path, int], console: Console) -> None:
