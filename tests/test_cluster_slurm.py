@@ -167,6 +167,40 @@ def test_a_failed_slurm_run_shows_the_failing_rank_and_keeps_the_other_nodes_tea
     assert "SignalException" in kept or "Signal" in kept or "signal" in kept  # the teardown is in h1's log
 
 
+def test_inside_an_salloc_allocation_train_slurm_runs_there_without_submitting(slurm):
+    (home(slurm) / "proj").mkdir(exist_ok=True)
+    (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
+    before = slurm.client(["squeue", "-h", "-t", "all", "-o", "%i"]).stdout.split()
+    inside = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", "salloc", "--nodes=2", slurm.cluster.python,
+                                                          "-c", MAIN, "train", "--slurm", "--nodes", "2", "--", "train.py", "0", "in salloc"],
+                               env=slurm.env, check=False, timeout=240)
+    said = inside.stdout + inside.stderr
+    assert inside.returncode == 0, said[-3000:]
+    assert "script rank=0 node_rank=0 nodeid=0 host=h1 args=['0', 'in salloc']" in said
+    assert "script rank=1 node_rank=1 nodeid=1 host=h2 args=['0', 'in salloc']" in said
+    run_dir = max((home(slurm) / "proj" / "runs").iterdir())
+    data = json.loads((run_dir / "run.json").read_text())
+    assert data["state"] == "succeeded" and data["slurm"]["inside"] is True
+    allocations = slurm.client(["squeue", "-h", "-t", "all", "-o", "%i"]).stdout.split()
+    assert len(set(allocations) - set(before)) <= 1  # salloc's own allocation, and no batch job submitted
+    assert not list(run_dir.glob("slurm-*.out"))  # no batch: the steps ran in salloc's allocation
+
+
+def test_resume_with_slurm_continues_the_recorded_job_from_its_latest_checkpoint(slurm):
+    first = mnft(slurm, "train", "--slurm", "--nodes", "2", "--recipe", "lora", "--set", "max_steps=8", "--set", "save_every=4",
+                 "--set", "log_every=1", "--set", "debug_crash_after_step=6", timeout=240)
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
+    run_id = re.search(r"^run (\S+): Slurm job \d+ submitted", first.stdout, re.M).group(1)
+    assert record(slurm, run_id)["state"] == "failed"
+    again = mnft(slurm, "train", "--slurm", "--resume-run", run_id, "--set", "debug_crash_after_step=0", timeout=240)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    resumed = re.search(r"^run (\S+): Slurm job \d+ submitted", again.stdout, re.M).group(1)
+    data = record(slurm, resumed)
+    assert data["state"] == "succeeded" and data["resumed_from"] == run_id and data["job_id"] == record(slurm, run_id)["job_id"]
+    assert "resuming from step-4" in again.stdout or "resuming from" in again.stdout, again.stdout[-3000:]
+    assert sorted(set(steps(slurm, run_id))) == list(range(1, 9))  # one job: its metrics across both runs reach step 8
+
+
 def test_ctrl_c_of_a_followed_slurm_run_cancels_its_job_and_leaves_nothing_on_any_node(slurm):
     (home(slurm) / "proj").mkdir(exist_ok=True)
     (home(slurm) / "proj" / "train.py").write_text(SCRIPT)
