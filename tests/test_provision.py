@@ -674,3 +674,101 @@ def test_a_sigkilled_host_script_leaves_no_installer_running(host_script):
     host.process.communicate(timeout=30)
     wait_for(lambda: not group_members(group), 15, "the installer's group still runs after its script was SIGKILLed")
     assert Path(f"{host.pids}.terms").exists()  # SIGTERM first, then SIGKILL
+
+
+# ------------------------------------------------------------------------------------------------ the controller killed
+
+
+KILLED_UV = """#!/bin/sh
+# a stand-in for uv that never finishes on its own: it makes the new environment's directory (uv venv's last
+# argument), starts a child in its process group and waits (as the real uv waits on a stalled download or build)
+for a; do last=$a; done
+mkdir -p "$last/bin"
+sleep 300 &
+echo "$$ $!" > {pids}
+wait
+"""
+
+
+def _controller(tmp_path: Path, inventory: Path, lock: Path, uv: str | None = None) -> subprocess.Popen:
+    """`invoke provision` as a person runs it, in a process (and session) of its own; uv: a stand-in binary that
+    the controller ships and the host runs instead of the real uv (found by `uv.find_uv_bin()`, hash-checked)."""
+    env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_HOME=str(tmp_path / "mnft-home"), PYTHONUNBUFFERED="1")
+    if uv is not None:
+        binary = tmp_path / "stand-in" / "uv-binary"
+        (tmp_path / "stand-in" / "uv").mkdir(parents=True, exist_ok=True)
+        binary.write_text(uv)
+        binary.chmod(0o755)
+        (tmp_path / "stand-in" / "uv" / "__init__.py").write_text(f"def find_uv_bin():\n    return {str(binary)!r}\n")
+        env["PYTHONPATH"] = str(tmp_path / "stand-in")
+    repo = Path(__file__).resolve().parent.parent
+    return subprocess.Popen([sys.executable, "-m", "invoke", "-r", str(repo), "provision", "--hosts", str(inventory), "--lock", str(lock)],
+                            cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def provisioned_local_host(tmp_path_factory):
+    """A `connection: local` host provisioned once with the real uv from lock v1 (alpha 1.0); lock v2 (alpha 1.1)
+    is what the killed controllers try to install."""
+    from wheelmaker import make_wheel, write_lock
+
+    tmp = tmp_path_factory.mktemp("local-provision")
+    wheels = tmp / "wheels"
+    for version in ("1.0", "1.1"):
+        make_wheel(wheels, "alpha", version)
+    minor = "%d.%d" % sys.version_info[:2]
+    v1 = write_lock(tmp / "v1.lock", sorted(wheels.glob("*.whl")), {"alpha": "1.0"}, find_links=wheels, python=minor)
+    v2 = write_lock(tmp / "v2.lock", sorted(wheels.glob("*.whl")), {"alpha": "1.1"}, find_links=wheels, python=minor)
+    (tmp / "home").mkdir()
+    inventory = tmp / "inventory.yaml"
+    inventory.write_text(f"hosts:\n  h1:\n    connection: local\n    python: {sys.executable}\n    venv: {tmp / 'home' / 'mnft-env'}\n")
+    first = _controller(tmp, inventory, v1)
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, out.decode()
+    return tmp, inventory, v2
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_a_controller_killed_mid_install_leaves_no_installer_on_a_local_host_and_its_previous_environment_active(provisioned_local_host, how):
+    """`invoke provision` (the real command line, a `connection: local` host) interrupted, terminated or killed
+    outright while the host's installer runs: the installer's whole process group ends (the stand-in uv and the
+    child it started), the half-built environment is removed, and the host stays on its previous environment,
+    which still works. (SIGKILL: nothing of the controller unwinds; its end of the script's stdin closes with it.)"""
+    import signal
+
+    tmp, inventory, v2 = provisioned_local_host
+    link = tmp / "home" / "mnft-env"
+    before = os.readlink(link)
+    pids = tmp / f"uv-{how}.pids"
+    controller = _controller(tmp, inventory, v2, KILLED_UV.replace("{pids}", str(pids)))
+    try:
+        wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, 45, "the stand-in uv did not start")
+        installers = [int(pid) for pid in pids.read_text().split()]
+        assert all(_alive(pid) for pid in installers)
+        controller.send_signal(getattr(signal, how))
+        out, _ = controller.communicate(timeout=30)
+    finally:
+        if controller.poll() is None:
+            controller.kill()
+            controller.communicate()
+    if how != "SIGKILL":
+        assert controller.returncode == {"SIGTERM": 143, "SIGINT": 130}[how], out.decode()
+        assert b"Traceback" not in out, out.decode()
+    try:
+        wait_for(lambda: not any(_alive(pid) for pid in installers), 10, f"the installer still runs after the controller's {how}")
+    finally:  # failed or not, nothing this test started is left running
+        for pid in installers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    envs = tmp / "home" / "mnft-env.d" / "envs"
+    wait_for(lambda: os.listdir(envs) == [os.path.basename(before)], 10, "the half-built environment is still there")
+    assert os.readlink(link) == before
+    done = subprocess.run([str(link / "bin" / "python"), "-c", "import alpha; print(alpha.__version__)"], capture_output=True, text=True)
+    assert done.stdout.strip() == "1.0", done.stderr
