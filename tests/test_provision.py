@@ -521,7 +521,7 @@ class HostScript:
     """envhost's install in a process of its own, as on a host: a current environment `old` at tmp/env, a
     stand-in uv in tmp/env.d/dist, the spec on stdin (kept open) for environment `new`."""
 
-    def __init__(self, tmp_path: Path, uv: str, watch: bool = False, wrapper: str | None = None) -> None:
+    def __init__(self, tmp_path: Path, uv: str, watch: bool = False, wrapper: str | None = None, deadman: float | None = None) -> None:
         import json
 
         self.pids = tmp_path / "stand-in-uv.pids"
@@ -534,7 +534,7 @@ class HostScript:
         binary = self.root / "dist" / "uv"
         binary.write_text(uv.replace("{pids}", str(self.pids)))
         binary.chmod(0o755)
-        spec = {"venv": str(self.link), "id": "new", "python": sys.executable, "wheels": [], "watch_stdin": watch}
+        spec = {"venv": str(self.link), "id": "new", "python": sys.executable, "wheels": [], "watch_stdin": watch, "deadman": deadman}
         argv = [sys.executable, "-c", wrapper, ENVHOST] if wrapper else [sys.executable, ENVHOST]
         self.process = subprocess.Popen([*argv, "install", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True)
@@ -622,6 +622,39 @@ def test_the_end_of_stdin_ends_the_installers_group_and_removes_the_half_built_e
     assert host.envs() == ["old"] and os.readlink(host.link) == str(host.root / "envs" / "old")
 
 
+def test_a_silent_controller_ends_the_installer_after_the_deadman(host_script):
+    """The controller's connection stays open but nothing comes on it (the network gone without a FIN, the
+    controller stopped or hung): after the spec's deadman the installer's group is ended as for EOF."""
+    import time
+
+    host = host_script(HANGING_UV, watch=True, deadman=1.5)
+    group = host.installer_group()
+    started = time.monotonic()
+    host.process.wait(timeout=15)  # stdin left open (communicate would close it)
+    reply = host.reply()
+    assert reply == {"ok": False, "error": "no heartbeat from the controller for 1.5s (its network gone, or it hung) before the switch: "
+                                           "the previous environment stays"}
+    assert time.monotonic() - started < 10
+    wait_for(lambda: not group_members(group), 10, "the installer's group still runs")
+    assert host.envs() == ["old"] and os.readlink(host.link) == str(host.root / "envs" / "old")
+
+
+def test_heartbeats_keep_the_installer_running_past_the_deadman(host_script):
+    """A controller that writes its heartbeat (any bytes on stdin) is heard: the install goes on past the deadman."""
+    import time
+
+    host = host_script(HANGING_UV, watch=True, deadman=1.0)
+    group = host.installer_group()
+    for _ in range(12):  # 3 s: three deadmen
+        host.process.stdin.write(b"\n")
+        host.process.stdin.flush()
+        time.sleep(0.25)
+    assert host.process.poll() is None and group_members(group)
+    host.end_stdin()
+    assert host.reply()["error"] == "the controller's connection was lost before the switch: the previous environment stays"
+    wait_for(lambda: not group_members(group), 10, "the installer's group still runs")
+
+
 def test_a_sigterm_during_the_install_ends_the_installers_whole_group_and_removes_the_half_built_environment(host_script):
     import signal
 
@@ -690,9 +723,18 @@ wait
 """
 
 
-def _controller(tmp_path: Path, inventory: Path, lock: Path, uv: str | None = None) -> subprocess.Popen:
+SHORT_DEADMAN = """import sys
+import mnft.env.provision as provision
+provision.INSTALL_DEADMAN, provision.INSTALL_HEARTBEAT_EVERY = 2.0, 0.25  # seconds: a test's patience
+from invoke.main import program
+program.run(["invoke"] + sys.argv[1:])
+"""
+
+
+def _controller(tmp_path: Path, inventory: Path, lock: Path, uv: str | None = None, deadman: bool = False) -> subprocess.Popen:
     """`invoke provision` as a person runs it, in a process (and session) of its own; uv: a stand-in binary that
-    the controller ships and the host runs instead of the real uv (found by `uv.find_uv_bin()`, hash-checked)."""
+    the controller ships and the host runs instead of the real uv (found by `uv.find_uv_bin()`, hash-checked);
+    deadman: the hosts' deadman 2 s and a heartbeat every 0.25 s (instead of 30 s and 5 s)."""
     env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_HOME=str(tmp_path / "mnft-home"), PYTHONUNBUFFERED="1")
     if uv is not None:
         binary = tmp_path / "stand-in" / "uv-binary"
@@ -702,7 +744,8 @@ def _controller(tmp_path: Path, inventory: Path, lock: Path, uv: str | None = No
         (tmp_path / "stand-in" / "uv" / "__init__.py").write_text(f"def find_uv_bin():\n    return {str(binary)!r}\n")
         env["PYTHONPATH"] = str(tmp_path / "stand-in")
     repo = Path(__file__).resolve().parent.parent
-    return subprocess.Popen([sys.executable, "-m", "invoke", "-r", str(repo), "provision", "--hosts", str(inventory), "--lock", str(lock)],
+    head = [sys.executable, "-c", SHORT_DEADMAN] if deadman else [sys.executable, "-m", "invoke"]
+    return subprocess.Popen([*head, "-r", str(repo), "provision", "--hosts", str(inventory), "--lock", str(lock)],
                             cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -772,3 +815,55 @@ def test_a_controller_killed_mid_install_leaves_no_installer_on_a_local_host_and
     assert os.readlink(link) == before
     done = subprocess.run([str(link / "bin" / "python"), "-c", "import alpha; print(alpha.__version__)"], capture_output=True, text=True)
     assert done.stdout.strip() == "1.0", done.stderr
+
+
+def test_a_controller_that_goes_silent_mid_install_loses_the_install_after_the_deadman(provisioned_local_host):
+    """The controller stopped (SIGSTOP: as a hung controller, or a network gone without a FIN, its connection stays
+    open and says nothing): once the host's deadman passes without a heartbeat, its installer's group ends, the
+    half-built environment is removed and the previous one stays active."""
+    import signal
+    import time
+
+    tmp, inventory, v2 = provisioned_local_host
+    link = tmp / "home" / "mnft-env"
+    before = os.readlink(link)
+    pids = tmp / "uv-SIGSTOP.pids"
+    controller = _controller(tmp, inventory, v2, KILLED_UV.replace("{pids}", str(pids)), deadman=True)
+    installers: list[int] = []
+    try:
+        wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, 45, "the stand-in uv did not start")
+        installers = [int(pid) for pid in pids.read_text().split()]
+        time.sleep(3)  # past the deadman, heard all along: the install goes on
+        assert all(_alive(pid) for pid in installers)
+        os.killpg(controller.pid, signal.SIGSTOP)  # its session: the controller and its lease's holder
+        wait_for(lambda: not any(_alive(pid) for pid in installers), 10, "the installer still runs with its controller silent")
+        envs = tmp / "home" / "mnft-env.d" / "envs"
+        wait_for(lambda: os.listdir(envs) == [os.path.basename(before)], 10, "the half-built environment is still there")
+        assert os.readlink(link) == before
+    finally:
+        controller.kill()
+        os.killpg(controller.pid, signal.SIGCONT)
+        controller.communicate()
+        for pid in installers:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+SLOW_UV = """#!/bin/sh
+# the real uv, its install slower than the deadman
+if [ "$1" = pip ]; then sleep 4; fi
+exec {uv} "$@"
+"""
+
+
+def test_heartbeats_keep_an_install_longer_than_the_deadman_going_to_its_switch(provisioned_local_host):
+    """The controller's heartbeat is what the host hears: an install of 4 s under a deadman of 2 s switches."""
+    import uv
+
+    tmp, inventory, v2 = provisioned_local_host
+    controller = _controller(tmp, inventory, v2, SLOW_UV.replace("{uv}", uv.find_uv_bin()), deadman=True)
+    out, _ = controller.communicate(timeout=120)
+    assert controller.returncode == 0, out.decode()
+    link = tmp / "home" / "mnft-env"
+    done = subprocess.run([str(link / "bin" / "python"), "-c", "import alpha; print(alpha.__version__)"], capture_output=True, text=True)
+    assert done.stdout.strip() == "1.1", done.stderr

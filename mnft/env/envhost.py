@@ -20,9 +20,10 @@ Layout on the host, for a `venv` of ~/mnft-env:
     rollback VENV                              switch back to the previous environment
 
 The installer (uv) runs in its own session, its process group led by this script's child (a keeper, KEEPER,
-that starts uv). While it runs the script watches stdin, which the controller keeps open: EOF there (the
-controller interrupted, killed, or its connection lost), a timeout, SIGTERM or SIGHUP end that group by its
-number, remove the half-built environment and leave the current one in place. SIGTERM and SIGHUP only note the
+that starts uv). While it runs the script watches stdin, which the controller keeps open and writes a heartbeat
+to: EOF there (the controller interrupted, killed, or its connection closed), no heartbeat for the spec's
+`deadman` seconds (the network gone without a FIN, the controller stopped or hung), a timeout, SIGTERM or SIGHUP
+end that group by its number, remove the half-built environment and leave the current one in place. SIGTERM and SIGHUP only note the
 signal (_on_signal): the build loop acts on it, so a cleanup or a switch under way is never cut short. When this
 script itself is SIGKILLed, the keeper sees the pipe from it end and ends its own group.
 """
@@ -297,6 +298,7 @@ class Stopped(Failure):
 
 
 LOST = "the controller's connection was lost before the switch: the previous environment stays"
+SILENT = "no heartbeat from the controller for %gs (its network gone, or it hung) before the switch: the previous environment stays"
 KILL_GRACE = 2.0  # seconds the installer's group has between SIGTERM and SIGKILL
 OUTPUT_KEPT = 65536  # bytes of the installer's output read back for the error message
 
@@ -326,8 +328,9 @@ def _run(argv: list, env: dict, what: str, timeout: float, watch: bool = False) 
             while not _exited(process.pid):
                 _check_stop()
                 if watch:
-                    if _controller_gone(0.2):
-                        raise Stopped(LOST)
+                    gone = _controller_gone(0.2)
+                    if gone:
+                        raise Stopped(gone)
                 else:
                     time.sleep(0.2)
                 if time.monotonic() > deadline:
@@ -462,6 +465,8 @@ def install(spec: dict) -> dict:
         if spec.get("online"):
             env.pop("UV_OFFLINE")
         watch = bool(spec.get("watch_stdin"))
+        if watch:
+            _heard.update(at=time.monotonic(), deadman=float(spec["deadman"]) if spec.get("deadman") else None)
         _run([uv, "venv", "--quiet", "--python", spec["python"], new], env, "uv venv", timeout, watch)
         requirements = os.path.join(new, "mnft-requirements.txt")
         with open(requirements, "w", encoding="utf-8") as f:
@@ -496,8 +501,9 @@ def install(spec: dict) -> dict:
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        if watch and _controller_gone(0):
-            raise Stopped(LOST)
+        gone = watch and _controller_gone(0)
+        if gone:
+            raise Stopped(gone)
         _check_stop()  # the last look: a stop signal from here on is only noted
         if current and os.path.isdir(current):
             _switch(previous_link, current)
@@ -518,16 +524,27 @@ def install(spec: dict) -> dict:
     return {"ok": True, "env": new, "previous": current, "removed": removed, "dists": found, "seconds": round(time.monotonic() - started, 3)}
 
 
-def _controller_gone(wait: float) -> bool:
-    """True when stdin (the SSH channel the controller keeps open after sending this script) has reached EOF,
-    waiting up to `wait` seconds for it."""
+_heard = {"at": 0.0, "deadman": None}  # when the controller was last heard on stdin; its deadman (seconds), if any
+
+
+def _controller_gone(wait: float):
+    """Why the controller is gone, or None: stdin (the SSH channel the controller keeps open after sending this
+    script) reached EOF, waiting up to `wait` seconds for it; or nothing came on it (the controller writes a
+    heartbeat every few seconds) for the spec's deadman. Whatever comes is read and dropped."""
     import select
 
     try:
         readable, _, _ = select.select([0], [], [], wait)
-        return bool(readable) and os.read(0, 65536) == b""
+        if readable:
+            if os.read(0, 65536) == b"":
+                return LOST
+            _heard["at"] = time.monotonic()
     except (OSError, ValueError):
-        return False
+        return None
+    deadman = _heard["deadman"]
+    if deadman is not None and time.monotonic() - _heard["at"] > deadman:
+        return SILENT % deadman
+    return None
 
 
 def _drop_damaged(dist: str, wheels: list) -> None:

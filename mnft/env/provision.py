@@ -55,6 +55,8 @@ from mnft.sync.treehash import sha256_file
 
 FACTS_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
+INSTALL_HEARTBEAT_EVERY = 5.0  # seconds between the heartbeats the controller writes to each host's install script
+INSTALL_DEADMAN = 30.0  # seconds without one before the host ends its installer (a network gone without a FIN, a hung controller)
 SHARED_WAIT = 10.0  # seconds a host sharing an environment may still see the old link (an NFS client's attribute cache)
 
 
@@ -399,6 +401,7 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
         body = {"venv": host.venv, "id": env_id, "python": plan.python, "lock": lock.digest, "online": options.online,
                 "indexes": lock.indexes(), "find_links": list(lock.find_links), "no_index": lock.no_index, "timeout": INSTALL_TIMEOUT,
                 "watch_stdin": True,  # a lost connection before the switch leaves the previous environment
+                "deadman": INSTALL_DEADMAN,  # and so does a silent one (no heartbeat)
                 "uv_sha256": uv_sha256,  # the relayed uv is run only if it is the controller's
                 "wheels": [_wheel_spec(pin, chosen.get(pin.name)) for pin in plan.pins]}
         return json.dumps(body, separators=(",", ":")).encode() + b"\n"
@@ -418,8 +421,11 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
 
 
 def _install_on(fleet: Fleet, host: Host, command: Command, payload: bytes, timeout: float) -> HostResult:
-    """Run the install script with its stdin kept open (unlike Fleet.run_one): the script switches the link only
-    while the controller is still connected, so a connection lost mid-build leaves the previous environment."""
+    """Run the install script with its stdin kept open (unlike Fleet.run_one), a heartbeat written to it every
+    INSTALL_HEARTBEAT_EVERY seconds: the script switches the link only while the controller is still connected and
+    heard, so a connection lost or silent mid-build leaves the previous environment."""
+    import threading
+
     started = time.monotonic()
     try:
         process = fleet.start(host, command)
@@ -427,8 +433,24 @@ def _install_on(fleet: Fleet, host: Host, command: Command, payload: bytes, time
         return HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc))
     except Unreachable as exc:
         return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
+    stop = threading.Event()
+    writing = threading.Lock()  # a heartbeat never cuts into the payload, nor follows the close of stdin
+
+    def heartbeat() -> None:
+        while not stop.wait(INSTALL_HEARTBEAT_EVERY):
+            with writing:
+                if stop.is_set():
+                    return
+                try:
+                    process.write(b"\n")
+                except Exception:  # noqa: BLE001 - the connection is gone: the wait below says so
+                    return
+
+    beat = threading.Thread(target=heartbeat, daemon=True, name=f"mnft-install-heartbeat-{host.name}")
     try:
-        process.write(payload)
+        with writing:
+            process.write(payload)
+        beat.start()
         done = process.wait(timeout)
     except CommandTimeout as exc:
         return HostResult(host.name, Status.FAILED, error=f"command {exc}", seconds=round(time.monotonic() - started, 3))
@@ -436,10 +458,12 @@ def _install_on(fleet: Fleet, host: Host, command: Command, payload: bytes, time
         fleet.mark_unreachable(host.name, str(exc))
         return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=round(time.monotonic() - started, 3))
     finally:
-        try:
-            process.close_stdin()
-        except Exception:  # noqa: BLE001 - the channel may be gone already
-            pass
+        stop.set()
+        with writing:
+            try:
+                process.close_stdin()
+            except Exception:  # noqa: BLE001 - the channel may be gone already
+                pass
     status = Status.OK if done.exit_code == 0 else Status.FAILED
     result = HostResult(host.name, status, done.exit_code, done.stdout, done.stderr, seconds=round(time.monotonic() - started, 3))
     if status is Status.FAILED:
