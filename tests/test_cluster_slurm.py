@@ -7,6 +7,7 @@ as a user would: sbatch, squeue, scontrol and scancel are Slurm's own. Nothing i
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -311,6 +312,45 @@ def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_che
     resumed_at = int(out.split("start at step ")[1].split(" ")[0])
     assert resumed_at >= 6 and "resume=True" in out
     assert int(ckpt.read_text()) == 40
+
+
+@pytest.mark.parametrize("dies", ["machine", "ranks"])
+def test_a_node_that_dies_with_its_job_processes_is_classified_as_over_ssh_and_the_job_requeued_to_resume(slurm, dies):
+    """machine: its slurmd and every process of the job on it killed (the batch may see its task fail before Slurm
+    marks the node down); ranks: the job's processes on h2 killed by a signal, the node up. Either way the failure is
+    classified with the SSH path's causes and the job requeued (by the batch, within --max-restarts) and resumed."""
+    proj = home(slurm) / "steps"
+    proj.mkdir(exist_ok=True)
+    (proj / "steps.py").write_text(STEPS)
+    (proj / "job.yaml").write_text(JOB)
+    run = ["sh", "-c", 'cd steps && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN]
+    run_id = submitted(slurm.cluster.run(slurm.cluster.hosts[0], run + ["train", "--slurm", "--detach", "--nodes", "2", "--requeue", "--job", "job.yaml"],
+                                         env=slurm.env, check=False, timeout=120))
+    ckpt = home(slurm) / "mnft" / "outputs" / run_id / "step.txt"
+    wait_for(lambda: ckpt.is_file() and int(ckpt.read_text() or 0) >= 6, 120, "the job never reached step 6")
+    h2 = slurm.cluster.hosts[1]
+    if dies == "machine":
+        slurm.kill_slurmd(h2)
+    for pid, _ in slurm.cluster.processes(h2):  # machine: slurmstepd, the agent, torchrun, the ranks; ranks: the run's
+        try:
+            if dies == "machine" or f"MNFT_RUN_ID={run_id}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                os.kill(pid, 9)
+        except (ProcessLookupError, OSError):
+            pass
+    follow = slurm.cluster.run(slurm.cluster.hosts[0], run + ["logs", "-f", run_id], env=slurm.env, check=False, timeout=400)
+    data = json.loads((proj / "runs" / run_id / "run.json").read_text())
+    assert data["state"] == "succeeded", (data.get("reason"), follow.stdout[-3000:])
+    first, second = data["attempts"][0], data["attempts"][-1]
+    assert first["hosts"] == ["h1", "h2"] and second["resumed"] is True
+    if dies == "ranks":  # the batch saw it: the SSH path's cause and decision, recorded
+        assert first["cause"]["kind"] in ("signal", "failed") and first["decision"] == "restart 1 of 3", first
+    else:  # either Slurm marked h2 down first and requeued the job itself, or the batch saw the failed task first and
+        # requeued it by mnft's rules (the race the SSH path never has): never FAILED without a requeue
+        assert "h2" not in second["hosts"]
+        if first.get("cause") is not None:
+            assert first["cause"]["kind"] in ("host-lost", "signal", "failed") and first["decision"].startswith("restart 1 of"), first
+    out = (proj / "runs" / run_id / "h1" / "run" / "output.log").read_text()
+    assert int(out.split("start at step ")[1].split(" ")[0]) >= 6 and int(ckpt.read_text()) == 40
 
 
 @pytest.mark.parametrize("args, message", [

@@ -46,9 +46,9 @@ from mnft.core.output import console as make_console
 from mnft.hosts import pyrun
 from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.run import agent, launch, records
+from mnft.run import agent, launch, records, recover
 from mnft.run.control import job_of
-from mnft.run.gang import _parse, split_ranks
+from mnft.run.gang import _parse, failure_excerpt, split_ranks
 from mnft.run.job import Job
 from mnft.run.launch import HostLaunch, LaunchOptions
 from mnft.run.rerun import snapshot
@@ -375,6 +375,16 @@ class Allocation:
         run = result.nodes.get(failed) if failed else None
         reason = (f"{failed}: " + (run.error or f"torchrun exited with code {run.exit_code}") if run is not None
                   else f"the agents' step failed (srun exit {result.code})")
+        if self.options.requeue:  # the same causes as over SSH decide a restart (mnft.run.recover), within --max-restarts
+            cause, decision = self.classify(failed, run)
+            entry.update(cause=cause.to_json(), decision=decision.why, counted=decision.counted if decision.restart else None)
+            if decision.restart and restarts < self.options.max_requeues:
+                entry.update(state="failed", reason=reason)
+                record.update(state="requeued", reason=f"attempt {attempt} failed: {cause.detail}; requeued ({decision.why})")
+                self.say(f"run {record.run_id} attempt {attempt} failed: {cause.detail}; requeueing Slurm job {job_id} ({decision.why})", "bold yellow")
+                cluster.run(["scontrol", "requeue", job_id])
+                return int(ExitCode.OK)
+            reason += f" ({decision.why})" if not decision.restart else f" (no requeue left: {restarts} of {self.options.max_requeues})"
         entry.update(state="failed", reason=reason)
         record.update(state="failed", reason=reason, failed_host=failed, ended=time.time())
         self.say(f"run {record.run_id} failed: {reason}", "bold red")
@@ -384,6 +394,22 @@ class Allocation:
             if other.hidden:
                 self.say(f"{name}: stopped with the gang ({other.hidden} line(s) of its shutdown in {record.path}/{name}/run/output.log)", "dim")
         return int(ExitCode.FAILED)
+
+    def classify(self, failed: str | None, run: "NodeRun | None") -> tuple[recover.Cause, recover.Decision]:
+        """Why the attempt failed, as the SSH path tells it (mnft.run.recover.classify over the failed node's tail), and
+        whether to restart it by the same rules, this run's earlier attempts counted."""
+        summary = self.record.data.get("summary") or {}
+        tail = [text for _, text in run.tail] if run is not None else []
+        _, trace = failure_excerpt(list(run.tail)) if run is not None else (None, [])
+        loss = summary.get("last_loss")
+        seen = recover.Seen(failed_host=failed, host_state="lost" if run is None or run.exit_code is None and run.state != "failed-to-start"
+                            else run.state, exit_code=run.exit_code if run is not None else None, tail=tuple(tail), traceback=tuple(trace),
+                            first_step=summary.get("last_step") is not None, last_step=summary.get("last_step"),
+                            last_loss=float(loss) if isinstance(loss, (int, float)) else None, resume_codes=self.job.resume.exit_codes)
+        cause = recover.classify(seen)
+        history = [recover.Attempt(int(a.get("number") or 0), tuple(a.get("hosts") or ()), recover.Cause(**a["cause"]), bool(a.get("counted")))
+                   for a in (self.record.data.get("attempts") or [])[:-1] if isinstance(a.get("cause"), dict)]
+        return cause, recover.should_restart(recover.Policy(max_restarts=self.options.max_requeues), history, cause)
 
     def collect(self, plans: list[HostLaunch]) -> None:
         collect_run(self.record, self.say, plans)
