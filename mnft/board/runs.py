@@ -10,6 +10,7 @@ it is passed on as text, cut, without control characters; the page only ever set
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import time
@@ -30,6 +31,7 @@ LOG_LINES = 40  # per host on a run's page
 POINTS_MAX = 50_000  # points of a loss curve sent to the page (a longer run: every k-th, the last one kept)
 JSON_MAX = 4 << 20  # bytes of a summary.json / live.json read at most
 TEXT_MAX = 500  # characters of one line of text
+ME = getpass.getuser()  # whose runs runs/ holds: this controller's user
 
 
 def text(value: Any, limit: int = TEXT_MAX) -> str | None:
@@ -141,7 +143,7 @@ def summary(run_id: str, path: Path, answers: dict | None = None, now: float | N
     attempts = [a for a in data.get("attempts") or [] if isinstance(a, dict)]
     spent = data.get("time") if isinstance(data.get("time"), dict) else (shown or {}).get("time") if isinstance((shown or {}).get("time"), dict) else {}
     return {
-        "id": text(run_id, 128), "mine": True, "user": None, "state": text(data.get("state"), 40) or "?",
+        "id": text(run_id, 128), "mine": True, "user": ME, "state": text(data.get("state"), 40) or "?",
         "supervised": bool(live), "detached": bool(data.get("detach")), "slurm": bool(data.get("slurm")),
         "reason": text(data.get("reason")), "job": job_label(data), "hosts": host_names(data),
         "devices": {text(h, 100): [d for d in v if isinstance(d, int)] for h, v in (data.get("devices") or {}).items() if isinstance(v, list)}

@@ -242,10 +242,10 @@ class Board:
             rows_now.append(self._rows_cache[run_id][1])
         for gone in [r for r in self._rows_cache if r not in found]:
             del self._rows_cache[gone]
-        rows_now.sort(key=lambda r: (r.get("created") or 0, r.get("id") or ""), reverse=True)
-        theirs = runs_of.others(self.rows, set(found), now)
+        every = runs_of.others(self.rows, set(found), now) + rows_now
+        every.sort(key=lambda r: (r.get("created") or 0, r.get("id") or ""), reverse=True)
         with self.lock:
-            self.runs.set({"now": now, "root": str(runs_of.records.runs_root()), "runs": theirs + rows_now})
+            self.runs.set({"now": now, "root": str(runs_of.records.runs_root()), "runs": every})
 
     def detail(self, run_id: str) -> Published:
         """The run's page (read again when its files or its hosts' answer changed)."""

@@ -33,6 +33,12 @@
     return node;
   }
 
+  // replaceChildren, without the nulls a section leaves out (replaceChildren itself would write "null")
+  function fill(node, ...children) {
+    node.replaceChildren(...children.flat().filter((c) => c !== null && c !== undefined && c !== false));
+    return node;
+  }
+
   const runLink = (id, text) => el("a", { href: "#/run/" + encodeURIComponent(id) }, text === undefined ? id : text);
   const badge = (word) => el("span", { className: "badge", "data-state": word || "?" }, word || "?");
 
@@ -136,12 +142,12 @@
         !okay && host.error ? el("p", { className: "error" }, host.error) : null,
         el("div", { className: "tiles" }, rows.map(tile)));
     });
-    $("hosts").replaceChildren(...cards);
-    $("line").replaceChildren(...(line.length ? [el("h3", null, "Waiting in line"), el("ol", { className: "waiting" }, line.map((r) =>
+    fill($("hosts"), ...cards);
+    fill($("line"), ...(line.length ? [el("h3", null, "Waiting in line"), el("ol", { className: "waiting" }, line.map((r) =>
       el("li", { "data-host": r.host, "data-state": "waiting" }, el("b", null, r.host + " " + r.device), " ", r.user || "?",
         r.run ? [" · run ", runLink(r.run)] : null, r.command ? " · " + r.command : "", " · " + (r.detail || ""),
         r.since_text ? " · " + r.since_text : "")))] : []));
-    $("legend").replaceChildren(...["free", "held", "outside", "unreachable"].map((s) => el("span", { className: "key", "data-state": s }, s === "outside" ? "in use outside mnft" : s)));
+    fill($("legend"), ...["free", "held", "outside", "unreachable"].map((s) => el("span", { className: "key", "data-state": s }, s === "outside" ? "in use outside mnft" : s)));
   }
 
   // ------------------------------------------------------------------------------------------ the runs
@@ -163,7 +169,7 @@
       el("td", { className: "num" }, isNum(r.restarts) ? String(r.restarts) : "-"),
       el("td", { className: "num" }, fmtPct(r.goodput)),
       el("td", { title: isNum(r.created) ? new Date(r.created * 1000).toString() : "" }, fmtWhen(r.created))));
-    $("runs-body").replaceChildren(...rows);
+    fill($("runs-body"), ...rows);
   }
 
   // ------------------------------------------------------------------------------------------ a run's page
@@ -173,7 +179,7 @@
     state.chart && state.chart.destroy();
     state.chart = null;
     state.chartKey = null;
-    page.replaceChildren(
+    fill(page, 
       el("nav", { className: "crumbs" }, el("a", { href: "#/" }, "← lab and runs")),
       el("div", { id: "run-head", className: "panel" }, el("h2", null, "run " + id), el("p", { className: "muted" }, "reading…")),
       el("div", { id: "run-failure" }),
@@ -193,11 +199,11 @@
     if (!r || r.id !== state.runId) return;
     const head = $("run-head");
     if (r.missing) {
-      head.replaceChildren(el("h2", null, "run " + r.id), el("p", null, "No such run here, and no host of the lab holds anything for it now."));
+      fill(head, el("h2", null, "run " + r.id), el("p", null, "No such run here, and no host of the lab holds anything for it now."));
       return;
     }
     const hosts = r.hosts || [];
-    head.replaceChildren(
+    fill(head, 
       el("h2", null, "run ", el("span", { className: "mono" }, r.id), " ", badge(r.state)),
       el("p", { className: "meta" }, el("span", { className: "job" }, r.job || "-"), " · ", r.user || "?", " · ", hosts.length + " host(s): " + hosts.join(", "),
         " · started " + fmtWhen(r.created), isNum(r.ended) ? " · ended " + fmtWhen(r.ended) + " (" + fmtSeconds(r.ended - r.created) + ")" : "",
@@ -223,7 +229,7 @@
     const leases = r.leases || [];
     const section = $("run-hosts");
     section.hidden = false;
-    section.replaceChildren(el("h3", null, "Where it runs"),
+    fill(section, el("h3", null, "Where it runs"),
       el("p", { className: "muted" }, "Started from another controller" + (r.user ? " by " + r.user : "") + ": as its leases on the hosts show it (its curve and logs are on its controller; `mnft status " + r.id + "` there)."),
       el("table", { className: "hosts-table" }, el("thead", null, el("tr", null, ["host", "device", "state", "user", "command", "since", "detail"].map((h) => el("th", null, h)))),
         el("tbody", null, leases.map((l) => el("tr", { "data-host": l.host }, [l.host, l.device, l.state, l.user, l.command, l.since_text, l.detail].map((v) => el("td", null, v || "-")))))));
@@ -233,7 +239,7 @@
     const box = $("run-failure");
     const f = r.failure;
     const warnings = r.warnings || [];
-    box.replaceChildren(
+    fill(box, 
       f ? el("section", { className: "panel failure", "data-kind": f.kind || "" },
         el("h3", null, f.attempt ? "First failure (attempt " + f.attempt + ")" : "Failure", f.host ? " on " + f.host : ""),
         f.cause ? el("p", { className: "cause" }, el("b", null, "cause: "), f.cause) : null,
@@ -268,6 +274,8 @@
     const clamp = (x) => Math.max(left, Math.min(left + width, x));
     ctx.save();
     ctx.font = 11 * px + "px sans-serif";
+    ctx.textAlign = "left";
+    ctx.textBaseline = "alphabetic";
     for (const band of curve.lost) {
       const x0 = clamp(u.valToPos(band.from, "x", true));
       const x1 = clamp(u.valToPos(band.to, "x", true));
@@ -298,7 +306,7 @@
       section.hidden = !curve;
       if (curve) {
         $("curve-note").textContent = "no step records yet";
-        $("chart").replaceChildren();
+        fill($("chart"), );
         $("chart").setAttribute("data-points", "0");
         state.chart && state.chart.destroy();
         state.chart = null;
@@ -312,7 +320,7 @@
     $("curve-note").textContent = curve.points + " point(s) from " + source + (curve.by_step ? "" : "; the format gives no step: x is the logged point");
     const marks = [...curve.restarts.map((m) => (m.label || "restart") + " resumed at step " + m.step),
       ...curve.lost.map((l) => "attempt " + l.attempt + ": steps " + (l.from + 1) + "–" + l.to + " lost (trained again)")];
-    $("curve-marks").replaceChildren(...marks.map((m) => el("span", { className: "mark" }, m)));
+    fill($("curve-marks"), ...marks.map((m) => el("span", { className: "mark" }, m)));
     const box = $("chart");
     box.setAttribute("data-points", String(points));
     box.setAttribute("data-attempts", String(attempts.length));
@@ -355,7 +363,7 @@
     const segment = ([k, v]) => el("span", { className: "seg", "data-part": k, title: (names[k] || k) + ": " + fmtSeconds(v),
       style: { width: (100 * v / Math.max(spent.wall_s, counted)).toFixed(2) + "%", background: TIME_COLORS[k] || "#dee2e6" } });
     const head = ["attempt", ...columns.map(([name]) => name), "steps lost"];
-    section.replaceChildren(
+    fill(section, 
       el("h3", null, "Where the time went: " + fmtSeconds(spent.wall_s) + " wall" + (isNum(spent.goodput) ? ", goodput " + fmtPct(spent.goodput) : "")),
       el("div", { className: "timebar" }, parts.map(segment)),
       el("div", { className: "timekeys" }, parts.map(([k, v]) => el("span", { className: "key" }, el("i", { style: { background: TIME_COLORS[k] || "#dee2e6" } }),
@@ -370,7 +378,7 @@
     const hosts = r.host_states || [];
     section.hidden = !hosts.length;
     const head = ["host", "node rank", "state", "exit code", "processes", "step", "loss", "since", "note"];
-    section.replaceChildren(
+    fill(section, 
       el("h3", null, "Hosts", isNum(r.asked) ? el("span", { className: "muted ago", "data-answered": r.asked }, " answered " + fmtAgo(r.asked)) : el("span", { className: "muted" }, " as recorded")),
       el("table", { className: "hosts-table" }, el("thead", null, el("tr", null, head.map((h) => el("th", null, h)))),
         el("tbody", null, hosts.map((h) => el("tr", { "data-host": h.name, "data-state": h.state || "" },
@@ -396,7 +404,7 @@
         h.lines.map(([rank, text]) => el("span", { className: "line" }, el("span", { className: "rank" }, h.name + (rank === null ? "" : " r" + rank) + "| "), text, "\n")));
       return [el("h4", null, h.name, el("span", { className: "muted" }, " · last " + h.lines.length + " line(s), " + (from[h.lines_from] || ""))), pre, atEnd, previous];
     });
-    section.replaceChildren(el("h3", null, "Last lines"), ...blocks.flatMap(([h4, pre]) => [h4, pre]));
+    fill(section, el("h3", null, "Last lines"), ...blocks.flatMap(([h4, pre]) => [h4, pre]));
     for (const [, pre, atEnd, previous] of blocks) pre.scrollTop = atEnd ? pre.scrollHeight : previous.scrollTop;
   }
 

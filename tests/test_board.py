@@ -1,0 +1,278 @@
+"""`mnft board` without hosts (issue 28): who may read it, what a run's row and page say, the lab's JSON against
+`mnft lab --json`'s rows, and the page in Debian's chromium (Playwright) over a lab and runs made up by
+tests/boardfakes.py: hostile text shown as text, no control that acts, the curve, the restarts and lost steps, an
+unreachable host. The same board over real hosts and real runs: tests/test_cluster_board.py."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from boardfakes import CHROMIUM, HOSTILE, Served, inventory, lab_views, require_browser, write_run, write_runs
+
+from mnft.board import runs as runs_of
+from mnft.board.app import Origins, split_host
+from mnft.board.state import Board
+from mnft.hosts.lab import rows
+
+REPO = Path(__file__).resolve().parent.parent
+CONTROLS = "form, button, input, select, textarea, [contenteditable], [onclick], [formaction]"
+NAMES = ["h1", "h2", "h3", "h4"]
+
+
+# ------------------------------------------------------------------------------------------------ who may read it
+
+
+def test_a_host_header_names_the_board_or_is_refused():
+    local = Origins.serving("127.0.0.1", 8765)
+    assert local.host_ok("127.0.0.1:8765") and local.host_ok("localhost:9000") and local.host_ok("[::1]:8765")  # ssh -L picks its port
+    for foreign in ("evil.example:8765", "evil.example", "127.0.0.1.evil.example:8765", "", "a b:1", "localhost:0", "localhost:x",
+                    "[::1", "user@localhost:8765", "10.0.0.5:8765"):
+        assert not local.host_ok(foreign), foreign
+    exposed = Origins(frozenset({"10.0.0.5", "gpu-ctl"}), 8765)
+    assert exposed.host_ok("10.0.0.5:8765") and exposed.host_ok("GPU-CTL.:8765") and not exposed.host_ok("10.0.0.5:8766")
+    assert not exposed.host_ok("10.0.0.5") and not exposed.host_ok("attacker.example:8765")  # a rebinding name is never ours
+    assert split_host("[fe80::1]:80") == ("fe80::1", 80) and split_host("h:65536") is None and split_host("a:b:c") is None
+
+
+def test_only_get_from_the_board_itself_is_answered():
+    origins = Origins.serving("127.0.0.1", 8765)
+    own = {"host": "127.0.0.1:8765"}
+    assert origins.refuse("GET", "/api/lab", own) is None
+    assert origins.refuse("HEAD", "/", own) is None
+    assert origins.refuse("GET", "/api/events", {**own, "origin": "http://127.0.0.1:8765", "sec-fetch-site": "same-origin"}) is None
+    assert origins.refuse("GET", "/", {**own, "sec-fetch-site": "cross-site"}) is None  # a link to the board from elsewhere opens it
+    for method in ("POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "CONNECT"):
+        assert origins.refuse(method, "/api/lab", own)[0] == 405
+    assert origins.refuse("GET", "/api/lab", {"host": "evil.example:8765"})[0] == 403
+    assert origins.refuse("GET", "/api/lab", {})[0] == 403
+    for headers in ({"origin": "http://evil.example"}, {"origin": "null"}, {"origin": "https://127.0.0.1:8765"},
+                    {"sec-fetch-site": "cross-site"}, {"sec-fetch-site": "same-site"}):
+        assert origins.refuse("GET", "/api/runs", {**own, **headers})[0] == 403, headers
+
+
+# ------------------------------------------------------------------------------------------------ the runs
+
+
+@pytest.fixture
+def runs_dir(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "runs"
+    root.mkdir()
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(root))
+    return root
+
+
+def test_a_runs_row_and_page_say_what_its_record_and_collected_metrics_say(runs_dir):
+    path = write_run(runs_dir, "20261127-100000-aaaa", hosts=["h1", "h2"], state="failed", steps=90, attempts=3, job_name="sft",
+                     output=["step 1", "\x1b[1mbold\x1b[0m\tand a bell\x07"])
+    row = runs_of.summary("20261127-100000-aaaa", path)
+    metrics = [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+    assert (row["state"], row["job"], row["hosts"], row["restarts"], row["goodput"]) == ("failed", "sft", ["h1", "h2"], 2, 0.7)
+    assert (row["step"], row["loss"]) == (metrics[-1]["step"], metrics[-1]["loss"])
+    page = runs_of.detail("20261127-100000-aaaa", path)
+    curve = page["curve"]
+    assert curve["source"] == "metrics" and curve["points"] == len(metrics) and curve["x"] == [m["step"] for m in metrics]
+    assert curve["attempt"] == [m["attempt"] for m in metrics] and sorted(set(curve["attempt"])) == [1, 2, 3]
+    assert curve["restarts"] == [{"step": 30, "label": "attempt 2 (killed)"}, {"step": 60, "label": "attempt 3 (killed)"}]
+    assert curve["lost"] == [{"attempt": 1, "from": 30, "to": 35, "steps": 5}, {"attempt": 2, "from": 60, "to": 65, "steps": 5}]
+    assert page["failure"]["attempt"] == 1 and page["failure"]["cause"] == "h2: rank 1 was killed by SIGKILL"  # the first one
+    assert [a["number"] for a in page["time"]["attempts"]] == [1, 2, 3] and page["time"]["goodput"] == 0.7
+    h1 = page["host_states"][0]
+    assert h1["lines_from"] == "collected" and h1["lines"] == [[0, "step 1"], [0, "bold\tand a bell?"]]  # colours dropped, a bell as '?'
+
+
+def test_a_run_going_on_is_read_from_what_its_supervisor_keeps_and_its_hosts_answer(runs_dir):
+    path = write_run(runs_dir, "20261127-110000-bbbb", hosts=["h1", "h2"], state="running", steps=0)
+    (path / "run.json").write_text(json.dumps(dict(json.loads((path / "run.json").read_text()), time=None, ended=None)))
+    now = time.time()
+    points = [{"attempt": 1, "t": now - 10 + i, "step": i, "loss": 2.0 - i / 10} for i in range(1, 8)]
+    (path / "live-metrics.jsonl").write_text("".join(json.dumps(p) + "\n" for p in points))
+    (path / "live.json").write_text(json.dumps({"pid": 1, "updated": now, "attempt": 1, "state": "running", "metric": points[-1]}))
+    row = runs_of.summary("20261127-110000-bbbb", path)
+    assert row["supervised"] and (row["step"], row["loss"]) == (7, points[-1]["loss"])
+    answers = {"h1": {"state": "running", "processes": 2, "last_metric": {"step": 9, "loss": 1.1}, "lines": [[0, "<b>x</b>"]]},
+               "h2": {"state": "running", "processes": 2, "last_metric": None, "lines": []}}
+    page = runs_of.detail("20261127-110000-bbbb", path, answers, now)
+    assert page["step"] == 9 and page["curve"]["source"] == "live" and page["curve"]["x"] == list(range(1, 8))
+    assert page["time"]["attempts"][0]["steps_s"] == pytest.approx(6.0)  # measured by mnft.run.goodput from the arrivals
+    assert page["host_states"][0]["lines"] == [[0, "<b>x</b>"]] and page["host_states"][0]["lines_from"] == "host"
+    (path / "live.json").write_text(json.dumps({"pid": 1, "updated": now - 3600}))  # its supervisor is gone
+    assert not runs_of.summary("20261127-110000-bbbb", path)["supervised"]
+
+
+def test_a_damaged_record_is_a_row_that_says_so(runs_dir):
+    (runs_dir / "20261127-120000-cccc").mkdir()
+    (runs_dir / "20261127-120000-cccc" / "run.json").write_text("{not json")
+    row = runs_of.summary("20261127-120000-cccc", runs_dir / "20261127-120000-cccc")
+    assert row["state"] == "unreadable" and "unreadable run record" in row["reason"]
+
+
+def test_other_controllers_runs_are_read_from_the_lab_and_this_controllers_own_are_not_repeated():
+    rows_json = [{"host": "h1", "device": "0", "state": "held", "user": "alice", "run": "R1", "command": "train", "since": 100.0},
+                 {"host": "h2", "device": "0", "state": "held", "user": "alice", "run": "R1", "command": "train", "since": 90.0},
+                 {"host": "h1", "device": "1", "state": "held", "user": "root", "run": "MINE-a2", "command": "train", "since": 50.0},
+                 {"host": "h2", "device": "#1", "state": "waiting", "user": "bob", "run": "R2", "command": "train", "since": 120.0}]
+    theirs = runs_of.others(rows_json, {"MINE"})
+    assert [(r["id"], r["user"], r["state"], r["hosts"], r["created"]) for r in theirs] == [
+        ("R1", "alice", "running", ["h1", "h2"], 90.0), ("R2", "bob", "waiting", ["h2"], 120.0)]
+    assert theirs[0]["devices"] == {"h1": ["0"], "h2": ["0"]}
+
+
+def test_the_lab_json_holds_mnft_lab_jsons_rows(tmp_path, runs_dir):
+    inv = inventory(tmp_path / "lab.yaml", 4)
+    views = lab_views(NAMES, down=("h3",))
+    board = Board(inv, look=lambda: views)
+    board.round()
+    lab = json.loads(board.lab.text)
+    expected = [r.to_json() for r in rows(inv, views)]
+    assert [{k: d[k] for k in expected[0]} for d in lab["devices"]] == json.loads(json.dumps(expected))
+    h3 = next(h for h in lab["hosts"] if h["name"] == "h3")
+    assert h3["state"] == "unreachable" and h3["answered"] is None and "Unable to connect" in h3["error"]
+    assert all(h["answered"] for h in lab["hosts"] if h["name"] != "h3")
+    board.close()
+
+
+# ------------------------------------------------------------------------------------------------ the page
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def hostile_views() -> dict[str, dict]:
+    """A lab whose lease files say hostile things (anyone may write them): markup in the user, run, command."""
+    views = lab_views(NAMES, down=("h3",))
+    device = views["h1"]["devices"][0]
+    device.update(state="held", holder={"command": HOSTILE[:20], "run_id": "<b>run</b>", "user": HOSTILE, "login": "<i>eve</i>",
+                                        "controller": "ctl", "pid": 1, "taken": time.time() - 60}, lockers=[])
+    return views
+
+
+@pytest.fixture
+def board_page(tmp_path, runs_dir, chromium):
+    inv = inventory(tmp_path / "lab.yaml", 4)
+    write_runs(runs_dir, 12, NAMES)
+    write_run(runs_dir, "20991231-000000-evil", hosts=["h1", "<script>h2</script>"], state="failed", job_name=HOSTILE, attempts=2, steps=40,
+              reason=HOSTILE, output=[HOSTILE, "\x1b]0;title\x07\x1b[2Jcleared?", "‮reversed"],
+              diagnosis={"kind": "failed", "cause": HOSTILE, "fix": "<a href='javascript:alert(1)'>fix</a>"})
+    views = hostile_views()
+    with Served(Board(inv, look=lambda: views, every=0.5)) as served:
+        context = chromium.new_context(viewport={"width": 1366, "height": 768})
+        page = context.new_page()
+        page.problems = []
+        page.on("pageerror", lambda exc: page.problems.append(f"page error: {exc}"))
+        page.on("console", lambda msg: page.problems.append(f"console {msg.type}: {msg.text}") if msg.type in ("error", "warning") else None)
+        page.served = served
+        page.goto(served.url)
+        page.wait_for_selector("html[data-drawn]", timeout=30000)
+        yield page
+        context.close()
+
+
+def test_hostile_text_in_the_lab_and_a_run_is_shown_as_text_and_never_runs(board_page):
+    page = board_page
+    tile = page.wait_for_selector('.tile[data-host="h1"][data-device="0"]')
+    assert page.get_attribute('.tile[data-host="h1"][data-device="0"]', "data-run") == "<b>run</b>"
+    assert "<b>run</b>" in tile.inner_text() and tile.query_selector("b b, .run-id b") is None
+    page.goto(page.served.url + "#/run/20991231-000000-evil")
+    page.wait_for_selector("#chart[data-points]")
+    page.wait_for_selector(".failure")
+    assert page.inner_text("#run-head .job") == HOSTILE
+    assert page.inner_text(".failure .cause") == "cause: <script>h2</script>: rank 1 was killed by SIGKILL"  # attempt 1's, the first
+    assert page.inner_text(".failure .reason") == HOSTILE
+    assert page.query_selector('#run-hosts tr[data-host="<script>h2</script>"]') is not None
+    log = page.inner_text('pre.log[data-host="h1"]')
+    assert HOSTILE in log and "?]0;title?cleared?" in log and "?reversed" in log  # escapes and bidi controls as '?'
+    for selector in ("#run img", "#run script", "#run b b", ".failure a", "pre.log i, .failure i, #run-head i", "#hosts img", "#hosts script", "#hosts i", ".tile .who b"):
+        assert page.query_selector(selector) is None, selector
+    assert page.evaluate("window.__pwned") is None
+    assert page.problems == []
+
+
+def test_the_page_has_no_control_that_acts(board_page):
+    page = board_page
+    assert page.query_selector_all(CONTROLS) == []
+    links = page.eval_on_selector_all("a[href]", "as => as.map(a => a.getAttribute('href'))")
+    assert links and all(href.startswith("#/") for href in links)  # only ways around the page itself
+    page.goto(page.served.url + "#/run/20991231-000000-evil")
+    page.wait_for_selector("#chart[data-points]")
+    assert page.query_selector_all(CONTROLS) == []
+    assert all(h.startswith("#/") for h in page.eval_on_selector_all("a[href]", "as => as.map(a => a.getAttribute('href'))"))
+
+
+def test_a_restarted_runs_curve_marks_its_attempts_restarts_and_lost_steps(board_page, runs_dir):
+    page = board_page
+    page.goto(page.served.url + "#/run/20991231-000000-evil")
+    page.wait_for_selector("#chart[data-points]")
+    metrics = (runs_dir / "20991231-000000-evil" / "metrics.jsonl").read_text().splitlines()
+    assert page.get_attribute("#chart", "data-points") == str(len(metrics)) and page.get_attribute("#chart", "data-attempts") == "2"
+    assert page.inner_text("#curve-marks") .split("\n") == ["attempt 2 (killed) resumed at step 20", "attempt 1: steps 21–25 lost (trained again)"]
+    assert page.query_selector("#chart canvas") is not None
+    time_bar = page.eval_on_selector_all(".timebar .seg", "ss => ss.map(s => s.dataset.part)")
+    assert {"launch_s", "kept_s", "checkpoint_s", "lost_s", "detection_s", "restart_s"} <= set(time_bar)
+
+
+def test_an_unreachable_host_is_shown_as_such_with_its_last_answer(board_page):
+    card = board_page.wait_for_selector('.host[data-host="h3"][data-state="unreachable"]')
+    text = card.inner_text()
+    assert "unreachable" in text and "answered never" in text and "Unable to connect" in text
+    assert re.search(r"answered \d+s ago", board_page.inner_text('.host[data-host="h1"]'))
+
+
+def test_requests_of_another_page_are_refused_in_the_browser(board_page):
+    """A page of another origin (here: about:blank, Origin null) cannot read the board, nor follow its events; even an
+    opaque answer is withheld (Cross-Origin-Resource-Policy: same-origin)."""
+    page = board_page
+    other = page.context.new_page()
+    result = other.evaluate("""async (url) => {
+        const out = {};
+        try { const r = await fetch(url + 'api/lab'); out.fetch = r.status; } catch (e) { out.fetch = 'blocked'; }
+        try { const r = await fetch(url + 'api/lab', {mode: 'no-cors'}); out.opaque = r.type; } catch (e) { out.opaque = 'blocked'; }
+        out.events = await new Promise((done) => { const es = new EventSource(url + 'api/events');
+            es.onmessage = () => done('read'); es.addEventListener('lab', () => done('read')); es.onerror = () => { es.close(); done('refused'); };
+            setTimeout(() => done('timeout'), 5000); });
+        return out; }""", page.served.url)
+    assert result == {"fetch": "blocked", "opaque": "blocked", "events": "refused"}, result
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def test_the_board_command_listens_on_loopback_warns_when_exposed_and_ends_on_ctrl_c(tmp_path):
+    env = dict(os.environ, MNFT_RUNS_DIR=str(tmp_path / "runs"), HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "-r", str(REPO), "board", "--listen", "0.0.0.0", "--port", "0"], cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        while not (found := re.search(r"mnft board: http://127\.0\.0\.1:(\d+)/", seen)):
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        assert "warning: the board listens on 0.0.0.0: anyone who can reach" in " ".join(seen.split())
+        port = int(found.group(1))
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        conn.request("GET", "/api/runs")
+        answer = conn.getresponse()
+        assert answer.status == 200 and json.loads(answer.read())["runs"] == []
+        conn.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode in (0, 130) and "Traceback" not in out, out
