@@ -11,9 +11,9 @@ fresh browser context each time (no cache); measured per load, from the navigati
   drawn   the board's own mark (performance.mark "board-drawn"): the lab's tiles and the runs' table are in the DOM,
           at the next frame after both arrived over the event stream — what "first paint" means for the board
   fcp     the browser's first-contentful-paint (the page's frame, before the data)
-  bytes   what the page loaded: HTML, CSS, JS (uPlot included) and the first lab and runs events
+  dom     DOMContentLoaded: the page's HTML, CSS and scripts (uPlot included) loaded and run
 
-    python bench/board.py [--hosts 64] [--runs 200] [--repeat 7] [--out /tmp/board.json]
+    python bench/board.py [--hosts 64] [--runs 200] [--repeat 7] [--out /tmp/board.json] [--screenshot /tmp/board.png]
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=1440)
     parser.add_argument("--height", type=int, default=900)
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--screenshot", type=Path, help="save the page as the last load drew it")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
@@ -81,10 +82,10 @@ def main() -> int:
                         dom: performance.getEntriesByType('navigation')[0].domContentLoadedEventEnd,
                         tiles: document.querySelectorAll('.tile').length,
                         rows: document.querySelectorAll('#runs-body tr').length,
-                        bytes: performance.getEntriesByType('resource').reduce((s, r) => s + (r.transferSize || r.encodedBodySize || 0), 0)
-                               + performance.getEntriesByType('navigation')[0].transferSize,
                     })""")
                     loads.append(figures)
+                    if args.screenshot:
+                        page.screenshot(path=str(args.screenshot))
                     context.close()
             finally:
                 browser.close()

@@ -190,7 +190,8 @@ def test_hostile_text_in_the_lab_and_a_run_is_shown_as_text_and_never_runs(board
     page = board_page
     tile = page.wait_for_selector('.tile[data-host="h1"][data-device="0"]')
     assert page.get_attribute('.tile[data-host="h1"][data-device="0"]', "data-run") == "<b>run</b>"
-    assert "<b>run</b>" in tile.inner_text() and tile.query_selector("b b, .run-id b") is None
+    assert "<i>eve</i> · 1m" in tile.inner_text() and "run <b>run</b>" in tile.get_attribute("title")
+    assert tile.query_selector("i, b b, .who b") is None
     page.goto(page.served.url + "#/run/20991231-000000-evil")
     page.wait_for_selector("#chart[data-points]")
     page.wait_for_selector(".failure")

@@ -191,7 +191,8 @@ def test_the_lab_tiles_are_what_mnft_lab_json_says(lab, page):
     assert rows[("h2", "3")][0] == "outside"  # the program started by hand
     until(lambda: tiles(page) == rows, timeout=30, what=f"the tiles to be {rows}")
     outside = page.query_selector('.tile[data-host="h2"][data-device="3"]')
-    assert "outside" in outside.inner_text() and "util 97%" in outside.inner_text()
+    assert "outside: root" in outside.inner_text() and "97%" in outside.inner_text()
+    assert "in use outside mnft" in outside.get_attribute("title") and "memory 1/80 GiB" in page.get_attribute('.tile[data-host="h2"][data-device="3"] .meter.mem', "title")
     answered = page.inner_text('.host[data-host="h1"] .ago')
     assert re.fullmatch(r"answered \d+s ago", answered), answered
     assert page.problems == []
@@ -208,8 +209,10 @@ def test_a_run_started_while_the_page_is_open_appears_and_its_step_advances_and_
         assert cell(page, run_id, ".job") == HOSTILE_JOB  # the job name as text
         held = until(lambda: {k: v for k, v in tiles(page).items() if v[2] == run_id} or None, timeout=30, what="its GPUs held in the lab")
         assert sorted(held) == [("h1", "0"), ("h1", "1"), ("h2", "0"), ("h2", "1")] and {v[:2] for v in held.values()} == {("held", "root")}
-        until(lambda: "util 97%" in page.inner_text('.tile[data-host="h1"][data-device="0"]'), timeout=30, what="its ranks on their GPUs")
-        page.screenshot(path=str(REPO / "docs" / "board.png"))  # for docs/board.md: the lab and a run going on
+        until(lambda: "97%" in page.inner_text('.tile[data-host="h1"][data-device="0"]'), timeout=30, what="its ranks on their GPUs")
+        page.set_viewport_size({"width": 1280, "height": 420})
+        page.screenshot(path=str(REPO / "docs" / "board.png"), full_page=True)  # for docs/board.md: the lab and a run going on
+        page.set_viewport_size({"width": 1440, "height": 900})
 
         page.click(f'#runs-body tr[data-run="{run_id}"] a')  # its page: a link within the page, not a reload
         page.wait_for_selector("#chart[data-points]")

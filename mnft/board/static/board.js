@@ -83,33 +83,32 @@
     return "GPU " + row.device;
   }
 
-  function bar(kind, fraction, label) {
-    const pct = Math.max(0, Math.min(100, fraction * 100));
-    return el("div", { className: "bar " + kind, title: label }, el("span", { style: { width: pct.toFixed(1) + "%" } }), el("em", null, label));
+  function meter(kind, fraction, label) {
+    const pct = isNum(fraction) ? Math.max(0, Math.min(100, fraction * 100)) : 0;
+    return el("div", { className: "meter " + kind, title: label }, el("span", { style: { width: pct.toFixed(1) + "%" } }));
   }
 
   function tile(row) {
-    const words = [deviceName(row) + ": " + row.state];
+    const words = [deviceName(row) + ": " + (row.state === "outside" ? "in use outside mnft" : row.state)];
     if (row.user) words.push("user " + row.user);
     if (row.run) words.push("run " + row.run);
     if (row.command) words.push(row.command);
     if (row.since_text) words.push("since " + row.since_text);
+    if (row.model) words.push(row.model);
     if (row.memory) words.push("memory " + row.memory);
-    if (isNum(row.utilization)) words.push("util " + row.utilization + "%");
+    if (isNum(row.utilization)) words.push("utilisation " + row.utilization + "%");
     if (row.detail) words.push(row.detail);
-    const who = row.state === "held" ? [row.user || "?", row.since_text ? " · " + row.since_text : ""].join("")
-      : row.state === "outside" ? "outside mnft: " + (row.user || "?") : row.state;
-    const bars = [];
-    if (isNum(row.memory_total_mib) && row.memory_total_mib > 0 && isNum(row.memory_used_mib)) {
-      bars.push(bar("mem", row.memory_used_mib / row.memory_total_mib, "mem " + Math.round(row.memory_used_mib / 1024) + "/" + Math.round(row.memory_total_mib / 1024) + " GiB"));
-    }
-    if (isNum(row.utilization)) bars.push(bar("util", row.utilization / 100, "util " + row.utilization + "%"));
+    const who = row.state === "held" ? (row.user || "?") + (row.since_text ? " · " + row.since_text : "")
+      : row.state === "outside" ? "outside: " + (row.user || "?") : row.state;
+    const memory = isNum(row.memory_total_mib) && row.memory_total_mib > 0 && isNum(row.memory_used_mib)
+      ? meter("mem", row.memory_used_mib / row.memory_total_mib, "memory " + Math.round(row.memory_used_mib / 1024) + "/" + Math.round(row.memory_total_mib / 1024) + " GiB") : null;
+    const util = isNum(row.utilization) ? meter("util", row.utilization / 100, "utilisation " + row.utilization + "%") : null;
     return el("div", { className: "tile", "data-host": row.host, "data-device": row.device, "data-state": row.state, "data-user": row.user || "",
       "data-run": row.run || "", title: words.join("\n") },
-      el("div", { className: "tile-head" }, el("b", null, row.device === "cpu" ? "CPU" : row.device), el("span", { className: "state" }, row.state)),
-      el("div", { className: "who" }, who),
-      row.run ? el("div", { className: "run-id" }, runLink(row.run)) : el("div", { className: "run-id muted" }, row.detail || "\u00a0"),
-      bars);
+      el("div", { className: "tile-line" }, el("b", null, row.device === "cpu" ? "CPU" : row.device),
+        el("span", { className: "who" }, row.run ? runLink(row.run, who) : who),
+        el("span", { className: "pct" }, isNum(row.utilization) ? row.utilization + "%" : "")),
+      memory || util ? el("div", { className: "meters" }, memory, util) : null);
   }
 
   function renderLab() {
@@ -443,6 +442,7 @@
 
   function route() {
     const match = /^#\/run\/(.+)$/.exec(location.hash);
+    const section = /^#\/(lab|runs)$/.exec(location.hash);
     let runId = null;
     try {
       runId = match ? decodeURIComponent(match[1]) : null;
@@ -459,7 +459,8 @@
     }
     document.title = runId ? "run " + runId + " · mnft board" : "mnft board";
     connect(runId);
-    window.scrollTo(0, 0);
+    if (section) $(section[1]).scrollIntoView();
+    else window.scrollTo(0, 0);
   }
 
   function tick() {
