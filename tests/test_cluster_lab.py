@@ -163,6 +163,12 @@ def test_two_users_share_two_hosts_a_third_is_refused_then_waits_in_line_and_the
         fourth = root.train(src, "d", "--gpus", "2", "--wait")  # came later: behind carol
         procs.append(fourth)
         wait_for_output(fourth, r"h1: waiting in line, position 2 — ahead: train run \S+ by carol", timeout=120)
+        fifth = bob.train(src, "e", "--gpus", "2", "--wait")  # joins the line, then Ctrl-C: it leaves it, nothing else moves
+        wait_for_output(fifth, r"h\d: waiting in line", timeout=120)  # behind its own workdir (bob's run) and the line
+        fifth.send_signal(signal.SIGINT)
+        assert fifth.wait(timeout=60) == 130
+        line = [(r["device"], r["user"]) for r in carol.lab() if r["host"] == "h1" and r["state"] == "waiting"]
+        assert line == [("#1", "carol"), ("#2", "root")], line
 
         end(lab, "a", (h1, h2))  # alice's run ends: carol's starts on its GPUs, root's still waits
         assert "finished on every host" in finished(first)

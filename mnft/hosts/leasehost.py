@@ -906,7 +906,7 @@ def _take_now(holder):
 
 def _brief(holder):
     holder = holder if isinstance(holder, dict) else {}
-    return dict((k, holder.get(k)) for k in ("command", "run_id", "user", "login", "controller", "started", "queued", "want"))
+    return dict((k, holder.get(k)) for k in ("command", "run_id", "user", "login", "controller", "pid", "started", "taken", "queued", "want"))
 
 
 def waiting_reply(reply):
