@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mnft.core.errors import InputError
+from mnft.core.errors import InputError, MnftError
 from mnft.run import goodput, records
 from mnft.run.control import job_of, rank_offset, runs_lease, supervisor
 from mnft.run.gang import split_ranks
@@ -107,6 +107,15 @@ def host_names(data: dict) -> list[str]:
     return [text(name, 100) or "?" for name in hosts]
 
 
+def attached(path: Path, data: dict, now: float | None) -> dict | None:
+    """What the run's attached supervisor says now (mnft.run.control.supervisor), or None: also for a live.json it
+    refuses (too large, damaged), which the page then shows as a run without a supervisor."""
+    try:
+        return supervisor(records.RunRecord(path, data), now)
+    except (MnftError, TypeError, ValueError):
+        return None
+
+
 def going(data: dict) -> bool:
     return data.get("state") in GOING
 
@@ -130,7 +139,7 @@ def summary(run_id: str, path: Path, answers: dict | None = None, now: float | N
         data = records.read_record(path / "run.json")
     except InputError as exc:
         return {"id": text(run_id, 128), "mine": True, "state": "unreadable", "reason": text(str(exc)), "job": "?", "hosts": []}
-    live = supervisor(records.RunRecord(path, data), now)
+    live = attached(path, data, now)
     shown = read_json(path / "summary.json") if not going(data) else None
     metric: dict = {}
     if answers:  # the hosts' answer: rank 0's host first
@@ -191,7 +200,7 @@ def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | 
     except InputError:
         return out
     attempts = [a for a in data.get("attempts") or [] if isinstance(a, dict)]
-    live = supervisor(records.RunRecord(path, data), now)
+    live = attached(path, data, now)
     out["attempts"] = [{"number": a.get("number"), "state": text(a.get("state"), 40), "hosts": [text(h, 100) for h in a.get("hosts") or []],
                         "started": number(a.get("started")), "ended": number(a.get("ended")), "resumed_step": a.get("resumed_step"),
                         "steps": a.get("steps"), "steps_lost": a.get("steps_lost"), "cause": text((a.get("cause") or {}).get("detail")),
