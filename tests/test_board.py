@@ -277,3 +277,63 @@ def test_the_board_command_listens_on_loopback_warns_when_exposed_and_ends_on_ct
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=30)
     assert proc.returncode in (0, 130) and "Traceback" not in out, out
+
+
+# ------------------------------------------------------------------------------------------------ the poller
+
+
+def test_one_poller_asks_the_hosts_for_every_page_open_never_a_request(tmp_path, runs_dir):
+    inv = inventory(tmp_path / "lab.yaml", 4)
+    views = lab_views(NAMES)
+    asked = []
+    with Served(Board(inv, look=lambda: asked.append(time.monotonic()) or views, every=0.5)) as served:
+        streams = []
+        for _ in range(4):  # four pages open at once
+            conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+            conn.request("GET", "/api/events")
+            answer = conn.getresponse()
+            assert answer.status == 200 and answer.getheader("content-type").startswith("text/event-stream")
+            assert answer.readline() == b"retry: 2000\n" and answer.readline() == b"\n"
+            assert answer.readline() == b"event: lab\n" and json.loads(answer.readline()[len(b"data: "):])["devices"]
+            streams.append((conn, answer))
+        for _ in range(20):
+            conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=10)
+            conn.request("GET", "/api/lab")
+            assert conn.getresponse().status == 200
+            conn.close()
+        started, count = time.monotonic(), len(asked)
+        time.sleep(2.0)
+        during = len(asked) - count
+        assert 2 <= during <= 6, during  # every 0.5 s, whatever the pages and requests: not per page, not per request
+        for conn, _ in streams:
+            conn.close()
+
+
+def test_a_detached_run_is_asked_of_its_hosts_and_a_watched_one_too_and_another_controllers_run_has_a_page(tmp_path, runs_dir):
+    inv = inventory(tmp_path / "lab.yaml", 4)
+    views = lab_views(NAMES)
+    detached = write_run(runs_dir, "20261127-130000-dddd", hosts=["h1"], state="running", steps=0)
+    write_run(runs_dir, "20261127-130100-eeee", hosts=["h2"], state="succeeded", steps=10)
+    asked = []
+
+    def status(record):
+        asked.append(record.run_id)
+        return {"h1": {"state": "running", "processes": 2, "last_metric": {"step": 42, "loss": 0.5, "tokens_per_s": 900.0}, "lines": [[0, "hello"]]}}
+
+    board = Board(inv, look=lambda: views, status=status)
+    board.round()
+    assert asked == ["20261127-130000-dddd"]  # the run going on that no supervisor follows; not the finished one
+    row = next(r for r in json.loads(board.runs.text)["runs"] if r["id"] == "20261127-130000-dddd")
+    assert (row["state"], row["step"], row["loss"], row["tokens_per_s"]) == ("running", 42, 0.5, 900.0)
+    page = json.loads(board.detail("20261127-130000-dddd").text)
+    assert page["host_states"][0]["lines"] == [[0, "hello"]] and page["host_states"][0]["lines_from"] == "host" and page["asked"]
+    theirs = next(r for r in json.loads(board.runs.text)["runs"] if not r["mine"])
+    other = json.loads(board.detail(theirs["id"]).text)
+    assert other["mine"] is False and other["user"] == theirs["user"] and other["leases"]
+    assert {(lease["host"], lease["state"]) for lease in other["leases"]} <= {(h, "held") for h in NAMES} | {(h, "waiting") for h in NAMES}
+    assert json.loads(board.detail("20261127-999999-none").text)["missing"] is True
+    (detached / "run.json").write_text(json.dumps(dict(json.loads((detached / "run.json").read_text()), state="succeeded")))
+    board.round()  # asked once more (it was going when the round began), then read as ended
+    board.round()
+    assert asked == ["20261127-130000-dddd"] * 2  # an ended run's hosts are not asked again
+    board.close()
