@@ -304,7 +304,7 @@ def test_one_poller_asks_the_hosts_for_every_page_open_never_a_request(tmp_path,
         started, count = time.monotonic(), len(asked)
         time.sleep(2.0)
         during = len(asked) - count
-        assert 2 <= during <= 6, during  # every 0.5 s, whatever the pages and requests: not per page, not per request
+        assert 1 <= during <= 6, during  # every 0.5 s, whatever the pages and requests: not per page, not per request
         for conn, _ in streams:
             conn.close()
 

@@ -87,7 +87,7 @@ class Lab:
                                 cwd=self.src, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def start_board(self) -> None:
-        self.board = subprocess.Popen(self.argv("board", "--hosts", self.inventory, "--port", "0"), cwd=self.work, env=self.env(),
+        self.board = subprocess.Popen(self.argv("board", "--hosts", self.inventory, "--port", "0", "--connect-timeout", "3"), cwd=self.work, env=self.env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         seen = []
         deadline = time.monotonic() + 60
@@ -297,3 +297,20 @@ def test_another_origin_or_host_is_refused(lab):
     assert page.status == 200
     csp = page.getheader("content-security-policy")
     assert "default-src 'self'" in csp and "script-src 'self'" in csp and "'unsafe-inline'" not in csp and "frame-ancestors 'none'" in csp
+
+
+def test_a_host_that_stops_answering_is_shown_so_while_the_others_go_on_and_back_when_it_answers(lab, page):
+    h2 = lab.cluster.hosts[1]
+    lab.cluster.link_down(h2)
+    try:
+        card = until(lambda: page.query_selector('.host[data-host="h2"][data-state="slow"]'), timeout=30, what="h2 not answering")
+        assert "not answering" in card.inner_text() and page.query_selector('.tile[data-host="h2"]')  # its last answer, dimmed
+        for _ in range(3):  # h1 keeps answering every round while h2's question hangs
+            time.sleep(2)
+            assert re.fullmatch(r"answered [0-4]s ago", page.inner_text('.host[data-host="h1"] .ago')), page.inner_text('.host[data-host="h1"] .ago')
+            assert int(re.fullmatch(r"answered (\d+)s ago", page.inner_text('.host[data-host="h2"] .ago')).group(1)) >= 10
+    finally:
+        lab.cluster.link_up(h2)
+    until(lambda: page.query_selector('.host[data-host="h2"][data-state="ok"] .tile[data-device="3"][data-state="outside"]'), timeout=60,
+          what="h2 answering again")
+    assert page.problems == []

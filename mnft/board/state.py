@@ -1,9 +1,11 @@
 """What the board knows now, shared by every page that is open: one poller thread asks the hosts, pages only read.
 
 Each round (every EVERY seconds, or as soon as the previous one is done when asking takes longer) the poller:
-- asks the lab, as `mnft lab` does (mnft.hosts.lab.look over one fleet kept open, then mnft.hosts.lab.rows): every
-  host's devices, free / held / in use outside mnft, and the line; the time of each host's last answer is kept, and
-  a host that does not answer is shown as such (its fleet is opened again on the next round);
+- asks the lab, as `mnft lab` does (mnft.hosts.lab.look, then mnft.hosts.lab.rows): every host's devices, free /
+  held / in use outside mnft, and the line. Each host on its own connection kept open, and only when its last
+  question was answered: a host slow to answer (shown so after SLOW seconds, with its last answer) or not
+  answering (shown unreachable, asked again on a new connection) never holds up the others. The time of each
+  host's last answer is kept;
 - reads the runs of this controller's runs/ (mnft.board.runs: a run's row is read again only when its files change
   or while it goes on) and adds the runs of other controllers the lab shows;
 - asks the hosts of a run going on, as `mnft status` does (mnft.run.control.status), when its page is open or when
@@ -19,7 +21,7 @@ import math
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from mnft.core.errors import MnftError
@@ -30,6 +32,7 @@ from mnft.hosts.settings import Inventory
 from mnft.board import runs as runs_of
 
 EVERY = 2.5  # seconds between two rounds of questions to the hosts
+SLOW = 10.0  # seconds a host may take to answer before it is shown as not answering (its last answer kept)
 RUN_FLEETS = 8  # runs whose hosts are asked side by side at most
 
 
@@ -73,7 +76,8 @@ class Board:
         self.every = every
         self._look = look  # None: the hosts' own answer (mnft.hosts.lab.look over a fleet kept open)
         self._status = status  # None: mnft.run.control.status over the run's own inventory
-        self._fleet = None
+        self._fleets: dict[str, Any] = {}  # host -> its fleet (one connection, kept open)
+        self._asking: dict[str, float] = {}  # host -> when its question went out, until it answers
         self._run_fleets: dict[str, Any] = {}
         self.lock = threading.Lock()
         self.lab = Published()
@@ -90,6 +94,7 @@ class Board:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(max_workers=RUN_FLEETS + 1, thread_name_prefix="mnft-board")
+        self._hosts_pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(inventory.hosts))), thread_name_prefix="mnft-board-host")
         self._publish_lab(started=True)
         self.refresh_runs()
 
@@ -105,9 +110,9 @@ class Board:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for fleet in [self._fleet, *self._run_fleets.values()]:
-            if fleet is not None:
-                fleet.close()
+        self._hosts_pool.shutdown(wait=False, cancel_futures=True)
+        for fleet in [*self._fleets.values(), *self._run_fleets.values()]:
+            fleet.close()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -142,40 +147,66 @@ class Board:
     # -------------------------------------------------------------------------------------------- the lab
 
     def _ask_lab(self) -> None:
+        """Each host asked as `mnft lab` asks it (mnft.hosts.lab.look), on its own connection kept open, unless its
+        last question is still out: a host slow to answer or not answering never holds up the others. The answers
+        in by the end of the round's wait are published; a later one with the next round."""
         started = time.monotonic()
-        try:
-            views = self._look() if self._look is not None else self._look_hosts()
-        except MnftError as exc:  # e.g. the known_hosts file became unreadable: every host said so
-            views = {h.name: {"error": str(exc), "status": "failed"} for h in self.inventory.hosts}
+        if self._look is not None:  # made up (tests, bench/board.py): the whole lab at once
+            for name, view in self._look().items():
+                self._keep(name, view)
+        else:
+            asked = []
+            for host in self.inventory.hosts:
+                with self.lock:
+                    if host.name in self._asking:
+                        continue
+                    self._asking[host.name] = time.time()
+                asked.append(self._hosts_pool.submit(self._ask_host, host))
+            wait(asked, timeout=max(1.0, self.every))
         self.asked_s = time.monotonic() - started
-        now = time.time()
-        for name, view in views.items():
-            if not (view.get("error") and not view.get("devices")):
-                self.answered[name] = now
-        self.views = views
         self._publish_lab()
 
-    def _look_hosts(self) -> dict[str, dict]:
+    def _ask_host(self, host) -> None:
         from mnft.hosts.fleet import Fleet
         from mnft.hosts.lab import look
 
-        if self._fleet is None:
-            self._fleet = Fleet(self.inventory, self.timeouts)
-        views = look(self._fleet, self.inventory.hosts)
-        if any(v.get("status") in ("unreachable", "host-key-rejected") for v in views.values()):
-            self._fleet.close()  # a fleet remembers an unreachable host: the next round opens a new one
-            self._fleet = None
-        return views
+        fleet = None
+        try:
+            fleet = self._fleets.get(host.name)
+            if fleet is None:
+                fleet = self._fleets[host.name] = Fleet(self.inventory.only([host.name]), self.timeouts)
+            view = look(fleet, [host]).get(host.name) or {"error": "no answer", "status": "failed"}
+        except MnftError as exc:  # e.g. the known_hosts file became unreadable
+            view = {"error": str(exc), "status": "failed"}
+        except Exception as exc:  # noqa: BLE001 - a bug: said on the board's terminal, the host shown failed, asked again
+            import traceback
+
+            traceback.print_exception(exc)
+            view = {"error": f"internal error (a bug in mnft): {type(exc).__name__}: {exc}", "status": "failed"}
+        if view.get("error") and not view.get("devices") and fleet is not None:
+            self._fleets.pop(host.name, None)  # a fleet remembers a host unreachable: the next question opens a new one
+            fleet.close()
+        self._keep(host.name, view)
+        with self.lock:
+            self._asking.pop(host.name, None)
+
+    def _keep(self, name: str, view: dict) -> None:
+        with self.lock:
+            self.views = {**self.views, name: view}
+            if not (view.get("error") and not view.get("devices")):
+                self.answered[name] = time.time()
 
     def _publish_lab(self, started: bool = False) -> None:
         """The lab's JSON: `devices` is `mnft lab --json`'s (mnft.hosts.lab.rows), each with the since and memory
         figures the page draws; `hosts` each host's last answer, its state and the whole-host lease when held."""
         now = time.time()
-        table = [] if started else rows(self.inventory, self.views)
+        with self.lock:
+            views, asking = self.views, dict(self._asking)
+        table = [] if started else rows(self.inventory, views)
         devices = []
         for row in table:
             item = row.to_json()
-            view = self.views.get(row.host) or {}
+            view = views.get(row.host) or {}
             device = next((d for d in view.get("devices") or [] if str(d.get("index") if d.get("index") is not None else "cpu") == row.device), {})
             used, total = device.get("memory_used_mib"), device.get("memory_total_mib")
             item.update(since_text=since(row.since, now) if row.since else "", memory_used_mib=used if isinstance(used, int) else None,
@@ -183,10 +214,12 @@ class Board:
             devices.append(item)
         hosts = []
         for host in self.inventory.hosts:
-            view = self.views.get(host.name)
+            view = views.get(host.name)
             down = view is None or bool(view.get("error") and not view.get("devices"))
-            hosts.append({"name": host.name, "answered": self.answered.get(host.name),
-                          "state": "asking" if view is None else (view.get("status") or "failed") if down else "ok",
+            slow = host.name in asking and now - asking[host.name] > SLOW
+            state = "asking" if view is None else (view.get("status") or "failed") if down else "slow" if slow else "ok"
+            hosts.append({"name": host.name, "answered": self.answered.get(host.name), "state": state,
+                          "asking_since": asking.get(host.name) if slow else None,
                           "error": leases.shown(view.get("error"), 200) if view and down else None,
                           "whole_host": leases.describe(view.get("holder")) if view and view.get("held") else None,
                           "free": free_count(view or {}), "devices": device_count(view or {})})

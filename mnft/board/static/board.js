@@ -124,18 +124,20 @@
     }
     const devices = lab.devices.filter((r) => ["free", "held", "outside"].includes(r.state));
     const free = devices.filter((r) => r.state === "free").length;
-    const down = lab.hosts.filter((h) => h.state !== "ok" && h.state !== "asking").length;
+    const down = lab.hosts.filter((h) => !["ok", "asking"].includes(h.state)).length;
     const asking = lab.hosts.every((h) => h.state === "asking");
     $("lab-summary").textContent = asking ? "asking " + lab.hosts.length + " host(s)…"
       : free + " of " + devices.length + " device(s) free on " + lab.hosts.length + " host(s)" + (down ? ", " + down + " not answering" : "")
         + (isNum(lab.asked_s) ? " · asked in " + lab.asked_s.toFixed(2) + "s" : "");
     const cards = lab.hosts.map((host) => {
       const rows = (byHost.get(host.name) || []).filter((r) => r.device !== "-");
-      const okay = host.state === "ok";
+      const okay = host.state === "ok" || host.state === "slow";
       return el("article", { className: "host", "data-host": host.name, "data-state": host.state },
         el("header", null,
           el("b", { className: "host-name", title: host.name }, host.name),
-          okay ? el("span", { className: "free" }, host.free + "/" + host.devices + " free") : badge(host.state),
+          host.state === "ok" ? el("span", { className: "free" }, host.free + "/" + host.devices + " free")
+            : host.state === "slow" ? el("span", { className: "badge", "data-state": "slow", title: "its last answer is shown" }, "not answering")
+            : badge(host.state),
           el("span", { className: "ago muted", "data-answered": isNum(host.answered) ? host.answered : "" }, "answered " + fmtAgo(host.answered))),
         host.whole_host ? el("p", { className: "note" }, "whole host: " + host.whole_host) : null,
         !okay && host.error ? el("p", { className: "error" }, host.error) : null,
