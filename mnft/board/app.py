@@ -238,6 +238,8 @@ def bind(listen: str, port: int) -> socket.socket:
     """The board's listening socket (port 0: a free one), or a one-line InputError."""
     from mnft.core.errors import InputError
 
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise InputError(f"--port {port!r}: a TCP port from 1 to 65535 (0: a free one)")
     try:
         infos = socket.getaddrinfo(listen.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     except socket.gaierror as exc:
@@ -276,8 +278,8 @@ def serve(board: Board, listen: str, port: int, say) -> int:
     if not loopback(listen):
         say(f"warning: the board listens on {listen}: anyone who can reach this machine's port {actual} sees the lab, its users and their "
             f"runs' logs (no login); the default, 127.0.0.1 with `ssh -L {actual}:127.0.0.1:{actual} THIS-HOST`, shows it only to you", "bold yellow")
-    say(f"mnft board: {url(listen, actual)} (read-only; Ctrl-C to stop); from your laptop: ssh -L {actual}:127.0.0.1:{actual} "
-        f"{socket.gethostname()}, then open http://127.0.0.1:{actual}/", "")
+    say(f"mnft board: {url(listen, actual)} (read-only; Ctrl-C to stop)" + (f"; from your laptop: ssh -L {actual}:127.0.0.1:{actual} "
+        f"{socket.gethostname()}, then open http://127.0.0.1:{actual}/" if loopback(listen) else ""), "")
     board.start()
     try:
         server(create_app(board, origins)).run(sockets=[sock])
