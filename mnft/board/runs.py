@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -47,7 +48,7 @@ def number(value: Any) -> float | int | None:
     """A finite number as JSON carries it (nan/inf, written as text by mnft.run.scrape, are None)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
-    return value if value == value and abs(value) != float("inf") else None
+    return value if math.isfinite(value) else None
 
 
 def read_json(path: Path, limit: int = JSON_MAX) -> dict | None:

@@ -24,12 +24,12 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any, Callable
 
+from mnft.board import runs as runs_of
 from mnft.core.errors import MnftError
 from mnft.hosts import leases
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.lab import device_count, free_count, rows, since
 from mnft.hosts.settings import Inventory
-from mnft.board import runs as runs_of
 
 EVERY = 2.5  # seconds between two rounds of questions to the hosts
 SLOW = 10.0  # seconds a host may take to answer before it is shown as not answering (its last answer kept)
