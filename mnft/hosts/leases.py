@@ -1,7 +1,11 @@
-"""One operation per host at a time: the controller's side of the host leases (the host's is mnft.hosts.leasehost).
+"""What an operation holds on each host, the controller's side (the host's is mnft.hosts.leasehost; the model is
+docs/lab.md): a run takes its devices (`Scope.gpus` of them, or every one) and its workdir, a sync the directory
+it writes (`sync_scope`), setup and provision the whole host (no scope), which they get only while no run holds a
+device there; a run that finds its devices taken may wait in line for them (`Scope.wait`: a ticket on every host,
+first come first served, its place told through `on_wait`).
 
-train, sync, provision and setup take a lease on every host they will change before they change anything, and
-keep it to their end: on each host a `hold` process, started on the fleet's open connection, holds the host's
+train, sync, provision and setup take their leases on every host they will change before they change anything,
+and keep them to their end: on each host a `hold` process, started on the fleet's open connection, holds the host's
 lease file for as long as its channel lives, and this controller writes it a heartbeat. The lease is the
 machine's, not the login's: two users of one host (or two controllers) are kept apart. One busy host refuses the
 whole operation with one line naming the host and its holder (`HostBusy`, exit 1: the host is not wrong, it is
