@@ -27,6 +27,9 @@ LAYERS = (
     ("cli",),
 )
 APART = {"recipes": ("core",)}
+# ... and only the command line reads one of its modules: a recipe's --set judged on the controller as the recipe
+# judges it (mnft.cli.recipes imports mnft.recipes.config, which needs only core and yaml, never torch)
+APART_READERS = {"recipes": ("cli",)}
 
 # Shipped to a host as source (mnft.hosts.pyrun) and run by whatever Python the host has: one file, the standard
 # library only, Python 3.8 syntax, and a `source()` that returns the file's text.
@@ -93,7 +96,7 @@ def allowed(importer: str, imported: str) -> bool:
     if importer in APART:
         return imported in APART[importer]
     if imported in APART:
-        return False
+        return importer in APART_READERS.get(imported, ())
     return layer_of(imported) < layer_of(importer)
 
 
@@ -175,7 +178,7 @@ def test_the_layer_rule_refuses_upward_and_sideways_imports():
     assert allowed("run", "check") and allowed("cli", "core") and allowed("recipes", "core")
     assert not allowed("check", "run")  # upwards
     assert not allowed("run", "setup")  # beside
-    assert not allowed("recipes", "hosts") and not allowed("run", "recipes")
+    assert not allowed("recipes", "hosts") and not allowed("run", "recipes") and allowed("cli", "recipes")
 
 
 @pytest.mark.parametrize("name", HOST_SCRIPTS + TORCH_ENTRIES)
@@ -195,3 +198,12 @@ def test_host_scripts_ship_their_own_source(name):
 
     module = importlib.import_module(f"mnft.{name}")
     assert module.source() == modules()[name].read_text(encoding="utf-8")
+
+
+def test_the_command_line_judges_a_recipes_overrides_without_importing_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; from mnft.cli.recipes import check_overrides; check_overrides('lora', ('max_steps=3',)); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "False", done.stderr
