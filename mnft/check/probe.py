@@ -81,6 +81,10 @@ def _message(exc: BaseException) -> str:
     return "%s: %s" % (type(exc).__name__, text[0]) if text else type(exc).__name__
 
 
+HEADER_CHARS = 65536  # characters read of a small text file (os-release, a distribution's METADATA headers)
+SOURCE_CHARS = 1 << 20  # characters of torch's version.py read at most (it is a few lines)
+
+
 def _guard(errors: dict, field: str, fn, *args, default=None):
     """fn(*args), or `default` with errors[field] set if it raised."""
     try:
@@ -139,7 +143,7 @@ def _os_release() -> dict:
     for path in ("/etc/os-release", "/usr/lib/os-release"):
         try:
             with open(path, encoding="utf-8") as f:
-                text = f.read()
+                text = f.read(HEADER_CHARS)  # a few lines; a larger file is read no further
         except FileNotFoundError:
             continue
         values = {}
@@ -158,7 +162,10 @@ def _os_release() -> dict:
 def _assignments(path: str) -> dict:
     """Literal top-level assignments of a Python file, read as text (never executed)."""
     with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read(), path)
+        text = f.read(SOURCE_CHARS + 1)
+    if len(text) > SOURCE_CHARS:
+        raise ValueError("%s is larger than %d characters: not read" % (path, SOURCE_CHARS))
+    tree = ast.parse(text, path)
     values = {}
     for node in tree.body:
         if isinstance(node, ast.Assign):
@@ -218,7 +225,7 @@ def _dist_version(path: str, fallback: str) -> str:
     name = "METADATA" if path.endswith(".dist-info") else "PKG-INFO"
     try:
         with open(os.path.join(path, name), encoding="utf-8") as f:
-            for line in f:
+            for line in f.read(HEADER_CHARS).splitlines():  # the headers come first: Name, Version
                 if line.startswith("Version:"):
                     return line.split(":", 1)[1].strip()
                 if not line.strip():  # end of the headers
@@ -371,7 +378,7 @@ def _distributions() -> dict:
             dist_name = version = None
             try:
                 with open(meta, encoding="utf-8", errors="replace") as f:
-                    for line in f:
+                    for line in f.read(HEADER_CHARS).splitlines():  # the headers come first: Name, Version
                         if line.startswith("Name:"):
                             dist_name = line.split(":", 1)[1].strip()
                         elif line.startswith("Version:"):

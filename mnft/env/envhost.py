@@ -83,11 +83,17 @@ def _existing_parent(path: str) -> str:
     return path
 
 
+RECORD_BYTES = 16 << 20  # an environment's record (its distributions) read at most: a larger one is no record
+CONFIG_BYTES = 4 << 20  # ~/.ssh/config read at most (setup edits none larger): past it, no mesh is seen
+TEXT_BYTES = 65536  # a small text file (pyvenv.cfg, os-release) read at most
+
+
 def _read_json(path: str):
     try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            data = f.read(RECORD_BYTES + 1)
+        return json.loads(data) if len(data) <= RECORD_BYTES else None
+    except (OSError, ValueError, RecursionError):
         return None
 
 
@@ -99,7 +105,7 @@ def site_packages(env: str):
 def env_python_version(env: str):
     try:
         with open(os.path.join(env, "pyvenv.cfg"), encoding="utf-8") as f:
-            for line in f:
+            for line in f.read(TEXT_BYTES).splitlines():
                 key, _, value = line.partition("=")
                 if key.strip() in ("version_info", "version"):
                     return value.strip()
@@ -182,7 +188,7 @@ def _os_release():
     """The distribution and its version ("debian 12": ID and VERSION_ID of /etc/os-release), or None."""
     try:
         with open("/etc/os-release", encoding="utf-8", errors="replace") as f:
-            text = f.read(65536)
+            text = f.read(TEXT_BYTES)
     except OSError:
         return None
     values = {}
@@ -198,8 +204,10 @@ def mesh_peers() -> list:
         return []
     try:
         with open(os.path.expanduser("~/.ssh/config"), encoding="utf-8") as f:
-            text = f.read()
-    except OSError:
+            text = f.read(CONFIG_BYTES + 1)
+    except (OSError, ValueError):
+        return []
+    if len(text) > CONFIG_BYTES:  # setup writes no mesh into one this large: the wheels then come from the controller
         return []
     inside, names = False, []
     for line in text.splitlines():

@@ -47,7 +47,7 @@ from mnft.env.report import HostOutcome, ProvisionReport
 from mnft.env.wheelhouse import Platform, Wheel, Wheelhouse
 from mnft.hosts import leases, pyrun
 from mnft.hosts.command import Command
-from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Timeouts, Unreachable
+from mnft.hosts.connection import CommandTimeout, HostKeyRejected, OutputTooLarge, Timeouts, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync.mirror import detect_shared
@@ -454,6 +454,8 @@ def _install_on(fleet: Fleet, host: Host, command: Command, payload: bytes, time
         done = process.wait(timeout)
     except CommandTimeout as exc:
         return HostResult(host.name, Status.FAILED, error=f"command {exc}", seconds=round(time.monotonic() - started, 3))
+    except OutputTooLarge as exc:
+        return HostResult(host.name, Status.FAILED, error=str(exc), seconds=round(time.monotonic() - started, 3))
     except Unreachable as exc:
         fleet.mark_unreachable(host.name, str(exc))
         return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=round(time.monotonic() - started, 3))

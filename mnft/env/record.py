@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
@@ -26,12 +27,13 @@ def host_key(host: Host) -> str:
 
 
 def load_state() -> dict[str, dict]:
+    """The record, read within limits.STATE_BYTES; unreadable, damaged or too large is one line."""
     try:
-        data = json.loads(state_path().read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{state_path()}: cannot read mnft's provision record ({exc}): delete it and run invoke provision again") from None
+        data = limits.read_json(state_path(), limits.STATE_BYTES, "provision record", "STATE_BYTES", missing={})
+    except limits.TooLarge:
+        raise
+    except InputError as exc:
+        raise InputError(f"{exc}: delete it and run invoke provision again") from None
     return data if isinstance(data, dict) else {}
 
 

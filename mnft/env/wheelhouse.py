@@ -24,6 +24,7 @@ from typing import Iterable, Mapping
 from packaging import tags as ptags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.env.lockfile import Lock, Pin
 from mnft.hosts.command import redact_url
@@ -116,10 +117,13 @@ class Wheelhouse:
 
     def _load_index(self) -> dict[str, dict]:
         if self._index is None:
-            try:
-                self._index = json.loads(self.index_path.read_text())
-            except (OSError, ValueError):
-                self._index = {}
+            try:  # a cache of the wheels' hashes: damaged, it is made again; too large, it is refused
+                index = limits.read_json(self.index_path, limits.STATE_BYTES, "wheelhouse index", "STATE_BYTES", missing={})
+            except limits.TooLarge as exc:
+                raise InputError(f"{exc}: delete it (mnft makes it again)") from None
+            except InputError:
+                index = {}
+            self._index = index if isinstance(index, dict) else {}
         return self._index
 
     def wheel(self, file: str) -> Wheel:
@@ -238,7 +242,11 @@ def _wheel_metadata(path: Path) -> dict:
             meta = next((i for i in infos if re.fullmatch(r"[^/]+\.dist-info/METADATA", i.filename)), None)
             if meta is None:
                 raise InputError(f"{path}: not a wheel (no .dist-info/METADATA)")
-            headers = HeaderParser().parsestr(archive.read(meta).decode("utf-8", "replace"))
+            if meta.file_size > limits.WHEEL_METADATA_BYTES:  # the size it unpacks to (zipfile stops there)
+                raise limits.too_large(f"{path}: {meta.filename}", "wheel's metadata", limits.WHEEL_METADATA_BYTES, "WHEEL_METADATA_BYTES")
+            with archive.open(meta) as member:
+                text = limits.read_at_most(member, limits.WHEEL_METADATA_BYTES)
+            headers = HeaderParser().parsestr(text.decode("utf-8", "replace"))
             return {"version": headers.get("Version", ""), "unpacked": sum(i.file_size for i in infos)}
     except zipfile.BadZipFile:
         raise InputError(f"{path}: not a wheel (not a zip archive): delete it from the wheelhouse") from None

@@ -26,6 +26,7 @@ from typing import Iterator
 import fabric
 import paramiko
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.hosts import fanin
 from mnft.hosts.hostkeys import RejectUnknownHostKey, TrustedKeys, UnknownHostKey, fingerprint, known_name
@@ -79,6 +80,11 @@ class CommandTimeout(Exception):
     pass
 
 
+class OutputTooLarge(Exception):
+    """A command printed more than the controller keeps (limits.HOST_OUTPUT_BYTES on stdout or on stderr, or in
+    one line): the host's result is a failure with this one line, never a part of what it said."""
+
+
 @dataclass
 class Completed:
     exit_code: int
@@ -87,12 +93,25 @@ class Completed:
 
 
 class Process:
-    """A running command: stdout/stderr are read by background threads into line queues."""
+    """A running command: stdout/stderr are read by background threads, line by line, into a queue (for readline,
+    json_reply and stream; `lines=False`: nobody reads them so, as for Connection.run) and kept for wait()'s
+    Completed (`keep`; a consumer of a long stream sets it False: nothing is kept beyond the queue).
 
-    def __init__(self) -> None:
+    Bounded (limits.HOST_OUTPUT_BYTES, whatever the host prints): each stream's kept text, one line, and the lines
+    queued and not yet read. Past one, `overflow` says so in one line and wait() raises OutputTooLarge; the command
+    is ended when what it prints can no longer be read whole (a line too long, the queue full, or nothing read
+    but what is kept); a stream consumer sees its streams end."""
+
+    def __init__(self, lines: bool = True) -> None:
         self.lines: "queue.Queue[tuple[str, str | None]]" = queue.Queue()
+        self._queue_lines = lines
+        self.keep = True
+        self.overflow: str | None = None
         self._out: list[str] = []
         self._err: list[str] = []
+        self._kept = {"stdout": 0, "stderr": 0}
+        self._queued = 0  # bytes of the lines queued and not yet taken
+        self._count = threading.Lock()
         self._readers: list[threading.Thread] = []
         self.stdout_ended = False  # json_reply saw stdout end (a later call would only wait)
 
@@ -111,22 +130,64 @@ class Process:
 
     # -- shared
     def _reader(self, stream: str, chunks) -> None:
-        buf = b""
-        sink = self._out if stream == "stdout" else self._err
+        limit = limits.HOST_OUTPUT_BYTES
+        buf = bytearray()
         try:
             for chunk in chunks:
+                start = len(buf)
                 buf += chunk
-                while b"\n" in buf:
-                    line, buf = buf.split(b"\n", 1)
-                    text = line.decode(errors="replace") + "\n"
-                    sink.append(text)
-                    self.lines.put((stream, text))
+                end = buf.find(b"\n", start)
+                while end >= 0:
+                    line = bytes(buf[: end + 1])
+                    del buf[: end + 1]
+                    if not self._line(stream, line.decode(errors="replace")):
+                        return
+                    end = buf.find(b"\n")
+                if len(buf) > limit:
+                    self._overflowed(f"printed a line of more than {limits.size(limit)} on {stream}", end_it=True)
+                    return
         finally:
-            if buf:
-                text = buf.decode(errors="replace")
-                sink.append(text)
-                self.lines.put((stream, text))
+            if buf and self.overflow is None:
+                self._line(stream, buf.decode(errors="replace"))
             self.lines.put((stream, None))
+
+    def _line(self, stream: str, text: str) -> bool:
+        """Keep and queue one line, within the limits; False once past one (the stream is then read no more)."""
+        limit, n = limits.HOST_OUTPUT_BYTES, len(text)
+        if self.keep and self.overflow is None:
+            if self._kept[stream] + n > limit:
+                self._overflowed(f"printed more than {limits.size(limit)} on {stream}", end_it=not self._queue_lines)
+                if not self._queue_lines:
+                    return False
+            else:
+                (self._out if stream == "stdout" else self._err).append(text)
+                self._kept[stream] += n
+        if self._queue_lines:
+            with self._count:
+                full = self._queued + n > limit
+                if not full:
+                    self._queued += n
+            if full:  # nobody reads the lines this fast: they cannot all be had
+                self._overflowed(f"printed more than {limits.size(limit)} not yet read on {stream}", end_it=True)
+                return False
+            self.lines.put((stream, text))
+        return True
+
+    def _overflowed(self, what: str, end_it: bool) -> None:
+        if self.overflow is None:
+            self.overflow = f"{what} (HOST_OUTPUT_BYTES, a limit of mnft's input, see docs/security.md)"
+        if end_it:
+            try:
+                self.terminate()
+            except Exception:  # noqa: BLE001 - ending it is a courtesy: its output is refused either way
+                pass
+
+    def _take(self, timeout: float | None) -> tuple[str, str | None]:
+        item = self.lines.get(timeout=timeout)
+        if item[1] is not None:
+            with self._count:
+                self._queued -= len(item[1])
+        return item
 
     def _start_readers(self, stdout_chunks, stderr_chunks) -> None:
         for name, chunks in (("stdout", stdout_chunks), ("stderr", stderr_chunks)):
@@ -137,7 +198,7 @@ class Process:
     def readline(self, timeout: float) -> tuple[str, str | None] | None:
         """The next (stream, line) pair; line None means that stream ended; None on timeout."""
         try:
-            return self.lines.get(timeout=timeout)
+            return self._take(timeout)
         except queue.Empty:
             return None
 
@@ -160,26 +221,36 @@ class Process:
                 if line.strip():
                     said.append(line.strip())
             elif line.lstrip().startswith("{"):
-                return json.loads(line), said
+                try:
+                    data = json.loads(line)
+                except (ValueError, RecursionError):
+                    return None, said + [f"printed a line that is not JSON: {limits.shown(line.strip())}"]
+                return (data if isinstance(data, dict) else None), said
         return None, said
 
     def stream(self) -> Iterator[tuple[str, str]]:
         """Every line as it arrives, until both streams end."""
         ended = 0
         while ended < 2:
-            stream, line = self.lines.get()
+            stream, line = self._take(None)
             if line is None:
                 ended += 1
             else:
                 yield stream, line
 
     def wait(self, timeout: float | None = None) -> Completed:
+        """The exit code and what the command printed; CommandTimeout after `timeout`, OutputTooLarge when it
+        printed more than the controller keeps."""
         code = self._wait_exit(timeout)
         if code is None:
             self.terminate()
+            if self.overflow is not None:  # ended for saying too much, and slow to end: that is why it failed
+                raise OutputTooLarge(self.overflow)
             raise CommandTimeout(f"timed out after {timeout:g}s")
         for thread in self._readers:
             thread.join(timeout=5)
+        if self.overflow is not None:
+            raise OutputTooLarge(self.overflow)
         return Completed(code, "".join(self._out), "".join(self._err))
 
     def communicate(self, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
@@ -190,8 +261,8 @@ class Process:
 
 
 class _LocalProcess(Process):
-    def __init__(self, command: str, env: dict[str, str] | None = None) -> None:
-        super().__init__()
+    def __init__(self, command: str, env: dict[str, str] | None = None, lines: bool = True) -> None:
+        super().__init__(lines)
         self.popen = subprocess.Popen(
             ["/bin/sh", "-c", command],
             stdin=subprocess.PIPE,
@@ -240,8 +311,8 @@ def _channel_chunks(recv, channel: paramiko.Channel):
 
 
 class _SshProcess(Process):
-    def __init__(self, channel: paramiko.Channel, command: str) -> None:
-        super().__init__()
+    def __init__(self, channel: paramiko.Channel, command: str, lines: bool = True) -> None:
+        super().__init__(lines)
         self.channel = channel
         channel.exec_command(command)
         self._start_readers(_channel_chunks(channel.recv, channel), _channel_chunks(channel.recv_stderr, channel))
@@ -288,11 +359,12 @@ class Connection:
     def __init__(self, host: Host) -> None:
         self.host = host
 
-    def start(self, command: str) -> Process:
+    def start(self, command: str, lines: bool = True) -> Process:
+        """Start a command; lines=False: its lines are not queued (nobody reads them as they come)."""
         raise NotImplementedError
 
     def run(self, command: str, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
-        return self.start(command).communicate(stdin, timeout)
+        return self.start(command, lines=False).communicate(stdin, timeout)
 
     def close(self) -> None:
         pass
@@ -308,8 +380,8 @@ class LocalConnection(Connection):
         self._started: list[_LocalProcess] = []
         self._lock = threading.Lock()
 
-    def start(self, command: str) -> Process:
-        process = _LocalProcess(command)
+    def start(self, command: str, lines: bool = True) -> Process:
+        process = _LocalProcess(command, lines=lines)
         with self._lock:
             self._started = [p for p in self._started if p.popen.poll() is None] + [process]
         return process
@@ -326,7 +398,7 @@ class SshConnection(Connection):
         super().__init__(host)
         self.fabric = conn
 
-    def start(self, command: str) -> Process:
+    def start(self, command: str, lines: bool = True) -> Process:
         transport = self.fabric.client.get_transport()
         if transport is None or not transport.is_active():
             raise Unreachable("connection lost")
@@ -334,7 +406,7 @@ class SshConnection(Connection):
             channel = transport.open_session(timeout=30)
         except (paramiko.SSHException, EOFError, OSError) as exc:
             raise Unreachable(f"cannot open a session: {exc}") from None
-        return _SshProcess(channel, command)
+        return _SshProcess(channel, command, lines)
 
     def run(self, command: str, stdin: bytes | None = None, timeout: float | None = None) -> Completed:
         return super().run(command if timeout is None else bounded(command, timeout), stdin, timeout)

@@ -27,6 +27,7 @@ from mnft.hosts.connection import (
     CommandTimeout,
     Connection,
     HostKeyRejected,
+    OutputTooLarge,
     Process,
     Timeouts,
     Unreachable,
@@ -38,6 +39,7 @@ from mnft.hosts.hostkeys import known_hosts_files, load_trusted
 from mnft.hosts.settings import Host, Inventory
 
 TAIL_LINES = 8
+TAIL_WIDTH = 1000  # characters of one line a message quotes
 
 
 class Status(str, Enum):
@@ -62,8 +64,17 @@ class HostResult:
         return self.status is Status.OK
 
     def tail(self, lines: int = TAIL_LINES) -> str:
-        text = (self.stderr.strip() or self.stdout.strip()).splitlines()
-        return "\n".join(text[-lines:])
+        """The last lines the command printed (stderr, else stdout), each cut to TAIL_WIDTH characters: for a
+        message (a host may print a line of megabytes)."""
+        text = self.stderr.rstrip() or self.stdout.rstrip()
+        start = len(text)
+        for _ in range(lines):  # the last `lines` lines, found from the end (the output may be large)
+            start = text.rfind("\n", 0, start)
+            if start < 0:
+                break
+        head = start < 0 or text[: start + 1].isspace()  # the first line: stripped as the whole text would be
+        kept = (text.lstrip() if head else text[start + 1 :]).splitlines()[-lines:]
+        return "\n".join(line if len(line) <= TAIL_WIDTH else line[:TAIL_WIDTH] + "…" for line in kept)
 
 
 @dataclass
@@ -237,6 +248,8 @@ class Fleet:
             done = conn.run(command.render(), stdin=stdin, timeout=timeout)
         except CommandTimeout as exc:
             return HostResult(host.name, Status.FAILED, error=f"command {exc}", seconds=_since(started))
+        except OutputTooLarge as exc:  # a host that says too much: failed in one line, none of it believed
+            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=_since(started))
         except Unreachable as exc:
             self.mark_unreachable(host.name, str(exc))
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))

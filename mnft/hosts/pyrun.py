@@ -8,7 +8,7 @@ After the script is read, stdin stays open: a script can watch it and stop when 
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from typing import Any, Mapping
 
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import HostResult, Status
@@ -34,15 +34,32 @@ def payload(source: str) -> bytes:
     return b"%d\n" % len(data) + data
 
 
+def last_json(stdout: str) -> Any:
+    """The JSON value of a script's last line of output (what `stdout.strip().splitlines()[-1]` is, found without
+    splitting the whole output: a host may have printed up to limits.HOST_OUTPUT_BYTES); ValueError when there is
+    none or it is not JSON (nested past Python's recursion limit, a thousands-digit integer included). The output
+    itself was bounded as it was read (mnft.hosts.connection.Process)."""
+    text = stdout.rstrip()
+    tail = text[text.rfind("\n") + 1 :].strip().splitlines()
+    if not tail:
+        raise ValueError("no output")
+    try:
+        return json.loads(tail[-1])
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+
+
 def reply(result: HostResult, what: str) -> dict | None:
     """The JSON object a script printed as its last line, or None: a host that failed stays failed, and one that
-    printed no JSON object is marked failed with `what` ("the probe") and its last line as the reason."""
+    printed no JSON object is marked failed with `what` ("the probe") and its last line as the reason, one line."""
     if not result.ok:
         return None
     try:
-        data = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
+        data = last_json(result.stdout)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
         result.status = Status.FAILED
         result.error = f"{what} printed no JSON: " + (result.tail(1) or "no output")
         return None
-    return data if isinstance(data, dict) else None
+    return data

@@ -37,6 +37,7 @@ import time
 CHUNK = 256 * 1024  # per send call: small enough that a slow link overshoots the duration by little
 RECV = 4 * 1024 * 1024
 SLACK = 5.0  # seconds a peer may be late before a socket gives up
+REPLY_BYTES = 65536  # a peer's reply line read at most (it is ~40 bytes): a longer one is not JSON
 USAGE = "usage: linkagent.py serve --bind ADDR [--lifetime SECONDS]"
 
 
@@ -162,7 +163,7 @@ def measure(peer: str, port: int, bind: str, seconds: float, pings: int) -> dict
         with _connect(peer, port, bind, timeout) as sock:
             sock.sendall(b"S")
             _source(sock, seconds)
-            reply = json.loads(sock.makefile("rb").readline() or b"{}")
+            reply = json.loads(sock.makefile("rb").readline(REPLY_BYTES) or b"{}")  # the peer's one line (its sink's count)
             result["tx_bytes"] = reply.get("bytes")
             if reply.get("seconds"):
                 result["tx_gbps"] = round(reply["bytes"] * 8 / reply["seconds"] / 1e9, 4)

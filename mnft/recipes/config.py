@@ -16,6 +16,7 @@ from pathlib import Path
 
 import yaml
 
+from mnft.core import limits, yamlfile
 from mnft.core.errors import InputError, MnftError
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -105,11 +106,13 @@ def _coerce(key: str, value: object, tp: object) -> object:
     if origin is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str) and value.strip().startswith("["):
-            try:
+            try:  # a --set value (one argument: the OS bounds it) or a config's string: aliases stay shared objects
                 value = yaml.safe_load(value)
             except yaml.YAMLError as e:
-                raise ConfigError(f"config key '{key}' expects a list like [a, b], got {value!r} "
+                raise ConfigError(f"config key '{key}' expects a list like [a, b], got {limits.shown(value)} "
                                   f"({str(e).splitlines()[0]})") from None
+            except RecursionError:  # [[[[… nested past Python's recursion limit
+                raise ConfigError(f"config key '{key}' expects a list like [a, b], got {limits.shown(value)} (nested too deep)") from None
         elif isinstance(value, str):
             value = [v for v in value.split(",") if v]
         if not isinstance(value, list):
@@ -185,12 +188,10 @@ def load_config(recipe: str, argv: list[str]) -> TrainConfig:
             path = Path(value)
         else:
             overrides.append((key, value))
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise ConfigError(f"config file {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path}: invalid YAML ({str(e).splitlines()[0]})") from None
+    try:  # within mnft's limits of input (size, lines, nesting, aliases: mnft.core.yamlfile), as a job file
+        raw = yamlfile.load(yamlfile.read_text(path, "config file", "config=PATH"), str(path)) or {}
+    except InputError as e:
+        raise ConfigError(f"config file {e}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of key: value")
     values = {}

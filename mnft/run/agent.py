@@ -82,12 +82,16 @@ def _write(path, text, mode=0o600):
     os.replace(tmp, path)
 
 
+RUN_FILE_BYTES = 64 << 20  # a file of the run directory read at most (spec.json, pgid, exit_code …): past it, as missing
+
+
 def _read(path, default=None):
     try:
         with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
+            text = fh.read(RUN_FILE_BYTES + 1)
+    except (OSError, ValueError):
         return default
+    return text.strip() if len(text) <= RUN_FILE_BYTES else default
 
 
 # ---------------------------------------------------------------------------------------------------- processes
@@ -824,7 +828,7 @@ def _last_lines(path, n, chunk=1 << 16):
         with open(path, "rb") as fh:
             size = fh.seek(0, 2)
             fh.seek(max(0, size - chunk * 4))
-            data = fh.read()
+            data = fh.read(chunk * 4)  # the end as it was: a log written meanwhile is not chased
     except OSError:
         return []
     return [line.decode("utf-8", "replace") for line in data.split(b"\n")[-n - 1:] if line][-n:]

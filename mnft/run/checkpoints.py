@@ -363,7 +363,7 @@ def _parsed(results) -> dict[str, dict]:
     for r in results:
         if r.ok:
             try:
-                out[r.host] = json.loads(r.stdout.strip().splitlines()[-1])
+                out[r.host] = pyrun.last_json(r.stdout)
                 continue
             except (ValueError, IndexError):
                 r.error = "no answer"

@@ -9,8 +9,9 @@ from dataclasses import replace
 from rich.console import Console
 from rich.text import Text
 
-from mnft.core.errors import ExitCode
-from mnft.hosts import leases
+from mnft.core import limits
+from mnft.core.errors import ExitCode, InputError
+from mnft.hosts import leases, pyrun
 from mnft.hosts.fleet import Fleet
 from mnft.run import records
 from mnft.run.gang import agent_command, agent_payload, split_rank, split_ranks
@@ -109,10 +110,12 @@ def supervisor(record: records.RunRecord, now: float | None = None) -> dict | No
     stragglers it names over a sustained window (mnft.run.train.Live); None without one."""
     import time
 
-    try:
-        live = json.loads((record.path / "live.json").read_text())
-    except (OSError, ValueError):
-        return None
+    try:  # written whole (renamed into place) by the supervisor; read within limits
+        live = limits.read_json(record.path / "live.json", limits.STATE_BYTES, "supervisor's state (live.json)", "STATE_BYTES", missing=None)
+    except limits.TooLarge:
+        raise
+    except InputError:
+        return None  # unreadable or not JSON (a supervisor killed mid-write): none to believe
     if not isinstance(live, dict) or (now or time.time()) - float(live.get("updated") or 0) > LIVE_FRESH_S:
         return None
     return live
@@ -130,8 +133,8 @@ def status(record: records.RunRecord, fleet: Fleet, lines: int = 0) -> dict[str,
     queried = query(record, fleet, "status")
     views = leases.lab(fleet, [fleet.inventory.host(name) for name in queried.by_host])  # who holds each host's devices now
     for result in queried:
-        if result.ok:
-            state = json.loads(result.stdout.strip().splitlines()[-1])
+        state = pyrun.reply(result, "the agent")  # a reply that is not JSON fails the host, in one line
+        if state is not None:
             metric = last_metric(record.data, result.host, state)
             state.pop("metric_lines", None)
             output = state.pop("output_lines", None) or []
@@ -173,8 +176,9 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
     records.request_stop(record, f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}")
     out = {}
     for result in query(record, fleet, "stop", str(grace)):
-        if result.ok:
-            out[result.host] = json.loads(result.stdout.strip().splitlines()[-1])
+        reply = pyrun.reply(result, "the agent")
+        if reply is not None:
+            out[result.host] = reply
         else:
             out[result.host] = {"state": result.status.value, "error": result.error}
     stopped = all(isinstance(v.get("remaining"), list) and not v["remaining"] for v in out.values())

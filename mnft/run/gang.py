@@ -200,6 +200,7 @@ class Gang:
         host = self.fleet.inventory.host(name)
         try:
             process = self.fleet.start(host, agent_command(self.fleet, name, "launch"))
+            process.keep = False  # its events are read as they come, for as long as the run lasts: none kept besides
             spec = run.launch.spec(self.run_id, self.secrets, self.options)
             process.write(agent_payload() + json.dumps(spec).encode() + b"\n")
         except (Unreachable, HostKeyRejected) as exc:
@@ -255,7 +256,7 @@ class Gang:
                 self.events.put((name, _parse(line)))
             else:
                 self.events.put((name, {"event": "stderr", "text": line.rstrip("\n")}))
-        self.events.put((name, {"event": "eof"}))
+        self.events.put((name, {"event": "eof", "overflow": process.overflow}))
 
     def _heartbeat(self) -> None:
         while not self._stop_heartbeat.wait(HEARTBEAT_EVERY):
@@ -302,6 +303,9 @@ class Gang:
             run.done_ranks = tuple(event.get("done") or ())
         elif kind == "eof":
             if not run.done:
+                if event.get("overflow"):  # the agent's stream could not be read whole: the host cannot be followed
+                    self._lost(run, f"the host's agent {event['overflow']}")
+                    return f"{name}: the host's agent {event['overflow']}"
                 self._lost(run, "connection to the host's agent lost")
                 return f"{name}: connection lost"
         return None

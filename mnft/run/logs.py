@@ -7,9 +7,11 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import tarfile
 import threading
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -17,8 +19,10 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.text import Text
 
-from mnft.core.errors import ExitCode
+from mnft.core import limits
+from mnft.core.errors import ExitCode, InputError
 from mnft.core.output import fmt_loss
+from mnft.hosts import pyrun
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
 from mnft.run import goodput, records, scrape, timeline
@@ -27,6 +31,7 @@ from mnft.run.control import job_of, rank_offset, write_back
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
 
 STEP_TIMES = "step-times.jsonl"  # runs/<id>/step-times.jsonl: when each of rank 0's step records arrived, per attempt
+METRIC_WIDTH = 2 * scrape.MAX_METRIC_LINE  # characters of a line read for metrics: one cut there is never parsed
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)
 TIMING_PREFIX = "timings-rank"  # each rank's step timings (mnft/recipes/timing.py), collected from every host
 
@@ -54,14 +59,13 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
     results = fleet.run(command, stdin=agent_payload(), hosts=[h for h in fleet.inventory.hosts if h.name in hosts])
     outcome = {}
     for result in results:
-        if not result.ok:
-            outcome[result.host] = f"{result.status.value}: {result.error}"
+        data = pyrun.reply(result, "the agent's pack")  # a host's reply: bounded as it was read, JSON or a failure
+        why = None if data is None else unpack(data.get("tar"), record.path / result.host)
+        if data is None or why:
+            outcome[result.host] = f"{result.status.value}: {result.error}" if data is None else f"failed: {why}"
             continue
-        data = json.loads(result.stdout.strip().splitlines()[-1])
-        dest = record.path / result.host
-        with tarfile.open(fileobj=io.BytesIO(base64.b64decode(data["tar"])), mode="r:gz") as tar:
-            tar.extractall(dest, filter="data")
-        outcome[result.host] = "ok" + (f" (left out, too large: {', '.join(data['left_out'])})" if data.get("left_out") else "")
+        left_out = [str(p) for p in data.get("left_out") or []]
+        outcome[result.host] = "ok" + (f" (left out, too large: {', '.join(left_out)})" if left_out else "")
     metrics = run_metrics(record)
     steps, source = metrics.steps, metrics.source
     if steps:
@@ -75,6 +79,36 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
         if not steps:
             console.print(no_metrics_hint(record.data), highlight=False)
     return metrics
+
+
+def unpack(packed: Any, dest: Path) -> str | None:
+    """A host's collected logs (its agent's base64 tar.gz) unpacked into dest; or why not, in one line, with
+    nothing unpacked: not a tar.gz, or more than limits.COLLECTED_BYTES (the sizes its headers give) or
+    COLLECTED_FILES members, counted before anything is written (a few kilobytes of gzip can hold gigabytes)."""
+    import binascii
+
+    try:
+        raw = base64.b64decode(packed, validate=True) if isinstance(packed, str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None:
+        return "the agent's pack is not base64"
+    try:
+        with tarfile.open(fileobj=io.BytesIO(raw), mode="r:gz") as tar:
+            members, total = [], 0
+            for member in tar:
+                members.append(member)
+                total += max(0, member.size)
+                if len(members) > limits.COLLECTED_FILES:
+                    return (f"its logs hold more than {limits.COLLECTED_FILES} files (COLLECTED_FILES, a limit of mnft's input, "
+                            "see docs/security.md): nothing unpacked")
+                if total > limits.COLLECTED_BYTES:
+                    return (f"its logs unpack to more than {limits.size(limits.COLLECTED_BYTES)} (COLLECTED_BYTES, a limit of "
+                            "mnft's input, see docs/security.md): nothing unpacked")
+            tar.extractall(dest, members=members, filter="data")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        return f"the agent's pack cannot be unpacked: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
 
 
 def no_metrics_hint(data: dict) -> str:
@@ -185,7 +219,7 @@ def _metrics_in(base: Path, data: dict, job) -> Found:
         if fmt not in ("tensorboard", "hf"):
             parse = scrape.LineParser(fmt, job.metrics.regex)
             files = sorted(p for p in extra.rglob("*") if p.is_file() and not p.name.startswith(TIMING_PREFIX) and p.name != "trainer_state.json")
-            lines = parse.lines(line for p in files for line in p.read_text(errors="replace").splitlines())
+            lines = parse.lines(line for p in files for line in limits.lines(p, METRIC_WIDTH))
             if len([r for r in lines if "loss" in r]) > len(out.records):
                 out.records, out.source = lines, f"{host}: {', '.join(str(p.relative_to(extra)) for p in files)}"
         if out.records:
@@ -212,7 +246,7 @@ def rank0_output_records(base: Path, data: dict, job) -> tuple[list[dict], str |
             continue
         offset = rank_offset(data, host)
         lines = []
-        for line in log.read_text(errors="replace").splitlines():
+        for line in limits.lines(log, METRIC_WIDTH):
             lines += [text for rank, text in split_ranks(line, offset) if rank == 0]
         found = parse.lines(lines)
         if found:
@@ -266,7 +300,7 @@ def rank_timings(record: records.RunRecord) -> dict[tuple[str, int], list[dict]]
     out: dict[tuple[str, int], list[dict]] = {}
     for host in record.data["hosts"]:
         for path in sorted(_extra(record, host).rglob(f"{TIMING_PREFIX}*.jsonl")):
-            for line in path.read_text(errors="replace").splitlines():
+            for line in limits.lines(path):  # a line cut there is not JSON: skipped, as any other
                 try:
                     data = json.loads(line)
                 except ValueError:
@@ -311,10 +345,26 @@ def collected_states(record: records.RunRecord) -> dict[str, dict]:
         run = record.path / name / "run"
         if not run.is_dir():
             continue
-        code = (run / "exit_code").read_text().strip() if (run / "exit_code").is_file() else None
-        ended = (run / "ended").read_text().strip() if (run / "ended").is_file() else None
-        out[name] = {"state": "exited", "exit_code": int(code), "ended": float(ended) if ended else None} if code else {"state": "unknown"}
+        code, ended = _value(run / "exit_code", "exit code", int), _value(run / "ended", "end time", float)
+        out[name] = {"state": "exited", "exit_code": code, "ended": ended} if code is not None else {"state": "unknown"}
     return out
+
+
+def _value(path: Path, what: str, kind: type) -> Any:
+    """The one value a run's file holds (exit_code, ended: written by the host's keeper, collected here), or None
+    when there is none; a file past limits.RUN_VALUE_BYTES, or one that holds no such value, is one line."""
+    data = limits.read_file(path, limits.RUN_VALUE_BYTES, f"{what} file", "RUN_VALUE_BYTES", missing=None)
+    text = data.decode("utf-8", "replace").strip() if data is not None else ""
+    if not text:
+        return None
+    try:
+        limits.integer_text(text, str(path))  # no number of thousands of digits is converted
+        value = kind(text)
+        if not math.isfinite(value):
+            raise ValueError(text)
+    except ValueError:
+        raise InputError(f"{path}: not an {what}: {limits.shown(text)} (collected from the host: move the run's directory away)") from None
+    return value
 
 
 def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict:
@@ -368,7 +418,8 @@ def keep_step_times(record: records.RunRecord, attempt: int, times: list[tuple[f
 def read_step_times(record: records.RunRecord) -> dict[int, list[tuple[float, int | None]]]:
     out: dict[int, list[tuple[float, int | None]]] = {}
     path = record.path / STEP_TIMES
-    for line in path.read_text().splitlines() if path.is_file() else ():
+    data = limits.read_file(path, limits.STATE_BYTES, "step times file", "STATE_BYTES", missing=b"")
+    for line in data.decode("utf-8", "replace").splitlines():
         try:
             data = json.loads(line)
             out.setdefault(int(data["attempt"]), []).append((float(data["t"]), data.get("step") if isinstance(data.get("step"), int) else None))
@@ -428,7 +479,7 @@ def merged_tail(record: records.RunRecord, lines: int, console: Console, metrics
             console.print(Text(f"{name}| (no output collected)", style="dim"))
             continue
         offset = rank_offset(record.data, name)
-        for text in log.read_text(errors="replace").splitlines()[-lines:]:
+        for text in limits.last_lines(log, lines):  # its end only (a log may be gigabytes); a line cut at LINE_CHARS…
             rank, text = split_rank(text, offset)
             label = f"{name} r{rank}" if rank is not None else name
             console.print(Text.assemble((f"{label}| ", "dim"), text), highlight=False, soft_wrap=True)
@@ -448,6 +499,7 @@ def follow(record: records.RunRecord, fleet: Fleet, console: Console) -> int:
         info = hosts[host.name]
         offset = rank_offset(record.data, host.name)
         process = fleet.start(host, agent_command(fleet, host.name, "tail", info["run_dir"], "20", "--follow"))
+        process.keep = False  # lines are printed as they come, for as long as the run lasts: none kept besides
         process.write(agent_payload())
         for stream, line in process.stream():
             event = _parse(line)

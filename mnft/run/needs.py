@@ -23,11 +23,12 @@ from importlib.metadata import packages_distributions
 from pathlib import Path
 
 from mnft.check.findings import Need
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.run.job import Job
 
 MAX_FILES = 400  # project modules followed at most (a bound for a huge tree; the rest is not read)
-MAX_BYTES = 4 * 1024**2  # a larger source file is not read
+MAX_BYTES = limits.SOURCE_BYTES  # a larger source file is not read (its imports are not followed: a generated file, not code)
 OPTIONAL_ERRORS = {"ImportError", "ModuleNotFoundError", "Exception", "BaseException"}
 
 
@@ -210,10 +211,8 @@ def job_needs(job: Job, tree: Path | None, synced: bool) -> JobNeeds:
             continue
         seen.add(real)
         try:
-            if path.stat().st_size > MAX_BYTES:
-                continue
-            source = path.read_text(encoding="utf-8", errors="replace")
-        except OSError:
+            source = limits.read_file(path, MAX_BYTES, "source file", "SOURCE_BYTES").decode("utf-8", "replace")
+        except InputError:  # too large (measured before it is read) or unreadable: its imports are not followed
             continue
         imports, touches = module_imports(source, str(path))
         warn = warn or touches

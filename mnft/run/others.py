@@ -103,7 +103,7 @@ def stop(inventory: Inventory, run_id: str, held: dict[str, list[dict]], grace: 
                 results = fleet.run(lambda h, d=run_dir: agent_command(fleet, h.name, "stop", d, str(grace)), stdin=agent_payload(),
                                     hosts=[inventory.host(host)])
                 for r in results:
-                    out[host] = json.loads(r.stdout.strip().splitlines()[-1]) if r.ok else {"error": r.error}
+                    out[host] = pyrun.reply(r, "the agent") or {"error": r.error}
             if not run_dirs:
                 out[host] = {"error": "no keeper of the run holds its leases here"}
     return out

@@ -63,8 +63,10 @@ def request_stop(record: RunRecord, by: str) -> None:
 
 def stop_requested(record: RunRecord) -> dict | None:
     try:
-        data = json.loads((record.path / STOP_REQUESTED).read_text())
-    except (OSError, ValueError):
+        data = limits.read_json(record.path / STOP_REQUESTED, limits.STATE_BYTES, "stop request", "STATE_BYTES", missing=None)
+    except limits.TooLarge:
+        raise
+    except InputError:  # unreadable or damaged: no request to believe
         return None
     return data if isinstance(data, dict) else None
 

@@ -20,10 +20,12 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Iterable
 
+from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.run.timeline import bar_step
 
@@ -228,10 +230,20 @@ class LineParser:
 
 
 def read_json(path: Path) -> Any:
-    """A JSON file a job wrote (trainer_state.json …), or None when it cannot be read or parsed."""
+    """A JSON file a job wrote (trainer_state.json …), or None when it cannot be read or parsed (a job killed
+    mid-write leaves half a file); one larger than limits.METRICS_FILE_BYTES is refused in one line, unread."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError, RecursionError):
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size > limits.METRICS_FILE_BYTES:
+                raise limits.too_large(path, "metrics file", limits.METRICS_FILE_BYTES, "METRICS_FILE_BYTES")
+            data = limits.read_at_most(f, limits.METRICS_FILE_BYTES)
+    except OSError:
+        return None
+    if len(data) > limits.METRICS_FILE_BYTES:
+        raise limits.too_large(path, "metrics file", limits.METRICS_FILE_BYTES, "METRICS_FILE_BYTES")
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError):
         return None
 
 
@@ -259,7 +271,10 @@ def tensorboard(directory: Path) -> list[dict[str, Any]]:
     except ImportError:
         raise InputError("metrics format tensorboard needs the tensorboard package on this machine: pip install tensorboard") from None
     by_step: dict[int, dict[str, Any]] = {}
-    runs = sorted({p.parent for p in directory.rglob("events.out.tfevents.*")})
+    files = sorted(directory.rglob("events.out.tfevents.*"))
+    for path in files:
+        event_file_framing(path)
+    runs = sorted({p.parent for p in files})
     for run in runs:
         acc = EventAccumulator(str(run), size_guidance={SCALARS: 0})
         acc.Reload()
@@ -271,6 +286,31 @@ def tensorboard(directory: Path) -> list[dict[str, Any]]:
             for event in acc.Scalars(tag):
                 by_step.setdefault(int(event.step), {})[key] = event.value
     return [r for r in (record(step, values) for step, values in sorted(by_step.items())) if r is not None]
+
+
+def event_file_framing(path: Path) -> None:
+    """A TensorBoard event file is read by the tensorboard package only within limits: at most
+    limits.METRICS_FILE_BYTES, and no record claiming more bytes than the file holds (its reader allocates the
+    length a record's header claims before reading it: 2**60 would be a MemoryError). A record cut short at the end
+    (a job killed mid-write) is left to the reader, which stops there. One line otherwise."""
+    import struct
+
+    limit = limits.METRICS_FILE_BYTES
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > limit:
+                raise limits.too_large(path, "TensorBoard event file", limit, "METRICS_FILE_BYTES")
+            offset = 0
+            while offset + 12 <= size:  # each record: length (8 bytes), its CRC (4), data, the data's CRC (4)
+                f.seek(offset)
+                (length,) = struct.unpack("<Q", f.read(8))
+                if length > size:
+                    raise InputError(f"{path}: not a TensorBoard event file: a record of {length} bytes in a file of {size} "
+                                     "(a limit of mnft's input, see docs/security.md)")
+                offset += 12 + length + 4
+    except OSError:
+        return  # unreadable: the reader says so in its way
 
 
 def _loss_tag(tags: list[str]) -> str | None:

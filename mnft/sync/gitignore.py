@@ -17,7 +17,8 @@ import tempfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from mnft.core.errors import MnftError
+from mnft.core import limits
+from mnft.core.errors import InputError, MnftError
 from mnft.sync import treehash
 
 
@@ -128,10 +129,15 @@ def _ignore_files(src: Path, shipped: Iterable[str], env: dict[str, str], *, inf
     found: list[tuple[str, list[str]]] = []
 
     def read(path: Path) -> list[str]:
+        """Its lines; none when it cannot be read (as git); past limits.IGNORE_FILE_BYTES, one line (git itself
+        ignores one over 100 MiB: mnft would ship what git leaves out, so it refuses instead)."""
         try:
-            return path.read_text(encoding="utf-8", errors="surrogateescape").splitlines()
-        except OSError:
+            data = limits.read_file(path, limits.IGNORE_FILE_BYTES, "ignore file", "IGNORE_FILE_BYTES", missing=b"")
+        except limits.TooLarge:
+            raise
+        except InputError:
             return []
+        return data.decode("utf-8", "surrogateescape").splitlines()
 
     configured = git(["config", "--path", "--get", "core.excludesFile"], src, env)
     if not global_file:

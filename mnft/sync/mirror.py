@@ -222,7 +222,7 @@ def parse_hash(result: HostResult) -> RemoteTree | None:
     if not result.ok:
         return None
     try:
-        data = json.loads(result.stdout.strip().splitlines()[-1])
+        data = pyrun.last_json(result.stdout)
         return RemoteTree.from_json(data)
     except (ValueError, IndexError, TypeError, KeyError, AttributeError):
         result.status = Status.FAILED
@@ -260,7 +260,7 @@ def look(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], nonce:
     sees = {}
     for result in results:
         try:
-            sees[result.host] = set(json.loads(result.stdout.strip().splitlines()[-1])["seen"]) if result.ok else set()
+            sees[result.host] = set(pyrun.last_json(result.stdout)["seen"]) if result.ok else set()
         except (ValueError, IndexError, KeyError, TypeError):
             sees[result.host] = set()
     return sees
@@ -299,7 +299,7 @@ def detect_sharing(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, st
     sightings = {}
     for result in results:
         try:
-            sightings[result.host] = Sighting.from_json(json.loads(result.stdout.strip().splitlines()[-1])) if result.ok else None
+            sightings[result.host] = Sighting.from_json(pyrun.last_json(result.stdout)) if result.ok else None
         except (ValueError, IndexError, TypeError, AttributeError):
             sightings[result.host] = None
     groups, _ = sharing_of(fleet, hosts, targets, nonce, {name: s for name, s in sightings.items() if s is not None})
@@ -311,7 +311,7 @@ def mark_refused(result: HostResult) -> str | None:
     if not result.ok:
         return f"{result.status.value}: {result.error or result.tail(1) or 'no answer'}"
     try:
-        why = json.loads(result.stdout.strip().splitlines()[-1])["marked"]
+        why = pyrun.last_json(result.stdout)["marked"]
     except (ValueError, IndexError, KeyError, TypeError):
         return "the mark probe printed no answer"
     return str(why) if why else None

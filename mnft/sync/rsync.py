@@ -5,6 +5,7 @@ rejected). Used by sync, the checkpoint copy and provision's relay.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from mnft.core import interrupts
+from mnft.core import interrupts, limits
 from mnft.core.errors import InputError
 from mnft.hosts import fanin
 from mnft.hosts.fleet import Status
@@ -231,10 +232,10 @@ def _run_rsync_once(argv: Sequence[str], on_item: Callable[[int, bool], None] | 
 
 def _follow(proc: subprocess.Popen, on_item: Callable[[int, bool], None] | None, timeout: float) -> RsyncOutcome:
     err: list[bytes] = []
-    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
+    reader = threading.Thread(target=_read_messages, args=(proc.stderr, err), daemon=True)
     reader.start()
     out = RsyncOutcome(None)
-    tail: list[str] = []
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_KEPT)  # what is not an item: the stats at its end
     timed_out = threading.Event()
 
     def kill() -> None:
@@ -274,6 +275,19 @@ def _follow(proc: subprocess.Popen, on_item: Callable[[int, bool], None] | None,
     out.stderr = b"".join(err).decode(errors="replace")
     out.bytes_sent = parse_stats("\n".join(tail))
     return out
+
+
+TAIL_KEPT = 200  # rsync's last lines that are not items (its --stats block is ~20)
+
+
+def _read_messages(stream, into: list[bytes]) -> None:
+    """rsync's stderr (its own, ssh's and the remote rsync's messages), read to its end: the first
+    limits.HOST_OUTPUT_BYTES kept (where ssh and rsync say why they stop), the rest counted and said, never held."""
+    kept = limits.read_at_most(stream, limits.HOST_OUTPUT_BYTES - 1)
+    dropped = 0
+    while chunk := stream.read(1 << 16):
+        dropped += len(chunk)
+    into.append(kept + (f"\n[{dropped} more bytes of messages not kept: HOST_OUTPUT_BYTES, a limit of mnft's input]\n".encode() if dropped else b""))
 
 
 def _end(proc: subprocess.Popen) -> None:

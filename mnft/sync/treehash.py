@@ -52,6 +52,7 @@ CHUNK = 1 << 20
 SHARE_DIR = ".mnft-share"
 MARK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 CACHE_VERSION = 1
+CACHE_BYTES = 1 << 30  # the hash cache read at most (~200 bytes a file: millions of files); past it, hashed again
 WILDCARDS = "*?["
 
 
@@ -201,11 +202,13 @@ def _load_cache(path):
     if not path:
         return {}
     try:
+        if os.path.getsize(path) > CACHE_BYTES:  # a cache: past its bound, the tree is hashed again
+            return {}
         with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+            data = json.loads(fh.read(CACHE_BYTES + 1))
         if data.get("version") == CACHE_VERSION and isinstance(data.get("files"), dict):
             return data["files"]
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         pass
     return {}
 

@@ -158,7 +158,7 @@ class Context:
         if not result.ok:
             return None, outcome_of(result)
         try:
-            results = json.loads(result.stdout.strip().splitlines()[-1])["results"]
+            results = pyrun.last_json(result.stdout)["results"]
         except (ValueError, IndexError, KeyError, TypeError):
             return None, Outcome(FAILED, error="the host printed no result: " + (result.tail(1) or "no output"))
         return results, None

@@ -34,6 +34,8 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from mnft.core import limits
+from mnft.core.errors import InputError
 from mnft.hosts import fanin
 from mnft.hosts.settings import Host
 from mnft.setup.steps import blocks
@@ -350,9 +352,11 @@ def local_host_keys(directory: str = LOCAL_HOST_KEYS) -> str | None:
     """The host keys of this machine ("type base64", one per line) from <directory>/ssh_host_*_key.pub, or None."""
     keys = []
     for path in sorted(glob.glob(os.path.join(directory, "ssh_host_*_key.pub"))):
-        try:
-            words = Path(path).read_text().split()
-        except OSError:
+        try:  # a public key is one line (limits.PUBLIC_KEY_BYTES); a larger file is not a host key of this machine's
+            words = limits.read_file(path, limits.PUBLIC_KEY_BYTES, "host key", "PUBLIC_KEY_BYTES").decode("utf-8", "replace").split()
+        except limits.TooLarge:
+            raise
+        except InputError:
             continue
         if len(words) >= 2:
             keys.append(" ".join(words[:2]))

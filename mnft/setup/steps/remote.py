@@ -205,12 +205,13 @@ def op_remove(req: dict) -> dict:
 
 
 KEY_RECORD_SUFFIX = ".mnft-generated"
+PUBLIC_KEY_CHARS = 65536  # a public key is one line (mnft.core.limits.PUBLIC_KEY_BYTES)
 
 
 def _record_kind(path: str):
     try:
         with open(path + KEY_RECORD_SUFFIX) as f:
-            for line in f:
+            for line in f.read(65536).splitlines():  # three lines mnft wrote
                 if line.startswith("generated:"):
                     return line.split(":", 1)[1].strip()
     except OSError:
@@ -241,7 +242,9 @@ def op_keygen(req: dict) -> dict:
             f.write(proc.stdout.strip() + " " + req["comment"] + "\n")
         wrote_pub = True
     with open(path + ".pub") as f:
-        public = f.read().strip()
+        public = f.read(PUBLIC_KEY_CHARS + 1).strip()
+    if len(public) > PUBLIC_KEY_CHARS:
+        raise RuntimeError("%s.pub is larger than %d characters: not a public key" % (path, PUBLIC_KEY_CHARS))
     if generated or wrote_pub:
         kind = "key" if generated or _record_kind(path) == "key" else "pub"
         with open(path + KEY_RECORD_SUFFIX, "w") as f:
