@@ -477,6 +477,51 @@ def test_a_controller_that_goes_mid_install_leaves_no_installer_and_the_previous
         assert imported(cluster, host, "alpha") == ["1.0"]
 
 
+SHORT_DEADMAN = """import sys
+import mnft.env.provision as provision
+provision.INSTALL_DEADMAN, provision.INSTALL_HEARTBEAT_EVERY = 2.0, 0.25  # seconds: a test's patience
+from invoke.main import program
+program.run(["invoke"] + sys.argv[1:])
+"""
+
+
+def test_a_network_gone_mid_install_ends_that_hosts_installer_after_the_deadman_and_keeps_its_environment(fresh_cluster_factory, tmp_path, wheels):
+    """h2's cable pulled while the hosts build (no FIN: its SSH channel stays open on h2, silent): once the
+    deadman passes without the controller's heartbeat, h2's script ends its installer's group, removes the
+    half-built environment and keeps the previous one; the cable back, h2 is on its previous environment. (The
+    deadman is 2 s here, 30 s in mnft.)"""
+    import signal
+
+    cluster = fresh_cluster_factory(2)
+    h1, h2 = cluster.hosts
+    inventory = cluster.write_inventory(tmp_path / "inventory.yaml", python=BASE_PYTHON)
+    v1 = lock_of(tmp_path, wheels, "v1.lock", {"alpha": "1.0", "beta": "2.0"})
+    v2 = lock_of(tmp_path, wheels, "v2.lock", {"alpha": "1.1", "beta": "2.0"})
+    assert provision_json(tmp_path, inventory, v1)[0] == 0
+    before = {h.name: os.readlink(h.home / "mnft-env") for h in cluster.hosts}
+    pids = {h.name: h.home / "stand-in-uv.pids" for h in cluster.hosts}
+    controller = subprocess.Popen([sys.executable, "-c", SHORT_DEADMAN, "-r", str(REPO), "provision", "--hosts", str(inventory), "--lock", str(v2)],
+                                  cwd=REPO, env=stand_in_uv(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    installers: dict[str, list[int]] = {}
+    try:
+        wait_for(lambda: all(f.exists() and len(f.read_text().split()) == 2 for f in pids.values()), 60, "the stand-in uv started on every host")
+        installers = {name: [int(pid) for pid in f.read_text().split()] for name, f in pids.items()}
+        cluster.link_down(h2)
+        try:
+            wait_for(lambda: not any(alive(pid) for pid in installers["h2"]), 15, "h2's installer still runs with its controller's network gone")
+            wait_for(lambda: os.listdir(h2.home / "mnft-env.d" / "envs") == [os.path.basename(before["h2"])], 8, "h2's half-built environment is still there")
+            assert all(alive(pid) for pid in installers["h1"])  # h1 still hears its controller: its build goes on
+        finally:
+            cluster.link_up(h2)
+    finally:
+        os.killpg(controller.pid, signal.SIGKILL)
+        controller.communicate()
+    wait_for(lambda: not any(alive(pid) for pids_ in installers.values() for pid in pids_), 10, "an installer still runs")
+    for host in cluster.hosts:
+        assert os.readlink(host.home / "mnft-env") == before[host.name]
+    assert imported(cluster, h2, "alpha") == ["1.0"]
+
+
 # ------------------------------------------------------------------------------------------------ secrets (issue 19)
 
 
