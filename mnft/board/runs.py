@@ -53,9 +53,11 @@ def number(value: Any) -> float | int | None:
 
 def read_json(path: Path, limit: int = JSON_MAX) -> dict | None:
     try:
-        if path.stat().st_size > limit:
+        with open(path, "rb") as f:
+            raw = f.read(limit + 1)  # never past the limit, even for a file that grew after a stat
+        if len(raw) > limit:
             return None
-        data = json.loads(path.read_bytes())
+        data = json.loads(raw)
     except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
@@ -67,7 +69,7 @@ def read_jsonl(path: Path, keep: int = POINTS_MAX * 4) -> list[dict]:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
             f.seek(max(0, size - keep * 512))
-            lines = f.read().splitlines()
+            lines = f.read(keep * 512).splitlines()  # the end as it was measured: a file growing meanwhile costs no more
     except OSError:
         return []
     out = []
@@ -87,7 +89,7 @@ def last_lines(path: Path, count: int, chunk: int = 1 << 16) -> list[str]:
         with open(path, "rb") as f:
             size = f.seek(0, 2)
             f.seek(max(0, size - chunk))
-            data = f.read()
+            data = f.read(chunk)
     except OSError:
         return []
     lines = data.decode("utf-8", "replace").splitlines()

@@ -334,6 +334,11 @@ class Leases:
                 process.close_stdin()
                 if not reply.get("waited"):
                     self._give_up.set()  # refused outright: the other hosts stop waiting
+                if waiting:  # its ticket goes with its hold process: gone when the refusal is told
+                    try:
+                        process.wait(5.0)
+                    except Exception:  # noqa: BLE001 - a host that does not end its hold: its ticket holds no place once it does
+                        pass
             return HostResult(host.name, Status.OK, stdout=json.dumps(reply))
         self.processes.pop(host.name, None)
         process.close_stdin()
@@ -386,7 +391,8 @@ class Leases:
             reply, said = process.json_reply(timeout)
         if reply is None:
             return HostResult(host, Status.FAILED, error=f"the lease holder gave no answer within {timeout:g}s", stderr="\n".join(said))
-        code = int(reply.get("ran", 1))
+        code = reply.get("ran", 1)
+        code = code if isinstance(code, int) and not isinstance(code, bool) else 1  # a hostile reply: a failed run, never a traceback
         error = reply.get("error") or ("" if code == 0 else f"exit status {code}")
         return HostResult(host, Status.OK if code == 0 else Status.FAILED, code, str(reply.get("out") or ""), "\n".join(said), error,
                           round(time.monotonic() - started, 3))

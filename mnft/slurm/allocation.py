@@ -41,6 +41,7 @@ from rich.text import Text
 from mnft.check.findings import CheckOptions, CheckReport, Need, Problem
 from mnft.check.probe import source as probe_source
 from mnft.check.rules import evaluate, master_address
+from mnft.core import limits
 from mnft.core.errors import ExitCode, MnftError
 from mnft.core.output import console as make_console
 from mnft.hosts import pyrun
@@ -151,6 +152,9 @@ class Allocation:
             done = subprocess.run(argv, input=message, capture_output=True, timeout=300, check=False)
         except subprocess.TimeoutExpired:
             raise AttemptRefused(f"the {name} step did not end within 300 s") from None
+        if len(done.stdout) > limits.HOST_OUTPUT_BYTES * len(inventory.hosts):
+            raise AttemptRefused(f"the {name} step printed {len(done.stdout)} bytes, more than {limits.size(limits.HOST_OUTPUT_BYTES)} a node "
+                                 "(HOST_OUTPUT_BYTES)")
         joined, replies, own = plan.Pieces(), {}, []
         for raw in done.stdout.decode(errors="replace").splitlines():
             whole = joined.feed(raw)
@@ -173,8 +177,11 @@ class Allocation:
             lines = replies.get(host.rank, [])
             try:
                 facts[host.name] = json.loads(lines[-1])
+                if not isinstance(facts[host.name], dict):
+                    raise ValueError("not a JSON object")
                 outcomes[host.name] = HostResult(host.name, Status.OK)
-            except (ValueError, IndexError):
+            except (ValueError, IndexError, RecursionError):
+                facts.pop(host.name, None)
                 error = lines[-1] if lines else (own.strip().splitlines()[-1:] or ["no output"])[0]
                 outcomes[host.name] = HostResult(host.name, Status.FAILED, error=f"the probe printed no facts: {error}")
         options = CheckOptions(network=False, code=False, modules=needs)
@@ -211,9 +218,11 @@ class Allocation:
         for task, lines in replies.items():
             if task < len(inventory.hosts) and lines:
                 try:
-                    listings[inventory.hosts[task].name] = json.loads(lines[-1])
-                except ValueError:
+                    listing = json.loads(lines[-1])
+                except (ValueError, RecursionError):
                     continue
+                if isinstance(listing, dict):
+                    listings[inventory.hosts[task].name] = listing
         choice = checkpoints.choose(rule, listings)
         entry.update(checkpoint=choice.name, resumed_step=checkpoints.step_of(choice.name))
         self.record.save()
@@ -253,7 +262,7 @@ class Allocation:
         def reader() -> None:
             assert proc.stdout is not None
             joined = plan.Pieces()
-            for raw in proc.stdout:
+            for raw in iter(lambda: proc.stdout.readline(limits.HOST_OUTPUT_BYTES), b""):  # a line without end read in bounded pieces
                 whole = joined.feed(raw.decode("utf-8", "replace").rstrip("\n"))
                 if whole is not None:
                     events.put(whole)

@@ -192,23 +192,29 @@ def script_line(script: str, args: list[str]) -> dict:
     return {"mode": "script", "script": script, "args": list(args), "bootstrap": BOOTSTRAP}
 
 
+LINE_KEPT = 1 << 20  # characters of one task's line put back together (a line without end costs no more)
+
+
 class Pieces:
     """Lines of an srun --label stream put back together: mnft.slurm.node sends each line in pieces ("+…" goes
     on, "|…" ends it). Returns (task, line) for each whole line; srun's own lines (no label) and a task's lines
     without a marker (a traceback on its stderr) come through as they are."""
 
     def __init__(self) -> None:
-        self.partial: dict[int, str] = {}
+        self.partial: dict[int, list[str]] = {}
 
     def feed(self, raw: str) -> tuple[int | None, str] | None:
         task, text = split_label(raw)
         if task is None:
             return None, raw
         if text.startswith("+"):
-            self.partial[task] = self.partial.get(task, "") + text[1:]
+            pieces = self.partial.setdefault(task, [])
+            if sum(len(p) for p in pieces) < LINE_KEPT:  # past it, the rest of the line is dropped: a line is shown cut
+                pieces.append(text[1:])
             return None
         if text.startswith("|"):
-            return task, self.partial.pop(task, "") + text[1:]
+            whole = "".join(self.partial.pop(task, [])) + text[1:]
+            return task, whole if len(whole) <= LINE_KEPT else whole[:LINE_KEPT] + " … [line cut]"
         return task, text
 
 

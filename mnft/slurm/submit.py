@@ -19,6 +19,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.text import Text
 
+from mnft.core import limits
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.command import shell_line, shell_word
 from mnft.hosts.settings import DEFAULT_RENDEZVOUS_PORT, Host, Inventory
@@ -179,34 +180,39 @@ def outcome(record: records.RunRecord, state: "cluster.JobState", console: Conso
     return int(ExitCode.OK if ok else ExitCode.FAILED)
 
 
-def tail_file(path: Path, offset: int, console: Console) -> int:
-    """Print the complete lines a file gained since `offset` (read at most 1 MiB at a time); the new offset."""
+def tail_file(path: Path, offset: int, console: Console, prefix: str = "") -> int:
+    """Print the complete lines a file gained since `offset` (read at most TAIL_CHUNK a poll); the new offset."""
     if not path.is_file():
         return offset
     with open(path, "rb") as fh:
         fh.seek(offset)
-        chunk = fh.read(1 << 20)
+        chunk = fh.read(TAIL_CHUNK)
+    used, lines = whole_lines(chunk)
+    for line in lines:
+        console.print(Text(prefix + line), soft_wrap=True, highlight=False)
+    return offset + used
+
+
+TAIL_CHUNK = 1 << 20  # read at most this much of a followed file per poll
+SHOWN_CHARS = 4096  # of a line longer than a whole chunk, what is printed
+
+
+def whole_lines(chunk: bytes) -> tuple[int, list[str]]:
+    """(bytes used, lines) of a chunk read from a growing file: its complete lines; a full chunk with no line end
+    (one line longer than TAIL_CHUNK) is used whole and shown cut, so the tail moves on instead of reading it again
+    forever."""
+    if b"\n" not in chunk and len(chunk) >= TAIL_CHUNK:
+        return len(chunk), [chunk[:SHOWN_CHARS].decode("utf-8", "replace") + " … [line cut: longer than 1 MiB]"]
     complete = chunk[: chunk.rfind(b"\n") + 1]
-    for line in complete.decode("utf-8", "replace").splitlines():
-        console.print(Text(line), soft_wrap=True, highlight=False)
-    return offset + len(complete)
+    return len(complete), complete.decode("utf-8", "replace").splitlines()
 
 
 def tail_nodes(data: dict, offsets: dict[Path, int], console: Console) -> None:
     """New complete lines of every node's output.log (on the shared filesystem) since the offsets, as `node | line`."""
     for name, info in (data.get("hosts") or {}).items():
-        if not info.get("run_dir"):
-            continue
-        path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
-        if not path.is_file():
-            continue
-        with open(path, "rb") as fh:
-            fh.seek(offsets.get(path, 0))
-            chunk = fh.read(1 << 20)
-        complete = chunk[: chunk.rfind(b"\n") + 1]
-        offsets[path] = offsets.get(path, 0) + len(complete)
-        for line in complete.decode("utf-8", "replace").splitlines():
-            console.print(Text(f"{name} | {line}"), soft_wrap=True, highlight=False)
+        if info.get("run_dir"):
+            path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
+            offsets[path] = tail_file(path, offsets.get(path, 0), console, prefix=f"{name} | ")
 
 
 def sync_local(template: Host, tree: Path, record: records.RunRecord, console: Console) -> None:
@@ -320,8 +326,8 @@ def logs(record: records.RunRecord, lines: int, follow: bool, console: Console) 
         collect_run(record, lambda text, style=None: None)
         for name, info in hosts.items():
             path = Path(os.path.expanduser(info["run_dir"])) / "output.log"
-            text = path.read_text(errors="replace").splitlines() if path.is_file() else []
-            for line in text[-lines:] if lines else text:
+            text = (limits.last_lines(path, lines) if lines else limits.lines(path)) if path.is_file() else []
+            for line in text:
                 console.print(Text(f"{name} | {line}"), soft_wrap=True, highlight=False)
         console.print(f"logs of run {record.run_id} in {record.path} (batch output: {record.path}/slurm-*.out)", highlight=False)
         return int(ExitCode.OK)
