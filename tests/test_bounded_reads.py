@@ -22,8 +22,6 @@ import io
 import json
 import os
 import struct
-import subprocess
-import sys
 import tarfile
 import zipfile
 from pathlib import Path
@@ -400,7 +398,7 @@ def local_fleet(tmp_path):
     return Fleet(parse(path.read_text(), path))
 
 
-def printing(n: int, newline: bool = False, stream: str = "1") -> "Command":
+def printing(n: int, newline: bool = False, stream: str = "1"):
     from mnft.hosts.command import Command
 
     return Command(("sh", "-c", f"head -c {n} /dev/zero | tr '\\0' x{'; echo' if newline else ''} >&{stream}"))

@@ -291,7 +291,9 @@ metrics: {format: none}
 """
 
 
-def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(slurm):
+def steps_job_at_step_6(slurm):
+    """The job-file script (STEPS, resume rule `layout: mnft`) submitted with --requeue on 2 nodes, once its
+    checkpoint says step 6: (its project, the command prefix to run mnft there, the run id, the checkpoint)."""
     proj = home(slurm) / "steps"
     proj.mkdir(exist_ok=True)
     (proj / "steps.py").write_text(STEPS)
@@ -301,6 +303,11 @@ def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_che
                                          env=slurm.env, check=False, timeout=120))
     ckpt = home(slurm) / "mnft" / "outputs" / run_id / "step.txt"
     wait_for(lambda: ckpt.is_file() and int(ckpt.read_text() or 0) >= 6, 120, "the job never reached step 6")
+    return proj, run, run_id, ckpt
+
+
+def test_a_node_lost_with_its_slurmd_requeues_the_job_which_resumes_from_its_checkpoint(slurm):
+    proj, run, run_id, ckpt = steps_job_at_step_6(slurm)
     slurm.kill_slurmd(slurm.cluster.hosts[1])  # h2's daemon dies: Slurm marks the node down and requeues the job
     follow = slurm.cluster.run(slurm.cluster.hosts[0], run + ["logs", "-f", run_id], env=slurm.env, check=False, timeout=400)
     data = json.loads((proj / "runs" / run_id / "run.json").read_text())
@@ -319,15 +326,7 @@ def test_a_node_that_dies_with_its_job_processes_is_classified_as_over_ssh_and_t
     """machine: its slurmd and every process of the job on it killed (the batch may see its task fail before Slurm
     marks the node down); ranks: the job's processes on h2 killed by a signal, the node up. Either way the failure is
     classified with the SSH path's causes and the job requeued (by the batch, within --max-restarts) and resumed."""
-    proj = home(slurm) / "steps"
-    proj.mkdir(exist_ok=True)
-    (proj / "steps.py").write_text(STEPS)
-    (proj / "job.yaml").write_text(JOB)
-    run = ["sh", "-c", 'cd steps && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN]
-    run_id = submitted(slurm.cluster.run(slurm.cluster.hosts[0], run + ["train", "--slurm", "--detach", "--nodes", "2", "--requeue", "--job", "job.yaml"],
-                                         env=slurm.env, check=False, timeout=120))
-    ckpt = home(slurm) / "mnft" / "outputs" / run_id / "step.txt"
-    wait_for(lambda: ckpt.is_file() and int(ckpt.read_text() or 0) >= 6, 120, "the job never reached step 6")
+    proj, run, run_id, ckpt = steps_job_at_step_6(slurm)
     h2 = slurm.cluster.hosts[1]
     if dies == "machine":
         slurm.kill_slurmd(h2)

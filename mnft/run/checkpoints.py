@@ -29,7 +29,6 @@ all. A host lost for good takes its own files with it, so only what the others h
 from __future__ import annotations
 
 import fnmatch
-import json
 import os
 import re
 import tempfile

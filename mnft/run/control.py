@@ -3,7 +3,6 @@ learn written back into the run record (a detached run has no controller to reco
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 from rich.console import Console

@@ -11,7 +11,6 @@ keeper that holds the run's leases (its working directory is the run directory).
 from __future__ import annotations
 
 import getpass
-import json
 
 from rich.console import Console
 from rich.table import Table

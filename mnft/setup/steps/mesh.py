@@ -32,7 +32,6 @@ import glob
 import os
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 
 from mnft.core import limits
 from mnft.core.errors import InputError
