@@ -174,3 +174,4 @@ class Served:
         self.thread.join(timeout=10)
         self.board.close()
         self.sock.close()
+

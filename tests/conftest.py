@@ -7,6 +7,7 @@ Fixtures:
                           sshd running, stray processes killed) — use it in any test that breaks a host
   fresh_cluster_factory   function: factory(n_hosts=2, outsider=False, prefix=None) -> a private Cluster for
                           destructive tests; every cluster it built is torn down after the test
+  chromium                module: Debian's chromium driven by Playwright (tests/boardfakes.py says when it can't)
   (autouse) lease_dir     function: MNFT_LEASE_DIR in a fresh directory, so a `connection: local` host's lease is
                           the test's own, not this machine's /run/lock (shared with every other test run)
 
@@ -157,3 +158,19 @@ def slurm_bed(testbed, tmp_path_factory: pytest.TempPathFactory):
             if slurm is not None:
                 slurm.stop()
             built.teardown()
+
+
+@pytest.fixture(scope="module")
+def chromium():
+    """Debian's chromium driven by Playwright, once per test module (skips, or fails on CI, without them)."""
+    from boardfakes import CHROMIUM, require_browser
+
+    require_browser()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from boardfakes import CHROMIUM, HOSTILE, Served, inventory, lab_views, require_browser, write_run, write_runs
+from boardfakes import HOSTILE, Served, inventory, lab_views, write_run, write_runs
 
 from mnft.board import runs as runs_of
 from mnft.board.app import Origins, split_host
@@ -141,19 +141,6 @@ def test_the_lab_json_holds_mnft_lab_jsons_rows(tmp_path, runs_dir):
 
 
 # ------------------------------------------------------------------------------------------------ the page
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def hostile_views() -> dict[str, dict]:

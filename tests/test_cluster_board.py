@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-from boardfakes import CHROMIUM, require_browser
 from fakegpu import RANK_SNIPPET
 
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(400)]
@@ -42,19 +41,6 @@ for step in range(1, steps + 1):
 '''.replace("HOSTILE", repr(HOSTILE_LINE))
 WRITES = ("POST", "PUT", "DELETE", "PATCH", "OPTIONS")
 CONTROLS = "form, button, input, select, textarea, [contenteditable], [onclick], [formaction]"
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    require_browser()
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 class Lab:
