@@ -99,7 +99,7 @@ def test_three_hosts_two_processes_each_get_distinct_ranks(trained_cluster, tmp_
     inv = inventory(trained_cluster, tmp_path, 3, slots=2)
     done = invoke(tmp_path, *train_args(inv, steps=6))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    ranks = sorted(int(r) for r in re.findall(r"rank=(\d)/6 ", done.stdout))
+    ranks = sorted(int(r) for r in re.findall(r"\| rank=(\d)/6 ", done.stdout))  # the ranks' own lines, not a progress line quoting one
     assert ranks == [0, 1, 2, 3, 4, 5]
     assert re.search(r"h3 r5 *\| rank=5/6 node_rank=2 local_rank=1", done.stdout)
     record = latest_record(tmp_path)
