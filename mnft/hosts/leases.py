@@ -103,10 +103,6 @@ def busy_line(host: str, holder: dict | None, run_processes: int = 0, same_login
     return f"{host} is busy: {describe(holder)} ({hint})"
 
 
-def gpu_list(indices) -> str:
-    return ", ".join(str(i) for i in indices)
-
-
 def device_label(device: dict) -> str:
     return "the host's CPUs" if device.get("index") is None else f"GPU {device['index']}"
 
@@ -128,20 +124,25 @@ def verified(holder: dict | None, lockers: Sequence[str] | None) -> str:
     return ""
 
 
+def grouped(pairs: Iterable[tuple[str, str]]) -> list[str]:
+    """(label, what) pairs as one line per what, its labels joined: "GPU 0, 1, workdir /x: train run R by …"."""
+    groups: dict[str, list[str]] = {}
+    for label, text in pairs:
+        groups.setdefault(text, []).append(label)
+    return [f"{join_labels(labels)}: {text}" for text, labels in groups.items()]
+
+
 def holders_of(devices: Sequence[dict]) -> list[str]:
     """"GPU 0, 1: train run R by alice@ctl pid 5 since 10:02" per holder, "GPU 2: in use outside mnft (pid 77 of
     carol)" per device used by a process no lease accounts for."""
-    groups: dict[str, list] = {}
+    pairs = []
     for d in devices:
         if d.get("state") == "held":
-            text = describe(d.get("holder")) + verified(d.get("holder"), d.get("lockers"))
+            pairs.append((device_label(d), describe(d.get("holder")) + verified(d.get("holder"), d.get("lockers"))))
         elif d.get("state") == "outside":
             procs = ", ".join(f"pid {shown(p.get('pid'))} of {shown(p.get('user')) or '?'}" for p in (d.get("processes") or [])[:4])
-            text = f"in use outside mnft ({procs})"
-        else:
-            continue
-        groups.setdefault(text, []).append(d.get("index"))
-    return [("the host's CPUs" if idx == [None] else f"GPU {gpu_list(idx)}") + f": {text}" for text, idx in groups.items()]
+            pairs.append((device_label(d), f"in use outside mnft ({procs})"))
+    return grouped(pairs)
 
 
 def scope_busy_line(host: str, reply: dict) -> str:
@@ -157,12 +158,11 @@ def scope_busy_line(host: str, reply: dict) -> str:
     if what == "no-gpus":
         return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
     if what == "runs":  # grouped by holder: "GPU 0, 1, workdir /home/a/mnft: train run R by alice …"
-        groups: dict[str, list[str]] = {}
+        pairs = []
         for h in reply.get("held") or []:
             device = h.get("device") if isinstance(h.get("device"), dict) else None
-            label = device_label(device) if device else f"workdir {shown(h.get('workdir'), 200)}"
-            groups.setdefault(describe(h) + verified(h, h.get("lockers")), []).append(label)
-        parts = [f"{join_labels(labels)}: {text}" for text, labels in groups.items()]
+            pairs.append((device_label(device) if device else f"workdir {shown(h.get('workdir'), 200)}", describe(h) + verified(h, h.get("lockers"))))
+        parts = grouped(pairs)
         return f"{host} is busy: {'; '.join(parts)}: the whole host is not changed under a run (wait for it to end, or ask its user)"
     devices, want = reply.get("devices") or [], reply.get("want")
     free = sum(1 for d in devices if d.get("state") == "free")
