@@ -20,7 +20,7 @@ LAYERS = (
     ("core",),
     ("hosts",),
     ("sync",),
-    ("env",),
+    ("env", "image"),
     ("check",),
     ("run", "setup"),
     ("perf", "slurm", "board"),

@@ -43,6 +43,7 @@ class CheckOptions:
     required_files: tuple[str, ...] = ()  # files every host must hold (a job's script outside the synced tree)
     modules: tuple[Need, ...] = ()  # modules the job imports that every host's Python must resolve (mnft.run.needs)
     own_devices: dict[str, tuple[int, ...]] | None = None  # train --gpus: host -> the GPUs the run took (others are others')
+    image: str | None = None  # the job's container image (reference or .sif path): Python, torch and the job's modules looked up inside it
 
     def __post_init__(self) -> None:
         """Bad arguments are bad input (exit 2), refused before any host is touched."""

@@ -284,13 +284,15 @@ def _job(recipe, job_file, entry, overrides):
         "requeue": "--slurm: requeue after a node failure, and after a save on the warning signal; resume from the latest checkpoint",
         "signal": "--slurm: the warning before the time limit, SIGNAL@SECONDS (default USR2@90): the job saves, the batch requeues it",
         "sbatch_arg": "--slurm: one more sbatch option, --name or --name=value (repeat)",
+        "image": "run torchrun inside this container image on every host (podman, docker or apptainer: a reference, or a .sif "
+                 "path); check compares its id on every host; also a job file's image: (see docs/containers.md)",
     },
 )
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
           slurm=False, partition=None, nodes=None, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
-          backoff=None, wait_for_lost=None, gpus=None, wait=None):  # last: the earlier options keep their short flags
+          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -313,6 +315,10 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
     else:
         the_job = _job(recipe, job, entry, overrides)
+    if image is not None:
+        from mnft.image.runtime import check_ref
+
+        the_job = replace(the_job, image=check_ref(image, "--image"))
     if the_job.recipe:  # a typo in --set is bad input here, before any host is touched
         from mnft.cli.recipes import check_overrides
 

@@ -258,6 +258,7 @@ def terminate(run_dir, grace=10.0, keeper=None):
         for pid in run_pids(tag):
             if _signal_tagged(pid, tag, signal.SIGKILL):
                 killed.append(pid)
+    remove_container(spec, grace=0)  # podman's/docker's container outlives its client (conmon, the daemon): by its name
     if keeper is not None:
         try:
             keeper.wait(timeout=5)
@@ -342,6 +343,41 @@ def _uid_of(pid):
 # ---------------------------------------------------------------------------------------------------- keeper
 
 
+CONTAINER_TIMEOUT = 60.0  # seconds a runtime's `rm --force` may take (it waits for the container's processes)
+
+
+def remove_container(spec, grace=None):
+    """Remove the run's container on this host by the name mnft gave it (spec "container": its runtime's teardown
+    command, mnft.image.runtime.teardown_argv), if it still exists: nothing of a run outlives its end. Returns
+    None when the run has no container (or the runtime needs no removal), else whether the runtime succeeded
+    or said the container was already gone."""
+    import subprocess
+
+    container = spec.get("container") or {}
+    argv = list(container.get("teardown") or ())
+    if not argv:
+        return None
+    if grace is not None and "--time" in argv:
+        argv[argv.index("--time") + 1] = str(int(grace))
+    try:
+        done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              timeout=CONTAINER_TIMEOUT)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    said = done.stderr[-4096:].decode("utf-8", "replace").lower()
+    return done.returncode == 0 or "no such container" in said or "no container with name" in said
+
+
+def _make_mounts(spec):
+    """The run's container mounts its directories at the same paths: each must exist before the runtime starts
+    (a data_dir or checkpoints directory the job has not made yet)."""
+    for path in (spec.get("container") or {}).get("mounts") or ():
+        try:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+        except OSError as exc:
+            print("mnft: cannot make %s for the container: %s" % (path, exc), flush=True)
+
+
 def _reap_group(tag, grace=5.0):
     """After the command ended: its workers may live on (torchrun killed with SIGKILL leaves them). End them."""
     try:
@@ -388,18 +424,22 @@ def keep(run_dir):
     env = dict(os.environ)
     env.update({k: _expand(v) for k, v in (spec.get("env") or {}).items()})
     secrets_file = os.path.join(run_dir, "secrets.json")
-    if os.path.exists(secrets_file):
+    in_container = bool(spec.get("container"))
+    if os.path.exists(secrets_file) and not (spec.get("container") or {}).get("secrets_file"):
         try:
             with open(secrets_file) as fh:
                 env.update(json.load(fh))
         finally:
             os.unlink(secrets_file)
+    # else the container's launch wrapper reads and deletes it (entry.py --secrets): never in the container's config
     env[RUN_ID_VAR] = spec["run_id"]
     env[TAG_VAR] = spec["tag"]
     held = relock(env.pop(LEASE_FDS_VAR, ""))
     signal.signal(signal.SIGTERM, lambda *_: None)  # the group's SIGTERM is for the command; we record its end
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
+    if in_container:
+        _make_mounts(spec)
     try:
         child = subprocess.Popen([_expand(a) for a in spec["argv"]], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
         code = child.wait()
@@ -409,6 +449,10 @@ def keep(run_dir):
     if code < 0:
         code = 128 - code
     _reap_group(spec["tag"])
+    if in_container:
+        remove_container(spec)  # normally gone already (--rm): a client killed before its container was not
+        if os.path.exists(secrets_file):  # the container never started: the file is not left behind
+            os.unlink(secrets_file)
     for fd in held:  # the run has ended here: its leases go (before the end is written: whoever reads it finds them free)
         os.close(fd)
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)

@@ -3,6 +3,9 @@ only, Python >= 3.8; the host agent writes it into the run directory (mnft.run.a
 
     python entry.py SCRIPT.py ARGS…        runs SCRIPT.py as `python SCRIPT.py ARGS…` would
     python entry.py -m MODULE ARGS…        runs MODULE as `python -m MODULE ARGS…` would
+    python entry.py --secrets FILE CMD…    (in a container) the run's secrets from FILE (JSON, 0600) into the
+                                           environment, FILE deleted, then CMD (torchrun) in its place: the values
+                                           never stand on a command line nor in the container's configuration
 
 The entry point runs unchanged (runpy: the same sys.argv, `__main__`, `__file__` and sys.path[0] as without the
 wrapper). When it returns, or exits with status 0, the wrapper records `done/rank-<RANK>` in its own directory,
@@ -48,8 +51,38 @@ def done_ranks(run_dir):
     return sorted(ranks)
 
 
+SECRETS_BYTES = 1 << 20  # a secrets file read at most (the controller's --env-file is at most 64 KiB)
+
+
+def exec_with_secrets(path, argv):
+    """Load the secrets file's NAME -> value pairs into the environment, delete the file, exec argv."""
+    import json
+
+    try:
+        with open(path, "rb") as fh:
+            values = json.loads(fh.read(SECRETS_BYTES).decode("utf-8"))
+    except (OSError, ValueError) as exc:
+        sys.stderr.write("mnft: the run's secrets file %s: %s\n" % (path, exc))
+        return 2
+    finally:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    if not isinstance(values, dict):
+        sys.stderr.write("mnft: the run's secrets file %s holds no NAME -> value mapping\n" % path)
+        return 2
+    os.environ.update({str(k): str(v) for k, v in values.items()})
+    os.execvp(argv[0], argv)
+
+
 def main(argv):
     here = os.path.dirname(os.path.abspath(__file__))
+    if argv and argv[0] == "--secrets":
+        if len(argv) < 3:
+            sys.stderr.write("usage: entry.py --secrets FILE CMD...\n")
+            return 2
+        return exec_with_secrets(argv[1], argv[2:])
     if not argv or (argv[0] in ("-m", "--module") and len(argv) < 2):
         sys.stderr.write("usage: entry.py SCRIPT.py ARGS... | entry.py -m MODULE ARGS...\n")
         return 2

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 from mnft.core import yamlfile
 from mnft.core.errors import InputError
 from mnft.hosts.command import check_env_name, is_secret_name
+from mnft.image.runtime import check_ref
 from mnft.run import torchrunargs
 
 RECIPES = ("lora", "full")
@@ -52,7 +53,7 @@ METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "tensorboard", "re
 # torchrun options mnft sets itself (or that would break supervision, logs or ranks) are refused however argparse
 # would read them (abbreviated, --opt=value, PET_* variables): mnft.run.torchrunargs.
 
-JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus")
+JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus", "image")
 # What mnft's recipes import beyond what reading their source finds (mnft.run.needs reads the rest).
 RECIPE_REQUIRES = ("torch", "transformers", "peft", "safetensors", "yaml")
 RESUME_KEYS = ("layout", "checkpoints", "pattern", "marker", "args", "exit_codes")
@@ -102,6 +103,7 @@ class Job:
     elastic: bool = False
     requires: tuple[str, ...] = ()  # modules every host's Python must import (a job file's `requires:`, a recipe's own)
     gpus: int | None = None  # a job file's `gpus:`: the devices it takes on each host (--gpus overrides); None: every one
+    image: str | None = None  # a job file's `image:` (--image overrides): the container image its torchrun runs in; None: the host's Python
 
     @property
     def kind(self) -> str:
@@ -129,6 +131,7 @@ class Job:
                        "marker": self.resume.marker, "args": list(self.resume.args), "exit_codes": list(self.resume.exit_codes)},
             "metrics": {"format": self.metrics.format, "path": self.metrics.path, "regex": self.metrics.regex},
             "torchrun": list(self.torchrun), "elastic": self.elastic, "requires": list(self.requires), "gpus": self.gpus,
+            "image": self.image,
         }
 
 
@@ -143,6 +146,7 @@ def from_record(data: Mapping[str, Any]) -> Job:
         torchrun=tuple(data.get("torchrun") or ()), name=data.get("name"), recipe=data.get("recipe"), source=data.get("source"),
         elastic=bool(data.get("elastic")), requires=tuple(data.get("requires") or ()),
         gpus=data.get("gpus") if isinstance(data.get("gpus"), int) and not isinstance(data.get("gpus"), bool) else None,
+        image=data.get("image") if isinstance(data.get("image"), str) else None,
     )
 
 
@@ -250,8 +254,9 @@ def load_job_file(path: Path) -> Job:
     gpus = doc.get("gpus")
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 64):
         raise InputError(f"{at('gpus')}: key 'gpus': {gpus!r}: a whole number of GPUs per host from 1 to 64 (leave it out: every GPU)")
+    image = check_ref(doc["image"], f"{at('image')}: key 'image'") if doc.get("image") is not None else None
     job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic,
-              requires=requires, gpus=gpus)
+              requires=requires, gpus=gpus, image=image)
     if doc.get("recipe") is not None:
         base = recipe_job(doc["recipe"])
         job = replace(job, recipe=doc["recipe"], resume=base.resume, metrics=base.metrics, requires=base.requires + requires)

@@ -19,6 +19,7 @@ from mnft.core import limits
 from mnft.core.errors import InputError
 from mnft.hosts.command import ENV_NAME, REDACTED, check_env_name, is_secret_name, shell_line
 from mnft.hosts.settings import Host, Inventory
+from mnft.image import runtime as containers_
 from mnft.run import entry, torchrunargs
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 
@@ -74,6 +75,7 @@ class HostLaunch:
     timings: str | None = None  # the per-rank step timings this host's ranks write (mnft's recipes), a glob
     devices: tuple[int, ...] = ()  # the GPUs this host's ranks see (CUDA_VISIBLE_DEVICES), when the run took some
     leases: tuple[str, ...] = ()  # the lease files the run holds on this host: its keeper holds them to its end
+    container: dict | None = None  # the run's container on this host (job.image): runtime, path, name, image, mounts
 
     def spec(self, run_id: str, secrets: dict[str, str], options: LaunchOptions) -> dict:
         """What the host agent receives on stdin (the only place secret values travel)."""
@@ -92,6 +94,7 @@ class HostLaunch:
             "grace": options.grace,
             "entry": ENTRY_SOURCE,  # the launch wrapper's source: the agent writes it as <run_dir>/entry.py
             "leases": list(self.leases),
+            "container": self.container,
         }
 
     def display(self) -> dict:
@@ -236,6 +239,7 @@ def plan(
     attempt: int = 1,
     visible: dict[str, tuple[int, ...]] | None = None,
     held: dict[str, tuple[str, ...]] | None = None,
+    runtimes: dict[str, containers_.Runtime] | None = None,
 ) -> list[HostLaunch]:
     """One torchrun command per host for the job: `python -m torch.distributed.run <mnft's flags> <the job's torchrun
     options> <entry point> <job args> <command-line args> [<resume args>]`, with its environment.
@@ -244,7 +248,8 @@ def plan(
     value of {latest_checkpoint}. attempt: the attempt number after automatic restarts (its own run directory,
     MNFT_ATTEMPT in the job's environment). visible: host -> the GPUs the run took there (--gpus), which its ranks
     see as CUDA_VISIBLE_DEVICES, numbered as nvidia-smi numbers them (CUDA_DEVICE_ORDER=PCI_BUS_ID). held: host ->
-    the lease files the run holds there, handed to its keeper.
+    the lease files the run holds there, handed to its keeper. runtimes: host -> its container runtime, as the
+    check found it, for a job with an image (`in_image` wraps each host's command).
     """
     job = options.job
     if options.rdzv not in ("static", "c10d"):
@@ -299,6 +304,17 @@ def plan(
         if iface:
             host_env["NCCL_SOCKET_IFNAME"] = iface
             host_env["GLOO_SOCKET_IFNAME"] = iface
+        checkpoints = host_path(host, fill(job.resume.checkpoints, values))
+        container = None
+        if job.image:
+            rt = (runtimes or {}).get(host.name)
+            if rt is None:
+                raise InputError(f"{host.name}: the job runs in the image {job.image} but no container runtime was found there "
+                                 "(install podman, docker or apptainer, or set container_runtime: in the inventory)")
+            name = containers_.container_name(attempt_id(run_id, attempt), host.name)
+            argv, container = in_image(rt, job.image, name, argv, host_env, secret_names, devices,
+                                       mounts=(host.workdir, host.data_dir, checkpoints, run_dir), run_dir=run_dir, cwd=host.workdir,
+                                       labels=(("mnft.run", run_id), ("mnft.host", host.name)))
         source = job.metrics
         # static: the master is node 0, so rank 0's files are there; c10d: torch picks the ranks, so every host's
         # agent watches the path and only rank 0's host has it
@@ -319,14 +335,50 @@ def plan(
                 output_dir=values["output_dir"],
                 metrics=metrics_path if rank0_here and source.format not in ("hf", "tensorboard", "none") else None,
                 collect=(collected(source.format, metrics_path) if metrics_path and rank0_here else ()) + ((timings,) if timings else ()),
-                checkpoints=host_path(host, fill(job.resume.checkpoints, values)),
+                checkpoints=checkpoints,
                 timings=timings,
                 devices=devices,
                 leases=tuple((held or {}).get(host.name) or ()),
+                container=container,
             )
         )
         offset += host.slots
     return launches
+
+
+IMAGE_PYTHON = "python3"  # the image's Python: on PATH in every image mnft supports (NGC's, python:*, a Dockerfile's)
+# set by the keeper in the run's environment (mnft.run.agent): passed into the container by name with the rest
+KEEPER_ENV = ("MNFT_RUN_ID", "MNFT_RUN_TAG", "HOME")
+
+
+def in_image(rt: containers_.Runtime, image: str, name: str, argv: list[str], env: dict[str, str], secret_names: tuple[str, ...],
+             devices: tuple[int, ...], *, mounts: tuple[str, ...], run_dir: str, cwd: str,
+             labels: tuple[tuple[str, str], ...] = ()) -> tuple[list[str], dict]:
+    """One host's torchrun command inside the image: the same command, with the image's Python, under the runtime's
+    `run` (mnft.image.runtime). The environment goes in by name; the GPUs the run holds are the container's (and
+    CUDA_VISIBLE_DEVICES renumbered as the container sees them); secrets go through the 0600 file the agent writes
+    in the run directory, read and deleted inside by the launch wrapper (`entry.py --secrets`). Changes env in place.
+    Returns the argv and the container's record (what the host's teardown, `status` and the run record read)."""
+    inside = [IMAGE_PYTHON, *argv[1:]]
+    run_dir_abs = containers_.expand(run_dir, rt.home)
+    if secret_names:
+        inside = [IMAGE_PYTHON, _join(run_dir_abs, ENTRY), "--secrets", _join(run_dir_abs, "secrets.json"), *inside]
+    visible = containers_.visible_devices(rt, devices or None)
+    env.pop("CUDA_DEVICE_ORDER", None)
+    if visible is None:
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+        if rt.kind in containers_.SIF_RUNTIMES:
+            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the host's numbering, as nvidia-smi shows it
+    env_names = tuple(sorted(set(env) | set(KEEPER_ENV)))
+    spec = containers_.Container(image=containers_.expand(image, rt.home), name=name, mounts=mounts, devices=devices or None,
+                                 env_names=env_names, workdir=cwd, labels=labels)
+    wrapped = containers_.run_argv(rt, spec, inside)
+    record = {"runtime": rt.kind, "path": rt.path, "name": name, "image": image,
+              "mounts": list(containers_.mounts(mounts, rt.home)), "secrets_file": bool(secret_names),
+              "teardown": containers_.teardown_argv(rt.kind, rt.path, name)}
+    return wrapped, record
 
 
 def environ() -> dict[str, str]:

@@ -30,6 +30,7 @@ from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.lab import check_gpus, with_gpus
 from mnft.hosts.leases import Scope
 from mnft.hosts.settings import Inventory
+from mnft.image.runtime import Runtime
 from mnft.run import diagnose as diagnosing
 from mnft.run import launch as launching
 from mnft.run import records, recover
@@ -163,7 +164,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
     with Fleet(inventory) as fleet:
         port_asked = options.check.port or rendezvous_port(inventory, visible)
         check_options = replace(options.check, port=port_asked, find_free_port=True, required_files=needs.files, modules=needs.modules,
-                                own_devices=visible or None)
+                                own_devices=visible or None, image=job.image)
         report = gather_check(fleet, check_options)
         timings["check_s"] = round(time.monotonic() - t0, 3)
         spares = usable_spares(inventory, report, console)
@@ -174,7 +175,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         port = chosen_port(report)
         run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory, reached,
                   {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()},
-                  visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {})
+                  visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {}, runtimes_of(report, job))
         try:  # the launch plan refuses (slots, rendezvous, the master's address) before any byte is synced
             run.plan(inventory.gang(gang_names), report.master_addr, port, 1, lopts.resume)
         except InputError as exc:
@@ -337,13 +338,14 @@ class Run:
     pythons: dict[str, str] = field(default_factory=dict)  # host -> the Python that runs the job there
     visible: dict[str, tuple[int, ...]] = field(default_factory=dict)  # host -> the GPUs the run took (--gpus)
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> the lease files the run holds there
+    runtimes: dict[str, Runtime] = field(default_factory=dict)  # host -> its container runtime (a job with an image)
 
     def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
         return launching.plan(
             gang, master_addr=master_addr, port=port, run_id=self.run_id, job_id=self.job_id,
             options=replace(self.lopts, resume=resume), ifaces=self.ifaces, env=self.env,
             secret_names=tuple(sorted(self.secrets)), latest_checkpoint=latest, attempt=attempt,
-            visible=self.visible, held=self.held,
+            visible=self.visible, held=self.held, runtimes=self.runtimes,
         )
 
     def dry_run(self, gang: Inventory, master_addr: str, port: int) -> int:
@@ -602,7 +604,20 @@ class Run:
             raise RunFailed(f"run {record.run_id} failed: {attempts_note(record.data['attempts'], reason)} (logs: {record.path})")
         self.ifaces.update({name: reach.iface for name, reach in report.reach.items()})
         self.reached.update({name: reach.ok for name, reach in report.reach.items()})
+        self.runtimes.update(runtimes_of(report, self.lopts.job))
         return report.master_addr, chosen_port(report)
+
+
+def runtimes_of(report: CheckReport, job: Job) -> dict[str, Runtime]:
+    """host -> its container runtime as the check found it (a job with an image; the check refused a host without one)."""
+    if not job.image:
+        return {}
+    found = {}
+    for name, facts in report.facts.items():
+        container = facts.get("container") or {}
+        if container.get("runtime") and container.get("path") and container.get("home") is not None:
+            found[name] = Runtime.from_facts(container)
+    return found
 
 
 def attempt_label(attempt: int, policy: Policy, history: list[recover.Attempt]) -> str:
