@@ -40,6 +40,7 @@ HOST_SCRIPTS = (
     "sync.treehash",
     "hosts.leasehost",
     "env.envhost",
+    "image.imagehost",
     "setup.steps.remote",
     "perf.linkagent",
     "perf.torchlaunch",

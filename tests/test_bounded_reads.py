@@ -145,6 +145,17 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("env/envhost.py", "_controller_gone", "os.read"): ("the controller's heartbeats, dropped", STDIN),
     ("env/envhost.py", "main", ".readline"): ("the install spec", STDIN),
     ("env/envhost.py", "_libc", "subprocess.run"): ("ldd --version", TOOL),
+    ("image/imagehost.py", "source", "open"): ("imagehost.py", OWN),
+    ("image/imagehost.py", "source", ".read"): ("imagehost.py", OWN),
+    ("image/imagehost.py", "_kept", ".read"): ("a runtime's output (podman/docker/apptainer, nvidia-smi), from a temporary file: its end", "host: OUTPUT_KEPT (64 KiB)"),
+    ("image/imagehost.py", "cdi_gpus", "open"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
+    ("image/imagehost.py", "cdi_gpus", ".read"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
+    ("image/imagehost.py", "_load_cache", "open"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
+    ("image/imagehost.py", "_load_cache", ".read"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
+    ("image/imagehost.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("image/imagehost.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("image/imagehost.py", "sha256_file", "open"): ("a .sif, a staged .sif", CHUNKS),
+    ("image/imagehost.py", "sha256_file", ".read"): ("a .sif, a staged .sif", CHUNKS),
     ("env/envhost.py", "_python_version", "subprocess.run"): ("a Python's version", TOOL),
     ("perf/linkagent.py", "source", "open"): ("linkagent.py", OWN),
     ("perf/linkagent.py", "source", ".read"): ("linkagent.py", OWN),
@@ -267,7 +278,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
 }
 
 # The host-side scripts (docs/architecture.md): they parse their own tools' output, not a host's reply.
-HOST_SIDE = {"run/agent.py", "run/entry.py", "check/probe.py", "sync/treehash.py", "hosts/leasehost.py", "env/envhost.py",
+HOST_SIDE = {"run/agent.py", "run/entry.py", "check/probe.py", "sync/treehash.py", "hosts/leasehost.py", "env/envhost.py", "image/imagehost.py",
              "setup/steps/remote.py", "perf/linkagent.py", "slurm/node.py", "perf/torchlaunch.py"}
 
 # Files other sessions own (the brief's list): an `owner:` row may stand only there.

@@ -17,6 +17,7 @@ from mnft.core.yamlfile import line_of, suggest
 
 DEFAULT_RENDEZVOUS_PORT = 29500
 CONNECTIONS = ("ssh", "local")
+CONTAINER_RUNTIMES = ("podman", "docker", "apptainer", "singularity")  # mnft.image.runtime.RUNTIMES
 
 # Per-host settings, their defaults, and how a value is checked. `None` means "not set": ssh config or the
 # runtime decides (user -> ~/.ssh/config or the current user, iface -> detected from the route to the master).
@@ -35,6 +36,7 @@ HOST_DEFAULTS: dict[str, Any] = {
     "become": False,
     "venv": "~/mnft-env",  # where `invoke provision` keeps the environment (a link); "none": never provisioned
     "spare": False,  # checked and synced with the others, but trains only when `train --max-restarts` replaces a lost host
+    "container_runtime": None,  # an image's runtime: podman | docker | apptainer | singularity | an absolute path; None: found on the host
 }
 HOST_KEYS = tuple(HOST_DEFAULTS)
 # `perf:` (mnft YAML) / `mnft_perf` (Ansible all vars): thresholds and absolute floors of `invoke check --perf`
@@ -62,6 +64,7 @@ class Host:
     venv: str | None = "~/mnft-env"
     base_python: str | None = None  # set when `python` is the provisioned environment's: the inventory's own python
     spare: bool = False
+    container_runtime: str | None = None  # None: the first of CONTAINER_RUNTIMES the host has (mnft.image.imagehost)
 
     @property
     def is_local(self) -> bool:
@@ -252,6 +255,10 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
         venv = text("venv", allow_none=False)
         if not (venv.startswith("/") or venv.startswith("~/")) or venv.rstrip("/") in ("", "~"):
             raise InputError(f"{at('venv')}: {what}: key 'venv': {venv!r} must be an absolute path or start with '~/' (or be none)")
+    runtime = text("container_runtime")
+    if runtime is not None and runtime not in CONTAINER_RUNTIMES and not (runtime.startswith("/") and len(runtime) > 1):
+        raise InputError(f"{at('container_runtime')}: {what}: key 'container_runtime': {limits.shown(runtime)} is not a container runtime "
+                         f"(use one of {', '.join(CONTAINER_RUNTIMES)}, or the absolute path of one)")
     if connection == "local":
         address = "localhost" if values["address"] is None else address
         user = user or getpass.getuser()
@@ -272,6 +279,7 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
         become=flag("become"),
         venv=venv,
         spare=flag("spare"),
+        container_runtime=runtime,
     )
 
 

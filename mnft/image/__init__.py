@@ -1,4 +1,7 @@
 """The lab's container image as a run's environment: the same image, by id, on every host, run as one gang.
 
     runtime     each runtime's command line (podman, docker, apptainer/singularity), pure: facts in, argv out
+    imagehost   the host side (shipped through pyrun): the runtime found there and the image's id (facts); save,
+                load, place and clean for `sync --image`
+    facts       every host's imagehost facts, one round-trip each, in parallel; this machine's own
 """
