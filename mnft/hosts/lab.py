@@ -63,6 +63,7 @@ class Row:
     memory: str | None = None  # "12034/81559 MiB"
     utilization: int | None = None
     detail: str | None = None  # the lease file's own words when /proc/locks disagrees; an error
+    image: str | None = None  # the holder's container image (a run in an image)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -87,7 +88,8 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 claimed, proven = leases.holder_login(holder), lockers_users(d)
                 detail = f"the lease file names {claimed}" if proven and claimed and claimed not in proven else None
                 out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), leases.shown(holder.get("command"), 20),
-                               _number(holder.get("taken") or holder.get("started")), memory, util, detail))
+                               _number(holder.get("taken") or holder.get("started")), memory, util, detail,
+                               leases.shown(holder.get("image"), 80)))
             elif state == "outside":
                 procs = d.get("processes") or []
                 users = sorted({leases.shown(p.get("user")) or "?" for p in procs})

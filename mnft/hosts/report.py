@@ -104,11 +104,12 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
     devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside"))
     table = Table(title=plain(f"{inventory.path or 'the lab'}: {free} of {devices} device(s) free on {len(inventory.hosts)} host(s) "
                               f"(asked in {seconds:.2f}s)"))
-    for col in ("host", "device", "state", "user", "run", "command", "since", "memory", "util", "detail"):
+    images = any(r.image for r in table_rows)  # the column only where a run in an image holds a device
+    for col in ("host", "device", "state", "user", "run", "command", *(("image",) if images else ()), "since", "memory", "util", "detail"):
         table.add_column(col)
     for r in table_rows:
         table.add_row(plain(r.host), plain(r.device), plain(r.state, LAB_STYLE.get(r.state, "")), plain(r.user or ""), plain(r.run or ""),
-                      plain(r.command or ""), plain(since(r.since)), plain(r.memory or ""),
+                      plain(r.command or ""), *((plain(r.image or ""),) if images else ()), plain(since(r.since)), plain(r.memory or ""),
                       plain("" if r.utilization is None else f"{r.utilization}%"), plain(r.detail or ""))
     console().print(table)
     return ExitCode.UNREACHABLE if unanswered else ExitCode.OK

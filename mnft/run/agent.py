@@ -368,6 +368,25 @@ def remove_container(spec, grace=None):
     return done.returncode == 0 or "no such container" in said or "no container with name" in said
 
 
+def container_state(spec):
+    """The run's container on this host, for `status`: its name, image and whether the runtime still has it."""
+    import subprocess
+
+    container = spec.get("container") or {}
+    if not container:
+        return None
+    out = {"name": container.get("name"), "image": container.get("image"), "runtime": container.get("runtime")}
+    path, kind, name = container.get("path"), container.get("runtime"), container.get("name")
+    if kind in ("podman", "docker") and path and name:
+        argv = [path, "container", "exists", name] if kind == "podman" else [path, "container", "inspect", "--format", "{{.Id}}", name]
+        try:
+            done = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=20)
+            out["present"] = done.returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            out["present"] = None
+    return out
+
+
 def _make_mounts(spec):
     """The run's container mounts its directories at the same paths: each must exist before the runtime starts
     (a data_dir or checkpoints directory the job has not made yet)."""
@@ -840,6 +859,8 @@ def status(run_dir):
         "output_lines": _last_lines(os.path.join(run_dir, "output.log"), STATUS_LINES),
         "done": done_ranks(run_dir),
     }
+    if spec.get("container"):
+        result["container"] = container_state(spec)
     if state == "running":
         result["sample"] = status_sample(spec)
     return result

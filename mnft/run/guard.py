@@ -33,14 +33,14 @@ class Guard:
         return self
 
     def hold(self, record: records.RunRecord | None, inventory: Inventory, run_id: str, scope: leases.Scope | None = None,
-             on_wait: Callable[[str, dict], None] | None = None) -> None:
+             on_wait: Callable[[str, dict], None] | None = None, image: str | None = None) -> None:
         """The run is `record` (None: a dry run, which takes no lease); take on every host its devices (scope.gpus
         of them, or every one) and its workdir, waiting in line when asked to, or refuse."""
         self.record = record
         if record is None:
             return
         self.fleet = Fleet(inventory)
-        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=on_wait)
+        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=on_wait, image=image)
         if scope is not None and scope.wait is not None:
             record.update(state="waiting")
         try:

@@ -45,6 +45,10 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
             console().print(plain(f"attempt {live.get('attempt')}/{live['max_restarts'] + 1}: {live.get('state')}"
                                   + (f" ({live['note']})" if live.get("note") else ""), "yellow" if (live.get("attempt") or 1) > 1 else ""))
         for name, st in states.items():
+            if st.get("container"):
+                box = st["container"]
+                there = {True: "present", False: "gone"}.get(box.get("present"), "not known")
+                console().print(plain(f"{name}: in image {box.get('image')} ({box.get('runtime')} container {box.get('name')}: {there})"))
             if st.get("lease") is not None:
                 held = st.get("devices") or []
                 what = "its CPUs" if held == [None] else "GPU " + ", ".join(str(d) for d in held)

@@ -156,7 +156,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         )
     # the run's devices and workdir on every host; taken by another run (or a host under setup) refuses it here,
     # untouched, unless it waits in line
-    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait), on_wait=WaitLine(console).update)
+    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait), on_wait=WaitLine(console).update, image=job.image)
     held = guard.leases
     visible = {h: tuple(d["index"] for d in found if d.get("index") is not None) for h, found in held.devices.items()} \
         if held is not None and gpus is not None else {}
