@@ -7,7 +7,7 @@ object from stdout. Standard library only, Python >= 3.8.
 
     facts RUNTIME IMAGE                 the runtime and the image's identity, one JSON line (below)
     prepare DIR                         a fresh staging directory (0700, its parents made), the mesh's peers
-    save RUNTIME IMAGE DIR FORMAT       the image saved into DIR/image.tar (FORMAT: oci-archive | docker-archive)
+    save RUNTIME IMAGE DIR              the image saved into DIR/image.tar (a docker-archive: see save())
     load RUNTIME IMAGE DIR ID           DIR/image.tar loaded, its id verified to be ID, tagged IMAGE; DIR removed
     place IMAGE DIR ID                  a .sif: DIR/image.sif verified (sha256) and renamed to IMAGE; DIR removed
     clean DIR...                        staging directories removed (only those named like mnft's)
@@ -418,11 +418,14 @@ def _runtime_path(runtime: str, image: str) -> tuple:
     return found["runtime"], found["path"]
 
 
-def save(runtime: str, image: str, folder: str, fmt: str) -> dict:
+def save(runtime: str, image: str, folder: str) -> dict:
+    """The image as a docker-archive: podman and docker both load it, and it keeps the image's id (its config, byte
+    for byte). An oci-archive does not, for an image of docker's manifest type (an NGC image, one docker built, one
+    loaded from a docker-archive): podman writes its config anew and the id changes."""
     kind, path = _runtime_path(runtime, image)
     folder = _stage_dir(folder)
     archive = os.path.join(folder, ARCHIVE)
-    argv = [path, "save", "-o", archive, image] if kind == "docker" else [path, "save", "--format", fmt, "-o", archive, image]
+    argv = [path, "save", "-o", archive, image] if kind == "docker" else [path, "save", "--format", "docker-archive", "-o", archive, image]
     code, out, err = run(argv, MOVE_TIMEOUT)
     if code != 0:
         raise Failure(_failed("%s save" % kind, code, err or out))
@@ -458,7 +461,7 @@ def load(runtime: str, image: str, folder: str, want: str) -> dict:
             ident = normal_id(name) or daemon_image(path, name)[1]
             if ident:
                 ids.add(ident)
-        if want not in ids and want not in _image_ids(path):
+        if want not in (ids or _image_ids(path)):  # what the archive brought, by the names the load printed
             for ident in sorted(ids - before):  # what the archive brought is not the image: it goes
                 run([path, "rmi", "--force", ident], QUICK_TIMEOUT * 3)
             if old:
@@ -508,10 +511,10 @@ def clean(folders: list) -> dict:
 
 
 def main(argv: list) -> int:
-    arity = {"facts": 2, "prepare": 1, "save": 4, "load": 4, "place": 3}
+    arity = {"facts": 2, "prepare": 1, "save": 3, "load": 4, "place": 3}
     mode = argv[0] if argv else None
     if mode not in arity and mode != "clean" or (mode in arity and len(argv) != arity[mode] + 1):
-        sys.stderr.write("usage: imagehost.py facts RUNTIME IMAGE | prepare DIR | save RUNTIME IMAGE DIR FORMAT | "
+        sys.stderr.write("usage: imagehost.py facts RUNTIME IMAGE | prepare DIR | save RUNTIME IMAGE DIR | "
                          "load RUNTIME IMAGE DIR ID | place IMAGE DIR ID | clean DIR...\n")
         return 2
     started = time.monotonic()
