@@ -129,6 +129,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("check/probe.py", "_stdin_is_a_channel", "os.read"): ("the controller's channel", STDIN),
     ("check/probe.py", "listen", "os.read"): ("the controller's channel (its end)", STDIN),
     ("check/probe.py", "_spawn", "subprocess.Popen"): ("nvidia-smi, ip, ethtool … (with a deadline)", TOOL),
+    ("check/probe.py", "_request", ".readline"): ("the controller's request (check --image: imagehost's source, the probe's command inside the image)", "host: REQUEST_BYTES (16 MiB), larger: an error of the probe"),
+    ("check/probe.py", "_end", ".read"): ("the end of a command's output the controller sent (the probe inside the image)", "host: STDOUT_KEPT (4 MiB), STDERR_KEPT (64 KiB)"),
     ("env/envhost.py", "source", "open"): ("envhost.py", OWN),
     ("env/envhost.py", "source", ".read"): ("envhost.py", OWN),
     ("env/envhost.py", "_read_json", "open"): ("an environment's record (its distributions)", "host: RECORD_BYTES (16 MiB), larger: no record"),

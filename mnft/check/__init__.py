@@ -3,6 +3,8 @@
     probe       the host side: a host's facts, or a network test, in one round-trip (stdlib only)
     findings    what a check produces: options, problems with their fix, the report
     gather      read: probes on every host in parallel, the rendezvous port tested from every host
+    inimage     read with an image (--image): the host's facts, the image's and the probe inside the image, one
+                command per host; the facts merged so the rules compare what the job sees
     rules       pure: facts in, problems out (versions, drivers, disk, clocks, code, environment)
     report      the check table and the problems, or --json
 """

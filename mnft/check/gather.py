@@ -132,7 +132,13 @@ def _first_json_line(process, timeout: float) -> dict | None:
 
 def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
     inventory = fleet.inventory
-    outcomes, facts, skew = gather_facts(fleet, modules=tuple(sorted({n.module for n in options.modules})))
+    modules = tuple(sorted({n.module for n in options.modules}))
+    if options.image:  # the host's facts and the image's, the probe run inside it: one command per host
+        from mnft.check.inimage import gather_image_facts
+
+        outcomes, facts, skew = gather_image_facts(fleet, options.image, modules)
+    else:
+        outcomes, facts, skew = gather_facts(fleet, modules=modules)
     report = CheckReport(inventory, dict(outcomes.by_host), facts, skew=skew)
     probed = [h for h in inventory.hosts if h.name in facts]
     workdirs = {h.name: h.workdir for h in probed}

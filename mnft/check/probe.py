@@ -6,6 +6,11 @@ object from stdout. It also runs as `python3 mnft/check/probe.py MODE ...`.
 
     facts [--workdir PATH] [--modules A,B]  what the host has: OS, Python, torch/CUDA/NCCL, GPUs, memory, disk, NICs;
                                             with --modules, which of those top-level modules this Python resolves
+    python [--modules A,B]                  only what this Python has (torch/CUDA/NCCL, distributions, the modules):
+                                            the probe inside a container image, where the job's Python is
+    image-facts [--workdir PATH]            with an image: the host's facts without its Python's packages, and the
+                                            image's facts (the controller's request on stdin); then each command the
+                                            controller sends (the probe inside the image), one line each
     listen PORT SECONDS [--bind ADDR]       accept TCP connections (reply b"mnft\\n") until SECONDS pass or stdin closes
     connect HOST PORT TIMEOUT [--bind ADDR] connect (from source address ADDR) and read the listener's reply
     free-port PORT [--bind ADDR]            can PORT be bound right now (SO_REUSEADDR off)?
@@ -33,6 +38,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -48,6 +54,8 @@ GPU_QUERY = "index,name,uuid,memory.total,memory.used,driver_version"
 APP_QUERY = "gpu_uuid,pid,process_name,used_memory"
 
 USAGE = """usage: probe.py facts [--workdir PATH] [--modules A,B]
+       probe.py python [--modules A,B]
+       probe.py image-facts [--workdir PATH]
        probe.py listen PORT SECONDS [--bind ADDR]
        probe.py connect HOST PORT TIMEOUT [--bind ADDR]
        probe.py free-port PORT [--bind ADDR]"""
@@ -499,8 +507,35 @@ def modules(names: list) -> dict:
     return out
 
 
-def facts(workdir: str = "~", wanted: list = ()) -> dict:
-    """Everything the controller plans from. Slow parts (nvidia-smi, ip, DNS) run concurrently."""
+def _packages(out: dict, errors: dict, wanted: list) -> float:
+    """What this Python has into `out`: torch (read, never imported), NCCL/cuDNN, every distribution, and which of
+    the `wanted` modules it resolves. Returns the seconds reading torch took."""
+    torch_start = time.monotonic()
+    out["torch"] = _guard(errors, "torch", _torch, errors)
+    torch_s = time.monotonic() - torch_start
+    libs = _guard(errors, "nccl", _nvidia_libs, (out["torch"] or {}).get("cuda"), default={})
+    out["nccl"] = libs.get("nccl")
+    out["cudnn"] = libs.get("cudnn")
+    out["dists"] = _guard(errors, "dists", _distributions)
+    if wanted:
+        out["modules"] = _guard(errors, "modules", modules, list(wanted))
+    return torch_s
+
+
+def python_facts(wanted: list = ()) -> dict:
+    """Only what this Python has (inside a container image: the Python the job runs in)."""
+    start = time.monotonic()
+    errors = {}
+    out = {"probe_version": PROBE_VERSION, "python": {"executable": sys.executable, "version": platform.python_version()}}
+    torch_s = _packages(out, errors, wanted)
+    out["timings"] = {"total_s": round(time.monotonic() - start, 4), "torch_s": round(torch_s, 4)}
+    out["errors"] = errors
+    return out
+
+
+def facts(workdir: str = "~", wanted: list = (), packages: bool = True) -> dict:
+    """Everything the controller plans from. Slow parts (nvidia-smi, ip, DNS) run concurrently. packages=False:
+    not this Python's packages (torch, NCCL, distributions, modules): an image brings the job's own."""
     start = time.monotonic()
     errors = {}
     nvidia = _Nvidia(errors)
@@ -517,12 +552,7 @@ def facts(workdir: str = "~", wanted: list = ()) -> dict:
     out["kernel"] = _guard(errors, "kernel", platform.release)
     out["arch"] = _guard(errors, "arch", platform.machine)
     out["python"] = {"executable": sys.executable, "version": platform.python_version()}
-    torch_start = time.monotonic()
-    out["torch"] = _guard(errors, "torch", _torch, errors)
-    torch_s = time.monotonic() - torch_start
-    libs = _guard(errors, "nccl", _nvidia_libs, (out["torch"] or {}).get("cuda"), default={})
-    out["nccl"] = libs.get("nccl")
-    out["cudnn"] = libs.get("cudnn")
+    torch_s = _packages(out, errors, wanted) if packages else None
     out["nvidia"] = None
     out["cpu_count"] = _guard(errors, "cpu_count", os.cpu_count)
     out["memory"] = _guard(errors, "memory", _memory)
@@ -532,14 +562,93 @@ def facts(workdir: str = "~", wanted: list = ()) -> dict:
     out["nvidia"] = _guard(errors, "nvidia", nvidia.result)
     out["clock"] = None
     out["rsync"] = _guard(errors, "rsync", shutil.which, "rsync")
-    out["dists"] = _guard(errors, "dists", _distributions)
-    if wanted:
-        out["modules"] = _guard(errors, "modules", modules, list(wanted))
-    out["timings"] = {"total_s": None, "torch_s": round(torch_s, 4)}
+    out["timings"] = {"total_s": None, "torch_s": None if torch_s is None else round(torch_s, 4)}
     out["errors"] = errors
     out["clock"] = time.time()
     out["timings"]["total_s"] = round(time.monotonic() - start, 4)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ an image
+
+REQUEST_BYTES = 16 << 20  # one request line of the controller's, at most (a script's source is in it)
+STDOUT_KEPT = 4 << 20  # a command's stdout kept (its end: its reply is its last line)
+STDERR_KEPT = 65536  # a command's stderr kept (its end)
+
+
+def _request():
+    """The controller's next request: one JSON object on a line of stdin; None at its end."""
+    line = sys.stdin.buffer.readline(REQUEST_BYTES + 1)
+    if not line.strip():
+        return None
+    if len(line) > REQUEST_BYTES:
+        raise ValueError("a request longer than %d bytes" % REQUEST_BYTES)
+    request = json.loads(line.decode("utf-8"))
+    if not isinstance(request, dict):
+        raise ValueError("a request that is not a JSON object")
+    return request
+
+
+def _image_host_facts(request: dict, box: dict) -> None:
+    """imagehost's facts (its source, the runtime setting and the image come in the request), computed in this
+    process as imagehost.py says another host script may: its source run in a namespace of its own."""
+    try:
+        namespace = {"__name__": "mnft_imagehost"}
+        exec(compile(request["imagehost"], "imagehost", "exec"), namespace)
+        box["container"] = namespace["facts"](request["runtime"], request["image"])
+    except Exception as exc:  # noqa: BLE001 - the probe never raises
+        box["error"] = _message(exc)
+
+
+def _end(f, kept: int) -> str:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(max(0, size - kept))
+    return f.read(kept).decode("utf-8", "replace")
+
+
+def run_command(request: dict) -> dict:
+    """A command the controller sent: `argv` (run as it is, no shell), `input` on its stdin, `timeout` seconds.
+    Its exit code (None: it did not end or could not start, `error` says why) and the ends of its output."""
+    start = time.monotonic()
+    argv = [str(a) for a in request.get("argv") or []]
+    timeout = float(request.get("timeout") or 60)
+    out = {"exit_code": None, "stdout": "", "stderr": "", "error": None, "seconds": None}
+    with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
+        try:
+            out["exit_code"] = subprocess.run(argv, input=(request.get("input") or "").encode("utf-8"), stdout=stdout,
+                                              stderr=stderr, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            out["error"] = "no answer within %gs" % timeout
+        except (OSError, ValueError) as exc:  # ValueError: an empty argv
+            out["error"] = "%s: %s" % (argv[0] if argv else "no command", _message(exc))
+        out["stdout"] = _end(stdout, STDOUT_KEPT)
+        out["stderr"] = _end(stderr, STDERR_KEPT)
+    out["seconds"] = round(time.monotonic() - start, 4)
+    return out
+
+
+def image_facts(workdir: str) -> None:
+    """With an image: the host's facts without its Python's packages and the image's facts (imagehost's, read
+    meanwhile), as one line whose clock is read last; then each command the controller sends (the probe inside
+    the image: the controller builds its command line from those facts), one line each, until stdin ends."""
+    start = time.monotonic()
+    request = _request() or {}
+    box = {}
+    thread = threading.Thread(target=_image_host_facts, args=(request, box), name="imagehost", daemon=True)
+    thread.start()
+    host = facts(workdir, packages=False)
+    timeout = float(request.get("timeout") or 60)
+    thread.join(max(0.0, timeout - (time.monotonic() - start)))
+    if thread.is_alive():
+        box["error"] = "the image's facts: no answer within %gs" % timeout
+    host["clock"] = time.time()
+    host["timings"]["total_s"] = round(time.monotonic() - start, 4)
+    _emit({"facts": host, "container": box.get("container"), "container_error": box.get("error")})
+    while True:
+        request = _request()
+        if request is None:
+            return
+        _emit(run_command(request))
 
 
 # ------------------------------------------------------------------------------------------------ network
@@ -709,6 +818,8 @@ def _number(text: str, what: str, kind, low, high=None):
 
 MODES = {  # mode -> (positional names, options)
     "facts": ((), ("--workdir", "--modules")),
+    "python": ((), ("--modules",)),
+    "image-facts": ((), ("--workdir",)),
     "listen": (("PORT", "SECONDS"), ("--bind",)),
     "connect": (("HOST", "PORT", "TIMEOUT"), ("--bind",)),
     "free-port": (("PORT",), ("--bind",)),
@@ -757,6 +868,10 @@ def main(argv=None) -> int:
         if mode == "facts":
             wanted = [m for m in options.get("--modules", "").split(",") if m]
             _emit(facts(options.get("--workdir", "~"), wanted))
+        elif mode == "python":
+            _emit(python_facts([m for m in options.get("--modules", "").split(",") if m]))
+        elif mode == "image-facts":
+            image_facts(options.get("--workdir", "~"))
         elif mode == "listen":
             listen(values["PORT"], values["SECONDS"], bind or "0.0.0.0")
         elif mode == "connect":

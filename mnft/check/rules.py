@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ipaddress
+from dataclasses import replace
 from typing import Any
 
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
@@ -155,27 +156,134 @@ def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None)
     return problems
 
 
+# ------------------------------------------------------------------------------------------------ an image
+
+PYTHON_SIDE = ("python", "torch", "cuda", "nccl")  # what an image brings (the driver stays the host's)
+RUNTIME_FIX = "install podman, docker or apptainer on the host, or set container_runtime: in the inventory (a kind or an absolute path)"
+
+
+def probed_inside(facts: dict) -> bool:
+    """With an image: the probe ran inside it on this host and answered (mnft.check.inimage.merge)."""
+    return bool((facts.get("image_probe") or {}).get("ok"))
+
+
+def python_reference(inventory: Inventory, facts: dict[str, dict], image: str | None) -> str | None:
+    """The host whose Python, torch, CUDA and NCCL the others are compared with: the reference host, or with an
+    image, the first host (the master first) where the probe ran inside the image."""
+    ref_name = reference_host(inventory, facts)
+    if not image or ref_name is None or probed_inside(facts[ref_name]):
+        return ref_name
+    return next((h.name for h in inventory.hosts if h.name in facts and probed_inside(facts[h.name])), None)
+
+
+def short_id(image_id: str | None) -> str:
+    """sha256:0123456789ab… (an image id as a person compares it); '-' for none."""
+    if not image_id:
+        return "-"
+    return image_id[:19] + "…" if len(image_id) > 19 else image_id
+
+
+def _image_id(facts: dict | None) -> str | None:
+    return (((facts or {}).get("container") or {}).get("image") or {}).get("id")
+
+
+def image_reference(inventory: Inventory, facts: dict[str, dict]) -> str | None:
+    """The host whose image id the others must have: the master, or when it has none the first host that has one."""
+    if _image_id(facts.get(inventory.master_name)):
+        return inventory.master_name
+    return next((h.name for h in inventory.hosts if _image_id(facts.get(h.name))), None)
+
+
+def _python_missing(error: str, python: str) -> bool:
+    low = error.lower()
+    return python in low and ("not found" in low or "no such file" in low)
+
+
+def image_problems(inventory: Inventory, facts: dict[str, dict], image: str) -> list[Problem]:
+    """The rules of a run in an image: a runtime on every host, the image there, by the same id as the master's, GPUs
+    the runtime can hand to a container, and the probe inside the image answered. Pure: facts in, problems out."""
+    from mnft.image.runtime import CDI_FIX
+
+    problems: list[Problem] = []
+    master = inventory.master_name
+    ref_name = image_reference(inventory, facts)
+    for host in inventory.hosts:
+        f = facts.get(host.name)
+        if f is None:
+            continue
+        container, inside = f.get("container"), f.get("image_probe") or {}
+        if not isinstance(container, dict):
+            problems.append(Problem(host.name, "image", f"the image's facts could not be read: {inside.get('error') or 'no answer'}",
+                                    "see the message; `mnft check --json` shows the host's answer"))
+            continue
+        if not container.get("runtime"):
+            problems.append(Problem(host.name, "runtime", f"no container runtime: {container.get('error') or 'none of podman, docker, apptainer, singularity found'}",
+                                    RUNTIME_FIX))
+            continue
+        found = container.get("image") or {}
+        if not found.get("present"):
+            if container.get("error"):  # the runtime could not say
+                problems.append(Problem(host.name, "image", f"{container['runtime']} cannot tell whether {image} is there: {container['error']}",
+                                        f"make `{container.get('path') or container['runtime']} image inspect {image}` work on {host.name}"))
+            else:
+                problems.append(Problem(host.name, "image", f"{host.name} lacks {image}",
+                                        f"mnft sync --image {image} (relays it from a host that has it)"))
+            continue
+        if ref_name is not None and host.name != ref_name and found.get("id") != _image_id(facts[ref_name]):
+            whose = f"the master {ref_name}" if ref_name == master else f"{ref_name} (the first host that has it; the master {master} does not)"
+            problems.append(Problem(host.name, "image", f"{host.name} has {short_id(found.get('id'))}, {whose} has {short_id(_image_id(facts[ref_name]))}",
+                                    f"mnft sync --image {image} --force"))
+        if container.get("gpus") and container.get("runtime") == "podman" and not container.get("cdi"):
+            problems.append(Problem(host.name, "cdi", "podman has no CDI description of this host's NVIDIA GPUs: a container would see none", CDI_FIX))
+        elif inside.get("ran") and not inside.get("ok"):
+            error, python = str(inside.get("error") or "no answer"), str(inside.get("python") or "python3")
+            fix = (f"the image needs {python} (3.8 or newer) on its PATH: mnft's probe and the job's torchrun run with it"
+                   if _python_missing(error, python) else
+                   f"run it by hand on {host.name} to see why: {container.get('path') or container['runtime']} run --rm -i {image} {python} -V")
+            problems.append(Problem(host.name, "image", f"the probe inside {image} failed: {error}", fix))
+    return problems
+
+
 def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, options: CheckOptions) -> list[Problem]:
     problems: list[Problem] = []
     master = inventory.master_name
+    image = options.image
     ref_name = reference_host(inventory, facts)
     reference = comparable(facts[ref_name]) if ref_name is not None else None
     ref_label = reference_label(inventory, ref_name)
+    # the Python side (Python, torch, CUDA, NCCL, distributions, modules): with an image, what the probe saw inside it
+    py_name = python_reference(inventory, facts, image)
+    py_reference = comparable(facts[py_name]) if py_name is not None else None
+    py_label = reference_label(inventory, py_name) if py_name == ref_name else f"{py_name}'s (the first host whose image answered)"
+    known = {name for name, f in facts.items() if not image or probed_inside(f)}
+    if image:
+        problems += image_problems(inventory, facts, image)
     uses_gpu = any((f.get("torch") or {}).get("cuda") or (f.get("nvidia") or {}).get("gpus") for f in facts.values())
     for host in inventory.hosts:
         f = facts.get(host.name)
         if f is None:
             continue
         mine = comparable(f)
-        if (f.get("torch") or {}).get("version") is None:
-            problems.append(Problem(host.name, "torch", f"torch is not installed for {(f.get('python') or {}).get('executable') or host.python}", "pip install torch in the Python the inventory names ('python')"))
+        if host.name in known and (f.get("torch") or {}).get("version") is None:
+            where = f"{(f.get('python') or {}).get('executable') or host.python}"
+            problems.append(Problem(host.name, "torch", f"torch is not installed in the image {image} ({where})", f"use an image with torch, then mnft sync --image {image} --force")
+                            if image else
+                            Problem(host.name, "torch", f"torch is not installed for {where}", "pip install torch in the Python the inventory names ('python')"))
         if reference is not None and host.name != ref_name:
             for key, label, _ in SAME_EVERYWHERE:
+                if key in PYTHON_SIDE and image:
+                    continue  # below, against the Python-side reference
                 if mine[key] != reference[key] and not (key == "torch" and mine[key] is None):
                     problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from {ref_label} {reference[key] or 'none'}", FIXES[key].format(value=reference[key])))
-            drift = environment_drift(host.name, f, facts[ref_name], "master" if ref_name == master else ref_name)
+        if image and py_reference is not None and host.name != py_name and host.name in known:
+            for key, label, _ in SAME_EVERYWHERE:
+                if key in PYTHON_SIDE and mine[key] != py_reference[key] and not (key == "torch" and mine[key] is None):
+                    problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} in the image differs from {py_label} {py_reference[key] or 'none'}",
+                                            f"one image everywhere: mnft sync --image {image} --force"))
+        if py_name is not None and host.name != py_name and host.name in known:
+            drift = environment_drift(host.name, f, facts[py_name], "master" if py_name == master else py_name)
             if drift is not None:
-                problems.append(drift)
+                problems.append(drift if not image else replace(drift, fix=f"one image everywhere: mnft sync --image {image} --force"))
         gpus = (f.get("nvidia") or {}).get("gpus") or []
         if uses_gpu:
             if len(gpus) < host.slots:
@@ -193,7 +301,13 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
         found = f.get("modules") or {}
         for need in options.modules:
             if found.get(need.module) is False:
-                problems.append(need.problem(host.name, (f.get("python") or {}).get("executable") or host.python))
+                python = (f.get("python") or {}).get("executable") or host.python
+                if image:
+                    package = need.dist or need.module
+                    problems.append(replace(need.problem(host.name, f"{python} in the image {image}"),
+                                            fix=f"install {package} in the image (its build), then mnft sync --image {image} --force"))
+                else:
+                    problems.append(need.problem(host.name, python))
         skew = report.skew.get(host.name)
         ref_skew = report.skew.get(ref_name) if ref_name is not None else None
         if skew is not None and ref_skew is not None and abs(skew - ref_skew) > options.max_clock_skew_s:

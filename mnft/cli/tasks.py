@@ -116,11 +116,13 @@ def inventory(c, hosts=None, json=False):
         "recipe": "also prove this job can start: one of mnft's recipes (lora, full)",
         "job": "also prove this job can start: a job file (see docs/jobs.md); or give your script after -- as for train",
         "src": "the tree train would sync (default: the top of the git repository around the current directory)",
+        "image": "the job runs in this container image (a reference or a .sif path; default: the job file's image:): its id "
+                 "compared on every host, Python, torch, CUDA, NCCL and the job's modules looked up inside it (docs/containers.md)",
     }
 )
 @_mnft_errors
 def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0, no_network=False, connect_timeout=10.0, timeout=60.0,
-          perf=False, perf_out=None, perf_launcher="direct", recipe=None, job=None, src=None):
+          perf=False, perf_out=None, perf_launcher="direct", recipe=None, job=None, src=None, image=None):  # image last: the others keep their short flags
     """Prove every host can join one training job: same Python/torch/CUDA/NCCL/driver, disk, rsync, interface, port, clock.
     With a job (--recipe, --job FILE, or `-- SCRIPT.py ARGS…` / `-- -m pkg.mod`): also that it can start on every
     host: its entry point is in the tree and every module it imports resolves in each host's Python.
@@ -133,8 +135,12 @@ def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0
     from mnft.hosts.fleet import Fleet
 
     inv = _inventory(hosts)
+    if image is not None:
+        from mnft.image.runtime import check_ref
+
+        image = check_ref(image, "--image")
     options = CheckOptions(min_free_gb=float(min_free_gb), max_clock_skew_s=float(max_clock_skew), port=int(port) or None, network=not no_network,
-                           code_src=src)
+                           code_src=src, image=image)
     entry = tuple(remainder())
     if recipe or job or entry:  # the job preflight train runs, here without launching anything
         from mnft.run.needs import job_needs
@@ -144,7 +150,8 @@ def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0
         the_job = _job(recipe, job, entry, ())
         tree = source_for(the_job, Path(src) if src else None) or default_source()
         needs = job_needs(the_job, tree, synced=True)
-        options = replace(options, code_src=str(tree), required_files=needs.files, modules=needs.modules)
+        options = replace(options, code_src=str(tree), required_files=needs.files, modules=needs.modules,
+                          image=options.image or the_job.image)
     if perf:
         from mnft.perf.gather import PerfOptions
 

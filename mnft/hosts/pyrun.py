@@ -8,7 +8,7 @@ After the script is read, stdin stays open: a script can watch it and stop when 
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import HostResult, Status
@@ -20,13 +20,16 @@ BOOTSTRAP = (
 )
 
 
-def command(host: Host, *args: str, cwd: str | None = None, env: Mapping[str, str] | None = None, python: str | None = None,
-            site: bool = True) -> Command:
+def command(host: Host, *args: str, cwd: str | None = None, env: Mapping[str, str] | None = None,
+            python: str | Sequence[str] | None = None, site: bool = True) -> Command:
     """`python -c BOOTSTRAP ARGS…`: sys.argv[1:] of the script is ARGS. python: another interpreter than the
-    host's (provision runs on the base Python). site=False (`python -S`) for a script that needs nothing beyond
-    the standard library: the `site` import is most of an interpreter's start (its .pth files; 8 ms instead of
-    39 ms of CPU on the test bed's Python), paid once per host per round-trip."""
-    return Command(tuple([python or host.python, *([] if site else ["-S"]), "-c", BOOTSTRAP, *args]), tuple((env or {}).items()), cwd)
+    host's (provision runs on the base Python), or a command prefix that ends in one (`podman run -i … IMAGE
+    python3`: check's probe inside an image; the script still arrives on stdin). site=False (`python -S`) for a
+    script that needs nothing beyond the standard library: the `site` import is most of an interpreter's start
+    (its .pth files; 8 ms instead of 39 ms of CPU on the test bed's Python), paid once per host per round-trip."""
+    python = python or host.python
+    prefix = [python] if isinstance(python, str) else list(python)
+    return Command(tuple([*prefix, *([] if site else ["-S"]), "-c", BOOTSTRAP, *args]), tuple((env or {}).items()), cwd)
 
 
 def payload(source: str) -> bytes:

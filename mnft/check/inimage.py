@@ -1,0 +1,196 @@
+"""`check --image`: every host's facts, the image's identity there, and the probe run inside the image, in one
+command per host; the facts merged so that the rules compare the Python, torch, CUDA and NCCL the job will see.
+
+One SSH command per host (`probe.py image-facts`), two exchanges over its stdin and stdout:
+
+    → the probe's source; {imagehost's source, the host's runtime setting, the image}
+    ← {the host's facts (its clock read last), the image's facts (imagehost's, read meanwhile in the same process)}
+    → {the probe's command line inside the image, the probe's source}     (only where the runtime has the image)
+    ← {its exit code, its output}
+
+The command line inside is built here, from the facts the host has just sent, by mnft.image.runtime.probe_argv: the
+same module train builds its containers with, so the check looks inside the image the way the run will start it.
+A host without a runtime or without the image answers once: the rules name what it lacks.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Sequence
+
+from mnft.check import probe
+from mnft.check.rules import clock_skew
+from mnft.core.errors import InputError
+from mnft.hosts import pyrun
+from mnft.hosts.connection import CommandTimeout, HostKeyRejected, OutputTooLarge, SshConnection, Unreachable, bounded
+from mnft.hosts.fleet import Fleet, HostResult, Results, Status
+from mnft.hosts.settings import Host
+from mnft.image import imagehost
+from mnft.image.facts import runtime_setting
+from mnft.image.runtime import Runtime, probe_argv
+
+IMAGE_PYTHON = "python3"  # the interpreter the probe (and the job's torchrun) runs in inside the image: on its PATH
+PYTHON_KEYS = ("python", "torch", "nccl", "cudnn", "dists", "modules")  # the facts the image's Python gives
+INSIDE_MARGIN = 5.0  # seconds of the command's timeout kept for the reply once the probe inside has ended
+ERROR_CHARS = 300  # a reason quoted from a host, at most
+
+
+def inside_command(host: Host, container: dict | None, image: str, modules: Sequence[str] = ()) -> list[str] | None:
+    """The probe's command line inside the image on this host, from its image facts; None where it cannot run
+    there (no runtime, the image absent, GPUs the runtime cannot give: the rules say which)."""
+    if not isinstance(container, dict) or not container.get("runtime") or not (container.get("image") or {}).get("present"):
+        return None
+    try:
+        prefix = probe_argv(Runtime.from_facts(container), image, [IMAGE_PYTHON])
+    except (InputError, KeyError, TypeError, ValueError):  # podman without CDI on a GPU host: the cdi rule
+        return None
+    wanted = ("--modules", ",".join(modules)) if modules else ()
+    return list(pyrun.command(host, "python", *wanted, python=prefix).argv)
+
+
+def _one_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if len(last) <= ERROR_CHARS else last[:ERROR_CHARS] + "…"
+
+
+def inside_reply(ran: dict | None) -> tuple[dict | None, str | None]:
+    """The probe's facts from inside the image, or None and why not (one line: the runtime's or Python's last word)."""
+    if ran is None:
+        return None, None
+    if not isinstance(ran, dict):
+        return None, "the host's answer about the probe inside the image is not a JSON object"
+    if ran.get("error"):
+        return None, _one_line(str(ran["error"]))
+    if ran.get("exit_code") != 0:
+        said = _one_line(str(ran.get("stderr") or "")) or _one_line(str(ran.get("stdout") or ""))
+        return None, said or f"exit code {ran.get('exit_code')}"
+    try:
+        data = pyrun.last_json(str(ran.get("stdout") or ""))
+    except ValueError:
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("python"), dict):
+        return None, "printed no JSON: " + (_one_line(str(ran.get("stdout") or "")) or "no output")
+    return data, None
+
+
+def merge(host_facts: dict, container: dict | None, image: str, ran: dict | None = None,
+          container_error: str | None = None) -> dict:
+    """One host's facts as the rules read them with an image: the host's own (disk, NICs, GPUs, driver, clock), its
+    Python as `host_python` (the agent's: the standard library is all it needs), the image's facts as `container`
+    (imagehost's contract, read by train to build the container's command line), and Python, torch, NCCL,
+    cuDNN, distributions and the job's modules as seen INSIDE the image (None where the probe did not run there).
+    `image_probe` says whether it ran, and why not."""
+    facts = dict(host_facts)
+    facts["host_python"] = host_facts.get("python")
+    facts["container"] = container if isinstance(container, dict) else None
+    inner, error = inside_reply(ran)
+    if facts["container"] is None and error is None:
+        error = "the image's facts: " + (_one_line(container_error or "") or "no answer")
+    facts["image_probe"] = {
+        "image": image,
+        "python": IMAGE_PYTHON,
+        "ran": ran is not None,
+        "ok": inner is not None,
+        "error": error,
+        "seconds": ran.get("seconds") if isinstance(ran, dict) else None,
+    }
+    for key in PYTHON_KEYS:
+        facts[key] = (inner or {}).get(key)
+    errors = dict(host_facts.get("errors") or {})
+    errors.update({f"image.{k}": v for k, v in ((inner or {}).get("errors") or {}).items()})
+    facts["errors"] = errors
+    return facts
+
+
+def _request(data: dict) -> bytes:
+    return json.dumps(data).encode() + b"\n"
+
+
+def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
+                       hosts: list[Host] | None = None) -> tuple[Results, dict[str, dict], dict[str, float]]:
+    """gather_facts' counterpart with an image: outcomes, merged facts and each host's clock skew vs this machine."""
+    head = pyrun.payload(probe.source())  # the bootstrap's input: on the host's Python, then on the image's
+    host_source = imagehost.source()
+    timeout = fleet.timeouts.command
+    facts: dict[str, dict] = {}
+    skew: dict[str, float] = {}
+
+    def one(host: Host) -> HostResult:
+        started = time.monotonic()
+        try:  # connect first: the SSH handshake must not sit inside the window the clock skew is measured in
+            conn = fleet.connection(host)
+        except HostKeyRejected as exc:
+            return HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc))
+        except Unreachable as exc:
+            return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
+        deadline = time.monotonic() + timeout
+        left = lambda: max(0.0, deadline - time.monotonic())
+        command = pyrun.command(host, "image-facts", "--workdir", host.workdir).render()
+        before = time.time()
+        try:
+            process = conn.start(bounded(command, timeout) if isinstance(conn, SshConnection) else command)
+        except Unreachable as exc:
+            fleet.mark_unreachable(host.name, str(exc))
+            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+        finished = False
+        try:
+            process.write(head + _request({"imagehost": host_source, "runtime": runtime_setting(host), "image": image,
+                                           "timeout": max(1.0, timeout - INSIDE_MARGIN)}))
+            first, said = process.json_reply(left())
+            after = time.time()
+            if first is None or not isinstance(first.get("facts"), dict):
+                return _no_reply(host.name, process, first, said, left(), started)
+            container = first.get("container")
+            argv = inside_command(host, container, image, modules)
+            ran = None
+            if argv is not None:
+                process.write(_request({"argv": argv, "input": head.decode(), "timeout": max(1.0, left() - INSIDE_MARGIN)}))
+                ran, said = process.json_reply(left())
+                if ran is None:
+                    ran = {"exit_code": None, "error": "no answer from the host: " + (said[-1] if said else "its command ended")}
+            process.close_stdin()
+            done = process.wait(timeout=min(5.0, left()) or 0.001)
+            finished = True
+        except CommandTimeout:
+            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=_since(started))
+        except OutputTooLarge as exc:
+            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=_since(started))
+        except Unreachable as exc:
+            fleet.mark_unreachable(host.name, str(exc))
+            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+        finally:
+            if not finished:
+                process.terminate()
+        merged = merge(first["facts"], container, image, ran, first.get("container_error"))
+        facts[host.name] = merged
+        if isinstance(merged.get("clock"), (int, float)):
+            total = (merged.get("timings") or {}).get("total_s")
+            skew[host.name] = clock_skew(merged["clock"], before, after, total if isinstance(total, (int, float)) else None)
+        return HostResult(host.name, Status.OK, done.exit_code, seconds=_since(started))
+
+    results = fleet.map(one, hosts)
+    return results, {name: facts[name] for name in results.by_host if name in facts}, skew
+
+
+def _no_reply(name: str, process, first: dict | None, said: list[str], left: float, started: float) -> HostResult:
+    """The host's command printed no facts: failed, with its exit code and last line (as pyrun.reply says it)."""
+    process.close_stdin()
+    code = None
+    try:
+        code = process.wait(timeout=min(5.0, left) or 0.001).exit_code
+    except (CommandTimeout, OutputTooLarge):
+        pass
+    last = said[-1] if said else ""
+    if first is not None:  # a JSON object, not the facts: the probe's own error report
+        last = _one_line(json.dumps(first.get("errors") or first))
+    if code not in (0, None):
+        error = f"exit code {code}" + (f": {last}" if last else "")
+    else:
+        error = "the probe printed no JSON: " + (last or "no output")
+    return HostResult(name, Status.FAILED, code, error=error, seconds=_since(started))
+
+
+def _since(started: float) -> float:
+    return round(time.monotonic() - started, 3)
