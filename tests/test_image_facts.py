@@ -323,3 +323,51 @@ def test_real_podman_an_image_saved_on_one_host_and_loaded_on_another_keeps_its_
     assert not stage.exists()
     assert imagehost.facts("auto", "localhost/mnft-tiny:b")["image"]["present"] is False
     assert imagehost.facts("auto", a.ref)["image"]["id"] == "sha256:" + a.id
+
+
+# ------------------------------------------------------------------------------------------------ staging, a .sif placed
+
+
+def test_prepare_makes_a_fresh_staging_directory_and_sees_the_others_of_its_sync_beside_it(tmp_path):
+    shared = tmp_path / "img"
+    first = imagehost.prepare(str(shared / ".mnft-image-0a1b-h2"))
+    assert first["ok"] and first["seen"] == [] and (shared / ".mnft-image-0a1b-h2").stat().st_mode & 0o777 == 0o700
+    (shared / ".mnft-image-ffff-h9").mkdir()  # another sync's: not this one's
+    second = imagehost.prepare(str(shared / ".mnft-image-0a1b-h3"))
+    assert second["seen"] == ["h2"], "h3 sees h2's directory: they share it"
+    with pytest.raises(FileExistsError):
+        imagehost.prepare(str(shared / ".mnft-image-0a1b-h3"))  # never one that exists
+    with pytest.raises(imagehost.Failure, match="not a staging directory"):
+        imagehost.prepare(str(tmp_path / "elsewhere"))
+    assert imagehost.clean([str(shared / ".mnft-image-0a1b-h2"), str(shared / ".mnft-image-0a1b-h3")])["ok"]
+    assert sorted(os.listdir(shared)) == [".mnft-image-ffff-h9"]
+    with pytest.raises(imagehost.Failure):
+        imagehost.clean([str(tmp_path)])  # only mnft's staging directories are removed
+
+
+def test_a_sif_is_staged_by_a_link_and_placed_only_when_its_sha256_is_the_one_wanted(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    source = tmp_path / "src" / "train.sif"
+    source.parent.mkdir()
+    source.write_bytes(b"sif image" * 100)
+    want = "sha256:" + hashlib.sha256(source.read_bytes()).hexdigest()
+    stage = tmp_path / "src" / ".mnft-image-0a1b-h1"
+    stage.mkdir()
+    saved = imagehost.save("auto", str(source), str(stage))
+    assert saved["ok"] and os.path.samefile(saved["file"], source)  # a hard link: no copy of 10 GB
+
+    target = tmp_path / "dst" / "train.sif"
+    arrived = tmp_path / "dst" / ".mnft-image-0a1b-h2"
+    arrived.mkdir(parents=True)
+    shutil.copy(source, arrived / imagehost.SIF_FILE)
+    placed = imagehost.place(str(target), str(arrived), want)
+    assert placed == {"ok": True, "id": want, "error": None} and target.read_bytes() == source.read_bytes() and not arrived.exists()
+    assert imagehost.sif_image(str(target))[1] == want
+
+    arrived.mkdir()
+    (arrived / imagehost.SIF_FILE).write_bytes(b"tampered")
+    with pytest.raises(imagehost.Failure, match=f"the file received is sha256:[0-9a-f]{{64}}, not {want}: removed"):
+        imagehost.place(str(target), str(arrived), want)
+    assert not arrived.exists() and target.read_bytes() == source.read_bytes()

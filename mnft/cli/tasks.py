@@ -442,17 +442,25 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
         "json": "machine-readable output (per host: status, files, bytes, hash)",
         "workers": "rsyncs at once",
         "timeout": "with --data: seconds each host's rsync may take in all (default 3600)",
+        "image": "bring this container image (a reference, or a .sif path) to every host that lacks it, from this machine or the "
+                 "first host that has it, verified by its id; no registry",
+        "force": "with --image: hosts holding another image under that name receive the reference too (else: refused, named)",
+        "no_relay": "with --image: send from this machine to every host, even with the SSH mesh",
     },
 )
 @_mnft_errors
-def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16, timeout=3600.0):
-    """Copy the code (or --data) to every host in parallel and prove each copy by its tree hash.
+def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_delete=False, json=False, workers=16, timeout=3600.0,
+         image=None, force=False, no_relay=False):
+    """Copy the code (or --data, or an --image) to every host in parallel and prove each copy by its tree hash (an image: its id).
 
     Exit codes: 0 every host identical, 1 a host failed or differs (the files are named) or is busy with another
     mnft operation (its lease: nothing touched), 2 bad input or a
-    refused target, found before the sync or by a host's probe (nothing touched there), 4 a host unreachable or
-    its key rejected. --dry-run lists per host what would be sent and deleted (--no-delete: nothing deleted).
+    refused target, found before the sync or by a host's probe (nothing touched there; --image: a host holding
+    another image, without --force), 4 a host unreachable or its key rejected. --dry-run lists per host what would
+    be sent and deleted (--no-delete: nothing deleted).
     """
+    if image is not None:
+        return _sync_image(hosts, image, dry_run=dry_run, force=force, relay=not no_relay, json=json, src=src, data=data)
     from mnft.sync.mirror import sync_code, sync_data
     from mnft.sync.report import print_sync
 
@@ -464,6 +472,22 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     else:
         report = sync_code(inv, Path(src) if src else None, **options)
     print_sync(report, json)
+    return report.exit_code()
+
+
+def _sync_image(hosts, image, *, dry_run: bool, force: bool, relay: bool, json: bool, src, data) -> int:
+    from mnft.core.errors import InputError
+    from mnft.core.output import console, plain
+    from mnft.image.distribute import Progress, sync_image
+    from mnft.image.report import print_image_sync
+
+    if src or data:
+        raise InputError("--image syncs an image only: run the code (--src) or --data sync on its own")
+    err = console(stderr=True)
+    say = (lambda message: None) if json else (lambda message: err.print(plain(message, style="dim")))
+    report = sync_image(_inventory(hosts), image if isinstance(image, str) else "", force=force, dry_run=dry_run, relay=relay, say=say,
+                        progress=None if json else Progress(err))
+    print_image_sync(report, json)
     return report.exit_code()
 
 

@@ -4,4 +4,7 @@
     imagehost   the host side (shipped through pyrun): the runtime found there and the image's id (facts); save,
                 load, place and clean for `sync --image`
     facts       every host's imagehost facts, one round-trip each, in parallel; this machine's own
+    distribute  `sync --image`: read every host's facts, plan (pure: the reference, who receives, who refuses),
+                save once, relay over the mesh (sync.relay), load and verify by id; staging removed everywhere
+    report      sync --image's table, or JSON
 """

@@ -6,8 +6,10 @@ The controller ships this file's source (see `source()`) to the host's Python (m
 object from stdout. Standard library only, Python >= 3.8.
 
     facts RUNTIME IMAGE                 the runtime and the image's identity, one JSON line (below)
-    prepare DIR                         a fresh staging directory (0700, its parents made), the mesh's peers
-    save RUNTIME IMAGE DIR              the image saved into DIR/image.tar (a docker-archive: see save())
+    prepare DIR                         a fresh staging directory (0700, its parents made), the mesh's peers, and
+                                        which other hosts' staging directories of this sync it sees (sharing)
+    save RUNTIME IMAGE DIR              the image saved into DIR/image.tar (a docker-archive: see save()); a .sif
+                                        linked (else copied) to DIR/image.sif
     load RUNTIME IMAGE DIR ID           DIR/image.tar loaded, its id verified to be ID, tagged IMAGE; DIR removed
     place IMAGE DIR ID                  a .sif: DIR/image.sif verified (sha256) and renamed to IMAGE; DIR removed
     clean DIR...                        staging directories removed (only those named like mnft's)
@@ -63,7 +65,7 @@ OUTPUT_KEPT = 65536  # a program's output kept (its end)
 LINE_CHARS = 300  # an error line, at most
 QUICK_TIMEOUT = 20.0  # --version, a daemon's answer, nvidia-smi, inspect
 MOVE_TIMEOUT = 3600.0  # save and load of an image of many GB
-STAGE_PREFIX = "mnft-image-"  # staging directories: /var/tmp/mnft-image-TOKEN, or DIR/.mnft-image-TOKEN beside a .sif
+STAGE_PREFIX = "mnft-image-"  # staging directories: /var/tmp/mnft-image-TOKEN-HOST, or DIR/.mnft-image-TOKEN-HOST beside a .sif
 ARCHIVE = "image.tar"
 SIF_FILE = "image.sif"
 MESH_BEGIN = "# BEGIN mnft mesh"
@@ -403,12 +405,18 @@ def mesh_peers() -> list:
 
 
 def prepare(folder: str) -> dict:
-    """A fresh staging directory (never one that exists: its name is the controller's random token)."""
+    """A fresh staging directory, FOLDER = …/[.]mnft-image-TOKEN-HOST (never one that exists: TOKEN is the controller's,
+    random). "seen": the HOSTs of the other staging directories of this TOKEN beside it: hosts that see them share
+    the directory (an NFS home holding a .sif): the later to prepare sees the earlier's, so seeing taken both ways
+    finds every group (mnft.sync.mirror.groups_of)."""
     path = _stage_dir(folder)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    parent, name = os.path.split(path)
+    token = name.rsplit("-", 1)[0] + "-"
+    os.makedirs(parent, exist_ok=True)
     os.mkdir(path, 0o700)
+    seen = sorted(other[len(token):] for other in os.listdir(parent) if other.startswith(token) and other != name)
     usage = shutil.disk_usage(path)
-    return {"ok": True, "dir": path, "free_bytes": usage.free, "mesh": mesh_peers(), "error": None}
+    return {"ok": True, "dir": path, "free_bytes": usage.free, "mesh": mesh_peers(), "seen": seen, "error": None}
 
 
 def _runtime_path(runtime: str, image: str) -> tuple:
@@ -422,8 +430,15 @@ def save(runtime: str, image: str, folder: str) -> dict:
     """The image as a docker-archive: podman and docker both load it, and it keeps the image's id (its config, byte
     for byte). An oci-archive does not, for an image of docker's manifest type (an NGC image, one docker built, one
     loaded from a docker-archive): podman writes its config anew and the id changes."""
-    kind, path = _runtime_path(runtime, image)
     folder = _stage_dir(folder)
+    if is_path_image(image):  # a .sif: the file itself, linked into the staging directory beside it (no copy)
+        staged, target = os.path.join(folder, SIF_FILE), os.path.abspath(os.path.expanduser(image))
+        try:
+            os.link(target, staged)
+        except OSError:
+            shutil.copy2(target, staged)
+        return {"ok": True, "file": staged, "bytes": os.path.getsize(staged), "error": None}
+    kind, path = _runtime_path(runtime, image)
     archive = os.path.join(folder, ARCHIVE)
     argv = [path, "save", "-o", archive, image] if kind == "docker" else [path, "save", "--format", "docker-archive", "-o", archive, image]
     code, out, err = run(argv, MOVE_TIMEOUT)
@@ -473,7 +488,7 @@ def load(runtime: str, image: str, folder: str, want: str) -> dict:
             raise Failure(_failed("%s tag" % kind, code, err))
         if old and old != want:  # --force: the image that held the name, if nothing else holds it now
             run([path, "rmi", old], QUICK_TIMEOUT * 3)
-        present, ident, why = daemon_image(path, image)
+        _, ident, why = daemon_image(path, image)
         if ident != want:
             raise Failure("after the load %s is %s, not %s%s" % (image, ident or "absent", want, ": " + why if why else ""))
         return {"ok": True, "id": ident, "replaced": old if old and old != want else None, "error": None}

@@ -94,10 +94,14 @@ def controller_argv(host: Host, src: Path, dst: str, ssh: SshSettings) -> list[s
     return argv + [str(src).rstrip("/") + "/", remote_spec(host, dst)]
 
 
-def distribute(fleet: Fleet, inventory: Inventory, src: Path, targets: Mapping[str, str], hosts: Sequence[Host], *, relay: bool,
-               timeout: float = 3600.0, on_done: Callable[[Delivery], None] | None = None) -> dict[str, Delivery]:
-    """Bring `src` (a local directory) to targets[host] on every host; one Delivery per host."""
-    by_name = {h.name: h for h in hosts}
+def distribute(fleet: Fleet, inventory: Inventory, src: Path | None, targets: Mapping[str, str], hosts: Sequence[Host], *, relay: bool,
+               timeout: float = 3600.0, on_done: Callable[[Delivery], None] | None = None, seeds: Sequence[Host] = ()) -> dict[str, Delivery]:
+    """Bring `src` (a local directory) to targets[host] on every host; one Delivery per host.
+
+    seeds: hosts that already hold the directory at targets[seed] (`sync --image` from an image one host has): with
+    relay they are the first holders and the controller sends nothing. src None: there is no local copy, so a hop
+    that fails is that host's failure (the caller may send it from a copy of its own later)."""
+    by_name = {h.name: h for h in [*seeds, *hosts]}
     ssh = SshSettings.for_inventory(inventory)
     deliveries = {h.name: Delivery(h.name) for h in hosts}
     lock = threading.Lock()
@@ -124,6 +128,9 @@ def distribute(fleet: Fleet, inventory: Inventory, src: Path, targets: Mapping[s
             d.status, d.via = "ok", sender
             return
         why = result.error if result.status is not Status.OK else "failed"
+        if src is None:
+            d.status, d.via, d.error = "failed", sender, f"relay from {sender} failed: {why}"
+            return
         d.notes.append(f"relay from {sender} failed ({why}); sent by the controller instead")
         from_controller(name)
 
@@ -145,7 +152,7 @@ def distribute(fleet: Fleet, inventory: Inventory, src: Path, targets: Mapping[s
         if not relay:
             list(pool.map(one, [(CONTROLLER, name) for name in pending]))
             return deliveries
-        holders: list[str] = []
+        holders: list[str] = [seed.name for seed in seeds]
         while pending and not holders:  # the seed: if the first host fails, the next one is tried
             name = pending.pop(0)
             one((CONTROLLER, name))
