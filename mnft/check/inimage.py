@@ -27,7 +27,7 @@ from mnft.hosts.connection import CommandTimeout, HostKeyRejected, OutputTooLarg
 from mnft.hosts.fleet import Fleet, HostResult, Results, Status
 from mnft.hosts.settings import Host
 from mnft.image import imagehost
-from mnft.image.facts import runtime_setting
+from mnft.image.facts import FACTS_TIMEOUT, runtime_setting
 from mnft.image.runtime import Runtime, probe_argv
 
 IMAGE_PYTHON = "python3"  # the interpreter the probe (and the job's torchrun) runs in inside the image: on its PATH
@@ -113,7 +113,8 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
     """gather_facts' counterpart with an image: outcomes, merged facts and each host's clock skew vs this machine."""
     head = pyrun.payload(probe.source())  # the bootstrap's input: on the host's Python, then on the image's
     host_source = imagehost.source()
-    timeout = fleet.timeouts.command
+    # a .sif not seen before is hashed whole, once (then its id is cached on the host): its facts may take longer
+    timeout = max(fleet.timeouts.command, FACTS_TIMEOUT) if imagehost.is_path_image(image) else fleet.timeouts.command
     facts: dict[str, dict] = {}
     skew: dict[str, float] = {}
 
