@@ -10,7 +10,8 @@ object from stdout. Standard library only, Python >= 3.8.
                                         which other hosts' staging directories of this sync it sees (sharing)
     save RUNTIME IMAGE DIR              the image saved into DIR/image.tar (a docker-archive: see save()); a .sif
                                         linked (else copied) to DIR/image.sif
-    load RUNTIME IMAGE DIR ID           DIR/image.tar loaded, its id verified to be ID, tagged IMAGE; DIR removed
+    load RUNTIME IMAGE DIR ID           DIR/image.tar loaded (podman: pulled from the docker-archive), its id
+                                        verified to be ID, tagged IMAGE; DIR removed
     place IMAGE DIR ID                  a .sif: DIR/image.sif verified (sha256) and renamed to IMAGE; DIR removed
     clean DIR...                        staging directories removed (only those named like mnft's)
 
@@ -454,6 +455,12 @@ def _image_ids(path: str) -> set:
     return {i for i in (normal_id(line) for line in out.split()) if i}
 
 
+def _names(path: str, ident: str) -> list:
+    """The names (repository:tag) an image still has; unknown: taken as some (nothing is removed then)."""
+    code, out, _ = run([path, "image", "inspect", "--format", "{{range .RepoTags}}{{.}} {{end}}", ident], QUICK_TIMEOUT * 3)
+    return out.split() if code == 0 else ["?"]
+
+
 def load(runtime: str, image: str, folder: str, want: str) -> dict:
     """Load the archive, keep it only if it is the image `want` names (else remove what it brought, and give the
     name back to the image that held it), tag it IMAGE. The staging directory is removed in every case."""
@@ -463,14 +470,19 @@ def load(runtime: str, image: str, folder: str, want: str) -> dict:
         want = normal_id(want) or want
         before = _image_ids(path)
         _, old, _ = daemon_image(path, image)
-        code, out, err = run([path, "load", "-i", os.path.join(folder, ARCHIVE)], MOVE_TIMEOUT)
+        archive = os.path.join(folder, ARCHIVE)
+        if kind == "podman":  # `podman load` first unpacks the whole archive as an OCI one (≈ 3 s a GB) before it tries
+            code, out, err = run([path, "pull", "--quiet", "docker-archive:" + archive], MOVE_TIMEOUT)  # docker's: no network
+            loaded = [line.strip() for line in out.splitlines()[-1:]]  # --quiet: the id it stored
+        else:
+            code, out, err = run([path, "load", "-i", archive], MOVE_TIMEOUT)
+            loaded = []
+            for line in (out + "\n" + err).splitlines():
+                match = LOADED.match(line.strip())
+                if match:
+                    loaded += [name.strip() for name in match.group(1).split(",") if name.strip()]
         if code != 0:
             raise Failure(_failed("%s load" % kind, code, err or out))
-        loaded = []
-        for line in (out + "\n" + err).splitlines():
-            match = LOADED.match(line.strip())
-            if match:
-                loaded += [name.strip() for name in match.group(1).split(",") if name.strip()]
         ids = set()
         for name in loaded:
             ident = normal_id(name) or daemon_image(path, name)[1]
@@ -486,8 +498,8 @@ def load(runtime: str, image: str, folder: str, want: str) -> dict:
         code, _, err = run([path, "tag", want, image], QUICK_TIMEOUT)
         if code != 0:
             raise Failure(_failed("%s tag" % kind, code, err))
-        if old and old != want:  # --force: the image that held the name, if nothing else holds it now
-            run([path, "rmi", old], QUICK_TIMEOUT * 3)
+        if old and old != want and not _names(path, old):  # --force: the image that held the name, if it has no other
+            run([path, "rmi", old], QUICK_TIMEOUT * 3)  # (podman's rmi by id would take its other names with it)
         _, ident, why = daemon_image(path, image)
         if ident != want:
             raise Failure("after the load %s is %s, not %s%s" % (image, ident or "absent", want, ": " + why if why else ""))
