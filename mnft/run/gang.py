@@ -47,12 +47,63 @@ COLLATERAL = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|NCCL communicator was aborted"
     r"|ncclRemoteError|DistNetworkError|failed to recv, got 0 bytes|Watchdog caught collective operation timeout"
     r"|Signal 15 \(SIGTERM\) received")
+# torch's own log records (torchrun's agent, the c10d store): "E1127 06:07:24.063000 1529 …/api.py:1010] text"; a
+# record of several lines (an exception it logged, its traceback) repeats the same prefix on every line
+TORCH_RECORD = re.compile(r"^([EWIDC]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]\s]+:\d+\] )")
+# torchrun's teardown once this host's ranks have all returned: its exit barrier (or the rendezvous' shutdown) meets
+# the store the master's torchrun already closed ("DistNetworkError: Failed to recv, got 0 bytes"). torchrun logs it
+# and exits 0: noise of two hosts ending at once, never a failure (torch enters the exit barrier only on success)
+TEARDOWN = re.compile(r"Error waiting on exit barrier|has failed to shutdown the rendezvous")
 SETTLE = 5.0  # seconds to wait for the root cause after a host failed as a victim of another
 FINISH_GRACE = 60.0  # seconds the other hosts get to end on their own after one failed once its work was done
 
 
 class GangError(MnftError):
     pass
+
+
+class TeardownNoise:
+    """torchrun's own records of its teardown (TEARDOWN) on one host: kept in the host's log and its tail, never
+    shown as they come; `note` is the one line said instead. A record is its first line (a torchrun line, not a
+    rank's, that TEARDOWN matches) and every line after it that carries the same prefix, or, without one, the
+    traceback that follows it."""
+
+    def __init__(self) -> None:
+        self.hidden = 0
+        self._said = False
+        self._prefix: str | None = None  # the record being hidden: its prefix ("" for one without)
+
+    def hides(self, rank: int | None, text: str) -> bool:
+        if rank is not None:  # a rank's line (they come between torchrun's): never torchrun's teardown
+            return False
+        if self._prefix is not None and self._continues(text):
+            self.hidden += 1
+            return True
+        self._prefix = None
+        if TEARDOWN.search(text):
+            match = TORCH_RECORD.match(text)
+            self._prefix = match.group(1) if match else ""
+            self.hidden += 1
+            return True
+        return False
+
+    def _continues(self, text: str) -> bool:
+        if self._prefix:
+            return text.startswith(self._prefix)
+        if text.startswith("Traceback (most recent call last)") or text[:1].isspace():
+            return True
+        if re.match(r"[\w.]+(Error|Exception)\b", text):  # the exception's own line: the traceback's last
+            self._prefix = None
+            return True
+        return False
+
+    def note(self, log: str) -> str | None:
+        """The one line said for what was hidden, once, when the host's torchrun has ended (None: nothing was)."""
+        if not self.hidden or self._said:
+            return None
+        self._said = True
+        return (f"torchrun's teardown after every rank here finished met the master's closed store: not a failure "
+                f"({self.hidden} line(s) kept in {log})")
 
 
 @dataclass
@@ -69,6 +120,7 @@ class HostRun:
     stop_report: dict | None = None
     done_ranks: tuple[int, ...] = ()  # ranks whose entry point returned (mnft.run.entry's markers)
     stopping: bool = False  # mnft is stopping it (another host failed): its output is kept, not shown live
+    noise: TeardownNoise = field(default_factory=TeardownNoise)  # torchrun's teardown: kept, not shown
 
     @property
     def done(self) -> bool:
@@ -277,13 +329,14 @@ class Gang:
         if kind == "line":
             for rank, text in split_ranks(event.get("text", ""), run.launch.rank_offset):
                 run.tail.append((rank, text))
-                if not run.stopping:  # a host mnft stops prints its own shutdown (SIGTERM tracebacks): not a failure
+                # a host mnft stops prints its own shutdown (SIGTERM tracebacks), torchrun its teardown: not a failure
+                if not run.stopping and not run.noise.hides(rank, text):
                     self.on_line(name, rank, text)
                 if self.metrics_from_output and rank == 0:
                     self._metric(self.parse_metric(text))
         elif kind == "stderr":
             run.tail.append((None, event["text"]))
-            if not run.stopping:
+            if not run.stopping and not run.noise.hides(None, event["text"]):
                 self.on_line(name, None, event["text"])
         elif kind == "mline":
             self._metric(self.parse_metric(event.get("text", "")))
@@ -292,6 +345,8 @@ class Gang:
         elif kind == "exit":
             run.state, run.exit_code, run.ended_at = "exited", int(event.get("code", 1)), time.time()
             run.done_ranks = tuple(event.get("done") or ())
+            if (said := run.noise.note(f"{run.launch.run_dir}/output.log on {name}")) and not run.stopping:
+                self.on_line(name, None, said)
             if run.exit_code != 0:
                 why = f"{name}: torchrun exited with code {run.exit_code}"
                 if run.work_done:  # it died after its work: let the others end on their own

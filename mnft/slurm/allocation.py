@@ -49,7 +49,7 @@ from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.settings import Host, Inventory
 from mnft.run import agent, launch, records, recover
 from mnft.run.control import job_of
-from mnft.run.gang import _parse, failure_excerpt, split_ranks
+from mnft.run.gang import TeardownNoise, _parse, failure_excerpt, split_ranks
 from mnft.run.job import Job
 from mnft.run.launch import HostLaunch, LaunchOptions
 from mnft.run.rerun import snapshot
@@ -73,6 +73,7 @@ class NodeRun:
     error: str | None = None
     tail: list = field(default_factory=list)
     hidden: int = 0  # lines of its shutdown after another node failed: in its log, not on the terminal
+    noise: TeardownNoise = field(default_factory=TeardownNoise)  # torchrun's teardown once its ranks finished: the same
 
 
 @dataclass
@@ -332,6 +333,8 @@ class Allocation:
                 if self.failed_first is not None and name != self.failed_first:  # srun ends the others: their
                     run.hidden += 1  # torchrun's SignalException tracebacks stay in their logs, as over SSH
                     continue
+                if run.noise.hides(rank, piece):
+                    continue
                 label = f"{name} r{rank}" if rank is not None else name
                 self.console.print(Text(f"{label:<{width}}| {piece}"), soft_wrap=True, highlight=False)
         elif kind == "started":
@@ -340,6 +343,8 @@ class Allocation:
             run.state, run.exit_code = "exited", int(event.get("code", 1))
             if run.exit_code != 0 and self.failed_first is None:
                 self.failed_first = name
+            if said := run.noise.note(f"{self.record.path}/{name}/run/output.log"):
+                self.say(f"{name}: {said}", "dim")
         elif kind == "stopped":
             run.state = "stopped"
             try:

@@ -1,0 +1,116 @@
+"""A run's terminal output carries no teardown noise: when two hosts end at once, the master's torchrun may close
+its store before the other host's torchrun has passed its exit barrier, and that torchrun logs the
+`DistNetworkError: Failed to recv, got 0 bytes` it met, with its traceback, and exits 0. Those lines stay in the
+host's log and its tail; the terminal gets one line that says so. Lines in, lines shown out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.inventory import parse
+from mnft.run.gang import Gang, HostRun, TeardownNoise
+from mnft.run.launch import HostLaunch, LaunchOptions
+
+# what torch 2.13's torchrun printed on h2 (its agent's logger: every line of the record carries its prefix)
+AT = "E1127 06:07:24.063000 1529 site-packages/torch/distributed/elastic/agent/server/api.py:1010] "
+EXIT_BARRIER = [
+    AT + "Error waiting on exit barrier. Elapsed: 0.0212 seconds",
+    AT + "Traceback (most recent call last):",
+    AT + '  File "/usr/lib/python3/dist-packages/torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier',
+    AT + "    store_util.barrier(",
+    AT + '  File "/usr/lib/python3/dist-packages/torch/distributed/elastic/utils/store.py", line 201, in barrier',
+    AT + "    store.wait([last_member_key])",
+    AT + "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote "
+         "server shutdown or crash?",
+]
+# the same record from a logger without torch's prefix: the traceback after its first line
+PLAIN = [
+    "[ERROR] Error waiting on exit barrier. Elapsed: 0.0212 seconds",
+    "Traceback (most recent call last):",
+    '  File "api.py", line 994, in _exit_barrier',
+    "    store_util.barrier(",
+    "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed.",
+]
+WORK = ["step 20/20 loss 1.234", "done"]
+
+
+def launch(host: str, rank: int, tmp_path: Path) -> HostLaunch:
+    return HostLaunch(host=host, node_rank=rank, rank_offset=rank, slots=1, argv=("true",), env={}, secret_names=(),
+                      cwd=str(tmp_path), run_dir=f"/root/.mnft/runs/R/{host}", output_dir=str(tmp_path / "out"), metrics=None)
+
+
+def shown(lines: list[tuple[int | None, str]]) -> tuple[list[str], TeardownNoise]:
+    noise = TeardownNoise()
+    return [text for rank, text in lines if not noise.hides(rank, text)], noise
+
+
+def test_torchruns_exit_barrier_record_on_a_closed_store_is_hidden_whole():
+    out, noise = shown([(1, line) for line in WORK] + [(None, line) for line in EXIT_BARRIER])
+    assert out == WORK
+    assert noise.hidden == len(EXIT_BARRIER)
+
+
+def test_the_record_without_torchs_prefix_is_hidden_to_its_exception_and_the_next_line_is_shown():
+    out, noise = shown([(None, line) for line in PLAIN] + [(None, "W1127 06:07:25.000000 1529 run.py:1] later")])
+    assert out == ["W1127 06:07:25.000000 1529 run.py:1] later"]
+    assert noise.hidden == len(PLAIN)
+
+
+def test_a_ranks_lines_between_the_records_lines_are_shown_and_other_torchrun_lines_are_too():
+    warning = "W1127 06:07:20.000000 1529 site-packages/torch/distributed/run.py:792] Setting OMP_NUM_THREADS to 1"
+    other = "E1127 06:07:24.063000 1529 site-packages/torch/distributed/elastic/agent/server/api.py:700] something else"
+    lines = [(None, warning), (None, EXIT_BARRIER[0]), (0, "a rank's line"), *[(None, t) for t in EXIT_BARRIER[1:]], (None, other)]
+    out, noise = shown(lines)
+    assert out == [warning, "a rank's line", other]
+    assert noise.hidden == len(EXIT_BARRIER)
+
+
+def test_a_ranks_own_traceback_is_never_taken_for_torchruns_teardown():
+    crash = ["Traceback (most recent call last):", '  File "train.py", line 3', "RuntimeError: Failed to recv, got 0 bytes"]
+    out, noise = shown([(1, line) for line in crash])
+    assert out == crash and noise.hidden == 0
+    assert noise.note("log") is None
+
+
+TWO_HOSTS = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
+
+
+@pytest.mark.timeout(30)
+def test_a_run_that_succeeded_shows_no_traceback_and_one_line_for_the_other_hosts_teardown(tmp_path):
+    said: list[tuple[str, int | None, str]] = []
+    with Fleet(TWO_HOSTS) as fleet:
+        gang = Gang(fleet, [launch("h1", 0, tmp_path), launch("h2", 1, tmp_path)], "R", LaunchOptions(grace=0.5), {},
+                    on_line=lambda host, rank, text: said.append((host, rank, text)))
+        for run in gang.runs.values():
+            run.state = "running"
+        for text in WORK:
+            gang.events.put(("h1", {"event": "line", "text": f"[rank0]:{text}"}))
+        gang.events.put(("h1", {"event": "exit", "code": 0, "done": [0]}))
+        for text in WORK:
+            gang.events.put(("h2", {"event": "line", "text": f"[rank1]:{text}"}))
+        for text in EXIT_BARRIER:
+            gang.events.put(("h2", {"event": "line", "text": text}))
+        gang.events.put(("h2", {"event": "exit", "code": 0, "done": [1]}))
+        result = gang.wait()
+    assert result.ok, result.reason
+    terminal = "\n".join(text for _, _, text in said)
+    assert "Traceback" not in terminal and "DistNetworkError" not in terminal and "exit barrier" not in terminal, terminal
+    notes = [(host, text) for host, rank, text in said if "teardown" in text]
+    assert notes == [("h2", (f"torchrun's teardown after every rank here finished met the master's closed store: not a failure "
+                             f"({len(EXIT_BARRIER)} line(s) kept in /root/.mnft/runs/R/h2/output.log on h2)"))]
+    assert [text for _, text in gang.runs["h2"].tail][-len(EXIT_BARRIER):] == EXIT_BARRIER  # kept: the host's log, its tail
+
+
+def test_a_host_mnft_stopped_says_nothing_of_its_teardown(tmp_path):
+    run = HostRun(launch("h2", 1, tmp_path), stopping=True)
+    with Fleet(TWO_HOSTS) as fleet:
+        said: list[str] = []
+        gang = Gang(fleet, [launch("h1", 0, tmp_path)], "R", LaunchOptions(grace=0.5), {}, on_line=lambda h, r, t: said.append(t))
+        gang.runs["h2"] = run
+        for text in EXIT_BARRIER:
+            gang._handle("h2", {"event": "line", "text": text})
+        gang._handle("h2", {"event": "exit", "code": 0})
+    assert said == []
