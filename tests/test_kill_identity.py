@@ -190,3 +190,41 @@ def test_stop_waits_for_killed_processes_to_be_gone_and_kills_any_the_run_forked
         for proc in (late, unrelated):
             proc.kill()
             proc.wait()
+
+
+def test_stop_asks_again_a_host_whose_killed_processes_are_still_going_and_exits_0_once_they_are_gone(tmp_path, monkeypatch):
+    """At 64 hosts on 2 busy cores, a host's SIGKILLed torchrun trees outlived the agent's settle, and `stop` said
+    they remained (exit 1) though nothing was left a moment later. The controller asks that host again (each round
+    kills again what is left of the run and waits for it) and reports remaining only what outlived every round."""
+    from mnft.hosts.fleet import HostResult, Status
+    from mnft.run import control, records
+    from mnft.run.report import print_stop
+
+    run_dir = str(tmp_path / "host-run")
+    record = records.RunRecord(tmp_path, {"run_id": "R1", "state": "running",
+                                          "hosts": {"h1": {"run_dir": run_dir, "state": "running"}, "h2": {"run_dir": run_dir, "state": "running"}}})
+    replies = {  # what each host's agent answers, round after round
+        "h1": [{"killed": [100], "remaining": []}],
+        "h2": [{"killed": [200, 201], "remaining": [201, 202]}, {"killed": [201], "remaining": [202]}, {"killed": [], "remaining": [], "ended": True}],
+    }
+    asked: list[set[str]] = []
+
+    def query(record, fleet, mode, *args, only=None):
+        names = sorted(only) if only is not None else ["h1", "h2"]
+        asked.append(set(names))
+        return [HostResult(n, Status.OK, 0, json.dumps(replies[n].pop(0)) + "\n") for n in names]
+
+    monkeypatch.setattr(control, "query", query)
+    result = control.stop(record, fleet=None, grace=1)
+    assert asked == [{"h1", "h2"}, {"h2"}, {"h2"}]  # only the host with processes still going is asked again
+    assert result["h2"]["killed"] == [200, 201] and result["h2"]["remaining"] == [] and not result["h2"]["ended"]
+    assert print_stop(record, result, as_json=True) == 0
+    assert record.data["state"] == "stopped" and record.data["hosts"]["h2"]["state"] == "stopped"
+
+    replies["h2"] = [{"killed": [300], "remaining": [301]} for _ in range(control.STOP_ROUNDS)]  # one that never goes
+    record.data["state"] = "running"
+    asked.clear()
+    replies["h1"] = [{"killed": [], "remaining": [], "ended": True}]
+    result = control.stop(record, fleet=None, grace=1)
+    assert len(asked) == control.STOP_ROUNDS and result["h2"]["remaining"] == [301]
+    assert print_stop(record, result, as_json=True) == 1

@@ -30,12 +30,12 @@ def rank_offset(data: dict, host: str) -> int:
     return sum(h["slots"] for h in data["inventory"]["hosts"][: data["hosts"][host]["node_rank"]])
 
 
-def query(record: records.RunRecord, fleet: Fleet, mode: str, *args: str):
+def query(record: records.RunRecord, fleet: Fleet, mode: str, *args: str, only: set[str] | None = None):
     hosts = record.data["hosts"]
     return fleet.run(
         lambda host: agent_command(fleet, host.name, mode, hosts[host.name]["run_dir"], *args),
         stdin=agent_payload(),
-        hosts=[h for h in fleet.inventory.hosts if h.name in hosts and hosts[h.name].get("run_dir")],
+        hosts=[h for h in fleet.inventory.hosts if h.name in hosts and hosts[h.name].get("run_dir") and (only is None or h.name in only)],
     )
 
 
@@ -173,13 +173,18 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
     import socket
 
     records.request_stop(record, f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}")
-    out = {}
-    for result in query(record, fleet, "stop", str(grace)):
-        reply = pyrun.reply(result, "the agent")
-        if reply is not None:
-            out[result.host] = reply
-        else:
-            out[result.host] = {"state": result.status.value, "error": result.error}
+    out: dict[str, dict] = {}
+    lingering: set[str] | None = None  # the first round asks every host
+    for _ in range(STOP_ROUNDS):
+        for result in query(record, fleet, "stop", str(grace), only=lingering):
+            reply = pyrun.reply(result, "the agent")
+            if result.host in out:  # asked again: what it killed before still counts, what remains is now
+                out[result.host] = again(out[result.host], reply) if reply is not None else dict(out[result.host], error=result.error)
+            else:
+                out[result.host] = reply if reply is not None else {"state": result.status.value, "error": result.error}
+        lingering = {n for n, v in out.items() if isinstance(v.get("remaining"), list) and v["remaining"]}
+        if not lingering:
+            break
     stopped = all(isinstance(v.get("remaining"), list) and not v["remaining"] for v in out.values())
     if out and all(v.get("ended") for v in out.values()):  # nothing of the run was alive anywhere: a no-op
         return out
@@ -191,6 +196,20 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
     record.update(state="stopped" if stopped and record.data.get("state") in ("running", "starting") else record.data.get("state"),
                   stop={n: {k: v.get(k) for k in ("killed", "remaining", "gpus_held", "gpus_other", "error", "ended")} for n, v in out.items()})
     return out
+
+
+# rounds of `agent stop` on a host whose killed processes are not gone yet: 64 torchrun trees SIGKILLed on 2 busy
+# cores can take longer to be freed than one round's settle (mnft.run.agent.KILL_SETTLE); each round kills again
+# whatever of the run is left and waits for it. A process SIGKILLed is going: stop waits for it rather than calling
+# it remaining, and says remaining only of what outlived every round.
+STOP_ROUNDS = 4
+
+
+def again(first: dict, later: dict) -> dict:
+    """A host's stop reply after it was asked again: every pid killed in either round, what remains after the later
+    one (a later round that found the run ended has killed nothing more: the host's run did not end by itself)."""
+    killed = list(dict.fromkeys([*(first.get("killed") or []), *(later.get("killed") or [])]))
+    return dict(later, killed=killed, ended=bool(first.get("ended")) and bool(later.get("ended")))
 
 
 def gpu_verdict(result: dict[str, dict], code: int, console: Console | None) -> int:
