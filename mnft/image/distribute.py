@@ -229,14 +229,16 @@ def _quiet(_: str) -> None:
 
 
 def sync_image(inventory: Inventory, image: str, *, force: bool = False, dry_run: bool = False, relay: bool = True, say: Say = _quiet,
-               progress: "Progress | None" = None, timeouts: Timeouts = Timeouts(connect=10, command=FACTS_TIMEOUT)) -> ImageReport:
-    """read → plan → (dry run: stop) → prepare → save once → relay → load → verify; staging removed everywhere."""
+               progress: "Progress | None" = None, timeouts: Timeouts = Timeouts(connect=10, command=FACTS_TIMEOUT),
+               controller_runtime: str = "auto") -> ImageReport:
+    """read → plan → (dry run: stop) → prepare → save once → relay → load → verify; staging removed everywhere.
+    controller_runtime: this machine's runtime, as imagehost takes it (auto, a kind, an absolute path)."""
     started = time.monotonic()
     check_image(image)
     if imagehost.is_path_image(image) and not image.startswith(("/", "~/")):
         raise InputError(f"--image {image!r}: a .sif is given by its path: absolute, or ~/… (the same path on every host)")
     _local_file(image)
-    _, local = controller_facts(image)
+    _, local = controller_facts(image, controller_runtime)
     with Fleet(inventory, timeouts) as fleet:
         say(f"reading {image} on {len(inventory.hosts)} host(s) and on this machine")
         outcomes, facts = gather(fleet, inventory.hosts, image)
@@ -251,7 +253,7 @@ def sync_image(inventory: Inventory, image: str, *, force: bool = False, dry_run
                 say(f"every host that answered holds {short(the_plan.reference)}: nothing to do")
             report.seconds = round(time.monotonic() - started, 3)
             return report
-        _apply(fleet, inventory, the_plan, facts, report, relay, say, progress)
+        _apply(fleet, inventory, the_plan, facts, report, relay, say, progress, controller_runtime)
     report.seconds = round(time.monotonic() - started, 3)
     return report
 
@@ -284,7 +286,7 @@ def _before(p: Plan, outcomes, dry_run: bool) -> dict[str, HostOutcome]:
 
 
 def _apply(fleet: Fleet, inventory: Inventory, p: Plan, facts: dict[str, dict], report: ImageReport, relay: bool,
-           say: Say, progress: "Progress | None") -> None:
+           say: Say, progress: "Progress | None", controller_runtime: str = "auto") -> None:
     token = secrets.token_hex(6)
     by_name = {h.name: h for h in inventory.hosts}
     source_host = by_name.get(p.source) if p.source != CONTROLLER else None
@@ -320,7 +322,7 @@ def _apply(fleet: Fleet, inventory: Inventory, p: Plan, facts: dict[str, dict], 
         say(f"saving {p.image} on {'this machine' if source_host is None else p.source}")
         if source_host is None:
             local_dir = Path(tempfile.mkdtemp(prefix=imagehost.STAGE_PREFIX, dir=_local_stage_parent()))
-            report.archive_bytes = _save_local(p.image, local_dir)
+            report.archive_bytes = _save_local(p.image, local_dir, controller_runtime)
         else:
             saved = fleet.run_one(source_host, script_command(source_host, "save", runtime_setting(source_host), p.image, targets[p.source]),
                                   stdin=payload(), timeout=MOVE_TIMEOUT)
@@ -441,14 +443,14 @@ def _verify(fleet: Fleet, inventory: Inventory, p: Plan, report: ImageReport, ch
                              if host.name in p.verifiers else ""))
 
 
-def _save_local(image: str, folder: Path) -> int:
+def _save_local(image: str, folder: Path, runtime: str = "auto") -> int:
     """The source is this machine: the image saved (a .sif: linked) into a local staging directory."""
     if imagehost.is_path_image(image):
         (folder / imagehost.SIF_FILE).symlink_to(os.path.abspath(os.path.expanduser(image)))  # the relay's rsync follows it (-L)
         return os.path.getsize(os.path.expanduser(image))
     with Fleet(local_inventory()) as fleet:
         host = fleet.inventory.hosts[0]
-        result = fleet.run_one(host, script_command(host, "save", "auto", image, str(folder)), stdin=payload(), timeout=MOVE_TIMEOUT)
+        result = fleet.run_one(host, script_command(host, "save", runtime, image, str(folder)), stdin=payload(), timeout=MOVE_TIMEOUT)
     data = pyrun.reply(result, "the image script")
     if data is None or not data.get("ok"):
         raise _SourceFailed(f"this machine (the source) could not save the image: {_why(result, data)}")
