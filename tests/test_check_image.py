@@ -237,22 +237,30 @@ def test_the_table_shows_each_hosts_image_id(monkeypatch):
 # ------------------------------------------------------------------------------------------------ the host step
 
 
-def test_the_host_step_answers_the_facts_then_runs_the_command_it_is_sent(tmp_path):
+def test_the_host_step_answers_the_images_facts_the_hosts_and_the_command_it_is_sent(tmp_path):
     stub = "def facts(runtime, image):\n    return {'runtime': runtime, 'image': {'ref': image, 'present': True, 'id': 'sha256:0'}}\n"
-    first = {"imagehost": stub, "runtime": "auto", "image": REF, "timeout": 30}
+    first = {"imagehost": stub, "runtime": "auto", "image": REF}
     inner = {"argv": [sys.executable, "-c", pyrun.BOOTSTRAP, "python", "--modules", "json,mnft_surely_absent"],
              "input": pyrun.payload(probe.source()).decode(), "timeout": 30}
     stdin = pyrun.payload(probe.source()) + (json.dumps(first) + "\n" + json.dumps(inner) + "\n").encode()
     done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "image-facts", "--workdir", str(tmp_path)], input=stdin,
                           capture_output=True, timeout=60)
-    lines = done.stdout.decode().splitlines()
-    assert done.returncode == 0 and len(lines) == 2, done.stderr.decode()
-    answer, ran = json.loads(lines[0]), json.loads(lines[1])
-    assert answer["container"] == {"runtime": "auto", "image": {"ref": REF, "present": True, "id": "sha256:0"}}
-    assert "torch" not in answer["facts"] and "dists" not in answer["facts"] and answer["facts"]["disk"]["workdir"] == str(tmp_path)
-    assert answer["facts"]["clock"] and answer["facts"]["timings"]["total_s"] > 0
-    inside, error = inside_reply(ran)
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert done.returncode == 0 and len(lines) == 3, done.stderr.decode()
+    assert lines[0] == {"container": {"runtime": "auto", "image": {"ref": REF, "present": True, "id": "sha256:0"}}, "container_error": None}
+    host = next(line["facts"] for line in lines if "facts" in line)  # the host's facts and the command's: as each is ready
+    assert "torch" not in host and "dists" not in host and host["disk"]["workdir"] == str(tmp_path)
+    assert host["clock"] and host["timings"]["total_s"] > 0
+    inside, error = inside_reply(next(line["ran"] for line in lines if "ran" in line))
     assert error is None and inside["modules"] == {"json": True, "mnft_surely_absent": False}
+
+
+def test_the_host_step_says_when_the_images_facts_fail_and_still_answers_the_hosts(tmp_path):
+    stdin = pyrun.payload(probe.source()) + (json.dumps({"imagehost": "raise OSError('broken')", "runtime": "auto", "image": REF}) + "\n").encode()
+    done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "image-facts", "--workdir", str(tmp_path)], input=stdin,
+                          capture_output=True, timeout=60)
+    lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
+    assert {"container": None, "container_error": "OSError: broken"} in lines and any("facts" in line for line in lines)
 
 
 FAKE_RUNTIME = """#!/bin/sh

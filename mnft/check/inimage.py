@@ -1,16 +1,18 @@
 """`check --image`: every host's facts, the image's identity there, and the probe run inside the image, in one
 command per host; the facts merged so that the rules compare the Python, torch, CUDA and NCCL the job will see.
 
-One SSH command per host (`probe.py image-facts`), two exchanges over its stdin and stdout:
+One SSH command per host (`probe.py image-facts` on the host's Python), its stdin and stdout a conversation:
 
     → the probe's source; {imagehost's source, the host's runtime setting, the image}
-    ← {the host's facts (its clock read last), the image's facts (imagehost's, read meanwhile in the same process)}
-    → {the probe's command line inside the image, the probe's source}     (only where the runtime has the image)
-    ← {its exit code, its output}
+    ← {the image's facts}: imagehost's, read in a thread of the probe while the probe reads the host's
+    → {the probe's command line inside the image, the probe's source}       (only where the runtime has the image)
+    ← {the host's facts}: without its Python's packages; its clock read last, for the skew, as without an image
+    ← {the command's exit code and output}: the probe's `python` mode inside the image, started while the host's
+       facts were still being read (the last two lines come in the order they are ready)
 
 The command line inside is built here, from the facts the host has just sent, by mnft.image.runtime.probe_argv: the
 same module train builds its containers with, so the check looks inside the image the way the run will start it.
-A host without a runtime or without the image answers once: the rules name what it lacks.
+A host without a runtime or without the image sends no command: the rules name what it lacks.
 """
 
 from __future__ import annotations
@@ -135,25 +137,33 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
         except Unreachable as exc:
             fleet.mark_unreachable(host.name, str(exc))
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+        got: dict = {}  # "container", "facts", "ran": each line as it comes, in the order the host has them ready
+        asked, said, after = False, [], None
         finished = False
         try:
-            process.write(head + _request({"imagehost": host_source, "runtime": runtime_setting(host), "image": image,
-                                           "timeout": max(1.0, timeout - INSIDE_MARGIN)}))
-            first, said = process.json_reply(left())
-            after = time.time()
-            if first is None or not isinstance(first.get("facts"), dict):
-                return _no_reply(host.name, process, first, said, left(), started)
-            container = first.get("container")
-            argv = inside_command(host, container, image, modules)
-            ran = None
-            if argv is not None:
-                process.write(_request({"argv": argv, "input": head.decode(), "timeout": max(1.0, left() - INSIDE_MARGIN)}))
-                ran, said = process.json_reply(left())
-                if ran is None:
-                    ran = {"exit_code": None, "error": "no answer from the host: " + (said[-1] if said else "its command ended")}
+            process.write(head + _request({"imagehost": host_source, "runtime": runtime_setting(host), "image": image}))
+            while "facts" not in got or "container" not in got or (asked and "ran" not in got):
+                line, said = process.json_reply(left())
+                if line is None or not any(key in line for key in ("facts", "container", "ran")):
+                    break  # the command ended, timed out, or the probe reported its own failure
+                if "facts" in line:
+                    got["facts"], after = line["facts"], time.time()
+                if "container" in line:
+                    got["container"], got["container_error"] = line["container"], line.get("container_error")
+                    argv = inside_command(host, line["container"], image, modules)
+                    if argv is not None:  # the look inside starts while the host's facts are still being read
+                        process.write(_request({"argv": argv, "input": head.decode(), "timeout": max(1.0, left() - INSIDE_MARGIN)}))
+                        asked = True
+                if "ran" in line:
+                    got["ran"] = line["ran"]
+            if not isinstance(got.get("facts"), dict):
+                return _no_reply(host.name, process, line, said, left(), started)
             process.close_stdin()
-            done = process.wait(timeout=min(5.0, left()) or 0.001)
-            finished = True
+            try:
+                code = process.wait(timeout=min(5.0, max(1.0, left()))).exit_code
+                finished = True
+            except CommandTimeout:  # the host's facts are here: what did not answer is said below
+                code = None
         except CommandTimeout:
             return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=_since(started))
         except OutputTooLarge as exc:
@@ -164,12 +174,14 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
         finally:
             if not finished:
                 process.terminate()
-        merged = merge(first["facts"], container, image, ran, first.get("container_error"))
+        why = "no answer from the host within {:g}s".format(timeout) if left() <= 0 else "no answer from the host: " + (said[-1] if said else "its command ended")
+        ran = got.get("ran") if not asked or isinstance(got.get("ran"), dict) else {"exit_code": None, "error": why}
+        merged = merge(got["facts"], got.get("container"), image, ran, got.get("container_error") or (None if "container" in got else why))
         facts[host.name] = merged
         if isinstance(merged.get("clock"), (int, float)):
             total = (merged.get("timings") or {}).get("total_s")
             skew[host.name] = clock_skew(merged["clock"], before, after, total if isinstance(total, (int, float)) else None)
-        return HostResult(host.name, Status.OK, done.exit_code, seconds=_since(started))
+        return HostResult(host.name, Status.OK, code, seconds=_since(started))
 
     results = fleet.map(one, hosts)
     return results, {name: facts[name] for name in results.by_host if name in facts}, skew

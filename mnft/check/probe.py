@@ -8,9 +8,10 @@ object from stdout. It also runs as `python3 mnft/check/probe.py MODE ...`.
                                             with --modules, which of those top-level modules this Python resolves
     python [--modules A,B]                  only what this Python has (torch/CUDA/NCCL, distributions, the modules):
                                             the probe inside a container image, where the job's Python is
-    image-facts [--workdir PATH]            with an image: the host's facts without its Python's packages, and the
-                                            image's facts (the controller's request on stdin); then each command the
-                                            controller sends (the probe inside the image), one line each
+    image-facts [--workdir PATH]            with an image: the image's facts (imagehost's, its source in the
+                                            controller's request on stdin), the host's facts without its Python's
+                                            packages, and each command the controller sends meanwhile (the probe
+                                            inside the image): one line each, as each is ready
     listen PORT SECONDS [--bind ADDR]       accept TCP connections (reply b"mnft\\n") until SECONDS pass or stdin closes
     connect HOST PORT TIMEOUT [--bind ADDR] connect (from source address ADDR) and read the listener's reply
     free-port PORT [--bind ADDR]            can PORT be bound right now (SO_REUSEADDR off)?
@@ -589,15 +590,12 @@ def _request():
     return request
 
 
-def _image_host_facts(request: dict, box: dict) -> None:
+def _image_host_facts(request: dict) -> dict:
     """imagehost's facts (its source, the runtime setting and the image come in the request), computed in this
     process as imagehost.py says another host script may: its source run in a namespace of its own."""
-    try:
-        namespace = {"__name__": "mnft_imagehost"}
-        exec(compile(request["imagehost"], "imagehost", "exec"), namespace)
-        box["container"] = namespace["facts"](request["runtime"], request["image"])
-    except Exception as exc:  # noqa: BLE001 - the probe never raises
-        box["error"] = _message(exc)
+    namespace = {"__name__": "mnft_imagehost"}
+    exec(compile(request["imagehost"], "imagehost", "exec"), namespace)
+    return namespace["facts"](request["runtime"], request["image"])
 
 
 def _end(f, kept: int) -> str:
@@ -627,28 +625,45 @@ def run_command(request: dict) -> dict:
     return out
 
 
-def image_facts(workdir: str) -> None:
-    """With an image: the host's facts without its Python's packages and the image's facts (imagehost's, read
-    meanwhile), as one line whose clock is read last; then each command the controller sends (the probe inside
-    the image: the controller builds its command line from those facts), one line each, until stdin ends."""
-    start = time.monotonic()
-    request = _request() or {}
-    box = {}
-    thread = threading.Thread(target=_image_host_facts, args=(request, box), name="imagehost", daemon=True)
-    thread.start()
-    host = facts(workdir, packages=False)
-    timeout = float(request.get("timeout") or 60)
-    thread.join(max(0.0, timeout - (time.monotonic() - start)))
-    if thread.is_alive():
-        box["error"] = "the image's facts: no answer within %gs" % timeout
-    host["clock"] = time.time()
-    host["timings"]["total_s"] = round(time.monotonic() - start, 4)
-    _emit({"facts": host, "container": box.get("container"), "container_error": box.get("error")})
+def _image_side(request: dict, emit) -> None:
+    """The image's facts as soon as they are known (one line), then each command the controller sends (the probe
+    inside the image, whose command line it builds from those facts), one line each, until stdin ends: all while
+    the host's own facts are still being read."""
+    try:
+        emit({"container": _image_host_facts(request), "container_error": None})
+    except Exception as exc:  # noqa: BLE001 - the probe never raises
+        emit({"container": None, "container_error": _message(exc)})
     while True:
-        request = _request()
+        try:
+            request = _request()
+        except Exception as exc:  # noqa: BLE001
+            emit({"ran": {"exit_code": None, "error": "a request the probe cannot read: %s" % _message(exc)}})
+            return
         if request is None:
             return
-        _emit(run_command(request))
+        emit({"ran": run_command(request)})
+
+
+def image_facts(workdir: str) -> None:
+    """With an image, three lines in the order they are ready: the image's facts (imagehost's, read in a thread of
+    this process), the host's facts without its Python's packages (its clock read last, as `facts` does), and the
+    result of the command the controller sends once it has the image's facts (the probe inside the image). Ends
+    when stdin ends."""
+    start = time.monotonic()
+    request = _request() or {}
+    lock = threading.Lock()
+
+    def emit(obj: dict) -> None:
+        with lock:
+            _emit(obj)
+
+    side = threading.Thread(target=_image_side, args=(request, emit), name="image", daemon=True)
+    side.start()
+    host = facts(workdir, packages=False)
+    host["clock"] = time.time()
+    host["timings"]["total_s"] = round(time.monotonic() - start, 4)
+    emit({"facts": host})
+    side.join()  # until stdin ends (the controller closes it, or its connection goes)
 
 
 # ------------------------------------------------------------------------------------------------ network
