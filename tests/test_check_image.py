@@ -114,7 +114,18 @@ def test_a_probe_that_could_not_run_inside_leaves_the_python_side_unknown_and_sa
     f = merge(copy.deepcopy(HOST), container(present=False), REF, None)
     assert f["python"] is None and f["torch"] is None and f["image_probe"]["ran"] is False and f["image_probe"]["error"] is None
     f = merge(copy.deepcopy(HOST), None, REF, None, container_error="NameError: facts")
-    assert f["container"] is None and f["image_probe"]["error"] == "the image's facts: NameError: facts"
+    assert f["container"] is None and f["image_probe"]["error"] == "NameError: facts"
+
+
+def test_image_facts_not_of_imagehosts_shape_are_none_and_say_so():
+    for bad in ("podman", {"runtime": "podman"}, {"runtime": 3, "image": {"present": True}}, {"image": {"present": "yes"}},
+                container(image_id=12)):
+        f = merge(copy.deepcopy(HOST), bad, REF, None)
+        assert f["container"] is None, bad
+        assert f["image_probe"]["error"] == "not the answer imagehost gives (its contract: mnft/image/imagehost.py)"
+    found = image_problems(INV, {"h1": merge(copy.deepcopy(HOST), "podman", REF, None)}, REF)
+    assert [(p.host, p.field, p.message) for p in found] == [
+        ("h1", "image", "the image's facts could not be read: not the answer imagehost gives (its contract: mnft/image/imagehost.py)")]
 
 
 def test_the_reply_from_inside_is_its_last_json_line_or_the_runtimes_last_word():

@@ -77,6 +77,14 @@ def inside_reply(ran: dict | None) -> tuple[dict | None, str | None]:
     return data, None
 
 
+def _is_container_facts(c: object) -> bool:
+    """imagehost's answer has the shape its contract says (the rules and train read it without asking again)."""
+    if not isinstance(c, dict) or not isinstance(c.get("image"), dict):
+        return False
+    strings = (c.get("runtime"), c.get("path"), c.get("error"), c["image"].get("id"))
+    return all(v is None or isinstance(v, str) for v in strings) and isinstance(c["image"].get("present"), bool)
+
+
 def merge(host_facts: dict, container: dict | None, image: str, ran: dict | None = None,
           container_error: str | None = None) -> dict:
     """One host's facts as the rules read them with an image: the host's own (disk, NICs, GPUs, driver, clock), its
@@ -86,10 +94,12 @@ def merge(host_facts: dict, container: dict | None, image: str, ran: dict | None
     `image_probe` says whether it ran, and why not."""
     facts = dict(host_facts)
     facts["host_python"] = host_facts.get("python")
-    facts["container"] = container if isinstance(container, dict) else None
+    facts["container"] = container if _is_container_facts(container) else None
     inner, error = inside_reply(ran)
     if facts["container"] is None and error is None:
-        error = "the image's facts: " + (_one_line(container_error or "") or "no answer")
+        if container is not None and not container_error:
+            container_error = "not the answer imagehost gives (its contract: mnft/image/imagehost.py)"
+        error = _one_line(container_error or "") or "no answer"  # why the image's facts are missing
     facts["image_probe"] = {
         "image": image,
         "python": IMAGE_PYTHON,
