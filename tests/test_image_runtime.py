@@ -166,3 +166,15 @@ def test_a_host_without_a_runtime_is_refused_naming_it():
 def test_without_an_image_nothing_changes():
     plans = plan(recipe_job("lora"), {"h1": PODMAN, "h2": PODMAN})
     assert plans[0].argv[0] == "python3" and plans[0].container is None
+
+
+def test_podman_runs_the_image_by_the_id_the_check_verified_so_a_retag_cannot_swap_it():
+    facts = {"runtime": "podman", "path": "/usr/bin/podman", "uid": 0, "gid": 0, "home": "/root",
+             "image": {"ref": "localhost/lab:1", "present": True, "id": "sha256:" + "ab" * 32}}
+    rt = Runtime.from_facts(facts)
+    plans = plan(Job(entry=("train.py",), image="localhost/lab:1"), {"h1": rt, "h2": rt})
+    argv = list(plans[0].argv)
+    assert "ab" * 32 in argv and "localhost/lab:1" not in argv
+    assert plans[0].container["image"] == "localhost/lab:1" and plans[0].container["image_id"] == "sha256:" + "ab" * 32
+    sif = Runtime.from_facts({**facts, "runtime": "apptainer", "image": {"ref": "~/lab.sif", "present": True, "id": "sha256:" + "cd" * 32}})
+    assert sif.runs("~/lab.sif") == "/root/lab.sif"  # a .sif runs from its path

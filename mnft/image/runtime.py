@@ -66,11 +66,21 @@ class Runtime:
     rootless: bool = False  # podman run by a user other than root: --userns keep-id maps the user in
     cdi: bool = False  # nvidia.com/gpu devices are described by CDI (/etc/cdi, /var/run/cdi)
     gpus: bool = False  # the host has NVIDIA GPUs (nvidia-smi answered)
+    image_id: str | None = None  # the job's image as the check verified it there ("sha256:…"): what podman/docker run
 
     @classmethod
     def from_facts(cls, facts: dict) -> "Runtime":
+        image = facts.get("image") if isinstance(facts.get("image"), dict) else {}
         return cls(kind=facts["runtime"], path=facts["path"], uid=int(facts["uid"]), gid=int(facts["gid"]), home=facts["home"],
-                   rootless=bool(facts.get("rootless")), cdi=bool(facts.get("cdi")), gpus=bool(facts.get("gpus")))
+                   rootless=bool(facts.get("rootless")), cdi=bool(facts.get("cdi")), gpus=bool(facts.get("gpus")),
+                   image_id=image.get("id") if image.get("present") and isinstance(image.get("id"), str) else None)
+
+    def runs(self, image: str) -> str:
+        """What the runtime is given to run: podman/docker the id the check verified (a re-tag of the name between
+        the check and the start cannot swap the image under the run), apptainer the .sif path."""
+        if self.kind in DAEMON_RUNTIMES and self.image_id and re.fullmatch(r"sha256:[0-9a-f]{64}", self.image_id):
+            return self.image_id.split(":", 1)[1]
+        return expand(image, self.home)
 
 
 @dataclass(frozen=True)

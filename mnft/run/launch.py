@@ -372,10 +372,10 @@ def in_image(rt: containers_.Runtime, image: str, name: str, argv: list[str], en
         if rt.kind in containers_.SIF_RUNTIMES:
             env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the host's numbering, as nvidia-smi shows it
     env_names = tuple(sorted(set(env) | set(KEEPER_ENV)))
-    spec = containers_.Container(image=containers_.expand(image, rt.home), name=name, mounts=mounts, devices=devices or None,
+    spec = containers_.Container(image=rt.runs(image), name=name, mounts=mounts, devices=devices or None,
                                  env_names=env_names, workdir=cwd, labels=labels)
     wrapped = containers_.run_argv(rt, spec, inside)
-    record = {"runtime": rt.kind, "path": rt.path, "name": name, "image": image,
+    record = {"runtime": rt.kind, "path": rt.path, "name": name, "image": image, "image_id": rt.image_id,
               "mounts": list(containers_.mounts(mounts, rt.home)), "secrets_file": bool(secret_names),
               "teardown": containers_.teardown_argv(rt.kind, rt.path, name)}
     return wrapped, record
