@@ -44,7 +44,8 @@ def inside_command(host: Host, container: dict | None, image: str, modules: Sequ
     if not isinstance(container, dict) or not container.get("runtime") or not (container.get("image") or {}).get("present"):
         return None
     try:
-        prefix = probe_argv(Runtime.from_facts(container), image, [IMAGE_PYTHON])
+        rt = Runtime.from_facts(container)
+        prefix = probe_argv(rt, rt.runs(image), [IMAGE_PYTHON])  # podman/docker: by the id just read, as train runs it
     except (InputError, KeyError, TypeError, ValueError):  # podman without CDI on a GPU host: the cdi rule
         return None
     wanted = ("--modules", ",".join(modules)) if modules else ()
