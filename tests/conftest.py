@@ -8,6 +8,10 @@ Fixtures:
   fresh_cluster_factory   function: factory(n_hosts=2, outsider=False, prefix=None) -> a private Cluster for
                           destructive tests; every cluster it built is torn down after the test
   chromium                module: Debian's chromium driven by Playwright (tests/boardfakes.py says when it can't)
+  torch_image             session: images.torch_image(), the CPU-torch image (built once per machine, cached)
+  tiny_images             session: (images.tiny_image("a"), images.tiny_image("b")): two different ≈ 2 MB images
+  container_cluster       module: 2 hosts h1, h2, each with its own podman (containers=True), always torn down
+  (the last three skip without podman, runc and conmon, and fail instead under MNFT_REQUIRE_CLUSTER=1)
   (autouse) lease_dir     function: MNFT_LEASE_DIR in a fresh directory, so a `connection: local` host's lease is
                           the test's own, not this machine's /run/lock (shared with every other test run)
 
@@ -157,6 +161,48 @@ def slurm_bed(testbed, tmp_path_factory: pytest.TempPathFactory):
         finally:
             if slurm is not None:
                 slurm.stop()
+            built.teardown()
+
+
+def _require_containers(testbed) -> None:
+    """Skip, or fail under MNFT_REQUIRE_CLUSTER=1, unless hosts can have a podman of their own."""
+    try:
+        testbed.check_container_prerequisites()
+    except testbed.ClusterUnavailable as exc:
+        if os.environ.get("MNFT_REQUIRE_CLUSTER") == "1":
+            pytest.fail(f"containers on the simulated cluster unavailable although MNFT_REQUIRE_CLUSTER=1: {exc}")
+        pytest.skip(f"containers on the simulated cluster unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def torch_image(testbed):
+    """The test bed's CPU-torch image (tests/images.py): this machine's Python with torch, transformers, peft…
+    Built on the first use on a machine (≈ 15-30 s, ≈ 1 GB in /var/cache/mnft-test-images), found there after."""
+    _require_containers(testbed)
+    import images
+
+    return images.torch_image()
+
+
+@pytest.fixture(scope="session")
+def tiny_images(testbed, tmp_path_factory: pytest.TempPathFactory):
+    """Two tiny images of different content (so different ids): localhost/mnft-tiny:a and :b."""
+    _require_containers(testbed)
+    import images
+
+    directory = tmp_path_factory.mktemp("tiny-images")
+    return images.tiny_image("a", directory), images.tiny_image("b", directory)
+
+
+@pytest.fixture(scope="module")
+def container_cluster(testbed, tmp_path_factory: pytest.TempPathFactory):
+    """2 hosts h1, h2 (no outsider), each with its own podman and storage, empty; built once per module."""
+    _require_containers(testbed)
+    with _TerminateAsInterrupt():
+        built = testbed.Cluster.create(2, tmp_path_factory.mktemp("containers"), outsider=False, containers=True)
+        try:
+            yield built
+        finally:
             built.teardown()
 
 

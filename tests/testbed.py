@@ -5,7 +5,9 @@ namespace), its own `sshd` with its own host key, and a private mount namespace 
 `/tmp`, `/etc/hosts`, `/etc/ssh` and `/run` are per-host directories under the cluster's workdir. The Python
 installation that runs this code is bound read-only into every private home, so `Cluster.python` works inside
 every host. The controller is the calling process: it reaches every host through the bridge address. With
-`gpus=N` every host also has N GPUs that are not there: tests/fakegpu.py answers as its `nvidia-smi`.
+`gpus=N` every host also has N GPUs that are not there: tests/fakegpu.py answers as its `nvidia-smi`. With
+`containers=True` every host has a podman of its own (its /etc/containers, its storage on /var/lib/containers):
+`load_image`/`share_image` put images from tests/images.py into chosen hosts, `podman(host, …)` runs it there.
 
     cluster = Cluster.create(4, Path("/tmp/tb"))
     try:
@@ -49,6 +51,7 @@ __all__ = [
     "ClusterError",
     "ClusterCommandError",
     "check_prerequisites",
+    "check_container_prerequisites",
     "DEFAULT_FAMILY",
     "cpu_shares",
 ]
@@ -306,6 +309,191 @@ def _python_paths() -> tuple[str, list[str]]:
     return python, binds
 
 
+# --------------------------------------------------------------------------------------------------- containers
+
+CONTAINERS_ETC = "/etc/containers"  # a host's own copy is bound here (Cluster.create(containers=True))
+CONTAINERS_STORAGE = "/var/lib/containers"  # and its own storage here
+# Rlimits runc may set here. podman's defaults (nofile 1048576) are above this machine's hard limits, which runc,
+# without CAP_SYS_RESOURCE, cannot raise: "error setting rlimit type 7: operation not permitted".
+CONTAINER_ULIMITS = ("nproc=5000:5000", "nofile=16384:16384")
+SUBID_FIRST, SUBID_COUNT = 1_000_000, 65536  # add_user's users' subordinate ids (rootless podman)
+CONTAINER_CGROUPS = ("/sys/fs/cgroup/*/libpod_parent/libpod-{id}", "/sys/fs/cgroup/libpod_parent/libpod-{id}")  # cgroupfs
+
+
+def check_container_prerequisites() -> None:
+    """Raise `ClusterUnavailable` unless hosts can each have a podman: the test bed's prerequisites, then podman,
+    runc and conmon (Debian: apt-get install podman runc) and podman's policy.json in /etc/containers."""
+    check_prerequisites()
+    for tool in ("podman", "runc", "conmon"):
+        if shutil.which(tool, path=SESSION_PATH) is None:
+            raise ClusterUnavailable(f"containers=True needs `{tool}` (apt-get install podman runc)")
+    if not os.path.isfile(os.path.join(CONTAINERS_ETC, "policy.json")):
+        raise ClusterUnavailable(f"containers=True needs podman's {CONTAINERS_ETC}/policy.json (apt-get install podman)")
+
+
+def containers_conf() -> str:
+    """Every host's /etc/containers/containers.conf: what podman needs on this machine, so that a plain
+    `podman run IMAGE …` (mnft's own command line) works in a host with no flag added.
+
+    * runc: crun fails here; cgroupfs: no systemd to ask for cgroups (cgroup v1 here).
+    * default_ulimits within this machine's hard limits (CONTAINER_ULIMITS).
+    * events and container logs to files (no journald); file locks in podman's tmp_dir (root's: /run/libpod, the
+      host's own /run; a user's: /run/user/UID/libpod/tmp): podman's default shm locks (/dev/shm/libpod_lock) would
+      be one table for every host of every cluster and this machine's own podman, which a host's first podman (a
+      "reboot" to it) would wipe.
+
+    The same file serves root and rootless users (`add_user`), so it names no path of root's."""
+    ulimits = ", ".join(f'"{u}"' for u in CONTAINER_ULIMITS)
+    return "\n".join([
+        "# mnft test bed: this host's own podman (tests/testbed.py containers_conf)",
+        "[containers]",
+        f"default_ulimits = [{ulimits}]",
+        'log_driver = "k8s-file"',
+        "",
+        "[engine]",
+        'runtime = "runc"',
+        'cgroup_manager = "cgroupfs"',
+        'events_logger = "file"',
+        'lock_type = "file"',
+        "",
+    ])
+
+
+def storage_conf(stores: Sequence[str] = ()) -> str:
+    """Every host's /etc/containers/storage.conf: overlay, under the host's own /var/lib/containers and /run; and
+    the read-only image stores it shares with other hosts (`Cluster.share_image`)."""
+    shared = ", ".join(f'"{store}"' for store in stores)
+    return "\n".join([
+        "# mnft test bed: this host's own image and container storage (tests/testbed.py storage_conf)",
+        "[storage]",
+        'driver = "overlay"',
+        f'graphroot = "{CONTAINERS_STORAGE}/storage"',
+        'runroot = "/run/containers/storage"',
+        *(["", "[storage.options]", f"additionalimagestores = [{shared}]"] if stores else []),
+        "",
+    ])
+
+
+def image_store(image: Any, stores: Path) -> Path:
+    """A read-only image store (a podman graphroot) holding `image` (an `images.Image`) under its ref, made once on
+    this machine in `stores`/<image id> and kept for later sessions; an image of the same id under another ref (a
+    new cache key, same content) is tagged into it. Stores unused for a week are removed."""
+    store = stores / image.id
+    stores.mkdir(parents=True, exist_ok=True)
+    with open(stores / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not store.is_dir():
+            work = Path(tempfile.mkdtemp(prefix=f"{image.id}.", dir=stores))
+            try:
+                _store_podman(work / "root", "pull", "--quiet", f"docker-archive:{image.archive}")
+                os.rename(work / "root", store)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        names = json.loads((store / "overlay-images" / "images.json").read_text())
+        if not any(image.ref in entry.get("names", ()) for entry in names):
+            _store_podman(store, "tag", image.id, image.ref)
+        for old in stores.iterdir():
+            if old.is_dir() and old != store and time.time() - old.stat().st_mtime > 7 * 86400:
+                shutil.rmtree(old, ignore_errors=True)
+    os.utime(store)
+    return store
+
+
+def _store_podman(graphroot: Path, *args: str) -> None:
+    """`podman ARGS…` on `graphroot` by a podman of its own here (its own runroot, tmpdir, configuration and no
+    database left behind): the machine's default storage is never touched."""
+    work = Path(tempfile.mkdtemp(prefix="podman.", dir=graphroot.parent))
+    try:
+        _write(work / "containers.conf", containers_conf().replace('events_logger = "file"', 'events_logger = "none"'))
+        _write(work / "storage.conf", storage_conf().replace(f"{CONTAINERS_STORAGE}/storage", str(graphroot))
+               .replace("/run/containers/storage", str(work / "run")))
+        env = {**os.environ, "CONTAINERS_CONF": str(work / "containers.conf"), "CONTAINERS_STORAGE_CONF": str(work / "storage.conf")}
+        proc = subprocess.run(["podman", "--tmpdir", str(work / "tmp"), *args], env=env, capture_output=True, text=True,
+                              timeout=900, check=False)
+        if proc.returncode != 0:
+            raise ClusterError(f"podman {shlex.join(args)} on the image store {graphroot} failed: {proc.stderr.strip()[-2000:]}")
+    finally:
+        shutil.rmtree(graphroot / "libpod", ignore_errors=True)  # that podman's own database: no image in it
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _cgroup_mounts() -> list[str]:
+    """Commands that mount this machine's cgroup hierarchies again on /sys/fs/cgroup, for runc: `ip netns exec` gives
+    a host a fresh /sys (its network's view) in which /sys/fs/cgroup is empty. The same hierarchies, not new ones: a
+    container's cgroup made in a host is seen here too. All but cpuset (v1): runc would put every container into a
+    cpuset of every CPU of the machine, out of the host's own (`cpu_shares`); without it a container keeps them."""
+    steps = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point, (fstype, _source, options) = fields[4], fields[fields.index("-") + 1:][:3]
+        if fstype == "cgroup" and "cpuset" in options.split(","):
+            continue
+        if point == "/sys/fs/cgroup" and fstype == "tmpfs":
+            steps.append("mount -t tmpfs -o mode=755 tmpfs /sys/fs/cgroup")
+        elif point.startswith("/sys/fs/cgroup/") and fstype in ("cgroup", "cgroup2"):
+            steps += [f"mkdir -p {shlex.quote(point)}", f"mount -t {fstype} -o {shlex.quote(options)} {fstype} {shlex.quote(point)}"]
+        elif point == "/sys/fs/cgroup" and fstype == "cgroup2":
+            steps.append(f"mount -t cgroup2 -o {shlex.quote(options)} cgroup2 /sys/fs/cgroup")
+    return steps
+
+
+def _each(items: Sequence[Any], work: Any) -> None:
+    """work(item) for every item at once, each in a thread; then the first exception, if any, is raised."""
+    errors: list[BaseException] = []
+
+    def one(item: Any) -> None:
+        try:
+            work(item)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(item,)) for item in items]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+
+
+def _kill_cgroups(container_ids: Iterable[str]) -> None:
+    """SIGKILL every process in these containers' cgroups (podman's cgroupfs layout), then remove the cgroups."""
+    import glob
+
+    groups = [g for cid in container_ids for pattern in CONTAINER_CGROUPS for g in glob.glob(pattern.format(id=cid))]
+    for _ in range(10):
+        pids = set()
+        for group in groups:
+            try:
+                pids.update(int(p) for p in Path(group, "cgroup.procs").read_text().split())
+            except OSError:
+                pass
+        if not pids:
+            break
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    for group in sorted(groups, key=len, reverse=True):
+        try:
+            os.rmdir(group)
+        except OSError:
+            pass
+
+
+def _mounts_under(path: Path) -> list[str]:
+    """Mount points of this mount namespace at or under `path`, in the order they were mounted."""
+    top = os.path.realpath(path)
+    found = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4])
+        if point == top or point.startswith(top + "/"):
+            found.append(point)
+    return found
+
+
 # --------------------------------------------------------------------------------------------------- Cluster
 
 
@@ -314,7 +502,8 @@ class Cluster:
 
     `gpus` is how many (fake) GPUs each host has: with gpus > 0 `nvidia-smi` in a host is tests/fakegpu.py, and
     `gpu_users(host)` says which processes use which of them. `add_user(name, torch=True)` makes a login user who can
-    run `python` (the interpreter with torch, under root's home)."""
+    run `python` (the interpreter with torch, under root's home). `containers=True`: a podman per host (`podman`,
+    `load_image`, `share_image`, `remove_containers`; docs/testbed.md "Containers")."""
 
     hosts: list[SimHost]
     outsider: SimHost | None
@@ -326,7 +515,7 @@ class Cluster:
 
     def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False,
                  stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
-                 gpus: int = 0):
+                 gpus: int = 0, containers: bool = False):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -350,6 +539,9 @@ class Cluster:
         self.shared_home = tuple(shared_home)
         self.shared_dirs = self._shared_dirs(shared_dirs or {})  # host-side path -> (the hosts that see it, the source)
         self.gpus = gpus
+        self.containers = containers
+        self._users: dict[str, tuple[int, str]] = {}  # add_user's users: name -> (uid, home inside the hosts)
+        self._stores: dict[str, list[str]] = {}  # share_image: host name -> the image stores in its storage.conf
         self._carried = _project_paths()  # bound into every host at the same path (a checkout under /tmp)
 
     # ------------------------------------------------------------------ building
@@ -358,7 +550,7 @@ class Cluster:
     def create(
         cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False,
         stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
-        gpus: int = 0,
+        gpus: int = 0, containers: bool = False,
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
 
@@ -387,6 +579,13 @@ class Cluster:
         The stand-in is stacked onto the host's /usr/local/bin (a read-only overlay: what this machine has there
         stays visible), so it needs overlayfs and Debian's /usr/bin/python3.
 
+        `containers=True` gives every host (not the outsider) its own podman: its own /etc/containers (runc,
+        cgroupfs, ulimits this machine allows: `containers_conf`) and its own image and container storage, bound on
+        /var/lib/containers, so an image loaded into h1 (`load_image`) is not in h2, as on a lab's separate disks.
+        `podman(host, ...)` runs podman as the host sees it; so does a plain `podman` over ssh. `share_image` gives
+        hosts an image from a read-only store instead, at once. A user of `add_user` runs podman rootless. Teardown
+        removes every container, then the storage.
+
         Raises `ClusterUnavailable` when the machine cannot host it, `ClusterError` when building failed (after
         tearing down whatever was built).
         """
@@ -405,9 +604,11 @@ class Cluster:
             raise ValueError(f"gpus: workdir {workdir} must not hold ':', ',', '\\' or spaces (it names an overlay's lower directory)")
         if gpus and not os.access("/usr/bin/python3", os.X_OK):
             raise ClusterUnavailable("Cluster.create(gpus=N) needs /usr/bin/python3 (the fake nvidia-smi runs on it)")
+        if containers:
+            check_container_prerequisites()
         workdir.mkdir(parents=True, exist_ok=True)
         cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd, shared_home=shared_home,
-                      shared_dirs=shared_dirs, gpus=gpus)
+                      shared_dirs=shared_dirs, gpus=gpus, containers=containers)
         unknown = sorted({n for names, _ in cluster.shared_dirs.values() for n in names} - {f"h{i}" for i in range(1, n_hosts + 1)})
         if unknown:
             raise ValueError(f"shared_dirs names hosts this cluster does not have: {', '.join(unknown)}")
@@ -540,6 +741,8 @@ class Cluster:
             _write(host.root / "etc" / "ssh" / "sshd_config", _sshd_config(stock=self.stock_sshd))
             if self.gpus:
                 self._write_fake_gpus(host)
+            if self.containers:
+                self._write_containers(host)
             self._install_host_key(host, *_ed25519_keypair(f"root@{host.name}"))
             self._original_keys[host.name] = (self._host_key_path(host).read_bytes(), host.host_key_pub)
         self._write_known_hosts()
@@ -596,6 +799,9 @@ class Cluster:
         if self.gpus:  # the fake nvidia-smi on top of this machine's /usr/local/bin, hiding nothing there
             lower = f"{r / 'gpu-bin'}:{GPU_BIN}"
             steps.append(f"mount -t overlay mnft-fake-gpu -o {q('ro,lowerdir=' + lower)} {GPU_BIN}")
+        if self.containers:  # the host's own podman: its configuration and its storage (sources under the workdir)
+            steps += [f"mount --bind {q(str(r / 'containers' / 'etc'))} {CONTAINERS_ETC}",
+                      f"mount --bind {q(str(self._storage(host)))} {CONTAINERS_STORAGE}", *_cgroup_mounts()]
         # shared_dirs: onto the mount point inside the host's home or tmp while both are still in reach here; the
         # recursive binds below carry them to /root and /tmp
         shared = [(path, source) for path, (names, source) in self.shared_dirs.items() if host.name in names]
@@ -805,7 +1011,10 @@ class Cluster:
         return out
 
     def kill_strays(self, host: SimHost) -> None:
-        """SIGKILL every process of the host except the testbed's own (anchor, sshd listener)."""
+        """SIGKILL every process of the host except the testbed's own (anchor, sshd listener); with containers,
+        every container of the host is removed first."""
+        if self.containers:
+            self.remove_containers(host)
         _kill_netns(host.ns, keep=self._own_pids(host))
 
     def _own_pids(self, host: SimHost) -> set[int]:
@@ -845,6 +1054,10 @@ class Cluster:
         may list or write it (sshd's StrictModes still accepts root's key). Only the binds under it (e.g. /root/.pyenv,
         read-only) are meant to be reached: what root writes in its home is as open as its own mode makes it.
         ClusterUnavailable when the interpreter's own directories do not let other users through.
+
+        With containers, the user can run podman rootless: a range of 65536 subordinate ids of its own in private
+        copies of /etc/subuid and /etc/subgid, and /run/user/<uid> (its podman's runtime directory, as a login
+        would make it); its images and containers are in ~/.local/share/containers.
         """
         if not re.match(r"^[a-z_][a-z0-9_-]{0,30}$", name) or name == "root":
             raise ValueError(f"bad user name {name!r}")
@@ -876,6 +1089,12 @@ class Cluster:
         if sudo:
             before = (private / "sudoers").read_text() if (private / "sudoers").is_file() else "Defaults env_reset\nroot ALL=(ALL:ALL) ALL\n"
             files["/etc/sudoers"] = before + f"{name} ALL=(ALL:ALL) ALL\n"
+        if self.containers:  # rootless podman: subordinate ids of its own (none overlaps a uid the test bed hands out)
+            for target in ("/etc/subuid", "/etc/subgid"):
+                if os.path.isfile(target):  # the mount point (shadow's own, often empty); without it: no rootless podman
+                    lines = [line for line in current(target).splitlines() if line]
+                    lines.append(f"{name}:{SUBID_FIRST + (uid - 4200) * SUBID_COUNT}:{SUBID_COUNT}")
+                    files[target], modes[target] = "\n".join(lines) + "\n", 0o644
         public = self.controller_key.with_suffix(".pub").read_text()
         for host in self.hosts:
             # under the host's private /tmp: the one place both sides see (inside, as /tmp/.mnft-users)
@@ -894,6 +1113,12 @@ class Cluster:
                 _sh(["nsenter", "-t", pid, "-m", "--", *argv])
             if torch:
                 os.chmod(host.home, 0o711)
+            if self.containers:
+                runtime = host.root / "run" / "user" / str(uid)
+                runtime.mkdir(parents=True, exist_ok=True)
+                os.chown(runtime, uid, uid)
+                os.chmod(runtime, 0o700)
+        self._users[name] = (uid, home)
         return home
 
     def _python_for_everyone(self) -> None:
@@ -910,6 +1135,111 @@ class Cluster:
                 if os.stat(path).st_mode & need != need:
                     raise ClusterUnavailable(f"add_user(torch=True): {path} does not let other users through "
                                              f"(mode {os.stat(path).st_mode & 0o7777:o}), so they cannot run {self.python}")
+
+    # ------------------------------------------------------------------ containers (podman, one per host)
+
+    def _storage(self, host: SimHost) -> Path:
+        """The host's podman storage here: bound on /var/lib/containers inside the host."""
+        return host.root / "containers" / "lib"
+
+    def _write_containers(self, host: SimHost) -> None:
+        """The host's /etc/containers (this machine's, with the test bed's containers.conf and storage.conf) and its
+        empty storage."""
+        etc = host.root / "containers" / "etc"
+        shutil.copytree(CONTAINERS_ETC, etc, dirs_exist_ok=True, symlinks=True,
+                        ignore=shutil.ignore_patterns("containers.conf", "containers.conf.d", "storage.conf", "libpod.conf"))
+        _write(etc / "containers.conf", containers_conf())
+        _write(etc / "storage.conf", storage_conf())
+        self._storage(host).mkdir(parents=True, exist_ok=True)
+        os.makedirs(CONTAINERS_STORAGE, exist_ok=True)  # the mount point: podman's own default place, as podman makes it
+
+    def _need_containers(self) -> None:
+        if not self.containers:
+            raise ClusterError("this cluster's hosts have no podman of their own: Cluster.create(..., containers=True)")
+
+    def podman(self, host: SimHost, *args: str, check: bool = True, timeout: float = 120,
+               input: str | None = None) -> subprocess.CompletedProcess:
+        """`podman ARGS…` run in the host (as `run` runs it): its /etc/containers, its storage, its network."""
+        self._need_containers()
+        return self.run(host, ["podman", *args], check=check, timeout=timeout, input=input)
+
+    def load_image(self, hosts: Sequence[SimHost], image: Any, *, timeout: float = 300) -> None:
+        """Put an image into the storage of each of `hosts` (in parallel; the others stay without it): `image` is an
+        `images.Image` or the path here of a docker-archive (what `podman save` writes by default).
+
+        The archive goes in on the command's stdin (`podman pull docker-archive:/dev/stdin`), so it need not be
+        visible inside the hosts. Not `podman load -i`: that first tries the archive as an OCI archive, unpacking
+        all of it into a temporary directory (≈ 3 s per GB) before it gives up. ClusterCommandError when it fails."""
+        self._need_containers()
+        archive = Path(getattr(image, "archive", image))
+        argv = ["podman", "pull", "--quiet", "docker-archive:/dev/stdin"]
+
+        def one(host: SimHost) -> None:
+            with open(archive, "rb") as stdin:
+                proc = self.popen(host, argv, stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                try:
+                    out, err = proc.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    out, err = proc.communicate()
+            if proc.returncode != 0:
+                raise ClusterCommandError(host.name, subprocess.CompletedProcess(argv, proc.returncode, out, err))
+
+        _each(hosts, one)
+
+    def share_image(self, hosts: Sequence[SimHost], image: Any) -> None:
+        """Give `hosts` (the others stay without it) an image from a read-only image store this machine keeps, as a
+        lab's image store on a shared disk: podman's `additionalimagestores` in their storage.conf. Instant, nothing
+        copied, nothing to delete at teardown; the store is made the first time (as long as a `load_image`) and kept
+        for later sessions (`image_store`). The hosts run it, `image exists`, `inspect`, `save` and `tag` it (a name
+        in the host's own storage) as any image; `rmi` fails there ("read-only image"): `load_image` for an image a
+        test removes.
+        `image` is an `images.Image`; its store is under images.CACHE/stores, which every host sees."""
+        import images
+
+        self._need_containers()
+        stores = images.CACHE / "stores"
+        if re.match(r"^/(tmp|root)(/|$)", os.path.realpath(stores)):
+            raise ClusterError(f"share_image: {stores} is under /tmp or /root, which every host has a private one of")
+        store = str(image_store(image, stores))
+        for host in hosts:
+            self._stores.setdefault(host.name, [])
+            if store not in self._stores[host.name]:
+                self._stores[host.name].append(store)
+                _write(host.root / "containers" / "etc" / "storage.conf", storage_conf(self._stores[host.name]))
+
+    def remove_containers(self, host: SimHost) -> None:
+        """Remove every container of the host, root's and each user's (`podman rm --all --force --time 0`), then
+        SIGKILL whatever still runs in the cgroup of one of root's (its conmon killed, say) and remove those cgroups
+        (podman leaves a killed conmon's). Never raises."""
+        ids = self.container_ids(host)
+        rm = ["podman", "rm", "--all", "--force", "--time", "0"]
+        for uid, home in [(0, self.home_mountpoint), *self._users.values()]:
+            if uid and not self._user_storage(host, home).is_dir():
+                continue
+            as_user = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--init-groups", "env", f"HOME={home}"] if uid else []
+            try:
+                self.run(host, [*as_user, *rm], check=False, timeout=60)
+            except Exception:
+                pass
+        _kill_cgroups(ids)
+
+    def _user_storage(self, host: SimHost, home: str) -> Path:
+        """Here, a user's rootless podman storage in the host (~/.local/share/containers)."""
+        return self._host_side(host, home) / ".local" / "share" / "containers"
+
+    def container_ids(self, host: SimHost) -> list[str]:
+        """The full ids of the containers in the host's storage (running or not), read from here."""
+        found = self._storage(host) / "storage" / "overlay-containers"
+        return sorted(p.name for p in found.iterdir() if re.fullmatch(r"[0-9a-f]{64}", p.name)) if found.is_dir() else []
+
+    def _remove_storage(self, host: SimHost) -> None:
+        """Once the host's namespaces are gone (its mounts with them): unmount what is still mounted under its
+        storage in this namespace (nothing, unless a podman ran here with the host's configuration), delete it."""
+        for storage in [self._storage(host), *(self._user_storage(host, home) for _, home in self._users.values())]:
+            for mount in reversed(_mounts_under(storage)):
+                _sh(["umount", "--lazy", mount], check=False)
+            shutil.rmtree(storage, ignore_errors=True)
 
     # ------------------------------------------------------------------ inventory
 
@@ -951,8 +1281,9 @@ class Cluster:
     # ------------------------------------------------------------------ teardown
 
     def teardown(self) -> None:
-        """Kill every process in every namespace, delete namespaces, veths and bridge. Idempotent, never raises;
-        files in the workdir are left for post-mortems."""
+        """Kill every process in every namespace (with containers: remove every container first), delete namespaces,
+        veths and bridge, and the hosts' container storage. Idempotent, never raises; other files in the workdir are
+        left for post-mortems."""
         if self._torn_down:
             return
         self._torn_down = True
@@ -961,6 +1292,8 @@ class Cluster:
         except Exception:
             pass
         try:
+            if self.containers:  # while the hosts' namespaces are there to run podman in
+                _each(self.hosts, self.remove_containers)
             for proc in [*self._sshd.values(), *self._anchors.values()]:
                 if proc.poll() is None:
                     proc.kill()
@@ -975,6 +1308,9 @@ class Cluster:
                 except Exception:
                     pass
             _remove_objects([h.ns for h in self._all()], [h.veth for h in self._all()] + [self.bridge])
+            if self.containers:
+                for host in self.hosts:
+                    self._remove_storage(host)
         except Exception as exc:  # never raise: teardown runs in finally blocks and at exit
             print(f"testbed: teardown of {self.prefix} incomplete: {exc}", file=sys.stderr)
 
