@@ -39,6 +39,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mnft.check.findings import CheckOptions, CheckReport, Need, Problem
+from mnft.check.inimage import inside_command, merge
 from mnft.check.probe import source as probe_source
 from mnft.check.rules import evaluate, master_address
 from mnft.core import limits
@@ -47,18 +48,22 @@ from mnft.core.output import console as make_console
 from mnft.hosts import pyrun
 from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.settings import Host, Inventory
+from mnft.image import imagehost
+from mnft.image.facts import runtime_setting
 from mnft.run import agent, launch, records, recover
 from mnft.run.control import job_of
 from mnft.run.gang import TeardownNoise, _parse, failure_excerpt, split_ranks
 from mnft.run.job import Job
 from mnft.run.launch import HostLaunch, LaunchOptions
 from mnft.run.rerun import snapshot
+from mnft.run.train import runtimes_of
 from mnft.slurm import cluster, node, plan
 
 HEARTBEAT_EVERY = 2.0
 RESEND_EVERY = 5.0  # seconds between passes of the warning signal to the job until its step ends
 STOP_MARGIN = 15.0  # seconds before the time limit the agents stop a job that did not stop on the signal
 STEP_START_TIMEOUT = 120.0
+INSIDE_TIMEOUT = 120.0  # seconds the probe inside a job's image may take on a node (a container's start included)
 
 
 class AttemptRefused(MnftError):
@@ -93,6 +98,7 @@ class Allocation:
         self.job: Job = job_of(record.data)
         self.signalled: float | None = None
         self.failed_first: str | None = None  # the first node whose torchrun failed: the others' teardown is noise
+        self.report: CheckReport | None = None  # the attempt's check: a job in an image builds each node's runtime from it
 
     # ---------------------------------------------------------------------------------------------- attempt
 
@@ -123,12 +129,13 @@ class Allocation:
         try:
             plans = launch.plan(inventory, master_addr=master_addr, port=int(self.slurm["port"]), run_id=record.run_id,
                                 job_id=data["job_id"], options=lopts, ifaces={}, env=env, secret_names=(), latest_checkpoint=latest,
-                                attempt=attempt)
+                                attempt=attempt, runtimes=runtimes_of(self.report, self.job))
         except MnftError as exc:
             return self.refuse(entry, str(exc))
         record.update(state="running", master_addr=master_addr, rendezvous_port=int(self.slurm["port"]), hosts={
             p.host: {"node_rank": p.node_rank, "rank_offset": p.rank_offset, **p.display(), "output_dir": p.output_dir,
-                     "metrics": p.metrics, "collect": list(p.collect), "checkpoints": p.checkpoints} for p in plans})
+                     "metrics": p.metrics, "collect": list(p.collect), "checkpoints": p.checkpoints,
+                     **({"container": p.container} if p.container else {})} for p in plans})
         self.say(f"run {record.run_id}: {self.job.label} on {len(plans)} nodes, world size {inventory.world_size}, "
                  f"master {master_addr}:{self.slurm['port']}" + (f", resuming from {latest}" if latest else ", resuming" if resume else ""))
         result = self.train(inventory, plans, job_id)
@@ -145,10 +152,13 @@ class Allocation:
 
     # ---------------------------------------------------------------------------------------------- check
 
-    def script_step(self, inventory: Inventory, name: str, script: str, args: list[str]) -> tuple[dict[int, list[str]], str]:
-        """A host-side script on every node in one srun step: each task's whole lines, and srun's own output."""
+    def script_step(self, inventory: Inventory, name: str, script: str | None, args: list[str], input: str | None = None,
+                    line: dict | None = None) -> tuple[dict[int, list[str]], str]:
+        """A host-side script on every node in one srun step (input: on its stdin after its source; line: another of
+        mnft.slurm.node's lines instead): each task's whole lines, and srun's own output."""
         argv = plan.node_step(inventory.hosts[0].python, len(inventory.hosts), name)
-        message = pyrun.payload(node.source()) + json.dumps(plan.script_line(script, args)).encode() + b"\n"
+        line = line if line is not None else plan.script_line(str(script), args, input)
+        message = pyrun.payload(node.source()) + json.dumps(line).encode() + b"\n"
         try:
             done = subprocess.run(argv, input=message, capture_output=True, timeout=300, check=False)
         except subprocess.TimeoutExpired:
@@ -169,24 +179,28 @@ class Allocation:
         return replies, "\n".join(own + done.stderr.decode(errors="replace").splitlines())
 
     def check(self, inventory: Inventory, entry: dict) -> dict[str, dict]:
-        """The facts probe on every node in one step, judged by the check's rules; a problem refuses the attempt."""
+        """The facts probe on every node in one step, judged by the check's rules; a problem refuses the attempt.
+        A job in an image: the image's facts in that step too, then the probe inside the image (`check_image`)."""
         needs = tuple(Need(**n) for n in self.slurm.get("needs") or ())
         template = inventory.hosts[0]
-        replies, own = self.script_step(inventory, "mnft-check", probe_source(), plan.check_args(template.workdir, [n.module for n in needs]))
-        facts, outcomes = {}, {}
-        for host in inventory.hosts:
-            lines = replies.get(host.rank, [])
-            try:
-                facts[host.name] = json.loads(lines[-1])
-                if not isinstance(facts[host.name], dict):
-                    raise ValueError("not a JSON object")
-                outcomes[host.name] = HostResult(host.name, Status.OK)
-            except (ValueError, IndexError, RecursionError):
-                facts.pop(host.name, None)
-                error = lines[-1] if lines else (own.strip().splitlines()[-1:] or ["no output"])[0]
-                outcomes[host.name] = HostResult(host.name, Status.FAILED, error=f"the probe printed no facts: {error}")
-        options = CheckOptions(network=False, code=False, modules=needs)
-        report = CheckReport(inventory, outcomes, facts)
+        if self.job.image:
+            facts, outcomes = self.check_image(inventory, [n.module for n in needs])
+        else:
+            replies, own = self.script_step(inventory, "mnft-check", probe_source(), plan.check_args(template.workdir, [n.module for n in needs]))
+            facts, outcomes = {}, {}
+            for host in inventory.hosts:
+                lines = replies.get(host.rank, [])
+                try:
+                    facts[host.name] = json.loads(lines[-1])
+                    if not isinstance(facts[host.name], dict):
+                        raise ValueError("not a JSON object")
+                    outcomes[host.name] = HostResult(host.name, Status.OK)
+                except (ValueError, IndexError, RecursionError):
+                    facts.pop(host.name, None)
+                    error = lines[-1] if lines else (own.strip().splitlines()[-1:] or ["no output"])[0]
+                    outcomes[host.name] = HostResult(host.name, Status.FAILED, error=f"the probe printed no facts: {error}")
+        options = CheckOptions(network=False, code=False, modules=needs, image=self.job.image)
+        report = self.report = CheckReport(inventory, outcomes, facts)
         report.problems = evaluate(inventory, facts, report, options) + unseen_workdir(inventory, facts)
         (self.record.path / f"check-{entry['number']}.json").write_text(json.dumps(report.to_json(), indent=1, default=str))
         bad = [h.name for h in inventory.hosts if report.status(h.name) != Status.OK.value]
@@ -200,6 +214,35 @@ class Allocation:
             raise AttemptRefused(f"check failed on {', '.join(bad)} ({details})")
         self.say(f"check: {len(inventory.hosts)} nodes ok")
         return facts
+
+    def check_image(self, inventory: Inventory, modules: list[str]) -> tuple[dict[str, dict], dict[str, HostResult]]:
+        """A job in an image, as `check --image` looks at a host over SSH (mnft.check.inimage), in two steps: every
+        node's own facts and the image's there (the probe's image-facts mode, imagehost's facts read in a thread of
+        it: runtime, as whom, CDI, GPUs, the image's id), then the probe's Python facts from inside the image on every
+        node that has it (each node's command line built from its facts by inimage.inside_command, run by
+        mnft.slurm.node at its SLURM_NODEID). Merged by inimage.merge, so the rules judge the image's Python, torch,
+        CUDA, NCCL and the job's modules, and the image's own rules apply (runtime, image there, same id, CDI)."""
+        image = str(self.job.image)
+        template = inventory.hosts[0]
+        request = json.dumps({"imagehost": imagehost.source(), "runtime": runtime_setting(template), "image": image}) + "\n"
+        replies, own = self.script_step(inventory, "mnft-check", probe_source(), plan.image_check_args(template.workdir), input=request)
+        seen = {host.name: image_facts_reply(replies.get(host.rank, []), own) for host in inventory.hosts}
+        commands = [inside_command(host, seen[host.name][1], image, modules) if seen[host.name][0] is not None else None
+                    for host in inventory.hosts]
+        ran: dict[str, dict | None] = {}
+        if any(commands):
+            head = pyrun.payload(probe_source()).decode()
+            inside, own = self.script_step(inventory, "mnft-check-image", None, [], line=plan.command_line(commands, head, INSIDE_TIMEOUT))
+            ran = {host.name: inside_ran(inside.get(host.rank, []), own) for host, command in zip(inventory.hosts, commands) if command}
+        facts, outcomes = {}, {}
+        for host in inventory.hosts:
+            host_facts, container, container_error = seen[host.name]
+            if host_facts is None:
+                outcomes[host.name] = HostResult(host.name, Status.FAILED, error=f"the probe printed no facts: {container_error}")
+                continue
+            facts[host.name] = merge(host_facts, container, image, ran.get(host.name), container_error)
+            outcomes[host.name] = HostResult(host.name, Status.OK)
+        return facts, outcomes
 
     # ---------------------------------------------------------------------------------------------- resume
 
@@ -449,6 +492,43 @@ class Allocation:
                 shutil.rmtree(dest / name, ignore_errors=True)
                 shutil.move(str(self.record.path / name), str(dest / name))
         self.record.save()
+
+
+def image_facts_reply(lines: list[str], own: str) -> tuple[dict | None, dict | None, str | None]:
+    """A node's answer in the check step of a job in an image (the probe's image-facts mode): (its own facts, the
+    image's facts, why the image's are missing); its facts None (and why, third) when it printed none."""
+    host_facts, container, error, got_container = None, None, None, False
+    for text in lines:
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+        if not isinstance(data, dict):
+            continue
+        if "facts" in data:
+            host_facts = data["facts"] if isinstance(data["facts"], dict) else None
+        if "container" in data:
+            container, error, got_container = data["container"], data.get("container_error"), True
+    if host_facts is None:
+        last = lines[-1] if lines else (own.strip().splitlines()[-1:] or ["no output"])[0]
+        return None, None, last
+    if not got_container:
+        error = "the probe sent no facts of the image"
+    return host_facts, container, error
+
+
+def inside_ran(lines: list[str], own: str) -> dict:
+    """A node's answer in the step that runs the probe inside the image: what inimage.inside_reply reads (the
+    command's exit code and output), or why there is none."""
+    for text in reversed(lines):
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("ran"), dict):
+            return data["ran"]
+    last = lines[-1] if lines else (own.strip().splitlines()[-1:] or ["no output"])[0]
+    return {"exit_code": None, "error": f"the node did not say how the probe inside the image ended: {last}"}
 
 
 def unseen_workdir(inventory: Inventory, facts: dict[str, dict]) -> list[Problem]:

@@ -12,7 +12,10 @@ task number. Its exit code is the run's exit code on this node, so `srun --kill-
 nodes' runs when one fails.
 
 Modes (the JSON line's "mode"): "agents" as above; "script": run another host-side script given in the line
-(mnft's facts probe for the check step, the agent's `checkpoints DIR` listing) with its arguments, on every node.
+(mnft's facts probe for the check step, the agent's `checkpoints DIR` listing) with its arguments, and the line's
+"input" after its source on its stdin, on every node; "command": run the command at SLURM_NODEID of the line's
+list, the line's "input" on its stdin (each node's own: the probe inside a job's image, `podman run … IMAGE python3
+…` built from that node's facts), and print its outcome as one JSON line.
 Either way each line the child prints goes out in pieces of at most PIECE characters, each piece "+text" when
 the line goes on and "|text" when it ends: srun cuts longer lines into several labelled ones, and the batch
 joins the pieces back (mnft.slurm.plan.Pieces).
@@ -28,6 +31,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 
 def emit(event, **fields):
@@ -113,7 +117,7 @@ def run_script(data):
     child = subprocess.Popen([sys.executable, "-c", data["bootstrap"]] + list(data.get("args") or []), stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
     try:
-        child.stdin.write(b"%d\n" % len(payload) + payload)
+        child.stdin.write(b"%d\n" % len(payload) + payload + (data.get("input") or "").encode("utf-8"))
         child.stdin.close()
     except OSError:
         pass
@@ -121,10 +125,49 @@ def run_script(data):
     return child.wait()
 
 
+OUTPUT_KEPT = 1 << 19  # characters kept of a command's stdout (its end: a probe's reply is its last line)
+ERRORS_KEPT = 1 << 14  # of its stderr
+
+
+def run_command(data, node_id):
+    """The command at this node's SLURM_NODEID (the probe inside the image: each node's own command line), its input
+    on its stdin: one line {"ran": {exit_code, stdout, stderr, error, seconds}} (None where this node has no command;
+    exit_code None and error when it did not end in time or could not start). Exit 0: a node whose command failed
+    is said in its line, and must not end the others' through --kill-on-bad-exit."""
+    commands = data.get("commands") or []
+    argv = commands[node_id] if 0 <= node_id < len(commands) else None
+    if not argv:
+        emit("ran", ran=None)
+        return 0
+    timeout = float(data.get("timeout") or 120)
+    out = {"exit_code": None, "stdout": "", "stderr": "", "error": None, "seconds": None}
+    start = time.monotonic()
+    try:
+        done = subprocess.run([str(a) for a in argv], input=(data.get("input") or "").encode("utf-8"), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, timeout=timeout)
+        out["exit_code"] = done.returncode
+        out["stdout"] = done.stdout.decode("utf-8", "replace")[-OUTPUT_KEPT:]
+        out["stderr"] = done.stderr.decode("utf-8", "replace")[-ERRORS_KEPT:]
+    except subprocess.TimeoutExpired:
+        out["error"] = "no answer within %gs" % timeout
+    except (OSError, ValueError) as exc:
+        out["error"] = "%s: %s" % (argv[0], exc)
+    out["seconds"] = round(time.monotonic() - start, 4)
+    emit("ran", ran=out)
+    return 0
+
+
 def main():
     data = json.loads(read_line().decode("utf-8") or "{}")
     if data.get("mode") == "script":
         return run_script(data)
+    if data.get("mode") == "command":
+        try:
+            node_id = int(os.environ.get("SLURM_NODEID", ""))
+        except ValueError:
+            emit("error", message="SLURM_NODEID is not set: this script runs as a task of an srun step")
+            return 2
+        return run_command(data, node_id)
     save_signal = getattr(signal, "SIG" + str(data.get("save_signal") or "USR2"), signal.SIGUSR2)
     signal.signal(save_signal, signal.SIG_IGN)  # inherited by the agent, its keeper, torchrun: the job's own to act on
     try:

@@ -187,9 +187,26 @@ def check_args(workdir: str, modules: Iterable[str] = ()) -> list[str]:
     return ["facts", "--workdir", workdir] + (["--modules", ",".join(wanted)] if wanted else [])
 
 
-def script_line(script: str, args: list[str]) -> dict:
-    """The JSON line that makes mnft.slurm.node run another host-side script with its arguments on every node."""
-    return {"mode": "script", "script": script, "args": list(args), "bootstrap": BOOTSTRAP}
+def image_check_args(workdir: str) -> list[str]:
+    """The facts probe's arguments for the check step of a job in an image: the host's facts and the image's
+    (imagehost's, whose source, runtime setting and image come on the probe's stdin: `script_line`'s input)."""
+    return ["image-facts", "--workdir", workdir]
+
+
+def script_line(script: str, args: list[str], input: str | None = None) -> dict:
+    """The JSON line that makes mnft.slurm.node run another host-side script with its arguments on every node;
+    input: what the script reads on its stdin after its source (then its stdin ends)."""
+    line = {"mode": "script", "script": script, "args": list(args), "bootstrap": BOOTSTRAP}
+    if input is not None:
+        line["input"] = input
+    return line
+
+
+def command_line(commands: list[list[str] | None], input: str, timeout: float) -> dict:
+    """The JSON line that makes mnft.slurm.node run on each node the command at its SLURM_NODEID (None: nothing
+    there), `input` on its stdin, for at most `timeout` seconds: srun runs one command on every node, so each node's
+    own comes in one list, as its launch does (the probe inside the image: its command line is the node's own)."""
+    return {"mode": "command", "commands": [list(c) if c is not None else None for c in commands], "input": input, "timeout": float(timeout)}
 
 
 LINE_KEPT = 1 << 20  # characters of one task's line put back together (a line without end costs no more)
@@ -220,11 +237,13 @@ class Pieces:
 
 def allocation_inventory(nodes: list[str], template: Host, rendezvous_port: int) -> Inventory:
     """The allocation's nodes as an inventory, in `scontrol show hostnames` order (node i has node_rank i, which is
-    its SLURM_NODEID), each with the run's Python, slots, interface and workdir. The first is the master."""
+    its SLURM_NODEID), each with the run's Python, slots, interface, workdir and container runtime setting. The
+    first is the master."""
     if not nodes:
         raise InputError("the allocation has no nodes (SLURM_JOB_NODELIST is empty)")
     hosts = tuple(Host(name=n, rank=i, address=n, python=template.python, slots=template.slots, iface=template.iface,
-                       workdir=template.workdir, data_dir=template.data_dir, connection="slurm", shared_fs=True, venv=None)
+                       workdir=template.workdir, data_dir=template.data_dir, connection="slurm", shared_fs=True, venv=None,
+                       container_runtime=template.container_runtime)
                   for i, n in enumerate(nodes))
     return Inventory(None, "slurm", hosts, nodes[0], None, rendezvous_port)
 

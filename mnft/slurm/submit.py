@@ -63,13 +63,21 @@ def template_host(given: Host | None, slurm: SlurmOptions) -> Host:
                    shared_fs=True, spare=False)
 
 
-def steps_text(python: str, nodes: int, workdir: str) -> list[str]:
+def steps_text(python: str, nodes: int, workdir: str, image: str | None = None) -> list[str]:
     """The job steps as the script's comments show them."""
-    return [
-        "1. the host checks on every node (mnft's facts probe " + shell_line(plan.check_args(workdir)) + ", the job's modules):",
-        "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
+    if image:
+        check = ["1. the host checks on every node (mnft's facts probe " + shell_line(plan.image_check_args(workdir)) + ": the node's",
+                 f"   facts and the image's: runtime, {image} there, its id), then the probe inside the image on every node",
+                 "   (Python, torch, CUDA, NCCL, the job's modules):",
+                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
+                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check-image")[:-2]) + " -c BOOTSTRAP   (each node's podman/docker/"
+                 "apptainer command)"]
+    else:
+        check = ["1. the host checks on every node (mnft's facts probe " + shell_line(plan.check_args(workdir)) + ", the job's modules):",
+                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)"]
+    return check + [
         "2. mnft's host agent on every node (node_rank = SLURM_NODEID; master = the first node of scontrol show",
-        "   hostnames, by its IPv4 address):",
+        "   hostnames, by its IPv4 address)" + (f", torchrun inside {image}:" if image else ":"),
         "   " + shell_line(plan.node_step(python, nodes, "mnft-train")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
     ]
 
@@ -101,7 +109,7 @@ def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None 
     runs_root = str(records.runs_root().resolve())
     output = f"{runs_root}/{run_id}/slurm-%j.out"
     script = plan.batch_script(request.slurm, run_id=run_id, label=job.label, python=sys.executable, runs_root=runs_root,
-                               workdir=f"{runs_root}/{run_id}", output=output, steps=steps_text(template.python, request.slurm.nodes, template.workdir))
+                               workdir=f"{runs_root}/{run_id}", output=output, steps=steps_text(template.python, request.slurm.nodes, template.workdir, job.image))
     if request.dry_run:
         return dry_run(request, script, template, port, run_id, job_id, plain, console)
     record = records.RunRecord.create(
@@ -234,13 +242,23 @@ def dry_run(request: SlurmTrain, script: str, template: Host, port: int, run_id:
     console.print(Text("# the sbatch script (runs/<id>/slurm.sh)", style="bold"))
     console.print(Text(script), soft_wrap=True, highlight=False)
     names = [f"node{i}" for i in range(request.slurm.nodes)]
-    inventory = plan.allocation_inventory(names, template, port)
+    image = request.job.image
+    # a job in an image: each node's container command line is built on the node, from the runtime, user and image id
+    # its check step finds there; shown here is the command that runs inside it, with the image's Python
+    inventory = plan.allocation_inventory(names, replace(template, python=launch.IMAGE_PYTHON) if image else template, port)
     env = {**env, "MNFT_SAVE_SIGNAL": request.slurm.signal_name}
-    lopts = LaunchOptions(job=request.job, rdzv=request.rdzv, resume=bool(request.resume or request.resume_run), rdzv_timeout=request.rdzv_timeout)
+    job = replace(request.job, image=None) if image else request.job
+    lopts = LaunchOptions(job=job, rdzv=request.rdzv, resume=bool(request.resume or request.resume_run), rdzv_timeout=request.rdzv_timeout)
     plans = launch.plan(inventory, master_addr="MASTER_IPV4", port=port, run_id=run_id, job_id=job_id, options=lopts, ifaces={}, env=env,
                         secret_names=())
     console.print(Text("# in the allocation, each node's launch (nodeI = the I-th of scontrol show hostnames = SLURM_NODEID I; "
                        "MASTER_IPV4 = node0's IPv4 address from the check step)", style="bold"), soft_wrap=True)
+    if image:
+        setting = template.container_runtime or "the first of podman, docker, apptainer, singularity found on the node"
+        console.print(Text(f"# in the image {image}: each node runs this command inside a container of its runtime ({setting}), "
+                           f"named mnft-{run_id}-NODE; that command line (`podman run --rm --name … --network host --ipc host --pull never "
+                           "--user UID:GID … -v WORKDIR:WORKDIR … IMAGE_ID …`, docs/containers.md) is built on the node from what its "
+                           "check step finds there (runtime, user, CDI, the image's id): it is not known here", style="bold"), soft_wrap=True)
     for p in plans:
         shown = p.display()
         console.print(Text.assemble((p.host, "bold"), f" (node_rank {p.node_rank}, cwd {shown['cwd']})"))
