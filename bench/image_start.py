@@ -40,7 +40,7 @@ def main() -> int:
         (work / "home").mkdir()
         env = dict(os.environ, HOME=str(work / "home"), MNFT_RUNS_DIR=str(work / "runs"), PYTHONUNBUFFERED="1")
         with Cluster.create(2, work / "c", outsider=False, containers=True) as cluster:
-            cluster.load_image(cluster.hosts, image)
+            cluster.share_image(cluster.hosts, image)
             inv = cluster.write_inventory(work / "inv.yaml")
             base = [sys.executable, "-c", "from mnft.cli.main import main; main()", "train", "--recipe", "lora", "--hosts", str(inv), "--src", str(REPO),
                     "--set", f"max_steps={args.steps}", "--set", "log_every=1", "--set", "save_every=1000"]

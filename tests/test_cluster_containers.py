@@ -42,7 +42,7 @@ while time.time() < deadline and not os.path.exists(end):
 @pytest.fixture(scope="module")
 def boxes(container_cluster, torch_image):
     """h1, h2 with their own podman storage, the torch image in both."""
-    container_cluster.load_image(container_cluster.hosts, torch_image)
+    container_cluster.share_image(container_cluster.hosts, torch_image)  # a read-only store: instant
     return container_cluster
 
 
@@ -101,7 +101,7 @@ def nothing_left(cluster, run_id: str, timeout: float = 40) -> None:
 def test_the_lora_recipe_trains_in_the_image_on_two_hosts_and_leaves_no_container(boxes, torch_image, controller, tmp_path):
     inv = str(boxes.write_inventory(tmp_path / "inv.yaml"))
     done = mnft(controller, "train", "--hosts", inv, "--src", str(REPO), "--image", torch_image.ref,
-                "--set", "max_steps=4", "--set", "log_every=2")
+                "--set", "max_steps=2", "--set", "log_every=1")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = latest_record(tmp_path)
     assert record["state"] == "succeeded"
@@ -167,4 +167,20 @@ def test_a_rank_killed_on_one_host_takes_every_container_down(boxes, torch_image
             run.kill()
     assert run.returncode != 0
     assert json.loads((tmp_path / "runs" / record["run_id"] / "run.json").read_text())["state"] == "failed"
+    nothing_left(boxes, record["run_id"], timeout=5)
+
+
+def test_sigterm_to_the_controller_ends_every_container(boxes, torch_image, controller, src, tmp_path):
+    inv = str(boxes.write_inventory(tmp_path / "inv.yaml"))
+    run = start(controller, "train", "--hosts", inv, "--src", str(src), "--image", torch_image.ref, "--", "probe.py", "never", "300")
+    try:
+        wait_for_output(run, r"rank=0 inside=True", timeout=120)
+        record = latest_record(tmp_path)
+        assert all(containers(boxes, h) == [f"mnft-{record['run_id']}-{h.name}"] for h in boxes.hosts)
+        run.send_signal(signal.SIGTERM)  # as a session's end or a scheduler's kill of the controller
+        run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode != 0
     nothing_left(boxes, record["run_id"], timeout=5)
