@@ -347,8 +347,10 @@ def plan(
 
 
 IMAGE_PYTHON = "python3"  # the image's Python: on PATH in every image mnft supports (NGC's, python:*, a Dockerfile's)
-# set by the keeper in the run's environment (mnft.run.agent): passed into the container by name with the rest
-KEEPER_ENV = ("MNFT_RUN_ID", "MNFT_RUN_TAG", "HOME")
+# set by the keeper in the run's environment (mnft.run.agent): passed into the container by name with the rest. Not
+# HOME: the host's home is not mounted (only the run's directories are); inside, HOME is the image's for the user
+# (podman: the workdir for a uid the image does not know), so a cache written there is writable
+KEEPER_ENV = ("MNFT_RUN_ID", "MNFT_RUN_TAG")
 
 
 def in_image(rt: containers_.Runtime, image: str, name: str, argv: list[str], env: dict[str, str], secret_names: tuple[str, ...],
