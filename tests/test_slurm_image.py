@@ -260,3 +260,20 @@ def test_the_dry_run_of_a_job_in_an_image_shows_the_command_inside_and_says_the_
     submit.dry_run(submit.SlurmTrain(job=Job(entry=("train.py",)), slurm=plan.SlurmOptions(nodes=2)), script, template, 29500, "R", "R", {}, plain)
     shown = plain.export_text()
     assert "# in the image" not in shown and f"  {template.python} -m torch.distributed.run" in shown
+
+
+def test_on_slurms_sigterm_a_node_removes_its_container_by_name_with_a_short_grace_outside_the_step(tmp_path):
+    podman = {"runtime": "podman", "teardown": ["/usr/bin/podman", "rm", "--force", "--time", "5", "mnft-R-h1"]}
+    assert node.removal_on_term(podman) == ["/usr/bin/podman", "rm", "--force", "--time", str(node.TERM_GRACE), "mnft-R-h1"]
+    assert podman["teardown"][4] == "5"  # the spec's own is left as the agent's teardown reads it
+    assert node.removal_on_term({"runtime": "docker", "teardown": ["docker", "rm", "--force", "n"]}) == ["docker", "rm", "--force", "n"]
+    assert node.removal_on_term({"runtime": "apptainer", "teardown": None}) is None and node.removal_on_term(None) is None
+    mark = tmp_path / "removed"
+    node.detached([sys.executable, "-c", f"import time; time.sleep(0.3); open({str(mark)!r}, 'w').write('x')"])
+    assert not mark.exists()  # not waited for: it runs on after the shell that started it
+    import time
+
+    deadline = time.monotonic() + 10
+    while not mark.exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -23,6 +23,11 @@ joins the pieces back (mnft.slurm.plan.Pieces).
 The warning signal before the time limit (SIGUSR2 unless the run says another) is ignored here and so in every
 process started from here (an ignored signal stays ignored across exec): the agent, its keeper and torchrun
 live on, and only a job that installs its own handler (mnft's recipes do: they save and stop) acts on it.
+
+A run in a container image (podman, docker): Slurm's end of the step (scancel, the time limit, --kill-on-bad-exit)
+signals the step's processes only, and the container is run by conmon or the daemon, outside them, while the
+agent's own removal may be cut short by Slurm's SIGKILL. So SIGTERM here removes the container at once, by its
+name, in a process outside the step (`removal_on_term`, `detached`).
 """
 
 import json
@@ -125,6 +130,34 @@ def run_script(data):
     return child.wait()
 
 
+TERM_GRACE = 2  # seconds podman gives the container's processes between its SIGTERM and SIGKILL on scancel
+
+
+def removal_on_term(container):
+    """The command that removes this node's container when Slurm ends the step (scancel, the time limit, srun's
+    --kill-on-bad-exit): the launch's own teardown (`podman rm --force --time T NAME`, `docker rm --force NAME`),
+    with a grace short enough to end within Slurm's KillWait (30 s by default; then SIGKILL to every process of the
+    step). None without a container, or where the runtime leaves none (apptainer: its processes are the step's)."""
+    argv = list((container or {}).get("teardown") or ())
+    if not argv:
+        return None
+    if "--time" in argv:
+        argv[argv.index("--time") + 1] = str(TERM_GRACE)
+    return argv
+
+
+def detached(argv):
+    """Start argv outside this step's process tree, not waited for: podman's conmon or docker's daemon runs the
+    container, outside the step, so Slurm's end of the step never reaches it; its removal must not die with the
+    step's processes when KillWait's SIGKILL comes (a shell that puts it in the background and exits: reparented,
+    it is no longer a descendant of the step's tasks)."""
+    try:
+        subprocess.Popen(["/bin/sh", "-c", '"$@" </dev/null >/dev/null 2>&1 &', "sh"] + list(argv), stdin=subprocess.DEVNULL,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True).wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
 OUTPUT_KEPT = 1 << 19  # characters kept of a command's stdout (its end: a probe's reply is its last line)
 ERRORS_KEPT = 1 << 14  # of its stderr
 
@@ -183,6 +216,9 @@ def main():
         emit("error", message="%s does not see %s as the batch wrote it: a Slurm run needs its run directory and workdir on a "
              "filesystem every node shares" % (launch.get("node"), data["mark"].get("path")))
         return 2
+    removal = removal_on_term(launch["spec"].get("container"))
+    if removal:
+        signal.signal(signal.SIGTERM, lambda *_: detached(removal))
     payload = data["agent"].encode()
     agent = subprocess.Popen([sys.executable, "-c", data["bootstrap"], "launch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
