@@ -101,3 +101,22 @@ def test_stop_cancels_the_job_and_every_nodes_container_is_removed(slurm_boxes, 
     while any(containers(slurm).values()):  # scancel: each node's agent ends its torchrun and removes its container
         assert time.monotonic() < deadline, f"left behind after scancel: {containers(slurm)}"
         time.sleep(0.5)
+
+
+def test_a_node_without_the_image_and_an_image_without_python_refuse_the_attempt_before_anything_starts(slurm_boxes, tiny_images):
+    slurm = slurm_boxes
+    tiny = tiny_images[0]  # dash and sleep: no python3 inside
+    slurm.cluster.load_image(slurm.cluster.hosts[:1], tiny)  # h1 only
+    home = slurm.cluster.hosts[0].home
+    (home / "proj").mkdir(exist_ok=True)
+    (home / "proj" / "train.py").write_text(SCRIPT)
+    followed = slurm.cluster.run(slurm.cluster.hosts[0], ["sh", "-c", 'cd proj && exec "$@"', "sh", slurm.cluster.python, "-c", MAIN,
+                                                            "train", "--slurm", "--nodes", "2", "--image", tiny.ref, "--", "train.py"],
+                                 env=slurm.env, check=False, timeout=180)
+    said = followed.stdout + followed.stderr
+    assert followed.returncode == 1, said[-4000:]
+    assert "check failed on h1, h2" in said, said[-3000:]
+    assert f"h2: image: h2 lacks {tiny.ref} (fix: mnft sync --image {tiny.ref}" in said
+    assert f"h1: image: the probe inside {tiny.ref} failed: " in said
+    assert "script rank=" not in said  # nothing started
+    assert containers(slurm) == {"h1": [], "h2": []}  # the probe's container is gone (--rm)
