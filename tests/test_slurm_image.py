@@ -277,3 +277,7 @@ def test_on_slurms_sigterm_a_node_removes_its_container_by_name_with_a_short_gra
     while not mark.exists():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_the_kept_end_of_a_commands_output_fits_the_line_the_batch_joins_back_even_escaped():
+    assert len(json.dumps({"ran": {"stdout": '"' * node.OUTPUT_KEPT, "stderr": '"' * node.ERRORS_KEPT}})) < plan.LINE_KEPT

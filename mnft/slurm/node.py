@@ -158,7 +158,8 @@ def detached(argv):
         pass
 
 
-OUTPUT_KEPT = 1 << 19  # characters kept of a command's stdout (its end: a probe's reply is its last line)
+OUTPUT_KEPT = 1 << 18  # characters kept of a command's stdout (its end: a probe's reply is its last line); JSON-escaped in
+#                        the node's one line, it stays within what the batch joins back (plan.LINE_KEPT)
 ERRORS_KEPT = 1 << 14  # of its stderr
 
 
