@@ -261,6 +261,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("slurm/node.py", "relay", ".read1"): ("the agent's output, relayed in pieces srun keeps whole", CHUNKS),
     ("slurm/node.py", "main", "subprocess.Popen"): ("the agent's output (relay)", CHUNKS),
     ("slurm/node.py", "run_script", "subprocess.Popen"): ("a host script's output (relay)", CHUNKS),
+    ("slurm/node.py", "run_command", "subprocess.run"): ("mnft's probe run inside the image (its last OUTPUT_KEPT / ERRORS_KEPT characters kept)", TOOL),
     ("board/runs.py", "read_json", "open"): ("live.json, run.json for the page", "none: read(limit + 1) of board.runs.JSON_MAX, never past it"),
     ("board/runs.py", "read_json", ".read"): ("live.json, run.json for the page", "none: read(limit + 1) of board.runs.JSON_MAX, never past it"),
     ("slurm/submit.py", "logs", "limits.last_lines"): ("each node's output.log, its last lines", "LINE_CHARS"),
