@@ -14,18 +14,32 @@ from mnft.hosts.inventory import parse
 from mnft.run.gang import Gang, HostRun, TeardownNoise
 from mnft.run.launch import HostLaunch, LaunchOptions
 
-# what torch 2.13's torchrun printed on h2 (its agent's logger: every line of the record carries its prefix)
-AT = "E1127 06:07:24.063000 1529 site-packages/torch/distributed/elastic/agent/server/api.py:1010] "
-EXIT_BARRIER = [
-    AT + "Error waiting on exit barrier. Elapsed: 0.0212 seconds",
-    AT + "Traceback (most recent call last):",
-    AT + '  File "/usr/lib/python3/dist-packages/torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier',
-    AT + "    store_util.barrier(",
-    AT + '  File "/usr/lib/python3/dist-packages/torch/distributed/elastic/utils/store.py", line 201, in barrier',
-    AT + "    store.wait([last_member_key])",
-    AT + "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote "
-         "server shutdown or crash?",
+# what torch 2.13's torchrun printed on h2 of the test bed (tests/test_cluster_jobs.py reproduces it): c10d's warning
+# with its C++ stack (a few frames of 35 kept here), a blank line, then torchrun's logger (its prefix on every line)
+C10D = [
+    "[W1128 01:04:58.731546814 TCPStore.cpp:138] [c10d] recvValueWithTimeout failed on SocketImpl(fd=4, addr=[2c01::6400:0:fd7f:0]:14990, "
+    "remote=[fdff:ffff::]:35077): Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?",
+    "Exception raised from recvBytes at /__w/pytorch/pytorch/torch/csrc/distributed/c10d/Utils.hpp:787 (most recent call first):",
+    "frame #0: c10::Error::Error(c10::SourceLocation, std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >) "
+    "+ 0x9d (0x7fb14ed5ab8d in /root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/lib/libc10.so)",
+    "frame #2: c10::DistNetworkError::DistNetworkError(c10::SourceLocation, std::__cxx11::basic_string<char, std::char_traits<char>, "
+    "std::allocator<char> >) + 0x72 (0x7fb14ed5c022 in /root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/lib/libc10.so)",
+    "frame #9: <unknown function> + 0x3d2825 (0x7fb14d7d2825 in /root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/lib/libtorch_python.so)",
+    "<omitting python frames>",
+    "frame #34: _start + 0x21 (0x55b4713b7081 in /root/.pyenv/versions/3.11.7/bin/python3.11)",
+    "",
 ]
+AT = "E1128 01:04:58.500000 14880 site-packages/torch/distributed/elastic/agent/server/api.py:1008] "
+EXIT_BARRIER = [
+    AT + "Error waiting on exit barrier. Elapsed: 3.2011959552764893 seconds",
+    AT + "Traceback (most recent call last):",
+    AT + '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/elastic/agent/server/api.py", line 994, in _exit_barrier',
+    AT + "    store_util.barrier(",
+    AT + '  File "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/torch/distributed/elastic/utils/store.py", line 201, in barrier',
+    AT + "    store.wait([last_member_key])",
+    AT + "torch.distributed.DistNetworkError: Failed to recv, got 0 bytes. Connection was likely closed. Did the remote server shutdown or crash?",
+]
+TEARDOWN = C10D + EXIT_BARRIER
 # the same record from a logger without torch's prefix: the traceback after its first line
 PLAIN = [
     "[ERROR] Error waiting on exit barrier. Elapsed: 0.0212 seconds",
@@ -47,10 +61,10 @@ def shown(lines: list[tuple[int | None, str]]) -> tuple[list[str], TeardownNoise
     return [text for rank, text in lines if not noise.hides(rank, text)], noise
 
 
-def test_torchruns_exit_barrier_record_on_a_closed_store_is_hidden_whole():
-    out, noise = shown([(1, line) for line in WORK] + [(None, line) for line in EXIT_BARRIER])
-    assert out == WORK
-    assert noise.hidden == len(EXIT_BARRIER)
+def test_c10ds_warning_with_its_cpp_stack_and_torchruns_exit_barrier_record_are_hidden_whole():
+    out, noise = shown([(1, line) for line in WORK] + [(None, line) for line in TEARDOWN] + [(None, "a line of torchrun's after")])
+    assert out == WORK + ["a line of torchrun's after"]
+    assert noise.hidden == len(TEARDOWN)
 
 
 def test_the_record_without_torchs_prefix_is_hidden_to_its_exception_and_the_next_line_is_shown():
@@ -63,6 +77,7 @@ def test_a_ranks_lines_between_the_records_lines_are_shown_and_other_torchrun_li
     warning = "W1127 06:07:20.000000 1529 site-packages/torch/distributed/run.py:792] Setting OMP_NUM_THREADS to 1"
     other = "E1127 06:07:24.063000 1529 site-packages/torch/distributed/elastic/agent/server/api.py:700] something else"
     lines = [(None, warning), (None, EXIT_BARRIER[0]), (0, "a rank's line"), *[(None, t) for t in EXIT_BARRIER[1:]], (None, other)]
+    # (a rank's line between the record's lines: shown, and the record goes on)
     out, noise = shown(lines)
     assert out == [warning, "a rank's line", other]
     assert noise.hidden == len(EXIT_BARRIER)
@@ -72,7 +87,13 @@ def test_a_ranks_own_traceback_is_never_taken_for_torchruns_teardown():
     crash = ["Traceback (most recent call last):", '  File "train.py", line 3', "RuntimeError: Failed to recv, got 0 bytes"]
     out, noise = shown([(1, line) for line in crash])
     assert out == crash and noise.hidden == 0
-    assert noise.note("log") is None
+    assert noise.note("log", 1) is None
+
+
+def test_the_note_says_not_a_failure_only_for_a_torchrun_that_exited_0():
+    noise = shown([(None, line) for line in C10D])[1]
+    assert noise.note("h2.log", 1) == f"torchrun found the master's store closed ({len(C10D)} line(s) kept in h2.log)"
+    assert noise.note("h2.log", 1) is None  # one line, once
 
 
 TWO_HOSTS = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
@@ -91,17 +112,17 @@ def test_a_run_that_succeeded_shows_no_traceback_and_one_line_for_the_other_host
         gang.events.put(("h1", {"event": "exit", "code": 0, "done": [0]}))
         for text in WORK:
             gang.events.put(("h2", {"event": "line", "text": f"[rank1]:{text}"}))
-        for text in EXIT_BARRIER:
+        for text in TEARDOWN:
             gang.events.put(("h2", {"event": "line", "text": text}))
         gang.events.put(("h2", {"event": "exit", "code": 0, "done": [1]}))
         result = gang.wait()
     assert result.ok, result.reason
     terminal = "\n".join(text for _, _, text in said)
-    assert "Traceback" not in terminal and "DistNetworkError" not in terminal and "exit barrier" not in terminal, terminal
+    assert "Traceback" not in terminal and "DistNetworkError" not in terminal and "Failed to recv" not in terminal, terminal
     notes = [(host, text) for host, rank, text in said if "teardown" in text]
     assert notes == [("h2", (f"torchrun's teardown after every rank here finished met the master's closed store: not a failure "
-                             f"({len(EXIT_BARRIER)} line(s) kept in /root/.mnft/runs/R/h2/output.log on h2)"))]
-    assert [text for _, text in gang.runs["h2"].tail][-len(EXIT_BARRIER):] == EXIT_BARRIER  # kept: the host's log, its tail
+                             f"({len(TEARDOWN)} line(s) kept in /root/.mnft/runs/R/h2/output.log on h2)"))]
+    assert [text for _, text in gang.runs["h2"].tail][-len(TEARDOWN):] == TEARDOWN  # kept: the host's log, its tail
 
 
 def test_a_host_mnft_stopped_says_nothing_of_its_teardown(tmp_path):
@@ -110,7 +131,7 @@ def test_a_host_mnft_stopped_says_nothing_of_its_teardown(tmp_path):
         said: list[str] = []
         gang = Gang(fleet, [launch("h1", 0, tmp_path)], "R", LaunchOptions(grace=0.5), {}, on_line=lambda h, r, t: said.append(t))
         gang.runs["h2"] = run
-        for text in EXIT_BARRIER:
+        for text in TEARDOWN:
             gang._handle("h2", {"event": "line", "text": text})
         gang._handle("h2", {"event": "exit", "code": 0})
     assert said == []

@@ -47,13 +47,18 @@ COLLATERAL = re.compile(
     r"Connection closed by peer|Connection reset by peer|Broken pipe|remote process exited|NCCL communicator was aborted"
     r"|ncclRemoteError|DistNetworkError|failed to recv, got 0 bytes|Watchdog caught collective operation timeout"
     r"|Signal 15 \(SIGTERM\) received")
-# torch's own log records (torchrun's agent, the c10d store): "E1127 06:07:24.063000 1529 …/api.py:1010] text"; a
-# record of several lines (an exception it logged, its traceback) repeats the same prefix on every line
+# torch's own log records (torchrun's agent): "E1127 06:07:24.063000 1529 …/api.py:1010] text"; a record of several
+# lines (an exception it logged, its traceback) repeats the same prefix on every line
 TORCH_RECORD = re.compile(r"^([EWIDC]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ [^\]\s]+:\d+\] )")
-# torchrun's teardown once this host's ranks have all returned: its exit barrier (or the rendezvous' shutdown) meets
-# the store the master's torchrun already closed ("DistNetworkError: Failed to recv, got 0 bytes"). torchrun logs it
-# and exits 0: noise of two hosts ending at once, never a failure (torch enters the exit barrier only on success)
-TEARDOWN = re.compile(r"Error waiting on exit barrier|has failed to shutdown the rendezvous")
+# c10d's own warnings (C++): "[W1128 01:04:58.731546814 TCPStore.cpp:138] [c10d] text", then the exception's C++
+# stack: "Exception raised from …", "frame #0: …", "<omitting python frames>", a blank line
+CPP_RECORD = re.compile(r"^\[[EWI]\d{4} \d\d:\d\d:\d\d\.\d+ [\w.]+\.(?:cpp|hpp|h):\d+\] ")
+CPP_STACK = re.compile(r"^(Exception raised from |frame #\d+: |<omitting python frames>)")
+# torchrun's teardown once this host's ranks have returned: its exit barrier (or the rendezvous' shutdown) meets the
+# store the master's torchrun already closed, and c10d and torchrun each log it ("DistNetworkError: Failed to recv,
+# got 0 bytes"); torchrun exits 0 (torch enters the exit barrier only on success). The same closed store mid-run is
+# a master that went away: the run fails, and its cause is said from the master's side
+TEARDOWN = re.compile(r"Error waiting on exit barrier|has failed to shutdown the rendezvous|\[c10d\] .*Failed to recv, got 0 bytes")
 SETTLE = 5.0  # seconds to wait for the root cause after a host failed as a victim of another
 FINISH_GRACE = 60.0  # seconds the other hosts get to end on their own after one failed once its work was done
 
@@ -65,45 +70,53 @@ class GangError(MnftError):
 class TeardownNoise:
     """torchrun's own records of its teardown (TEARDOWN) on one host: kept in the host's log and its tail, never
     shown as they come; `note` is the one line said instead. A record is its first line (a torchrun line, not a
-    rank's, that TEARDOWN matches) and every line after it that carries the same prefix, or, without one, the
-    traceback that follows it."""
+    rank's, that TEARDOWN matches) and what belongs to it: the lines with the same prefix (torch's logger), the C++
+    stack after a c10d warning, or the traceback after a line without either."""
 
     def __init__(self) -> None:
         self.hidden = 0
         self._said = False
-        self._prefix: str | None = None  # the record being hidden: its prefix ("" for one without)
+        self._open: tuple[str, str] | None = None  # the record being hidden: ("prefix", its prefix) | ("cpp", "") | ("plain", "")
 
     def hides(self, rank: int | None, text: str) -> bool:
         if rank is not None:  # a rank's line (they come between torchrun's): never torchrun's teardown
             return False
-        if self._prefix is not None and self._continues(text):
+        if self._open is not None and self._continues(text):
             self.hidden += 1
             return True
-        self._prefix = None
+        self._open = None
         if TEARDOWN.search(text):
             match = TORCH_RECORD.match(text)
-            self._prefix = match.group(1) if match else ""
+            self._open = ("prefix", match.group(1)) if match else ("cpp", "") if CPP_RECORD.match(text) else ("plain", "")
             self.hidden += 1
             return True
         return False
 
     def _continues(self, text: str) -> bool:
-        if self._prefix:
-            return text.startswith(self._prefix)
+        kind, prefix = self._open or ("", "")
+        if kind == "prefix":
+            return text.startswith(prefix)
+        if kind == "cpp":
+            if not text.strip():  # the blank line that ends c10d's C++ stack
+                self._open = None
+                return True
+            return bool(CPP_STACK.match(text))
         if text.startswith("Traceback (most recent call last)") or text[:1].isspace():
             return True
         if re.match(r"[\w.]+(Error|Exception)\b", text):  # the exception's own line: the traceback's last
-            self._prefix = None
+            self._open = None
             return True
         return False
 
-    def note(self, log: str) -> str | None:
+    def note(self, log: str, exit_code: int | None) -> str | None:
         """The one line said for what was hidden, once, when the host's torchrun has ended (None: nothing was)."""
         if not self.hidden or self._said:
             return None
         self._said = True
-        return (f"torchrun's teardown after every rank here finished met the master's closed store: not a failure "
-                f"({self.hidden} line(s) kept in {log})")
+        if exit_code == 0:
+            return (f"torchrun's teardown after every rank here finished met the master's closed store: not a failure "
+                    f"({self.hidden} line(s) kept in {log})")
+        return f"torchrun found the master's store closed ({self.hidden} line(s) kept in {log})"
 
 
 @dataclass
@@ -345,7 +358,7 @@ class Gang:
         elif kind == "exit":
             run.state, run.exit_code, run.ended_at = "exited", int(event.get("code", 1)), time.time()
             run.done_ranks = tuple(event.get("done") or ())
-            if (said := run.noise.note(f"{run.launch.run_dir}/output.log on {name}")) and not run.stopping:
+            if (said := run.noise.note(f"{run.launch.run_dir}/output.log on {name}", run.exit_code)) and not run.stopping:
                 self.on_line(name, None, said)
             if run.exit_code != 0:
                 why = f"{name}: torchrun exited with code {run.exit_code}"

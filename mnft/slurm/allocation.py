@@ -386,7 +386,7 @@ class Allocation:
             run.state, run.exit_code = "exited", int(event.get("code", 1))
             if run.exit_code != 0 and self.failed_first is None:
                 self.failed_first = name
-            if said := run.noise.note(f"{self.record.path}/{name}/run/output.log"):
+            if said := run.noise.note(f"{self.record.path}/{name}/run/output.log", run.exit_code):
                 self.say(f"{name}: {said}", "dim")
         elif kind == "stopped":
             run.state = "stopped"
