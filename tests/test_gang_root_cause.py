@@ -95,3 +95,55 @@ def test_a_first_failure_of_its_own_is_decided_at_once(tmp_path, monkeypatch):
         host, why = first_failure(gang)
         assert gang._root_cause(host, why, lambda: None) == ("h2: torchrun exited with code 1", "h2")
         assert not gang.events.empty()  # h1's events were not waited for
+
+
+@pytest.mark.timeout(30)
+def test_a_host_whose_lines_wait_in_the_queue_behind_others_is_not_taken_for_silent(tmp_path, monkeypatch):
+    """At 64 hosts the master's torchrun says a line per peer that connects, and on a loaded controller its lines
+    (heartbeats among them) waited in the gang's queue past LOST_AFTER: the master was called lost at every launch.
+    A host is silent when nothing came from its agent, judged when its lines arrive, not when they are handled."""
+    import time
+
+    monkeypatch.setattr("mnft.run.gang.LOST_AFTER", 0.5)
+    with Fleet(TWO_HOSTS) as fleet:
+        gang = gang_of(tmp_path, fleet)
+        for run in gang.runs.values():
+            run.state, run.last_seen = "running", time.monotonic() - 5  # handled last 5 s ago
+        gang.heard["h1"] = gang.heard["h2"] = time.monotonic()  # …but their readers got lines just now
+        for host in ("h2", "h1"):
+            gang.events.put((host, {"event": "exit", "code": 0}))
+        result = gang.wait()
+    assert result.ok, result.reason
+
+
+def test_a_run_its_agent_stopped_by_itself_fails_the_gang_and_one_mnft_stopped_does_not(tmp_path):
+    """An agent that stops hearing the controller tears its run down (dead-man switch) and says so: the others would
+    wait for it at the next rendezvous or collective until a timeout, so the gang fails at once, naming why."""
+    with Fleet(TWO_HOSTS) as fleet:
+        gang = gang_of(tmp_path, fleet)
+        gang.runs["h2"].state = "running"
+        why = gang._handle("h2", {"event": "stopped", "reason": "no heartbeat from the controller for 15s"})
+        assert why == "h2: its agent stopped the run (no heartbeat from the controller for 15s)"
+        gang.runs["h1"].state, gang.runs["h1"].stopping = "running", True
+        assert gang._handle("h1", {"event": "stopped", "reason": "stopped by the controller"}) is None
+
+
+@pytest.mark.timeout(30)
+def test_the_heartbeat_reaches_the_first_hosts_started_while_the_last_ones_still_start(tmp_path, monkeypatch):
+    """Starting 64 hosts on a loaded test bed took longer than an agent's dead-man time (15 s): the heartbeat began
+    only once every host had started, and the first ones had torn their runs down by then."""
+    import threading
+
+    beating = threading.Event()
+    monkeypatch.setattr(Gang, "_heartbeat", lambda self: beating.set())
+    heard_while_starting = []
+
+    def start_one(self, name):
+        heard_while_starting.append(beating.wait(timeout=5))
+        self.runs[name].state = "running"
+        return self.runs[name]
+
+    monkeypatch.setattr(Gang, "_start_one", start_one)
+    with Fleet(TWO_HOSTS) as fleet:
+        gang_of(tmp_path, fleet).start()
+    assert heard_while_starting == [True, True]

@@ -257,6 +257,9 @@ class Gang:
         self.metrics_from_output = metrics_from_output  # rank 0's output lines carry the metrics (no metrics file)
         self._stop_heartbeat = threading.Event()
         self.first_step_at: float | None = None
+        # host -> when its agent's stream last gave a line (set by its reader thread as the line arrives): a host
+        # whose lines wait in the queue behind others' (a chatty master on a loaded controller) is not silent
+        self.heard: dict[str, float] = {}
 
     # ---------------------------------------------------------------------------------------------- start
 
@@ -302,7 +305,11 @@ class Gang:
         return run
 
     def start(self) -> None:
-        """Start every host in parallel; if any fails, stop the ones that started and raise."""
+        """Start every host in parallel; if any fails, stop the ones that started and raise. The heartbeat goes to
+        each host as soon as its run has started: starting 64 hosts on a loaded machine took longer than an agent's
+        dead-man time (15 s), and the first hosts started tore their runs down before the last one was up."""
+        if not self.options.detach:
+            threading.Thread(target=self._heartbeat, daemon=True).start()
         results = self.fleet.map(lambda host: _as_result(self._start_one(host.name)), [self.fleet.inventory.host(n) for n in self.runs])
         for r in results:  # an exception while starting (a broken SSH channel, a local error) is a failed start too
             if r.status is not Status.OK and self.runs[r.host].state != "failed-to-start":
@@ -312,11 +319,10 @@ class Gang:
             self.teardown(f"{failed[0].launch.host} failed to start")
             names = ", ".join(f"{r.launch.host}: {r.error}" for r in failed)
             raise GangError(f"run {self.run_id} did not start on every host ({names}); the others were stopped")
-        if not self.options.detach:
-            threading.Thread(target=self._heartbeat, daemon=True).start()
 
     def _reader(self, name: str, process: Process) -> None:
         for stream, line in process.stream():
+            self.heard[name] = time.monotonic()
             if stream == "stdout":
                 self.events.put((name, _parse(line)))
             else:
@@ -369,6 +375,8 @@ class Gang:
         elif kind == "stopped":
             run.state, run.ended_at, run.stop_report = "stopped", time.time(), event
             run.done_ranks = tuple(event.get("done") or ())
+            if not run.stopping:  # its agent stopped the run by itself (it lost the controller): the others cannot go on
+                return f"{name}: its agent stopped the run ({event.get('reason') or 'no reason given'})"
         elif kind == "eof":
             if not run.done:
                 if event.get("overflow"):  # the agent's stream could not be read whole: the host cannot be followed
@@ -415,7 +423,8 @@ class Gang:
                         reason, failed = self._root_cause(name, why, tick)
                         break
                 now = time.monotonic()
-                silent = [r for r in self.runs.values() if r.state == "running" and now - r.last_seen > LOST_AFTER]
+                silent = [r for r in self.runs.values() if r.state == "running"
+                          and now - max(r.last_seen, self.heard.get(r.launch.host, 0.0)) > LOST_AFTER]
                 if silent:
                     run = silent[0]
                     self._lost(run, f"no heartbeat for {LOST_AFTER:g}s")
