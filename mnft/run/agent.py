@@ -241,6 +241,7 @@ def terminate(run_dir, grace=10.0, keeper=None):
     if not seen and not group_is_ours(run_dir, pgid, tag, keeper):
         if keeper is not None:
             keeper.poll()
+        remove_container(spec, grace=0)  # a container left behind with nothing of the run in it (created, never started)
         result = {"killed": [], "remaining": [], "ended": True, "exit_code": _read(os.path.join(run_dir, "exit_code"))}
         return dict(result, **gpu_report(gpu_apps(), set()))
     if group_is_ours(run_dir, pgid, tag, keeper) and _signal_group(pgid, signal.SIGTERM):
