@@ -147,3 +147,20 @@ def test_the_heartbeat_reaches_the_first_hosts_started_while_the_last_ones_still
     with Fleet(TWO_HOSTS) as fleet:
         gang_of(tmp_path, fleet).start()
     assert heard_while_starting == [True, True]
+
+
+def test_a_host_is_silent_when_the_others_are_heard_and_when_nobody_is_only_after_longer(tmp_path, monkeypatch):
+    """At a 64-host launch on the loaded test bed the controller itself read nothing for more than LOST_AFTER, and
+    blamed the first host it looked at. A host is lost after LOST_AFTER when the others were heard since; when
+    nobody was (the controller starved, or its own network gone), only after ALONE_AFTER."""
+    from mnft.run import gang as gang_mod
+
+    with Fleet(TWO_HOSTS) as fleet:
+        gang = gang_of(tmp_path, fleet)
+        for run in gang.runs.values():
+            run.state, run.last_seen = "running", 0.0
+        gang.heard.update(h1=100.0, h2=100.0 - gang_mod.LOST_AFTER - 1)  # h1 talks, h2 went quiet
+        assert [r.launch.host for r in gang._silent(100.5)] == ["h2"]
+        gang.heard.update(h1=100.0, h2=100.0)  # both quiet since 100: the controller heard nobody
+        assert gang._silent(100.0 + gang_mod.LOST_AFTER + 1) == []
+        assert [r.launch.host for r in gang._silent(100.0 + gang_mod.ALONE_AFTER + 1)] == ["h1", "h2"]
