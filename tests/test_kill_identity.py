@@ -218,6 +218,7 @@ def test_stop_asks_again_a_host_whose_killed_processes_are_still_going_and_exits
     result = control.stop(record, fleet=None, grace=1)
     assert asked == [{"h1", "h2"}, {"h2"}, {"h2"}]  # only the host with processes still going is asked again
     assert result["h2"]["killed"] == [200, 201] and result["h2"]["remaining"] == [] and not result["h2"]["ended"]
+    assert (result["h1"]["asked"], result["h2"]["asked"]) == (1, 3) and record.data["stop"]["h2"]["asked"] == 3
     assert print_stop(record, result, as_json=True) == 0
     assert record.data["state"] == "stopped" and record.data["hosts"]["h2"]["state"] == "stopped"
 

@@ -175,6 +175,7 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
     records.request_stop(record, f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}")
     out: dict[str, dict] = {}
     lingering: set[str] | None = None  # the first round asks every host
+    asked: dict[str, int] = {}  # host -> the rounds it was asked in
     for _ in range(STOP_ROUNDS):
         for result in query(record, fleet, "stop", str(grace), only=lingering):
             reply = pyrun.reply(result, "the agent")
@@ -182,9 +183,13 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
                 out[result.host] = again(out[result.host], reply) if reply is not None else dict(out[result.host], error=result.error)
             else:
                 out[result.host] = reply if reply is not None else {"state": result.status.value, "error": result.error}
+        for name in (lingering if lingering is not None else out):
+            asked[name] = asked.get(name, 0) + 1
         lingering = {n for n, v in out.items() if isinstance(v.get("remaining"), list) and v["remaining"]}
         if not lingering:
             break
+    for name, rounds in asked.items():
+        out[name]["asked"] = rounds
     stopped = all(isinstance(v.get("remaining"), list) and not v["remaining"] for v in out.values())
     if out and all(v.get("ended") for v in out.values()):  # nothing of the run was alive anywhere: a no-op
         return out
@@ -194,7 +199,7 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
             if info.get("state") in ("running", "starting") and not v.get("ended"):
                 info["state"] = "stopped"
     record.update(state="stopped" if stopped and record.data.get("state") in ("running", "starting") else record.data.get("state"),
-                  stop={n: {k: v.get(k) for k in ("killed", "remaining", "gpus_held", "gpus_other", "error", "ended")} for n, v in out.items()})
+                  stop={n: {k: v.get(k) for k in ("killed", "remaining", "gpus_held", "gpus_other", "error", "ended", "asked")} for n, v in out.items()})
     return out
 
 
