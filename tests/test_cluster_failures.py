@@ -124,7 +124,7 @@ def test_a_host_whose_torchrun_never_joins_is_named_after_the_rendezvous_timeout
     h2 = healthy_cluster.hosts[1]
     python = fake_python(healthy_cluster, h2, "stuck-python", "exec sleep 300")  # torchrun on h2 never starts
     inv = healthy_cluster.write_inventory(tmp_path / "inv.yaml", hosts=healthy_cluster.hosts[:2], python={"h2": python})
-    done = mnft(lab, tmp_path, "train", "--hosts", str(inv), "--rdzv-timeout", "10", "--", "quick.py")
+    done = mnft(lab, tmp_path, "train", "--hosts", str(inv), "--rdzv-timeout", "5", "--", "quick.py")
     assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
     diagnosis, out = ending(done, tmp_path)
     assert diagnosis["kind"] == "rendezvous-timeout"

@@ -296,8 +296,8 @@ def test_a_save_cut_short_on_a_host_still_there_resumes_the_step_both_ranks_save
 def test_a_host_cut_off_is_replaced_by_the_spare_and_left_with_nothing_running(healthy_cluster, tmp_path):
     h = {x.name: x for x in healthy_cluster.hosts}
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2", "h3", "h4"], spare={"h4": True})
-    proc = start_mnft(tmp_path, *recipe_args(inv, "--max-restarts", "1", steps=24))
-    wait_for_output(proc, r"step +6/24")
+    proc = start_mnft(tmp_path, *recipe_args(inv, "--max-restarts", "1", steps=12))
+    wait_for_output(proc, r"step +6/12")
     healthy_cluster.link_down(h["h2"])
     try:
         out, _ = proc.communicate(timeout=400)
@@ -308,7 +308,7 @@ def test_a_host_cut_off_is_replaced_by_the_spare_and_left_with_nothing_running(h
         assert second["hosts"] == ["h1", "h4", "h3"] and second["resumed_step"] >= 4
         assert "h2 replaced by the spare h4" in out
         assert second["steps"][0] == second["resumed_step"] + 1  # continued from the checkpoint, not restarted
-        assert summary(tmp_path, record)["last_step"] == 24
+        assert summary(tmp_path, record)["last_step"] == 12
     finally:
         healthy_cluster.link_up(h["h2"])
     wait_no_orphans(healthy_cluster, [h["h2"]], 40, MARKERS)  # its own agent tore its part down (dead-man switch)
@@ -318,8 +318,8 @@ def test_a_lost_host_without_a_spare_shrinks_an_elastic_gang_down_to_min_nodes(h
     # the lora recipe is elastic: attempt 2 runs on the 2 hosts left, its adapters resharded from 3 ranks' checkpoint
     h = {x.name: x for x in healthy_cluster.hosts}
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2", "h3"])
-    proc = start_mnft(tmp_path, *recipe_args(inv, "--max-restarts", "1", "--min-nodes", "2", steps=24))
-    wait_for_output(proc, r"step +6/24")
+    proc = start_mnft(tmp_path, *recipe_args(inv, "--max-restarts", "1", "--min-nodes", "2", steps=12))
+    wait_for_output(proc, r"step +6/12")
     healthy_cluster.link_down(h["h3"])
     try:
         out, _ = proc.communicate(timeout=400)
@@ -329,7 +329,7 @@ def test_a_lost_host_without_a_spare_shrinks_an_elastic_gang_down_to_min_nodes(h
         assert first["cause"]["kind"] == "host-lost" and first["cause"]["host"] == "h3"
         assert "h3 dropped: continuing on 2 hosts" in out
         assert second["hosts"] == ["h1", "h2"] and second["resumed_step"] >= 4
-        assert second["steps"][0] == second["resumed_step"] + 1 and summary(tmp_path, record)["last_step"] == 24
+        assert second["steps"][0] == second["resumed_step"] + 1 and summary(tmp_path, record)["last_step"] == 12
         assert "world size 2" in out.split("attempt 2/2", 1)[1]
     finally:
         healthy_cluster.link_up(h["h3"])
