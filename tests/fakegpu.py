@@ -547,8 +547,9 @@ def _mnft_fake_gpu_rank():
 
     rank, local = os.environ.get("RANK", "?"), int(os.environ.get("LOCAL_RANK", "0"))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    print("mnft-test: rank %s local %d sees CUDA_VISIBLE_DEVICES=%s" % (rank, local, "(unset)" if visible is None else visible),
-          flush=True)
+    # one write(2) of the whole line: ranks share the pipe, and print() under PYTHONUNBUFFERED writes the text and
+    # its newline apart (two ranks' lines were seen run together)
+    os.write(1, ("mnft-test: rank %s local %d sees CUDA_VISIBLE_DEVICES=%s\\n" % (rank, local, "(unset)" if visible is None else visible)).encode())
     state = os.environ.get("@ENV@") or "@STATE@"
     if not os.path.isdir(state) or visible == "":
         return
