@@ -1,17 +1,24 @@
 """Reading for `invoke check`: one facts probe per host, in parallel (with each host's clock skew), each host's
 code hash, and the network test (a short-lived listener on the master's rendezvous port, a connection to it
-from every host); then the rules (mnft.check.rules) turn facts into problems.
+from every host); then the rules (mnft.check.rules) turn facts into problems. Without an image all of it runs in
+one command per host, the probe's session (mnft.check.session); with one, the facts come from the image's
+conversation (mnft.check.inimage) and the code hash and the network test run in commands of their own.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
+from pathlib import Path
+from typing import Mapping
 
 from mnft.check import probe
 from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
 from mnft.check.rules import clock_skew, evaluate, iface_of_address, master_address, shared_fs_problems, source_address
+from mnft.check.session import Run, Session, close_sessions, open_sessions
+from mnft.core.errors import MnftError
 from mnft.hosts import fanin, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Unreachable
@@ -58,8 +65,70 @@ def gather_facts(fleet: Fleet, hosts: list[Host] | None = None, modules: tuple[s
     return results, facts, skew
 
 
-def gather_network(fleet: Fleet, report: CheckReport, options: CheckOptions) -> None:
-    """Listen on the master's rendezvous port for a few seconds; connect to it from every reachable host."""
+class _Apart:
+    """The network test in commands of its own (check --image): a listener started on the master, a connect
+    started on each host, each a new interpreter."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.listener = None
+
+    def listen(self, master: Host, port: int, seconds: float) -> dict | None:
+        if self.listener is not None:  # the last candidate's, refused
+            self.listener.close_stdin()
+        self.listener = self.fleet.start(master, probe_command(master, "listen", str(port), str(int(seconds))))
+        self.listener.write(probe_payload())
+        return _first_json_line(self.listener, timeout=self.fleet.timeouts.command)
+
+    def connect(self, host: Host, request: dict) -> tuple[dict, str | None]:
+        args = [request["host"], str(request["port"]), str(request["timeout"])] + (["--bind", request["bind"]] if request["bind"] else [])
+        result = self.fleet.run_one(host, probe_command(host, "connect", *args), stdin=probe_payload())
+        data = pyrun.reply(result, "the probe") or {}
+        return data, None if result.ok else result.error
+
+    def stop(self) -> None:
+        if self.listener is None:
+            return
+        self.listener.close_stdin()
+        try:
+            self.listener.wait(timeout=5)
+        except Exception:  # noqa: BLE001 - the listener also stops by itself after `seconds`
+            self.listener.terminate()
+
+
+class _InSessions:
+    """The network test in the sessions already open on the hosts (mnft.check.session): no interpreter more."""
+
+    def __init__(self, sessions: Mapping[str, Session], timeout: float) -> None:
+        self.sessions, self.timeout = sessions, timeout
+
+    def listen(self, master: Host, port: int, seconds: float) -> dict | None:
+        session = self.sessions.get(master.name)
+        if session is None:
+            return {"ok": False, "error": "the master's probe ended before the listener could start"}
+        answer, why = session.ask({"listen": {"port": port, "seconds": seconds}}, "listen", self.timeout)
+        return answer if answer is not None else {"ok": False, "error": why}
+
+    def connect(self, host: Host, request: dict) -> tuple[dict, str | None]:
+        session = self.sessions.get(host.name)
+        if session is None:
+            return {}, "the host's probe ended before the network test"
+        answer, why = session.ask({"connect": request}, "connect", self.timeout + request["timeout"])
+        return (answer, None) if answer is not None else ({}, why)
+
+    def stop(self) -> None:
+        pass  # the listener stops with its session (close_sessions)
+
+
+def connect_request(host: Host, facts: dict, master_addr: str, port: int, timeout: float) -> dict:
+    """Pure: what a host's connect test is: to the master's address and port, within the timeout, from the source
+    address of the interface the host names (rules.source_address; None: the kernel's choice)."""
+    return {"host": master_addr, "port": port, "timeout": timeout, "bind": source_address(host, facts)}
+
+
+def gather_network(fleet: Fleet, report: CheckReport, options: CheckOptions, sessions: Mapping[str, Session] | None = None) -> None:
+    """Listen on the master's rendezvous port for a few seconds; connect to it from every reachable host. In the
+    hosts' open sessions where given (check's one command per host), else in commands of their own."""
     inventory = report.inventory
     master = inventory.master
     port = options.port or inventory.rendezvous_port
@@ -67,48 +136,40 @@ def gather_network(fleet: Fleet, report: CheckReport, options: CheckOptions) -> 
     if master.name not in report.facts or report.master_addr is None:
         return
     seconds = options.network_timeout * 2 + 10
-    for candidate in range(port, port + (options.port_search if options.find_free_port else 1)):
-        listener = fleet.start(master, probe_command(master, "listen", str(candidate), str(int(seconds))))
-        listener.write(probe_payload())
-        line = _first_json_line(listener, timeout=fleet.timeouts.command)
-        if line is not None and line.get("ok"):
-            report.port, report.port_free, report.port_error = candidate, True, None
-            break
-        listener.close_stdin()
-        report.port_free = False
-        report.port_error = (line or {}).get("error") or "the listener did not start"
-    else:
-        return
+    via = _InSessions(sessions, fleet.timeouts.command) if sessions is not None else _Apart(fleet)
     try:
+        for candidate in range(port, port + (options.port_search if options.find_free_port else 1)):
+            line = via.listen(master, candidate, seconds)
+            if line is not None and line.get("ok"):
+                report.port, report.port_free, report.port_error = candidate, True, None
+                break
+            report.port_free = False
+            report.port_error = (line or {}).get("error") or "the listener did not start"
+        else:
+            return
         reachable = [h for h in inventory.hosts if h.name in report.facts]
+        said: dict[str, tuple[dict, str | None]] = {}
 
         def connect(host: Host) -> HostResult:
-            args = [report.master_addr, str(report.port), str(options.network_timeout)]
-            source = source_address(host, report.facts[host.name])
-            if source:
-                args += ["--bind", source]
-            return fleet.run_one(host, probe_command(host, "connect", *args), stdin=probe_payload())
+            said[host.name] = via.connect(host, connect_request(host, report.facts[host.name], report.master_addr, report.port, options.network_timeout))
+            return HostResult(host.name, Status.OK)
 
         # Every host connects to one listener (not sshd: MaxStartups does not apply); its accept queue holds
         # probe.LISTEN_BACKLOG, so larger clusters connect in waves of that many.
         results = [r for wave in fanin.pace([(h, master.name) for h in reachable], probe.LISTEN_BACKLOG)
                    for r in fleet.map(connect, [h for h, _ in wave])]
         for result in results:
-            data = pyrun.reply(result, "the probe") or {}
+            data, error = said.get(result.host, ({}, result.error or "no answer"))
             local = data.get("local")
             report.reach[result.host] = Reach(
                 ok=bool(data.get("ok") and data.get("reply_ok", True)),
                 source=local,
                 iface=iface_of_address(report.facts[result.host], local) if local else None,
-                error=data.get("error") or (None if result.ok else result.error),
+                error=data.get("error") or error,
                 seconds=data.get("seconds"),
             )
     finally:
-        listener.close_stdin()
-        try:
-            listener.wait(timeout=5)
-        except Exception:  # noqa: BLE001 - the listener also stops by itself after `seconds`
-            listener.terminate()
+        via.stop()
 
 
 def _first_json_line(process, timeout: float) -> dict | None:
@@ -137,41 +198,119 @@ def gather(fleet: Fleet, options: CheckOptions = CheckOptions()) -> CheckReport:
         from mnft.check.inimage import gather_image_facts
 
         outcomes, facts, skew = gather_image_facts(fleet, options.image, modules)
-    else:
-        outcomes, facts, skew = gather_facts(fleet, modules=modules)
-    report = CheckReport(inventory, dict(outcomes.by_host), facts, skew=skew)
+        report = CheckReport(inventory, dict(outcomes.by_host), facts, skew=skew)
+        probed = [h for h in inventory.hosts if h.name in facts]
+        nonce = secrets.token_hex(8) if len(probed) > 1 else None  # who shares a workdir: marked and looked for with the code hash
+        sightings: dict = {}
+        if options.code:
+            from mnft.sync.mirror import code_hashes
+
+            report.code, sightings = code_hashes(fleet, probed, Path(options.code_src) if options.code_src else None, mark=nonce)
+        unmarked = {h.name: report.code[h.name].get("error") or "no answer" for h in probed if options.code and h.name not in sightings}
+        return _judged(fleet, options, report, nonce, sightings, unmarked)
+    return _in_sessions(fleet, options, modules)
+
+
+def _in_sessions(fleet: Fleet, options: CheckOptions, modules: tuple[str, ...]) -> CheckReport:
+    """check without an image: one command per host (mnft.check.session) for its facts, then its code hash and its
+    workdir's mark in the same interpreter (or only the mark, without the code hash), then the network test in it."""
+    from mnft.sync import mirror
+
+    inventory = fleet.inventory
+    names = [h.name for h in inventory.hosts]
+    nonce = secrets.token_hex(8) if len(names) > 1 else None  # who shares a workdir: marked and looked for with the code hash
+    local = _LocalTree(Path(options.code_src) if options.code_src else None) if options.code else None
+
+    def run(host: Host) -> Run | None:
+        tree = local.wait() if local is not None else None
+        if tree is not None:
+            return mirror.code_request(host, tree, mark=nonce, names=names)
+        return mirror.mark_request(host, host.workdir, nonce, names) if nonce else None
+
+    lifetime = fleet.timeouts.command * 2 + mirror.HASH_TIMEOUT + (options.network_timeout * 2 + 10) * (options.port_search + 1)
+    opened = open_sessions(fleet, None, modules=modules, run=run, run_timeout=mirror.HASH_TIMEOUT, lifetime=lifetime)
+    unknown = None
+    if local is not None:
+        local, unknown = local.wait(), local.unknown
+    try:
+        report = CheckReport(inventory, dict(opened.results.by_host), opened.facts, skew=opened.skew)
+        probed = [h for h in inventory.hosts if h.name in opened.facts]
+        ran = {h.name: opened.ran[h.name] for h in probed if h.name in opened.ran}
+        sightings: dict = {}
+        if local is not None:
+            trees = {name: (result, mirror.parse_hash(result)) for name, result in ran.items()}
+            report.code = {name: mirror.code_of(local, result, tree) for name, (result, tree) in trees.items()}
+            sightings = {name: tree.mark for name, (_, tree) in trees.items() if tree is not None and tree.mark is not None}
+        else:
+            if unknown is not None:
+                report.code = {h.name: mirror.code_unknown(unknown) for h in probed}
+            sightings = {name: seen for name, result in ran.items() if (seen := mirror.sighting_of(result)) is not None}
+        unmarked = {h.name: (report.code.get(h.name, {}).get("error") if local is not None else ran[h.name].error if h.name in ran else None)
+                    or "no answer" for h in probed if h.name not in sightings}
+        return _judged(fleet, options, report, nonce if len(probed) > 1 else None, sightings, unmarked, opened.sessions)
+    finally:
+        close_sessions(opened.sessions)
+
+
+class _LocalTree:
+    """The local tree (mirror.code_local: git and a walk of the tree) read in a thread of its own, while the hosts'
+    SSH handshakes go on; each host waits for it only to be sent its code hash request."""
+
+    def __init__(self, src: Path | None) -> None:
+        self.tree, self.unknown, self._bug = None, None, None
+        self._thread = threading.Thread(target=self._read, args=(src,), name="mnft-local-tree", daemon=True)
+        self._thread.start()
+
+    def _read(self, src: Path | None) -> None:
+        from mnft.sync import mirror
+
+        try:
+            self.tree = mirror.code_local(src)
+        except MnftError as exc:  # every host's code unknown, and only the marks asked for
+            self.unknown = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - a bug: raised where the tree is waited for
+            self._bug = exc
+
+    def wait(self):
+        """The tree (None: `unknown` says why it could not be read)."""
+        self._thread.join()
+        if self._bug is not None:
+            raise self._bug
+        return self.tree
+
+
+def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str | None, sightings: dict, unmarked: dict[str, str],
+            sessions: dict[str, Session] | None = None) -> CheckReport:
+    """The rest of a check once every host's facts (and code hash) are in: the code's problems, who shares a
+    workdir (from the sightings of `nonce`'s marks; `unmarked`: why a host has none), the master's address, the
+    network test (in the sessions where given), the job's files, whose run holds a busy GPU, and the rules."""
+    inventory, facts = report.inventory, report.facts
     probed = [h for h in inventory.hosts if h.name in facts]
-    workdirs = {h.name: h.workdir for h in probed}
-    nonce = secrets.token_hex(8) if len(probed) > 1 else None  # who shares a workdir: marked and looked for with the code hash
-    sightings: dict = {}
-    if options.code:
-        from pathlib import Path
-
-        from mnft.sync.mirror import code_hashes
-
-        report.code, sightings = code_hashes(fleet, probed, Path(options.code_src) if options.code_src else None, mark=nonce)
-        for name, code in report.code.items():
-            if code.get("matches") is False:
-                shown = ", ".join(code.get("differing") or [])
-                report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
+    for name, code in report.code.items():
+        if code.get("matches") is False:
+            shown = ", ".join(code.get("differing") or [])
+            report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
     if nonce:
         from mnft.sync.mirror import detect_sharing, sharing_of
 
+        workdirs = {h.name: h.workdir for h in probed}
         if sightings:
-            report.shared, unmarked = sharing_of(fleet, probed, workdirs, nonce, sightings)
-            unmarked.update({h.name: report.code[h.name].get("error") or "no answer" for h in probed if h.name not in sightings})
-        else:  # no code hash (or no local tree to hash): a round-trip of its own
-            report.shared, unmarked = detect_sharing(fleet, probed, workdirs)
-        report.problems.extend(shared_fs_problems(probed, report.shared, unmarked))
-    report.master_addr, why = master_address(inventory, facts.get(inventory.master_name))
-    if why and inventory.master_name in facts:
-        report.problems.append(Problem(inventory.master_name, "master_addr", why, "set 'iface' (or an IPv4 'address') for the master in the inventory"))
+            report.shared, why = sharing_of(fleet, probed, workdirs, nonce, sightings)
+            why.update(unmarked)
+        else:  # no host marked in the round-trip already made: a round-trip of its own
+            report.shared, why = detect_sharing(fleet, probed, workdirs)
+        report.problems.extend(shared_fs_problems(probed, report.shared, why))
+    report.master_addr, why_not = master_address(inventory, facts.get(inventory.master_name))
+    if why_not and inventory.master_name in facts:
+        report.problems.append(Problem(inventory.master_name, "master_addr", why_not, "set 'iface' (or an IPv4 'address') for the master in the inventory"))
     if options.network:
-        gather_network(fleet, report, options)
+        gather_network(fleet, report, options, sessions)
+    if sessions:
+        close_sessions(sessions)  # the listener off the port before anything else: train starts its rendezvous there
     if options.required_files:
-        report.problems.extend(missing_files(fleet, [h for h in inventory.hosts if h.name in facts], options.required_files))
+        report.problems.extend(missing_files(fleet, probed, options.required_files))
     if options.own_devices is None:
-        gpu_leases(fleet, [h for h in inventory.hosts if h.name in facts], facts)
+        gpu_leases(fleet, probed, facts)
     report.problems.extend(evaluate(inventory, facts, report, options))
     return report
 

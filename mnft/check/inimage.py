@@ -23,6 +23,7 @@ from typing import Sequence
 
 from mnft.check import probe
 from mnft.check.rules import clock_skew
+from mnft.check.session import no_reply
 from mnft.core.errors import InputError
 from mnft.hosts import pyrun
 from mnft.hosts.connection import CommandTimeout, HostKeyRejected, OutputTooLarge, SshConnection, Unreachable, bounded
@@ -168,7 +169,7 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
                 if "ran" in line:
                     got["ran"] = line["ran"]
             if not isinstance(got.get("facts"), dict):
-                return _no_reply(host.name, process, line, said, left(), started)
+                return no_reply(host.name, process, line, said, left(), started)
             process.close_stdin()
             try:
                 code = process.wait(timeout=min(5.0, max(1.0, left()))).exit_code
@@ -196,24 +197,6 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
 
     results = fleet.map(one, hosts)
     return results, {name: facts[name] for name in results.by_host if name in facts}, skew
-
-
-def _no_reply(name: str, process, first: dict | None, said: list[str], left: float, started: float) -> HostResult:
-    """The host's command printed no facts: failed, with its exit code and last line (as pyrun.reply says it)."""
-    process.close_stdin()
-    code = None
-    try:
-        code = process.wait(timeout=min(5.0, left) or 0.001).exit_code
-    except (CommandTimeout, OutputTooLarge):
-        pass
-    last = said[-1] if said else ""
-    if first is not None:  # a JSON object, not the facts: the probe's own error report
-        last = _one_line(json.dumps(first.get("errors") or first))
-    if code not in (0, None):
-        error = f"exit code {code}" + (f": {last}" if last else "")
-    else:
-        error = "the probe printed no JSON: " + (last or "no output")
-    return HostResult(name, Status.FAILED, code, error=error, seconds=_since(started))
 
 
 def _since(started: float) -> float:

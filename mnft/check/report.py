@@ -3,13 +3,15 @@ or as JSON."""
 
 from __future__ import annotations
 
-from rich.table import Table
-from rich.text import Text
+from typing import TYPE_CHECKING
 
 from mnft.check.findings import GIB, CheckReport, reference_host
 from mnft.check.rules import PYTHON_SIDE, comparable, image_reference, python_reference, short_id
 from mnft.core.output import STATUS_STYLE, console, plain, print_json, status_text
 from mnft.hosts.fleet import Status
+
+if TYPE_CHECKING:  # imported where the table is made: `check --json` never loads rich (a command's start, issue 30)
+    from rich.text import Text
 
 
 def _gpus(facts: dict) -> str:
@@ -22,6 +24,8 @@ def _gpus(facts: dict) -> str:
 
 def _code(code: dict | None) -> Text:
     """The workdir's code hash (short) and whether it matches the local tree; '-' when there is no workdir."""
+    from rich.text import Text
+
     if not code or not code.get("exists") or not code.get("hash"):
         return Text("-" if not code or not code.get("error") else "?", style="dim")
     same = code.get("matches")
@@ -30,6 +34,8 @@ def _code(code: dict | None) -> Text:
 
 def _image(facts: dict, reference: str | None) -> Text:
     """The image's id on the host (short), red where it differs from the reference's; why not, where there is none."""
+    from rich.text import Text
+
     container = facts.get("container")
     if not isinstance(container, dict):
         return Text("?", style="bold red")
@@ -46,6 +52,9 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     if as_json:
         print_json(report.to_json())
         return
+    from rich.table import Table
+    from rich.text import Text
+
     inv = report.inventory
     ref_name = reference_host(inv, report.facts)
     reference = comparable(report.facts[ref_name]) if ref_name is not None else {}

@@ -7,6 +7,8 @@ one's options.
 
 from __future__ import annotations
 
+import atexit
+import gc
 from dataclasses import replace
 from functools import wraps
 from pathlib import Path
@@ -16,6 +18,13 @@ from invoke import Collection, Exit, task
 from mnft.cli.parsing import OptionalPositionalTask, remainder
 
 DEFAULT_INVENTORY = Path(__file__).resolve().parent / "local.yaml"  # this machine only, no SSH
+
+# Once a command is done, the interpreter's teardown runs full garbage collections over every object it ever made
+# (invoke, paramiko, the hosts' facts): 50-70 ms of CPU after the last line is out, on every command (check at 8
+# hosts takes ~1 s). Frozen then, they are not traversed again; the process ends, and its memory with it. Objects
+# are still freed module by module (files closed, buffers flushed); only garbage in reference cycles is left to
+# the end of the process, as Python's own documentation allows for anything alive at exit.
+atexit.register(gc.freeze)
 
 
 def _mnft_errors(fn):

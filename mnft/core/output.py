@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.text import Text
+if TYPE_CHECKING:  # imported where a person's output is made: `--json` never loads rich (a command's start, issue 30)
+    from rich.console import Console
+    from rich.text import Text
 
 STATUS_STYLE = {
     "ok": "green",
@@ -25,6 +26,8 @@ STATUS_STYLE = {
 def console(stderr: bool = False) -> Console:
     """The console every command prints to. Strings are printed as they are, never read as rich markup (a job's
     name, a path or an argument like `files=[model.pt]` or `a[/b]` is data): style goes through `Text`."""
+    from rich.console import Console
+
     return Console(stderr=stderr, highlight=False, markup=False, soft_wrap=False, width=None if sys.stdout.isatty() else 200)
 
 
@@ -33,11 +36,15 @@ def print_json(data: Any) -> None:
 
 
 def status_text(status: str) -> Text:
+    from rich.text import Text
+
     return Text(status, style=STATUS_STYLE.get(status, ""))
 
 
 def plain(value: Any, style: str = "") -> Text:
     """A cell or title from data (host names, paths, errors): never read as rich markup ("a[/b]", "[bold]x")."""
+    from rich.text import Text
+
     return Text("-" if value is None else str(value), style=style)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import TYPE_CHECKING, Iterable, Mapping
 
-from mnft.env.lockfile import Pin
+if TYPE_CHECKING:  # a lock's pins are only compared here: check compares hosts without reading a lock (nor packaging)
+    from mnft.env.lockfile import Pin
 
 
 def canonical(name: str) -> str:

@@ -292,16 +292,10 @@ def detect_sharing(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, st
     checkpoints directory): one round-trip, a mark each and a look for everyone's (sharing_of); and the hosts
     whose mark could not be left, with why (a host that did not answer among them)."""
     nonce = secrets.token_hex(8)
-    names = ",".join(h.name for h in hosts)
-    results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--mark", f"{nonce}.{h.name}", "--only", "--names", names,
-                                                site=False),
+    names = [h.name for h in hosts]
+    results = fleet.run(lambda h: pyrun.command(h, *mark_request(h, targets[h.name], nonce, names)[1], site=False),
                         stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
-    sightings = {}
-    for result in results:
-        try:
-            sightings[result.host] = Sighting.from_json(pyrun.last_json(result.stdout)) if result.ok else None
-        except (ValueError, IndexError, TypeError, AttributeError):
-            sightings[result.host] = None
+    sightings = {r.host: sighting_of(r) for r in results}
     groups, _ = sharing_of(fleet, hosts, targets, nonce, {name: s for name, s in sightings.items() if s is not None})
     return groups, {r.host: why for r in results if (why := mark_refused(r))}
 
@@ -643,36 +637,70 @@ def sync_data(inventory: Inventory, path: Path, *, fleet: Fleet | None = None, p
 # ------------------------------------------------------------------------------------------------ check
 
 
+def code_local(src: Path | None = None, *, extra_excludes: Iterable[str] = (), config: Mapping[str, Any] | None = None) -> LocalTree:
+    """The tree `invoke sync` would copy (the same source and rules: code_source), read here; MnftError when it
+    cannot be (then every host's code is unknown: code_unknown)."""
+    source = code_source(src, extra_excludes, config=config)
+    why = source_problem(source.root)
+    if why:
+        raise InputError(why)
+    return read_local(source.root, source.excludes)
+
+
+def code_unknown(error: str) -> dict[str, Any]:
+    return {"hash": None, "exists": None, "matches": None, "error": error}
+
+
+def code_request(host: Host, local: LocalTree, *, mark: str | None = None, names: Sequence[str] = ()) -> tuple[str, list[str], str]:
+    """What hashes the host's workdir for code_of (with mark: also marks it and looks for the marks of `names`):
+    the tree-hash script's source, its arguments and its stdin (the rules), for a host script already running
+    there to run (check's probe session, mnft.check.session)."""
+    return treehash.source(), hash_args(host, host.workdir, if_exists=True, other=other_dir(host, host.workdir), mark=mark, names=names), \
+        rules_line(local.rules)
+
+
+def mark_request(host: Host, target: str, nonce: str, names: Sequence[str]) -> tuple[str, list[str], str]:
+    """detect_sharing's look for one host as code_request's triple: leave its mark for target, look for those of
+    `names`, hash nothing (read its answer with sighting_of)."""
+    return treehash.source(), [normalize_target(target), "--mark", f"{nonce}.{host.name}", "--only", "--names", ",".join(names)], ""
+
+
+def sighting_of(result: HostResult) -> Sighting | None:
+    """What a mark_request's run saw, or None when it gave no answer."""
+    try:
+        return Sighting.from_json(pyrun.last_json(result.stdout)) if result.ok else None
+    except (ValueError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def code_of(local: LocalTree, result: HostResult, tree: RemoteTree | None) -> dict[str, Any]:
+    """Pure: a host's code entry for check from its tree hash (parse_hash of its result): its hash, whether its
+    workdir exists and matches the local tree, and which files differ; or why it is unknown."""
+    if tree is None:
+        return code_unknown(result.error or "cannot read the workdir")
+    refusal = remote_refusal(tree.root, tree.home, tree.refused)
+    if refusal:
+        return code_unknown(f"workdir refused: {refusal}")
+    diff = difference(local.files, tree.files) if tree.exists else None
+    return {
+        "hash": tree.digest,
+        "exists": tree.exists,
+        "matches": (tree.digest == local.digest) if tree.exists else None,
+        "local_hash": local.digest,
+        "differing": diff.describe() if diff and not diff.empty else [],
+    }
+
+
 def code_hashes(fleet: Fleet, hosts: Sequence[Host], src: Path | None = None, *, extra_excludes: Iterable[str] = (),
                 config: Mapping[str, Any] | None = None, mark: str | None = None) -> tuple[dict[str, dict[str, Any]], dict[str, Sighting]]:
     """For `invoke check`: each host's code hash when its workdir exists, and whether it matches the tree
-    `invoke sync` would copy (the same source and rules: code_source). With mark, each host also marks its
+    `invoke sync` would copy (code_local, code_of), in a round-trip of its own. With mark, each host also marks its
     workdir and looks for the others' marks in that round-trip: the Sightings, for sharing_of (none when the
     local tree could not be read: no round-trip)."""
     try:
-        source = code_source(src, extra_excludes, config=config)
-        why = source_problem(source.root)
-        if why:
-            raise InputError(why)
-        local = read_local(source.root, source.excludes)
+        local = code_local(src, extra_excludes=extra_excludes, config=config)
     except MnftError as exc:
-        return {h.name: {"hash": None, "exists": None, "matches": None, "error": str(exc)} for h in hosts}, {}
+        return {h.name: code_unknown(str(exc)) for h in hosts}, {}
     read = read_remote(fleet, hosts, {h.name: h.workdir for h in hosts}, local.rules, if_exists=True, mark=mark)
-    out: dict[str, dict[str, Any]] = {}
-    for name, (result, tree) in read.items():
-        if tree is None:
-            out[name] = {"hash": None, "exists": None, "matches": None, "error": result.error or "cannot read the workdir"}
-            continue
-        refusal = remote_refusal(tree.root, tree.home, tree.refused)
-        if refusal:
-            out[name] = {"hash": None, "exists": None, "matches": None, "error": f"workdir refused: {refusal}"}
-            continue
-        diff = difference(local.files, tree.files) if tree.exists else None
-        out[name] = {
-            "hash": tree.digest,
-            "exists": tree.exists,
-            "matches": (tree.digest == local.digest) if tree.exists else None,
-            "local_hash": local.digest,
-            "differing": diff.describe() if diff and not diff.empty else [],
-        }
+    out = {name: code_of(local, result, tree) for name, (result, tree) in read.items()}
     return out, {name: tree.mark for name, (_, tree) in read.items() if tree is not None and tree.mark is not None}
