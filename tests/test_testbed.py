@@ -334,6 +334,23 @@ def test_two_clusters_coexist_on_distinct_names_and_subnets(cluster, fresh_clust
     assert ssh(cluster, cluster.hosts[0], ["hostname"]).returncode == 0
 
 
+def test_a_prefix_in_use_is_refused_and_the_cluster_that_has_it_keeps_running(testbed, cluster, tmp_path):
+    # a fresh cluster that drew the session cluster's prefix (random seeded by a test) once tore the session's down
+    with pytest.raises(testbed.ClusterError, match="already exist"):
+        testbed.Cluster.create(1, tmp_path / "twin", prefix=cluster.prefix)
+    assert ssh(cluster, cluster.hosts[0], ["hostname"]).stdout.strip() == "h1"
+
+
+def test_a_default_prefix_does_not_follow_a_seeded_random(testbed):
+    import random
+
+    def drawn():
+        random.seed(42)
+        return [testbed._default_prefix() for _ in range(5)]
+
+    assert drawn() != drawn()
+
+
 def test_cleanup_stale_removes_a_crashed_run_but_not_live_clusters(testbed, cluster, tmp_path):
     Cluster = testbed.Cluster
 

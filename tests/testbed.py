@@ -30,8 +30,8 @@ import ipaddress
 import json
 import os
 import pwd
-import random
 import re
+import secrets
 import shlex
 import shutil
 import signal
@@ -612,6 +612,10 @@ class Cluster:
         unknown = sorted({n for names, _ in cluster.shared_dirs.values() for n in names} - {f"h{i}" for i in range(1, n_hosts + 1)})
         if unknown:
             raise ValueError(f"shared_dirs names hosts this cluster does not have: {', '.join(unknown)}")
+        # refused before anything is built: a failed build tears down every namespace of its prefix, and these are
+        # another cluster's (the session cluster's, when a fresh one drew its prefix)
+        if any(ns.startswith(prefix + "-") for ns in _list_netns()):
+            raise ClusterError(f"namespaces named {prefix}-* already exist: pick another prefix")
         atexit.register(cluster.teardown)
         try:
             cluster._build(n_hosts, outsider)
@@ -621,8 +625,6 @@ class Cluster:
         return cluster
 
     def _build(self, n_hosts: int, outsider: bool) -> None:
-        if any(ns.startswith(self.prefix + "-") for ns in _list_netns()):
-            raise ClusterError(f"namespaces named {self.prefix}-* already exist: pick another prefix")
         with _allocation_lock():
             _ensure_range_blackhole()
             self.subnet = _free_subnet(self.prefix)
@@ -1389,7 +1391,9 @@ def _default_prefix() -> str:
     for _ in range(3):
         pid, digit = divmod(pid, 36)
         tag = alphabet[digit] + tag
-    return DEFAULT_FAMILY + tag + "".join(random.choice(alphabet) for _ in range(2))
+    # secrets, not random: a test that seeds random (transformers' set_seed does) made a fresh cluster draw the
+    # session cluster's prefix
+    return DEFAULT_FAMILY + tag + "".join(secrets.choice(alphabet) for _ in range(2))
 
 
 def _list_netns() -> list[str]:
