@@ -223,3 +223,12 @@ def test_the_master_is_the_reference_when_it_answered():
 
     assert reference_host(INV, {"c": facts(), "a": facts()}) == "a"
     assert reference_host(INV, {}) is None
+
+
+def test_a_probes_skew_is_read_from_its_clock_and_own_run_time_and_is_none_without_a_clock():
+    from mnft.check.rules import clock_skew, probe_skew
+
+    facts = {"clock": 1005.0, "timings": {"total_s": 0.4}}
+    assert probe_skew(facts, 1000.0, 1001.0) == clock_skew(1005.0, 1000.0, 1001.0, 0.4) == 4.3
+    assert probe_skew({"clock": 1005.0}, 1000.0, 1001.0) == 4.5  # no run time: the round-trip's middle
+    assert probe_skew({"clock": "soon"}, 1000.0, 1001.0) is None and probe_skew({}, 1000.0, 1001.0) is None

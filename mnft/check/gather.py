@@ -16,7 +16,7 @@ from typing import Mapping
 
 from mnft.check import probe
 from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
-from mnft.check.rules import clock_skew, evaluate, iface_of_address, master_address, shared_fs_problems, source_address
+from mnft.check.rules import evaluate, iface_of_address, master_address, probe_skew, shared_fs_problems, source_address
 from mnft.check.session import Run, Session, close_sessions, open_sessions
 from mnft.core.errors import MnftError
 from mnft.hosts import fanin, pyrun
@@ -58,10 +58,8 @@ def gather_facts(fleet: Fleet, hosts: list[Host] | None = None, modules: tuple[s
         data = pyrun.reply(result, "the probe")
         if data is not None:
             facts[result.host] = data
-            before, after = sent[result.host]
-            if isinstance(data.get("clock"), (int, float)):
-                total = (data.get("timings") or {}).get("total_s")
-                skew[result.host] = clock_skew(data["clock"], before, after, total if isinstance(total, (int, float)) else None)
+            if (seen := probe_skew(data, *sent[result.host])) is not None:
+                skew[result.host] = seen
     return results, facts, skew
 
 

@@ -17,16 +17,15 @@ A host without a runtime or without the image sends no command: the rules name w
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Sequence
 
 from mnft.check import probe
-from mnft.check.rules import clock_skew
-from mnft.check.session import no_reply
+from mnft.check.rules import probe_skew
+from mnft.check.session import no_reply, request_line, since, start
 from mnft.core.errors import InputError
 from mnft.hosts import pyrun
-from mnft.hosts.connection import CommandTimeout, HostKeyRejected, OutputTooLarge, SshConnection, Unreachable, bounded
+from mnft.hosts.connection import CommandTimeout, OutputTooLarge, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Results, Status
 from mnft.hosts.settings import Host
 from mnft.image import imagehost
@@ -118,10 +117,6 @@ def merge(host_facts: dict, container: dict | None, image: str, ran: dict | None
     return facts
 
 
-def _request(data: dict) -> bytes:
-    return json.dumps(data).encode() + b"\n"
-
-
 def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
                        hosts: list[Host] | None = None) -> tuple[Results, dict[str, dict], dict[str, float]]:
     """gather_facts' counterpart with an image: outcomes, merged facts and each host's clock skew vs this machine."""
@@ -134,26 +129,17 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
 
     def one(host: Host) -> HostResult:
         started = time.monotonic()
-        try:  # connect first: the SSH handshake must not sit inside the window the clock skew is measured in
-            conn = fleet.connection(host)
-        except HostKeyRejected as exc:
-            return HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc))
-        except Unreachable as exc:
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
+        begun = start(fleet, host, pyrun.command(host, "image-facts", "--workdir", host.workdir).render(), timeout, started)
+        if isinstance(begun, HostResult):
+            return begun
+        process, before = begun
         deadline = time.monotonic() + timeout
         left = lambda: max(0.0, deadline - time.monotonic())
-        command = pyrun.command(host, "image-facts", "--workdir", host.workdir).render()
-        before = time.time()
-        try:
-            process = conn.start(bounded(command, timeout) if isinstance(conn, SshConnection) else command)
-        except Unreachable as exc:
-            fleet.mark_unreachable(host.name, str(exc))
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
         got: dict = {}  # "container", "facts", "ran": each line as it comes, in the order the host has them ready
         asked, said, after = False, [], None
         finished = False
         try:
-            process.write(head + _request({"imagehost": host_source, "runtime": runtime_setting(host), "image": image}))
+            process.write(head + request_line({"imagehost": host_source, "runtime": runtime_setting(host), "image": image}))
             while "facts" not in got or "container" not in got or (asked and "ran" not in got):
                 line, said = process.json_reply(left())
                 if line is None or not any(key in line for key in ("facts", "container", "ran")):
@@ -164,7 +150,7 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
                     got["container"], got["container_error"] = line["container"], line.get("container_error")
                     argv = inside_command(host, line["container"], image, modules)
                     if argv is not None:  # the look inside starts while the host's facts are still being read
-                        process.write(_request({"argv": argv, "input": head.decode(), "timeout": max(1.0, left() - INSIDE_MARGIN)}))
+                        process.write(request_line({"argv": argv, "input": head.decode(), "timeout": max(1.0, left() - INSIDE_MARGIN)}))
                         asked = True
                 if "ran" in line:
                     got["ran"] = line["ran"]
@@ -177,12 +163,12 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
             except CommandTimeout:  # the host's facts are here: what did not answer is said below
                 code = None
         except CommandTimeout:
-            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=_since(started))
+            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=since(started))
         except OutputTooLarge as exc:
-            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=_since(started))
+            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=since(started))
         except Unreachable as exc:
             fleet.mark_unreachable(host.name, str(exc))
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
         finally:
             if not finished:
                 process.terminate()
@@ -190,14 +176,10 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
         ran = got.get("ran") if not asked or isinstance(got.get("ran"), dict) else {"exit_code": None, "error": why}
         merged = merge(got["facts"], got.get("container"), image, ran, got.get("container_error") or (None if "container" in got else why))
         facts[host.name] = merged
-        if isinstance(merged.get("clock"), (int, float)):
-            total = (merged.get("timings") or {}).get("total_s")
-            skew[host.name] = clock_skew(merged["clock"], before, after, total if isinstance(total, (int, float)) else None)
-        return HostResult(host.name, Status.OK, code, seconds=_since(started))
+        if (seen := probe_skew(merged, before, after)) is not None:
+            skew[host.name] = seen
+        return HostResult(host.name, Status.OK, code, seconds=since(started))
 
     results = fleet.map(one, hosts)
     return results, {name: facts[name] for name in results.by_host if name in facts}, skew
 
-
-def _since(started: float) -> float:
-    return round(time.monotonic() - started, 3)

@@ -26,6 +26,15 @@ def clock_skew(clock: float, before: float, after: float, probe_total: float | N
     return round(clock - (after - (rtt - probe_total) / 2), 3)
 
 
+def probe_skew(facts: dict, before: float, after: float) -> float | None:
+    """clock_skew from a probe's facts (its clock, its own run time) and the round-trip around it; None without a clock."""
+    clock = facts.get("clock")
+    if not isinstance(clock, (int, float)):
+        return None
+    total = (facts.get("timings") or {}).get("total_s")
+    return clock_skew(clock, before, after, total if isinstance(total, (int, float)) else None)
+
+
 def ipv4_of(facts: dict, iface: str) -> list[str]:
     for entry in facts.get("interfaces") or []:
         if entry.get("name") == iface:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from mnft.check import probe
-from mnft.check.rules import clock_skew
+from mnft.check.rules import probe_skew
 from mnft.hosts import pyrun
 from mnft.hosts.connection import (
     CommandTimeout,
@@ -142,21 +142,12 @@ def open_sessions(fleet: Fleet, hosts: Sequence[Host] | None, *, modules: Sequen
 
     def one(host: Host) -> HostResult:
         started = time.monotonic()
-        try:  # connect first: the SSH handshake must not sit inside the window the clock skew is measured in
-            conn = fleet.connection(host)
-        except HostKeyRejected as exc:
-            return HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc))
-        except Unreachable as exc:
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
-        command = session_command(host, modules).render()
-        payload = probe_payload()  # compiled by whichever host is connected first, while the others' handshakes go on
+        payload = probe_payload()  # compiled by the first host's thread, while the others' handshakes go on
         script = run(host)
-        before = time.time()
-        try:
-            process = conn.start(bounded(command, lifetime) if isinstance(conn, SshConnection) else command)
-        except Unreachable as exc:
-            fleet.mark_unreachable(host.name, str(exc))
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+        begun = start(fleet, host, session_command(host, modules).render(), lifetime, started)
+        if isinstance(begun, HostResult):
+            return begun
+        process, before = begun
         kept = False
         try:
             first = payload
@@ -170,9 +161,8 @@ def open_sessions(fleet: Fleet, hosts: Sequence[Host] | None, *, modules: Sequen
                 return no_reply(host.name, process, line, said, timeout, started)
             data = line["facts"]
             facts[host.name] = data
-            if isinstance(data.get("clock"), (int, float)):
-                total = (data.get("timings") or {}).get("total_s")
-                skew[host.name] = clock_skew(data["clock"], before, after, total if isinstance(total, (int, float)) else None)
+            if (seen := probe_skew(data, before, after)) is not None:
+                skew[host.name] = seen
             session = Session(host, process, said)
             if script is not None:
                 answer, why = session.ask_next("ran", run_timeout)
@@ -180,20 +170,38 @@ def open_sessions(fleet: Fleet, hosts: Sequence[Host] | None, *, modules: Sequen
             if not process.stdout_ended:
                 sessions[host.name] = session
                 kept = True
-            return HostResult(host.name, Status.OK, seconds=_since(started))
+            return HostResult(host.name, Status.OK, seconds=since(started))
         except CommandTimeout:
-            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=_since(started))
+            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=since(started))
         except OutputTooLarge as exc:
-            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=_since(started))
+            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=since(started))
         except Unreachable as exc:
             fleet.mark_unreachable(host.name, str(exc))
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=_since(started))
+            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
         finally:
             if not kept:
                 process.terminate()
 
     results = fleet.map(one, hosts)
     return Opened(results, {name: facts[name] for name in results.by_host if name in facts}, skew, ran, sessions)
+
+
+def start(fleet: Fleet, host: Host, command: str, lifetime: float, started: float) -> tuple[Process, float] | HostResult:
+    """The probe's command started on the host, and the time just before (where its clock skew's window begins):
+    connected first, so that the SSH handshake is outside that window; ended on the host after `lifetime` seconds
+    should nobody end it. A HostResult where it could not start."""
+    try:
+        conn = fleet.connection(host)
+    except HostKeyRejected as exc:
+        return HostResult(host.name, Status.HOST_KEY_REJECTED, error=str(exc))
+    except Unreachable as exc:
+        return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
+    before = time.time()
+    try:
+        return conn.start(bounded(command, lifetime) if isinstance(conn, SshConnection) else command), before
+    except Unreachable as exc:
+        fleet.mark_unreachable(host.name, str(exc))
+        return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
 
 
 def close_sessions(sessions: dict[str, Session], wait: float = CLOSE_WAIT) -> None:
@@ -229,7 +237,7 @@ def no_reply(name: str, process: Process, first: dict | None, said: list[str], l
         error = f"exit code {code}" + (f": {last}" if last else "")
     else:
         error = "the probe printed no JSON: " + (last or "no output")
-    return HostResult(name, Status.FAILED, code, error=error, seconds=_since(started))
+    return HostResult(name, Status.FAILED, code, error=error, seconds=since(started))
 
 
 def _one_line(text: str) -> str:
@@ -238,5 +246,5 @@ def _one_line(text: str) -> str:
     return last if len(last) <= ERROR_CHARS else last[:ERROR_CHARS] + "…"
 
 
-def _since(started: float) -> float:
+def since(started: float) -> float:
     return round(time.monotonic() - started, 3)
