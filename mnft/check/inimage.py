@@ -22,7 +22,7 @@ from typing import Sequence
 
 from mnft.check import probe
 from mnft.check.rules import probe_skew
-from mnft.check.session import no_reply, request_line, since, start
+from mnft.check.session import cut_short, no_reply, request_line, since, start
 from mnft.core.errors import InputError
 from mnft.hosts import pyrun
 from mnft.hosts.connection import CommandTimeout, OutputTooLarge, Unreachable
@@ -162,13 +162,8 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
                 finished = True
             except CommandTimeout:  # the host's facts are here: what did not answer is said below
                 code = None
-        except CommandTimeout:
-            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=since(started))
-        except OutputTooLarge as exc:
-            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=since(started))
-        except Unreachable as exc:
-            fleet.mark_unreachable(host.name, str(exc))
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
+        except (CommandTimeout, OutputTooLarge, Unreachable) as exc:
+            return cut_short(fleet, host, exc, timeout, started)
         finally:
             if not finished:
                 process.terminate()

@@ -171,13 +171,8 @@ def open_sessions(fleet: Fleet, hosts: Sequence[Host] | None, *, modules: Sequen
                 sessions[host.name] = session
                 kept = True
             return HostResult(host.name, Status.OK, seconds=since(started))
-        except CommandTimeout:
-            return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=since(started))
-        except OutputTooLarge as exc:
-            return HostResult(host.name, Status.FAILED, error=str(exc), seconds=since(started))
-        except Unreachable as exc:
-            fleet.mark_unreachable(host.name, str(exc))
-            return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
+        except (CommandTimeout, OutputTooLarge, Unreachable) as exc:
+            return cut_short(fleet, host, exc, timeout, started)
         finally:
             if not kept:
                 process.terminate()
@@ -202,6 +197,16 @@ def start(fleet: Fleet, host: Host, command: str, lifetime: float, started: floa
     except Unreachable as exc:
         fleet.mark_unreachable(host.name, str(exc))
         return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
+
+
+def cut_short(fleet: Fleet, host: Host, exc: CommandTimeout | OutputTooLarge | Unreachable, timeout: float, started: float) -> HostResult:
+    """A probe's conversation that raised: it timed out, said too much, or its host is gone (marked so)."""
+    if isinstance(exc, CommandTimeout):
+        return HostResult(host.name, Status.FAILED, error=f"command timed out after {timeout:g}s", seconds=since(started))
+    if isinstance(exc, OutputTooLarge):
+        return HostResult(host.name, Status.FAILED, error=str(exc), seconds=since(started))
+    fleet.mark_unreachable(host.name, str(exc))
+    return HostResult(host.name, Status.UNREACHABLE, error=str(exc), seconds=since(started))
 
 
 def close_sessions(sessions: dict[str, Session], wait: float = CLOSE_WAIT) -> None:
