@@ -406,9 +406,10 @@ def local_tree(files: dict[str, tuple[int, str]]) -> source.LocalTree:
     return source.LocalTree(Path("/repo"), ("runs/",), treehash.digest_of(files), files, "git")
 
 
-def read_ok(name: str, files: dict | None, root: str = "/root/mnft", home: str = "/root") -> tuple[HostResult, mirror.RemoteTree]:
+def read_ok(name: str, files: dict | None, root: str = "/root/mnft", home: str = "/root", placed: dict | None = None) -> tuple[HostResult, mirror.RemoteTree]:
+    """A host's tree as its hash read it; placed: the record of what mnft placed there (None: none)."""
     exists = files is not None
-    tree = mirror.RemoteTree(root, home, exists, treehash.digest_of(files) if exists else None, files or {})
+    tree = mirror.RemoteTree(root, home, exists, treehash.digest_of(files) if exists else None, files or {}, placed=placed)
     return HostResult(name, Status.OK), tree
 
 
@@ -418,20 +419,63 @@ FOUR = "hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2}\n  h3: {add
 def test_plan_from_data():
     files = {"a.py": (1, "a" * 64), "b.py": (2, "b" * 64)}
     local = local_tree(files)
+    was = {"a.py": (1, "a" * 64), "b.py": (2, "c" * 64), "old.py": (3, "d" * 64)}  # what mnft placed last time
     remote = {
-        "h1": read_ok("h1", dict(files)),  # identical: nothing to do
+        "h1": read_ok("h1", dict(files), placed=dict(files)),  # identical, and recorded: nothing to do
         "h2": read_ok("h2", None),  # no workdir yet
-        "h3": read_ok("h3", {"a.py": (1, "a" * 64), "b.py": (2, "c" * 64), "old.py": (3, "d" * 64)}),
+        "h3": read_ok("h3", dict(was), placed=dict(was)),  # the last sync's tree, as mnft left it
         "h4": (HostResult("h4", Status.UNREACHABLE, error="connection refused by 10.0.0.4"), None),
     }
     plans = {p.host: p for p in mirror.plan(inventory(FOUR), local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)}
     assert plans["h1"].action == "none" and plans["h1"].argv == ()
     assert plans["h2"].action == "rsync" and plans["h2"].difference.send == ("a.py", "b.py") and plans["h2"].bytes_to_send == 3
     assert plans["h2"].argv[-1] == "10.0.0.2:mnft/"
+    # b.py is replaced (mnft's, unchanged); old.py, which the source dropped, is removed by the record, never by rsync
     assert plans["h3"].difference == mirror.Difference(("b.py",), ("old.py",))
+    assert plans["h3"].placement == mirror.Placement((), (("old.py", 3, "d" * 64),), ())
+    assert "--delete" not in plans["h3"].argv
     # b.py differs with the same size: rsync's size+mtime quick check could skip it, so contents are compared
     assert "--checksum" in plans["h3"].argv and "--checksum" not in plans["h2"].argv
     assert plans["h4"].action == "skip" and "refused" in plans["h4"].reason
+
+
+def test_a_sync_never_removes_or_replaces_what_mnft_did_not_place():
+    """A run's checkpoint in a repository whose .gitignore does not name it, a person's notes, a file mnft placed and
+    a run then changed: none is removed; a source file whose path is taken by such a file is a conflict, named,
+    nothing written on that host; --force replaces it. Identical files are adopted without a conflict."""
+    local = local_tree({"train.py": (5, "t" * 64), "ckpts/model.pt": (7, "n" * 64), "same.txt": (1, "s" * 64)})
+    placed = {"train.py": (5, "t" * 64), "cfg.yaml": (4, "c" * 64), "gone.py": (3, "g" * 64)}
+    there = {"train.py": (5, "t" * 64), "ckpts/model.pt": (9, "r" * 64), "notes.txt": (2, "p" * 64), "same.txt": (1, "s" * 64),
+             "cfg.yaml": (4, "C" * 64), "gone.py": (3, "g" * 64)}
+    where = mirror.placement(local.files, there, placed)
+    assert where.conflicts == ("ckpts/model.pt",)  # the run's file, in the way of a new source file
+    assert where.remove == (("gone.py", 3, "g" * 64),)  # mnft's, dropped by the source, unchanged
+    assert where.kept == ("cfg.yaml",)  # mnft's, dropped by the source, but changed on the host: kept
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1}\n")
+    remote = {"h1": read_ok("h1", there, placed=placed)}
+    (p,) = mirror.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH)
+    assert p.action == "conflict" and p.argv == () and "ckpts/model.pt" in p.reason and "nothing was written" in p.reason
+    (forced,) = mirror.plan(inv, local, remote, kind="code", rules_file=RULES_FILE, ssh=SSH, force=True)
+    assert forced.action == "rsync" and forced.difference.send == ("ckpts/model.pt",) and "--delete" not in forced.argv
+    # no record at all (a workdir an older mnft mirrored): nothing there is mnft's, files equal to the source's are fine
+    assert mirror.placement(local.files, there, None) == mirror.Placement(("ckpts/model.pt",), (), ())
+    # --no-delete: not even mnft's own dropped files are removed
+    (kept,) = mirror.plan(inv, local, {"h1": read_ok("h1", {"train.py": (5, "t" * 64), "gone.py": (3, "g" * 64)}, placed=placed)},
+                          kind="code", rules_file=RULES_FILE, ssh=SSH, delete=False)
+    assert kept.placement.remove == () and kept.action == "rsync"
+
+
+def test_a_snapshot_is_mirrored_exactly_read_only_and_hard_linked_from_the_ones_beside_it():
+    local = local_tree({"a.py": (1, "a" * 64)})
+    inv = inventory("hosts:\n  h1: {address: 10.0.0.1}\n")
+    remote = {"h1": read_ok("h1", None, root="/root/mnft/.mnft/code/0123456789abcdef")}
+    (p,) = mirror.plan(inv, local, remote, kind="snapshot", rules_file=RULES_FILE, ssh=SSH, targets={"h1": "~/mnft/.mnft/code/0123456789abcdef"},
+                       link_dest={"h1": ["/root/mnft/.mnft/code/fedcba9876543210"]})
+    assert p.action == "rsync" and "--delete" in p.argv and "--chmod=Fa-w" in p.argv
+    assert "--link-dest=/root/mnft/.mnft/code/fedcba9876543210" in p.argv
+    assert p.argv[-1] == "10.0.0.1:mnft/.mnft/code/0123456789abcdef/"
+    with pytest.raises(InputError, match="not an absolute path"):
+        mirror.plan(inv, local, remote, kind="snapshot", rules_file=RULES_FILE, ssh=SSH, link_dest={"h1": ["relative/dir"]})
 
 
 def test_plan_refuses_a_target_that_resolves_to_the_home():
@@ -478,7 +522,7 @@ def test_when_one_shared_host_already_holds_the_data_no_other_shared_host_gets_a
     inv = inventory("hosts:\n  h1: {address: 10.0.0.1, shared_fs: true}\n  h2: {address: 10.0.0.2, shared_fs: true}\n  h3: {address: 10.0.0.3}\n")
     files = {"d.bin": (5, "e" * 64)}
     local = local_tree(files)
-    remote = {"h1": read_ok("h1", dict(files), root="/root/mnft-data"), "h2": read_ok("h2", None, root="/root/mnft-data"),
+    remote = {"h1": read_ok("h1", dict(files), root="/root/mnft-data", placed=dict(files)), "h2": read_ok("h2", None, root="/root/mnft-data"),
               "h3": read_ok("h3", None, root="/root/mnft-data")}
     plans = {p.host: p for p in mirror.plan(inv, local, remote, kind="data", rules_file=RULES_FILE, ssh=SSH)}
     assert [plans[n].action for n in ("h1", "h2", "h3")] == ["none", "verify", "rsync"]  # h2 lost the mount: no copy of its own
@@ -558,45 +602,62 @@ def test_report_exit_codes_and_json():
     assert report.exit_code() == ExitCode.UNREACHABLE
 
 
-def test_local_host_sync_end_to_end_and_drift_repair(tmp_path):
+def test_local_host_sync_end_to_end_a_host_edit_is_a_conflict_and_force_repairs_it(tmp_path):
     src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\n", "pkg/a.py": "a", "x.log": "l", "it's $(id).py": "q"}))
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
     first = mirror.sync_code(inv, src, progress=False)
     assert first.ok and first.hosts["me"].status == "changed" and first.hosts["me"].remote_hash == first.local_hash
-    assert sorted(p.name for p in (dst / "w").iterdir()) == [".gitignore", "it's $(id).py", "pkg"]
+    assert sorted(p.name for p in (dst / "w").iterdir()) == [".gitignore", ".mnft-checkout.json", "it's $(id).py", "pkg"]
+    record = json.loads((dst / "w" / treehash.PLACED).read_text())
+    assert record["digest"] == first.local_hash and sorted(record["files"]) == [".gitignore", "it's $(id).py", "pkg/a.py"]
     (dst / "w" / "runs").mkdir()
     (dst / "w" / "runs" / "keep.txt").write_text("outputs survive")
     assert mirror.sync_code(inv, src, progress=False).hosts["me"].status == "ok"
-    (dst / "w" / "pkg" / "a.py").write_text("drift")
-    (dst / "w" / "stray.py").write_text("s")
+    (dst / "w" / "pkg" / "a.py").write_text("drift")  # a person's edit on the host
+    (dst / "w" / "stray.py").write_text("s")  # a person's file
     dry = mirror.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
-    assert (dry.status, dry.would_send, dry.would_delete) == ("would-change", ["pkg/a.py"], ["stray.py"])
-    kept = mirror.sync_code(inv, src, progress=False, dry_run=True, delete=False).hosts["me"]
-    assert (kept.status, kept.would_send, kept.would_delete) == ("would-change", ["pkg/a.py"], [])  # --no-delete deletes nothing
-    fixed = mirror.sync_code(inv, src, progress=False)
+    assert (dry.status, dry.conflicts, dry.would_delete) == ("conflict", ["pkg/a.py"], [])
+    refused = mirror.sync_code(inv, src, progress=False)
+    assert refused.exit_code() == ExitCode.FAILED and "pkg/a.py" in refused.hosts["me"].error
+    assert (dst / "w" / "pkg" / "a.py").read_text() == "drift"  # nothing written
+    fixed = mirror.sync_code(inv, src, progress=False, force=True)
     assert fixed.hosts["me"].status == "changed" and fixed.ok
-    assert (dst / "w" / "pkg" / "a.py").read_text() == "a" and not (dst / "w" / "stray.py").exists()
+    assert (dst / "w" / "pkg" / "a.py").read_text() == "a" and (dst / "w" / "stray.py").read_text() == "s"
     assert (dst / "w" / "runs" / "keep.txt").exists()
 
 
+def test_a_file_the_source_drops_is_removed_only_when_mnft_placed_it_and_nobody_changed_it(tmp_path):
+    src = git_repo(write(tmp_path / "src", {"train.py": "t", "old.py": "o", "cfg.yaml": "c", "pkg/util.py": "u"}))
+    dst = tmp_path / "dst"
+    inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
+    assert mirror.sync_code(inv, src, progress=False).ok
+    (dst / "w" / "cfg.yaml").write_text("changed on the host")
+    for rel in ("old.py", "cfg.yaml", "pkg/util.py"):
+        (src / rel).unlink()
+    subprocess.run(["git", "-C", str(src), "add", "-A"], check=True, capture_output=True)
+    dry = mirror.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
+    assert (dry.would_delete, dry.kept) == (["old.py", "pkg/util.py"], ["cfg.yaml"])
+    done = mirror.sync_code(inv, src, progress=False)
+    assert done.ok and done.hosts["me"].files_deleted == 2 and done.hosts["me"].kept == ["cfg.yaml"]
+    assert sorted(p.name for p in (dst / "w").iterdir()) == [".mnft-checkout.json", "cfg.yaml", "train.py"]  # pkg/ went with its file
+
+
 def test_ignored_files_that_exist_only_on_the_host_survive_and_are_no_drift(tmp_path):
-    """A host's checkpoints and logs match .gitignore: not deleted, not in its hash, not reported by check."""
+    """A host's checkpoints and logs match .gitignore: not deleted, not in its hash, not reported by check; files the
+    .gitignore does not name survive too (mnft did not place them)."""
     src = git_repo(write(tmp_path / "src", {".gitignore": "*.log\ncheckpoints/\n", "train.py": "t", "pkg/.gitignore": "cache.db\n", "pkg/m.py": "m"}))
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
     assert mirror.sync_code(inv, src, progress=False).ok
-    made = write(dst / "w", {"checkpoints/step100.pt": "weights", "train.log": "loss 1.0", "sub/deep/eval.log": "e", "pkg/cache.db": "c"})
+    made = write(dst / "w", {"checkpoints/step100.pt": "weights", "train.log": "loss 1.0", "sub/deep/eval.log": "e", "pkg/cache.db": "c",
+                             "ckpts/step_10/model.pt": "not in .gitignore"})
     dry = mirror.sync_code(inv, src, progress=False, dry_run=True).hosts["me"]
     assert (dry.status, dry.would_send, dry.would_delete) == ("ok", [], [])
     again = mirror.sync_code(inv, src, progress=False)
     assert again.hosts["me"].status == "ok" and again.ok
-    for rel in ("checkpoints/step100.pt", "train.log", "sub/deep/eval.log", "pkg/cache.db"):
+    for rel in ("checkpoints/step100.pt", "train.log", "sub/deep/eval.log", "pkg/cache.db", "ckpts/step_10/model.pt"):
         assert (made / rel).exists(), rel
-    (dst / "w" / "stray.py").write_text("s")  # not ignored: still mirrored away
-    fixed = mirror.sync_code(inv, src, progress=False)
-    assert fixed.hosts["me"].files_deleted == 1 and not (dst / "w" / "stray.py").exists()
-    assert (made / "checkpoints/step100.pt").exists() and (made / "train.log").exists()
 
 
 # ------------------------------------------------------------------------------------------------ one source for sync, check and train
@@ -641,7 +702,7 @@ def test_configured_excludes_apply_to_sync_check_and_train_alike(tmp_path, priva
     dst = tmp_path / "dst"
     inv = inventory(f"hosts:\n  me: {{connection: local, workdir: '{dst}/w', data_dir: '{dst}/d'}}\n")
     report = mirror.sync_code(inv, src, progress=False)  # what train calls, with no excludes of its own
-    assert report.ok and sorted(p.name for p in (dst / "w").iterdir()) == ["a.py"]
+    assert report.ok and sorted(p.name for p in (dst / "w").iterdir()) == [treehash.PLACED, "a.py"]
     from mnft.hosts.fleet import Fleet
 
     with Fleet(inv) as fleet:

@@ -447,13 +447,13 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
         "data": "copy this data directory to every host's data_dir instead of the code (hosts found sharing it, and hosts declared shared_fs: one copy, verified by the others)",
         "exclude": "one more rsync exclude pattern (repeat); also invoke.yaml's sync.exclude list",
         "dry_run": "list what would change per host; copy nothing",
-        "no_delete": "keep files that exist only on the hosts",
+        "no_delete": "keep even the files mnft placed earlier that the source no longer has (files mnft did not place are never deleted)",
         "json": "machine-readable output (per host: status, files, bytes, hash)",
         "workers": "rsyncs at once",
         "timeout": "with --data: seconds each host's rsync may take in all (default 3600)",
         "image": "bring this container image (a reference, or a .sif path) to every host that lacks it, from this machine or the "
                  "first host that has it, verified by its id; no registry",
-        "force": "with --image: hosts holding another image under that name receive the reference too (else: refused, named)",
+        "force": "replace host files in the way that mnft did not place (code, data); with --image: hosts holding another image under that name receive the reference too (else: refused, named)",
         "no_relay": "with --image: send from this machine to every host, even with the SSH mesh",
     },
 )
@@ -466,7 +466,9 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     mnft operation (its lease: nothing touched), 2 bad input or a
     refused target, found before the sync or by a host's probe (nothing touched there; --image: a host holding
     another image, without --force), 4 a host unreachable or its key rejected. --dry-run lists per host what would
-    be sent and deleted (--no-delete: nothing deleted).
+    be sent, removed and in the way. Nothing mnft did not place is ever removed or replaced: a host file in the way of a
+    source file is a conflict (exit 1, nothing written on that host; --force replaces it); --no-delete keeps even
+    mnft's own files the source dropped.
     """
     if image is not None:
         return _sync_image(hosts, image, dry_run=dry_run, force=force, relay=not no_relay, json=json, src=src, data=data)
@@ -474,7 +476,7 @@ def sync(c, hosts=None, src=None, data=None, exclude=None, dry_run=False, no_del
     from mnft.sync.report import print_sync
 
     options = dict(progress=not json, delete=not no_delete, dry_run=dry_run, extra_excludes=list(exclude or []), workers=int(workers),
-                   config=c.config)  # sync.exclude from the config is added by mnft.sync.mirror, as for check and train
+                   config=c.config, force=bool(force))  # sync.exclude from the config is added by mnft.sync.mirror, as for check and train
     inv = _inventory(hosts)
     if data:
         report = sync_data(inv, Path(data), timeout=float(timeout), **options)

@@ -11,8 +11,14 @@ Three layers, as everywhere in mnft:
 * apply: rsync on every host at once (bounded pool), progress per host, then each host hashes its copy again
   and any difference fails that host, naming the files.
 
-The exclude rules go to rsync and to every host's hash alike, so files that exist only on a host and match
-them (checkpoints, logs) are neither deleted by --delete nor counted as drift. Printing is mnft.sync.report's.
+The exclude rules go to rsync and to every host's hash alike. Nothing that exists only on a host is ever deleted or
+overwritten: each directory mnft writes keeps a record of what it placed there (treehash.PLACED); a sync removes only
+a recorded file the source no longer has and that is still as mnft left it, and a host file in the way of a source
+file that the record does not name (a run's output, a person's file) is a conflict, named, nothing written on that
+host, unless forced (`placement`, pure). A run's code goes into a snapshot of its own tree hash
+(`<workdir>/.mnft/code/<hash>`, read-only, unchanged files hard-linked from the snapshots beside it) and from there,
+as hard links, into its job's working directory (`<workdir>/jobs/<job>`): see place_code. Printing is
+mnft.sync.report's.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -47,6 +53,7 @@ from mnft.sync.rsync import (
 from mnft.sync.source import LocalTree, code_source, read_local
 from mnft.sync.targets import normalize_target, preflight, remote_refusal, source_problem
 
+KEEP_SNAPSHOTS = 8  # a host's code snapshots kept beside the one a sync places (treehash.prune)
 HASH_TIMEOUT = 1800.0  # a first hash of a large data set reads every byte
 SHOWN_DIFFERENCES = 20
 
@@ -56,6 +63,7 @@ class SyncStatus:
     CHANGED = "changed"  # synced and verified identical
     WOULD_CHANGE = "would-change"  # --dry-run: differs, nothing sent
     REFUSED = "refused"  # the target is dangerous on that host (resolves to /, the home, ...): bad input, nothing touched
+    CONFLICT = "conflict"  # a host file mnft did not place is in the way of a source file: nothing written there
     FAILED = "failed"
     UNREACHABLE = Status.UNREACHABLE.value
     HOST_KEY_REJECTED = Status.HOST_KEY_REJECTED.value
@@ -77,12 +85,18 @@ class RemoteTree:
     refused: str | None = None  # the probe's refusal, judged before it walked anything
     rsync: str | None = ""  # the host's rsync version; None: not installed; "": not reported
     mark: Sighting | None = None  # asked to mark and look (read_remote with mark and names): what it saw
+    placed: dict[str, tuple[int, str]] | None = None  # the record of what mnft placed there (None: none)
+    siblings: tuple[str, ...] = ()  # the code snapshots beside it, newest first
+    kept: dict[str, str] = field(default_factory=dict)  # recorded files the sync was to remove but found changed
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
         files = {rel: (int(v[0]), str(v[1])) for rel, v in (data.get("files") or {}).items()}
+        record = data.get("placed")
+        placed = {str(rel): (int(v[0]), str(v[1])) for rel, v in (record.get("files") or {}).items()} if isinstance(record, dict) else None
         return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
-                   dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""), Sighting.from_json(data))
+                   dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""), Sighting.from_json(data),
+                   placed, tuple(str(s[0]) for s in data.get("siblings") or ()), dict(data.get("kept") or {}))
 
 
 @dataclass(frozen=True)
@@ -115,14 +129,24 @@ class Difference:
 
 
 @dataclass(frozen=True)
+class Placement:
+    """What a sync may do in a directory that holds files of others beside mnft's (placement)."""
+
+    conflicts: tuple[str, ...] = ()  # host files in the way of a source file that mnft did not place (or that changed since)
+    remove: tuple[tuple[str, int, str], ...] = ()  # mnft's files the source no longer has, as mnft left them: (path, size, sha256)
+    kept: tuple[str, ...] = ()  # mnft's files the source no longer has, changed on the host since: kept
+
+
+@dataclass(frozen=True)
 class HostPlan:
     host: str
-    action: str  # "none" | "rsync" | "verify" | "refuse" | "fail" (cannot sync: no rsync) | "skip" (unreachable)
+    action: str  # "none" | "rsync" | "record" (only the record and removals) | "verify" | "refuse" | "conflict" | "fail" (cannot sync: no rsync) | "skip" (unreachable)
     target: str
     argv: tuple[str, ...] = ()
     difference: Difference | None = None
     bytes_to_send: int = 0
     reason: str = ""
+    placement: Placement = Placement()
 
 
 @dataclass
@@ -137,6 +161,8 @@ class HostSync:
     differing: list[str] = field(default_factory=list)
     would_send: list[str] = field(default_factory=list)
     would_delete: list[str] = field(default_factory=list)
+    conflicts: list[str] = field(default_factory=list)  # host files in the way that mnft did not place: never overwritten
+    kept: list[str] = field(default_factory=list)  # mnft's files the source dropped, changed on the host: kept
     error: str = ""
     seconds: float = 0.0
 
@@ -167,7 +193,7 @@ class SyncReport:
             return ExitCode.UNREACHABLE
         if SyncStatus.REFUSED in statuses:  # a bad target is bad input, wherever it was found
             return ExitCode.BAD_INPUT
-        if SyncStatus.FAILED in statuses:
+        if statuses & {SyncStatus.FAILED, SyncStatus.CONFLICT}:
             return ExitCode.FAILED
         return ExitCode.OK
 
@@ -196,13 +222,15 @@ class SyncReport:
 
 
 def hash_args(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None,
-              mark: str | None = None, names: Sequence[str] = ()) -> list[str]:
+              mark: str | None = None, names: Sequence[str] = (), placed: bool = False, siblings: bool = False,
+              prune: int | None = None) -> list[str]:
     """The tree hash script's arguments for target; other is the host's other mnft directory, which must not
     overlap; expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this
     operation's mark (nonce.host) beside the target and, with names, then look for theirs (sharing_of)."""
     return [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
         + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--names", ",".join(names)] if mark and names else []) \
-        + (["--if-exists"] if if_exists else [])
+        + (["--if-exists"] if if_exists else []) + (["--placed"] if placed else []) + (["--siblings"] if siblings else []) \
+        + (["--prune", str(prune)] if prune is not None else [])
 
 
 def hash_command(host: Host, target: str, **options: Any) -> Command:
@@ -210,12 +238,13 @@ def hash_command(host: Host, target: str, **options: Any) -> Command:
     return pyrun.command(host, *hash_args(host, target, **options), site=False)
 
 
-def rules_line(rules: Sequence[str]) -> str:
-    return json.dumps(list(rules)) + "\n"
+def rules_line(rules: Sequence[str], placed: Mapping[str, Any] | None = None) -> str:
+    """The tree hash's stdin after its source: the rules, and with placed (--placed) what to hash, remove and record."""
+    return json.dumps(list(rules)) + "\n" + (json.dumps(dict(placed)) + "\n" if placed is not None else "")
 
 
-def hash_stdin(rules: Sequence[str]) -> bytes:
-    return pyrun.payload(treehash.source()) + rules_line(rules).encode()
+def hash_stdin(rules: Sequence[str], placed: Mapping[str, Any] | None = None) -> bytes:
+    return pyrun.payload(treehash.source()) + rules_line(rules, placed).encode()
 
 
 def parse_hash(result: HostResult) -> RemoteTree | None:
@@ -231,23 +260,28 @@ def parse_hash(result: HostResult) -> RemoteTree | None:
 
 
 def other_dir(host: Host, target: str) -> str:
-    """The host's other mnft directory: the data_dir for its workdir, the workdir for its data_dir."""
-    return host.data_dir if target == host.workdir else host.workdir
+    """The host's other mnft directory: the data_dir for its workdir (and whatever lies below it), the workdir for
+    its data_dir."""
+    return host.workdir if target == host.data_dir else host.data_dir
 
 
 def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
-                timeout: float = HASH_TIMEOUT, expect: str | None = None, mark: str | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+                timeout: float = HASH_TIMEOUT, expect: str | None = None, mark: str | None = None,
+                placed: Mapping[str, Mapping[str, Any]] | None = None, siblings: bool = False,
+                prune: int | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
     """Each host's copy of its target, hashed; with mark, each host also leaves its mark and looks for the
-    others' (RemoteTree.mark): who shares the target is known from this one round-trip (sharing_of)."""
-    stdin = hash_stdin(rules)
+    others' (RemoteTree.mark): who shares the target is known from this one round-trip (sharing_of). placed: host ->
+    what to hash, remove and record there (treehash.report's `placed`); siblings: the snapshots beside the target."""
     names = [h.name for h in hosts] if mark and len(hosts) > 1 else ()
 
     def one(host: Host) -> HostResult:
         target = targets[host.name]
-        args = hash_args(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names)
+        mine = (placed or {}).get(host.name)
+        args = hash_args(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names,
+                         placed=mine is not None, siblings=siblings, prune=prune)
         # a host this controller holds the lease of hashes in its lease holder's process (no new session)
-        held = leases.run_held(host, treehash.source(), args, rules_line(rules), timeout)
-        return held if held is not None else fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=stdin, timeout=timeout)
+        held = leases.run_held(host, treehash.source(), args, rules_line(rules, mine), timeout)
+        return held if held is not None else fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=hash_stdin(rules, mine), timeout=timeout)
 
     results = fleet.map(one, hosts)
     return {r.host: (r, parse_hash(r)) for r in results}
@@ -343,6 +377,31 @@ def difference(local: Mapping[str, tuple[int, str]], remote: Mapping[str, tuple[
     return Difference(send, delete)
 
 
+def placement(local: Mapping[str, tuple[int, str]], remote: Mapping[str, tuple[int, str]],
+              placed: Mapping[str, tuple[int, str]] | None) -> Placement:
+    """Pure: what a sync may do in a directory where others write too. local: the source's files; remote: the
+    host's (those of the source's paths and of the record's); placed: the record of what mnft placed there (None:
+    none, so nothing there is mnft's). A host file that differs from the source file of its path is mnft's to replace
+    only when the record names it as it is now; otherwise it is a conflict (a run's output, a person's file, or
+    mnft's file changed since). A recorded file the source no longer has is removed when unchanged, else kept."""
+    placed = placed or {}
+    conflicts = tuple(sorted(p for p, v in local.items() if p in remote and tuple(remote[p]) != tuple(v)
+                             and tuple(placed.get(p) or ()) != tuple(remote[p])))
+    gone = sorted(p for p in placed if p not in local and p in remote)
+    remove = tuple((p, int(placed[p][0]), str(placed[p][1])) for p in gone if tuple(remote[p]) == tuple(placed[p]))
+    kept = tuple(p for p in gone if tuple(remote[p]) != tuple(placed[p]))
+    return Placement(conflicts, remove, kept)
+
+
+def conflict_line(host: str, target: str, conflicts: Sequence[str], fix: str) -> str:
+    shown = ", ".join(conflicts[:5]) + (f" (and {len(conflicts) - 5} more)" if len(conflicts) > 5 else "")
+    return (f"{host}: {len(conflicts)} file(s) in {target} that mnft did not place are in the way of the source's: {shown}; "
+            f"nothing was written there ({fix})")
+
+
+CONFLICT_FIX = "move them away, or pass --force to replace them"
+
+
 def plan(
     inventory: Inventory,
     local: LocalTree,
@@ -353,9 +412,19 @@ def plan(
     ssh: SshSettings,
     delete: bool = True,
     shared: Mapping[str, tuple[str, ...]] | None = None,
+    targets: Mapping[str, str] | None = None,
+    force: bool = False,
+    link_dest: Mapping[str, Sequence[str]] | None = None,
+    conflict_fix: str = CONFLICT_FIX,
 ) -> list[HostPlan]:
     """Per host, what to do. Pure: the local tree, the hosts' trees (or why they could not be read) and which hosts
     see the same directory (sharing_of) in; actions out.
+
+    kind: "code" (the workdir), "data" (the data_dir), "job" (a job's working directory) keep a record of what mnft
+    placed (placement: nothing of others is removed or replaced; `delete` False: not even mnft's own files the source
+    dropped; `force`: conflicts are replaced); "snapshot" (a code snapshot: mnft's alone) is mirrored exactly and
+    read-only. targets: host -> its directory (default: the workdir or data_dir by kind). link_dest: host -> directories
+    on the host whose identical files rsync hard-links instead of copying.
 
     Hosts that see one directory get one copy: a host of the group that already holds it, else the first readable
     one with rsync writes it; the others only verify they see it. For data, the hosts the inventory declares
@@ -365,6 +434,7 @@ def plan(
     plans = []
     writers: dict[str, str | None] = {}
     groups = dict(shared or {})
+    placing = kind != "snapshot"
     if kind == "data":
         groups = declared_group([h.name for h in inventory.hosts], groups, [h.name for h in inventory.hosts if h.shared_fs])
     for members in set(groups.values()):
@@ -374,7 +444,7 @@ def plan(
         writer = holder or next((name for name, t in readable if t.rsync is not None), None)
         writers.update({name: writer for name in members})
     for host in inventory.hosts:
-        target = host.workdir if kind == "code" else host.data_dir
+        target = (targets or {}).get(host.name) or (host.data_dir if kind == "data" else host.workdir)
         result, tree = remote.get(host.name, (None, None))
         if tree is None:
             plans.append(HostPlan(host.name, "skip", target, reason=(result.error if result is not None else "not read")))
@@ -384,23 +454,38 @@ def plan(
             plans.append(HostPlan(host.name, "refuse", target, reason=f"refused on {host.name}: {refusal}"))
             continue
         missing_rsync = f"rsync is not installed on {host.name} (install it, e.g. `apt-get install rsync`)" if tree.rsync is None else ""
-        if tree.exists and tree.digest == local.digest and not tree.errors:  # (the probe may omit its file list then)
-            plans.append(HostPlan(host.name, "none", target, difference=Difference((), ()), reason="identical"))
+        there = tree.files if tree.exists else {}
+        where = placement(local.files, there, tree.placed) if placing and tree.exists else Placement()
+        if placing and not delete:
+            where = replace(where, remove=())
+        recorded = not placing or (tree.placed is not None and dict(tree.placed) == dict(local.files)) or not tree.exists
+        if tree.exists and tree.digest == local.digest and not tree.errors and not where.remove and recorded:
+            plans.append(HostPlan(host.name, "none", target, difference=Difference((), ()), reason="identical", placement=where))
             continue
-        diff = difference(local.files, tree.files if tree.exists else {})
+        diff = difference(local.files, there) if placing else difference(local.files, there)
+        if placing:  # files only on the host are never deleted: only the record's, when unchanged
+            diff = Difference(diff.send, tuple(p for p, _, _ in where.remove))
         sending = sum(local.files[p][0] for p in diff.send)
         if writers.get(host.name) not in (None, host.name):
             plans.append(HostPlan(host.name, "verify", target, difference=diff, bytes_to_send=0,
-                                  reason=f"shared filesystem: the copy of {writers[host.name]}"))
+                                  reason=f"shared filesystem: the copy of {writers[host.name]}", placement=where))
+            continue
+        if where.conflicts and not force:
+            plans.append(HostPlan(host.name, "conflict", target, difference=diff, reason=conflict_line(host.name, target, where.conflicts, conflict_fix),
+                                  placement=where))
+            continue
+        if not diff.send and placing:  # every source file is there as it is: only the record (and removals) to write
+            plans.append(HostPlan(host.name, "record", target, difference=diff, placement=where))
             continue
         # rsync skips a file whose size and mtime match ("quick check"). When the hash found a file that differs
         # with the same size, a touched-back mtime could fool that check: compare contents instead.
-        same_size = any(p in tree.files and tree.files[p][0] == local.files[p][0] for p in diff.send)
+        same_size = any(p in there and there[p][0] == local.files[p][0] for p in diff.send)
         if missing_rsync:
-            plans.append(HostPlan(host.name, "fail", target, difference=diff, bytes_to_send=sending, reason=missing_rsync))
+            plans.append(HostPlan(host.name, "fail", target, difference=diff, bytes_to_send=sending, reason=missing_rsync, placement=where))
             continue
-        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=delete, checksum=same_size, mkpath=supports_mkpath(tree.rsync))
-        plans.append(HostPlan(host.name, "rsync", target, argv, diff, sending))
+        argv = rsync_argv(host, local.root, target, rules_file, ssh, delete=not placing, checksum=same_size, mkpath=supports_mkpath(tree.rsync),
+                          link_dest=tuple((link_dest or {}).get(host.name) or ()), read_only=kind == "snapshot")
+        plans.append(HostPlan(host.name, "rsync", target, argv, diff, sending, placement=where))
     return plans
 
 
@@ -481,6 +566,17 @@ def apply(plans: Sequence[HostPlan], rules: Sequence[str], rules_file: str, *, p
 # ------------------------------------------------------------------------------------------------ the whole sync
 
 
+def placed_request(local: LocalTree, plan_: HostPlan | None = None) -> dict[str, Any]:
+    """What the tree hash is asked in a directory with a record (treehash.report's `placed`): before the sync, only
+    the source's paths (and the record's, which the host adds); after it, also the removals and the new record,
+    written when the source's paths hash as the source does."""
+    request: dict[str, Any] = {"paths": sorted(local.files)}
+    if plan_ is not None and plan_.action in ("rsync", "record"):
+        request.update(remove=[list(r) for r in plan_.placement.remove],
+                       write={"digest": local.digest, "files": {p: list(v) for p, v in local.files.items()}}, when=local.digest)
+    return request
+
+
 def sync_tree(
     inventory: Inventory,
     src: Path | None,
@@ -494,42 +590,61 @@ def sync_tree(
     workers: int = 16,
     timeout: float = 3600.0,
     config: Mapping[str, Any] | None = None,
+    force: bool = False,
+    local: LocalTree | None = None,
+    targets: Mapping[str, str] | None = None,
+    link_dest: Callable[[Host, RemoteTree], Sequence[str]] | None = None,
+    lease: bool = True,
+    conflict_fix: str = CONFLICT_FIX,
 ) -> SyncReport:
-    """read -> plan -> apply -> verify for the code (workdir) or a data set (data_dir).
+    """read -> plan -> apply -> verify for the code (workdir), a data set (data_dir), a code snapshot or a job's
+    working directory (place_code).
 
     src None: the default source (see default_source); the exclude patterns are the configured ones
-    (configured_excludes, from `config` or Invoke's files) plus extra_excludes.
+    (configured_excludes, from `config` or Invoke's files) plus extra_excludes. local: the tree already read (and
+    fixed: place_code's local snapshot); targets: host -> its directory; link_dest: host, its tree as read -> the
+    directories there to hard-link identical files from; lease: take the directory's lease (a train holds its own).
     """
     started = time.monotonic()
-    if kind == "data" and src is None:
+    if kind == "data" and src is None and local is None:
         raise InputError("sync --data needs the data directory")
-    source = code_source(src, extra_excludes, config=config)
-    src = source.root
-    preflight(inventory, src, kind)
-    local = read_local(src, source.excludes, kind=kind)
+    if local is None:
+        source = code_source(src, extra_excludes, config=config)
+        src = source.root
+        preflight(inventory, src, "data" if kind == "data" else "code")
+        local = read_local(src, source.excludes, kind=kind)
     own_fleet = fleet is None
     fleet = fleet or Fleet(inventory, Timeouts(connect=SSH_CONNECT_TIMEOUT, command=HASH_TIMEOUT))
-    targets = {h.name: (h.workdir if kind == "code" else h.data_dir) for h in inventory.hosts}
+    targets = dict(targets) if targets else {h.name: (h.data_dir if kind == "data" else h.workdir) for h in inventory.hosts}
+    placing = kind != "snapshot"
     try:
         # the directory's lease on each host first (dry run: none): one sync or run per directory; a busy one refuses,
         # nothing touched; another user's run on the same hosts does not
-        with leases.hold(fleet, inventory.hosts, "sync", skip=dry_run, scope=leases.sync_scope(kind)), tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
+        with leases.hold(fleet, inventory.hosts, "sync", skip=dry_run or not lease, scope=leases.sync_scope(kind)), \
+                tempfile.TemporaryDirectory(prefix="mnft-sync-") as tmp:
             rules_file = str(Path(tmp) / "excludes")
             nonce = None if dry_run else secrets.token_hex(8)  # a dry run leaves no mark: it changes nothing
-            before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce)
+            asked = {h.name: placed_request(local) for h in inventory.hosts} if placing else None
+            before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce, placed=asked,
+                                 siblings=kind == "snapshot", prune=KEEP_SNAPSHOTS if kind == "snapshot" and not dry_run else None)
             # who shares with whom (each host marked and looked in that round-trip) decides who writes and who
             # verifies; not needed when every host already holds the tree
             sightings = {name: tree.mark for name, (_, tree) in before.items() if tree is not None and tree.mark is not None}
             shared = sharing_of(fleet, inventory.hosts, targets, nonce, sightings)[0] if nonce and not all_current(before, local.digest) else {}
+            links = {h.name: tuple(link_dest(h, before[h.name][1])) for h in inventory.hosts
+                     if link_dest is not None and before.get(h.name, (None, None))[1] is not None}
             plans = plan(inventory, local, before, kind=kind, rules_file=rules_file, ssh=SshSettings.for_inventory(inventory), delete=delete,
-                         shared=shared)
+                         shared=shared, targets=targets, force=force, link_dest=links, conflict_fix=conflict_fix)
             if dry_run:
                 hosts = {p.host: _dry_result(p, before, local, delete) for p in plans}
             else:
                 outcomes = apply(plans, local.rules, rules_file, progress=progress, workers=workers, timeout=timeout)
-                again = [h for h in inventory.hosts if any(p.host == h.name and p.action in ("rsync", "verify") for p in plans)]
-                after = read_remote(fleet, again, targets, local.rules) if again else {}
-                hosts = {p.host: _result(p, before, outcomes.get(p.host), after.get(p.host), local, delete) for p in plans}
+                again = [h for h in inventory.hosts if any(p.host == h.name and p.action in ("rsync", "verify", "record") for p in plans)]
+                finish = {p.host: placed_request(local, p) for p in plans if p.action in ("rsync", "verify", "record")
+                          and (p.action != "rsync" or outcomes.get(p.host, (None,))[0] is None or outcomes[p.host][0].exit_code == 0)} \
+                    if placing else None
+                after = read_remote(fleet, again, targets, local.rules, placed=finish) if again else {}
+                hosts = {p.host: _result(p, before, outcomes.get(p.host), after.get(p.host), local, not placing) for p in plans}
     finally:
         if own_fleet:
             fleet.close()
@@ -559,6 +674,9 @@ def _settled(p: HostPlan, before) -> HostSync | None:
         return HostSync(p.host, SyncStatus.REFUSED, p.target, error=p.reason)
     if p.action == "fail":
         return HostSync(p.host, SyncStatus.FAILED, p.target, remote_hash=before[p.host][1].digest, error=p.reason)
+    if p.action == "conflict":
+        return HostSync(p.host, SyncStatus.CONFLICT, p.target, remote_hash=before[p.host][1].digest, error=p.reason,
+                        conflicts=list(p.placement.conflicts), kept=list(p.placement.kept))
     return None
 
 
@@ -572,9 +690,10 @@ def _dry_result(p: HostPlan, before, local: LocalTree, delete: bool = True) -> H
     if p.action == "verify":  # nothing is ever sent to it: it is checked after the shared copy is written
         status = SyncStatus.OK if diff.empty else SyncStatus.WOULD_CHANGE
         return HostSync(p.host, status, p.target, remote_hash=tree.digest, error="" if diff.empty else p.reason + ": verified after the sync")
-    status = SyncStatus.OK if p.action == "none" or diff.empty else SyncStatus.WOULD_CHANGE
+    status = SyncStatus.OK if p.action == "none" or (diff.empty and p.action != "record") else SyncStatus.WOULD_CHANGE
     return HostSync(p.host, status, p.target, remote_hash=tree.digest, would_send=list(diff.send), would_delete=list(diff.delete),
-                    bytes_sent=p.bytes_to_send, error=p.reason if p.action == "verify" else "")
+                    bytes_sent=p.bytes_to_send, error=p.reason if p.action == "verify" else "", conflicts=list(p.placement.conflicts),
+                    kept=list(p.placement.kept))
 
 
 def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, after, local: LocalTree, delete: bool) -> HostSync:
@@ -598,6 +717,9 @@ def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, aft
         return sync
     tree = after[1]
     sync.remote_hash = tree.digest if tree.exists else None
+    sync.conflicts = list(p.placement.conflicts)  # (forced: replaced)
+    sync.kept = sorted(set(p.placement.kept) | set(tree.kept))
+    sync.files_deleted = max(sync.files_deleted, len(p.placement.remove) - len(tree.kept))
     if p.action == "verify":
         sync.status = SyncStatus.OK
     diff = difference(local.files, tree.files if tree.exists else {})
@@ -613,25 +735,26 @@ def _result(p: HostPlan, before, outcome: tuple[RsyncOutcome, float] | None, aft
 
 
 def sync_code(inventory: Inventory, src: Path | None = None, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
-              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, config: Mapping[str, Any] | None = None) -> SyncReport:
+              dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, config: Mapping[str, Any] | None = None,
+              force: bool = False) -> SyncReport:
     """Copy the project tree at src (None: the repository, see default_source) into every host's workdir and
-    prove each copy is identical (tree hash). Configured excludes (Invoke's sync.exclude) always apply.
-
-    The launcher calls this before training; `report.ok` says whether every host holds `report.local_hash`.
-    """
+    prove each copy is identical (tree hash). Configured excludes (Invoke's sync.exclude) always apply. Files of
+    others in the workdir are never removed or replaced (placement); force: conflicts are replaced; delete False:
+    mnft's own files the source dropped stay too. (`train` places a run's code itself: mnft.sync.snapshot.)"""
     return sync_tree(inventory, src, kind="code", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
-                     extra_excludes=extra_excludes, workers=workers, config=config)
+                     extra_excludes=extra_excludes, workers=workers, config=config, force=force)
 
 
 def sync_data(inventory: Inventory, path: Path, *, fleet: Fleet | None = None, progress: bool = True, delete: bool = True,
               dry_run: bool = False, extra_excludes: Iterable[str] = (), workers: int = 16, timeout: float = 3600.0,
-              config: Mapping[str, Any] | None = None) -> SyncReport:
-    """Copy a data directory into every host's data_dir; shared_fs hosts get one copy and verify they see it.
+              config: Mapping[str, Any] | None = None, force: bool = False) -> SyncReport:
+    """Copy a data directory into every host's data_dir; shared_fs hosts get one copy and verify they see it. As
+    for the code, files of others there are never removed or replaced (force: conflicts are).
 
     timeout: seconds each host's rsync may take in all (a large data set may need more than the default hour).
     """
     return sync_tree(inventory, path, kind="data", fleet=fleet, progress=progress, delete=delete, dry_run=dry_run,
-                     extra_excludes=extra_excludes, workers=workers, timeout=timeout, config=config)
+                     extra_excludes=extra_excludes, workers=workers, timeout=timeout, config=config, force=force)
 
 
 # ------------------------------------------------------------------------------------------------ check

@@ -118,8 +118,15 @@ def supports_mkpath(version: str | None) -> bool:
     return not parts or tuple(int(p) for p in parts[:3]) >= MKPATH_SINCE
 
 
+LINK_DESTS = 20  # rsync takes at most 20 --link-dest directories
+
+
 def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSettings, *, delete: bool = True,
-               checksum: bool = False, io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync", mkpath: bool = True) -> tuple[str, ...]:
+               checksum: bool = False, io_timeout: int = RSYNC_IO_TIMEOUT, rsync: str = "rsync", mkpath: bool = True,
+               link_dest: Sequence[str] = (), read_only: bool = False) -> tuple[str, ...]:
+    """rsync's argv for one host. link_dest: directories on the receiving host (absolute, or ~/…) whose identical
+    files are hard-linked instead of copied (a code snapshot beside the last ones costs the changed files only);
+    read_only: the files land without write permission (a snapshot that runs' directories link to)."""
     argv = [
         rsync,
         "-a",  # recursive; keep links, permissions, times
@@ -135,10 +142,22 @@ def rsync_argv(host: Host, src: Path, target: str, rules_file: str, ssh: SshSett
         argv.append("--delete")
     if checksum:
         argv.append("--checksum")
+    if read_only:
+        argv.append("--chmod=Fa-w")
+    argv += [f"--link-dest={link_path(host, d)}" for d in list(link_dest)[:LINK_DESTS]]
     if not host.is_local:
         argv += ["-e", ssh_command(host, ssh)]
     argv += [str(src).rstrip("/") + "/", remote_spec(host, target)]
     return tuple(argv)
+
+
+def link_path(host: Host, directory: str) -> str:
+    """A --link-dest directory as the receiving rsync reads it: absolute (a relative one is taken from the target;
+    the controller passes the real paths the host's tree hash reported)."""
+    path = os.path.expanduser(directory) if host.is_local else directory
+    if not path.startswith("/"):
+        raise InputError(f"{host.name}: --link-dest {directory!r} is not an absolute path")
+    return path
 
 
 def rules_file_bytes(rules: Sequence[str]) -> bytes:

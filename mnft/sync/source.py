@@ -22,7 +22,7 @@ from mnft.sync.gitignore import git, git_view
 # directory mnft marks, such as a checkpoints directory within the tree), at any depth: neither hashed, sent nor
 # deleted
 SHARE_MARKS = f"{treehash.SHARE_DIR}/"
-ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info",
+ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "/.mnft/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info",
                    SHARE_MARKS)
 DATA_EXCLUDES: tuple[str, ...] = (SHARE_MARKS,)
 

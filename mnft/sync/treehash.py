@@ -3,7 +3,14 @@
 
 The controller imports this module to hash its own tree and ships this file's source (see `source()`) to each
 host's Python (mnft.hosts.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
-as `python3 mnft/sync/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists]` with the exclude rules as one JSON line on stdin.
+as `python3 mnft/sync/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] [--placed]
+[--siblings]` with the exclude rules as one JSON line on stdin (and, with --placed, a second line: the paths to
+hash, the files to remove and the record to write: see `placed`).
+
+It also keeps a directory's record of what mnft placed there (PLACED, `.mnft-checkout.json` at the tree's top:
+{"digest", "files": {relpath: [size, sha256]}}): a sync removes only a file of that record that the source no
+longer has and that is still as mnft left it, and a file in the way that the record does not name (a run's output,
+a person's file) is never replaced (mnft.sync.mirror plans that, from what this script reports).
 
 Exclude rules are a subset of rsync's filter patterns, so the rules given to rsync and the ones the hash applies
 are the same strings with the same meaning:
@@ -54,6 +61,8 @@ MARK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0
 CACHE_VERSION = 1
 CACHE_BYTES = 1 << 30  # the hash cache read at most (~200 bytes a file: millions of files); past it, hashed again
 WILDCARDS = "*?["
+PLACED = ".mnft-checkout.json"  # at a tree's top: what mnft placed there (never hashed, never sent)
+SNAPSHOT = re.compile(r"^[0-9a-f]{16}$")  # a code snapshot's directory name: its tree hash, cut
 
 
 def source() -> str:
@@ -260,7 +269,7 @@ def walk(root: str, rules: Rules):
         for name in names:
             rel = rel_folder + name
             full = os.path.join(folder, name)
-            if rules.excluded(rel, False):
+            if rel == PLACED or rules.excluded(rel, False):
                 continue
             try:
                 st = os.lstat(full)
@@ -273,8 +282,9 @@ def walk(root: str, rules: Rules):
     return found, errors
 
 
-def tree_hash(root, excludes=(), cache=None):
-    """(digest, {relpath: (size, sha256)}, {relpath: error}) of the tree at root, with the exclude rules applied.
+def tree_hash(root, excludes=(), cache=None, only=None):
+    """(digest, {relpath: (size, sha256)}, {relpath: error}) of the tree at root, with the exclude rules applied;
+    only (a collection of relpaths): those alone are hashed (the rest is not read).
 
     A symlink counts as its target text (size = its length), never followed. `cache` is a JSON file outside the
     tree that remembers each file's sha256 by (size, mtime_ns, ctime_ns, inode).
@@ -284,6 +294,9 @@ def tree_hash(root, excludes=(), cache=None):
     root = os.fspath(root)
     rules = excludes if isinstance(excludes, Rules) else Rules(excludes)
     entries, errors = walk(root, rules)
+    if only is not None:
+        wanted = set(only)
+        entries = [e for e in entries if e[0] in wanted]
     old = _load_cache(cache)
     new = {}
     files = {}
@@ -508,9 +521,104 @@ def seen(root: str, nonce: str, names) -> list:
     return out
 
 
-def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None, mark=None) -> dict:
+def read_placed(root: str):
+    """The record of what mnft placed in root ({"digest", "files"}), or None (none, or unreadable: nothing is
+    taken as mnft's then, so nothing is removed)."""
+    try:
+        with open(os.path.join(root, PLACED), encoding="utf-8") as f:
+            data = json.loads(f.read(64 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return None
+    return {"digest": data.get("digest"), "files": {str(k): [v[0], v[1]] for k, v in data["files"].items()
+                                                   if isinstance(v, list) and len(v) == 2}}
+
+
+def write_placed(root: str, record: dict) -> None:
+    """The record of what mnft placed, written whole (another name, then renamed)."""
+    path = os.path.join(root, PLACED)
+    tmp = "%s.%d.tmp" % (path, os.getpid())
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(json.dumps(record, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def remove_placed(root: str, doomed, cache=None) -> dict:
+    """Remove each [relpath, size, sha256] that is still exactly that (what mnft placed and the source no longer
+    has); a file changed since is kept. Empty directories left behind are removed. -> {relpath: why kept}."""
+    kept = {}
+    for item in doomed:
+        rel, size, sha = str(item[0]), item[1], item[2]
+        if rel.startswith("/") or ".." in rel.split("/"):
+            kept[rel] = "not a path inside the tree"
+            continue
+        full = os.path.join(root, rel)
+        try:
+            st = os.lstat(full)
+            if stat.S_ISDIR(st.st_mode) or st.st_size != size or sha256_file(full) != sha:
+                kept[rel] = "changed on the host since mnft placed it"
+                continue
+            os.unlink(full)
+        except OSError as exc:
+            if exc.errno != errno.ENOENT:
+                kept[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+            continue
+        folder = os.path.dirname(rel)
+        while folder:
+            try:
+                os.rmdir(os.path.join(root, folder))
+            except OSError:
+                break
+            folder = os.path.dirname(folder)
+    return kept
+
+
+def siblings(root: str) -> list:
+    """The code snapshots beside root (directories named by a tree hash), newest first: [[name, mtime]]."""
+    parent = os.path.dirname(os.path.abspath(root))
+    found = []
+    try:
+        names = os.listdir(parent)
+    except OSError:
+        return []
+    for name in names:
+        if SNAPSHOT.match(name) and name != os.path.basename(os.path.abspath(root)):
+            try:
+                st = os.stat(os.path.join(parent, name))
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                found.append([name, int(st.st_mtime)])
+    found.sort(key=lambda item: -item[1])
+    return found
+
+
+def prune(root: str, keep: int) -> list:
+    """Remove the code snapshots beside root past the newest `keep` (root itself and those marked <name>.keep
+    beside them stay): they are the cache that job directories hard-link from, so removing one frees only what no
+    job links. -> the names removed."""
+    import shutil
+
+    parent = os.path.dirname(os.path.abspath(root))
+    removed = []
+    for name, _ in siblings(root)[keep:]:
+        if os.path.exists(os.path.join(parent, name + ".keep")):
+            continue
+        path = os.path.join(parent, name)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(name)
+    return removed
+
+
+def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None, mark=None, placed=None,
+           with_siblings: bool = False, keep=None) -> dict:
     """The probe's answer for root. expect: the digest the controller wants; when the tree differs from it (a
-    sync will follow) the host's rsync version is reported too; when it is equal, the file list is left out."""
+    sync will follow) the host's rsync version is reported too; when it is equal, the file list is left out.
+    placed (a dict, --placed): the record of what mnft placed here is read and reported; "paths" (a list) hashes only
+    those paths (a job's directory holds its outputs: only the code's paths matter); "remove" ([relpath, size,
+    sha256] each) are removed first when still exactly that; "write" (a record) is written when the tree then hashes
+    without errors. with_siblings: the code snapshots beside root (siblings)."""
     expanded = os.path.expanduser(root)
     out = {
         "root": os.path.realpath(expanded),
@@ -527,15 +635,37 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
         return out
     if mark:
         out["marked"] = _mark(expanded, mark)
+    if keep is not None:
+        out["pruned"] = prune(expanded, keep)
+    if with_siblings:
+        out["siblings"] = siblings(expanded)
+    if placed is not None and out["exists"]:
+        if placed.get("remove"):
+            out["kept"] = remove_placed(expanded, placed["remove"])
+        out["placed"] = read_placed(expanded)
     if not out["exists"]:
         if not if_exists and os.path.lexists(expanded):
             out["errors"]["."] = "not a directory"
         if expect:
             out["rsync"] = rsync_version()
         return out
-    digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded))
+    only = placed.get("paths") if placed is not None else None
+    record = out.get("placed") or {}
+    digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded),
+                                      only=None if only is None else set(only) | set(record.get("files") or ()))
+    extra = False
+    if only is not None:  # the digest is the source's paths' (what the sync placed); the record's others are listed beside
+        wanted = set(only)
+        extra = any(rel not in wanted for rel in files)
+        digest = digest_of({rel: v for rel, v in files.items() if rel in wanted})
     out.update(digest=digest, files={rel: list(v) for rel, v in files.items()}, errors=errors)
-    if expect and digest == expect and not errors:
+    if placed is not None and placed.get("write") is not None and not errors and placed.get("when") == digest:
+        try:
+            write_placed(expanded, placed["write"])
+            out["placed"] = placed["write"]
+        except OSError as exc:
+            errors[PLACED] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+    if expect and digest == expect and not errors and not extra:
         out["files"] = None  # identical to what the controller has: the list would only be read to learn nothing
     elif expect:
         out["rsync"] = rsync_version()
@@ -544,17 +674,20 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
 
 def main(argv) -> int:
     usage = ("usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--mark NONCE.HOST [--names HOST,HOST...]] [--if-exists]"
-             " < rules.json\n"
+             " [--placed] [--siblings] [--prune N] < rules.json [placed.json]\n"
              "       treehash.py ROOT --mark NONCE.HOST --only [--names HOST,HOST...]\n"
              "       treehash.py ROOT --seen NONCE --names HOST,HOST...\n"
              "--mark with --names: after marking (and hashing), whose marks of that nonce this host sees\n")
     args = list(argv)
-    values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None}
+    values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None, "--prune": None}
     if_exists = "--if-exists" in args
     if if_exists:
         args.remove("--if-exists")
-    if "--only" in args:
-        args.remove("--only")
+    flags = {}
+    for flag in ("--only", "--placed", "--siblings"):
+        flags[flag] = flag in args
+        if flags[flag]:
+            args.remove(flag)
     for flag in values:
         if flag in args:
             i = args.index(flag)
@@ -583,7 +716,19 @@ def main(argv) -> int:
     if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
         sys.stderr.write("treehash: the rules must be a JSON list of strings\n")
         return 2
-    sys.stdout.write(json.dumps(_looked(report(args[0], patterns, cache, if_exists, other, expect, mark), args[0], mark, names)) + "\n")
+    placed = None
+    if flags["--placed"]:
+        line = sys.stdin.readline()
+        try:
+            placed = json.loads(line) if line.strip() else {}
+        except ValueError:
+            placed = None
+        if not isinstance(placed, dict):
+            sys.stderr.write("treehash: --placed needs a JSON object on the second line of stdin\n")
+            return 2
+    keep = int(values["--prune"]) if (values["--prune"] or "").isdigit() else None
+    out = report(args[0], patterns, cache, if_exists, other, expect, mark, placed, flags["--siblings"], keep)
+    sys.stdout.write(json.dumps(_looked(out, args[0], mark, names)) + "\n")
     return 0
 
 
