@@ -70,5 +70,5 @@ def wait_no_orphans(cluster, hosts, timeout: float = 40, markers=RUN_MARKERS) ->
 
 
 def latest_record(tmp_path: Path) -> dict:
-    runs = sorted((tmp_path / "runs").iterdir())
+    runs = sorted((tmp_path / "runs").glob("[!.]*"))
     return json.loads((runs[-1] / "run.json").read_text())

@@ -103,7 +103,7 @@ class Lab:
         return json.loads(done.stdout)["devices"]
 
     def run_ids(self) -> list[str]:
-        return sorted(p.name for p in self.runs.iterdir() if (p / "run.json").is_file()) if self.runs.is_dir() else []
+        return sorted(p.name for p in self.runs.glob("[!.]*") if (p / "run.json").is_file()) if self.runs.is_dir() else []
 
     def request(self, method: str, path: str, headers: dict | None = None) -> http.client.HTTPResponse:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)

@@ -223,5 +223,5 @@ def test_a_launch_plan_mistake_is_refused_before_any_byte_is_synced(healthy_clus
     assert "hosts have different slots (h1=1, h2=2)" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     after = {h.name: sorted(str(p) for p in (h.home / "mnft").rglob("*")) if (h.home / "mnft").exists() else [] for h in hosts}
     assert after == before and "synced" not in done.stdout
-    record = json.loads(next((tmp_path / "runs").iterdir()).joinpath("run.json").read_text())
+    record = json.loads(next((tmp_path / "runs").glob("[!.]*")).joinpath("run.json").read_text())
     assert record["state"] == "refused" and "different slots" in record["reason"]

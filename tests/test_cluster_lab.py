@@ -96,7 +96,7 @@ class Person:
 
     def run_ids(self) -> list[str]:
         runs = self.dir / "runs"
-        return sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
+        return sorted(p.name for p in runs.glob("[!.]*")) if runs.is_dir() else []
 
     def seen(self, run_id: str, host) -> set[str]:
         """The CUDA_VISIBLE_DEVICES each rank of the run printed on a host (its output log, every rank)."""

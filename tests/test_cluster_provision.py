@@ -332,7 +332,7 @@ def test_the_cpu_torch_build_is_provisioned_on_two_hosts_which_then_train_the_lo
                               "--src", str(REPO), "--set", "max_steps=4", "--set", "log_every=2"],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
-    [run] = list((tmp_path / "runs").iterdir())
+    [run] = list((tmp_path / "runs").glob("[!.]*"))
     record = json.loads((run / "run.json").read_text())
     assert record["state"] == "succeeded", record
     # the run used the provisioned environment, without the inventory naming it (its python stays the base one)

@@ -182,7 +182,7 @@ def test_detach_with_max_restarts_is_refused_before_any_host_is_touched(healthy_
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
     done = flaky(user_repo, tmp_path, inv, {}, "--max-restarts", "2", "--detach")
     assert done.returncode == 2 and "--detach runs have no supervisor" in done.stderr, done.stderr
-    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("[!.]*"))
 
 
 @pytest.mark.parametrize("option, value", [("--backoff", "soon"), ("--backoff", "inf"), ("--wait-for-lost", "nan"), ("--wait-for-lost", "1e9")])
@@ -191,7 +191,7 @@ def test_a_bad_backoff_or_wait_for_a_lost_host_is_one_line_exit_2_before_any_hos
     done = mnft(user_repo, tmp_path, "train", "--hosts", inv, "--job", "job.yaml", "--max-restarts", "2", option, value)
     assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
     assert done.stderr.strip() == f"mnft: {option} {value!r}: give seconds from 0 to 3600"
-    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("[!.]*"))
 
 
 # ------------------------------------------------------------------------------------------------ the lora recipe

@@ -287,7 +287,7 @@ def test_secrets_never_reach_a_command_line_a_log_or_the_run_record(trained_clus
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=90)
     assert secret not in out
-    record_dir = sorted((tmp_path / "runs").iterdir())[-1]
+    record_dir = sorted((tmp_path / "runs").glob("[!.]*"))[-1]
     record = json.loads((record_dir / "run.json").read_text())
     collected = invoke(tmp_path, "logs", record["run_id"], env=env)  # the collected logs too
     assert collected.returncode == 0 and secret not in collected.stdout + collected.stderr

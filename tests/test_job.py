@@ -42,7 +42,7 @@ def test_a_script_and_its_arguments_reach_torchrun_verbatim_after_mnfts_flags():
     assert entry_of(a.argv) == ["train.py", *NASTY] and entry_of(b.argv) == ["train.py", *NASTY]
     assert a.argv[:3] == ("/opt/py/bin/python", "-m", "torch.distributed.run")
     assert a.argv[a.argv.index("--node-rank") + 1] == "0" and b.argv[b.argv.index("--node-rank") + 1] == "1"
-    assert a.cwd == "/srv/w"  # a relative script is relative to the synced tree
+    assert a.cwd == "/srv/w/outputs/J1"  # a relative script is relative to the job's copy of the synced tree
 
 
 def test_a_module_entry_point_is_passed_with_dash_m():

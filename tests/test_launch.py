@@ -39,7 +39,8 @@ def test_every_host_gets_its_node_rank_the_master_address_and_its_interface():
     assert a.env["GLOO_SOCKET_IFNAME"] == "eth0" and a.env["NCCL_SOCKET_IFNAME"] == "eth0"
     assert b.env["GLOO_SOCKET_IFNAME"] == "ib0"  # the inventory's iface wins over the detected one
     assert a.metrics == "/srv/mnft/outputs/J1/metrics.jsonl" and b.metrics is None
-    assert a.cwd == "/srv/mnft" and a.env["PYTHONPATH"] == "/srv/mnft"
+    # the ranks start in the job's working directory: its code (hard links to its snapshot) and what it writes
+    assert a.cwd == "/srv/mnft/outputs/J1" and a.env["PYTHONPATH"] == "/srv/mnft/outputs/J1"
 
 
 def test_resume_continues_the_jobs_output_dir():

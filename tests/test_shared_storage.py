@@ -181,9 +181,9 @@ def test_hosts_sharing_a_home_get_one_copy_and_train_with_their_own_run_files(fr
     done = subprocess.run([*mnft, "train", "--hosts", str(inv), "--", "job.py"], cwd=repo, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert all(f"rank {r} on" in done.stdout for r in range(3))
-    record = json.loads(next((tmp_path / "runs").iterdir()).joinpath("run.json").read_text())
+    record = json.loads(next((tmp_path / "runs").glob("[!.]*")).joinpath("run.json").read_text())
     runs = cluster.hosts[0].home / "mnft" / "runs" / record["run_id"]
-    assert sorted(p.name for p in runs.iterdir()) == ["h1", "h2", "h3"]
+    assert sorted(p.name for p in runs.glob("[!.]*")) == ["h1", "h2", "h3"]
     assert all((runs / name / "spec.json").is_file() and (runs / name / "exit_code").read_text().strip() == "0" for name in ("h1", "h2", "h3"))
 
 
@@ -266,7 +266,7 @@ def mnft_cli(tmp_path, *args: str, cwd=None, timeout: float = 240):
 
 
 def records(tmp_path) -> list[dict]:
-    return [json.loads((run / "run.json").read_text()) for run in sorted((tmp_path / "runs").iterdir())]
+    return [json.loads((run / "run.json").read_text()) for run in sorted((tmp_path / "runs").glob("[!.]*"))]
 
 
 @pytest.mark.cluster

@@ -44,9 +44,13 @@ def test_dry_run_prints_each_command_with_secrets_redacted_and_starts_nothing(tm
 def test_train_on_this_machine_syncs_runs_and_records(tmp_path, local_inventory):
     done = invoke(tmp_path, "train", "--recipe", "lora", "--hosts", local_inventory, "--src", str(REPO), "--set", "max_steps=6", "--set", "log_every=2")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (tmp_path / "work" / "mnft" / "recipes" / "lora.py").is_file()  # synced
-    run_dir = next((tmp_path / "runs").iterdir())
+    run_dir = next(p for p in (tmp_path / "runs").glob("[!.]*") if p.is_dir())
     record = json.loads((run_dir / "run.json").read_text())
+    job = tmp_path / "work" / "outputs" / record["job_id"]  # the job's working directory: its code, hard links to its snapshot
+    snap = tmp_path / "work" / ".mnft" / "code" / record["code_hash"][:16]
+    assert (job / "mnft" / "recipes" / "lora.py").samefile(snap / "mnft" / "recipes" / "lora.py")
+    assert not (snap / "mnft" / "recipes" / "lora.py").stat().st_mode & 0o222  # read-only: a job cannot change another's code
+    assert (tmp_path / "runs" / ".gitignore").read_text().splitlines()[-1] == "*"  # records out of git status
     assert record["state"] == "succeeded" and record["hosts"]["me"]["exit_code"] == 0
     assert record["code_hash"] and set(record["timings"]) >= {"check_s", "sync_s", "launch_s", "first_step_s", "total_s"}
     assert (run_dir / "loss.png").is_file() and (run_dir / "me" / "run" / "output.log").is_file()
@@ -89,7 +93,8 @@ def test_a_host_that_cannot_start_is_recorded_failed_with_its_error(tmp_path):
     record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
     assert record["state"] == "failed" and record["launched"] is True
     assert record["hosts"]["me"]["state"] == "failed-to-start"
-    assert record["hosts"]["me"]["error"] == f"working directory {tmp_path / 'nowork'} does not exist (run invoke sync first)"
+    assert record["hosts"]["me"]["error"] == (f"working directory {tmp_path / 'nowork' / 'outputs' / record['job_id']} does not exist (a job's code "
+                                              "is placed there by train; --no-sync runs a job whose code is already there: a --resume)")
 
 
 def test_a_bug_in_mnft_during_supervision_ends_the_run_recorded_with_its_processes_gone(tmp_path, local_inventory):
@@ -104,7 +109,7 @@ def test_a_bug_in_mnft_during_supervision_ends_the_run_recorded_with_its_process
     done = subprocess.run([sys.executable, "-c", boom, "train", "--recipe", "lora", "--hosts", local_inventory, "--src", str(REPO),
                            "--set", "max_steps=200"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "a bug in the display" in done.stderr  # a bug keeps its traceback
-    record = json.loads(next((tmp_path / "runs").iterdir()).joinpath("run.json").read_text())
+    record = json.loads(next((tmp_path / "runs").glob("[!.]*")).joinpath("run.json").read_text())
     assert record["state"] == "failed" and record["reason"] == "mnft error: RuntimeError: a bug in the display"
     def left():
         return [p.info["cmdline"] for p in psutil.process_iter(["cmdline"]) if record["run_id"] in " ".join(p.info["cmdline"] or [])]

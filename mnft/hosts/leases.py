@@ -153,7 +153,12 @@ def scope_busy_line(host: str, reply: dict) -> str:
     if what == "workdir":
         holder = reply.get("holder")
         run_id = shown((holder or {}).get("run_id"))
-        hint = f"mnft stop {run_id}, wait, or give this run another workdir" if run_id else "wait, or give this run another workdir"
+        if "/outputs/" in str(reply.get("workdir") or ""):  # a job's working directory: the same job twice at once
+            hint = f"mnft stop {run_id}, or wait for it" if run_id else "wait for it to end"
+            return (f"{host}: the job's working directory {shown(reply.get('workdir'), 200)} is in use by {describe(holder)}"
+                    f"{verified(holder, reply.get('lockers'))}: one job runs once at a time, as both runs would write its files "
+                    f"(a --resume of a job still running?) ({hint}; a new run without --resume gets a directory of its own)")
+        hint = f"mnft stop {run_id}, or wait" if run_id else "wait"
         return f"{host}: workdir {shown(reply.get('workdir'), 200)} is busy: {describe(holder)}{verified(holder, reply.get('lockers'))} ({hint})"
     if what == "no-gpus":
         return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
@@ -184,9 +189,13 @@ class Scope:
     gpus: int | None = None
     directory: str | None = "workdir"  # the host setting naming the directory it takes: workdir, or data_dir (sync --data)
     wait: float | None = None
+    below: str = ""  # a directory below it instead (a run: its job's working directory, outputs/<job>)
 
     def on(self, host: Host) -> dict:
-        return {"gpus": self.gpus, "workdir": getattr(host, self.directory) if self.directory else None}
+        if not self.directory:
+            return {"gpus": self.gpus, "workdir": None}
+        base = getattr(host, self.directory)
+        return {"gpus": self.gpus, "workdir": base.rstrip("/") + "/" + self.below if self.below else base}
 
 
 def sync_scope(kind: str) -> Scope:

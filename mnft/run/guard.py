@@ -28,6 +28,7 @@ class Guard:
         self.record: records.RunRecord | None = None
         self.leases: leases.Leases | None = None
         self.fleet: Fleet | None = None
+        self.code = None  # the run's code, fixed in this machine's snapshot store (mnft.sync.snapshot.Fixed), held to the end
 
     def __enter__(self) -> "Guard":
         return self

@@ -38,7 +38,7 @@ PLACEHOLDERS = {
     "node_rank": "this host's node rank",
     "master_addr": "the master's cluster address",
     "master_port": "the rendezvous port",
-    "workdir": "the synced source tree on the host",
+    "workdir": "the job's working directory on the host (= output_dir): the code it was started with, and what it writes",
     "data_dir": "the host's data directory",
     "latest_checkpoint": "the latest complete checkpoint (only in resume.args)",
     "latest_checkpoint_name": "its name in the checkpoints directory: epoch_1, checkpoint-40 (only in resume.args)",

@@ -183,13 +183,21 @@ def _join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
 
 
-def host_path(host: Host, path: str) -> str:
-    """A job's path on a host: absolute or ~/… as given, else relative to the synced tree (the workdir)."""
-    return path if path.startswith(("/", "~")) else _join(host.workdir, path)
+def host_path(host: Host, path: str, job_id: str) -> str:
+    """A job's path on a host: absolute or ~/… as given, else relative to the job's working directory (its code
+    and what it writes: job_dir), as a script's own relative paths are."""
+    return path if path.startswith(("/", "~")) else _join(job_dir(host, job_id), path)
+
+
+def job_dir(host: Host, job_id: str) -> str:
+    """A job's working directory on a host (mnft.sync.snapshot.job_dir): the code it was started with, as hard links
+    to its snapshot, and everything it writes there; the ranks start in it; the same across restarts and resumes.
+    It is also the job's output directory ({output_dir})."""
+    return _join(host.workdir, "outputs", job_id)
 
 
 def output_dir(host: Host, job_id: str) -> str:
-    return _join(host.workdir, "outputs", job_id)
+    return job_dir(host, job_id)
 
 
 def placeholders(inventory: Inventory, host: Host, *, master_addr: str, port: int, run_id: str, job_id: str,
@@ -198,7 +206,7 @@ def placeholders(inventory: Inventory, host: Host, *, master_addr: str, port: in
     values = {
         "output_dir": output_dir(host, job_id), "run_id": run_id, "job_id": job_id, "nnodes": str(len(inventory.hosts)),
         "nproc_per_node": str(host.slots), "world_size": str(inventory.world_size), "node_rank": str(host.rank),
-        "master_addr": master_addr, "master_port": str(port), "workdir": host.workdir, "data_dir": host.data_dir,
+        "master_addr": master_addr, "master_port": str(port), "workdir": job_dir(host, job_id), "data_dir": host.data_dir,
     }
     if latest_checkpoint is not None:
         values["latest_checkpoint"] = latest_checkpoint
@@ -274,7 +282,7 @@ def plan(
         run_dir = _join(host.workdir, "runs", attempt_id(run_id, attempt), host.name)
         values = placeholders(inventory, host, master_addr=master_addr, port=port, run_id=run_id, job_id=job_id)
         if latest_checkpoint is not None:
-            values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values)), latest_checkpoint)
+            values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values), job_id), latest_checkpoint)
             values["latest_checkpoint_name"] = latest_checkpoint
         argv = [
             host.python, "-m", "torch.distributed.run",
@@ -292,7 +300,8 @@ def plan(
         argv += [_join(run_dir, ENTRY), *job.entry, *(fill(a, values) for a in job.args), *job.extra_args]
         if with_resume:
             argv += [fill(a, values) for a in job.resume.args]
-        host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": host.workdir, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_TEMPLATE,
+        cwd = job_dir(host, job_id)
+        host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": cwd, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_TEMPLATE,
                     "MNFT_OUTPUT_DIR": values["output_dir"], "MNFT_JOB_ID": job_id, "MNFT_ATTEMPT": str(attempt)}
         host_env.update({name: fill(value, values) for name, value in job.env})
         host_env.update(env)
@@ -304,7 +313,7 @@ def plan(
         if iface:
             host_env["NCCL_SOCKET_IFNAME"] = iface
             host_env["GLOO_SOCKET_IFNAME"] = iface
-        checkpoints = host_path(host, fill(job.resume.checkpoints, values))
+        checkpoints = host_path(host, fill(job.resume.checkpoints, values), job_id)
         container = None
         if job.image:
             rt = (runtimes or {}).get(host.name)
@@ -313,13 +322,13 @@ def plan(
                                  "(install podman, docker or apptainer, or set container_runtime: in the inventory)")
             name = containers_.container_name(attempt_id(run_id, attempt), host.name)
             argv, container = in_image(rt, job.image, name, argv, host_env, secret_names, devices,
-                                       mounts=(host.workdir, host.data_dir, checkpoints, run_dir), run_dir=run_dir, cwd=host.workdir,
+                                       mounts=(host.workdir, host.data_dir, checkpoints, run_dir), run_dir=run_dir, cwd=cwd,
                                        labels=(("mnft.run", run_id), ("mnft.host", host.name)))
         source = job.metrics
         # static: the master is node 0, so rank 0's files are there; c10d: torch picks the ranks, so every host's
         # agent watches the path and only rank 0's host has it
         rank0_here = options.rdzv == "c10d" or host.name == inventory.master_name
-        metrics_path = host_path(host, fill(source.path, values)) if source.path else None
+        metrics_path = host_path(host, fill(source.path, values), job_id) if source.path else None
         timings = _join(values["output_dir"], TIMINGS) if job.recipe else None  # mnft/recipes/timing.py writes them
         launches.append(
             HostLaunch(
@@ -330,7 +339,7 @@ def plan(
                 argv=tuple(argv),
                 env=host_env,
                 secret_names=secret_names,
-                cwd=host.workdir,
+                cwd=cwd,
                 run_dir=run_dir,
                 output_dir=values["output_dir"],
                 metrics=metrics_path if rank0_here and source.format not in ("hf", "tensorboard", "none") else None,

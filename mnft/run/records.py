@@ -18,8 +18,22 @@ RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name inside runs/,
 RECORD_MAX = limits.RECORD_BYTES  # bytes of run.json read at most (one more tells it is larger; never the rest)
 
 
+IGNORE_ALL = "# written by mnft: its run records stay out of `git status` (as .pytest_cache does)\n*\n"
+
+
 def runs_root() -> Path:
     return Path(os.environ.get("MNFT_RUNS_DIR") or "runs")
+
+
+def out_of_git(root: Path) -> None:
+    """A .gitignore of `*` in the records' directory (in a repository, `runs/` would show as `?? runs/` in git
+    status), written once; one already there (a user's) is left as it is."""
+    marker = root / ".gitignore"
+    if not marker.exists():
+        try:
+            marker.write_text(IGNORE_ALL)
+        except OSError:
+            pass  # a read-only directory: the records work without it
 
 
 @dataclass
@@ -35,6 +49,7 @@ class RunRecord:
     def create(cls, run_id: str, **data: Any) -> "RunRecord":
         path = runs_root() / run_id
         path.mkdir(parents=True, exist_ok=False)
+        out_of_git(path.parent)
         record = cls(path, {"run_id": run_id, "created": time.time(), **data})
         record.save()
         return record

@@ -110,7 +110,11 @@ def pass_env_specs(job: Job, environ: dict[str, str], env_files: tuple[str, ...]
 
 def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
     with Guard() as guard:  # the hosts' leases, let go at the end; an interrupt recorded (mnft.run.guard)
-        return _train(inventory, options, console, guard)
+        try:
+            return _train(inventory, options, console, guard)
+        finally:
+            if guard.code is not None:
+                guard.code.release()
 
 
 def _train(inventory: Inventory, options: TrainOptions, console: Console, guard: Guard) -> int:
@@ -144,6 +148,11 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         inventory = picked_nodes(inventory, options, gpus, console)
     run_id = launching.new_run_id()
     job_id = job_id or run_id
+    if options.sync and not options.dry_run:  # the code this run runs, fixed now: nothing done to the tree later changes it
+        from mnft.sync.snapshot import fix
+
+        guard.code = fix(options.src)
+        timings["fix_s"] = guard.code.seconds
     record = None
     if not options.dry_run:  # the record exists from the start: a refused or failed launch is recorded too
         record = records.RunRecord.create(
@@ -151,20 +160,25 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             env_specs=list(lopts.env), env_files=list(lopts.env_files), rdzv=lopts.rdzv, resume=lopts.resume,
             resumed_from=previous.run_id if previous else None, detach=lopts.detach, inventory=snapshot(inventory), hosts={},
             timings=timings, state="checking", launched=False,
+            code_hash=guard.code.tree.digest if guard.code is not None else None,
+            code={"src": str(guard.code.source), "hash": guard.code.tree.digest, "files": len(guard.code.tree.files),
+                  "snapshot": str(guard.code.tree.root), "job_dir": launching.job_dir(inventory.hosts[0], job_id)} if guard.code is not None else None,
             recovery={"max_restarts": policy.max_restarts, "min_nodes": policy.min_nodes,
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
         )
     # the run's devices and workdir on every host; taken by another run (or a host under setup) refuses it here,
     # untouched, unless it waits in line
-    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait), on_wait=WaitLine(console).update, image=job.image)
+    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait, below=f"outputs/{job_id}"), on_wait=WaitLine(console).update,
+               image=job.image)
     held = guard.leases
     visible = {h: tuple(d["index"] for d in found if d.get("index") is not None) for h, found in held.devices.items()} \
         if held is not None and gpus is not None else {}
     inventory = with_gpus(inventory, gpus)
     with Fleet(inventory) as fleet:
         port_asked = options.check.port or rendezvous_port(inventory, visible)
+        # the code's hash is not compared with the workdir's: this run's code goes into a snapshot and its job's directory
         check_options = replace(options.check, port=port_asked, find_free_port=True, required_files=needs.files, modules=needs.modules,
-                                own_devices=visible or None, image=job.image)
+                                own_devices=visible or None, image=job.image, code=False)
         report = gather_check(fleet, check_options)
         timings["check_s"] = round(time.monotonic() - t0, 3)
         spares = usable_spares(inventory, report, console)
@@ -186,17 +200,17 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             return run.dry_run(inventory.gang(), report.master_addr, port)
         assert record is not None
         record.update(master_addr=report.master_addr, rendezvous_port=port, state="syncing" if options.sync else "starting")
-        code_hash = None
-        if options.sync:
+        if guard.code is not None:
             t_sync = time.monotonic()
             try:
-                code_hash = sync_code(inventory.only(gang_names + spares), tree, fleet, console)
+                place_code(inventory.only(gang_names + spares), guard.code, job_id, fleet, console)
             except Exception as exc:
                 timings["sync_s"] = round(time.monotonic() - t_sync, 3)
                 record.update(state="sync-failed", reason=str(exc), sync={"ok": False, "error": str(exc)}, timings=timings)
                 raise
             timings["sync_s"] = round(time.monotonic() - t_sync, 3)
-        record.update(code_hash=code_hash, sync={"ok": True, "src": str(tree)} if options.sync else None, timings=timings)
+        record.update(sync={"ok": True, "src": str(guard.code.source), "hash": guard.code.tree.digest} if guard.code is not None else None,
+                      timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
 
 
@@ -697,14 +711,39 @@ class Live:
         self.file.unlink(missing_ok=True)
 
 
-def sync_code(inventory: Inventory, src: Path, fleet: Fleet, console: Console) -> str:
-    from mnft.sync import mirror
+class CodeConflict(RunFailed):
+    """Files in the way in a job's working directory: the run is refused, nothing written there."""
 
-    report = mirror.sync_code(inventory, src, fleet=fleet)  # configured excludes as `invoke sync`
-    if not report.ok:
-        raise RunFailed(f"sync failed: {report.summary()}")
-    console.print(Text(f"synced {report.src} ({report.local_files} files, hash {report.local_hash[:12]}) to {len(inventory.hosts)} hosts"))
-    return report.local_hash
+
+def place_code(inventory: Inventory, code: Any, job_id: str, fleet: Fleet, console: Console) -> None:
+    """The run's fixed code (mnft.sync.snapshot.fix) into its snapshot on every host, then its job's working
+    directory; files in the way there (the job's own outputs at a path the new code has) refuse the run."""
+    from mnft.sync.mirror import SyncStatus
+    from mnft.sync.snapshot import place
+
+    placed = place(inventory, code.tree, job_id, fleet=fleet)
+    for report in placed.reports:
+        if not report.ok:
+            conflicts = [h.error for h in report.hosts.values() if h.status == SyncStatus.CONFLICT]
+            if conflicts:
+                raise CodeConflict("; ".join(conflicts))
+            raise RunFailed(f"sync failed: {report.summary()}")
+    job = placed.job
+    assert job is not None
+    sent = sum(h.bytes_sent for r in placed.reports for h in r.hosts.values())
+    new = sum(1 for h in placed.snapshot.hosts.values() if h.status == SyncStatus.CHANGED)
+    kept = sorted({p for h in job.hosts.values() for p in h.kept})
+    console.print(Text(f"code {code.tree.digest[:12]} from {code.source} ({len(code.tree.files)} files): "
+                       + (f"snapshot sent to {new} of {len(inventory.hosts)} hosts ({fmt_bytes(sent)})" if new else f"already on all {len(inventory.hosts)} hosts")
+                       + f"; job directory {launching.job_dir(inventory.hosts[0], job_id)}"
+                       + (f"; kept {len(kept)} file(s) the job changed that the code no longer has: {', '.join(kept[:3])}" if kept else "")),
+                  soft_wrap=True)
+
+
+def fmt_bytes(n: int) -> str:
+    from mnft.core.output import fmt_size
+
+    return fmt_size(n)
 
 
 def port_holder(fleet: Fleet, host: str, port: int) -> str | None:
@@ -756,9 +795,10 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     if result.ok:
         for warning in warnings:
             console.print(Text.assemble(("warning: ", "bold yellow"), warning.cause, "\n  fix: ", warning.fix))
-        synced = (record.data.get("sync") or {}).get("src")
+        synced = record.data.get("sync") or {}
         console.print(Text.assemble((f"run {record.run_id} finished on every host", "green"), f" ({timings['total_s']:.1f}s)"
-                                    + (f"; code from {synced}" if synced else "") + f"; logs in {record.path}"))
+                                    + (f"; code {str(synced.get('hash') or '')[:12]} from {synced['src']}" if synced.get("src") else "")
+                                    + f"; logs in {record.path}"))
         return ExitCode.OK
     if stopped_by is not None:
         console.print(Text.assemble((f"run {record.run_id} stopped by `mnft stop` ({stopped_by})", "bold yellow"),

@@ -256,7 +256,7 @@ class Allocation:
             return None
         template = inventory.hosts[0]
         values = launch.placeholders(inventory, template, master_addr="", port=0, run_id=self.record.run_id, job_id=self.record.data["job_id"])
-        directory = launch.host_path(template, launch.fill(rule.checkpoints, values))
+        directory = launch.host_path(template, launch.fill(rule.checkpoints, values), self.record.data["job_id"])
         replies, _ = self.script_step(inventory, "mnft-checkpoints", agent.source(), ["checkpoints", directory])
         listings: dict[str, dict] = {}
         for task, lines in replies.items():

@@ -121,7 +121,7 @@ def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None 
                "needs": [dataclasses.asdict(n) for n in needs.modules], "rdzv_timeout": request.rdzv_timeout, "inside": inside},
     )
     if request.sync:
-        sync_local(template, tree, record, console)
+        sync_local(template, tree, job_id, record, console)
     (record.path / "slurm.sh").write_text(script)
     if inside:
         from mnft.slurm.allocation import Allocation
@@ -223,17 +223,30 @@ def tail_nodes(data: dict, offsets: dict[Path, int], console: Console) -> None:
             offsets[path] = tail_file(path, offsets.get(path, 0), console, prefix=f"{name} | ")
 
 
-def sync_local(template: Host, tree: Path, record: records.RunRecord, console: Console) -> None:
-    """The code into the workdir every node sees (a shared filesystem: one local copy, verified by its hash)."""
-    from mnft.sync import mirror
+def sync_local(template: Host, tree: Path, job_id: str, record: records.RunRecord, console: Console) -> None:
+    """The code, fixed now (mnft.sync.snapshot), into its snapshot and the job's working directory in the workdir every
+    node sees (a shared filesystem: one local copy, verified by its hash); the job's files are never removed or
+    replaced there (a conflict refuses the submission)."""
+    from mnft.sync import snapshot as code
 
     local = replace(template, name="shared", connection="local")
-    report = mirror.sync_code(Inventory(None, "slurm", (local,), local.name), tree, progress=False)
-    if not report.ok:
-        record.update(state="sync-failed", reason=report.summary())
-        raise MnftError(f"sync to {template.workdir} failed: {report.summary()}")
-    record.update(code_hash=report.local_hash, sync={"ok": True, "src": str(tree), "workdir": template.workdir})
-    console.print(Text(f"synced {tree} ({report.local_files} files, hash {report.local_hash[:12]}) to {template.workdir}"))
+    fixed = code.fix(tree)
+    try:
+        from mnft.hosts.fleet import Fleet
+
+        inventory = Inventory(None, "slurm", (local,), local.name)
+        with Fleet(inventory) as fleet:
+            placed = code.place(inventory, fixed.tree, job_id, fleet=fleet)
+    finally:
+        fixed.release()
+    bad = next((r for r in placed.reports if not r.ok), None)
+    if bad is not None:
+        record.update(state="sync-failed", reason=bad.summary())
+        raise MnftError(f"sync to {template.workdir} failed: {bad.summary()}")
+    record.update(code_hash=fixed.tree.digest, sync={"ok": True, "src": str(fixed.source), "hash": fixed.tree.digest, "workdir": template.workdir},
+                  code={"src": str(fixed.source), "hash": fixed.tree.digest, "files": len(fixed.tree.files),
+                        "job_dir": code.job_dir(template, job_id)})
+    console.print(Text(f"code {fixed.tree.digest[:12]} from {fixed.source} ({len(fixed.tree.files)} files) in {code.job_dir(template, job_id)}"))
 
 
 def dry_run(request: SlurmTrain, script: str, template: Host, port: int, run_id: str, job_id: str, env: dict[str, str], console: Console) -> int:
