@@ -202,3 +202,30 @@ def test_two_runs_on_one_master_search_for_their_rendezvous_port_from_different_
     assert rendezvous_port(inv, {"h1": (2, 3), "h2": (0, 1)}) == inv.rendezvous_port + 2
     assert rendezvous_port(inv, {"h1": (0, 1)}) == inv.rendezvous_port
     assert rendezvous_port(inv, {}) is None  # no --gpus: the inventory's port, as before
+
+
+@pytest.mark.parametrize("free, picked", [
+    (("h2", "h3"), ("h2",)),  # the first host (the master) left out
+    (("h4",), ("h4",)),  # every host but the last
+    (("h1", "h3"), ("h1",)),  # the master kept
+])
+def test_a_pick_that_leaves_the_master_out_runs_on_a_master_it_has(free, picked):
+    """--nodes 1 --gpus 2 over hosts whose GPUs are held by others: the run lands on a picked host, which is its
+    master (was: KeyError 'h1' from the check's master address, the inventory's master cut away)."""
+    from mnft.check.rules import master_address
+
+    full = {"devices": [gpu(i, "held", "R1", "alice") for i in range(4)], "line": []}
+    views = {f"h{i}": ({"devices": [gpu(d) for d in range(4)], "line": []} if f"h{i}" in free else full) for i in range(1, 5)}
+    pick = lab.pick_nodes(inventory(), views, 1, 2)
+    assert pick.hosts == picked
+    cut = inventory().only(pick.hosts)
+    assert [h.name for h in cut.hosts] == list(picked) and cut.master_name == picked[0]
+    facts = {"interfaces": [{"name": "eth0", "up": True, "ipv4": [f"10.0.0.{picked[0][1]}/24"]}]}
+    assert master_address(cut, facts) == (f"10.0.0.{picked[0][1]}", None)
+    assert cut.gang().master.name == picked[0]
+
+
+def test_an_inventorys_named_master_stays_master_when_it_is_picked():
+    named = parse("master: h3\nhosts:\n" + "".join(f"  h{i}: {{address: 10.0.0.{i}}}\n" for i in range(1, 5)))
+    assert named.only(["h2", "h3"]).master_name == "h3"
+    assert named.only(["h2", "h4"]).master_name == "h2"
