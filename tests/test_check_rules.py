@@ -285,3 +285,18 @@ def test_missing_or_different_torch_on_provisioned_hosts_is_fixed_by_provision_n
     problems = evaluate(inv, all_facts, CheckReport(inv, {h.name: HostResult(h.name, Status.OK) for h in inv.hosts}, all_facts), CheckOptions(network=False))
     torch = next(p for p in problems if p.field == "torch")
     assert "mnft provision" in torch.fix and "pip install" not in torch.fix
+
+
+def test_a_cpu_only_torch_on_a_host_with_gpus_is_named_with_its_fix():
+    """Was: `2.13.0+cpu`, cuda "-", on hosts with GPUs, and no word."""
+    cpu = facts(torch={"version": "2.13.0+cpu", "cuda": None, "location": "/x"})
+    problems = run({"a": cpu, "b": cpu, "c": cpu})
+    found = [p for p in problems if p.field == "cuda"]
+    assert [(p.host, p.severity) for p in found] == [("a", "warning"), ("b", "warning"), ("c", "warning")]
+    assert found[0].message == "torch 2.13.0+cpu is a CPU-only build: it cannot use this host's 2 GPU(s)"
+    assert "CUDA build of torch 2.13.0" in found[0].fix and "CUDA 12.4" in found[0].fix
+    inv = provisioned(PROVISIONED)
+    report = CheckReport(inv, {h.name: HostResult(h.name, Status.OK) for h in inv.hosts}, {"a": cpu, "b": cpu})
+    assert all("mnft provision" in p.fix for p in evaluate(inv, {"a": cpu, "b": cpu}, report, CheckOptions(network=False)) if p.field == "cuda")
+    no_gpus = facts(torch={"version": "2.13.0+cpu", "cuda": None, "location": "/x"}, nvidia=None)
+    assert [p for p in run({"a": no_gpus, "b": no_gpus, "c": no_gpus}) if p.field == "cuda"] == []  # a CPU host: nothing to say

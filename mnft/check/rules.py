@@ -135,6 +135,20 @@ def probe_failed(inventory: Inventory, outcome: HostResult) -> Problem:
                    "the probe needs only its standard library (Python 3.8 or newer)")
 
 
+def cpu_only_torch(inventory: Inventory, host: Host, facts: dict, gpus: list[dict]) -> Problem | None:
+    """Rule "torch sees the host's GPUs": a CPU-only build (no CUDA: `2.13.0+cpu`) where nvidia-smi lists GPUs
+    trains on the CPU, or fails at NCCL. A warning (a CPU job on a GPU host is legitimate), with its fix."""
+    torch = facts.get("torch") or {}
+    if not gpus or not torch.get("version") or torch.get("cuda"):
+        return None
+    driver = (facts.get("nvidia") or {}).get("cuda_driver")
+    build = f"the CUDA build of torch {str(torch['version']).split('+')[0]} (a +cuXXX wheel"
+    build += f" for CUDA {driver} or older, the driver's)" if driver else ")"
+    fix = (provision_fix(inventory, f"pin {build} in the lock") if host.base_python is not None else
+           f"install {build}: pip install torch=={str(torch['version']).split('+')[0]} --index-url https://download.pytorch.org/whl/cuXXX")
+    return Problem(host.name, "cuda", f"torch {torch['version']} is a CPU-only build: it cannot use this host's {len(gpus)} GPU(s)", fix, "warning")
+
+
 def _minor(version: str | None) -> str | None:
     return ".".join(version.split(".")[:2]) if version else None
 
@@ -324,6 +338,9 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             if drift is not None:
                 problems.append(drift if not image else replace(drift, fix=f"one image everywhere: mnft sync --image {image} --force"))
         gpus = (f.get("nvidia") or {}).get("gpus") or []
+        cpu_only = cpu_only_torch(inventory, host, f, gpus) if host.name in known else None
+        if cpu_only is not None:
+            problems.append(cpu_only)
         if uses_gpu:
             if len(gpus) < host.slots:
                 problems.append(Problem(host.name, "gpus", f"{len(gpus)} GPU(s) for {host.slots} slot(s)", "lower 'slots' for this host or fix the GPUs (nvidia-smi)"))
