@@ -232,3 +232,71 @@ def test_a_probes_skew_is_read_from_its_clock_and_own_run_time_and_is_none_witho
     assert probe_skew(facts, 1000.0, 1001.0) == clock_skew(1005.0, 1000.0, 1001.0, 0.4) == 4.3
     assert probe_skew({"clock": 1005.0}, 1000.0, 1001.0) == 4.5  # no run time: the round-trip's middle
     assert probe_skew({"clock": "soon"}, 1000.0, 1001.0) is None and probe_skew({}, 1000.0, 1001.0) is None
+
+
+PROVISIONED = inventory.parse("vars: {slots: 2}\nhosts:\n  a: {address: 10.0.0.1}\n  b: {address: 10.0.0.2}\n")
+
+
+def provisioned(inv):
+    """The inventory as check sees it once `mnft provision` recorded an environment on every host (env.record.effective)."""
+    from dataclasses import replace
+
+    return replace(inv, hosts=tuple(replace(h, python="/root/mnft-env/bin/python", base_python="/usr/bin/python3", venv="~/mnft-env") for h in inv.hosts))
+
+
+def test_a_check_where_every_host_failed_never_exits_0_and_each_host_gets_its_fix(capsys):
+    """The hosts lost the recorded environment: every probe ends `exit code 127: sh: 1: /root/mnft-env/bin/python:
+    not found`. Was: a row per host saying so, no fix line, exit 0."""
+    from mnft.check.report import print_check
+    from mnft.check.rules import probe_failed
+
+    inv = provisioned(PROVISIONED)
+    error = "exit code 127: sh: 1: /root/mnft-env/bin/python: not found"
+    outcomes = {h.name: HostResult(h.name, Status.FAILED, exit_code=127, error=error) for h in inv.hosts}
+    bare = CheckReport(inv, outcomes, {})
+    assert bare.exit_code() == ExitCode.FAILED  # even with no problem listed: a host that did not pass
+    report = CheckReport(inv, outcomes, {}, problems=[probe_failed(inv, o) for o in outcomes.values()])
+    assert [(p.host, p.field, p.message) for p in report.problems] == [
+        (n, "python", "/root/mnft-env/bin/python not found: the environment mnft provisioned here (~/mnft-env) is gone") for n in ("a", "b")]
+    assert all("mnft provision" in p.fix for p in report.problems)
+    assert report.exit_code() == ExitCode.FAILED
+    print_check(report, False)
+    out = capsys.readouterr().out
+    assert out.count("fix: build it again, then mnft provision") == 2 and "every host can join" not in out
+
+
+def test_a_probe_that_failed_otherwise_names_its_python_and_its_error():
+    from mnft.check.rules import probe_failed
+
+    not_found = probe_failed(INV, HostResult("a", Status.FAILED, exit_code=127, error="exit code 127: sh: 1: python3: not found"))
+    assert (not_found.field, not_found.fix) == ("python", "install that Python on the host, or set 'python' for this host in the inventory")
+    other = probe_failed(INV, HostResult("b", Status.FAILED, exit_code=1, error="exit code 1: SyntaxError"))
+    assert other.field == "probe" and "SyntaxError" in other.message and other.severity == "error"
+
+
+def test_missing_or_different_torch_on_provisioned_hosts_is_fixed_by_provision_not_pip():
+    inv = provisioned(PROVISIONED)
+    no_torch = facts(torch={"version": None, "cuda": None, "location": None})
+    all_facts = {"a": facts(), "b": no_torch}
+    problems = evaluate(inv, all_facts, CheckReport(inv, {h.name: HostResult(h.name, Status.OK) for h in inv.hosts}, all_facts), CheckOptions(network=False))
+    torch = next(p for p in problems if p.field == "torch")
+    assert "mnft provision" in torch.fix and "pip install" not in torch.fix
+    all_facts = {"a": facts(), "b": facts(torch__version="2.12.0+cu124")}
+    problems = evaluate(inv, all_facts, CheckReport(inv, {h.name: HostResult(h.name, Status.OK) for h in inv.hosts}, all_facts), CheckOptions(network=False))
+    torch = next(p for p in problems if p.field == "torch")
+    assert "mnft provision" in torch.fix and "pip install" not in torch.fix
+
+
+def test_a_cpu_only_torch_on_a_host_with_gpus_is_named_with_its_fix():
+    """Was: `2.13.0+cpu`, cuda "-", on hosts with GPUs, and no word."""
+    cpu = facts(torch={"version": "2.13.0+cpu", "cuda": None, "location": "/x"})
+    problems = run({"a": cpu, "b": cpu, "c": cpu})
+    found = [p for p in problems if p.field == "cuda"]
+    assert [(p.host, p.severity) for p in found] == [("a", "warning"), ("b", "warning"), ("c", "warning")]
+    assert found[0].message == "torch 2.13.0+cpu is a CPU-only build: it cannot use this host's 2 GPU(s)"
+    assert "CUDA build of torch 2.13.0" in found[0].fix and "CUDA 12.4" in found[0].fix
+    inv = provisioned(PROVISIONED)
+    report = CheckReport(inv, {h.name: HostResult(h.name, Status.OK) for h in inv.hosts}, {"a": cpu, "b": cpu})
+    assert all("mnft provision" in p.fix for p in evaluate(inv, {"a": cpu, "b": cpu}, report, CheckOptions(network=False)) if p.field == "cuda")
+    no_gpus = facts(torch={"version": "2.13.0+cpu", "cuda": None, "location": "/x"}, nvidia=None)
+    assert [p for p in run({"a": no_gpus, "b": no_gpus, "c": no_gpus}) if p.field == "cuda"] == []  # a CPU host: nothing to say

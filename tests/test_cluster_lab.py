@@ -237,6 +237,15 @@ def test_nodes_picks_the_hosts_with_free_gpus_a_gpu_used_by_hand_is_never_picked
         assert bob.seen(run, h1) == {"2,3"} and bob.seen(run, h4) == {"0,1"}  # GPU 0 of h1 is someone's: the other NVLink pair
         record = json.loads((bob.dir / "runs" / run / "run.json").read_text())
         assert record["devices"] == {"h1": [2, 3], "h4": [0, 1]}
+
+        # 4 GPUs free on the last host only: the pick leaves out the first host, the inventory's master, and every
+        # host but the last, and the run lands there as its own master (was: KeyError: 'h1', a traceback)
+        last = bob.train(src, "last", "--nodes", "1", "--gpus", "4")
+        wait_for_output(last, r"rank 0 local 0 sees CUDA_VISIBLE_DEVICES=0,1,2,3", timeout=180)
+        end(lab, "last", (h4,))
+        finished(last)
+        record = json.loads((bob.dir / "runs" / bob.run_ids()[-1] / "run.json").read_text())
+        assert list(record["hosts"]) == ["h4"] and record["devices"] == {"h4": [0, 1, 2, 3]}
     finally:
         by_hand.kill()
         by_hand.wait()

@@ -117,7 +117,8 @@ def test_nodes_beyond_what_is_free_is_refused_unless_the_run_waits_and_beyond_th
     pick = lab.pick_nodes(inventory(), VIEWS, 3, 2)
     assert pick.hosts is None
     line = lab.not_picked_line(pick, 3, 2)
-    assert line.startswith("--nodes 3: fewer than 3 host(s) have 2 free GPU(s): h1: 0 of 4 device(s) free, 2 needed; h2: ")
+    assert line.splitlines()[0].startswith("--nodes 3: h4: unreachable: connection refused")  # the host not reached first
+    assert line.splitlines()[1].startswith("--nodes 3: fewer than 3 host(s) have 2 free GPU(s) (of those reached: h1: 0 of 4 device(s) free, 2 needed; h2: ")
     assert lab.pick_nodes(inventory(), VIEWS, 3, 2, wait=True).hosts == ("h1", "h2", "h3")
     with pytest.raises(InputError, match=r"^--nodes 5: .* has 4 training host\(s\)$"):
         lab.pick_nodes(inventory(), VIEWS, 5, 2)
@@ -202,3 +203,47 @@ def test_two_runs_on_one_master_search_for_their_rendezvous_port_from_different_
     assert rendezvous_port(inv, {"h1": (2, 3), "h2": (0, 1)}) == inv.rendezvous_port + 2
     assert rendezvous_port(inv, {"h1": (0, 1)}) == inv.rendezvous_port
     assert rendezvous_port(inv, {}) is None  # no --gpus: the inventory's port, as before
+
+
+@pytest.mark.parametrize("free, picked", [
+    (("h2", "h3"), ("h2",)),  # the first host (the master) left out
+    (("h4",), ("h4",)),  # every host but the last
+    (("h1", "h3"), ("h1",)),  # the master kept
+])
+def test_a_pick_that_leaves_the_master_out_runs_on_a_master_it_has(free, picked):
+    """--nodes 1 --gpus 2 over hosts whose GPUs are held by others: the run lands on a picked host, which is its
+    master (was: KeyError 'h1' from the check's master address, the inventory's master cut away)."""
+    from mnft.check.rules import master_address
+
+    full = {"devices": [gpu(i, "held", "R1", "alice") for i in range(4)], "line": []}
+    views = {f"h{i}": ({"devices": [gpu(d) for d in range(4)], "line": []} if f"h{i}" in free else full) for i in range(1, 5)}
+    pick = lab.pick_nodes(inventory(), views, 1, 2)
+    assert pick.hosts == picked
+    cut = inventory().only(pick.hosts)
+    assert [h.name for h in cut.hosts] == list(picked) and cut.master_name == picked[0]
+    facts = {"interfaces": [{"name": "eth0", "up": True, "ipv4": [f"10.0.0.{picked[0][1]}/24"]}]}
+    assert master_address(cut, facts) == (f"10.0.0.{picked[0][1]}", None)
+    assert cut.gang().master.name == picked[0]
+
+
+def test_an_inventorys_named_master_stays_master_when_it_is_picked():
+    named = parse("master: h3\nhosts:\n" + "".join(f"  h{i}: {{address: 10.0.0.{i}}}\n" for i in range(1, 5)))
+    assert named.only(["h2", "h3"]).master_name == "h3"
+    assert named.only(["h2", "h4"]).master_name == "h2"
+
+
+def test_nodes_before_the_host_keys_are_trusted_names_that_cause_first_whole_and_offers_no_wait():
+    """Was: `fewer than 2 host(s) have 2 free GPU(s): node1: left out: host-key-rejected (unknown host key … if that
+    is the host's ); … (--wait to wait in line; …)`: the GPUs first, the fix cut mid-sentence, --wait that cannot help."""
+    error = ("unknown host key for h1 (ssh-ed25519 SHA256:abc): if that is the host's key, record it with "
+             "`mnft trust-hosts --hosts lab.yaml` and run again")
+    views = {f"h{i}": {"error": error.replace("h1", f"h{i}"), "status": "host-key-rejected"} for i in range(1, 5)}
+    pick = lab.pick_nodes(inventory(), views, 2, 2)
+    line = lab.not_picked_line(pick, 2, 2)
+    first, *rest = line.splitlines()
+    assert first == f"--nodes 2: h1: host-key-rejected: {error}"  # whole: its fix is there
+    assert all("trust-hosts --hosts lab.yaml` and run again" in one for one in line.splitlines()[:4])
+    assert "--wait" not in line and "waiting would not help" in line
+    busy = dict(VIEWS, h3=VIEWS["h1"])  # h1 and h3 held by runs, h2 has 3 free, h4 unreachable
+    waits = lab.not_picked_line(lab.pick_nodes(inventory(), busy, 2, 2), 2, 2)
+    assert waits.splitlines()[0].startswith("--nodes 2: h4: unreachable: connection refused") and "--wait to wait in line" in waits

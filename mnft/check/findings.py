@@ -108,8 +108,8 @@ class CheckReport:
         statuses = [self.status(h.name) for h in self.inventory.hosts]
         if any(s in (Status.UNREACHABLE.value, Status.HOST_KEY_REJECTED.value) for s in statuses):
             return ExitCode.UNREACHABLE
-        if any(p.severity == "error" for p in self.problems):
-            return ExitCode.FAILED
+        if any(s == Status.FAILED.value for s in statuses) or any(p.severity == "error" for p in self.problems):
+            return ExitCode.FAILED  # a host that did not pass never exits 0, whatever made it fail
         return ExitCode.OK
 
     def to_json(self) -> dict[str, Any]:

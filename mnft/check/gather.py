@@ -16,7 +16,7 @@ from typing import Mapping
 
 from mnft.check import probe
 from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
-from mnft.check.rules import evaluate, iface_of_address, master_address, probe_skew, shared_fs_problems, source_address
+from mnft.check.rules import evaluate, iface_of_address, master_address, probe_failed, probe_skew, shared_fs_problems, source_address
 from mnft.check.session import Run, Session, close_sessions, open_sessions
 from mnft.core.errors import MnftError
 from mnft.hosts import fanin, pyrun
@@ -284,6 +284,7 @@ def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str
     network test (in the sessions where given), the job's files, whose run holds a busy GPU, and the rules."""
     inventory, facts = report.inventory, report.facts
     probed = [h for h in inventory.hosts if h.name in facts]
+    report.problems.extend(probe_failed(inventory, o) for o in report.outcomes.values() if o.status is Status.FAILED and o.host not in facts)
     for name, code in report.code.items():
         if code.get("matches") is False:
             shown = ", ".join(code.get("differing") or [])

@@ -118,7 +118,9 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     if ref_name is not None and ref_name != inv.master_name:
         out.print(plain(f"versions compared with {ref_name}, the first host that answered (the master {inv.master_name} did not)", style="yellow"))
     problems = report.problems
-    unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK]
+    # a host reached whose probe failed has a problem of its own (rules.probe_failed: its fix)
+    unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK
+                   and not (report.outcomes[h.name].status is Status.FAILED and any(p.host == h.name for p in problems))]
     if not problems and not unreachable:
         out.print(Text("every host can join the job", style="green"))
         return

@@ -9,6 +9,7 @@ from typing import Any
 
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
 from mnft.env.diff import compare
+from mnft.hosts.fleet import HostResult
 from mnft.hosts.leases import describe, verified
 from mnft.hosts.settings import Host, Inventory
 
@@ -110,6 +111,42 @@ FIXES = {
     "nccl": "install the same nvidia-nccl package as the master (it comes with the torch wheel)",
     "driver": "upgrade or downgrade the NVIDIA driver to the master's version",
 }
+
+
+def provision_fix(inventory: Inventory, what: str) -> str:
+    """The fix that puts `what` right the way the lab installs: the hosts' environment from the lock."""
+    where = f" --hosts {inventory.path}" if inventory.path else ""
+    return f"{what}, then mnft provision{where} (it builds every host's environment from the lock)"
+
+
+def probe_failed(inventory: Inventory, outcome: HostResult) -> Problem:
+    """A host whose probe did not run to its end (it was reached: the connection is fine) as a problem with its fix:
+    the Python the inventory names, or the environment mnft provisioned there, not found (exit 127), or else
+    what the probe said."""
+    host = inventory.host(outcome.host)
+    missing = outcome.exit_code == 127
+    if missing and host.base_python is not None:
+        return Problem(host.name, "python", f"{host.python} not found: the environment mnft provisioned here ({host.venv}) is gone",
+                       provision_fix(inventory, "build it again"))
+    if missing:
+        return Problem(host.name, "python", f"{host.python} not found: {outcome.error}",
+                       "install that Python on the host, or set 'python' for this host in the inventory")
+    return Problem(host.name, "probe", f"the check's probe failed: {outcome.error}", f"run {host.python} on {host.name} by hand to see why; "
+                   "the probe needs only its standard library (Python 3.8 or newer)")
+
+
+def cpu_only_torch(inventory: Inventory, host: Host, facts: dict, gpus: list[dict]) -> Problem | None:
+    """Rule "torch sees the host's GPUs": a CPU-only build (no CUDA: `2.13.0+cpu`) where nvidia-smi lists GPUs
+    trains on the CPU, or fails at NCCL. A warning (a CPU job on a GPU host is legitimate), with its fix."""
+    torch = facts.get("torch") or {}
+    if not gpus or not torch.get("version") or torch.get("cuda"):
+        return None
+    driver = (facts.get("nvidia") or {}).get("cuda_driver")
+    build = f"the CUDA build of torch {str(torch['version']).split('+')[0]} (a +cuXXX wheel"
+    build += f" for CUDA {driver} or older, the driver's)" if driver else ")"
+    fix = (provision_fix(inventory, f"pin {build} in the lock") if host.base_python is not None else
+           f"install {build}: pip install torch=={str(torch['version']).split('+')[0]} --index-url https://download.pytorch.org/whl/cuXXX")
+    return Problem(host.name, "cuda", f"torch {torch['version']} is a CPU-only build: it cannot use this host's {len(gpus)} GPU(s)", fix, "warning")
 
 
 def _minor(version: str | None) -> str | None:
@@ -268,6 +305,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
     if image:
         problems += image_problems(inventory, facts, image)
     uses_gpu = any((f.get("torch") or {}).get("cuda") or (f.get("nvidia") or {}).get("gpus") for f in facts.values())
+    inventory_provisioned = any(h.base_python is not None for h in inventory.hosts)  # the lab installs from a lock
     for host in inventory.hosts:
         f = facts.get(host.name)
         if f is None:
@@ -277,13 +315,19 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             where = f"{(f.get('python') or {}).get('executable') or host.python}"
             problems.append(Problem(host.name, "torch", f"torch is not installed in the image {image} ({where})", f"use an image with torch, then mnft sync --image {image} --force")
                             if image else
-                            Problem(host.name, "torch", f"torch is not installed for {where}", "pip install torch in the Python the inventory names ('python')"))
+                            Problem(host.name, "torch", f"torch is not installed for {where}", provision_fix(inventory, "add torch to the lock")
+                                    if host.base_python is not None or inventory_provisioned else
+                                    "pip install torch in the Python the inventory names ('python'), or give the hosts one environment from a lock: "
+                                    + provision_fix(inventory, "put torch in it")))
         if reference is not None and host.name != ref_name:
             for key, label, _ in SAME_EVERYWHERE:
                 if key in PYTHON_SIDE and image:
                     continue  # below, against the Python-side reference
                 if mine[key] != reference[key] and not (key == "torch" and mine[key] is None):
-                    problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from {ref_label} {reference[key] or 'none'}", FIXES[key].format(value=reference[key])))
+                    fix = FIXES[key].format(value=reference[key])
+                    if inventory_provisioned and key in ("torch", "cuda", "nccl"):
+                        fix = provision_fix(inventory, f"pin {ref_label}'s {label} ({reference[key]}) in the lock")
+                    problems.append(Problem(host.name, key, f"{label} {mine[key] or 'none'} differs from {ref_label} {reference[key] or 'none'}", fix))
         if image and py_reference is not None and host.name != py_name and host.name in known:
             for key, label, _ in SAME_EVERYWHERE:
                 if key in PYTHON_SIDE and mine[key] != py_reference[key] and not (key == "torch" and mine[key] is None):
@@ -294,6 +338,9 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             if drift is not None:
                 problems.append(drift if not image else replace(drift, fix=f"one image everywhere: mnft sync --image {image} --force"))
         gpus = (f.get("nvidia") or {}).get("gpus") or []
+        cpu_only = cpu_only_torch(inventory, host, f, gpus) if host.name in known else None
+        if cpu_only is not None:
+            problems.append(cpu_only)
         if uses_gpu:
             if len(gpus) < host.slots:
                 problems.append(Problem(host.name, "gpus", f"{len(gpus)} GPU(s) for {host.slots} slot(s)", "lower 'slots' for this host or fix the GPUs (nvidia-smi)"))

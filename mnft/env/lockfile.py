@@ -24,13 +24,17 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import tomllib
 from packaging.markers import InvalidMarker, Marker
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 from mnft.core import limits
+
+try:  # the standard library's from Python 3.11; tomli (the same code) before it: requires-python is >=3.10
+    import tomllib
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 from mnft.core.errors import InputError
 
 DEFAULT_NAMES = ("requirements.lock", "pylock.toml")

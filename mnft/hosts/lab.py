@@ -130,6 +130,8 @@ class Pick:
 
     hosts: tuple[str, ...] | None  # None: not enough hosts
     why: tuple[tuple[str, str], ...]
+    cut_off: tuple[tuple[str, str, str], ...] = ()  # (host, status, its whole error) for hosts not reached
+    waiting_helps: bool = False  # enough hosts would have the devices once the runs holding them end
 
 
 def pick_nodes(inventory: Inventory, views: dict[str, dict], nodes: int, gpus: int | None, wait: bool = False) -> Pick:
@@ -142,11 +144,12 @@ def pick_nodes(inventory: Inventory, views: dict[str, dict], nodes: int, gpus: i
     if nodes > len(training):
         raise InputError(f"--nodes {nodes}: {inventory.path or 'the inventory'} has {len(training)} training host(s)")
     why: dict[str, str] = {}
-    ready, could = [], []
+    ready, could, cut_off = [], [], []
     for host in training:
         view = views.get(host.name) or {}
         if view.get("error") and not view.get("devices"):
             why[host.name] = f"left out: {view.get('status') or 'failed'} ({leases.shown(view['error'], 120)})"
+            cut_off.append((host.name, view.get("status") or "failed", leases.shown(view["error"], 1000)))
             continue
         free, count = free_count(view), device_count(view)
         needed = count if gpus is None else gpus
@@ -164,7 +167,7 @@ def pick_nodes(inventory: Inventory, views: dict[str, dict], nodes: int, gpus: i
     if len(chosen) < nodes and wait:
         chosen += [name for _, name in sorted(could, key=lambda c: -c[0])][: nodes - len(chosen)]
     if len(chosen) < nodes:
-        return Pick(None, tuple((h.name, why.get(h.name, "")) for h in training))
+        return Pick(None, tuple((h.name, why.get(h.name, "")) for h in training), tuple(cut_off), len(ready) + len(could) >= nodes)
     order = [h.name for h in training if h.name in chosen]
     for name in order:
         why[name] = "picked: " + why[name] + ("" if name in ready else " (waits in line)")
@@ -181,9 +184,17 @@ def with_gpus(inventory: Inventory, gpus: int | None) -> Inventory:
 
 
 def not_picked_line(pick: Pick, nodes: int, gpus: int | None) -> str:
+    """Why --nodes found too few hosts: hosts that could not be reached first, each with its whole error (its fix:
+    trust-hosts for a rejected key), then the devices; --wait is offered only where waiting can help."""
     asked = "every device" if gpus is None else f"{gpus} free GPU(s)"
-    return (f"--nodes {nodes}: fewer than {nodes} host(s) have {asked}: " + "; ".join(f"{h}: {w}" for h, w in pick.why)
-            + " (--wait to wait in line; `mnft lab` shows the lab)")
+    lines = [f"--nodes {nodes}: {host}: {status}: {error}" for host, status, error in pick.cut_off]
+    cut = {host for host, _, _ in pick.cut_off}
+    rest = "; ".join(f"{h}: {w}" for h, w in pick.why if h not in cut)
+    tail = ("--wait to wait in line; `mnft lab` shows the lab" if pick.waiting_helps else
+            "waiting would not help: too few hosts have that many devices" + (" or can be reached" if cut else "") + "; `mnft lab` shows the lab")
+    lines.append(f"--nodes {nodes}: fewer than {nodes} host(s) have {asked}" + (f" (of those reached: {rest})" if rest and cut else f": {rest}" if rest else "")
+                 + f" ({tail})")
+    return "\n".join(lines)
 
 
 def check_gpus(gpus: Sequence | int | None) -> int | None:

@@ -100,8 +100,12 @@ class Inventory:
         return sum(h.slots for h in self.hosts)
 
     def only(self, names: Iterable[str]) -> "Inventory":
+        """The inventory cut to these hosts (its own order kept); the master stays when it is one of them, else
+        the first of them takes its place (a `--nodes` pick that leaves the master out runs on a master it has)."""
         wanted = set(names)
-        return replace(self, hosts=tuple(h for h in self.hosts if h.name in wanted))
+        hosts = tuple(h for h in self.hosts if h.name in wanted)
+        master = self.master_name if self.master_name in wanted or not hosts else hosts[0].name
+        return replace(self, hosts=hosts, master_name=master)
 
     @property
     def spares(self) -> tuple[Host, ...]:

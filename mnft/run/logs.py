@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from rich.console import Console
 from rich.text import Text
 
-from mnft.core import limits
+from mnft.core import archive, limits
 from mnft.core.errors import ExitCode, InputError
 from mnft.core.output import fmt_loss
 from mnft.hosts import pyrun
@@ -84,7 +84,8 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
 def unpack(packed: Any, dest: Path) -> str | None:
     """A host's collected logs (its agent's base64 tar.gz) unpacked into dest; or why not, in one line, with
     nothing unpacked: not a tar.gz, or more than limits.COLLECTED_BYTES (the sizes its headers give) or
-    COLLECTED_FILES members, counted before anything is written (a few kilobytes of gzip can hold gigabytes)."""
+    COLLECTED_FILES members, counted before anything is written (a few kilobytes of gzip can hold gigabytes), or a
+    member that would land outside dest or is no file, folder or link (mnft.core.archive: on every Python)."""
     import binascii
 
     try:
@@ -105,7 +106,9 @@ def unpack(packed: Any, dest: Path) -> str | None:
                 if total > limits.COLLECTED_BYTES:
                     return (f"its logs unpack to more than {limits.size(limits.COLLECTED_BYTES)} (COLLECTED_BYTES, a limit of "
                             "mnft's input, see docs/security.md): nothing unpacked")
-            tar.extractall(dest, members=members, filter="data")
+            why = archive.extract(tar, members, dest)
+            if why:
+                return f"the agent's pack holds what may not be unpacked: {why}: nothing unpacked"
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         return f"the agent's pack cannot be unpacked: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return None
