@@ -105,15 +105,19 @@ def test_drift_on_one_host_is_detected_by_check_and_sync_then_repaired(cluster, 
         checked = gather(fleet, CheckOptions(network=False, code_src=str(src)))
     assert checked.to_json()["hosts"][drifted.name]["code_hash"]["matches"] is False
     assert [p.field for p in checked.problems if p.host == drifted.name and p.field == "code"] == ["code"]
+    # an edit on the host of a file mnft placed, and a file a person left: neither is mnft's to overwrite or remove
     dry = mirror.sync_code(inv, src, progress=False, dry_run=True)
-    assert dry.hosts[drifted.name].would_send == ["pkg/sub/shipped.cfg"]
-    assert dry.hosts[drifted.name].would_delete == ["pkg/stray.py"]
-    assert (host_tree(drifted, workdir) / "pkg/stray.py").exists()  # a dry run changes nothing
-    fixed = mirror.sync_code(inv, src, progress=False)
+    assert dry.hosts[drifted.name].status == "conflict" and dry.hosts[drifted.name].conflicts == ["pkg/sub/shipped.cfg"]
+    assert dry.hosts[drifted.name].would_delete == []
+    refused = mirror.sync_code(inv, src, progress=False)
+    assert refused.exit_code() == ExitCode.FAILED and "pkg/sub/shipped.cfg" in refused.hosts[drifted.name].error
+    assert (host_tree(drifted, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1\n"
+    assert {refused.hosts[s.name].status for s in cluster.hosts if s is not drifted} == {"ok"}  # one host's conflict hides no other
+    fixed = mirror.sync_code(inv, src, progress=False, force=True)
     assert fixed.ok
-    assert fixed.hosts[drifted.name].status == "changed" and fixed.hosts[drifted.name].files_deleted == 1
-    assert {fixed.hosts[s.name].status for s in cluster.hosts if s is not drifted} == {"ok"}
+    assert fixed.hosts[drifted.name].status == "changed" and fixed.hosts[drifted.name].files_deleted == 0
     assert (host_tree(drifted, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1e-4\n"
+    assert (host_tree(drifted, workdir) / "pkg/stray.py").exists()
 
 
 def test_outputs_and_logs_a_host_wrote_that_match_gitignore_survive_and_are_no_drift(cluster, tmp_path):

@@ -107,6 +107,15 @@ def test_resume_explicit_flags_win_and_overrides_merge_by_key():
     assert not any(n.startswith("--hosts") for n in reused.notes)
 
 
+def test_resume_takes_its_code_from_the_same_tree_as_it_is_now_unless_src_is_given_again():
+    previous = {**PREVIOUS, "code": {"src": "/home/alice/proj", "hash": "ab" * 32}}
+    reused = rerun.reuse_previous(previous, hosts=None, overrides=(), env=(), env_files=())
+    assert reused.src == "/home/alice/proj" and reused.notes[-1] == "--src /home/alice/proj (as it is now)"
+    given = rerun.reuse_previous(previous, hosts=None, overrides=(), env=(), env_files=(), src="/home/alice/fork")
+    assert given.src == "/home/alice/fork" and not any(n.startswith("--src") for n in given.notes)
+    assert rerun.reuse_previous(PREVIOUS, hosts=None, overrides=(), env=(), env_files=()).src is None  # an older record: the default
+
+
 def test_resume_and_default_run_skip_runs_that_never_started(tmp_path, monkeypatch):
     monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
     records.RunRecord.create("20260101-000000-aaaa", state="failed", launched=True)

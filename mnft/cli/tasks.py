@@ -326,8 +326,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
 
         if job or entry or recipe:
             raise InputError("--resume continues the recorded job: leave out --recipe, --job and the script (start a new run to change them)")
-        reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files)
-        hosts, the_job, envs, env_files, resume_run = reused.hosts, reused.job, reused.env, reused.env_files, reused.run_id
+        reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files, src=src)
+        hosts, the_job, envs, env_files, resume_run, src = reused.hosts, reused.job, reused.env, reused.env_files, reused.run_id, reused.src
         _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
     else:
         the_job = _job(recipe, job, entry, overrides)

@@ -380,7 +380,8 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
     job = job_of(record.data)
     summary: dict[str, Any] = {"run_id": record.run_id, "job_id": record.data.get("job_id"), "job": job.label, "recipe": job.recipe,
                                "state": record.data.get("state"), "reason": record.data.get("reason"), "hosts": hosts,
-                               "timings": record.data.get("timings")}
+                               "timings": record.data.get("timings"), "code_hash": record.data.get("code_hash"),
+                               "job_dir": (record.data.get("code") or {}).get("job_dir")}
     metrics = metrics if metrics is not None else run_metrics(record)
     steps, final, source = metrics.steps, metrics.summary, metrics.source
     if steps:

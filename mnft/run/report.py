@@ -16,8 +16,9 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
     """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable.
     live: what the run's attached supervisor says (its attempt, when restarting: healthy while it recovers)."""
     ending = {key: record.data[key] for key in ("diagnosis", "warnings") if record.data.get(key)}
+    code = code_of(record.data)
     if as_json:
-        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {}), **ending})
+        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {}), **ending, **({"code": code} if code else {})})
     else:
         job = record.data.get("job") or {}
         label = job.get("name") or (f"recipe {record.data.get('recipe')}" if record.data.get("recipe") else " ".join(job.get("entry") or ["?"]))
@@ -41,6 +42,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                 plain((st.get("last_line") or "")[-60:] or "-"),
             )
         console().print(table)
+        if code:
+            console().print(plain(code_line(code)))
         if live and live.get("max_restarts"):
             console().print(plain(f"attempt {live.get('attempt')}/{live['max_restarts'] + 1}: {live.get('state')}"
                                   + (f" ({live['note']})" if live.get("note") else ""), "yellow" if (live.get("attempt") or 1) > 1 else ""))
@@ -68,6 +71,24 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
     healthy = all(st.get("state") == "running" or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
     recovering = bool(live) and live.get("state") in ("waiting", "starting", "running")
     return ExitCode.OK if healthy or recovering else ExitCode.FAILED
+
+
+def code_of(data: dict) -> dict | None:
+    """The code a run runs, as its record names it: the tree hash, where it came from, the job's directory."""
+    code = dict(data.get("code") or {})
+    if data.get("code_hash") and not code.get("hash"):
+        code["hash"] = data["code_hash"]
+    if not code.get("hash"):
+        return None
+    code.setdefault("job", data.get("job_id"))
+    return code
+
+
+def code_line(code: dict) -> str:
+    """"code 1a2b3c4d5e6f from /home/a/proj (120 files), in ~/mnft/outputs/J on each host"."""
+    where = f", in {code['job_dir']} on each host" if code.get("job_dir") else ""
+    files = f" ({code['files']} files)" if code.get("files") else ""
+    return f"code {str(code['hash'])[:12]}" + (f" from {code['src']}" if code.get("src") else "") + files + where
 
 
 def ended_note(record, result: dict[str, dict]) -> str | None:

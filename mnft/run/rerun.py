@@ -69,13 +69,14 @@ class Reuse:
     env: tuple[str, ...]
     env_files: tuple[str, ...]
     notes: tuple[str, ...]
+    src: str | None = None  # the tree the previous run's code came from (--src not given again: the same repository, as it is now)
 
 
 NOT_REUSED = frozenset({"overwrite", "resume"})  # they decide how a run starts, and a resume starts from its checkpoint
 
 
 def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, ...], env: tuple[str, ...],
-                   env_files: tuple[str, ...]) -> Reuse:
+                   env_files: tuple[str, ...], src: str | None = None) -> Reuse:
     """--resume: the previous run's job, hosts file and env names, unless given again (explicit flags win; a
     recipe's overrides merge by key). Pure: the previous run.json's data in, the values to use and what was
     reused out."""
@@ -104,7 +105,10 @@ def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, .
         notes.append("--env-file " + " --env-file ".join(kept_files))
     if job.recipe and dropped:
         notes.append("(not " + " ".join(dropped) + ": a resume continues from the latest checkpoint)")
-    return Reuse(previous["run_id"], hosts, job, kept_env + tuple(env), kept_files + tuple(env_files), tuple(notes))
+    recorded = ((previous.get("code") or {}).get("src") or (previous.get("sync") or {}).get("src")) if src is None else None
+    if recorded:
+        notes.append(f"--src {recorded} (as it is now)")
+    return Reuse(previous["run_id"], hosts, job, kept_env + tuple(env), kept_files + tuple(env_files), tuple(notes), recorded or src)
 
 
 def previous_run(run_id: str | None) -> records.RunRecord:
