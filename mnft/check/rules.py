@@ -196,6 +196,12 @@ def _image_id(facts: dict | None) -> str | None:
     return (((facts or {}).get("container") or {}).get("image") or {}).get("id")
 
 
+def verified_image_id(inventory: Inventory, facts: dict[str, dict]) -> str | None:
+    """The image's id a check judged: its reference host's (the id every other host was required to have)."""
+    ref_name = image_reference(inventory, facts)
+    return _image_id(facts.get(ref_name)) if ref_name is not None else None
+
+
 def image_reference(inventory: Inventory, facts: dict[str, dict]) -> str | None:
     """The host whose image id the others must have: the master, or when it has none the first host that has one."""
     if _image_id(facts.get(inventory.master_name)):
@@ -208,9 +214,10 @@ def _python_missing(error: str, python: str) -> bool:
     return python in low and ("not found" in low or "no such file" in low)
 
 
-def image_problems(inventory: Inventory, facts: dict[str, dict], image: str) -> list[Problem]:
-    """The rules of a run in an image: a runtime on every host, the image there, by the same id as the master's, GPUs
-    the runtime can hand to a container, and the probe inside the image answered. Pure: facts in, problems out."""
+def image_problems(inventory: Inventory, facts: dict[str, dict], image: str, expected_id: str | None = None) -> list[Problem]:
+    """The rules of a run in an image: a runtime on every host, the image there, by the same id as the master's (or,
+    in a later check of a run, as the id its first check verified: `expected_id`), GPUs the runtime can hand to a
+    container, and the probe inside the image answered. Pure: facts in, problems out."""
     from mnft.image.runtime import CDI_FIX
 
     problems: list[Problem] = []
@@ -238,7 +245,13 @@ def image_problems(inventory: Inventory, facts: dict[str, dict], image: str) -> 
                 problems.append(Problem(host.name, "image", f"{host.name} lacks {image}",
                                         f"mnft sync --image {image} (relays it from a host that has it)"))
             continue
-        if ref_name is not None and host.name != ref_name and found.get("id") != _image_id(facts[ref_name]):
+        if expected_id is not None:
+            if found.get("id") != expected_id:
+                problems.append(Problem(host.name, "image", f"{host.name} has {short_id(found.get('id'))}, the run began in {short_id(expected_id)}: "
+                                        f"{image} changed since the run's first check",
+                                        f"put the run's image back as {image} on every host (`mnft sync --image` from a host that has "
+                                        f"{short_id(expected_id)}, with --force), or start a new run; --force goes on in the image there"))
+        elif ref_name is not None and host.name != ref_name and found.get("id") != _image_id(facts[ref_name]):
             whose = f"the master {ref_name}" if ref_name == master else f"{ref_name} (the first host that has it; the master {master} does not)"
             problems.append(Problem(host.name, "image", f"{host.name} has {short_id(found.get('id'))}, {whose} has {short_id(_image_id(facts[ref_name]))}",
                                     f"mnft sync --image {image} --force"))
@@ -266,7 +279,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
     py_label = reference_label(inventory, py_name) if py_name == ref_name else f"{py_name}'s (the first host whose image answered)"
     known = {name for name, f in facts.items() if not image or probed_inside(f)}
     if image:
-        problems += image_problems(inventory, facts, image)
+        problems += image_problems(inventory, facts, image, options.image_id)
     uses_gpu = any((f.get("torch") or {}).get("cuda") or (f.get("nvidia") or {}).get("gpus") for f in facts.values())
     for host in inventory.hosts:
         f = facts.get(host.name)
