@@ -354,7 +354,7 @@ def test_the_check_rule_names_the_differing_packages_of_a_host_but_not_torch_whi
     node3 = {"dists": {"numpy": "2.1.0", "torch": "2.5.0", "peft": "0.12.0", "foo": "0.3"}}
     problem = environment_drift("node3", node3, master, "master")
     assert problem.field == "env" and problem.message == "numpy 2.1.0 (master: 1.26.4); extra: foo 0.3"
-    assert "invoke provision" in problem.fix
+    assert "mnft provision" in problem.fix
     assert environment_drift("node2", master, master, "master") is None
     assert environment_drift("node2", {}, master, "master") is None  # an older probe without dists: no verdict
 

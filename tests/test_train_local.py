@@ -89,7 +89,7 @@ def test_a_host_that_cannot_start_is_recorded_failed_with_its_error(tmp_path):
     record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
     assert record["state"] == "failed" and record["launched"] is True
     assert record["hosts"]["me"]["state"] == "failed-to-start"
-    assert record["hosts"]["me"]["error"] == f"working directory {tmp_path / 'nowork'} does not exist (run invoke sync first)"
+    assert record["hosts"]["me"]["error"] == f"working directory {tmp_path / 'nowork'} does not exist (sync the code there first: the `sync` task)"
 
 
 def test_a_bug_in_mnft_during_supervision_ends_the_run_recorded_with_its_processes_gone(tmp_path, local_inventory):

@@ -9,6 +9,7 @@ from typing import Any
 
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
 from mnft.env.diff import compare
+from mnft.core.output import command
 from mnft.hosts.leases import describe, verified
 from mnft.hosts.settings import Host, Inventory
 
@@ -134,7 +135,7 @@ def environment_drift(name: str, facts: dict, reference: dict, label: str) -> Pr
     diff = compare(mine, theirs, ignore=ENV_RULE_IGNORES)
     if diff.empty:
         return None
-    return Problem(name, "env", diff.describe(label), "make the hosts' environments identical from one lock: invoke provision --hosts FILE")
+    return Problem(name, "env", diff.describe(label), f"make the hosts' environments identical from one lock: {command('provision --hosts FILE')}")
 
 
 def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None) -> list[Problem]:
@@ -161,7 +162,7 @@ def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None)
                                     "another user's work: `mnft lab` shows whose run and since when; --gpus G takes free GPUs beside it", "note"))
         else:
             problems.append(Problem(host, "gpus", f"GPU {gpu.get('index')} is held by your process(es) {pids}",
-                                    "a leftover of an ended run: stop it (invoke stop RUN) or those processes before training", "warning"))
+                                    f"a leftover of an ended run: stop it ({command('stop RUN')}) or those processes before training", "warning"))
     return problems
 
 
@@ -341,7 +342,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             reach = report.reach.get(host.name)
             if reach is not None and not reach.ok:
                 via = f" from {reach.source}" if reach.source else (f" from {host.iface}" if host.iface else "")
-                problems.append(Problem(host.name, "network", f"cannot reach the master {report.master_addr}:{report.port}{via}: {reach.error}", "open the port on the master's firewall for the peers (invoke setup), or set 'iface' to the cluster interface"))
+                problems.append(Problem(host.name, "network", f"cannot reach the master {report.master_addr}:{report.port}{via}: {reach.error}", f"open the port on the master's firewall for the peers ({command('setup')}), or set 'iface' to the cluster interface"))
         if len(inventory.hosts) > 1 and ipaddress.IPv4Address(report.master_addr).is_loopback:
             problems.append(Problem(master, "master_addr", f"the master's address {report.master_addr} is a loopback address peers cannot reach", "set the master's 'address' or 'iface' to the cluster network"))
     return problems

@@ -734,7 +734,7 @@ def launch():
     secrets = spec.pop("secrets", None) or {}
     wrapper = spec.pop("entry", None)
     if not os.path.isdir(_path(spec.get("cwd") or "~")):
-        emit("error", message="working directory %s does not exist (run invoke sync first)" % spec.get("cwd"))
+        emit("error", message="working directory %s does not exist (sync the code there first: the `sync` task)" % spec.get("cwd"))
         return 2
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)

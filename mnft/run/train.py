@@ -25,6 +25,7 @@ from mnft.check.findings import CheckOptions, CheckReport
 from mnft.check.gather import gather as gather_check
 from mnft.check.rules import verified_image_id
 from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.core.output import command
 from mnft.hosts.command import shell_line, shell_word
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, Status
@@ -499,7 +500,7 @@ class Run:
         record.update(state="running", launched=True, timings=timings)
         live.update(state="running")
         if self.lopts.detach:
-            console.print(f"detached: follow with `invoke logs -f {self.run_id}`, stop with `invoke stop {self.run_id}`")
+            console.print(f"detached: follow with `{command('logs -f ' + self.run_id)}`, stop with `{command('stop ' + self.run_id)}`")
             print(self.run_id)
             return None
         try:
