@@ -68,7 +68,7 @@ class Problem:
     host: str  # host name, or "*" for the whole cluster
     field: str
     message: str
-    fix: str
+    fix: str  # "" where nothing needs doing (a note): no fix line is printed
     severity: str = "error"  # "error" fails the check; "warning" and "note" are shown only
 
 

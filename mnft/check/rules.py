@@ -371,7 +371,7 @@ def shared_fs_problems(hosts: list[Host], shared: dict[str, tuple[str, ...]], un
                                         f"mount the shared filesystem on {name} (or remove shared_fs from the inventory)"))
     for name, group in sorted(shared.items()):
         if name == group[0] and not all(n in asserted for n in group):
-            problems.append(Problem(name, "shared_fs", f"{', '.join(group)} see one workdir (a shared filesystem) without shared_fs in the inventory",
-                                    "nothing to do: mnft found it (shared_fs: true asserts that the workdir and the data_dir are shared, "
-                                    "for check and sync --data to verify: docs/inventory.md)", "warning"))
+            problems.append(Problem(name, "shared_fs", f"{', '.join(group)} see one workdir (a shared filesystem) without shared_fs in the "
+                                    "inventory: mnft found it (`shared_fs: true` asserts that the workdir and the data_dir are shared, "
+                                    "for check and sync --data to verify: docs/inventory.md)", "", "note"))
     return problems

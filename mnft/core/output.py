@@ -40,6 +40,17 @@ def command(rest: str) -> str:
     return f"{program()} {rest}"
 
 
+def clip_end(text: str, width: int) -> str:
+    """A long line's end in `width` characters, cut at a word boundary and marked (…): the end of a line is what
+    changed last (a step, a loss, an error's last words). A line without a space in its end is cut where it must."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    tail = text[-(width - 1):]
+    space = tail.find(" ")
+    return "…" + (tail[space + 1:] if 0 <= space < len(tail) - 1 else tail)
+
+
 def console(stderr: bool = False) -> Console:
     """The console every command prints to. Strings are printed as they are, never read as rich markup (a job's
     name, a path or an argument like `files=[model.pt]` or `a[/b]` is data): style goes through `Text`."""
