@@ -599,7 +599,7 @@ def test_the_provision_record_past_state_bytes_is_one_line(tmp_path, monkeypatch
     with pytest.raises(InputError, match=r"hosts.json: the provision record is larger than 256 MiB \(STATE_BYTES"):
         record.load_state()
     record.state_path().write_text("{not json")
-    with pytest.raises(InputError, match=r"hosts.json: the provision record is not JSON .*: delete it and run invoke provision again$"):
+    with pytest.raises(InputError, match=r"hosts.json: the provision record is not JSON .*: delete it and run mnft provision again$"):
         record.load_state()
 
 

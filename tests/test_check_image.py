@@ -314,3 +314,45 @@ def test_gather_runs_one_command_per_host_and_the_probe_inside_where_the_image_i
     assert set(skew) == {"h1", "h2"} and all(abs(s) < 2 for s in skew.values())
     found = image_problems(fleet.inventory, facts, REF)
     assert [(p.host, p.message) for p in found] == [("h2", f"h2 lacks {REF}")]
+
+
+# ------------------------------------------------------------------------------------------------ a later check of a run
+
+
+def test_a_later_check_requires_the_id_the_runs_first_check_verified_on_every_host():
+    """A re-check before a restart (or a requeued attempt, a resumed run) compares each host's image with the id the
+    run began in, not with the master's now: an image re-tagged on every host is a different image for the run."""
+    all_facts = {n: host_facts(container(ID2)) for n in ("h1", "h2", "h3")}
+    assert image_problems(INV, all_facts, REF) == []  # the same image everywhere: a new run may start in it
+    found = image_problems(INV, all_facts, REF, expected_id=ID1)
+    assert [(p.host, p.field) for p in found] == [("h1", "image"), ("h2", "image"), ("h3", "image")]
+    assert found[0].message == f"h1 has sha256:abcdabcdabcd…, the run began in sha256:123412341234…: {REF} changed since the run's first check"
+    assert "--force" in found[0].fix and "start a new run" in found[0].fix
+    assert image_problems(INV, {n: host_facts() for n in ("h1", "h2", "h3")}, REF, expected_id=ID1) == []
+
+
+def test_hosts_without_torch_pass_a_later_check_in_the_image_the_first_check_judged():
+    """The lab's hosts have a Python without torch (/usr/bin/python3): a check without the image refuses them, the
+    run's later check (recover.later_check of the first check's options) judges the image, by its id."""
+    from mnft.check.rules import verified_image_id
+    from mnft.run.recover import later_check
+
+    all_facts = {n: host_facts() for n in ("h1", "h2", "h3")}
+    first = CheckOptions(network=False, code=False, image=REF, modules=(Need("peft", "train.py:3"),), required_files=("data.json",))
+    later = later_check(first, verified_image_id(INV, all_facts), 29500)
+    assert (later.image, later.image_id, later.modules, later.required_files, later.port, later.find_free_port) == (
+        REF, ID1, first.modules, ("data.json",), 29500, True)
+    assert problems(all_facts, later) == []
+    own = {n: dict(copy.deepcopy(HOST), torch=None) for n in ("h1", "h2", "h3")}  # what a check without the image reads
+    assert [p.field for p in problems(own, CheckOptions(network=False, code=False)) if p.severity == "error"] == ["torch"] * 3
+    assert later_check(CheckOptions(), ID1, None).image_id is None  # a job without an image requires none
+
+
+def test_a_resumed_run_requires_the_image_id_its_previous_run_verified_for_the_same_image():
+    from mnft.run.recover import resumed_image_id
+
+    previous = {"run_id": "r1", "image": {"ref": REF, "id": ID1}}
+    assert resumed_image_id(previous, REF) == ID1
+    assert resumed_image_id(previous, "localhost/other:2") is None  # another image given by hand: judged as new
+    assert resumed_image_id(previous, None) is None
+    assert resumed_image_id({"run_id": "r0"}, REF) is None  # a record from before images were recorded

@@ -46,3 +46,98 @@ def test_a_required_positional_of_plain_invoke_is_still_required():
 
     with pytest.raises(ParseError, match="did not receive required positional"):
         Parser(contexts=Collection(needs).to_contexts()).parse_argv(["needs"])
+
+
+# ------------------------------------------------------------------------------------------------ the command's own name
+
+
+def test_messages_name_the_command_the_user_runs():
+    """Issue 36: a person who typed `mnft` was told `invoke trust-hosts …`. One helper decides from how the process
+    was started; `invoke` in the checkout (or `python -m invoke`) gets invoke, everything else mnft."""
+    from mnft.core.output import program
+
+    assert program("/usr/local/bin/mnft") == "mnft"
+    assert program("/root/.pyenv/versions/3.11.7/bin/invoke") == "invoke"
+    assert program("inv") == "invoke"
+    assert program("/usr/lib/python3/dist-packages/invoke/__main__.py") == "invoke"
+    assert program("-c") == "mnft"  # python -c "from mnft.cli.main import main; main()"
+
+
+def _message_strings():
+    """Every string literal in mnft/ that is not a docstring, with where it is."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "mnft"
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.body[0].value) for n in ast.walk(tree) if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
+                yield f"{path.relative_to(root.parent)}:{node.lineno}", node.value
+
+
+# Written into the hosts' files as markers (setup finds its blocks by them, and --undo by them): not a message, and
+# changing one would orphan the blocks already on the hosts.
+MARKERS = ("remove with: invoke setup --undo", "remove with invoke setup --undo", "invoke setup --undo deletes it",
+           "invoke setup --undo takes it away", "invoke setup --undo removes it")
+
+
+def test_no_message_names_invoke_literally_every_one_goes_through_the_helper():
+    import re
+
+    said = re.compile(r"(^|[\s`(])invoke (trust-hosts|setup|provision|sync|check|train|logs|status|stop|lab|board|uninstall)\b")
+    found = [f"{where}: {text[:80]!r}" for where, text in _message_strings() if said.search(text) and not any(m in text for m in MARKERS)]
+    assert found == []
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["check", "--gpus", "2", "--hosts", "inventory/missing.yaml"], "mnft check: No idea what '--gpus' is (its flags: `mnft check --help`)"),
+    (["--bogus"], "mnft: No idea what '--bogus' is (its flags: `mnft --help`)"),
+])
+def test_an_unknown_flag_is_one_line_of_bad_input_exit_2_before_anything_runs(argv, said, tmp_path):
+    """Issue 36: `mnft check --gpus 2` was invoke's own message and exit 1. It is mnft's bad input: exit 2, one line
+    on stderr, nothing on stdout (the check never started: no table)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", "from mnft.cli.main import main; main()", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(repo), MNFT_RUNS_DIR=str(tmp_path / "runs")))
+    assert (done.returncode, done.stdout, done.stderr) == (2, "", said + "\n")
+
+
+def test_every_hosts_flag_names_every_inventory_format_and_the_real_embedded_inventory():
+    """Read in a fresh process: invoke moves a task's help text into its parser when it first parses."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    read = ("import json; from mnft.cli.tasks import ns; "
+            "print(json.dumps({n: t.help.get('hosts') for n, t in ns.tasks.items() if 'hosts' in t.help}))")
+    done = subprocess.run([sys.executable, "-c", read], capture_output=True, text=True, timeout=60, env=dict(os.environ, PYTHONPATH=str(repo)))
+    helps = json.loads(done.stdout)
+    files = {name: h for name, h in helps.items() if "inventory file" in h}
+    assert len(files) >= 9 and all("Ansible YAML or INI" in h and "mnft/cli/local.yaml" in h for h in files.values()), helps
+    assert (repo / "mnft" / "cli" / "local.yaml").is_file()
+
+
+def test_every_path_the_docs_name_in_backticks_exists():
+    """docs/jobs.md named `mnft/inventories/local.yaml`, which does not exist (issue 36)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    missing = []
+    for doc in [*sorted((root / "docs").glob("*.md")), root / "README.md"]:
+        for match in re.finditer(r"`((?:mnft|inventory|docs|tests|bench|examples|playbooks)/[A-Za-z0-9_./-]+)`", doc.read_text()):
+            path = match.group(1).rstrip(".")
+            if not (root / path).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert missing == []

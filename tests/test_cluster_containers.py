@@ -184,3 +184,37 @@ def test_sigterm_to_the_controller_ends_every_container(boxes, torch_image, cont
             run.kill()
     assert run.returncode != 0
     nothing_left(boxes, record["run_id"], timeout=5)
+
+
+RESTARTED = '''
+import os, sys, time
+print("rank=%s attempt=%s python=%s" % (os.environ.get("RANK"), os.environ.get("MNFT_ATTEMPT"), sys.executable), flush=True)
+if os.environ.get("MNFT_ATTEMPT") == "1":
+    time.sleep(300)
+'''
+
+
+def test_a_restart_in_the_image_on_hosts_without_torch_is_rechecked_in_the_image(boxes, torch_image, controller, src, tmp_path):
+    """Issue 36: the lab trains in an image and its hosts' own Python has no torch (Debian's /usr/bin/python3). A
+    container killed from outside (`podman kill`) fails attempt 1; the re-check before attempt 2 judges the image,
+    by the id the first check verified (not the hosts' Python), and attempt 2 runs; the kill is said as a kill."""
+    (src / "restarted.py").write_text(RESTARTED)
+    inv = str(boxes.write_inventory(tmp_path / "inv.yaml", python="/usr/bin/python3"))
+    run = start(controller, "train", "--hosts", inv, "--src", str(src), "--image", torch_image.ref, "--max-restarts", "1",
+                "--backoff", "0", "--", "restarted.py")
+    try:
+        wait_for_output(run, r"rank=1 attempt=1", timeout=120)
+        record = latest_record(tmp_path)
+        boxes.podman(boxes.hosts[1], "kill", f"mnft-{record['run_id']}-h2")
+        out, _ = run.communicate(timeout=180)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, out[-4000:]
+    assert "the re-check before attempt 2 failed" not in out
+    assert "killed" in out and "exited with code 137" not in out.split("attempt 1 failed:")[1].split("\n")[0], out[-3000:]
+    record = json.loads((tmp_path / "runs" / record["run_id"] / "run.json").read_text())
+    assert [a["state"] for a in record["attempts"]] == ["failed", "succeeded"]
+    assert record["attempts"][0]["recheck_s"] is not None
+    assert record["image"] == {"ref": torch_image.ref, "id": record["facts"]["h1"]["container"]["image"]["id"]}
+    nothing_left(boxes, record["run_id"], timeout=15)

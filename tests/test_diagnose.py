@@ -130,3 +130,23 @@ def test_an_abort_while_the_interpreter_exits_after_the_work_is_a_warning_with_i
     found = after_work("h1", summary)
     assert found.cause == "h1: rank 0 was killed by SIGABRT while the interpreter exited, after its work was done"
     assert found.fix.startswith("call torch.distributed.destroy_process_group() at the end of the script")
+
+
+def test_a_container_killed_from_outside_is_said_as_a_kill_not_an_exit_code_and_no_traceback_is_asked_for():
+    """Issue 36: `podman kill` of one host's container: `podman run` exits 137 and torchrun printed no summary (it was
+    killed with it). The cause says the container was killed, the fix says where to look; no traceback is promised."""
+    tail = ("rank=1 attempt=1", "[W1128 12:34:26.656 socket.cpp:207] [c10d] The hostname of the client socket cannot be retrieved")
+    seen = Seen(failed_host="node2", host_state="exited", exit_code=137, tail=tail, first_step=True, container=True)
+    cause = classify(seen)
+    assert (cause.kind, cause.code, cause.detail) == ("signal", 137, "node2's container was killed by SIGKILL (exit code 137) from outside the run")
+    found = diagnose(Evidence(cause=cause, tail=tail))
+    assert found.kind == "killed" and "traceback" not in found.fix and "journalctl -k" in found.fix
+    bare = classify(Seen(failed_host="node2", host_state="exited", exit_code=-15, tail=tail, first_step=True))
+    assert bare.detail == "node2's torchrun was killed by SIGTERM from outside the run"
+
+
+def test_a_failure_without_a_traceback_points_at_the_hosts_last_lines_not_at_a_traceback():
+    cause = classify(Seen(failed_host="node2", host_state="exited", exit_code=3, tail=("saving…",), first_step=True))
+    found = diagnose(Evidence(cause=cause, tail=("saving…",)))
+    assert (found.kind, cause.detail) == ("failed", "node2 exited with code 3")
+    assert "traceback above" not in found.fix and "node2's last lines" in found.fix

@@ -215,6 +215,10 @@ def test_on_this_machine_a_host_lacking_the_image_gets_it_and_one_holding_anothe
     assert report.ok and (report.source, report.reference) == ("h1", "sha256:" + wanted.id)
     assert {n: h.status for n, h in report.hosts.items()} == {"h1": "ok", "h2": "changed", "h3": "changed"}
     assert all(h.id == "sha256:" + wanted.id for h in report.hosts.values())
+    # no mesh: this machine fetched the archive from h1 once, and sent what the hosts' rows say (issue 36: the fetch
+    # was counted as sent, the total twice a row's for one receiver)
+    assert report.fetched_bytes == report.archive_bytes > 0
+    assert report.controller_bytes == sum(h.controller_bytes for h in report.hosts.values()) > 0
     for name in ("h2", "h3"):
         ident = subprocess.run([runtimes[name], "image", "inspect", "--format", "{{.Id}}", wanted.ref], capture_output=True, text=True, timeout=60)
         assert ident.stdout.strip() == wanted.id

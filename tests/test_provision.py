@@ -354,7 +354,7 @@ def test_the_check_rule_names_the_differing_packages_of_a_host_but_not_torch_whi
     node3 = {"dists": {"numpy": "2.1.0", "torch": "2.5.0", "peft": "0.12.0", "foo": "0.3"}}
     problem = environment_drift("node3", node3, master, "master")
     assert problem.field == "env" and problem.message == "numpy 2.1.0 (master: 1.26.4); extra: foo 0.3"
-    assert "invoke provision" in problem.fix
+    assert "mnft provision" in problem.fix
     assert environment_drift("node2", master, master, "master") is None
     assert environment_drift("node2", {}, master, "master") is None  # an older probe without dists: no verdict
 
@@ -867,3 +867,20 @@ def test_heartbeats_keep_an_install_longer_than_the_deadman_going_to_its_switch(
     link = tmp / "home" / "mnft-env"
     done = subprocess.run([str(link / "bin" / "python"), "-c", "import alpha; print(alpha.__version__)"], capture_output=True, text=True)
     assert done.stdout.strip() == "1.1", done.stderr
+
+
+def test_the_before_table_says_what_provision_will_do_and_what_is_missing_not_ok():
+    """Issue 36: provision's "before" table said `ok` for hosts missing all 41 packages of the lock."""
+    from mnft.env.report import HostOutcome, cells
+
+    versions = {f"pkg{i}": "1.0" for i in range(41)}
+    pins = [lockfile.Pin(name, version) for name, version in versions.items()]
+    bare = HostOutcome("h1", "ok", "install", before=against_lock({}, pins), python="/usr/bin/python3.11")
+    assert cells(bare) == ("to install", "no environment yet: all 41 packages of the lock missing", "yellow")
+    drifted = HostOutcome("h2", "ok", "install", before=against_lock({**versions, "pkg3": "0.9"}, pins), fingerprint="abc")
+    status, detail, _ = cells(drifted)
+    assert status == "to install" and "pkg3 0.9 (lock: 1.0)" in detail
+    matches = HostOutcome("h3", "ok", "none", before=against_lock(versions, pins), fingerprint="abc")
+    assert cells(matches) == ("ok", "identical", "green")
+    done = HostOutcome("h1", "changed", "install", before=bare.before, after=against_lock(versions, pins), fingerprint="abc")
+    assert cells(done)[:2] == ("changed", "identical")

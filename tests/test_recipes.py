@@ -391,7 +391,7 @@ def test_latest_on_another_world_size_without_every_shard_is_one_line_naming_wha
     assert str(e.value) == (
         f"resume=latest: checkpoint {tmp_path}/step-2 was written by 2 ranks and this run has 1: resuming it needs "
         f"all 2 rank dirs (rank-0 .. rank-1) on each node, but {socket.gethostname()}:{tmp_path}/step-2 lacks "
-        "rank-1 (new rank 0); copy them there (invoke train --resume does) or resume with 2 ranks")
+        "rank-1 (new rank 0); copy them there (`train --resume` does) or resume with 2 ranks")
     assert e.value.exit_code == 2
     fake_checkpoint(tmp_path, 2, rank=1, world_size=2, save_id="a")  # copied here, as mnft does before a resume
     resume = checkpointing.resolve("latest", tmp_path, rank=0, world_size=1)
@@ -683,7 +683,7 @@ def test_a_checkpoint_resumes_on_another_world_size_with_the_same_state_and_the_
             f"mnft.recipes: resume=latest: checkpoint {out}/0/checkpoints/step-3 was written by {before} ranks and "
             f"this run has {after}: resuming it needs "), errors
         assert (f"but {socket.gethostname()}:{out}/{new_rank}/checkpoints/step-3 lacks {lacking} (new rank {new_rank}); "
-                f"copy them there (invoke train --resume does) or resume with {before} ranks") in errors[0]
+                f"copy them there (`train --resume` does) or resume with {before} ranks") in errors[0]
         assert not (out / str(new_rank) / "checkpoints" / "step-3" / lacking).exists()
         replicate(out, 3, max(before, after))
     res = run(after, 8, "max_steps=3", "resume=latest")

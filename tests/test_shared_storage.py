@@ -204,7 +204,24 @@ def test_shared_fs_declared_and_found_are_compared():
     hosts = [Host(name=n, rank=i, address=f"10.0.0.{i}", shared_fs=n != "h3") for i, n in enumerate(["h1", "h2", "h3"])]
     found = {"h1": ("h1", "h3"), "h3": ("h1", "h3")}
     problems = shared_fs_problems(hosts, found)
-    assert [(p.host, p.severity) for p in problems] == [("h2", "error"), ("h1", "warning")]
+    assert [(p.host, p.severity) for p in problems] == [("h2", "error"), ("h1", "note")]
+    assert problems[1].fix == ""  # found, and nothing to do: no fix line (issue 36)
+
+
+def test_a_note_that_needs_nothing_done_prints_no_fix_line(capsys):
+    from mnft.check.findings import CheckReport
+    from mnft.check.report import print_check
+    from mnft.check.rules import shared_fs_problems
+    from mnft.hosts.fleet import HostResult, Status
+    from mnft.hosts.settings import Host, Inventory
+
+    hosts = tuple(Host(name=n, rank=i, address=f"10.0.0.{i}") for i, n in enumerate(["h1", "h2"]))
+    report = CheckReport(Inventory(None, "mnft", hosts, "h1"), {h.name: HostResult(h.name, Status.OK) for h in hosts}, {},
+                         problems=shared_fs_problems(list(hosts), {"h1": ("h1", "h2"), "h2": ("h1", "h2")}))
+    print_check(report, as_json=False)
+    out = " ".join(capsys.readouterr().out.split())
+    assert "h1: shared_fs: h1, h2 see one workdir (a shared filesystem) without shared_fs in the inventory: mnft found it" in out
+    assert "fix:" not in out and "nothing to do" not in out
 
 
 def test_check_holds_declared_hosts_to_the_workdir_most_of_them_see_and_says_when_a_mark_could_not_be_left():

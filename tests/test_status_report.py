@@ -115,3 +115,15 @@ def test_logs_of_an_hf_script_plot_its_dict_lines_when_no_trainer_state_was_coll
     assert [(s["index"], s["loss"]) for s in steps] == [(1, 3.0), (2, 2.0)] and source == "a: rank 0's output"
     summary = logs.summarize(record)
     assert (summary["initial_loss"], summary["final_loss"], summary["last_step"]) == (3.0, 2.0, 2)
+
+
+def test_a_long_last_line_keeps_its_end_cut_at_a_word_boundary_and_marked():
+    """Issue 36: `status` cut its last-line column 60 characters from the end, mid-word ("ng_rate=2e-05 …")."""
+    from mnft.core.output import clip_end
+
+    line = "{'loss': 1.2345, 'grad_norm': 0.51, 'learning_rate': 2e-05, 'epoch': 0.37, 'step': 120}"
+    cut = clip_end(line, 60)
+    assert cut == "…0.51, 'learning_rate': 2e-05, 'epoch': 0.37, 'step': 120}"
+    assert len(cut) <= 60 and cut.endswith("'step': 120}")
+    assert clip_end("short line", 60) == "short line"
+    assert clip_end("x" * 100, 60) == "…" + "x" * 59  # no word to cut at: cut where it must, still marked

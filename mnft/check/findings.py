@@ -44,6 +44,8 @@ class CheckOptions:
     modules: tuple[Need, ...] = ()  # modules the job imports that every host's Python must resolve (mnft.run.needs)
     own_devices: dict[str, tuple[int, ...]] | None = None  # train --gpus: host -> the GPUs the run took (others are others')
     image: str | None = None  # the job's container image (reference or .sif path): Python, torch and the job's modules looked up inside it
+    image_id: str | None = None  # the image's id the run's first check verified: every later check of the run (a re-check before a
+    #                              restart, a spare, --resume, a requeued Slurm attempt) requires this id on every host
 
     def __post_init__(self) -> None:
         """Bad arguments are bad input (exit 2), refused before any host is touched."""
@@ -66,7 +68,7 @@ class Problem:
     host: str  # host name, or "*" for the whole cluster
     field: str
     message: str
-    fix: str
+    fix: str  # "" where nothing needs doing (a note): no fix line is printed
     severity: str = "error"  # "error" fails the check; "warning" and "note" are shown only
 
 

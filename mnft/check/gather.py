@@ -19,6 +19,7 @@ from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
 from mnft.check.rules import evaluate, iface_of_address, master_address, probe_failed, probe_skew, shared_fs_problems, source_address
 from mnft.check.session import Run, Session, close_sessions, open_sessions
 from mnft.core.errors import MnftError
+from mnft.core.output import command
 from mnft.hosts import fanin, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Unreachable
@@ -288,7 +289,7 @@ def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str
     for name, code in report.code.items():
         if code.get("matches") is False:
             shown = ", ".join(code.get("differing") or [])
-            report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", "invoke sync", "warning"))
+            report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", command("sync"), "warning"))
     if nonce:
         from mnft.sync.mirror import detect_sharing, sharing_of
 

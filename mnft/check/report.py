@@ -128,4 +128,5 @@ def print_check(report: CheckReport, as_json: bool) -> None:
         out.print(Text.assemble((f"{outcome.host}: {outcome.status.value}", STATUS_STYLE[outcome.status.value]), f": {outcome.error}"))
     for p in problems:
         style = {"warning": "yellow", "note": "cyan"}.get(p.severity, "red")
-        out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}\n    {'note' if p.severity == 'note' else 'fix'}: {p.fix}"))
+        said = f"\n    {'note' if p.severity == 'note' else 'fix'}: {p.fix}" if p.fix else ""  # a note that needs nothing done: no fix line
+        out.print(Text.assemble((f"{p.host}: {p.field}", style), f": {p.message}{said}"))

@@ -10,6 +10,7 @@ from typing import Any
 from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, reference_host, reference_label
 from mnft.env.diff import compare
 from mnft.hosts.fleet import HostResult
+from mnft.core.output import command
 from mnft.hosts.leases import describe, verified
 from mnft.hosts.settings import Host, Inventory
 
@@ -171,7 +172,7 @@ def environment_drift(name: str, facts: dict, reference: dict, label: str) -> Pr
     diff = compare(mine, theirs, ignore=ENV_RULE_IGNORES)
     if diff.empty:
         return None
-    return Problem(name, "env", diff.describe(label), "make the hosts' environments identical from one lock: invoke provision --hosts FILE")
+    return Problem(name, "env", diff.describe(label), f"make the hosts' environments identical from one lock: {command('provision --hosts FILE')}")
 
 
 def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None) -> list[Problem]:
@@ -198,7 +199,7 @@ def gpus_in_use(host: str, gpus: list[dict], own: tuple[int, ...] | None = None)
                                     "another user's work: `mnft lab` shows whose run and since when; --gpus G takes free GPUs beside it", "note"))
         else:
             problems.append(Problem(host, "gpus", f"GPU {gpu.get('index')} is held by your process(es) {pids}",
-                                    "a leftover of an ended run: stop it (invoke stop RUN) or those processes before training", "warning"))
+                                    f"a leftover of an ended run: stop it ({command('stop RUN')}) or those processes before training", "warning"))
     return problems
 
 
@@ -233,6 +234,12 @@ def _image_id(facts: dict | None) -> str | None:
     return (((facts or {}).get("container") or {}).get("image") or {}).get("id")
 
 
+def verified_image_id(inventory: Inventory, facts: dict[str, dict]) -> str | None:
+    """The image's id a check judged: its reference host's (the id every other host was required to have)."""
+    ref_name = image_reference(inventory, facts)
+    return _image_id(facts.get(ref_name)) if ref_name is not None else None
+
+
 def image_reference(inventory: Inventory, facts: dict[str, dict]) -> str | None:
     """The host whose image id the others must have: the master, or when it has none the first host that has one."""
     if _image_id(facts.get(inventory.master_name)):
@@ -245,9 +252,10 @@ def _python_missing(error: str, python: str) -> bool:
     return python in low and ("not found" in low or "no such file" in low)
 
 
-def image_problems(inventory: Inventory, facts: dict[str, dict], image: str) -> list[Problem]:
-    """The rules of a run in an image: a runtime on every host, the image there, by the same id as the master's, GPUs
-    the runtime can hand to a container, and the probe inside the image answered. Pure: facts in, problems out."""
+def image_problems(inventory: Inventory, facts: dict[str, dict], image: str, expected_id: str | None = None) -> list[Problem]:
+    """The rules of a run in an image: a runtime on every host, the image there, by the same id as the master's (or,
+    in a later check of a run, as the id its first check verified: `expected_id`), GPUs the runtime can hand to a
+    container, and the probe inside the image answered. Pure: facts in, problems out."""
     from mnft.image.runtime import CDI_FIX
 
     problems: list[Problem] = []
@@ -275,7 +283,13 @@ def image_problems(inventory: Inventory, facts: dict[str, dict], image: str) -> 
                 problems.append(Problem(host.name, "image", f"{host.name} lacks {image}",
                                         f"mnft sync --image {image} (relays it from a host that has it)"))
             continue
-        if ref_name is not None and host.name != ref_name and found.get("id") != _image_id(facts[ref_name]):
+        if expected_id is not None:
+            if found.get("id") != expected_id:
+                problems.append(Problem(host.name, "image", f"{host.name} has {short_id(found.get('id'))}, the run began in {short_id(expected_id)}: "
+                                        f"{image} changed since the run's first check",
+                                        f"put the run's image back as {image} on every host (`mnft sync --image` from a host that has "
+                                        f"{short_id(expected_id)}, with --force), or start a new run; --force goes on in the image there"))
+        elif ref_name is not None and host.name != ref_name and found.get("id") != _image_id(facts[ref_name]):
             whose = f"the master {ref_name}" if ref_name == master else f"{ref_name} (the first host that has it; the master {master} does not)"
             problems.append(Problem(host.name, "image", f"{host.name} has {short_id(found.get('id'))}, {whose} has {short_id(_image_id(facts[ref_name]))}",
                                     f"mnft sync --image {image} --force"))
@@ -303,7 +317,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
     py_label = reference_label(inventory, py_name) if py_name == ref_name else f"{py_name}'s (the first host whose image answered)"
     known = {name for name, f in facts.items() if not image or probed_inside(f)}
     if image:
-        problems += image_problems(inventory, facts, image)
+        problems += image_problems(inventory, facts, image, options.image_id)
     uses_gpu = any((f.get("torch") or {}).get("cuda") or (f.get("nvidia") or {}).get("gpus") for f in facts.values())
     inventory_provisioned = any(h.base_python is not None for h in inventory.hosts)  # the lab installs from a lock
     for host in inventory.hosts:
@@ -375,7 +389,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             reach = report.reach.get(host.name)
             if reach is not None and not reach.ok:
                 via = f" from {reach.source}" if reach.source else (f" from {host.iface}" if host.iface else "")
-                problems.append(Problem(host.name, "network", f"cannot reach the master {report.master_addr}:{report.port}{via}: {reach.error}", "open the port on the master's firewall for the peers (invoke setup), or set 'iface' to the cluster interface"))
+                problems.append(Problem(host.name, "network", f"cannot reach the master {report.master_addr}:{report.port}{via}: {reach.error}", f"open the port on the master's firewall for the peers ({command('setup')}), or set 'iface' to the cluster interface"))
         if len(inventory.hosts) > 1 and ipaddress.IPv4Address(report.master_addr).is_loopback:
             problems.append(Problem(master, "master_addr", f"the master's address {report.master_addr} is a loopback address peers cannot reach", "set the master's 'address' or 'iface' to the cluster network"))
     return problems
@@ -404,7 +418,7 @@ def shared_fs_problems(hosts: list[Host], shared: dict[str, tuple[str, ...]], un
                                         f"mount the shared filesystem on {name} (or remove shared_fs from the inventory)"))
     for name, group in sorted(shared.items()):
         if name == group[0] and not all(n in asserted for n in group):
-            problems.append(Problem(name, "shared_fs", f"{', '.join(group)} see one workdir (a shared filesystem) without shared_fs in the inventory",
-                                    "nothing to do: mnft found it (shared_fs: true asserts that the workdir and the data_dir are shared, "
-                                    "for check and sync --data to verify: docs/inventory.md)", "warning"))
+            problems.append(Problem(name, "shared_fs", f"{', '.join(group)} see one workdir (a shared filesystem) without shared_fs in the "
+                                    "inventory: mnft found it (`shared_fs: true` asserts that the workdir and the data_dir are shared, "
+                                    "for check and sync --data to verify: docs/inventory.md)", "", "note"))
     return problems

@@ -18,6 +18,9 @@ from invoke import Collection, Exit, task
 from mnft.cli.parsing import OptionalPositionalTask, remainder
 
 DEFAULT_INVENTORY = Path(__file__).resolve().parent / "local.yaml"  # this machine only, no SSH
+INVENTORY_FORMATS = "mnft YAML, Ansible YAML or INI, or a hostfile"
+HOSTS_HELP = (f"inventory file ({INVENTORY_FORMATS}); default: the embedded mnft/cli/local.yaml (this machine, 2 processes, "
+              "no SSH; inventory/local.yaml in mnft's checkout)")
 
 # Once a command is done, the interpreter's teardown runs full garbage collections over every object it ever made
 # (invoke, paramiko, the hosts' facts): 50-70 ms of CPU after the last line is out, on every command (check at 8
@@ -100,7 +103,7 @@ def _timeouts(connect_timeout: float, timeout: float):
     return Timeouts(connect=connect_timeout, command=timeout)
 
 
-@task(help={"hosts": "inventory file (mnft YAML, Ansible YAML or hostfile); default: the embedded inventory/local.yaml", "json": "machine-readable output"})
+@task(help={"hosts": HOSTS_HELP, "json": "machine-readable output"})
 @_mnft_errors
 def inventory(c, hosts=None, json=False):
     """Print the effective per-host settings: what each host will actually use."""
@@ -111,7 +114,7 @@ def inventory(c, hosts=None, json=False):
 
 @task(
     help={
-        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "hosts": HOSTS_HELP,
         "json": "machine-readable output (per host: outcome, facts, problems)",
         "port": "rendezvous port to test (default: the inventory's, 29500)",
         "min_free_gb": "free disk floor at each host's workdir, GiB",
@@ -178,7 +181,7 @@ def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0
 @task(
     name="trust-hosts",
     help={
-        "hosts": "inventory file",
+        "hosts": HOSTS_HELP,
         "dry_run": "show the keys and fingerprints without recording them",
         "json": "machine-readable output",
         "connect_timeout": "seconds to wait for each host",
@@ -264,7 +267,7 @@ def _job(recipe, job_file, entry, overrides):
     help={
         "recipe": "one of mnft's recipes: lora or full (the default when no script or job is given)",
         "job": "a job file (YAML): your script, its arguments, env, resume rule and metrics; see docs/jobs.md",
-        "hosts": "inventory file; default: the embedded inventory/local.yaml (this machine)",
+        "hosts": HOSTS_HELP,
         "set": "recipe override key=value (repeat)",
         "env": "environment for the run: NAME (value from here) or NAME=VALUE (repeat); secret names (TOKEN/KEY/SECRET/PASSWORD) only as NAME",
         "env_file": "NAME=VALUE lines for the run, file mode 0600 (repeat): the way to pass secrets not in this environment",
@@ -442,7 +445,7 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
 @task(
     iterable=["exclude"],
     help={
-        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "hosts": HOSTS_HELP,
         "src": "the tree to copy (default: the top of the git repository around the current directory)",
         "data": "copy this data directory to every host's data_dir instead of the code (hosts found sharing it, and hosts declared shared_fs: one copy, verified by the others)",
         "exclude": "one more rsync exclude pattern (repeat); also invoke.yaml's sync.exclude list",
@@ -505,7 +508,7 @@ def _sync_image(hosts, image, *, dry_run: bool, force: bool, relay: bool, json: 
 @task(
     iterable=["only"],
     help={
-        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "hosts": HOSTS_HELP,
         "playbook": "the playbook (default: playbooks/setup.yaml)",
         "check": "print what each step would change on each host; change nothing",
         "only": "run only this step (step, step name or tag: trust, names, firewall, ports); repeat or comma-separate",
@@ -535,7 +538,7 @@ def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json
 @task(
     iterable=["find_links"],
     help={
-        "hosts": "inventory file; default: the embedded inventory/local.yaml",
+        "hosts": HOSTS_HELP,
         "lock": "the lock file (requirements.lock or pylock.toml); default: the one at the top of --src",
         "src": "the project tree whose lock is the default (default: the git top level around the current directory)",
         "dry_run": "per host what would be installed, upgraded and removed; change nothing",
@@ -575,7 +578,7 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     return report.exit_code()
 
 
-@task(help={"hosts": "inventory file; default: the embedded inventory/local.yaml", "json": "machine-readable output",
+@task(help={"hosts": HOSTS_HELP, "json": "machine-readable output",
             "connect_timeout": "seconds to wait for each host's SSH connection"})
 @_mnft_errors
 def lab(c, hosts=None, json=False, connect_timeout=10.0):
@@ -594,7 +597,7 @@ def lab(c, hosts=None, json=False, connect_timeout=10.0):
     return print_lab(inv, views, json, clock.monotonic() - started)
 
 
-@task(help={"hosts": "inventory file whose lab the board shows; default: the embedded inventory/local.yaml",
+@task(help={"hosts": "the inventory whose lab the board shows: " + HOSTS_HELP,
             "port": "TCP port to serve on (default 8765; 0: a free one, printed)",
             "listen": "address to listen on (default 127.0.0.1: reach it with ssh -L); another one shows the lab to anyone who can reach it",
             "connect_timeout": "seconds to wait for each host's SSH connection"})

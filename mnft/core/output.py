@@ -23,6 +23,34 @@ STATUS_STYLE = {
 }
 
 
+def program(argv0: str | None = None) -> str:
+    """The command the user runs mnft's tasks with, from how this process was started: `invoke` (or `inv`, or
+    `python -m invoke`) in the mnft checkout, else `mnft` (the console command, and any other start: a library call,
+    a test's `python -c`)."""
+    start = (sys.argv[0] if sys.argv else "") if argv0 is None else argv0
+    name = start.replace("\\", "/").rstrip("/").rsplit("/", 1)[-1]
+    if name in ("invoke", "inv") or start.replace("\\", "/").endswith("/invoke/__main__.py"):
+        return "invoke"
+    return "mnft"
+
+
+def command(rest: str) -> str:
+    """A command line of mnft's to name in a message (`mnft trust-hosts --hosts <inventory>`), as the user runs it:
+    every message that tells a person to run a task says it through here."""
+    return f"{program()} {rest}"
+
+
+def clip_end(text: str, width: int) -> str:
+    """A long line's end in `width` characters, cut at a word boundary and marked (…): the end of a line is what
+    changed last (a step, a loss, an error's last words). A line without a space in its end is cut where it must."""
+    text = " ".join(text.split())
+    if len(text) <= width:
+        return text
+    tail = text[-(width - 1):]
+    space = tail.find(" ")
+    return "…" + (tail[space + 1:] if 0 <= space < len(tail) - 1 else tail)
+
+
 def console(stderr: bool = False) -> Console:
     """The console every command prints to. Strings are printed as they are, never read as rich markup (a job's
     name, a path or an argument like `files=[model.pt]` or `a[/b]` is data): style goes through `Text`."""

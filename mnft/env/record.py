@@ -11,6 +11,7 @@ from typing import Mapping
 
 from mnft.core import limits
 from mnft.core.errors import InputError
+from mnft.core.output import command
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
 
@@ -33,7 +34,7 @@ def load_state() -> dict[str, dict]:
     except limits.TooLarge:
         raise
     except InputError as exc:
-        raise InputError(f"{exc}: delete it and run invoke provision again") from None
+        raise InputError(f"{exc}: delete it and run {command('provision')} again") from None
     return data if isinstance(data, dict) else {}
 
 

@@ -88,17 +88,30 @@ def print_table(title: str, hosts: Mapping[str, HostOutcome], report: ProvisionR
     for col in ("host", "status", "python", "env", "differs from the lock"):
         table.add_column(col)
     for name, o in hosts.items():
-        diff = o.after if o.after is not None else o.before
-        if o.error:
-            detail = Text(o.error, style="red")
-        elif diff is None:
-            detail = Text("-", style="dim")
-        elif diff.empty:
-            detail = Text("identical", style="green")
-        else:
-            detail = plain(diff.describe("lock"), style="yellow")
-        table.add_row(plain(name), status_text(o.status), plain(o.python), plain(o.fingerprint[:12] if o.fingerprint else None), detail)
+        status, detail, style = cells(o)
+        table.add_row(plain(name), status_text(status) if status == o.status else Text(status, style="yellow"), plain(o.python),
+                      plain(o.fingerprint[:12] if o.fingerprint else None), Text(detail, style=style))
     out.print(table)
+
+
+PENDING = {"install": "to install", "rollback": "to roll back", "verify": "to verify"}
+
+
+def cells(o: HostOutcome) -> tuple[str, str, str]:
+    """A host's status and how it differs from the lock, as its row says them (and the detail's style). Read before
+    anything changed, a host whose environment does not match is not `ok`: it says what provision will do there
+    ("to install") and what is missing (a host without an environment lacks every package of the lock)."""
+    diff = o.after if o.after is not None else o.before
+    status = PENDING.get(o.action, o.status) if o.status == "ok" and o.after is None else o.status
+    if o.error:
+        return status, o.error, "red"
+    if diff is None:
+        return status, "-", "dim"
+    if diff.empty:
+        return status, "identical", "green"
+    if o.fingerprint is None and o.after is None and diff.missing and not diff.changed and not diff.extra:
+        return status, f"no environment yet: all {len(diff.missing)} packages of the lock missing", "yellow"
+    return status, diff.describe("lock"), "yellow"
 
 
 def print_report(report: ProvisionReport, as_json: bool, out=None) -> None:

@@ -28,6 +28,7 @@ import paramiko
 
 from mnft.core import limits
 from mnft.core.errors import InputError
+from mnft.core.output import command
 from mnft.hosts import fanin
 from mnft.hosts.hostkeys import RejectUnknownHostKey, TrustedKeys, UnknownHostKey, fingerprint, known_name
 from mnft.hosts.settings import Host
@@ -513,11 +514,11 @@ def _open_once(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fab
         if trusted.revoked(exc.key):
             raise HostKeyRejected(f"host key {exc.key.get_name()} {fingerprint(exc.key)} of {exc.hostname}"
                                   f"{'' if exc.hostname == name else f' (ProxyJump hop to {name})'} is marked @revoked in known_hosts: "
-                                  f"refused (give the host a new key, then invoke trust-hosts)") from None
+                                  f"refused (give the host a new key, then {command('trust-hosts')})") from None
         raise HostKeyRejected(
             f"unknown host key {exc.key.get_name()} {fingerprint(exc.key)} for {exc.hostname}"
             f"{'' if exc.hostname == name else f' (ProxyJump hop to {name})'}; "
-            f"if that is the host's real key, trust it on purpose: invoke trust-hosts --hosts <inventory>"
+            f"if that is the host's real key, trust it on purpose: {command('trust-hosts --hosts <inventory>')}"
         ) from None
     except paramiko.BadHostKeyException as exc:
         conn.close()
@@ -526,7 +527,7 @@ def _open_once(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fab
         raise HostKeyRejected(
             f"HOST KEY CHANGED for {changed}{via}: it now presents {fingerprint(exc.key)}, trusted is "
             f"{fingerprint(exc.expected_key)}; someone may be intercepting the connection (man-in-the-middle). "
-            f"If the host was reinstalled, remove the old key (ssh-keygen -R '{changed}') and run invoke trust-hosts"
+            f"If the host was reinstalled, remove the old key (ssh-keygen -R '{changed}') and run {command('trust-hosts')}"
         ) from None
     except paramiko.AuthenticationException as exc:
         conn.close()

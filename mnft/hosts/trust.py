@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import fabric
 import paramiko
 
+from mnft.core.output import command
 from mnft.hosts.connection import Timeouts, fabric_connection, gateway_hops, ssh_target
 from mnft.hosts.hostkeys import (
     TrustResult,
@@ -85,7 +86,7 @@ def _close_hops(conn: fabric.Connection) -> None:
 
 def _reason(exc: Exception) -> str:
     if isinstance(exc, UnknownHostKey):
-        return f"ProxyJump hop {exc.hostname} has an unknown host key {fingerprint(exc.key)}: trust the hop first (list it in an inventory and run invoke trust-hosts)"
+        return f"ProxyJump hop {exc.hostname} has an unknown host key {fingerprint(exc.key)}: trust the hop first (list it in an inventory and run {command('trust-hosts')})"
     if isinstance(exc, paramiko.BadHostKeyException):
         return f"HOST KEY CHANGED for ProxyJump hop {exc.hostname}: possible man-in-the-middle"
     return str(exc) or exc.__class__.__name__

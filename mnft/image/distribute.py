@@ -199,7 +199,8 @@ class ImageReport:
     dry_run: bool = False
     relay: bool = False
     archive_bytes: int = 0
-    controller_bytes: int = 0  # bytes this machine sent (or fetched from the source host)
+    controller_bytes: int = 0  # bytes this machine sent to the hosts: the sum of the hosts' rows
+    fetched_bytes: int = 0  # bytes this machine fetched from the source host (no mesh to relay host to host)
     seconds: float = 0.0
 
     @property
@@ -214,7 +215,8 @@ class ImageReport:
 
     def to_json(self) -> dict:
         return {"image": self.image, "id": self.reference, "source": self.source, "dry_run": self.dry_run, "relay": self.relay,
-                "archive_bytes": self.archive_bytes, "controller_bytes": self.controller_bytes, "seconds": self.seconds,
+                "archive_bytes": self.archive_bytes, "controller_bytes": self.controller_bytes, "fetched_bytes": self.fetched_bytes,
+                "seconds": self.seconds,
                 "ok": self.ok, "hosts": {name: asdict(h) for name, h in self.hosts.items()}}
 
 
@@ -470,7 +472,7 @@ def _fetch(inventory: Inventory, host: Host, folder: str, report: ImageReport) -
     if status is not Status.OK:
         shutil.rmtree(local, ignore_errors=True)
         raise _SourceFailed(f"fetching the image from {host.name} (the source) failed: {error}")
-    report.controller_bytes += report.archive_bytes
+    report.fetched_bytes += report.archive_bytes
     return local
 
 

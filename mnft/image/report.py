@@ -28,4 +28,5 @@ def print_image_sync(report: ImageReport, as_json: bool) -> None:
                       plain(h.via or None), fmt_size(h.controller_bytes), f"{h.seconds:.2f}", plain(detail))
     out.print(table)
     if not report.dry_run:
-        out.print(plain(f"this machine sent {fmt_size(report.controller_bytes)} in {report.seconds:.1f} s", style="dim"))
+        fetched = f"fetched {fmt_size(report.fetched_bytes)} from {source} and " if report.fetched_bytes else ""
+        out.print(plain(f"this machine {fetched}sent {fmt_size(report.controller_bytes)} in {report.seconds:.1f} s", style="dim"))

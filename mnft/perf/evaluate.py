@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 
 from mnft.check.findings import Problem
 from mnft.core.errors import InputError
+from mnft.core.output import command
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,7 @@ def evaluate(hosts: list[str], links: dict[tuple[str, str], dict], ranks: list[d
         if isinstance(cpus, int) and threads > cpus:
             problems.append(Problem(name, "threads", f"{len(rs)} rank(s) × {rs[0].get('threads')} intra-op threads = {threads} > {cpus} CPUs: "
                                     "threads wait for each other on oversubscribed cores",
-                                    f"set OMP_NUM_THREADS={max(1, cpus // len(rs))} for the run (invoke train --env OMP_NUM_THREADS=…)", "warning"))
+                                    f"set OMP_NUM_THREADS={max(1, cpus // len(rs))} for the run ({command('train --env OMP_NUM_THREADS=…')})", "warning"))
 
     # ------------------------------------------------------------ collectives
     if allreduce:

@@ -21,6 +21,7 @@ from typing import Callable
 
 from mnft.check.findings import CheckReport
 from mnft.core.errors import InputError
+from mnft.core.output import command
 from mnft.hosts.fleet import Fleet
 from mnft.perf import schedule
 from mnft.perf.collectives import CollectiveRun, Pending, start_allreduce
@@ -219,11 +220,11 @@ def measure(fleet: Fleet, report: CheckReport, options: PerfOptions = PerfOption
         for name, why in perf.collectives.not_started.items():  # these hosts, by name: the others only waited for them
             perf.evaluation.problems.append(Problem(name, "collectives", f"the torch worker did not start: {why}",
                                                     f"run `{inventory.host(name).python} -c 'import torch.distributed'` on {name}; "
-                                                    "invoke check shows its torch and Python"))
+                                                    f"{command('check')} shows its torch and Python"))
             perf.evaluation.rows[name].verdict = "failed"
         if not perf.collectives.not_started:
             perf.evaluation.problems.append(Problem("*", "collectives", f"the all_reduce job failed: {perf.collectives.error}",
-                                                    "run invoke train with a few steps to see the full error; check GLOO/NCCL_SOCKET_IFNAME and the firewall"))
+                                                    f"run {command('train')} with a few steps to see the full error; check GLOO/NCCL_SOCKET_IFNAME and the firewall"))
     perf.elapsed = time.monotonic() - started
     return perf
 

@@ -199,7 +199,7 @@ def _unreadable(step_path: Path, writer: reshard.Writer, views: list, places: li
     lacking = reshard.missing(views, writer, replicated)
     where = reshard.describe_missing(lacking, [h for _, h, _ in places], [p for _, _, p in places])
     return (f"checkpoint {step_path} was written by {old} ranks and this run has {new}: resuming it needs {needs}, "
-            f"but {where}; copy them there (invoke train --resume does) or resume with {old} ranks")
+            f"but {where}; copy them there (`train --resume` does) or resume with {old} ranks")
 
 
 def agree_latest(root: Path, rank: int, world_size: int, replicated: bool = False) -> Resume | None:

@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mnft.core.errors import ExitCode, MnftError
+from mnft.core.output import command
 from mnft.hosts import pyrun
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.settings import Host
@@ -453,7 +454,7 @@ def prepare(fleet: Fleet, rule: ResumeRule, dirs: dict[str, str], console: Conso
     if apart:
         warnings.append(f"{', '.join(apart)} declared shared_fs, but the checkpoints directory {dirs[apart[0]]} there is not the one {reference} "
                         f"sees: resumed as found, {'a directory' if len(apart) == 1 else 'directories'} of {'its' if len(apart) == 1 else 'their'} "
-                        "own (a mount missing there? `invoke check` verifies shared_fs)")
+                        f"own (a mount missing there? `{command('check')}` verifies shared_fs)")
     for warning in warnings:
         console.print(Text(f"warning: {warning}", style="yellow"))
     places = directories([h.name for h in hosts], groups)

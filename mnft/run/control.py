@@ -10,6 +10,7 @@ from rich.text import Text
 
 from mnft.core import limits
 from mnft.core.errors import ExitCode, InputError
+from mnft.core.output import command
 from mnft.hosts import leases, pyrun
 from mnft.hosts.fleet import Fleet
 from mnft.run import records
@@ -74,7 +75,7 @@ def write_back(record: records.RunRecord, states: dict[str, dict]) -> None:
 def exit_meaning(job: Job, code: int | None) -> str | None:
     """What the job says an exit code means: its "stopped on its own timer, resume me" codes (VILA's 124)."""
     if code is not None and code in job.resume.exit_codes:
-        return "the job stopped on its own and asks to be resumed (invoke train --resume)"
+        return f"the job stopped on its own and asks to be resumed ({command('train --resume')})"
     return None
 
 

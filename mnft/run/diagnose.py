@@ -13,7 +13,7 @@ Recognised, in this order (the first that matches names the run's end):
   host-oom           host memory ran out: the kernel's OOM killer killed a worker, or torch could not allocate
   non-finite         the loss or gradients were not finite (the step)
   host-lost          a host stopped answering
-  killed             a worker was killed by a signal
+  killed             a worker, or a host's torchrun or container (no traceback: `podman kill`, exit code 137), was killed by a signal
   startup            the job failed before its first step
   failed             anything else: the exit code and the traceback's last line
 An abort while the interpreter exits, after every rank's work was done, is not a failure: `after_work` names it
@@ -179,6 +179,8 @@ def diagnose(e: Evidence) -> Diagnosis:
                          "it failed before the first step, so a restart would fail again")
     if kind == "resume-exit":
         return Diagnosis("resume-exit", e.cause.detail, "run `mnft train --resume` (or --max-restarts N to let mnft do it)")
+    if not e.trace:  # no traceback was printed: nothing above to read one from
+        return Diagnosis("failed", e.cause.detail, f"read {host}'s last lines above and its whole log (`mnft logs`): the job printed no traceback")
     return Diagnosis("failed", e.cause.detail, "read the failing rank's traceback above (all of it: `mnft logs`)")
 
 

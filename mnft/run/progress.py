@@ -8,7 +8,7 @@ import time
 from rich.console import Console
 from rich.text import Text
 
-from mnft.core.output import fmt_loss
+from mnft.core.output import clip_end, fmt_loss
 
 
 def progress_text(data: dict, elapsed: float | None = None) -> str:
@@ -68,7 +68,7 @@ class Display:
         label = f"{host} r{rank}" if rank is not None else f"{host}"
         self.console.print(Text.assemble((f"{label:<{self.width}}| ", "dim"), text), highlight=False, soft_wrap=True)
         if text.strip():
-            self.last_text = text.strip()[-120:]
+            self.last_text = clip_end(text, 120)
             if not self.last_metric and self.status is not None:
                 self.status.update(f"running {self.clock() - self.started:.0f}s, no metrics yet: {self.last_text}")
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from mnft.core import limits
 from mnft.core.errors import InputError
+from mnft.core.output import command
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a name inside runs/, never a path
 RECORD_MAX = limits.RECORD_BYTES  # bytes of run.json read at most (one more tells it is larger; never the rest)
@@ -98,7 +99,7 @@ def load(run_id: str | None = None, prefer=None) -> RunRecord:
     runs = all_runs()
     if run_id is None:
         if not runs:
-            raise InputError(f"{runs_root()}: no runs recorded yet (start one with invoke train)")
+            raise InputError(f"{runs_root()}: no runs recorded yet (start one with {command('train')})")
         run_id = runs[-1]
         if prefer is not None:
             for candidate in reversed(runs):
@@ -110,7 +111,7 @@ def load(run_id: str | None = None, prefer=None) -> RunRecord:
                     run_id = candidate
                     break
     if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):  # a run id never leaves runs/ (../x, /etc)
-        raise InputError(f"run id {run_id!r}: not a run id (like 20261125-073502-0ef6): see `invoke status` for the runs")
+        raise InputError(f"run id {run_id!r}: not a run id (like 20261125-073502-0ef6): see `{command('status')}` for the runs")
     path = runs_root() / run_id
     if not (path / "run.json").is_file():
         hint = f" (latest: {runs[-1]})" if runs else ""

@@ -11,16 +11,25 @@ Causes, in the order they are recognised:
                person lowers the learning rate or skips the data)
   startup      a failure before the first training step (an import error, a bad argument): never retried, it
                would fail again
-  signal       a worker was killed by a signal (SIGKILL, with the kernel's OOM note when the host's log says so)
+  signal       a worker was killed by a signal (SIGKILL, with the kernel's OOM note when the host's log says so), or,
+               with no worker summary, the host's torchrun or container was (exit code 128+N: `podman kill` is 137)
+               or, with no worker summary, the host's torchrun or container was (exit code 128+N: `podman kill` is 137)
   failed       a worker exited with an error code
 A failure with the same cause at the same step as the attempt before is deterministic: stop.
+
+Every later check of a run (the re-check before a restart, the gang with a spare in a lost host's place or shrunk,
+a run continued with --resume, a requeued Slurm attempt) judges what the run's first check judged: the job's image by
+the id that check verified (never the hosts' own Python, which a lab training in an image may lack torch in), its
+modules and files, the run's devices (`later_check`, `resumed_image_id`).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from mnft.check.findings import CheckOptions
 
 # torchrun's error summary, per failed worker: "rank      : 3 (local_rank: 1)" then "exitcode  : -6 (pid: 8081)"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -71,6 +80,15 @@ def oom_killed(kernel_log: str, pids: list[int]) -> bool:
     return any(re.search(rf"(Killed process {pid}\b|oom-kill:.*\bpid={pid}\b)", kernel_log) for pid in pids)
 
 
+def launcher_signal(code: int | None) -> str | None:
+    """The signal that killed a host's launcher, from its exit code: negative (Python's -N) or 128+N (a shell's, a
+    container runtime's: `podman kill` makes `podman run` exit 137); None for an ordinary exit."""
+    if code is None:
+        return None
+    number = -code if code < 0 else code - 128 if 128 < code < 160 else None
+    return SIGNALS.get(number, f"signal {number}") if number else None
+
+
 @dataclass(frozen=True)
 class Seen:
     """What the supervisor saw of a failed attempt (mnft.run.train gathers it)."""
@@ -85,6 +103,7 @@ class Seen:
     last_loss: float | None = None
     resume_codes: tuple[int, ...] = ()
     oom: bool = False  # the host's kernel log says it killed one of the run's processes for memory
+    container: bool = False  # the job ran in a container (a job with an image): the host's launcher is its runtime's process
 
 
 @dataclass(frozen=True)
@@ -136,6 +155,11 @@ def classify(seen: Seen) -> Cause:
     if first is not None and first.signal:
         oom = " (the kernel's OOM killer: out of memory)" if seen.oom else ""
         return Cause("signal", host, f"{who} was killed by {first.signal}{oom}", step, code)
+    if first is None and (name := launcher_signal(code)) is not None:  # no worker summary: torchrun itself (or its container) was killed
+        what = f"{host}'s container" if seen.container else f"{host}'s torchrun"
+        how = f" (exit code {code})" if code is not None and code > 0 else ""
+        return Cause("signal", host, f"{what} was killed by {name}{how} from outside the run" + (" (the kernel's OOM killer: out of memory)"
+                                                                                             if seen.oom else ""), step, code)
     return Cause("failed", host, f"{who} exited with code {code}" + (f": {last}" if last else ""), step, code)
 
 
@@ -230,3 +254,22 @@ def next_gang(gang: tuple[str, ...], lost: list[str], back: set[str], spares: li
         notes.append(f"{', '.join(dropped)} dropped: continuing on {len(hosts)} hosts")
     notes += [f"{n} answers again: reused" for n in lost if n in back]
     return Gang(tuple(hosts), replaced, tuple(dropped), "; ".join(notes) or "the same hosts")
+
+
+# ------------------------------------------------------------------------------------------------ later checks
+
+
+def later_check(first: CheckOptions, verified_image_id: str | None, port: int | None) -> CheckOptions:
+    """A later check of the run (the re-check of the next gang): the first check's options (the image, the job's
+    modules and files, the run's devices), the image required by the id the first check verified, and the rendezvous
+    port searched from `port`. Pure."""
+    return replace(first, port=port, find_free_port=True, image_id=first.image_id or (verified_image_id if first.image else None))
+
+
+def resumed_image_id(previous: dict, image: str | None) -> str | None:
+    """The image id a run continued with --resume requires: the one the run it continues verified, when it ran in the
+    same image (a job given another image by hand is judged as a new one). previous: the earlier run.json's data."""
+    if not image:
+        return None
+    verified = previous.get("image") if isinstance(previous.get("image"), dict) else {}
+    return verified.get("id") if verified.get("ref") == image and isinstance(verified.get("id"), str) else None

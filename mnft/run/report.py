@@ -8,8 +8,10 @@ from rich.table import Table
 from rich.text import Text
 
 from mnft.core.errors import ExitCode
-from mnft.core.output import console, fmt_loss, plain, print_json
+from mnft.core.output import clip_end, console, fmt_loss, plain, print_json
 from mnft.hosts.leases import describe as describe_holder
+
+LAST_LINE_WIDTH = 60  # the status table's last-line column: the line's end, cut at a word (core.output.clip_end)
 
 
 def print_status(record, states: dict[str, dict], as_json: bool, live: dict | None = None) -> int:
@@ -39,7 +41,7 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                 ("~" if metric.get("step_about") else "") + str(metric["step"]) if metric.get("step") is not None else "-",
                 plain(fmt_loss(metric.get("loss"))),
                 f"{time.time() - since:.0f}s ago" if since else plain(st.get("error") or "-"),
-                plain((st.get("last_line") or "")[-60:] or "-"),
+                plain(clip_end(st.get("last_line") or "", LAST_LINE_WIDTH) or "-"),
             )
         console().print(table)
         if code:

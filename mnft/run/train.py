@@ -23,7 +23,9 @@ from rich.text import Text
 
 from mnft.check.findings import CheckOptions, CheckReport
 from mnft.check.gather import gather as gather_check
+from mnft.check.rules import verified_image_id
 from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.core.output import command
 from mnft.hosts.command import shell_line, shell_word
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, Status
@@ -178,8 +180,10 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         port_asked = options.check.port or rendezvous_port(inventory, visible)
         # the code's hash is not compared with the workdir's: this run's code goes into a snapshot and its job's directory
         check_options = replace(options.check, port=port_asked, find_free_port=True, required_files=needs.files, modules=needs.modules,
-                                own_devices=visible or None, image=job.image, code=False)
+                                own_devices=visible or None, image=job.image, code=False,
+                                image_id=recover.resumed_image_id(previous.data, job.image) if previous else None)
         report = gather_check(fleet, check_options)
+        image_id = check_options.image_id or (verified_image_id(inventory, report.facts) if job.image else None)
         timings["check_s"] = round(time.monotonic() - t0, 3)
         spares = usable_spares(inventory, report, console)
         gang_names = tuple(h.name for h in inventory.gang().hosts)
@@ -189,7 +193,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         port = chosen_port(report)
         run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory, reached,
                   {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()},
-                  visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {}, runtimes_of(report, job))
+                  visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {}, runtimes_of(report, job),
+                  recover.later_check(check_options, image_id, None))
         try:  # the launch plan refuses (slots, rendezvous, the master's address) before any byte is synced
             run.plan(inventory.gang(gang_names), report.master_addr, port, 1, lopts.resume)
         except InputError as exc:
@@ -199,7 +204,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         if options.dry_run:
             return run.dry_run(inventory.gang(), report.master_addr, port)
         assert record is not None
-        record.update(master_addr=report.master_addr, rendezvous_port=port, state="syncing" if options.sync else "starting")
+        record.update(master_addr=report.master_addr, rendezvous_port=port, state="syncing" if options.sync else "starting",
+                      image={"ref": job.image, "id": image_id} if job.image else None)
         if guard.code is not None:
             t_sync = time.monotonic()
             try:
@@ -353,6 +359,7 @@ class Run:
     visible: dict[str, tuple[int, ...]] = field(default_factory=dict)  # host -> the GPUs the run took (--gpus)
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> the lease files the run holds there
     runtimes: dict[str, Runtime] = field(default_factory=dict)  # host -> its container runtime (a job with an image)
+    later: CheckOptions = CheckOptions()  # what each later check judges: the first check's (recover.later_check)
 
     def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
         return launching.plan(
@@ -507,7 +514,7 @@ class Run:
         record.update(state="running", launched=True, timings=timings)
         live.update(state="running")
         if self.lopts.detach:
-            console.print(f"detached: follow with `invoke logs -f {self.run_id}`, stop with `invoke stop {self.run_id}`")
+            console.print(f"detached: follow with `{command('logs -f ' + self.run_id)}`, stop with `{command('stop ' + self.run_id)}`")
             print(self.run_id)
             return None
         try:
@@ -543,7 +550,7 @@ class Run:
             exit_code=failed.exit_code if failed is not None else None, tail=tuple(tail), traceback=tuple(trace),
             first_step=display.first_step is not None or result.first_step_at is not None,
             last_step=display.last_step, last_loss=loss, resume_codes=self.lopts.job.resume.exit_codes,
-            oom=self.oom(result.failed_host, tail),
+            oom=self.oom(result.failed_host, tail), container=bool(self.lopts.job.image),
         )
 
     def diagnose(self, fleet: Fleet, result: GangResult, cause: recover.Cause, display: Display, port: int) -> diagnosing.Diagnosis:
@@ -604,7 +611,7 @@ class Run:
         """A quick re-check of the next gang (reachable, same stack, code, a free port on its master)."""
         t = time.monotonic()
         with Fleet(gang) as fleet:
-            report = gather_check(fleet, replace(self.options.check, port=port, find_free_port=True))
+            report = gather_check(fleet, replace(self.later, port=port))
         bad = [h.name for h in gang.hosts if report.status(h.name) != Status.OK.value]
         record.data["attempts"][-1]["recheck_s"] = round(time.monotonic() - t, 3)
         reason = None

@@ -41,7 +41,7 @@ from rich.text import Text
 from mnft.check.findings import CheckOptions, CheckReport, Need, Problem
 from mnft.check.inimage import inside_command, merge
 from mnft.check.probe import source as probe_source
-from mnft.check.rules import evaluate, master_address
+from mnft.check.rules import evaluate, master_address, verified_image_id
 from mnft.core import limits
 from mnft.core.errors import ExitCode, MnftError
 from mnft.core.output import console as make_console
@@ -199,7 +199,9 @@ class Allocation:
                     facts.pop(host.name, None)
                     error = lines[-1] if lines else (own.strip().splitlines()[-1:] or ["no output"])[0]
                     outcomes[host.name] = HostResult(host.name, Status.FAILED, error=f"the probe printed no facts: {error}")
-        options = CheckOptions(network=False, code=False, modules=needs, image=self.job.image)
+        # a requeued attempt (or a resumed run) judges the image by the id the run's first check verified
+        verified = recover.resumed_image_id(self.record.data, self.job.image)
+        options = CheckOptions(network=False, code=False, modules=needs, image=self.job.image, image_id=verified)
         report = self.report = CheckReport(inventory, outcomes, facts)
         report.problems = evaluate(inventory, facts, report, options) + unseen_workdir(inventory, facts)
         (self.record.path / f"check-{entry['number']}.json").write_text(json.dumps(report.to_json(), indent=1, default=str))
@@ -212,6 +214,8 @@ class Allocation:
             details = details or "; ".join(f"{n}: {outcomes[n].error}" for n in bad)
             self.refuse(entry, f"check failed on {', '.join(bad)} ({details})")
             raise AttemptRefused(f"check failed on {', '.join(bad)} ({details})")
+        if self.job.image and verified is None:
+            self.record.update(image={"ref": self.job.image, "id": verified_image_id(inventory, facts)})
         self.say(f"check: {len(inventory.hosts)} nodes ok")
         return facts
 

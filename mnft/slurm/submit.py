@@ -23,7 +23,7 @@ from mnft.core import limits
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts.command import shell_line, shell_word
 from mnft.hosts.settings import DEFAULT_RENDEZVOUS_PORT, Host, Inventory
-from mnft.run import launch, records
+from mnft.run import launch, records, recover
 from mnft.run.job import Job, parse_overrides
 from mnft.run.launch import LaunchOptions
 from mnft.run.needs import job_needs
@@ -116,6 +116,8 @@ def train(request: SlurmTrain, console: Console, environ: dict[str, str] | None 
         run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
         env_specs=list(request.env), env_files=list(request.env_files), rdzv=request.rdzv, resume=bool(previous),
         resumed_from=previous.run_id if previous else None, detach=True, hosts={}, attempts=[], state="submitting", launched=False,
+        # a resumed run is judged in the image its previous run verified, by id (mnft.run.recover.resumed_image_id)
+        image={"ref": job.image, "id": recover.resumed_image_id(previous.data, job.image)} if previous and job.image else None,
         inventory=snapshot(Inventory(None, "slurm", (template,), template.name, None, port)),
         slurm={"options": dataclasses.asdict(request.slurm), "template": template.settings(), "port": port, "env": plain,
                "needs": [dataclasses.asdict(n) for n in needs.modules], "rdzv_timeout": request.rdzv_timeout, "inside": inside},
