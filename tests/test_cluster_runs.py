@@ -53,7 +53,7 @@ for step in range(start + 1, steps + 1):
     os.makedirs("ckpts/step_%d" % step, exist_ok=True)
     with open("ckpts/step_%d/model-r%d.pt" % (step, rank), "w") as f:
         f.write("weights of step %d\\n" % step)
-    print("step %d loss %.3f" % (step, 1.0 / step), flush=True)
+    print('{"step": %d, "loss": %.3f}' % (step, 1.0 / step), flush=True)
     if step == 3 and os.environ.get("MNFT_ATTEMPT") == "1" and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
 '''

@@ -164,7 +164,8 @@ def test_a_workdir_and_source_with_spaces_and_shell_metacharacters_copy_verbatim
 
 
 def test_a_modification_rsync_cannot_see_is_still_caught_by_the_hash(cluster, tmp_path):
-    """Same size and mtime on the host: rsync's quick check would skip it; the hash names it, the sync repairs it."""
+    """Same size and mtime on the host: rsync's quick check would skip it; the hash names it (a change on the host of a
+    file mnft placed: a conflict), and the forced sync repairs it, comparing contents."""
     src = make_src(tmp_path)
     workdir = "/root/sync-sneaky"
     inv, _ = inv_for(cluster, tmp_path, workdir, hosts=cluster.hosts[:1])
@@ -173,6 +174,9 @@ def test_a_modification_rsync_cannot_see_is_still_caught_by_the_hash(cluster, tm
     path = f"{workdir}/pkg/sub/shipped.cfg"
     cluster.run(sim, ["sh", "-c", f"t=$(stat -c %Y {path}); echo 'lr: 9e-4' > {path}; touch -d @$t {path}"])
     report = mirror.sync_code(inv, src, progress=False)
+    assert report.hosts[sim.name].conflicts == ["pkg/sub/shipped.cfg"], report.summary()
+    assert (host_tree(sim, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 9e-4\n"
+    report = mirror.sync_code(inv, src, progress=False, force=True)
     assert report.ok, report.summary()
     assert (host_tree(sim, workdir) / "pkg/sub/shipped.cfg").read_text() == "lr: 1e-4\n"
 

@@ -88,6 +88,7 @@ class RemoteTree:
     placed: dict[str, tuple[int, str]] | None = None  # the record of what mnft placed there (None: none)
     siblings: tuple[str, ...] = ()  # the code snapshots beside it, newest first
     kept: dict[str, str] = field(default_factory=dict)  # recorded files the sync was to remove but found changed
+    linked: dict[str, str] | None = None  # made in that round-trip from a snapshot (treehash.link_tree): its errors
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
@@ -96,7 +97,8 @@ class RemoteTree:
         placed = {str(rel): (int(v[0]), str(v[1])) for rel, v in (record.get("files") or {}).items()} if isinstance(record, dict) else None
         return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
                    dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""), Sighting.from_json(data),
-                   placed, tuple(str(s[0]) for s in data.get("siblings") or ()), dict(data.get("kept") or {}))
+                   placed, tuple(str(s[0]) for s in data.get("siblings") or ()), dict(data.get("kept") or {}),
+                   dict(data["linked"]) if isinstance(data.get("linked"), dict) else None)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from mnft.hosts.fleet import Fleet
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync import treehash
-from mnft.sync.mirror import SyncReport, sync_tree
+from mnft.sync.mirror import HostSync, SyncReport, SyncStatus, placed_request, read_remote, sync_tree
 from mnft.sync.source import LocalTree, code_source, read_local
 from mnft.sync.targets import source_problem
 
@@ -201,15 +201,36 @@ def _job_links(digest: str) -> Callable[[Host, Any], list[str]]:
 
 def place(inventory: Inventory, fixed: LocalTree, job_id: str, *, fleet: Fleet, progress: Any = False, dry_run: bool = False) -> Placed:
     """The fixed tree onto every host: its snapshot, verified, then the job's working directory (hard links to it).
-    A host's refusal or conflict leaves the job directories untouched everywhere (the snapshots are mnft's own)."""
+    A host's refusal or conflict leaves the job directories untouched everywhere (the snapshots are mnft's own).
+
+    A new job's directory (the usual start) is made on the host itself, in the round-trip that reads it: linked from
+    the snapshot, hashed, its record written (treehash.link_tree). An existing one (a resume) is placed by rsync
+    from here under the rules of a directory the job writes in (mirror.placement)."""
     snap = sync_tree(inventory, None, kind="snapshot", fleet=fleet, progress=progress, local=fixed, dry_run=dry_run, lease=False,
                      targets={h.name: snapshot_dir(h, fixed.digest) for h in inventory.hosts}, link_dest=_snapshot_links)
     if not snap.ok:
         return Placed(snap, None)
-    job = sync_tree(inventory, None, kind="job", fleet=fleet, progress=False, local=fixed, dry_run=dry_run, lease=False,
-                    targets={h.name: job_dir(h, job_id) for h in inventory.hosts}, link_dest=_job_links(fixed.digest),
-                    conflict_fix=CONFLICT_FIX)
-    return Placed(snap, job)
+    targets = {h.name: job_dir(h, job_id) for h in inventory.hosts}
+    linked: dict[str, HostSync] = {}
+    if not dry_run:
+        started = time.monotonic()
+        request = {h.name: {**placed_request(fixed), "link_from": snapshot_dir(h, fixed.digest),
+                            "write": {"digest": fixed.digest, "files": {p: list(v) for p, v in fixed.files.items()}}, "when": fixed.digest}
+                   for h in inventory.hosts}
+        read = read_remote(fleet, inventory.hosts, targets, fixed.rules, placed=request)
+        for name, (result, tree) in read.items():
+            if tree is not None and tree.linked is not None:  # made now: from the snapshot, hashed, recorded
+                ok = tree.digest == fixed.digest and not tree.errors and tree.placed is not None
+                linked[name] = HostSync(name, SyncStatus.CHANGED if ok else SyncStatus.FAILED, targets[name], remote_hash=tree.digest,
+                                        files_changed=len(fixed.files), seconds=round(time.monotonic() - started, 3),
+                                        error="" if ok else "the job's directory does not hold its snapshot's files: "
+                                        + ", ".join(f"{p}: {e}" for p, e in sorted(tree.errors.items())[:3]))
+    rest = [h for h in inventory.hosts if h.name not in linked]
+    job = sync_tree(inventory.only([h.name for h in rest]), None, kind="job", fleet=fleet, progress=False, local=fixed, dry_run=dry_run,
+                    lease=False, targets=targets, link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX) if rest else None
+    hosts = {h.name: linked[h.name] if h.name in linked else job.hosts[h.name] for h in inventory.hosts}
+    return Placed(snap, SyncReport("job", fixed.root, fixed.digest, len(fixed.files), fixed.total_bytes, hosts, dry_run, fixed.ignore_source,
+                                   max([job.seconds if job else 0.0] + [h.seconds for h in linked.values()])))
 
 
 __all__ = ["Fixed", "Placed", "fix", "place", "prune", "snapshot_dir", "job_dir", "store", "treehash"]

@@ -574,6 +574,36 @@ def remove_placed(root: str, doomed, cache=None) -> dict:
     return kept
 
 
+def link_tree(source: str, root: str) -> dict:
+    """root (which does not exist) made as a copy of the tree at source by hard links (no byte copied): a job's
+    directory from its code snapshot. Made under another name, then renamed, so root appears whole; another host of
+    a shared filesystem that made it first wins, and this one's copy is discarded. -> {relpath: error}."""
+    import shutil
+
+    errors = {}
+    parent = os.path.dirname(os.path.abspath(root))
+    os.makedirs(parent, exist_ok=True)
+    tmp = "%s.linking-%d" % (os.path.abspath(root), os.getpid())
+    for folder, dirs, names in os.walk(source, onerror=lambda exc: errors.setdefault(".", str(exc))):
+        rel = os.path.relpath(folder, source)
+        here = tmp if rel == "." else os.path.join(tmp, rel)
+        os.makedirs(here, exist_ok=True)
+        for name in dirs[:]:
+            if os.path.islink(os.path.join(folder, name)):  # a symlink to a directory is linked as the link it is
+                dirs.remove(name)
+                names.append(name)
+        for name in names:
+            try:
+                os.link(os.path.join(folder, name), os.path.join(here, name), follow_symlinks=False)
+            except OSError as exc:
+                errors[os.path.normpath(os.path.join(rel, name))] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
+    try:
+        os.rename(tmp, root)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)  # made meanwhile (a host sharing it): that copy stands
+    return errors
+
+
 def siblings(root: str) -> list:
     """The code snapshots beside root (directories named by a tree hash), newest first: [[name, mtime]]."""
     parent = os.path.dirname(os.path.abspath(root))
@@ -639,6 +669,9 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
         out["pruned"] = prune(expanded, keep)
     if with_siblings:
         out["siblings"] = siblings(expanded)
+    if placed is not None and placed.get("link_from") and not out["exists"] and not os.path.lexists(expanded):
+        out["linked"] = link_tree(os.path.expanduser(str(placed["link_from"])), expanded)
+        out["exists"] = os.path.isdir(expanded)
     if placed is not None and out["exists"]:
         if placed.get("remove"):
             out["kept"] = remove_placed(expanded, placed["remove"])
@@ -658,6 +691,7 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
         wanted = set(only)
         extra = any(rel not in wanted for rel in files)
         digest = digest_of({rel: v for rel, v in files.items() if rel in wanted})
+    errors.update(out.get("linked") or {})
     out.update(digest=digest, files={rel: list(v) for rel, v in files.items()}, errors=errors)
     if placed is not None and placed.get("write") is not None and not errors and placed.get("when") == digest:
         try:
