@@ -99,22 +99,27 @@ def test_a_second_train_on_busy_hosts_is_refused_naming_the_holder_and_stop_ends
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     run_id = first.stdout.strip().splitlines()[-1]
     wait_running(tmp_path, run_id)
-    # a file only h1's workdir has: a second sync (rsync --delete) would remove it
+    # a file only h1's workdir has, which an older mnft's sync (rsync --delete) would have removed
     marker = h1.home / "mnft" / "not-in-the-source.txt"
+    marker.parent.mkdir(parents=True, exist_ok=True)
     marker.write_text("left by the first run's user\n")
     (lab_scripts / "long.py").write_text((lab_scripts / "long.py").read_text() + "# changed after the first run started\n")
 
     second = mnft(tmp_path, "train", "--hosts", inv, "--src", str(lab_scripts), "--", "long.py")
     assert second.returncode == 1, second.stdout[-2000:] + second.stderr[-2000:]
-    line = [ln for ln in second.stderr.splitlines() if "is busy" in ln]  # its workdir is the first run's
-    assert line and line[0].startswith(f"mnft: h1: workdir /root/mnft is busy: train run {run_id} by root@"), second.stderr
-    assert f"(mnft stop {run_id}, wait, or give this run another workdir)" in line[0], second.stderr
+    line = [ln for ln in second.stderr.splitlines() if "0 of 1 free" in ln]  # its devices are the first run's
+    assert line and line[0].startswith("mnft: h1: every device of the host (no --gpus) asked, 0 of 1 free: the host's CPUs: "
+                                       f"train run {run_id} by root@"), second.stderr
     assert "Traceback" not in second.stderr
     assert latest_record(tmp_path)["state"] == "refused"
-    assert marker.is_file() and "changed after" not in (h1.home / "mnft" / "long.py").read_text()  # not re-synced
+    job = json.loads((tmp_path / "runs" / run_id / "run.json").read_text())["job_id"]
+    running = h1.home / "mnft" / "outputs" / job / "long.py"  # the first run's own code, in its job's directory
+    assert "changed after" not in running.read_text()
+    # a sync of the workdir goes on beside the run: it neither waits for it nor touches its code, nor the user's file
     synced = mnft(tmp_path, "sync", "--hosts", inv, "--src", str(lab_scripts))
-    assert synced.returncode == 1 and f"h1: workdir /root/mnft is busy: train run {run_id}" in synced.stderr, synced.stderr
-    assert marker.is_file()
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    assert marker.is_file() and "changed after" in (h1.home / "mnft" / "long.py").read_text()
+    assert "changed after" not in running.read_text()
 
     status = mnft(tmp_path, "status", run_id)
     assert status.returncode == 0, status.stdout + status.stderr

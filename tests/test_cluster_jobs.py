@@ -118,9 +118,9 @@ def test_a_plain_ddp_script_from_the_users_repo_trains_with_logs_and_metrics(hea
     for name, rank in (("h1", 0), ("h2", 1)):
         assert "ARGV []" in (run_dir / name / "run" / "output.log").read_text()
         assert re.search(rf"^{name} r{rank} *\| ARGV \[\]", done.stdout, re.M)
-    # the lab's tree was synced, not mnft's
-    assert (healthy_cluster.hosts[1].home / "mnft" / "ddp.py").is_file()
-    assert not (healthy_cluster.hosts[1].home / "mnft" / "mnft" / "recipes").exists()
+    # the lab's tree was placed in the job's directory, not mnft's
+    job = healthy_cluster.hosts[1].home / "mnft" / "outputs" / record["job_id"]
+    assert (job / "ddp.py").is_file() and not (job / "mnft" / "recipes").exists()
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["last_step"] == 8 and summary["metrics_host"] == "h1" and isinstance(summary["final_loss"], float)
     assert (run_dir / "loss.png").stat().st_size > 0 and len((run_dir / "metrics.jsonl").read_text().splitlines()) == 8
@@ -187,7 +187,7 @@ def test_a_module_entry_point_gets_hostile_arguments_verbatim_on_every_rank_and_
             if match:
                 seen[int(match.group(1))] = json.loads(match.group(2))
     assert seen == {rank: NASTY for rank in range(4)}  # byte for byte, on every rank of every host
-    places = [tmp_path, user_repo, Path("/tmp")] + [p for h in healthy_cluster.hosts[:2] for p in (h.home, h.home / "mnft", h.root / "tmp")]
+    places = [tmp_path, user_repo, Path("/tmp")] + [p for h in healthy_cluster.hosts[:2] for p in (h.home, h.home / "mnft", h.home / "mnft" / "outputs", h.root / "tmp")]
     assert not [p for place in places for p in place.glob("PWNED*")]
 
 
