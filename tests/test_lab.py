@@ -202,3 +202,31 @@ def test_two_runs_on_one_master_search_for_their_rendezvous_port_from_different_
     assert rendezvous_port(inv, {"h1": (2, 3), "h2": (0, 1)}) == inv.rendezvous_port + 2
     assert rendezvous_port(inv, {"h1": (0, 1)}) == inv.rendezvous_port
     assert rendezvous_port(inv, {}) is None  # no --gpus: the inventory's port, as before
+
+
+def test_ctrl_c_while_a_host_hangs_ends_mnft_lab_at_once(tmp_path, hanging_host):
+    """Issue 36: a host that accepts TCP and never speaks SSH held Ctrl-C up for its whole connect timeout (the
+    interpreter joined the thread still waiting on it): now that question is abandoned (mnft.core.threads)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "-r", str(Path(__file__).resolve().parent.parent), "lab", "--hosts",
+                             str(hanging_host.inventory(tmp_path / "lab.yaml")), "--connect-timeout", "120"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not hanging_host.accepted and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert hanging_host.accepted
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)  # generous: it waited out the 120 s before
+        finally:
+            proc.kill()
+    assert proc.returncode == 130 and out.strip().splitlines()[-1] == "mnft: interrupted (Ctrl-C)", out
+
