@@ -158,7 +158,7 @@ class Served:
         self.sock = bind("127.0.0.1", 0)
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/"
-        self.server = server(create_app(board, origins or Origins.serving("127.0.0.1", self.port)))
+        self.server = server(create_app(board, origins or Origins.serving("127.0.0.1", self.port)), board.stop)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> "Served":

@@ -8,6 +8,8 @@ Fixtures:
   fresh_cluster_factory   function: factory(n_hosts=2, outsider=False, prefix=None) -> a private Cluster for
                           destructive tests; every cluster it built is torn down after the test
   chromium                module: Debian's chromium driven by Playwright (tests/boardfakes.py says when it can't)
+  hanging_host            function: a local TCP port that accepts connections and never says a word (a wedged sshd,
+                          a firewall answering the SYN): .port, .accepted (the connections it took, held open)
   torch_image             session: images.torch_image(), the CPU-torch image (built once per machine, cached)
   tiny_images             session: (images.tiny_image("a"), images.tiny_image("b")): two different ≈ 2 MB images
   container_cluster       module: 2 hosts h1, h2, each with its own podman (containers=True), always torn down
@@ -204,6 +206,43 @@ def container_cluster(testbed, tmp_path_factory: pytest.TempPathFactory):
             yield built
         finally:
             built.teardown()
+
+
+class HangingHost:
+    """127.0.0.1:port accepts every connection and never speaks; the connections are held open until the end."""
+
+    def __init__(self) -> None:
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.accepted: list = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.accepted.append(self.sock.accept()[0])
+            except OSError:
+                return
+
+    def inventory(self, path: Path, name: str = "wedged") -> Path:
+        path.write_text(f"hosts:\n  {name}: {{address: 127.0.0.1, port: {self.port}, user: nobody}}\n")
+        return path
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.accepted:
+            conn.close()
+
+
+@pytest.fixture
+def hanging_host():
+    host = HangingHost()
+    yield host
+    host.close()
 
 
 @pytest.fixture(scope="module")

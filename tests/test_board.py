@@ -266,6 +266,41 @@ def test_the_board_command_listens_on_loopback_warns_when_exposed_and_ends_on_ct
     assert proc.returncode in (0, 130) and "Traceback" not in out, out
 
 
+def test_ctrl_c_with_a_page_open_and_a_host_that_hangs_ends_the_board_without_a_traceback(tmp_path, hanging_host, chromium):
+    """Issue 36: each open page's event stream went on through the shutdown until uvicorn cancelled it after its grace
+    period ("Exception in ASGI application", a CancelledError traceback per page), and the exit waited for the
+    question out to a host that accepts TCP and never speaks SSH (two connect timeouts). Now the streams end as the
+    shutdown begins and the question is abandoned. (How long it takes: bench/board_exit.py, docs/board.md.)"""
+    env = dict(os.environ, MNFT_RUNS_DIR=str(tmp_path / "runs"), HOME=str(tmp_path), PYTHONUNBUFFERED="1")
+    lab_yaml = hanging_host.inventory(tmp_path / "lab.yaml")
+    proc = subprocess.Popen([sys.executable, "-m", "invoke", "-r", str(REPO), "board", "--hosts", str(lab_yaml), "--port", "0",
+                             "--connect-timeout", "120"], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    context = chromium.new_context()
+    try:
+        seen = ""
+        while not (found := re.search(r"mnft board: (http://127\.0\.0\.1:\d+/)", seen)):
+            line = proc.stdout.readline()
+            assert line, seen
+            seen += line
+        page = context.new_page()
+        page.goto(found.group(1))
+        page.wait_for_selector('.host[data-host="wedged"]', timeout=30000)
+        deadline = time.monotonic() + 30
+        while not hanging_host.accepted and time.monotonic() < deadline:  # the poller's question is out
+            time.sleep(0.05)
+        assert hanging_host.accepted
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=60)  # generous: it waited 120 s or 240 s for the host before
+        finally:
+            proc.kill()
+            context.close()
+    out = seen + out
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out and "Exception in ASGI application" not in out and "CancelledError" not in out, out
+
+
 # ------------------------------------------------------------------------------------------------ the poller
 
 
@@ -294,6 +329,24 @@ def test_one_poller_asks_the_hosts_for_every_page_open_never_a_request(tmp_path,
         assert 1 <= during <= 6, during  # every 0.5 s, whatever the pages and requests: not per page, not per request
         for conn, _ in streams:
             conn.close()
+
+
+def test_a_host_that_never_answered_is_shown_not_answering_once_it_is_slow(tmp_path, hanging_host, monkeypatch):
+    """A host that hangs (accepts TCP, never speaks SSH) and never answered was "asking" until its question ended:
+    not answering, like a host whose last answer is old, once it is slower than `slow`."""
+    from mnft.hosts.connection import Timeouts
+    from mnft.hosts.inventory import load
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    inv = load(str(hanging_host.inventory(tmp_path / "lab.yaml")))
+    board = Board(inv, timeouts=Timeouts(connect=60, command=60), every=0.2, slow=0.5).start()
+    try:
+        deadline = time.monotonic() + 30
+        while (host := json.loads(board.lab.text)["hosts"][0])["state"] == "asking" and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        board.close()
+    assert hanging_host.accepted and host["state"] == "slow" and host["answered"] is None, host
 
 
 def test_a_detached_run_is_asked_of_its_hosts_and_a_watched_one_too_and_another_controllers_run_has_a_page(tmp_path, runs_dir):

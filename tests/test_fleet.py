@@ -229,6 +229,27 @@ def test_a_server_that_never_speaks_ssh_is_unreachable_after_the_connect_timeout
     assert "127.0.0.1" in result.error
 
 
+def test_a_port_that_accepts_and_never_speaks_ssh_is_tried_once_and_said_so():
+    """A wedged sshd, or a firewall answering the SYN: paramiko gives up on the banner after the connect timeout. That
+    is not a MaxStartups drop (a connection closed before the banner): asking again only waits as long again (the
+    board showed such a host "asking" for two connect timeouts)."""
+    import threading
+
+    accepted = []
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        threading.Thread(target=lambda: [accepted.append(silent.accept()[0]) for _ in range(4)], daemon=True).start()
+        inv = ssh_inventory(silent.getsockname()[1])
+        with Fleet(inv, Timeouts(connect=1, command=10)) as fleet:
+            result = fleet.connect_all()["remote"]
+        for conn in accepted:
+            conn.close()
+    assert result.status is Status.UNREACHABLE
+    assert result.error.startswith("no SSH answer from [127.0.0.1]:") and "within 1s: its port accepts connections but nothing speaks SSH" in result.error
+    assert len(accepted) == 1
+
+
 def test_no_route_to_host_is_not_reported_as_refused(monkeypatch):
     import fabric
 

@@ -41,8 +41,32 @@ def test_steps_trained_again_are_lost_time_and_goodput_counts_only_kept_steps():
     assert run.to_json()["goodput"] == round((16.0 + 19.0) / 91.0, 4) and run.to_json()["steps_lost"] == 10
 
 
-def test_an_attempt_that_never_reached_a_step_is_all_launch():
-    attempts = [{"number": 1, "started": 1.0, "ended": 20.0, "detected": 20.0, "state": "failed"}]
-    (one,) = goodput.measure(0.0, 20.0, attempts, {}).attempts
-    assert one.launch_s == 20.0 and one.steps_s is None  # from the run's start: check and sync included
-    assert goodput.measure(0.0, 20.0, attempts, {}).ratio is None
+def test_an_attempt_that_never_reached_a_step_is_all_launch_when_another_did():
+    attempts = [{"number": 1, "started": 1.0, "ended": 20.0, "detected": 20.0, "state": "failed"},
+                {"number": 2, "started": 25.0, "ended": 40.0, "detected": 40.0, "state": "failed"}]
+    one, two = goodput.measure(0.0, 40.0, attempts, {1: [(10.0, 1), (19.0, 10)]}).attempts
+    assert two.launch_s == 15.0 and two.steps_s is None  # the job prints step records: this one never got to one
+    assert one.launch_s == 10.0
+
+
+def test_without_any_step_record_the_time_is_not_split_and_says_why():
+    """Issue 36: a script whose lines mnft could not read had its 60 s of training shown as launch."""
+    for state in ("failed", "succeeded", "stopped"):
+        attempts = [{"number": 1, "started": 1.0, "ended": 60.0, "detected": 60.0, "state": state}]
+        run = goodput.measure(0.0, 60.0, attempts, {})
+        (one,) = run.attempts
+        assert one.launch_s is None and one.steps_s is None and run.ratio is None
+        assert run.to_json()["unknown"] == goodput.UNKNOWN and run.to_json()["launch_s"] is None
+
+
+def test_the_time_table_says_when_the_time_is_not_known():
+    from rich.console import Console
+
+    from mnft.run.report import time_table
+
+    attempts = [{"number": 1, "started": 1.0, "ended": 60.4, "state": "succeeded"}]
+    console = Console(width=200, record=True)
+    console.print(time_table(goodput.measure(0.0, 60.4, attempts, {}).to_json()))
+    text = console.export_text()
+    assert "no step record was read from the job's output: where the time went is not known" in text
+    assert "60.4s" not in text.split("where the time went: 60.4s wall")[1]  # no column holds the run's time

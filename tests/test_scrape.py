@@ -55,6 +55,24 @@ def test_auto_recognises_every_known_format_and_ignores_the_rest():
         assert parse(noise) is None
 
 
+def _corpus():
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("metric_lines", Path(__file__).parent / "data" / "metric-lines" / "corpus.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CORPUS
+
+
+@pytest.mark.parametrize("source, line, expected", _corpus(), ids=[c[0][:60] for c in _corpus()])
+def test_auto_reads_what_real_scripts_print(source, line, expected):
+    """Issue 36: a plain `step 21 loss 0.2474` was "no metrics found". The corpus (tests/data/metric-lines/corpus.py)
+    is what real scripts print, each line named by the file that prints it; auto reads each as its record, or as
+    no record for what is not a training step (an evaluation, a save, torch's warnings)."""
+    assert LineParser("auto")(line) == expected, source
+
+
 def test_a_progress_bar_rewriting_its_line_is_read_by_its_last_piece():
     assert LineParser("torchtune")("1|1|Loss: 3.0\r1|2|Loss: 2.5\r1|3|Loss: 2.0") == {"epoch": 1.0, "loss": 2.0, "step": 3}
 

@@ -135,3 +135,14 @@ def test_a_host_mnft_stopped_says_nothing_of_its_teardown(tmp_path):
             gang._handle("h2", {"event": "line", "text": text})
         gang._handle("h2", {"event": "exit", "code": 0})
     assert said == []
+
+
+def test_c10ds_hostname_warning_on_every_run_is_kept_in_the_log_and_off_the_terminal():
+    """Issue 36: `[c10d] The hostname of the client socket cannot be retrieved` came on every run (no PTR record for a
+    peer's address), from torchrun and from the ranks."""
+    noise = TeardownNoise()
+    warning = "[W1128 12:00:00.123456789 socket.cpp:755] [c10d] The hostname of the client socket cannot be retrieved. err=-3"
+    assert noise.hides(None, warning) and noise.hides(0, warning) and noise.hides(3, warning)
+    assert not noise.hides(0, "step 21 loss 0.2474") and not noise.hides(None, "[W1128 12:00:00.1 socket.cpp:9] [c10d] another warning")
+    assert noise.note("output.log", 0) is None  # nothing to say for it
+

@@ -254,6 +254,20 @@ class Clock:
         return self.now
 
 
+def test_the_jobs_summary_is_shown_after_the_lines_it_printed_before_writing_it():
+    """Issue 36: the recipes print `checkpoint step-200 complete`, then write their summary to the metrics file, which
+    the host's agent follows apart from the output: the summary reached the terminal first. It is shown as the
+    attempt ends."""
+    out = io.StringIO()
+    display = progress.Display(Console(file=out, force_terminal=False, width=200), 8)
+    display.metric({"step": 200, "loss": 0.5})
+    display.metric({"event": "summary", "initial_loss": 2.5, "final_loss": 0.5, "tokens_per_s": 99.0, "steps": 200})
+    display.line("h1", 0, "checkpoint step-200 complete")
+    display.end()
+    lines = out.getvalue().splitlines()
+    assert lines[-2:] == ["h1 r0   | checkpoint step-200 complete", "summary: loss 2.5000 -> 0.5000, 99 tokens/s over 200 steps"]
+
+
 def test_without_a_terminal_the_progress_line_is_printed_every_n_steps_or_seconds():
     out = io.StringIO()
     clock = Clock()

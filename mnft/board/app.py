@@ -7,7 +7,8 @@ Routes, GET (and HEAD) only; any other method is refused with 405 before routing
     /api/lab                the lab: `mnft lab --json`'s devices, each host's last answer (mnft.board.state)
     /api/runs               every run's row: this controller's runs/ and the other controllers' runs the lab shows
     /api/runs/{id}          a run's page: curve, where the time went, hosts, last lines, first failure
-    /api/events[?run=ID]    server-sent events: `lab`, `runs` (and `run` for ID) each time one changes
+    /api/events[?run=ID]    server-sent events: `lab`, `runs` (and `run` for ID) each time one changes; each stream
+                            ends when the server shuts down (Ctrl-C), so no open page holds the board's exit up
 
 Who may read it (`Origins`): a request must name this board in its Host header (a loopback name at any port: an
 `ssh -L` picks its own; else the address it listens on and this machine's names at its port), so a page of
@@ -24,6 +25,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -204,7 +206,7 @@ def create_app(board: Board, origins: Origins) -> Starlette:
             quiet = 0.0
             try:
                 yield "retry: 2000\n\n"
-                while True:
+                while not board.stopping:  # the server is shutting down: the stream ends, the page reconnects to the next board
                     documents = [("lab", board.lab), ("runs", board.runs)]
                     if run_id is not None:
                         documents.append(("run", await asyncio.to_thread(board.detail, run_id)))
@@ -262,12 +264,20 @@ def url(listen: str, port: int) -> str:
     return f"http://{f'[{host}]' if ':' in host and not host.startswith('[') else host}:{port}/"
 
 
-def server(app: Starlette):
+def server(app: Starlette, on_shutdown: Callable[[], None]):
+    """uvicorn's server for the app; `on_shutdown` is called as its shutdown begins (Ctrl-C), before it waits for the
+    open connections: the board stops (Board.stop), so every event stream ends within a tick and its connection
+    closes, instead of being cancelled after the grace period with a traceback per open page."""
     import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            on_shutdown()
+            await super().shutdown(sockets)
 
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", ws="none", proxy_headers=False,
                             server_header=False, timeout_graceful_shutdown=2, timeout_keep_alive=30)
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def serve(board: Board, listen: str, port: int, say) -> int:
@@ -282,7 +292,7 @@ def serve(board: Board, listen: str, port: int, say) -> int:
         f"{socket.gethostname()}, then open http://127.0.0.1:{actual}/" if loopback(listen) else ""), "")
     board.start()
     try:
-        server(create_app(board, origins)).run(sockets=[sock])
+        server(create_app(board, origins), board.stop).run(sockets=[sock])
     finally:
         board.close()
         sock.close()

@@ -3,15 +3,19 @@
 Each round (every EVERY seconds, or as soon as the previous one is done when asking takes longer) the poller:
 - asks the lab, as `mnft lab` does (mnft.hosts.lab.look, then mnft.hosts.lab.rows): every host's devices, free /
   held / in use outside mnft, and the line. Each host on its own connection kept open, and only when its last
-  question was answered: a host slow to answer (shown so after SLOW seconds, with its last answer) or not
-  answering (shown unreachable, asked again on a new connection) never holds up the others. The time of each
-  host's last answer is kept;
+  question was answered: a host slow to answer (shown not answering after SLOW seconds, with its last answer if
+  it ever answered) or not answering (shown unreachable once its connection attempt ends, asked again on a new
+  connection) never holds up the others. The time of each host's last answer is kept;
 - reads the runs of this controller's runs/ (mnft.board.runs: a run's row is read again only when its files change
   or while it goes on) and adds the runs of other controllers the lab shows;
 - asks the hosts of a run going on, as `mnft status` does (mnft.run.control.status), when its page is open or when
   no supervisor of it is alive here (a detached run: its hosts are the only ones who know its step).
 The lab and the runs' questions go out side by side. Each result is kept as the JSON the page receives, with a
 version that changes when the JSON does: the event stream of every page sends what changed (mnft.board.app).
+
+`stop` (the server's shutdown begins: Ctrl-C) ends the event streams and the poller's waits at once; the questions
+still out to hosts run on daemon threads (mnft.core.threads) and are abandoned: a host that hangs never holds up
+the board's exit.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import math
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from typing import Any, Callable
 
 from mnft.board import runs as runs_of
 from mnft.core.errors import MnftError
+from mnft.core.threads import DaemonPool
 from mnft.hosts import leases
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.lab import device_count, free_count, rows, since
@@ -33,6 +38,7 @@ from mnft.hosts.settings import Inventory
 
 EVERY = 2.5  # seconds between two rounds of questions to the hosts
 SLOW = 10.0  # seconds a host may take to answer before it is shown as not answering (its last answer kept)
+SLICE = 0.1  # seconds between two looks at `stop` while the poller waits for answers
 RUN_FLEETS = 8  # runs whose hosts are asked side by side at most
 
 
@@ -70,10 +76,11 @@ class Board:
     """The lab and the runs, as every open page sees them; `start` the poller, `close` it."""
 
     def __init__(self, inventory: Inventory, look: Callable[[], dict[str, dict]] | None = None, timeouts: Timeouts | None = None,
-                 every: float = EVERY, status: Callable | None = None) -> None:
+                 every: float = EVERY, status: Callable | None = None, slow: float = SLOW) -> None:
         self.inventory = inventory
         self.timeouts = timeouts or Timeouts(connect=10.0, command=30.0)
         self.every = every
+        self.slow = slow
         self._look = look  # None: the hosts' own answer (mnft.hosts.lab.look over a fleet kept open)
         self._status = status  # None: mnft.run.control.status over the run's own inventory
         self._fleets: dict[str, Any] = {}  # host -> its fleet (one connection, kept open)
@@ -93,8 +100,8 @@ class Board:
         self.rounds = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._pool = ThreadPoolExecutor(max_workers=RUN_FLEETS + 1, thread_name_prefix="mnft-board")
-        self._hosts_pool = ThreadPoolExecutor(max_workers=max(1, min(64, len(inventory.hosts))), thread_name_prefix="mnft-board-host")
+        self._pool = DaemonPool(max_workers=RUN_FLEETS + 1, thread_name_prefix="mnft-board")
+        self._hosts_pool = DaemonPool(max_workers=max(1, min(64, len(inventory.hosts))), thread_name_prefix="mnft-board-host")
         self._publish_lab(started=True)
         self.refresh_runs()
 
@@ -105,10 +112,19 @@ class Board:
         self._thread.start()
         return self
 
-    def close(self) -> None:
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """The board is ending: the event streams end, the poller stops waiting for the hosts (what it asked is
+        abandoned)."""
         self._stop.set()
+
+    def close(self) -> None:
+        self.stop()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=5)  # it only waits in slices of SLICE, looking at `stop`
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._hosts_pool.shutdown(wait=False, cancel_futures=True)
         for fleet in [*self._fleets.values(), *self._run_fleets.values()]:
@@ -130,6 +146,8 @@ class Board:
         going = self._runs_to_ask()
         lab = self._pool.submit(self._ask_lab)
         asked = {run_id: self._pool.submit(self._ask_run, run_id) for run_id in going}
+        if not self._wait([lab, *asked.values()]):
+            return  # stopping: what is still out is abandoned
         lab.result()
         for run_id, future in asked.items():
             answer = future.result()
@@ -162,9 +180,21 @@ class Board:
                         continue
                     self._asking[host.name] = time.time()
                 asked.append(self._hosts_pool.submit(self._ask_host, host))
-            wait(asked, timeout=max(1.0, self.every))
+            self._wait(asked, timeout=max(1.0, self.every))
         self.asked_s = time.monotonic() - started
         self._publish_lab()
+
+    def _wait(self, futures: list[Future], timeout: float | None = None) -> bool:
+        """Wait for the futures (at most `timeout` seconds) in slices, looking at `stop` between them: whether the
+        board goes on."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pending = set(futures)
+        while pending and not self._stop.is_set():
+            left = SLICE if deadline is None else min(SLICE, deadline - time.monotonic())
+            if left <= 0:
+                break
+            pending = wait(pending, timeout=left).not_done
+        return not self._stop.is_set()
 
     def _ask_host(self, host) -> None:
         from mnft.hosts.fleet import Fleet
@@ -216,8 +246,9 @@ class Board:
         for host in self.inventory.hosts:
             view = views.get(host.name)
             down = view is None or bool(view.get("error") and not view.get("devices"))
-            slow = host.name in asking and now - asking[host.name] > SLOW
-            state = "asking" if view is None else (view.get("status") or "failed") if down else "slow" if slow else "ok"
+            slow = host.name in asking and now - asking[host.name] > self.slow
+            # a host that never answered is "asking" only until it is slow: then not answering, as one that did
+            state = ("slow" if slow else "asking") if view is None else (view.get("status") or "failed") if down else "slow" if slow else "ok"
             hosts.append({"name": host.name, "answered": self.answered.get(host.name), "state": state,
                           "asking_since": asking.get(host.name) if slow else None,
                           "error": leases.shown(view.get("error"), 200) if view and down else None,

@@ -502,6 +502,18 @@ def _answers_like_sshd(hostname: str, port: int, timeout: float) -> bool:
     return first == b"" or first.startswith(b"SSH-") or first == fanin.SSHD_DROP_LINE
 
 
+def _no_banner(exc: BaseException) -> bool:
+    """Whether paramiko gave up waiting for the SSH banner (the port accepted the connection and said nothing): it
+    reads "Error reading SSH protocol banner" after a timeout, or, when the connect timeout ran out first, the
+    negotiation never began ("No existing session"). A connection closed before the banner (EOF, reset) is not
+    this: that is what a MaxStartups drop looks like."""
+    if not isinstance(exc, paramiko.SSHException):
+        return False
+    if str(exc) == "No existing session":
+        return True
+    return str(exc).startswith("Error reading SSH protocol banner") and isinstance(exc.__context__, TimeoutError)
+
+
 def _open_once(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fabric.Config | None) -> Connection:
     conn = fabric_connection(host, timeouts, config, trusted)
     hostname, port, _ = ssh_target(conn)
@@ -546,6 +558,9 @@ def _open_once(host: Host, trusted: TrustedKeys, timeouts: Timeouts, config: fab
         raise Unreachable(f"cannot resolve {hostname!r}: {exc.strerror}") from None
     except (OSError, EOFError, paramiko.SSHException) as exc:
         conn.close()
+        if _no_banner(exc):  # not a drop: asking again would wait as long again
+            raise Unreachable(f"no SSH answer from {name} within {timeouts.connect:g}s: its port accepts connections but nothing "
+                              f"speaks SSH on it (sshd hung or overloaded, or another service on that port)") from None
         if fanin.is_drop(exc) or isinstance(exc, (ConnectionResetError, EOFError)):
             if _answers_like_sshd(hostname, port, timeouts.connect):
                 raise _Dropped(name) from None

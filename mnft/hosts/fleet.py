@@ -13,7 +13,6 @@ import socket
 import sys
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Iterable, Mapping
@@ -22,6 +21,7 @@ import fabric
 import paramiko
 
 from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.core.threads import DaemonPool
 from mnft.hosts.command import Command
 from mnft.hosts.connection import (
     CommandTimeout,
@@ -130,7 +130,8 @@ class Fleet:
             distinct_targets(inventory, self._fabric_config(), timeouts)
         self._connections: dict[str, Connection] = {}
         self._broken: dict[str, HostResult] = {}  # hosts that could not be reached, kept for later phases
-        self._pool = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="mnft-host")
+        # daemon threads: a host that hangs (accepts TCP, never speaks SSH) never holds up Ctrl-C (mnft.core.threads)
+        self._pool = DaemonPool(max_workers=self.max_workers, thread_name_prefix="mnft-host")
 
     def __enter__(self) -> "Fleet":
         return self

@@ -7,12 +7,11 @@ that needs a person to remove the old key first.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import fabric
 import paramiko
 
 from mnft.core.output import command
+from mnft.core.threads import DaemonPool
 from mnft.hosts.connection import Timeouts, fabric_connection, gateway_hops, ssh_target
 from mnft.hosts.hostkeys import (
     TrustResult,
@@ -57,8 +56,11 @@ def trust_hosts(inventory: Inventory, timeouts: Timeouts = Timeouts(), dry_run: 
             detail = f"{name} is trusted with {', '.join(recorded)} but did not present it (offered {key.get_name()}): possible man-in-the-middle; if the host's keys were regenerated run ssh-keygen -R '{name}' (and remove it from {mnft_known_hosts()}) first"
         return TrustResult(host.name, name, key.get_name(), fingerprint(key), state, detail), key
 
-    with ThreadPoolExecutor(max_workers=max(1, min(64, len(remote)))) as pool:
-        read_results = list(pool.map(read, remote))
+    pool = DaemonPool(max_workers=max(1, min(64, len(remote))), thread_name_prefix="mnft-trust")  # Ctrl-C: a host that hangs is left
+    try:
+        read_results = [future.result() for future in [pool.submit(read, host) for host in remote]]
+    finally:
+        pool.shutdown()
     results = []
     for result, key in read_results:
         if result.state == "new":

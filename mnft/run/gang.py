@@ -60,6 +60,9 @@ CPP_STACK = re.compile(r"^(Exception raised from |frame #\d+: |<omitting python 
 # got 0 bytes"); torchrun exits 0 (torch enters the exit barrier only on success). The same closed store mid-run is
 # a master that went away: the run fails, and its cause is said from the master's side
 TEARDOWN = re.compile(r"Error waiting on exit barrier|has failed to shutdown the rendezvous|\[c10d\] .*Failed to recv, got 0 bytes")
+# c10d's warning on every run where a host's reverse lookup of a peer's address fails (getnameinfo: no PTR record, as on
+# most labs and the test bed), from torchrun and from each rank: harmless, kept in the host's log, never shown
+QUIET = re.compile(r"\[c10d\] The hostname of the client socket cannot be retrieved")
 SETTLE = 5.0  # seconds to wait for the root cause after a host failed as a victim of another
 FINISH_GRACE = 60.0  # seconds the other hosts get to end on their own after one failed once its work was done
 
@@ -69,8 +72,8 @@ class GangError(MnftError):
 
 
 class TeardownNoise:
-    """torchrun's own records of its teardown (TEARDOWN) on one host: kept in the host's log and its tail, never
-    shown as they come; `note` is the one line said instead. A record is its first line (a torchrun line, not a
+    """torchrun's own records of its teardown (TEARDOWN) on one host, and the warnings printed on every run (QUIET): kept
+    in the host's log and its tail, never shown as they come; `note` is the one line said instead. A record is its first line (a torchrun line, not a
     rank's, that TEARDOWN matches) and what belongs to it: the lines with the same prefix (torch's logger), the C++
     stack after a c10d warning, or the traceback after a line without either."""
 
@@ -80,6 +83,8 @@ class TeardownNoise:
         self._open: tuple[str, str] | None = None  # the record being hidden: ("prefix", its prefix) | ("cpp", "") | ("plain", "")
 
     def hides(self, rank: int | None, text: str) -> bool:
+        if QUIET.search(text):  # noise on every run (torchrun's or a rank's): in the log, not on the terminal, not counted
+            return True
         if rank is not None:  # a rank's line (they come between torchrun's): never torchrun's teardown
             return False
         if self._open is not None and self._continues(text):

@@ -15,6 +15,10 @@ Per attempt:
   finish      a succeeded attempt's last step record -> its end (final save, exit)
   restart     failure noticed -> the next attempt's start (logs kept, backoff, re-check, checkpoint made whole)
 Goodput: the steps' time minus checkpoint and lost time, over the run's wall time.
+
+When no attempt gave a single step record (mnft read no metric in the job's output or metrics file), nothing is
+split: whether the job was still starting or training is not known, and `unknown` says so (an attempt that never
+reached a step is launch time only when another attempt of the run did reach one).
 """
 
 from __future__ import annotations
@@ -48,10 +52,14 @@ class AttemptTime:
         return out
 
 
+UNKNOWN = "no step record was read from the job's output: where the time went is not known (set the job's metrics, docs/jobs.md)"
+
+
 @dataclass
 class Goodput:
     wall_s: float
     attempts: list[AttemptTime] = field(default_factory=list)
+    unknown: str | None = None  # why the time is not split
 
     @property
     def kept_s(self) -> float:
@@ -68,6 +76,7 @@ class Goodput:
     def to_json(self) -> dict:
         totals = {k: _round(self.total(k)) for k in ("launch_s", "steps_s", "checkpoint_s", "lost_s", "detection_s", "finish_s", "restart_s")}
         return {"wall_s": _round(self.wall_s), "kept_s": _round(self.kept_s), "goodput": None if self.ratio is None else round(self.ratio, 4),
+                **({"unknown": self.unknown} if self.unknown else {}),
                 "steps_lost": sum(a.steps_lost or 0 for a in self.attempts), **totals, "attempts": [a.to_json() for a in self.attempts]}
 
 
@@ -81,6 +90,9 @@ def measure(created: float, ended: float, attempts: list[dict], step_times: dict
     each step record arrived and its step (None: unknown); steps: per attempt, what the timeline says of its steps
     (kept_to, steps_lost); checkpoint_steps: the steps the job saved a checkpoint at."""
     out = Goodput(max(0.0, ended - created))
+    any_steps = any(step_times.get(entry.get("number", i + 1)) for i, entry in enumerate(attempts))
+    if not any_steps:
+        out.unknown = UNKNOWN
     for i, entry in enumerate(attempts):
         number = entry.get("number", i + 1)
         times = sorted(step_times.get(number) or [], key=lambda p: p[0])
@@ -102,7 +114,7 @@ def measure(created: float, ended: float, attempts: list[dict], step_times: dict
                 seen.finish_s = max(0.0, end - last)
             elif entry.get("detected") is not None:
                 seen.detection_s = max(0.0, entry["detected"] - last)
-        elif start is not None and entry.get("state") != "succeeded":
+        elif any_steps and start is not None and entry.get("state") != "succeeded":
             seen.launch_s = max(0.0, (entry.get("detected") or end) - start)  # never reached a step
         following = attempts[i + 1] if i + 1 < len(attempts) else None
         noticed = entry.get("detected") or entry.get("ended")

@@ -48,7 +48,7 @@ RESUME_ONLY = frozenset({"latest_checkpoint", "latest_checkpoint_name"})
 # Checkpoint layouts mnft can find "the latest complete checkpoint" in (see mnft.run.checkpoints).
 LAYOUTS = ("hf", "torchtune", "sana", "glob", "mnft", "none")
 # Metrics formats (see mnft.run.scrape).
-METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "tensorboard", "regex", "mnft", "none")
+METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "plain", "tensorboard", "regex", "mnft", "none")
 
 # torchrun options mnft sets itself (or that would break supervision, logs or ranks) are refused however argparse
 # would read them (abbreviated, --opt=value, PET_* variables): mnft.run.torchrunargs.

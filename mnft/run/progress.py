@@ -58,6 +58,7 @@ class Display:
         self._ticked_at: float | None = None  # the last line printed without metrics
         self._count = 0
         self.bar: tuple[int, int | None] | None = None  # HF's bar: (step, total)
+        self.summary: dict | None = None  # the job's summary record, shown by `end`
         self.step_times: list[tuple[float, int | None]] = []  # (wall time a step record arrived, its step), for goodput
         from mnft.run.straggler import Watch
 
@@ -76,11 +77,9 @@ class Display:
         if data.get("event") == "progress":  # HF's training bar: the step its step-less records are at, about
             self.bar = (data["step"], data.get("total"))
             return
-        if data.get("event") == "summary":
+        if data.get("event") == "summary":  # shown when the attempt ends (`end`), after the lines the job printed before it
             if data.get("final_loss") is not None:
-                rate = f", {data['tokens_per_s']:.0f} tokens/s" if isinstance(data.get("tokens_per_s"), (int, float)) else ""
-                self.console.print(Text.assemble(("summary", "bold"), f": loss {fmt_loss(data.get('initial_loss'))} -> "
-                                                 f"{fmt_loss(data.get('final_loss'))}{rate} over {data.get('steps')} steps"))
+                self.summary = data
             return
         if "loss" not in data:
             return
@@ -105,6 +104,16 @@ class Display:
             if due:
                 self._printed_at, self._printed_step = now, step
                 self.console.print("progress: " + self._prefix() + progress_text(data), highlight=False, soft_wrap=True)
+
+    def end(self) -> None:
+        """The attempt ended: the job's summary, if it wrote one. Not printed as it arrives: a job's metrics file (the
+        recipes' summary) is followed apart from its output, so the summary came before the last lines the job had
+        printed before writing it (`checkpoint step-200 complete`)."""
+        data, self.summary = self.summary, None
+        if data is not None:
+            rate = f", {data['tokens_per_s']:.0f} tokens/s" if isinstance(data.get("tokens_per_s"), (int, float)) else ""
+            self.console.print(Text.assemble(("summary", "bold"), f": loss {fmt_loss(data.get('initial_loss'))} -> "
+                                             f"{fmt_loss(data.get('final_loss'))}{rate} over {data.get('steps')} steps"))
 
     def _prefix(self) -> str:
         return f"{self.attempt}  " if self.attempt else ""

@@ -12,7 +12,13 @@ Formats (research/user_scripts.md):
   sana       `… Epoch: 0 | Global Step: 50 | … lr:1.0e-04, Cap: …, s:(1024, 1024), loss:0.1234, grad_norm:0.5` (ANSI colours)
   jsonl      one JSON object a line with a loss (mnft's recipes: format mnft)
   regex      a user regex with named groups: loss required, step and any others optional
-  auto       jsonl, hf, torchtune, sana: the first that matches a line
+  plain      what scripts print by hand: `name value` / `name: value` / `name=value` pairs, one of them a loss
+             (`step 21 loss 0.2474`, nanoGPT's `iter 100: loss 2.3456, time 12.34ms, mfu 1.23%`, `Epoch 1 Step 20
+             Loss 0.5`, a tqdm or Lightning bar's postfix `…| 45/100 [00:01<00:02, 30.1it/s, train_loss=0.123]`);
+             the step is `step`/`iter`/`iteration`/`global_step`'s value, else a tqdm bar's count (Lightning's,
+             counted from the epoch: epoch × total + count), else none; a loss named for evaluation (`val`,
+             `eval`, `test`, `best`) is not the training loss, nor a line that begins with such a word. The corpus it is tested on: tests/data/metric_lines.py
+  auto       jsonl, hf, torchtune, sana, plain: the first that matches a line
 """
 
 from __future__ import annotations
@@ -38,6 +44,17 @@ SANA_STEP = re.compile(r"Global Step: (\d+)")
 SANA_VALUE = {key: re.compile(r"(?<![\w/])" + key + r":\s*(" + NUMBER + r")") for key in ("loss", "lr", "grad_norm")}
 SANA_EPOCH = re.compile(r"Epoch: (\d+)")
 LR_NAMES = ("learning_rate", "lr")
+# plain: a name, then `:`/`=`/spaces (a `[` allowed: `Step [100/600]`), then a number (thousands with commas: tps: 1,234),
+# then perhaps a unit; the name of a loss may come as two words (`train loss`, `Eval Loss`), joined first
+PLAIN_NUMBER = r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])|" + NUMBER
+PLAIN_PAIR = re.compile(r"(?<![\w/.-])([A-Za-z][\w/.-]*?)(?:\s*[:=]\s*|\s+)\[?(" + PLAIN_NUMBER + r")(%|ms|s|GiB|MiB|GB|MB)?(?![\w.])")
+PLAIN_QUALIFIED = re.compile(r"\b(train|training|val|valid|validation|eval|test|best|avg|average|mean|running|total)[ _](loss)\b", re.IGNORECASE)
+PLAIN_STEPS = ("step", "global_step", "globalstep", "iter", "iteration", "it")
+NOT_TRAINING = ("val", "valid", "validation", "eval", "test", "best")
+EVALUATION_LINE = re.compile(r"^\W*(?:test|val|valid|validation|validating|eval|evaluation|evaluating)\b", re.IGNORECASE)
+TQDM_PERCENT = re.compile(r"\s*\d{1,3}%\|")
+TQDM_BAR = re.compile(r"\|\s*(\d{1,18})/(\d{1,18})\s*\[")
+LIGHTNING_EPOCH = re.compile(r"^\s*Epoch (\d+):")
 MAX_METRIC_LINE = 64 * 1024  # characters: a longer line is output, never a metrics record
 HF_SUMMARY_KEYS = ("train_runtime", "train_loss")
 
@@ -158,6 +175,38 @@ def sana_line(text: str) -> dict[str, Any] | None:
     return record(step.group(1), values)
 
 
+def plain_line(text: str) -> dict[str, Any] | None:
+    """`name value` pairs as scripts print them by hand, one of them a training loss (see the module's doc)."""
+    text = PLAIN_QUALIFIED.sub(lambda m: f"{m.group(1)}_{m.group(2)}", ANSI.sub("", text))
+    if EVALUATION_LINE.match(text):  # `Test set: Average loss: 0.0274, …`: an evaluation, not a training step
+        return None
+    pairs: dict[str, str] = {}
+    for key, value, unit in PLAIN_PAIR.findall(TQDM_PERCENT.sub("|", text)):  # `train:  40%|███|`: the bar's share is no value
+        key = key.lower() + (f"_{unit.lower()}" if unit in ("ms", "s") else "")
+        pairs.setdefault(key, value.replace(",", ""))
+    loss = _training_loss(pairs)
+    if loss is None:
+        return None
+    step = next((pairs.pop(k) for k in PLAIN_STEPS if k in pairs), None)
+    bar = TQDM_BAR.search(text)
+    if step is None and bar:
+        count, total = int(bar.group(1)), int(bar.group(2))
+        epoch = LIGHTNING_EPOCH.match(text)  # Lightning's bar counts the epoch's batches: from the epoch's start
+        step = str(int(epoch.group(1)) * total + count if epoch else count)
+    values = {k: v for k, v in pairs.items() if k != loss}
+    values["loss"] = pairs[loss]
+    return record(step, values)
+
+
+def _training_loss(pairs: dict[str, str]) -> str | None:
+    """The name of the training loss among a line's pairs: `loss`, else one named for training (train_loss,
+    train_loss_step …), else any other loss but one named for evaluation; a per-epoch mean comes last."""
+    losses = [k for k in pairs if "loss" in k and not k.startswith(NOT_TRAINING)]
+    if not losses:
+        return None
+    return min(losses, key=lambda k: (k != "loss", not k.startswith(("train", "loss")), k.endswith("_epoch")))
+
+
 def json_line(text: str) -> dict[str, Any] | None:
     text = text.strip()
     if not text.startswith("{"):
@@ -199,11 +248,11 @@ class LineParser:
             self._one = lambda text: regex_line(self.pattern, text)
         else:
             self._one = {"hf": hf_line, "torchtune": torchtune_line, "sana": sana_line, "jsonl": json_line, "mnft": json_line,
-                         "auto": self._auto}.get(fmt, lambda text: None)
+                         "plain": plain_line, "auto": self._auto}.get(fmt, lambda text: None)
 
     @staticmethod
     def _auto(text: str) -> dict[str, Any] | None:
-        for parse in (json_line, hf_line, torchtune_line, sana_line):
+        for parse in (json_line, hf_line, torchtune_line, sana_line, plain_line):
             found = parse(text)
             if found is not None:
                 return found

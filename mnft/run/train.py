@@ -520,6 +520,7 @@ class Run:
         try:
             with (console.status("waiting for the first step…") if console.is_terminal else nullcontext()) as display.status:
                 result = gang_run.wait(tick=lambda: (display.tick(), live.beat()))
+            display.end()
         except GangInterrupted as exc:
             keep_step_times(record, attempt, display.step_times)
             record.update(stragglers=display.watch.seen)

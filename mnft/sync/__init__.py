@@ -2,10 +2,12 @@
 
     source      the local tree: which directory, which files (git's ignores, configured excludes), its hash
     gitignore   git's ignore files as filter rules with git's meaning
-    treehash    a tree's identity (paths, sizes, sha256); host side too (stdlib only, shipped through pyrun)
-    targets     where a --delete mirror may go, judged before anything is touched
+    treehash    a tree's identity (paths, sizes, sha256), the record of what mnft placed in a directory, a job's
+                directory linked from its snapshot; host side too (stdlib only, shipped through pyrun)
+    targets     where a sync may go, judged before anything is touched
     rsync       rsync's argv with verified host keys, its run with progress, what its exit means
-    mirror      `invoke sync`: read each host's copy, plan, rsync, verify
+    mirror      `invoke sync`: read each host's copy, plan (never removing or replacing what mnft did not place), rsync, verify
+    snapshot    a run's code: fixed here when it starts, a read-only snapshot on every host, its job's directory
     relay       one directory to many hosts, relayed host to host so the controller uploads it about once
     report      the sync table
 """

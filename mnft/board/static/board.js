@@ -136,7 +136,7 @@
         el("header", null,
           el("b", { className: "host-name", title: host.name }, host.name),
           host.state === "ok" ? el("span", { className: "free" }, host.free + "/" + host.devices + " free")
-            : host.state === "slow" ? el("span", { className: "badge", "data-state": "slow", title: "its last answer is shown" }, "not answering")
+            : host.state === "slow" ? el("span", { className: "badge", "data-state": "slow", title: isNum(host.answered) ? "its last answer is shown" : "it has not answered yet" }, "not answering")
             : badge(host.state),
           el("span", { className: "ago muted", "data-answered": isNum(host.answered) ? host.answered : "" }, "answered " + fmtAgo(host.answered))),
         host.whole_host ? el("p", { className: "note" }, "whole host: " + host.whole_host) : null,
