@@ -40,7 +40,7 @@ print("done", flush=True)
 '''
 
 # a script that keeps its checkpoints relative to its working directory, as people write them on one machine; the
-# first attempt dies at step 3 (as a killed rank would); a start finds its own latest checkpoint and goes on from it
+# first attempt dies at step KILL_AT (as a killed rank would); a start finds its own latest checkpoint and goes on from it
 CKPT = '''
 import os, signal, sys
 
@@ -54,7 +54,7 @@ for step in range(start + 1, steps + 1):
     with open("ckpts/step_%d/model-r%d.pt" % (step, rank), "w") as f:
         f.write("weights of step %d\\n" % step)
     print('{"step": %d, "loss": %.3f}' % (step, 1.0 / step), flush=True)
-    if step == 3 and os.environ.get("MNFT_ATTEMPT") == "1" and rank == 0:
+    if str(step) == os.environ.get("KILL_AT") and os.environ.get("MNFT_ATTEMPT") == "1" and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
 '''
 
@@ -193,7 +193,8 @@ def test_what_a_script_writes_relative_to_its_directory_survives_syncs_restarts_
     # the script finds its own checkpoints (layout none); its resume argument is only a word it ignores
     src = repo(tmp_path, {"ckpt.py": CKPT, "job.yaml": "script: ckpt.py\nargs: ['6']\nresume: {layout: none, args: [--continue]}\n"})
     job_file = str(src / "job.yaml")
-    done = root.mnft("train", "--hosts", root.inventory, "--src", str(src), "--max-restarts", "1", "--job", job_file, timeout=300)
+    done = root.mnft("train", "--hosts", root.inventory, "--src", str(src), "--max-restarts", "1", "--env", "KILL_AT=3", "--job", job_file,
+                     timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     (run_id,) = root_runs(root)
     job = root.record(run_id)["job_id"]
