@@ -180,6 +180,27 @@ def test_runs_of_one_repository_run_side_by_side_each_with_the_code_it_was_start
     assert f"code {root.record(first)['code_hash'][:12]}" in status.stdout, status.stdout
 
 
+def test_the_same_job_twice_at_once_is_refused_naming_the_run_that_holds_its_directory(lab, tmp_path):
+    """A --resume of a job that is still running would write its files from two runs: refused before anything
+    starts, naming the run; a new run of the same repository beside it is not."""
+    root = User(lab, tmp_path, "root", "/root/mnft-twice")
+    src = repo(tmp_path, {"hold.py": HOLD, "version.py": "V = 5\n",
+                          "job.yaml": "script: hold.py\nargs: [twice]\nresume: {layout: none, args: []}\n"})
+    first = root.detach(src, "--gpus", "1", "--job", str(src / "job.yaml"))
+    try:
+        wait_until(lambda: printed(root, first, "twice"))
+        job = root.record(first)["job_id"]
+        again = root.mnft("train", "--resume-run", first, "--gpus", "1")
+        assert again.returncode == 1, again.stdout[-3000:] + again.stderr[-3000:]
+        line = [ln for ln in again.stderr.splitlines() if "working directory" in ln]
+        assert line and f"/root/mnft-twice/outputs/{job} is in use by train run {first}" in line[0], again.stderr
+        assert "one job runs once at a time" in line[0] and "Traceback" not in again.stderr
+        assert root.record(root_runs(root)[-1])["state"] == "refused"
+    finally:
+        end(lab, "twice")
+        root.mnft("stop", first)
+
+
 def root_runs(user: User) -> list[str]:
     runs = user.dir / "runs"
     return sorted(p.name for p in runs.glob("[!.]*") if (p / "run.json").is_file()) if runs.is_dir() else []

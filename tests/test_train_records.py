@@ -394,3 +394,25 @@ def test_a_damaged_run_record_is_one_line_not_a_traceback(tmp_path, monkeypatch)
     (tmp_path / "R1" / "run.json").write_text('{"run_id": "R2"}')
     with pytest.raises(InputError, match="not this run's record"):
         records.load("R1")
+
+
+# ------------------------------------------------------------------------------------------- where the records go
+
+
+def test_run_records_in_a_repository_stay_out_of_its_git_status(tmp_path, monkeypatch):
+    """runs/ written into the user's repository (the default, relative to where mnft runs) shows nothing in `git
+    status`: mnft leaves a .gitignore of `*` in it, as .pytest_cache does; a user's own .gitignore there is kept."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    subprocess.run(["git", "init", "-q", str(repo)], check=True)
+    (repo / "train.py").write_text("print('t')\n")
+    subprocess.run(["git", "-C", str(repo), "add", "train.py"], check=True)
+    monkeypatch.chdir(repo)
+    monkeypatch.delenv("MNFT_RUNS_DIR", raising=False)
+    records.RunRecord.create("20260101-000000-aaaa", state="checking")
+    status = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=all"], capture_output=True, text=True, check=True)
+    assert status.stdout.splitlines() == ["A  train.py"]
+    assert records.all_runs() == ["20260101-000000-aaaa"]  # the .gitignore is not a run
+    (repo / "runs" / ".gitignore").write_text("# mine\n*.json\n")
+    records.RunRecord.create("20260101-000000-bbbb", state="checking")
+    assert (repo / "runs" / ".gitignore").read_text() == "# mine\n*.json\n"
