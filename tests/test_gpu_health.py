@@ -228,3 +228,79 @@ def test_a_member_of_the_group_the_host_names_drains_and_another_admin_undrains(
     assert problem is None and marks["gpus"]["1"]["reason"] == "Xid 79 twice"
     leasehost.set_drain({"gpus": [1], "undrain": True})  # root
     assert leasehost.drain_marks()[0]["gpus"] == {}
+
+
+# ------------------------------------------------------------------------------------------------ the controller's side
+
+
+def gpu(index, state="free", **health):
+    return {"index": index, "uuid": f"GPU-{index}", "name": "H100", "memory_total_mib": 81559, "memory_used_mib": 0, "utilization": 0,
+            "state": state, "processes": [], "health": health}
+
+
+def lab_inventory():
+    from mnft.hosts.inventory import parse
+
+    return parse("hosts:\n  h1: {address: 10.0.0.1}\n  h2: {address: 10.0.0.2}\n")
+
+
+def test_lab_shows_each_gpus_health_beside_its_lease_and_the_out_of_service_ones_with_why():
+    from mnft.hosts import lab
+
+    mark = {"login": "ops", "at": 1_800_000_000, "reason": "fan noise", "by": "ops@ctl", "scope": "gpu"}
+    views = {"h1": {"devices": [
+        dict(gpu(0, "unhealthy", lost="Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error"), broken="lost from the bus (…)"),
+        dict(gpu(1, "held", throttle=["hw_thermal_slowdown"]), holder={"run_id": "R", "command": "train", "login": "alice"}),
+        dict(gpu(2, "drained"), drain=mark),
+        gpu(3, persistence=False)]},
+        "h2": {"devices_error": "nvidia-smi did not answer in 5 s: is persistence mode off? a wedged driver?"}}
+    rows = {(r.host, r.device): r for r in lab.rows(lab_inventory(), views)}
+    assert rows[("h1", "0")].state == "unhealthy" and rows[("h1", "0")].health.startswith("lost from the bus (Unable to determine")
+    assert rows[("h1", "1")].state == "held" and rows[("h1", "1")].health.startswith("clocks throttled (HW thermal slowdown)")
+    assert rows[("h1", "2")].state == "drained" and rows[("h1", "2")].detail.startswith("drained by ops (ops@ctl) at ")
+    assert rows[("h1", "2")].detail.endswith(": fan noise")
+    assert rows[("h1", "3")].state == "free" and rows[("h1", "3")].health.startswith("persistence mode off")
+    assert rows[("h2", "-")].state == "failed" and rows[("h2", "-")].detail.startswith("GPUs not read: nvidia-smi did not answer in 5 s")
+
+
+def test_nodes_skips_a_host_whose_free_gpus_are_all_unhealthy_and_every_gpu_of_such_a_host_is_never_had():
+    from mnft.hosts import lab
+
+    sick = {"devices": [dict(gpu(0, "unhealthy", ecc_volatile=1), broken="1 uncorrectable ECC error(s) since the driver loaded"),
+                        dict(gpu(1, "held"), holder={"run_id": "R"})]}
+    well = {"devices": [gpu(0), gpu(1)]}
+    picked = lab.pick_nodes(lab_inventory(), {"h1": sick, "h2": well}, 1, 1)
+    assert picked.hosts == ("h2",)
+    assert dict(picked.why)["h1"] == "0 of 2 device(s) free (1 out of service), 1 needed"  # its healthy GPU may come free: wait for it
+    every = lab.pick_nodes(lab_inventory(), {"h1": sick, "h2": well}, 2, None, wait=True)
+    assert every.hosts is None and not every.waiting_helps
+    assert dict(every.why)["h1"] == ("left out: 1 GPU(s) out of service, 1 of 2 in service, 2 needed "
+                                     "(GPU 0: unhealthy: 1 uncorrectable ECC error(s) since the driver loaded)")
+
+
+def test_a_run_asking_for_every_gpu_of_a_host_with_an_unhealthy_one_is_refused_naming_it_and_why():
+    from mnft.hosts import leases
+
+    reply = {"busy": True, "what": "unavailable", "want": None, "devices": [
+        dict(gpu(0, "unhealthy"), broken="Xid 79 (fallen off the bus) at 10:02:03"), gpu(1),
+        dict(gpu(2, "drained"), drain={"login": "root", "at": 1_800_000_000, "reason": "RMA"})]}
+    line = leases.scope_busy_line("h1", reply)
+    assert line.startswith("h1: every device of the host (no --gpus) asked, 1 of 3 in service: GPU 0: unhealthy: Xid 79 (fallen off the bus) at 10:02:03; "
+                           "GPU 2: drained by root at ")
+    assert line.endswith(": RMA (never leased, waiting would not help: --gpus 1 or fewer, or other hosts; `mnft lab` shows the lab)")
+
+
+def test_check_judges_each_gpus_health_with_its_fix_and_names_a_drained_one():
+    from mnft.check.rules import gpu_health
+
+    view = {"devices": [gpu(0, lost="Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error"),
+                        gpu(1, throttle=["hw_power_brake_slowdown"]), gpu(2, persistence=False, kmsg="the kernel log (/dev/kmsg) is not readable"),
+                        dict(gpu(3), drain={"login": "ops", "at": 1_800_000_000, "reason": "fan"})]}
+    found = {(p.message.split(":")[0], p.severity): p for p in gpu_health("h1", view)}
+    lost = found[("GPU 0", "error")]
+    assert lost.fix.startswith("drain it (mnft drain HOST:GPU --reason …) and reset it") and "reboot" in lost.fix
+    assert found[("GPU 1", "warning")].message == "GPU 1: clocks throttled (power brake): the likely straggler of any gang it joins"
+    assert found[("GPU 2", "warning")].fix == "nvidia-smi -pm 1, or enable nvidia-persistenced"
+    assert found[("GPU 3", "note")].message.startswith("GPU 3: drained by ops at ")
+    assert found[("the kernel log (/dev/kmsg) is not readable", "note")]
+    assert gpu_health("h2", {"error": "nvidia-smi did not answer in 5 s: is persistence mode off? a wedged driver?"})[0].severity == "error"
