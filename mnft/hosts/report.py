@@ -91,15 +91,17 @@ LAB_STYLE = {"free": "green", "held": "yellow", "outside": "magenta", "waiting":
 
 def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, seconds: float) -> int:
     """`mnft lab`: host × device → free / held (user, run, command, since) / in use outside mnft, memory and
-    utilisation, then each host's line of waiting runs. Exit 0, or 4 when a host did not answer."""
+    utilisation, each GPU's health, then each host's line of waiting runs. Exit 0, 4 when a host did not answer, 1 when a
+    host's GPUs did not (a stalled nvidia-smi, named)."""
     from mnft.core.errors import ExitCode
     from mnft.hosts.lab import rows, since
 
     table_rows = rows(inventory, views)
     unanswered = [name for name, v in views.items() if v.get("error") and not v.get("devices")]
+    unread = [name for name, v in views.items() if v.get("devices_error") and not v.get("devices")]  # its GPUs did not answer
     if as_json:
         print_json({"hosts": [h.name for h in inventory.hosts], "seconds": round(seconds, 3), "devices": [r.to_json() for r in table_rows]})
-        return ExitCode.UNREACHABLE if unanswered else ExitCode.OK
+        return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
     free = sum(1 for r in table_rows if r.state == "free")
     devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside", "drained", "unhealthy"))
     table = Table(title=plain(f"{inventory.path or 'the lab'}: {free} of {devices} device(s) free on {len(inventory.hosts)} host(s) "
@@ -121,4 +123,4 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
             console().print(plain(f"{name}: {unread}", style="yellow"))
         if view.get("drain_problem"):
             console().print(plain(f"{name}: {view['drain_problem']}", style="red"))
-    return ExitCode.UNREACHABLE if unanswered else ExitCode.OK
+    return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
