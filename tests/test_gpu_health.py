@@ -304,3 +304,19 @@ def test_check_judges_each_gpus_health_with_its_fix_and_names_a_drained_one():
     assert found[("GPU 3", "note")].message.startswith("GPU 3: drained by ops at ")
     assert found[("the kernel log (/dev/kmsg) is not readable", "note")]
     assert gpu_health("h2", {"error": "nvidia-smi did not answer in 5 s: is persistence mode off? a wedged driver?"})[0].severity == "error"
+
+
+def test_the_gpu_bench_reads_health_both_ways_side_by_side_and_says_which_it_could_not(host):
+    """bench/gpu.py's health step, run here on the stand-in: nvidia-smi read and judged, NVML skipped and said so
+    (no libnvidia-ml.so.1 on this machine; on a GPU machine both are timed)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).resolve().parent.parent / "bench" / "gpu.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    host(lost=[0])
+    found = bench.health(repeats=2)
+    assert found["nvml"]["skipped"].startswith("OSError: libnvidia-ml.so.1")
+    assert found["nvidia-smi"]["gpus"] == 4 and found["nvidia-smi"]["median_ms"] > 0
+    assert found["nvidia-smi"]["problems"]["0"][0].startswith("lost from the bus")
+    assert "| nvidia-smi | " in "\n".join(bench.health_markdown(found))
