@@ -1294,7 +1294,7 @@ def read_xids(path=None):
     records, why = read_kmsg(path)
     try:
         with open("/proc/uptime") as fh:
-            booted = time.time() - float(fh.read().split()[0])
+            booted = time.time() - float(fh.read(64).split()[0])
     except (OSError, ValueError, IndexError):
         booted = 0.0
     found = {}
