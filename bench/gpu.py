@@ -10,6 +10,9 @@ inventory (this machine, `connection: local`, no SSH), NCCL. In under 8 minutes 
 3. a real CUDA out-of-memory in a rank (a script that asks for more than the device has), which mnft must name
    as the failure with its fix;
 
+4. the GPU health read (issue 37) as mnft's lease script reads it, through NVML (ctypes on libnvidia-ml.so.1) and
+   through nvidia-smi, side by side: each way's time per look (median of 10) and what it read;
+
 then writes the figures, the device and the date as Markdown for docs/gpu.md (--out) and JSON (--json).
 
 On a machine without CUDA it runs the same steps on the CPU in fp32 (no --gpus: a host without nvidia-smi is
@@ -132,6 +135,46 @@ class Bench:
         return {"exit_code": done.returncode, "named": named, "fix": fix, "traceback_shown": "Traceback" in said}
 
 
+def health(repeats: int = 10) -> dict:
+    """The health read both ways (mnft.hosts.leasehost.read_nvml, smi_gpus), timed per look, and what each read
+    (health as leasehost.health_problems judges it): {"nvml": …, "nvidia-smi": …}, a way missing here skipped."""
+    import shutil
+
+    from mnft.hosts import leasehost
+
+    out = {}
+    exe = shutil.which("nvidia-smi")
+    ways = {"nvml": leasehost.read_nvml, "nvidia-smi": (lambda: leasehost.smi_gpus(exe)) if exe else None}
+    for name, read in ways.items():
+        if read is None:
+            out[name] = {"skipped": "no nvidia-smi on the PATH"}
+            continue
+        times, devices = [], None
+        try:
+            for _ in range(repeats):
+                t = time.perf_counter()
+                devices = read()
+                times.append(time.perf_counter() - t)
+        except OSError as exc:
+            out[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
+            continue
+        out[name] = {"median_ms": round(statistics.median(times) * 1000, 3), "first_ms": round(times[0] * 1000, 3), "gpus": len(devices),
+                     "problems": {str(d.get("index")): [p["what"] for p in leasehost.health_problems(d)] for d in devices}}
+    return out
+
+
+def health_markdown(found: dict) -> list[str]:
+    lines = ["", "GPU health read, per look (median of 10; the first, with NVML's start, apart):", "",
+             "| way | median ms | first ms | GPUs | what it judged |", "|---|---|---|---|---|"]
+    for name, h in found.items():
+        if "skipped" in h:
+            lines.append(f"| {name} | skipped: {h['skipped']} | | | |")
+        else:
+            judged = "; ".join(f"GPU {i}: {', '.join(p)}" for i, p in h["problems"].items() if p) or "healthy"
+            lines.append(f"| {name} | {h['median_ms']} | {h['first_ms']} | {h['gpus']} | {judged} |")
+    return lines
+
+
 def ratio(a, b) -> str:
     return f"{a / b:.2f}×" if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else "–"
 
@@ -155,6 +198,8 @@ def markdown(result: dict) -> str:
     oom = result["oom"]
     lines += ["", "CUDA out of memory: " + (oom["skipped"] if "skipped" in oom else
                                             f"exit {oom['exit_code']}; named: {oom['named']!r}; {oom['fix']!r}; a traceback on the terminal: {oom['traceback_shown']}"), ""]
+    if result.get("health"):
+        lines += health_markdown(result["health"]) + [""]
     return "\n".join(lines)
 
 
@@ -178,6 +223,8 @@ def main() -> int:
             print(f"HF Trainer {name}: {json.dumps(result['baselines'][name])}", flush=True)
         result["oom"] = bench.oom()
         print(f"oom: {json.dumps(result['oom'])}", flush=True)
+        result["health"] = health()
+        print(f"health: {json.dumps(result['health'])}", flush=True)
     result["wall_s"] = round(time.monotonic() - started, 1)
     text = markdown(result)
     print(text)

@@ -8,7 +8,19 @@ STATE_DIR (/run/mnft-fake-gpu, the host's private /run; MNFT_FAKE_GPU_DIR overri
 
     config.json         written by the test bed: {"count": 4, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
                         "driver": "550.54.15", "cuda": "12.4", "links": [[0, 1, "NV18"], [2, 3, "NV18"]]}
-                        (pairs not listed are "SYS"); `default_config(count)` makes it
+                        (pairs not listed are "SYS"); `default_config(count)` makes it. What a GPU server gets
+                        wrong, each optional (keys are device indices, as strings in JSON):
+                          "lost": [0]                  fallen off the bus: every query prints "Unable to determine
+                                                       the device handle for GPU 0000:18:00.0: Unknown Error" in
+                                                       its place and exits 15, as the real one does
+                          "ecc": {"1": [2, 5]}         uncorrectable ECC errors, volatile and aggregate
+                          "remap": {"1": ["Yes", "No"]}  remapped rows pending, failed
+                          "retired_pending": [1]       retired pages pending
+                          "throttle": {"2": ["hw_thermal_slowdown", …]}  clock throttle reasons active
+                          "persistence": false         persistence mode off (with "stall": the driver's start)
+                          "stall": 15                  every query answers only after that many seconds
+                          "latency_ms": 40             every query takes that long (a real 8-GPU host's driver)
+                          "mig": [3]                   MIG mode on
     used/<index>/<pid>  a process uses device <index> while this file exists, holds "<starttime> <used_mib>"
                         (starttime: field 22 of /proc/<pid>/stat, so a reused pid is not counted) and that pid is
                         alive and not a zombie. The directories are mode 1777: every user can register; a stale
@@ -21,6 +33,11 @@ Answers: `--query-gpu=FIELDS` and `--query-compute-apps=FIELDS` with `--format=c
 exits 2 with a message on stderr, as the real one refuses an invalid combination of arguments.
 
 Test-only parts:
+
+    nvidia-smi --fake-xid INDEX CODE
+        writes the kernel's Xid line for that device ("NVRM: Xid (PCI:0000:18:00): 79, pid=…, GPU has fallen off
+        the bus.") to /dev/kmsg, only where /dev/kmsg is a regular file (the test bed binds one there in each host:
+        the real kernel log is never written); FAKE_KMSG_ENV names another file for unit tests.
 
     nvidia-smi --fake-use 1[,2…] [--mib N] -- COMMAND ARGS…
         registers its own pid on those devices, then execs COMMAND (which keeps the pid): "someone ran python by
@@ -47,6 +64,12 @@ STATE_ENV = "MNFT_FAKE_GPU_DIR"
 DEFAULT_MIB = 1024  # what --fake-use and RANK_SNIPPET register when not told otherwise
 BUSY_UTILIZATION = 97  # utilization.gpu of a device someone uses (0 otherwise)
 USAGE_EXIT = 2  # an invalid combination of arguments, as the real one
+LOST_EXIT = 15  # "GPU has fallen off the bus or has otherwise become inaccessible"
+KMSG, FAKE_KMSG_ENV = "/dev/kmsg", "MNFT_FAKE_KMSG"
+XID_TEXT = {13: "Graphics Engine Exception", 31: "MMU Fault", 48: "DBE (Double Bit Error) ECC Error",
+            63: "ECC page retirement or row remapping recording event", 64: "ECC page retirement or row remapper recording failure",
+            74: "NVLink Error", 79: "GPU has fallen off the bus.", 94: "Contained ECC error", 95: "Uncontained ECC error",
+            119: "Timeout after 6s of waiting for RPC response from GPU0 GSP!"}
 NO_DRIVER_EXIT = 9  # "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver"
 INVALID = "Invalid combination of input arguments. Please run 'nvidia-smi -h' for help."
 NO_DRIVER = ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. Make sure that the latest "
@@ -212,6 +235,49 @@ class Host:
     def busy(self, index: int) -> bool:
         return bool(self.used.get(index))
 
+    def indices(self, key: str) -> set[int]:
+        return {int(i) for i in self.config.get(key) or ()}
+
+    def per(self, key: str, index: int, default):
+        return (self.config.get(key) or {}).get(str(index), default)
+
+    def throttled(self, index: int, reason: str) -> str:
+        return "Active" if reason in self.per("throttle", index, []) else "Not Active"
+
+    def lost(self) -> list[int]:
+        return sorted(i for i in self.indices("lost") if 0 <= i < self.count)
+
+
+# nvmlClocksThrottleReasons bits
+THROTTLE_BITS = {"gpu_idle": 0x1, "applications_clocks_setting": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sync_boost": 0x10,
+                 "sw_thermal_slowdown": 0x20, "hw_thermal_slowdown": 0x40, "hw_power_brake_slowdown": 0x80}
+
+
+def lost_line(index: int) -> str:
+    """What the real nvidia-smi prints in place of a device that fell off the bus."""
+    return "Unable to determine the device handle for GPU %s: Unknown Error" % bus_id(index)[4:]
+
+
+def write_xid(index: int, code: int, path: str | None = None) -> str:
+    """Append the kernel's Xid line for device `index` to the kernel log stand-in (a regular file only); returns it."""
+    path = path or os.environ.get(FAKE_KMSG_ENV) or KMSG
+    try:
+        st = os.stat(path)
+    except OSError:
+        st = None
+    import stat as stat_
+
+    if st is None or not stat_.S_ISREG(st.st_mode):
+        raise Refused("--fake-xid: %s is not a stand-in kernel log (a regular file): the real kernel log is never written" % path)
+    with open("/proc/uptime", encoding="utf-8") as f:
+        usec = int(float(f.read().split()[0]) * 1e6)
+    pci = bus_id(index)[4:].lower().rsplit(".", 1)[0]
+    line = "4,%d,%d,-;NVRM: Xid (PCI:%s): %d, pid=%d, name=python3, %s\n" % (
+        int(time.time() * 1000) % 10 ** 9, usec, pci, code, os.getpid(), XID_TEXT.get(code, "Unknown Error"))
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+    return line
+
 
 # field -> (unit shown in a header and after a value, or "", and the value)
 GPU_FIELDS = {
@@ -227,9 +293,20 @@ GPU_FIELDS = {
     "pci.bus_id": ("", lambda h, i: bus_id(i)),
     "gpu_bus_id": ("", lambda h, i: bus_id(i)),
     "vbios_version": ("", lambda h, i: "96.00.74.00.01"),
-    "persistence_mode": ("", lambda h, i: "Enabled"),
+    "persistence_mode": ("", lambda h, i: "Enabled" if h.config.get("persistence", True) else "Disabled"),
     "compute_mode": ("", lambda h, i: "Default"),
-    "mig.mode.current": ("", lambda h, i: "Disabled"),
+    "mig.mode.current": ("", lambda h, i: "Enabled" if i in h.indices("mig") else "Disabled"),
+    "ecc.errors.uncorrected.volatile.total": ("", lambda h, i: str(h.per("ecc", i, [0, 0])[0])),
+    "ecc.errors.uncorrected.aggregate.total": ("", lambda h, i: str(h.per("ecc", i, [0, 0])[1])),
+    "retired_pages.pending": ("", lambda h, i: "Yes" if i in h.indices("retired_pending") else "No"),
+    "remapped_rows.pending": ("", lambda h, i: h.per("remap", i, ["No", "No"])[0]),
+    "remapped_rows.failure": ("", lambda h, i: h.per("remap", i, ["No", "No"])[1]),
+    "clocks_throttle_reasons.active": ("", lambda h, i: "0x%016X" % sum(THROTTLE_BITS[r] for r in h.per("throttle", i, []) if r in THROTTLE_BITS)),
+    "clocks_throttle_reasons.hw_slowdown": ("", lambda h, i: h.throttled(i, "hw_slowdown")),
+    "clocks_throttle_reasons.hw_thermal_slowdown": ("", lambda h, i: h.throttled(i, "hw_thermal_slowdown")),
+    "clocks_throttle_reasons.sw_thermal_slowdown": ("", lambda h, i: h.throttled(i, "sw_thermal_slowdown")),
+    "clocks_throttle_reasons.hw_power_brake_slowdown": ("", lambda h, i: h.throttled(i, "hw_power_brake_slowdown")),
+    "clocks_throttle_reasons.sw_power_cap": ("", lambda h, i: h.throttled(i, "sw_power_cap")),
     "pstate": ("", lambda h, i: "P0"),
     "temperature.gpu": ("", lambda h, i: "58" if h.busy(i) else "31"),
     "fan.speed": ("%", lambda h, i: "[N/A]"),
@@ -305,6 +382,9 @@ def query_gpu(host: Host, fields_text: str, fmt: str | None, ids: str | None = N
     if header:
         lines.append(", ".join(f + (" [%s]" % GPU_FIELDS[f][0] if units and GPU_FIELDS[f][0] else "") for f in fields))
     for index in _chosen(host, ids):
+        if index in host.lost():
+            lines.append(lost_line(index))
+            continue
         lines.append(", ".join(_with_unit(GPU_FIELDS[f][1](host, index), GPU_FIELDS[f][0], units) for f in fields))
     return "".join(line + "\n" for line in lines)
 
@@ -317,6 +397,9 @@ def query_apps(host: Host, fields_text: str, fmt: str | None, ids: str | None = 
         lines.append(", ".join(APP_FIELDS[f][1] + (" [%s]" % APP_FIELDS[f][0] if units and APP_FIELDS[f][0] else "")
                                for f in fields))
     for index in _chosen(host, ids):
+        if index in host.lost():
+            lines.append(lost_line(index))
+            continue
         for pid, mib in host.used.get(index, ()):
             lines.append(", ".join(_with_unit(APP_FIELDS[f][2](host, index, pid, mib), APP_FIELDS[f][0], units) for f in fields))
     return "".join(line + "\n" for line in lines)
@@ -356,7 +439,8 @@ def topology(host: Host, cpus: int | None = None) -> str:
 
 
 def list_gpus(host: Host) -> str:
-    return "".join("GPU %d: %s (UUID: %s)\n" % (i, host.config["name"], gpu_uuid(host.hostname, i)) for i in range(host.count))
+    return "".join(lost_line(i) + "\n" if i in host.lost() else "GPU %d: %s (UUID: %s)\n" % (i, host.config["name"], gpu_uuid(host.hostname, i))
+                   for i in range(host.count))
 
 
 def version(host: Host) -> str:
@@ -508,6 +592,14 @@ def main(argv: list[str] | None = None) -> int:
                 for path in paths:
                     os.unlink(path)
                 raise Refused("--fake-use: cannot run %s: %s" % (command[0], exc.strerror), code=127) from None
+        if argv[:1] == ["--fake-xid"]:
+            if len(argv) != 3 or not argv[1].isdigit() or not argv[2].isdigit() or int(argv[1]) >= int(config["count"]):
+                raise Refused("usage: nvidia-smi --fake-xid INDEX CODE (INDEX a device of this host)")
+            write_xid(int(argv[1]), int(argv[2]))
+            return 0
+        delay = float(config.get("stall") or 0) + float(config.get("latency_ms") or 0) / 1000.0
+        if delay > 0:  # persistence off: the driver starts up for every query; a real host's driver time
+            time.sleep(delay)
         host = Host(config, socket.gethostname(), uses(state, int(config["count"])))
         if argv[:1] == ["topo"]:
             if argv[1:] not in (["-m"], ["--matrix"]):
@@ -530,7 +622,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(version(host))
         else:
             raise Refused(INVALID)
-        return 0
+        return LOST_EXIT if host.lost() and queries[:1] != ["--version"] else 0
     except Refused as exc:
         print(str(exc), file=sys.stderr)
         return exc.code

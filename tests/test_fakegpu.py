@@ -162,7 +162,7 @@ def test_the_leases_find_the_devices_on_the_path_as_on_a_gpu_server(gpus, tmp_pa
     assert leasehost.pick([0, 2, 3], 2, links) == [2, 3]
 
 
-def test_a_take_asks_nvidia_smi_one_question_once_this_boots_gpus_and_links_are_cached(gpus, tmp_path, monkeypatch, on_gpu1):
+def test_a_take_asks_nvidia_smi_two_questions_at_once_once_this_boots_links_are_cached(gpus, tmp_path, monkeypatch, on_gpu1):
     bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(f'#!/bin/sh\necho "$1" >> {asked}\nexec {FAKE} "$@"\n')
@@ -175,14 +175,16 @@ def test_a_take_asks_nvidia_smi_one_question_once_this_boots_gpus_and_links_are_
         asked.unlink(missing_ok=True)
         return sorted(text.split())
 
+    monkeypatch.setenv("MNFT_NVML", "0")  # should this machine have the driver's library
     first, links = leasehost.read_devices(topology=True, live=False)
-    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.SMI_QUERY, "topo"]
+    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.GPU_READ, "topo"]
     again, cached = leasehost.read_devices(topology=True, live=False)
-    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory"]  # the processes, asked each time
+    # the devices' health and their processes, asked each time (at once); the links from the cache
+    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.GPU_READ]
     assert cached == links and [d["uuid"] for d in again] == [d["uuid"] for d in first]
     assert [d["processes"] for d in again][1] == [{"pid": on_gpu1.pid, "user": leasehost.user_name(os.getuid()), "used_mib": 1024}]
     leasehost.read_devices()  # `mnft lab`: memory in use and utilisation now, never from the cache
-    assert "--query-gpu=" + leasehost.SMI_QUERY in questions()
+    assert "--query-gpu=" + leasehost.GPU_READ in questions()
 
 
 def test_list_and_banner_name_every_device_the_driver_and_who_uses_what(gpus, on_gpu1):

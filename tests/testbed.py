@@ -763,6 +763,28 @@ class Cluster:
             os.chmod(state / "used" / str(index), 0o1777)
         os.chmod(state / "used", 0o755)
         os.chmod(state, 0o755)
+        _write(host.root / "kmsg", "", 0o644)  # the host's kernel log (bound on /dev/kmsg): `nvidia-smi --fake-xid` writes it
+
+    def gpu_faults(self, host: SimHost, **faults) -> None:
+        """What the host's GPUs get wrong from now on (tests/fakegpu.py's config keys: lost=[0], ecc={"1": [2, 5]},
+        remap=…, throttle=…, persistence=False, stall=15, mig=[3]); given again with None, a fault is mended."""
+        import fakegpu
+
+        path = self._fake_gpu_state(host) / "config.json"
+        config = json.loads(path.read_text())
+        for key, value in faults.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        _write(path, json.dumps(config) + "\n", 0o644)
+        assert fakegpu.load_config(str(path.parent)) is not None
+
+    def xid(self, host: SimHost, index: int, code: int) -> None:
+        """The kernel of the host logs Xid `code` for its GPU `index` (its /dev/kmsg, a file of the host's own)."""
+        import fakegpu
+
+        fakegpu.write_xid(index, code, str(host.root / "kmsg"))
 
     def _fake_gpu_state(self, host: SimHost) -> Path:
         return host.root / os.path.relpath(FAKE_GPU_STATE, "/")
@@ -801,6 +823,7 @@ class Cluster:
         if self.gpus:  # the fake nvidia-smi on top of this machine's /usr/local/bin, hiding nothing there
             lower = f"{r / 'gpu-bin'}:{GPU_BIN}"
             steps.append(f"mount -t overlay mnft-fake-gpu -o {q('ro,lowerdir=' + lower)} {GPU_BIN}")
+            steps.append(f"mount --bind {q(str(r / 'kmsg'))} /dev/kmsg")  # its own kernel log, never the machine's
         if self.containers:  # the host's own podman: its configuration and its storage (sources under the workdir)
             steps += [f"mount --bind {q(str(r / 'containers' / 'etc'))} {CONTAINERS_ETC}",
                       f"mount --bind {q(str(self._storage(host)))} {CONTAINERS_STORAGE}", *_cgroup_mounts()]

@@ -316,14 +316,17 @@ def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str
 
 
 def gpu_leases(fleet: Fleet, hosts: list[Host], facts: dict[str, dict]) -> None:
-    """On hosts where a GPU is in use, whose run holds it (each GPU's "lease": the lab's word, mnft.hosts.lab),
-    asked only there: a lab with every GPU idle costs no round-trip more."""
-    busy = [h for h in hosts if any(g.get("processes") for g in (facts[h.name].get("nvidia") or {}).get("gpus") or [])]
+    """On hosts with GPUs, the lab's view of them (mnft.hosts.lab): whose run holds a GPU in use (each GPU's
+    "lease"), and each GPU's health and drain mark as the host judges them ("gpu_health": the lab's devices, or
+    {"error"}: rules.gpu_health). Asked only there: a lab without GPUs costs no round-trip more."""
+    busy = [h for h in hosts if (facts[h.name].get("nvidia") or {}).get("gpus") or "nvidia" in (facts[h.name].get("errors") or {})]
     if not busy:
         return
     from mnft.hosts import leases
 
     for name, view in leases.lab(fleet, busy).items():
+        facts[name]["gpu_health"] = {"devices": view.get("devices") or [], "error": view.get("devices_error") or view.get("error"),
+                                     "drain_problem": view.get("drain_problem")}
         held = {d.get("index"): d for d in view.get("devices") or [] if d.get("state") == "held"}
         for gpu in (facts[name].get("nvidia") or {}).get("gpus") or []:
             if gpu.get("index") in held:

@@ -134,8 +134,9 @@ def _spawn(argv: list):  # -> subprocess.Popen
     )
 
 
-def _finish(proc, deadline: float, what: str) -> str:  # proc: subprocess.Popen
-    """The stdout of a spawned command; raises with a readable message if it failed or overran `deadline`."""
+def _finish(proc, deadline: float, what: str, ok=(0,)) -> str:  # proc: subprocess.Popen
+    """The stdout of a spawned command; raises with a readable message if it failed (an exit status not in `ok`) or
+    overran `deadline`."""
     import subprocess
 
     try:
@@ -143,8 +144,10 @@ def _finish(proc, deadline: float, what: str) -> str:  # proc: subprocess.Popen
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
+        if what == "nvidia-smi":  # named as leasehost.stalled_line names it
+            raise RuntimeError("nvidia-smi did not answer in %g s: is persistence mode off? a wedged driver?" % NVIDIA_SMI_TIMEOUT) from None
         raise RuntimeError("%s timed out" % what) from None
-    if proc.returncode != 0:
+    if proc.returncode not in ok:
         lines = (err.strip() or out.strip()).splitlines()
         raise RuntimeError("%s exited with %d: %s" % (what, proc.returncode, lines[0] if lines else "no output"))
     return out
@@ -362,7 +365,8 @@ class _Nvidia:
         outputs = {}
         for key, proc in self.procs.items():
             field = "nvidia" if key == "gpus" else "nvidia.processes" if key == "apps" else "nvidia.cuda_driver"
-            outputs[key] = _guard(self.errors, field, _finish, proc, self.deadline, "nvidia-smi")
+            # 15: a GPU fell off the bus; the others answered (its health is the lease script's to judge)
+            outputs[key] = _guard(self.errors, field, _finish, proc, self.deadline, "nvidia-smi", (0, 15))
         if outputs.get("gpus") is None:
             return result
         gpus = _parse_gpus(outputs["gpus"])

@@ -11,7 +11,8 @@ from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, referen
 from mnft.env.diff import compare
 from mnft.hosts.fleet import HostResult
 from mnft.core.output import command
-from mnft.hosts.leases import describe, verified
+from mnft.hosts.leasehost import health_problems
+from mnft.hosts.leases import describe, drained_words, shown, verified
 from mnft.hosts.settings import Host, Inventory
 
 
@@ -209,6 +210,31 @@ PYTHON_SIDE = ("python", "torch", "cuda", "nccl")  # what an image brings (the d
 RUNTIME_FIX = "install podman, docker or apptainer on the host, or set container_runtime: in the inventory (a kind or an absolute path)"
 
 
+def gpu_health(host: str, view: dict | None) -> list[Problem]:
+    """Each GPU's health as its host judges it (mnft.hosts.leasehost.health_problems), with the fix: a GPU that
+    breaks runs (lost, uncorrectable ECC since boot, a pending remap, an Xid needing a reset) fails the check and is
+    never leased; throttling, persistence off, MIG are warnings; a drained GPU is a note naming who, when and why."""
+    if not view:
+        return []
+    problems = []
+    if view.get("error"):
+        problems.append(Problem(host, "gpu-health", f"GPUs not read: {shown(view['error'], 300)}",
+                                "nvidia-smi -pm 1 (or nvidia-persistenced) where persistence is off; a wedged driver: drain the host and reboot it"))
+    if view.get("drain_problem"):
+        problems.append(Problem(host, "drain", shown(view["drain_problem"], 300) or "", "remove it as root", "warning"))
+    unread = None
+    for d in view.get("devices") or []:
+        label = "the host's CPUs" if d.get("index") is None else f"GPU {d.get('index')}"
+        for p in health_problems(d):
+            problems.append(Problem(host, "gpu-health", f"{label}: {p['what']}", p["fix"], "error" if p["level"] == "broken" else "warning"))
+        if d.get("drain"):
+            problems.append(Problem(host, "drain", f"{label}: {drained_words(d['drain'])}", "mnft undrain once it is mended (root or the host's admin group)", "note"))
+        unread = unread or (d.get("health") or {}).get("kmsg")
+    if unread:
+        problems.append(Problem(host, "gpu-health", shown(unread, 300) or "", "Xid errors are read from the kernel log: let mnft's users read it, or check as root", "note"))
+    return problems
+
+
 def probed_inside(facts: dict) -> bool:
     """With an image: the probe ran inside it on this host and answered (mnft.check.inimage.merge)."""
     return bool((facts.get("image_probe") or {}).get("ok"))
@@ -359,6 +385,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
             if len(gpus) < host.slots:
                 problems.append(Problem(host.name, "gpus", f"{len(gpus)} GPU(s) for {host.slots} slot(s)", "lower 'slots' for this host or fix the GPUs (nvidia-smi)"))
             problems += gpus_in_use(host.name, gpus, (options.own_devices or {}).get(host.name) if options.own_devices is not None else None)
+        problems += gpu_health(host.name, f.get("gpu_health"))
         disk = f.get("disk") or {}
         free = disk.get("free_bytes")
         if isinstance(free, int) and free < options.min_free_gb * GIB:

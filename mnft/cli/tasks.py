@@ -615,4 +615,46 @@ def board(c, hosts=None, port=8765, listen="127.0.0.1", connect_timeout=10.0):
                  lambda message, style: console.print(message, style=style or None, highlight=False, soft_wrap=True))
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board)
+def _drain(target, reason, hosts, connect_timeout, undrain):
+    from mnft.core.errors import ExitCode, InputError
+    from mnft.hosts.fleet import Fleet
+    from mnft.hosts.lab import drain as set_drain, drain_target
+    from mnft.hosts.leases import drained_words, shown
+
+    inv = _inventory(hosts)
+    host, gpus = drain_target(inv, target)
+    if not undrain and not (reason or "").strip():
+        raise InputError(f"drain {target}: --reason TEXT is required (what is wrong, for whoever finds it drained)")
+    with Fleet(inv, _timeouts(connect_timeout, 30.0)) as fleet:
+        reply = set_drain(fleet, host, gpus, reason, undrain)
+    console = _console()
+    if reply.get("refused") or reply.get("error"):
+        console.print(f"{host.name}: {shown(reply.get('refused') or reply.get('error'), 1000)}", style="red", highlight=False, soft_wrap=True)
+        return ExitCode.UNREACHABLE if reply.get("status") in ("unreachable", "host-key-rejected") else ExitCode.FAILED
+    marks = reply.get("drained") or {}
+    lines = ([f"{host.name}: {drained_words(dict(marks['host'], scope='host'))}"] if marks.get("host") else []) + [
+        f"{host.name} GPU {index}: {drained_words(mark)}" for index, mark in sorted((marks.get("gpus") or {}).items())]
+    console.print("\n".join(lines) if lines else f"{host.name}: in service (nothing drained)", highlight=False, soft_wrap=True)
+    return ExitCode.OK
+
+
+@task(klass=OptionalPositionalTask, positional=["target"],
+      help={"target": "HOST, or HOST:GPU[,GPU…]: the host or its GPUs (nvidia-smi's indices)", "reason": "why (required): shown to whoever finds it drained",
+            "hosts": "inventory file", "connect_timeout": "seconds to wait for the host's SSH connection"})
+@_mnft_errors
+def drain(c, target=None, reason=None, hosts=None, connect_timeout=10.0):
+    """Take a host or some of its GPUs out of service (root, or a member of the admin group the host names): they are
+    never leased; runs holding them go on to their end; `mnft lab`, the board and refusals say who, when and why."""
+    return _drain(target, reason, hosts, connect_timeout, False)
+
+
+@task(klass=OptionalPositionalTask, positional=["target"],
+      help={"target": "HOST (every mark of the host), or HOST:GPU[,GPU…]", "hosts": "inventory file",
+            "connect_timeout": "seconds to wait for the host's SSH connection"})
+@_mnft_errors
+def undrain(c, target=None, hosts=None, connect_timeout=10.0):
+    """Put a drained host or GPUs back in service (root, or a member of the admin group the host names)."""
+    return _drain(target, None, hosts, connect_timeout, True)
+
+
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board, drain, undrain)

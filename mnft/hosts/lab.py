@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from mnft.core.errors import InputError
-from mnft.hosts import leases
+from mnft.hosts import leasehost, leases
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
 
@@ -31,6 +31,21 @@ def free_count(view: dict) -> int:
 
 def device_count(view: dict) -> int:
     return len(view.get("devices") or [])
+
+
+OUT_OF_SERVICE = ("drained", "unhealthy")
+
+
+def out_of_service(view: dict) -> list[dict]:
+    """The host's devices never leased: drained by an admin, or whose health breaks runs."""
+    return [d for d in view.get("devices") or [] if d.get("state") in OUT_OF_SERVICE]
+
+
+def health_words(device: dict) -> str | None:
+    """What `mnft lab` says of a GPU's health beside its lease: why it breaks runs, else its warnings; None when well."""
+    found = leasehost.health_problems(device)
+    worst = [p for p in found if p["level"] == "broken"] or found
+    return leases.shown("; ".join(p["what"] for p in worst), 300) if worst else None
 
 
 def has_gpus(view: dict) -> bool:
@@ -64,6 +79,9 @@ class Row:
     utilization: int | None = None
     detail: str | None = None  # the lease file's own words when /proc/locks disagrees; an error
     image: str | None = None  # the holder's container image (a run in an image)
+    health: str | None = None  # what is wrong with the GPU (mnft.hosts.leasehost.health_problems), beside its lease
+    drain: str | None = None  # who drained it, when and why
+
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -77,26 +95,34 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
         if view.get("error") and not view.get("devices"):
             out.append(Row(host.name, "-", view.get("status") or "failed", detail=leases.shown(view["error"], 200)))
             continue
+        if view.get("devices_error") and not view.get("devices"):  # the host answered, its GPUs did not (a stall named)
+            out.append(Row(host.name, "-", "failed", detail="GPUs not read: " + (leases.shown(view["devices_error"], 300) or "")))
         for d in view.get("devices") or []:
             key = "cpu" if d.get("index") is None else str(d.get("index"))
             total, used = d.get("memory_total_mib"), d.get("memory_used_mib")
             memory = f"{used}/{total} MiB" if isinstance(total, int) and isinstance(used, int) else None
             util = d.get("utilization") if isinstance(d.get("utilization"), int) else None
             state = d.get("state") or "free"
-            if state == "held":
+            health = health_words(d)
+            drain = leases.drained_words(d.get("drain")) if d.get("drain") else None
+            if state in OUT_OF_SERVICE:
+                out.append(Row(host.name, key, state, memory=memory, utilization=util, health=health, drain=drain,
+                               detail=drain if state == "drained" else "never leased: " + (leases.shown(d.get("broken"), 300) or "?")))
+            elif state == "held":
                 holder = d.get("holder") or {}
                 claimed, proven = leases.holder_login(holder), lockers_users(d)
                 detail = f"the lease file names {claimed}" if proven and claimed and claimed not in proven else None
                 out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), leases.shown(holder.get("command"), 20),
                                _number(holder.get("taken") or holder.get("started")), memory, util, detail,
-                               leases.shown(holder.get("image"), 80)))
+                               leases.shown(holder.get("image"), 80), health, drain))
             elif state == "outside":
                 procs = d.get("processes") or []
                 users = sorted({leases.shown(p.get("user")) or "?" for p in procs})
                 pids = ", ".join(f"pid {leases.shown(p.get('pid'))}" for p in procs[:4])
-                out.append(Row(host.name, key, "outside", ", ".join(users), None, None, None, memory, util, f"in use outside mnft: {pids}"))
+                out.append(Row(host.name, key, "outside", ", ".join(users), None, None, None, memory, util, f"in use outside mnft: {pids}",
+                               health=health, drain=drain))
             else:
-                out.append(Row(host.name, key, "free", memory=memory, utilization=util))
+                out.append(Row(host.name, key, "free", memory=memory, utilization=util, health=health))
         for place, waiting in enumerate(view.get("line") or [], 1):
             want = waiting.get("want")
             out.append(Row(host.name, f"#{place}", "waiting", leases.holder_login(waiting) or leases.shown(waiting.get("user")),
@@ -151,16 +177,23 @@ def pick_nodes(inventory: Inventory, views: dict[str, dict], nodes: int, gpus: i
             why[host.name] = f"left out: {view.get('status') or 'failed'} ({leases.shown(view['error'], 120)})"
             cut_off.append((host.name, view.get("status") or "failed", leases.shown(view["error"], 1000)))
             continue
-        free, count = free_count(view), device_count(view)
-        needed = count if gpus is None else gpus
+        if view.get("devices_error") and not view.get("devices"):
+            why[host.name] = f"left out: GPUs not read ({leases.shown(view['devices_error'], 200)})"
+            continue
+        out = out_of_service(view)
+        free, count = free_count(view), device_count(view) - len(out)
+        needed = device_count(view) if gpus is None else gpus
         if gpus is not None and not has_gpus(view):
             why[host.name] = f"left out: no GPUs (no nvidia-smi) for --gpus {gpus}"
+        elif out and count < needed:  # never to be had by waiting
+            why[host.name] = f"left out: {len(out)} GPU(s) out of service, {count} of {device_count(view)} in service, {needed} needed (" + \
+                "; ".join(leases.holders_of(out)) + ")"
         elif free >= needed and count:
             ready.append(host.name)
-            why[host.name] = f"{free} of {count} device(s) free"
+            why[host.name] = f"{free} of {device_count(view)} device(s) free" + (f" ({len(out)} out of service)" if out else "")
         elif count >= needed:
             could.append((free, host.name))
-            why[host.name] = f"{free} of {count} device(s) free, {needed} needed"
+            why[host.name] = f"{free} of {device_count(view)} device(s) free" + (f" ({len(out)} out of service)" if out else "") + f", {needed} needed"
         else:
             why[host.name] = f"left out: {count} device(s), {needed} needed"
     chosen = ready[:nodes]
@@ -204,3 +237,35 @@ def check_gpus(gpus: Sequence | int | None) -> int | None:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 64:
         raise InputError(f"--gpus {gpus!r}: a whole number of GPUs per host from 1 to 64")
     return gpus
+
+
+# ------------------------------------------------------------------------------------------------ drain
+
+
+def drain_target(inventory: Inventory, target: str | None) -> tuple[Host, list[int] | None]:
+    """`HOST` or `HOST:GPU,GPU…` -> (the inventory's host, the GPU indices or None for the whole host); InputError
+    naming what is wrong."""
+    if not target:
+        raise InputError("drain/undrain: name HOST or HOST:GPU[,GPU…] (a host of the inventory)")
+    name, sep, gpus = str(target).partition(":")
+    host = next((h for h in inventory.hosts if h.name == name), None)
+    if host is None:
+        known = ", ".join(h.name for h in inventory.hosts)
+        raise InputError(f"{target}: {name!r} is not a host of {inventory.path or 'the inventory'} (it has: {known})")
+    if not sep:
+        return host, None
+    words = [w.strip() for w in gpus.split(",") if w.strip()]
+    if not words or not all(w.isdigit() and int(w) < 64 for w in words):
+        raise InputError(f"{target}: GPUs are indices as nvidia-smi numbers them, e.g. {name}:0,3")
+    return host, sorted({int(w) for w in words})
+
+
+def drain(fleet: Fleet, host: Host, gpus: list[int] | None, reason: str | None, undrain: bool = False) -> dict:
+    """Mark the host (gpus None) or its GPUs out of service, or back in (leasehost.set_drain, as the login user of
+    the host: root or the admin group the host names decide, never this controller): the host's marks, or
+    {"refused"|"error": …}."""
+    import getpass
+    import socket
+
+    request = {"gpus": gpus, "reason": reason or "", "by": f"{getpass.getuser()}@{socket.gethostname()}"}
+    return leases.run_drain(fleet, host, request, undrain)

@@ -455,7 +455,7 @@ def pick(free, want, links):
 def _spawn_smi(argv):
     import subprocess
 
-    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True)
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _smi_output(proc, deadline):
@@ -466,10 +466,11 @@ def _smi_output(proc, deadline):
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        raise OSError("nvidia-smi did not answer within %gs" % SMI_TIMEOUT)
-    if proc.returncode != 0:
+        raise StalledRead(stalled_line("nvidia-smi", SMI_TIMEOUT))
+    text = out[:MAX_SMI_BYTES].decode("utf-8", "replace")
+    if proc.returncode != 0 and not (proc.returncode == LOST_EXIT and LOST_MARK in text):  # a lost GPU: the others answered
         raise OSError("nvidia-smi exited %d" % proc.returncode)
-    return out[:MAX_SMI_BYTES].decode("utf-8", "replace")
+    return text
 
 
 def _process_owner(pid):
@@ -480,50 +481,62 @@ def _process_owner(pid):
 
 
 def read_devices(topology=False, live=True):
-    """(devices, links): the host's GPUs from nvidia-smi (index, uuid, name, memory, utilisation, and the compute
-    processes on each: pid, user, MiB), and their links when asked; ([{"index": None, "name": "cpu"}], {}) on a host
-    without nvidia-smi (its CPUs are one device). OSError when nvidia-smi is there but does not answer.
+    """(devices, links): the host's GPUs (index, uuid, name, bus id, memory, utilisation, their health: see "GPU
+    health" below, and the compute processes on each: pid, user, MiB), and their links when asked; ([{"index":
+    None, "name": "cpu"}], {}) on a host without nvidia-smi (its CPUs are one device). OSError when the GPUs do
+    not answer (StalledRead: not within SMI_TIMEOUT).
 
-    What does not change while the machine is up (each GPU's index, uuid, name and memory, their links) is kept
-    per boot and nvidia-smi in the user's cache (load_static, save_static): a take (live=False: no memory use nor
-    utilisation needed) then asks nvidia-smi one question, its compute processes."""
+    Through NVML where the driver's library is there (no process at all), else nvidia-smi: the devices and their
+    health, and the compute processes, two questions asked at once. The links (`nvidia-smi topo -m`) do not change
+    while the machine is up: kept per boot and nvidia-smi in the user's cache (load_static, save_static) by a take
+    (live=False), which asks them the first time."""
     import shutil
 
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return [{"index": None, "uuid": None, "name": "cpu", "processes": []}], {}
     fmt = "--format=csv,noheader,nounits"
-    cached = None if live else load_static(exe)
-    asks = [[exe, "--query-compute-apps=" + SMI_APPS, fmt]]
-    if cached is None:  # a take asks the links too, to cache them with the devices
-        asks += [[exe, "--query-gpu=" + SMI_QUERY, fmt]] + ([[exe, "topo", "-m"]] if topology or not live else [])
+    cached = load_static(exe) if topology or not live else None
+    devices, how = None, "nvidia-smi"
+    if os.environ.get("MNFT_NVML", "1") != "0":
+        try:
+            devices, how = read_nvml(), "nvml"
+        except StalledRead:
+            raise
+        except (OSError, AttributeError):
+            devices = None  # no libnvidia-ml here, or one that fails: nvidia-smi answers
+    asks = [] if devices is not None else [[exe, "--query-compute-apps=" + SMI_APPS, fmt]]
+    if (topology or not live) and cached is None:  # a take asks the links too, to cache them
+        asks.append([exe, "topo", "-m"])
     deadline = time.time() + SMI_TIMEOUT
     procs = [_spawn_smi(argv) for argv in asks]
     try:
+        if devices is None:
+            devices = smi_gpus(exe)
         outputs = [_smi_output(p, deadline) for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+    if how == "nvml":
+        for d in devices:
+            d["processes"] = [{"pid": pid, "user": _process_owner(pid), "used_mib": mib} for pid, mib in d.get("processes") or []]
+    else:
+        by_uuid = dict((d["uuid"], d) for d in devices if d.get("uuid"))
+        for uuid, pid, mib in parse_apps(outputs[0]):
+            if uuid in by_uuid:
+                by_uuid[uuid]["processes"].append({"pid": pid, "user": _process_owner(pid), "used_mib": mib})
     if cached is not None:
-        devices = [dict(d, processes=[]) for d in cached["devices"]]
         links = dict(((a, b), score) for a, b, score in cached["links"])
     else:
-        devices = parse_devices(outputs[1])
-        links = parse_topology(outputs[2]) if len(outputs) > 2 else {}
-        if len(outputs) > 2:
-            save_static(exe, devices, links)
-    by_uuid = dict((d["uuid"], d) for d in devices)
-    for uuid, pid, mib in parse_apps(outputs[0]):
-        if uuid in by_uuid:
-            by_uuid[uuid]["processes"].append({"pid": pid, "user": _process_owner(pid), "used_mib": mib})
-        elif cached is not None:  # a GPU the cache does not know (a driver reloaded): ask it all again
-            try:
-                os.unlink(static_path(exe))
-            except OSError:
-                pass
-            return read_devices(topology, live=True)
+        links = parse_topology(outputs[-1]) if (topology or not live) else {}
+        if not live or topology:
+            save_static(exe, [d for d in devices if d.get("uuid")], links)
+    xids, why = read_xids()
+    for d in devices:
+        d["read"] = how
+    devices = add_health(devices, xids, why, remember_seen(devices))
     return devices, (links if topology else {})
 
 
@@ -655,16 +668,28 @@ def order(holder):
 
 
 def device_states(devices, op=None):
-    """Each device with its lease's state: "free", "held" (holder, lockers: what /proc/locks says) or "outside" (free
-    of leases but a compute process uses it: someone ran a program by hand)."""
+    """Each device with its lease's state: "free", "held" (holder, lockers: what /proc/locks says), "outside" (free
+    of leases but a compute process uses it: someone ran a program by hand), "drained" (an admin took it out of
+    service: its mark in "drain") or "unhealthy" (its health breaks runs: why in "broken"). Drained and unhealthy
+    devices are never taken; a held one stays held (its run goes on), its drain mark and health shown beside."""
+    marks, _ = drain_marks()
     out = []
     for device in devices:
         state = dict(device)
         held, holder, who = _held_by(device_name(device), op)
+        mark, why = drain_of(marks, device), broken(device)
+        if mark:
+            state["drain"] = mark
+        if why:
+            state["broken"] = why
         if held:
             state.update(state="held", holder=holder, lockers=who)
         elif device.get("processes"):
             state.update(state="outside")
+        elif mark:
+            state.update(state="drained")
+        elif why:
+            state.update(state="unhealthy")
         else:
             state.update(state="free")
         out.append(state)
@@ -711,6 +736,10 @@ def take_devices(holder, devices, links):
         ahead = [h for o, h in tickets(ticket_name(holder) if holder.get("ticket") else None) if o < mine]
         states = device_states(devices, holder.get("op"))
         free = [s for s in states if s["state"] == "free"]
+        out = [s for s in states if s["state"] in ("drained", "unhealthy")]
+        if want is None and out or want is not None and len(states) - len(out) < want and devices and devices[0].get("index") is not None:
+            # never to be had by waiting: a device out of service (drained, or its health breaks runs)
+            return {"busy": True, "what": "unavailable", "want": want, "devices": states, "count": len(states)}, []
         if want is None:
             picked = [s["index"] for s in states] if len(free) == len(states) else None
         elif devices and devices[0].get("index") is None:
@@ -856,6 +885,9 @@ def lab():
                 os.close(fd)
         with _one_look():
             out["devices"] = device_states(devices)
+            out["drain"], problem = drain_marks()
+            if problem:
+                out["drain_problem"] = problem
             out["workdirs"] = [dict(h or {}, lockers=w) for n, h, w in held_leases((WORK_PREFIX,))]
             out["line"] = [h for _, h in tickets()]
     finally:
@@ -1093,6 +1125,643 @@ def _answer(child, complete):
     print(json.dumps(reply), flush=True)
 
 
+# ------------------------------------------------------------------------------------------------ GPU health
+# What a GPU server gets wrong, read once per look (mnft lab, a take of devices) and judged here, so that the host
+# never leases a GPU that breaks runs and every reader (lab, check, the board, refusals) says the same:
+#   the devices and their health from one `nvidia-smi --query-gpu=GPU_READ` (or NVML, where the host has the
+#   driver's library: read_nvml), every read bounded by SMI_TIMEOUT and a hung one named (StalledRead);
+#   a GPU fallen off the bus ("Unable to determine the device handle for GPU …", exit 15) kept in its place, lost;
+#   a GPU seen earlier this boot and gone from the list (this user's record of the boot: seen_path);
+#   Xid errors since boot from the kernel log (/dev/kmsg, where this user may read it: read_xids).
+# Judged by health_problems (pure): "broken" (never leased: lost, gone, uncorrectable ECC since boot, a pending
+# retirement or row remap, a failed remap, an Xid NVIDIA documents as needing a reset) or "warning" (throttled,
+# persistence off, MIG on, an Xid of the application's kind, ECC errors of the GPU's past).
+
+GPU_READ = ("index,uuid,pci.bus_id,memory.total,memory.used,utilization.gpu,persistence_mode,mig.mode.current,"
+            "ecc.errors.uncorrected.volatile.total,ecc.errors.uncorrected.aggregate.total,retired_pages.pending,"
+            "remapped_rows.pending,remapped_rows.failure,clocks_throttle_reasons.hw_slowdown,"
+            "clocks_throttle_reasons.hw_thermal_slowdown,clocks_throttle_reasons.sw_thermal_slowdown,"
+            "clocks_throttle_reasons.hw_power_brake_slowdown,name")
+GPU_READ_BASIC = "index,uuid,pci.bus_id,memory.total,memory.used,utilization.gpu,name"  # a driver that lacks a field above
+THROTTLES = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
+THROTTLE_NAMES = {"hw_slowdown": "HW slowdown", "hw_thermal_slowdown": "HW thermal slowdown",
+                  "sw_thermal_slowdown": "SW thermal slowdown", "hw_power_brake_slowdown": "power brake"}
+LOST_EXIT = 15  # nvidia-smi: "GPU has fallen off the bus or has otherwise become inaccessible"
+LOST_MARK = "Unable to determine the device handle for"
+KMSG, KMSG_VAR = "/dev/kmsg", "MNFT_KERNEL_LOG"  # the kernel log; $MNFT_KERNEL_LOG another (a saved one; tests)
+MAX_KMSG_BYTES = 8 << 20
+# Xids NVIDIA's catalogue says need the GPU reset (or the host rebooted); the rest are the application's or passing
+RESET_XIDS = {48: "double-bit ECC error", 62: "internal micro-controller halt", 64: "row remapping failure",
+              74: "NVLink error", 79: "fallen off the bus", 92: "high single-bit ECC error rate", 95: "uncontained ECC error",
+              109: "context switch timeout", 119: "GSP RPC timeout", 120: "GSP error", 140: "unrecovered ECC error"}
+RESET_FIX = "drain it (mnft drain HOST:GPU --reason …) and reset it (nvidia-smi -r -i GPU, with nothing on it) or reboot the host"
+
+
+class StalledRead(OSError):
+    """A GPU read that did not answer within its bound: the message names what hung and its likely causes."""
+
+
+def stalled_line(what, seconds):
+    return "%s did not answer in %g s: is persistence mode off? a wedged driver?" % (what, seconds)
+
+
+def bus_key(bus_id):
+    """"00000000:3B:00.0" (nvidia-smi), "0000:3b:00" (the kernel's Xid line) -> "3b:00": the same GPU."""
+    parts = str(bus_id or "").lower().split(".")[0].split(":")
+    return ":".join(p.lstrip("0").rjust(2, "0") for p in parts[-2:]) if len(parts) >= 2 else None
+
+
+def _value(text):
+    """One cell of nvidia-smi's csv,nounits: an int, True/False for Enabled/Yes/Active, None for [N/A]."""
+    text = text.strip()
+    if not text or text.startswith("[") or text in ("N/A", "Not Supported"):
+        return None
+    if text in ("Enabled", "Yes", "Active"):
+        return True
+    if text in ("Disabled", "No", "Not Active"):
+        return False
+    number = _number(text)
+    return number if number is not None else text
+
+
+def parse_gpu_read(text, query=GPU_READ):
+    """nvidia-smi --query-gpu=GPU_READ --format=csv,noheader,nounits (stdout and stderr together): one dict per
+    device in index order, a lost one ({"health": {"lost": its line}}) in its place."""
+    fields = query.split(",")
+    found = []
+    for line in text.splitlines():
+        if LOST_MARK in line:
+            bus = line.split(LOST_MARK, 1)[1].strip()  # "GPU 0000:3B:00.0: Unknown Error" (or "GPU0000:…")
+            bus = (bus[3:] if bus.lower().startswith("gpu") else bus).strip().split(" ")[0].rstrip(":")
+            found.append({"index": None, "uuid": None, "name": None, "bus_id": bus, "processes": [], "health": {"lost": line.strip()[:300]}})
+            continue
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < len(fields) or _number(parts[0]) is None:
+            continue
+        cells = dict(zip(fields[:-1], parts[:len(fields) - 1]))
+        name = ", ".join(parts[len(fields) - 1:])
+        health = {"persistence": _value(cells.get("persistence_mode", "")), "mig": _value(cells.get("mig.mode.current", "")),
+                  "ecc_volatile": _value(cells.get("ecc.errors.uncorrected.volatile.total", "")),
+                  "ecc_aggregate": _value(cells.get("ecc.errors.uncorrected.aggregate.total", "")),
+                  "retired_pending": _value(cells.get("retired_pages.pending", "")),
+                  "remap_pending": _value(cells.get("remapped_rows.pending", "")),
+                  "remap_failed": _value(cells.get("remapped_rows.failure", "")),
+                  "throttle": [t for t in THROTTLES if _value(cells.get("clocks_throttle_reasons." + t, "")) is True]}
+        found.append({"index": _number(parts[0]), "uuid": parts[1], "name": name, "bus_id": parts[2],
+                      "memory_total_mib": _number(parts[3]), "memory_used_mib": _number(parts[4]), "utilization": _number(parts[5]),
+                      "processes": [], "health": dict((k, v) for k, v in health.items() if v is not None)})
+    for position, device in enumerate(found):  # nvidia-smi lists by index: a lost device's index is its place
+        if device["index"] is None:
+            device["index"] = position
+    return found
+
+
+def run_bounded(argv, seconds=None, what="nvidia-smi"):
+    """(exit status, stdout and stderr) of a command, StalledRead when it did not answer within `seconds` (it is
+    killed with its process group)."""
+    import subprocess
+
+    seconds = SMI_TIMEOUT if seconds is None else seconds
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except OSError:
+            proc.kill()
+        proc.communicate()
+        raise StalledRead(stalled_line(what, seconds))
+    return proc.returncode, out[:MAX_SMI_BYTES].decode("utf-8", "replace")
+
+
+def smi_gpus(exe, seconds=None):
+    """The devices and their health through nvidia-smi; OSError when it fails for another reason than a lost GPU."""
+    code, out = run_bounded([exe, "--query-gpu=" + GPU_READ, "--format=csv,noheader,nounits"], seconds)
+    query = GPU_READ
+    if code == 2 and "is not a valid field" in out:  # an older driver: the devices without their health
+        code, out = run_bounded([exe, "--query-gpu=" + GPU_READ_BASIC, "--format=csv,noheader,nounits"], seconds)
+        query = GPU_READ_BASIC
+    if code not in (0, LOST_EXIT) or code == LOST_EXIT and LOST_MARK not in out:
+        raise OSError("nvidia-smi exited %d: %s" % (code, " ".join(out.split())[:300]))
+    return parse_gpu_read(out, query)
+
+
+def read_kmsg(path=None):
+    """The kernel log's lines (its records' text, "usec;message"): ([(usec since boot, message)], None) or
+    ([], why not readable). /dev/kmsg answers one record per read and EAGAIN at its end; a plain file (the test
+    bed's stand-in) is read to its end."""
+    path = path or os.environ.get(KMSG_VAR) or KMSG
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        if exc.errno in (errno.EPERM, errno.EACCES):
+            return [], ("the kernel log (%s) is not readable by %s (kernel.dmesg_restrict=1?): Xid errors are not seen; "
+                        "look as root, or sysctl kernel.dmesg_restrict=0" % (path, user_name(os.geteuid())))
+        return [], "the kernel log (%s): %s" % (path, exc.strerror)
+    chunks, size = [], 0
+    try:
+        while size < MAX_KMSG_BYTES:
+            try:
+                data = os.read(fd, 65536)
+            except BlockingIOError:
+                break
+            except OSError as exc:
+                if exc.errno == errno.EPIPE:  # records overwritten while we read: go on from the next
+                    continue
+                if exc.errno == errno.EINVAL:
+                    break
+                raise
+            if not data:
+                break
+            chunks.append(data if data.endswith(b"\n") else data + b"\n")
+            size += len(data)
+    finally:
+        os.close(fd)
+    records = []
+    for line in b"".join(chunks).decode("utf-8", "replace").splitlines():
+        head, sep, message = line.partition(";")
+        fields = head.split(",")
+        if sep and len(fields) >= 3 and fields[2].isdigit():
+            records.append((int(fields[2]), message))
+    return records, None
+
+
+def read_xids(path=None):
+    """({bus key: [{"xid", "at" (wall time), "text"}]}, why not readable or None) of every Xid line since boot."""
+    import re
+
+    records, why = read_kmsg(path)
+    try:
+        with open("/proc/uptime") as fh:
+            booted = time.time() - float(fh.read(64).split()[0])
+    except (OSError, ValueError, IndexError):
+        booted = 0.0
+    found = {}
+    pattern = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+),?\s*(.*)")
+    for usec, message in records:
+        match = pattern.search(message)
+        if match:
+            found.setdefault(bus_key(match.group(1)), []).append(
+                {"xid": int(match.group(2)), "at": round(booted + usec / 1e6, 3), "text": match.group(3)[:200]})
+    return found, why
+
+
+def seen_path():
+    """This user's record of the GPUs the host had at its last look this boot (by UUID): a GPU gone since is seen."""
+    boot = boot_id()
+    return os.path.expanduser("~/.cache/mnft/gpus-seen-%s.json" % boot) if boot else None
+
+
+def remember_seen(devices):
+    """{uuid: device} of this boot's earlier looks, updated with this one's (best effort)."""
+    path = seen_path()
+    if path is None:
+        return {}
+    try:
+        with open(path) as fh:
+            seen = json.loads(fh.read(MAX_LEASE_BYTES))
+        seen = seen if isinstance(seen, dict) else {}
+    except (OSError, ValueError):
+        seen = {}
+    before = dict(seen)
+    for d in devices:
+        if d.get("uuid"):
+            seen[d["uuid"]] = {"index": d.get("index"), "bus_id": d.get("bus_id"), "name": d.get("name")}
+    if seen != before:
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            tmp = "%s.%d" % (path, os.getpid())
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(json.dumps(seen))
+            os.replace(tmp, path)
+        except OSError:
+            pass
+    return before
+
+
+def add_health(devices, xids, kmsg_error=None, seen=None):
+    """The devices of one read with what the host knows beside them: each GPU's Xids (by its bus), a lost GPU's
+    UUID and name from this boot's earlier looks, and a GPU seen earlier this boot and missing now (gone)."""
+    seen = seen or {}
+    by_bus = dict((bus_key(v.get("bus_id")), (uuid, v)) for uuid, v in seen.items())
+    for d in devices:
+        health = d.setdefault("health", {})
+        if health.get("lost") and not d.get("uuid") and bus_key(d.get("bus_id")) in by_bus:
+            uuid, known = by_bus[bus_key(d.get("bus_id"))]
+            d.update(uuid=uuid, name=known.get("name"))
+        found = xids.get(bus_key(d.get("bus_id"))) or []
+        if found:
+            health["xids"] = found[-20:]
+        if kmsg_error:
+            health["kmsg"] = kmsg_error
+    present = set(d.get("uuid") for d in devices)
+    buses = set(bus_key(d.get("bus_id")) for d in devices)
+    indices = set(d.get("index") for d in devices)
+    for uuid, known in sorted(seen.items(), key=lambda item: str(item[1].get("index"))):
+        if uuid in present or bus_key(known.get("bus_id")) in buses or known.get("index") in indices:
+            continue
+        devices.append({"index": known.get("index"), "uuid": uuid, "name": known.get("name"), "bus_id": known.get("bus_id"),
+                        "processes": [], "health": {"gone": True}})
+    devices.sort(key=lambda d: (d.get("index") is None, d.get("index") or 0))
+    return devices
+
+
+def read_health(exe, seconds=None):
+    """The host's GPUs with their health, as one look reads them: NVML where the driver's library is there, else
+    nvidia-smi; the kernel log's Xids; this boot's earlier looks. OSError (StalledRead) when the GPUs did not answer."""
+    devices, how = None, "nvidia-smi"
+    if os.environ.get("MNFT_NVML", "1") != "0":
+        try:
+            devices, how = read_nvml(seconds), "nvml"
+        except StalledRead:
+            raise
+        except (OSError, AttributeError):
+            devices = None  # no libnvidia-ml here, or an older one: nvidia-smi reads them
+    if devices is None:
+        if exe is None:
+            raise OSError("no nvidia-smi")
+        devices = smi_gpus(exe, seconds)
+    xids, why = read_xids()
+    seen = remember_seen(devices)
+    for d in devices:
+        d["read"] = how
+    return add_health(devices, xids, why, seen)
+
+
+def health_problems(device):
+    """What is wrong with one GPU, judged from its health: [{"level": "broken"|"warning", "what", "fix"}]. A
+    "broken" GPU is never leased (it breaks runs); a warning is said (lab, check) and the GPU still leased."""
+    h = device.get("health") or {}
+    out = []
+
+    def say(level, what, fix):
+        out.append({"level": level, "what": what, "fix": fix})
+
+    if h.get("lost"):
+        say("broken", "lost from the bus (%s)" % h["lost"], RESET_FIX)
+    if h.get("gone"):
+        say("broken", "gone: the host had it earlier this boot (%s), nvidia-smi no longer lists it" % (device.get("uuid") or "?"), RESET_FIX)
+    volatile, aggregate = h.get("ecc_volatile"), h.get("ecc_aggregate")
+    if isinstance(volatile, int) and volatile > 0:
+        say("broken", "%d uncorrectable ECC error(s) since the driver loaded" % volatile, RESET_FIX)
+    elif isinstance(aggregate, int) and aggregate > 0:
+        say("warning", "%d uncorrectable ECC error(s) in its life (none since boot)" % aggregate,
+            "watch it (nvidia-smi -q -d ECC); a count that grows: have it serviced")
+    if h.get("remap_failed"):
+        say("broken", "row remapping failed", "drain it and have it serviced (RMA): its memory cannot be repaired")
+    if h.get("remap_pending") or h.get("retired_pending"):
+        say("broken", "a %s is pending" % ("row remap" if h.get("remap_pending") else "page retirement"), RESET_FIX)
+    reset = [x for x in h.get("xids") or [] if x.get("xid") in RESET_XIDS]
+    if reset:
+        x = reset[-1]
+        say("broken", "Xid %d (%s) at %s" % (x["xid"], RESET_XIDS[x["xid"]], time.strftime("%H:%M:%S", time.localtime(x.get("at") or 0))), RESET_FIX)
+    other = [x for x in h.get("xids") or [] if x.get("xid") not in RESET_XIDS]
+    if other:
+        say("warning", "Xid %s in the kernel log since boot" % ", ".join(sorted(set(str(x["xid"]) for x in other))),
+            "usually the application's fault (a bad address, an illegal instruction): see dmesg; drain it if it recurs")
+    if h.get("throttle"):
+        say("warning", "clocks throttled (%s): the likely straggler of any gang it joins" % ", ".join(THROTTLE_NAMES.get(t, t) for t in h["throttle"]),
+            "check its cooling and power (nvidia-smi -q -d PERFORMANCE,TEMPERATURE,POWER)")
+    if h.get("persistence") is False:
+        say("warning", "persistence mode off: every CUDA or nvidia-smi start re-initialises the driver (seconds on NVSwitch servers)",
+            "nvidia-smi -pm 1, or enable nvidia-persistenced")
+    if h.get("mig"):
+        say("warning", "MIG mode on: CUDA sees only the MIG instances, a run takes whole GPUs",
+            "nvidia-smi -i GPU -mig 0 (and reset it) for whole-GPU runs")
+    return out
+
+
+def broken(device):
+    """Why the GPU is never leased (its broken health problems' words, joined), or None."""
+    words = [p["what"] for p in health_problems(device) if p["level"] == "broken"]
+    return "; ".join(words) or None
+
+
+# NVML, the driver's own library (libnvidia-ml.so.1), through ctypes: the same facts as nvidia-smi without a
+# process per question. Every call runs in a thread the read waits for at most SMI_TIMEOUT: a wedged driver hangs
+# that thread, not the look (StalledRead names it, and NVML is not asked again by this process).
+NVML_LIB = "libnvidia-ml.so.1"
+NVML_LOST, NVML_INSUFFICIENT = 15, 7
+_NVML = {}
+
+
+def read_nvml(seconds=None):
+    """The devices, their health and compute processes through NVML; OSError when the library is not there (or
+    fails), StalledRead when it does not answer."""
+    import threading
+
+    seconds = SMI_TIMEOUT if seconds is None else seconds
+    if _NVML.get("hung"):
+        raise StalledRead(stalled_line("NVML (%s)" % NVML_LIB, seconds))
+    box = {}
+
+    def work():
+        try:
+            box["devices"] = _nvml_devices()
+        except BaseException as exc:  # noqa: BLE001 - given to the reader
+            box["error"] = exc
+
+    thread = threading.Thread(target=work, name="nvml")
+    thread.daemon = True
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        _NVML["hung"] = True
+        raise StalledRead(stalled_line("NVML (%s)" % NVML_LIB, seconds))
+    if "error" in box:
+        raise box["error"]
+    return box["devices"]
+
+
+def _nvml():
+    import ctypes
+
+    lib = _NVML.get("lib")
+    if lib is None:
+        lib = ctypes.CDLL(NVML_LIB)  # OSError where the driver's library is not installed
+        lib.nvmlErrorString.restype = ctypes.c_char_p
+        code = lib.nvmlInit_v2()
+        if code:
+            raise OSError("NVML did not start: %s" % lib.nvmlErrorString(code).decode("utf-8", "replace"))
+        _NVML["lib"] = lib
+    return lib
+
+
+def _nvml_devices():
+    import ctypes
+
+    lib = _nvml()
+    uint, ull = ctypes.c_uint, ctypes.c_ulonglong
+
+    class Memory(ctypes.Structure):
+        _fields_ = [("total", ull), ("free", ull), ("used", ull)]
+
+    class Utilization(ctypes.Structure):
+        _fields_ = [("gpu", uint), ("memory", uint)]
+
+    class Pci(ctypes.Structure):
+        _fields_ = [("busIdLegacy", ctypes.c_char * 16), ("domain", uint), ("bus", uint), ("device", uint), ("pciDeviceId", uint),
+                    ("pciSubSystemId", uint), ("busId", ctypes.c_char * 32)]
+
+    def ask(name, *args):
+        """The call's status: 0 answered; a function this driver lacks counts as not supported (3)."""
+        function = getattr(lib, name, None)
+        return 3 if function is None else function(*args)
+
+    count = uint(0)
+    code = lib.nvmlDeviceGetCount_v2(ctypes.byref(count))
+    if code:
+        raise OSError("NVML: %s" % lib.nvmlErrorString(code).decode("utf-8", "replace"))
+    devices = []
+    for index in range(count.value):
+        handle = ctypes.c_void_p()
+        code = lib.nvmlDeviceGetHandleByIndex_v2(index, ctypes.byref(handle))
+        if code:
+            devices.append({"index": index, "uuid": None, "name": None, "bus_id": None, "processes": [],
+                            "health": {"lost": "NVML: GPU %d: %s" % (index, lib.nvmlErrorString(code).decode("utf-8", "replace"))}})
+            continue
+        text = ctypes.create_string_buffer(96)
+        device = {"index": index, "processes": []}
+        device["uuid"] = text.value.decode() if ask("nvmlDeviceGetUUID", handle, text, 96) == 0 else None
+        device["name"] = text.value.decode() if ask("nvmlDeviceGetName", handle, text, 96) == 0 else None
+        pci = Pci()
+        device["bus_id"] = pci.busId.decode() if ask("nvmlDeviceGetPciInfo_v3", handle, ctypes.byref(pci)) == 0 else None
+        memory = Memory()
+        if ask("nvmlDeviceGetMemoryInfo", handle, ctypes.byref(memory)) == 0:
+            device.update(memory_total_mib=int(memory.total >> 20), memory_used_mib=int(memory.used >> 20))
+        util = Utilization()
+        device["utilization"] = int(util.gpu) if ask("nvmlDeviceGetUtilizationRates", handle, ctypes.byref(util)) == 0 else None
+        health = {}
+        a, b, c, d = uint(0), uint(0), uint(0), uint(0)
+        if ask("nvmlDeviceGetPersistenceMode", handle, ctypes.byref(a)) == 0:
+            health["persistence"] = a.value == 1
+        if ask("nvmlDeviceGetMigMode", handle, ctypes.byref(a), ctypes.byref(b)) == 0:
+            health["mig"] = a.value == 1
+        for key, counter in (("ecc_volatile", 0), ("ecc_aggregate", 1)):
+            value = ull(0)
+            if ask("nvmlDeviceGetTotalEccErrors", handle, 1, counter, ctypes.byref(value)) == 0:  # uncorrected
+                health[key] = int(value.value)
+        if ask("nvmlDeviceGetRetiredPagesPendingStatus", handle, ctypes.byref(a)) == 0:
+            health["retired_pending"] = a.value == 1
+        if ask("nvmlDeviceGetRemappedRows", handle, ctypes.byref(a), ctypes.byref(b), ctypes.byref(c), ctypes.byref(d)) == 0:
+            health["remap_pending"], health["remap_failed"] = c.value != 0, d.value != 0
+        reasons = ull(0)
+        if ask("nvmlDeviceGetCurrentClocksThrottleReasons", handle, ctypes.byref(reasons)) == 0:
+            bits = {"hw_slowdown": 0x8, "sw_thermal_slowdown": 0x20, "hw_thermal_slowdown": 0x40, "hw_power_brake_slowdown": 0x80}
+            health["throttle"] = [t for t in THROTTLES if reasons.value & bits[t]]
+        device["health"] = health
+        device["processes"] = _nvml_processes(lib, ask, handle)
+        devices.append(device)
+    return devices
+
+
+def _nvml_processes(lib, ask, handle):
+    """[(pid, used MiB)] of the GPU's compute processes, through the newest call the driver offers (_v3, _v2, the
+    first: their records differ)."""
+    import ctypes
+
+    uint, ull = ctypes.c_uint, ctypes.c_ulonglong
+
+    class V1(ctypes.Structure):
+        _fields_ = [("pid", uint), ("usedGpuMemory", ull)]
+
+    class V2(ctypes.Structure):
+        _fields_ = [("pid", uint), ("usedGpuMemory", ull), ("gpuInstanceId", uint), ("computeInstanceId", uint)]
+
+    for name, record in (("nvmlDeviceGetComputeRunningProcesses_v3", V2), ("nvmlDeviceGetComputeRunningProcesses_v2", V2),
+                         ("nvmlDeviceGetComputeRunningProcesses", V1)):
+        if getattr(lib, name, None) is None:
+            continue
+        for _ in range(3):  # a process may start between asking the count and the list
+            count = uint(0)
+            code = ask(name, handle, ctypes.byref(count), None)
+            if code not in (0, NVML_INSUFFICIENT):
+                return []
+            size = count.value + 8
+            found = (record * size)()
+            count = uint(size)
+            code = ask(name, handle, ctypes.byref(count), found)
+            if code == 0:
+                return [(int(p.pid), int(p.usedGpuMemory >> 20) if p.usedGpuMemory < (1 << 62) else None) for p in found[:count.value]]
+            if code != NVML_INSUFFICIENT:
+                return []
+        return []
+    return []
+
+
+# ------------------------------------------------------------------------------------------------ drain
+# An admin marks a host, or single GPUs of it, out of service: mnft-drain.json in the lease directory names who
+# (the login that wrote it, as this host knows it), when and why. A drained GPU is never leased; runs holding it
+# go on to their end; only undrain clears the mark. Admins: root, or members of the group this host names in a
+# file only root can have written (ADMIN_FILES, or mnft-admin-group in the lease directory: root's, not writable
+# by group or others), never a controller's inventory. The mark itself is honoured only when root or such an
+# admin wrote it (its owner), so a user of the shared lease directory can neither plant nor clear one.
+
+DRAIN_NAME, ADMIN_NAME = "mnft-drain.json", "mnft-admin-group"
+ADMIN_FILES = ("/etc/mnft/admin-group",)
+
+
+def _root_text(path):
+    """The text of a file only root can have written (root's, a regular file, not writable by group or others,
+    not reached through a link), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return None
+        return os.read(fd, 4096).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def admin_group():
+    """(group name, gid, where it is named) of the host's mnft admins, or None when the host names none."""
+    import grp
+
+    for path in ADMIN_FILES + (os.path.join(lease_dir(), ADMIN_NAME),):
+        text = _root_text(path)
+        names = [w.strip() for w in (text or "").splitlines() if w.strip() and not w.strip().startswith("#")]
+        if names:
+            try:
+                return names[0], grp.getgrnam(names[0]).gr_gid, path
+            except KeyError:
+                continue
+    return None
+
+
+def _in_group(uid, gid):
+    import grp
+
+    try:
+        user = pwd.getpwuid(uid)
+        return user.pw_gid == gid or user.pw_name in grp.getgrgid(gid).gr_mem
+    except KeyError:
+        return False
+
+
+def is_admin():
+    if os.geteuid() == 0:
+        return True
+    group = admin_group()
+    return bool(group) and (group[1] in os.getgroups() or group[1] == os.getegid())
+
+
+def _trusted_mark(st):
+    """Whether root or an admin wrote the drain file (and nobody else may write it: the admins' group at most)."""
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_mode & 0o002:
+        return False
+    group = admin_group()
+    if st.st_mode & 0o020 and not (group and st.st_gid == group[1]):
+        return False
+    return st.st_uid == 0 or bool(group) and _in_group(st.st_uid, group[1])
+
+
+def drain_marks():
+    """({"host": mark or None, "gpus": {"0": mark, …}}, a problem with the file or None). A mark is {"login", "at",
+    "reason", "by"}."""
+    empty = {"host": None, "gpus": {}}
+    path = os.path.join(lease_dir(), DRAIN_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        return empty, (None if exc.errno == errno.ENOENT else "%s: %s" % (path, exc.strerror))
+    try:
+        st = os.fstat(fd)
+        if not _trusted_mark(st):
+            return empty, refusal(path, st, "was not written by root or an admin of this host, and is ignored")
+        marks = _read(fd) or {}
+    finally:
+        os.close(fd)
+    gpus = marks.get("gpus") if isinstance(marks.get("gpus"), dict) else {}
+    return {"host": marks.get("host") if isinstance(marks.get("host"), dict) else None,
+            "gpus": dict((str(k), v) for k, v in gpus.items() if isinstance(v, dict))}, None
+
+
+def drain_of(marks, device):
+    """The mark that drains a device (the host's, else its own), or None."""
+    if marks.get("host"):
+        return dict(marks["host"], scope="host")
+    key = "cpu" if device.get("index") is None else str(device.get("index"))
+    mark = (marks.get("gpus") or {}).get(key)
+    return dict(mark, scope="gpu") if mark else None
+
+
+def set_drain(request):
+    """Drain or undrain ({"gpus": [indices] or null for the host, "reason", "by", "undrain": bool}) as an admin:
+    ({"drained": marks}) or Refused naming who may."""
+    if not is_admin():
+        group = admin_group()
+        who = ("root or a member of group %s (named in %s)" % (group[0], group[2]) if group else
+               "root (this host names no admin group: root writes one group's name to %s or %s)" % (ADMIN_FILES[0], os.path.join(lease_dir(), ADMIN_NAME)))
+        raise Refused("%s may not %s: only %s may" % (user_name(os.getuid()), "undrain" if request.get("undrain") else "drain", who))
+    reason = " ".join(str(request.get("reason") or "").split())[:500]
+    if not request.get("undrain") and not reason:
+        raise Refused("drain needs --reason TEXT: what is wrong, for whoever finds it drained")
+    mutex = _lock_mutex()
+    try:
+        path = os.path.join(lease_dir(), DRAIN_NAME)
+        fd = _open_drain(path)
+        try:
+            marks = _read(fd) or {}
+            marks = {"host": marks.get("host") if isinstance(marks.get("host"), dict) else None,
+                     "gpus": marks.get("gpus") if isinstance(marks.get("gpus"), dict) else {}}
+            gpus = request.get("gpus")
+            mark = {"login": user_name(os.getuid()), "uid": os.getuid(), "at": time.time(), "reason": reason,
+                    "by": str(request.get("by") or "")[:200]}
+            if request.get("undrain"):
+                if gpus is None:
+                    marks = {"host": None, "gpus": {}}
+                for index in gpus or []:
+                    marks["gpus"].pop(str(index), None)
+            elif gpus is None:
+                marks["host"] = mark
+            else:
+                for index in gpus:
+                    marks["gpus"][str(index)] = mark
+            _write(fd, marks)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(mutex)
+    return {"drained": marks}
+
+
+def _open_drain(path):
+    """The drain file for writing: an existing one only if root or an admin wrote it (root replaces another);
+    a new one the admins' group may write."""
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY
+    group = admin_group()
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        fd = None
+    except OSError as exc:
+        if os.geteuid() != 0:
+            raise Refused("%s: %s (remove it as root)" % (path, exc.strerror))
+        fd = None
+        os.unlink(path)
+    if fd is not None:
+        st = os.fstat(fd)
+        if _trusted_mark(st):
+            return fd
+        os.close(fd)
+        if os.geteuid() != 0:
+            raise Refused(refusal(path, st, "was not written by root or an admin of this host"))
+        os.unlink(path)  # planted: root makes its own
+    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+    if group:
+        os.fchown(fd, -1, group[1])
+        os.fchmod(fd, 0o664)
+    else:
+        os.fchmod(fd, 0o644)
+    return fd
+
+
 def main(argv):
     mode = argv[0] if argv else ""
     if mode == "hold":
@@ -1101,6 +1770,13 @@ def main(argv):
         try:
             print(json.dumps({"run_dirs": run_dirs(argv[1])}))
         except (OSError, Refused) as exc:
+            print(json.dumps(_failure(exc)))
+        return 0
+    if mode in ("drain", "undrain"):
+        try:
+            request = json.loads(sys.stdin.readline(MAX_LEASE_BYTES) or "{}")
+            print(json.dumps(set_drain(dict(request, undrain=mode == "undrain"))))
+        except (OSError, Refused, ValueError) as exc:
             print(json.dumps(_failure(exc)))
         return 0
     if mode in ("show", "lab"):

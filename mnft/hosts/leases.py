@@ -142,7 +142,21 @@ def holders_of(devices: Sequence[dict]) -> list[str]:
         elif d.get("state") == "outside":
             procs = ", ".join(f"pid {shown(p.get('pid'))} of {shown(p.get('user')) or '?'}" for p in (d.get("processes") or [])[:4])
             pairs.append((device_label(d), f"in use outside mnft ({procs})"))
+        elif d.get("state") == "drained":
+            pairs.append((device_label(d), drained_words(d.get("drain"))))
+        elif d.get("state") == "unhealthy":
+            pairs.append((device_label(d), f"unhealthy: {shown(d.get('broken'), 300)}"))
     return grouped(pairs)
+
+
+def drained_words(mark: dict | None) -> str:
+    """"drained by ops on h1 at 10:02: fan noise" (the host drained: "the host drained by …")."""
+    mark = mark if isinstance(mark, dict) else {}
+    when = mark.get("at")
+    at = time.strftime("%Y-%m-%d %H:%M", time.localtime(when)) if isinstance(when, (int, float)) and not isinstance(when, bool) else "?"
+    whole = "the host " if mark.get("scope") == "host" else ""
+    by = shown(mark.get("by"), 80)
+    return f"{whole}drained by {shown(mark.get('login')) or '?'}{f' ({by})' if by else ''} at {at}: {shown(mark.get('reason'), 300) or 'no reason given'}"
 
 
 def scope_busy_line(host: str, reply: dict) -> str:
@@ -160,6 +174,13 @@ def scope_busy_line(host: str, reply: dict) -> str:
                     f"(a --resume of a job still running?) ({hint}; a new run without --resume gets a directory of its own)")
         hint = f"mnft stop {run_id}, or wait" if run_id else "wait"
         return f"{host}: workdir {shown(reply.get('workdir'), 200)} is busy: {describe(holder)}{verified(holder, reply.get('lockers'))} ({hint})"
+    if what == "unavailable":  # drained or unhealthy devices: waiting would not help
+        devices, want = reply.get("devices") or [], reply.get("want")
+        usable = sum(1 for d in devices if d.get("state") not in ("drained", "unhealthy"))
+        asked = "every device of the host (no --gpus)" if want is None else f"{want} GPU(s)"
+        out = [d for d in devices if d.get("state") in ("drained", "unhealthy")]
+        return (f"{host}: {asked} asked, {usable} of {len(devices)} in service: {'; '.join(holders_of(out))} "
+                f"(never leased, waiting would not help: --gpus {usable} or fewer, or other hosts; `mnft lab` shows the lab)")
     if what == "no-gpus":
         return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
     if what == "runs":  # grouped by holder: "GPU 0, 1, workdir /home/a/mnft: train run R by alice …"
@@ -475,3 +496,12 @@ def lab(fleet: Fleet, hosts: Iterable[Host], timeout: float = 30) -> dict[str, d
         data = pyrun.reply(result, "the lease script")
         out[result.host] = data if data is not None else {"error": result.error or result.status.value, "status": result.status.value}
     return out
+
+
+def run_drain(fleet: Fleet, host: Host, request: dict, undrain: bool) -> dict:
+    """One host's drain or undrain (leasehost's `drain`/`undrain` modes, the request on stdin after the script)."""
+    mode = "undrain" if undrain else "drain"
+    stdin = pyrun.payload(leasehost.source()) + json.dumps(request).encode() + b"\n"
+    result = fleet.run_one(host, pyrun.command(host, mode, site=False), stdin=stdin, timeout=30)
+    data = pyrun.reply(result, "the lease script")
+    return data if data is not None else {"error": result.error or result.status.value, "status": result.status.value}

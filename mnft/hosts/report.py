@@ -86,30 +86,41 @@ def print_trust(results: Iterable[TrustResult], as_json: bool) -> None:
 
 
 LAB_STYLE = {"free": "green", "held": "yellow", "outside": "magenta", "waiting": "cyan", "unreachable": "red", "failed": "red",
-             "host-key-rejected": "red"}
+             "host-key-rejected": "red", "drained": "blue", "unhealthy": "bold red"}
 
 
 def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, seconds: float) -> int:
     """`mnft lab`: host × device → free / held (user, run, command, since) / in use outside mnft, memory and
-    utilisation, then each host's line of waiting runs. Exit 0, or 4 when a host did not answer."""
+    utilisation, each GPU's health, then each host's line of waiting runs. Exit 0, 4 when a host did not answer, 1 when a
+    host's GPUs did not (a stalled nvidia-smi, named)."""
     from mnft.core.errors import ExitCode
     from mnft.hosts.lab import rows, since
 
     table_rows = rows(inventory, views)
     unanswered = [name for name, v in views.items() if v.get("error") and not v.get("devices")]
+    unread = [name for name, v in views.items() if v.get("devices_error") and not v.get("devices")]  # its GPUs did not answer
     if as_json:
         print_json({"hosts": [h.name for h in inventory.hosts], "seconds": round(seconds, 3), "devices": [r.to_json() for r in table_rows]})
-        return ExitCode.UNREACHABLE if unanswered else ExitCode.OK
+        return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
     free = sum(1 for r in table_rows if r.state == "free")
-    devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside"))
+    devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside", "drained", "unhealthy"))
     table = Table(title=plain(f"{inventory.path or 'the lab'}: {free} of {devices} device(s) free on {len(inventory.hosts)} host(s) "
                               f"(asked in {seconds:.2f}s)"))
     images = any(r.image for r in table_rows)  # the column only where a run in an image holds a device
-    for col in ("host", "device", "state", "user", "run", "command", *(("image",) if images else ()), "since", "memory", "util", "detail"):
+    health = any(r.health for r in table_rows)  # the column only where a GPU is not well
+    for col in ("host", "device", "state", "user", "run", "command", *(("image",) if images else ()), "since", "memory", "util",
+                *(("health",) if health else ()), "detail"):
         table.add_column(col)
     for r in table_rows:
+        detail = r.detail or (r.drain if r.drain and r.state != "drained" else "")
         table.add_row(plain(r.host), plain(r.device), plain(r.state, LAB_STYLE.get(r.state, "")), plain(r.user or ""), plain(r.run or ""),
                       plain(r.command or ""), *((plain(r.image or ""),) if images else ()), plain(since(r.since)), plain(r.memory or ""),
-                      plain("" if r.utilization is None else f"{r.utilization}%"), plain(r.detail or ""))
+                      plain("" if r.utilization is None else f"{r.utilization}%"), *((plain(r.health or "", "red"),) if health else ()), plain(detail))
     console().print(table)
-    return ExitCode.UNREACHABLE if unanswered else ExitCode.OK
+    for name, view in views.items():  # what the hosts said of their GPUs' reads: a stall, an unreadable kernel log
+        unread = next((d["health"]["kmsg"] for d in view.get("devices") or [] if (d.get("health") or {}).get("kmsg")), None)
+        if unread:
+            console().print(plain(f"{name}: {unread}", style="yellow"))
+        if view.get("drain_problem"):
+            console().print(plain(f"{name}: {view['drain_problem']}", style="red"))
+    return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK

@@ -97,7 +97,9 @@
     if (row.model) words.push(row.model);
     if (row.memory) words.push("memory " + row.memory);
     if (isNum(row.utilization)) words.push("utilisation " + row.utilization + "%");
+    if (row.health) words.push("health: " + row.health);
     if (row.detail) words.push(row.detail);
+    else if (row.drain) words.push(row.drain);
     const who = row.state === "held" ? (row.user || "?") + (row.since_text ? " · " + row.since_text : "")
       : row.state === "outside" ? "outside: " + (row.user || "?") : row.state;
     const memory = isNum(row.memory_total_mib) && row.memory_total_mib > 0 && isNum(row.memory_used_mib)
@@ -122,7 +124,7 @@
       if (!byHost.has(row.host)) byHost.set(row.host, []);
       byHost.get(row.host).push(row);
     }
-    const devices = lab.devices.filter((r) => ["free", "held", "outside"].includes(r.state));
+    const devices = lab.devices.filter((r) => ["free", "held", "outside", "drained", "unhealthy"].includes(r.state));
     const free = devices.filter((r) => r.state === "free").length;
     const down = lab.hosts.filter((h) => !["ok", "asking"].includes(h.state)).length;
     const asking = lab.hosts.every((h) => h.state === "asking");

@@ -1,0 +1,96 @@
+"""Issue 37 on the simulated cluster: GPUs that misbehave as real ones do (tests/fakegpu.py told what to get wrong)
+are never leased, are shown with their health and who drained them, and a stalled nvidia-smi is named within its
+bound. Two hosts with 4 stand-in GPUs each; bob is a login user who is not an admin of the hosts."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from test_cluster_lab import HOLD, Person, end, finished, held, wait_held
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def sick(testbed, tmp_path_factory):
+    work = tmp_path_factory.mktemp("sick-lab")
+    with testbed.Cluster.create(2, work, outsider=False, gpus=4) as cluster:
+        cluster.add_user("bob", password="not used", torch=True)
+        yield cluster
+
+
+@pytest.fixture
+def src(tmp_path: Path) -> Path:
+    tree = tmp_path / "lab-src"
+    tree.mkdir()
+    (tree / "hold.py").write_text(HOLD)
+    return tree
+
+
+def test_gpus_2_on_a_host_with_a_lost_gpu_0_and_an_ecc_failed_gpu_1_gets_2_and_3_and_nodes_skips_it(sick, tmp_path, src):
+    h1, h2 = sick.hosts
+    sick.gpu_faults(h1, lost=[0], ecc={"1": [1, 1]})
+    root = Person(sick, tmp_path, "root", [h1])
+    (tmp_path / "both").mkdir()
+    both = Person(sick, tmp_path / "both", "root", [h1, h2])
+    try:
+        run = root.train(src, "sick", "--gpus", "2")
+        rows = wait_held(root, h1.name, 2)
+        run_id = root.run_ids()[-1]
+        states = {r["device"]: r for r in rows if r["host"] == h1.name}
+        assert (states["2"]["state"], states["3"]["state"]) == ("held", "held")
+        assert states["0"]["state"] == "unhealthy" and states["0"]["health"].startswith("lost from the bus (Unable to determine the device handle")
+        assert states["1"]["state"] == "unhealthy" and states["1"]["health"] == "1 uncorrectable ECC error(s) since the driver loaded"
+        dry = both.mnft("train", "--hosts", both.inventory, "--src", str(src), "--nodes", "1", "--gpus", "2", "--dry-run", "--", "hold.py", "n")
+        assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
+        assert f"{h1.name}: 0 of 4 device(s) free (2 out of service), 2 needed" in dry.stdout + dry.stderr
+        assert f"{h2.name}: picked" in dry.stdout + dry.stderr
+        every = root.mnft("train", "--hosts", root.inventory, "--src", str(src), "--", "hold.py", "all")
+        assert every.returncode != 0 and "GPU 0: unhealthy: lost from the bus" in every.stdout + every.stderr
+        end(sick, "sick", [h1])
+        finished(run)
+        assert root.seen(run_id, h1) == {"2,3"}
+    finally:
+        end(sick, "sick", [h1])
+        sick.gpu_faults(h1, lost=None, ecc=None)
+
+
+def test_a_drained_gpu_is_never_picked_and_shown_with_its_reason_and_a_non_admins_drain_is_refused(sick, tmp_path, src):
+    h1, h2 = sick.hosts
+    root, bob = Person(sick, tmp_path, "root", [h2]), Person(sick, tmp_path, "bob", [h2])
+    refused = bob.mnft("drain", f"{h2.name}:0", "--reason", "mine now", "--hosts", bob.inventory)
+    assert refused.returncode == 1 and "bob may not drain: only root" in refused.stdout + refused.stderr
+    drained = root.mnft("drain", f"{h2.name}:0", "--reason", "Xid 79 twice this week", "--hosts", root.inventory)
+    assert drained.returncode == 0, drained.stdout + drained.stderr
+    try:
+        row = {r["device"]: r for r in bob.lab() if r["host"] == h2.name}["0"]
+        assert row["state"] == "drained" and row["detail"].startswith("drained by root") and row["detail"].endswith(": Xid 79 twice this week")
+        run = bob.train(src, "d", "--gpus", "3")
+        rows = wait_held(bob, h2.name, 3)
+        assert [d for d, (state, _, _) in sorted(held(rows, h2.name).items()) if state == "held"] == ["1", "2", "3"]
+        end(sick, "d", [h2])
+        finished(run)
+    finally:
+        end(sick, "d", [h2])
+        assert root.mnft("undrain", h2.name, "--hosts", root.inventory).returncode == 0
+
+
+def test_a_15_s_stall_of_nvidia_smi_is_named_within_the_reads_bound(sick, tmp_path):
+    h1, h2 = sick.hosts
+    sick.gpu_faults(h2, stall=15, persistence=False)
+    root = Person(sick, tmp_path, "root", [h1, h2])
+    try:
+        started = time.monotonic()
+        done = root.mnft("lab", "--hosts", root.inventory, "--json", timeout=60)
+        took = time.monotonic() - started
+        rows = json.loads(done.stdout)["devices"]
+        assert done.returncode == 1
+        assert [r["detail"] for r in rows if r["host"] == h2.name] == [
+            "GPUs not read: nvidia-smi did not answer in 5 s: is persistence mode off? a wedged driver?"]
+        assert {r["state"] for r in rows if r["host"] == h1.name} == {"free"}
+        print(f"mnft lab with a 15 s stall answered in {took:.1f} s")
+    finally:
+        sick.gpu_faults(h2, stall=None, persistence=None)
