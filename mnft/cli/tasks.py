@@ -640,7 +640,7 @@ def _drain(target, reason, hosts, connect_timeout, undrain):
 
 @task(klass=OptionalPositionalTask, positional=["target"],
       help={"target": "HOST, or HOST:GPU[,GPU…]: the host or its GPUs (nvidia-smi's indices)", "reason": "why (required): shown to whoever finds it drained",
-            "hosts": "inventory file", "connect_timeout": "seconds to wait for the host's SSH connection"})
+            "hosts": HOSTS_HELP, "connect_timeout": "seconds to wait for the host's SSH connection"})
 @_mnft_errors
 def drain(c, target=None, reason=None, hosts=None, connect_timeout=10.0):
     """Take a host or some of its GPUs out of service (root, or a member of the admin group the host names): they are
@@ -649,7 +649,7 @@ def drain(c, target=None, reason=None, hosts=None, connect_timeout=10.0):
 
 
 @task(klass=OptionalPositionalTask, positional=["target"],
-      help={"target": "HOST (every mark of the host), or HOST:GPU[,GPU…]", "hosts": "inventory file",
+      help={"target": "HOST (every mark of the host), or HOST:GPU[,GPU…]", "hosts": HOSTS_HELP,
             "connect_timeout": "seconds to wait for the host's SSH connection"})
 @_mnft_errors
 def undrain(c, target=None, hosts=None, connect_timeout=10.0):
