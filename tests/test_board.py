@@ -377,3 +377,56 @@ def test_a_detached_run_is_asked_of_its_hosts_and_a_watched_one_too_and_another_
     board.round()
     assert asked == ["20261127-130000-dddd"] * 2  # an ended run's hosts are not asked again
     board.close()
+
+
+# ------------------------------------------------------------------------------------------------ issue 36
+
+
+ARGS = ("--steps", "8", "--save-every", "1", "--out", "ckpts", "--note", "two words", "--lr", "0.0001", "--warmup", "100",
+        "--batch-size", "64", "--gradient-accumulation-steps", "4")
+
+
+def write_script_run(runs_dir: Path, run_id: str) -> Path:
+    """A script run with arguments whose time mnft could not split (no step record read) and 8 checkpoints saved."""
+    from mnft.run import goodput
+    from mnft.run.job import Job, ResumeRule
+
+    path = write_run(runs_dir, run_id, hosts=["h1"], state="succeeded", steps=0)
+    data = json.loads((path / "run.json").read_text())
+    data["job"] = Job(("steps.py",), args=ARGS[:2], extra_args=ARGS[2:], resume=ResumeRule("glob", "ckpts", "ckpt_*", "DONE")).to_record()
+    attempts = [{"number": 1, "started": data["created"] + 1, "ended": data["created"] + 60, "state": "succeeded"}]
+    data.update(attempts=attempts, ended=data["created"] + 60,
+                time=goodput.measure(data["created"], data["created"] + 60, attempts, {}, saved_at=[data["created"] + 5 * i for i in range(1, 9)]).to_json())
+    (path / "run.json").write_text(json.dumps(data))
+    return path
+
+
+def test_a_runs_command_its_save_count_and_an_unsplit_time_reach_its_row_and_page(runs_dir):
+    """Issue 36: the job column said `steps.py` (its arguments never shown); the time panel lacked the terminal's
+    "not known" caption and the checkpoints count."""
+    path = write_script_run(runs_dir, "20261127-120000-cccc")
+    row = runs_of.summary("20261127-120000-cccc", path)
+    whole = "steps.py --steps 8 --save-every 1 --out ckpts --note 'two words' --lr 0.0001 --warmup 100 --batch-size 64 --gradient-accumulation-steps 4"
+    assert row["command"] == whole
+    short = row["command_short"]
+    assert short.startswith("steps.py --steps 8 --save-every 1") and short.endswith(" …") and len(short) <= runs_of.COMMAND_WIDTH
+    assert whole.startswith(short[:-2])  # cut after a whole argument
+    page = runs_of.detail("20261127-120000-cccc", path)
+    assert page["time"]["unknown"].startswith("no step record was read from the job's output: where the time went is not known")
+    assert page["time"]["attempts"][0]["saved"] == "(8)"
+    assert runs_of.command_line(["recipe", "lora", "max_steps=6"], 10) == "recipe lora …"  # the entry point stays whole
+    assert runs_of.command_line(["-m", "pkg.train", "--x", "1"], 80) == "-m pkg.train --x 1"
+
+
+def test_the_page_shows_the_command_the_save_count_and_why_the_time_is_not_split(board_page, runs_dir):
+    page = board_page
+    write_script_run(runs_dir, "20991231-000001-cmdl")
+    cell = page.wait_for_selector('tr[data-run="20991231-000001-cmdl"] td.job', timeout=30000)
+    assert cell.inner_text().startswith("steps.py --steps 8 --save-every 1") and cell.inner_text().endswith("…")
+    assert cell.get_attribute("title").endswith("--gradient-accumulation-steps 4")  # whole on hover
+    page.goto(page.served.url + "#/run/20991231-000001-cmdl")
+    page.wait_for_selector("#run-time table")
+    assert page.inner_text("#run-head .command").endswith("--batch-size 64 --gradient-accumulation-steps 4")
+    assert page.inner_text('#run-time td[data-key="checkpoint_s"]') == "- (8)"
+    assert page.inner_text("#run-time .time-unknown").startswith("no step record was read from the job's output: where the time went is not known")
+    assert page.problems == []

@@ -61,6 +61,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("env/wheelhouse.py", "Wheelhouse._load_index", "limits.read_json"): ("the wheelhouse's .index.json", "STATE_BYTES"),
     ("env/wheelhouse.py", "_wheel_metadata", "limits.read_at_most"): ("a wheel's METADATA", "WHEEL_METADATA_BYTES"),
     ("run/logs.py", "_value", "limits.read_file"): ("a collected exit_code, ended", "RUN_VALUE_BYTES"),
+    ("run/logs.py", "_listing", "limits.read_file"): ("the names of a job's checkpoints directory `logs` kept (at most agent.CHECKPOINT_NAMES)", "STATE_BYTES"),
     ("run/logs.py", "_metrics_in", "limits.lines"): ("the job's collected metrics files, line by line (cut at METRIC_WIDTH)", "COLLECTED_BYTES"),
     ("run/logs.py", "rank0_output_records", "limits.lines"): ("a host's collected output.log, line by line (cut at METRIC_WIDTH)", "COLLECTED_BYTES"),
     ("run/logs.py", "rank_timings", "limits.lines"): ("the ranks' collected step timings, line by line", "COLLECTED_BYTES"),

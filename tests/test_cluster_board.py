@@ -192,7 +192,7 @@ def test_a_run_started_while_the_page_is_open_appears_and_its_step_advances_and_
         first = int(until(lambda: (c := cell(page, run_id, ".step")) and c.isdigit() and c, timeout=150, what="its first step in the runs table"))
         later = int(until(lambda: (c := cell(page, run_id, ".step")) and c.isdigit() and int(c) > first and c, timeout=60, what="its step to advance"))
         assert later > first and page.evaluate("window.__sameDocument") is True  # no reload
-        assert cell(page, run_id, ".job") == HOSTILE_JOB  # the job name as text
+        assert cell(page, run_id, ".job") == f"{HOSTILE_JOB}: steps.py 60 0.25"  # the job name as text, then what it ran
         held = until(lambda: {k: v for k, v in tiles(page).items() if v[2] == run_id} or None, timeout=30, what="its GPUs held in the lab")
         assert sorted(held) == [("h1", "0"), ("h1", "1"), ("h2", "0"), ("h2", "1")] and {v[:2] for v in held.values()} == {("held", "root")}
         until(lambda: "97%" in page.inner_text('.tile[data-host="h1"][data-device="0"]'), timeout=30, what="its ranks on their GPUs")
@@ -218,7 +218,7 @@ def test_a_run_started_while_the_page_is_open_appears_and_its_step_advances_and_
         until(lambda: page.get_attribute("#chart", "data-points") == str(len(steps)) and "from metrics.jsonl" in page.inner_text("#curve-note"),
               timeout=30, what="the curve from metrics.jsonl")
         assert page.inner_text("#run-head h2").startswith(f"run {run_id}")
-        assert HOSTILE_JOB in page.inner_text("#run-head .job")
+        assert HOSTILE_JOB in page.inner_text("#run-head .job") and page.inner_text("#run-head .command") == f"{HOSTILE_JOB}: steps.py 60 0.25"
         assert page.evaluate("window.__pwned") is None and page.evaluate("window.__sameDocument") is True
         assert page.query_selector_all(CONTROLS) == []
         assert "where the time went" in page.inner_text("#run-time").lower()

@@ -302,6 +302,12 @@ def test_hf_trainer_recovered_after_a_kill_tells_its_steps_and_time_truthfully(h
     assert 0 < spent["goodput"] < 1 and spent["steps_lost"] == one["steps_lost"] and spent["restart_s"] > 0
     assert spent["attempts"][0]["detection_s"] is not None and spent["attempts"][1]["finish_s"] is not None
     assert "where the time went" in out and "goodput" in out
+    # issue 36: the checkpoints each attempt saved, counted by the job's layout from its checkpoints directories (h1
+    # keeps the newest 3, save_total_limit; h2's rank writes its RNG state into every one and never rotates them)
+    saved = {p.name for h in hosts for p in (h.home / "mnft" / "outputs" / record["job_id"]).glob("checkpoint-*")}
+    assert saved == {f"checkpoint-{n}" for n in range(10, 61, 10)}
+    assert spent["checkpoints"] == len(saved) and [a["checkpoints"] for a in spent["attempts"]][0] >= 2, (saved, spent)
+    assert sum(a["checkpoints"] for a in spent["attempts"]) == len(saved) and f"({len(saved)})" in out
     # the ending names the failure; the host mnft stopped is said to be stopped, its SIGTERM traceback kept out of sight
     assert re.search(r"attempt 1 failed: h2 rank 1 was killed by SIGKILL; h1 stopped by mnft", out), out[-3000:]
     assert "SignalException" not in out

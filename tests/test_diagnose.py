@@ -150,3 +150,23 @@ def test_a_failure_without_a_traceback_points_at_the_hosts_last_lines_not_at_a_t
     found = diagnose(Evidence(cause=cause, tail=("saving…",)))
     assert (found.kind, cause.detail) == ("failed", "node2 exited with code 3")
     assert "traceback above" not in found.fix and "node2's last lines" in found.fix
+
+
+def test_every_fix_holds_wherever_it_is_shown():
+    """Issue 36: the board shows a failure's fix above the hosts' lines, `status` without them, `train` after them:
+    "read the failing rank's traceback above" was wrong on the board. A fix names the host whose output holds the
+    traceback, never a place on the screen; the siblings: a failure before the first step, an exception followed
+    by an abort at exit, a failure that printed no traceback."""
+    trace = ["Traceback (most recent call last):", '  File "steps.py", line 9, in <module>', "RuntimeError: planned failure at step 6"]
+    bad = ["Traceback (most recent call last):", "FileNotFoundError: [Errno 2] No such file or directory: 'data.json'"]
+    startup = classify(Seen("h2", "exited", 1, tuple(bad), tuple(bad), first_step=False))
+    aborted = Cause("signal", "h2", "h2 rank 1 was killed by SIGABRT")
+    found = [diagnose(evidence("h2", trace, rank=1)), diagnose(Evidence(cause=startup, rank=1, trace=tuple(bad), tail=tuple(bad))),
+             diagnose(Evidence(cause=aborted, rank=1, trace=tuple(trace), tail=tuple(trace))),
+             diagnose(Evidence(cause=classify(Seen(failed_host="h2", host_state="exited", exit_code=3, tail=("saving…",), first_step=True)),
+                               tail=("saving…",)))]
+    assert [f.kind for f in found] == ["failed", "startup", "failed", "failed"]
+    for f in found:
+        assert not any(word in f.fix for word in ("above", "below")), f.fix
+        assert "h2's" in f.fix and "`mnft logs`" in f.fix
+    assert found[0].fix == "read h2 rank 1's traceback in h2's output (all of it: `mnft logs`)"

@@ -141,3 +141,40 @@ def test_the_others_get_a_bounded_time_to_finish_after_one_aborted_after_its_wor
         result = gang.wait()
     assert not result.ok and result.failed_host == "h1"
     assert result.reason == "h1: torchrun exited with code 134 after its work; the other hosts did not end within 0.5s"
+
+
+def test_a_ranks_traceback_stays_after_the_lines_it_printed_before(run_dir, tmp_path):
+    """Issue 36: a failed run's last lines showed the traceback before the step lines that preceded it. torchrun
+    (--tee) gives a worker's stdout and stderr a log file each and copies each by a thread of its own: the order
+    between them is lost. The wrapper puts the rank's stderr into its stdout file, so one stream keeps the order."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "steps.py").write_text("for i in range(1, 4):\n    print(f'step {i} loss 1.0')\nraise RuntimeError('planned failure at step 4')\n")
+    out, err = tmp_path / "stdout.log", tmp_path / "stderr.log"
+    with out.open("w") as o, err.open("w") as e:  # as torchrun's redirects leave a worker
+        done = subprocess.run([sys.executable, str(run_dir / "entry.py"), "steps.py"], cwd=project, stdout=o, stderr=e, timeout=60,
+                              env=dict(os.environ, RANK="0"))
+    assert done.returncode == 1
+    lines = out.read_text().splitlines()
+    assert lines[:4] == ["step 1 loss 1.0", "step 2 loss 1.0", "step 3 loss 1.0", "Traceback (most recent call last):"]
+    assert lines[-1] == "RuntimeError: planned failure at step 4" and err.read_text() == ""
+    piped = wrapped(run_dir, "steps.py", cwd=project, rank=0)  # a pipe (or a terminal) is left as it is
+    assert piped.stdout.splitlines() == ["step 1 loss 1.0", "step 2 loss 1.0", "step 3 loss 1.0"] and "RuntimeError" in piped.stderr
+
+
+@pytest.mark.slow
+def test_under_torchrun_a_ranks_lines_and_traceback_come_in_one_stream(run_dir, tmp_path):
+    """The sibling, as mnft starts a job (torchrun --tee 3 --log-dir, the rank prefix): rank 0's stderr file stays
+    empty and its traceback follows its step lines in torchrun's output."""
+    project = tmp_path / "proj"
+    project.mkdir()
+    (project / "steps.py").write_text("for i in range(1, 4):\n    print(f'step {i} loss 1.0')\nraise RuntimeError('planned failure at step 4')\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0",
+                           "--tee", "3", "--log-dir", str(tmp_path / "torchrun"), str(run_dir / "entry.py"), "steps.py"],
+                          cwd=project, capture_output=True, text=True, timeout=240,
+                          env=dict(os.environ, PYTHONUNBUFFERED="1", TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE="[rank${rank}]:"))
+    assert done.returncode != 0
+    stderr_files = list((tmp_path / "torchrun").rglob("stderr.log"))
+    assert stderr_files and all(f.read_text() == "" for f in stderr_files)
+    ranked = [line for line in done.stdout.splitlines() if line.startswith("[rank0]:")]
+    assert ranked[:4] == ["[rank0]:step 1 loss 1.0", "[rank0]:step 2 loss 1.0", "[rank0]:step 3 loss 1.0", "[rank0]:Traceback (most recent call last):"]

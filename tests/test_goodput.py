@@ -70,3 +70,110 @@ def test_the_time_table_says_when_the_time_is_not_known():
     text = console.export_text()
     assert "no step record was read from the job's output: where the time went is not known" in text
     assert "60.4s" not in text.split("where the time went: 60.4s wall")[1]  # no column holds the run's time
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints saved
+
+
+def _pack_checkpoints(where, capsys) -> dict:
+    """What a host's agent answers `logs` about the job's checkpoints directory (its pack, as shipped)."""
+    import json
+
+    from mnft.run import agent
+
+    (where.parent / "run").mkdir(exist_ok=True)
+    assert agent.main(["pack", str(where.parent / "run"), f"--checkpoints={where}"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["checkpoints"]
+
+
+def _record(tmp_path, monkeypatch, layout: dict, attempts: list[dict], created: float):
+    from mnft.run import records
+    from mnft.run.job import Job, ResumeRule
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path / "runs"))
+    job = Job(("steps.py",), resume=ResumeRule(**layout))
+    record = records.RunRecord.create("R1", state="succeeded", launched=True, job=job.to_record(),
+                                      hosts={"h1": {"node_rank": 0, "state": "exited", "exit_code": 0}}, attempts=attempts)
+    record.data["created"] = created
+    record.save()
+    return record
+
+
+def test_a_script_with_a_checkpoint_rule_shows_the_checkpoints_it_saved(tmp_path, monkeypatch, capsys):
+    """Issue 36: a script whose glob rule matched 8 saves showed '-' in the checkpoints column: only hf, torchtune
+    and mnft names were recognised, and only in files collected as metrics. Now the job's own rule counts the
+    names in its checkpoints directory, those this run saved (one an earlier run of the job saved is not)."""
+    import os
+    import time
+
+    from rich.console import Console
+
+    from mnft.run import logs
+    from mnft.run.report import time_table
+
+    now = time.time()
+    ckpts = tmp_path / "job" / "ckpts"
+    ckpts.mkdir(parents=True)
+    for n in range(1, 9):
+        (ckpts / f"ckpt_{n * 10}").mkdir()
+        (ckpts / f"ckpt_{n * 10}" / "DONE").write_text("")
+    (ckpts / "ckpt_0").mkdir()  # an earlier run of the job saved it
+    os.utime(ckpts / "ckpt_0", (now - 3600, now - 3600))
+    (ckpts / "steps.py").write_text("")  # the job's code, beside what it writes
+    (ckpts / "events.log").write_text("")
+    record = _record(tmp_path, monkeypatch, {"layout": "glob", "pattern": "ckpt_*", "marker": "DONE", "checkpoints": "ckpts"},
+                     [{"number": 1, "started": now - 59, "ended": now + 1, "state": "succeeded"}], now - 60)
+    logs.keep_checkpoint_names(record.path / "h1", _pack_checkpoints(ckpts, capsys), time.time())
+    spent = logs.summarize(record)["time"]
+    assert spent["checkpoints"] == 8 and spent["attempts"][0]["checkpoints"] == 8
+    console = Console(width=200, record=True)
+    console.print(time_table(spent))
+    assert "- (8)" in console.export_text()  # no step record: the save time is not known, the count is
+
+
+def test_each_attempt_counts_the_saves_it_made_and_their_time_beside(tmp_path, monkeypatch, capsys):
+    """The siblings: hf's checkpoint-N split over a restarted run's attempts by when each was written, sana's and
+    the recipes' names, a host clock that is off, and a directory too large to list whole."""
+    import os
+
+    from rich.console import Console
+
+    from mnft.run import agent, checkpoints, logs
+    from mnft.run.job import ResumeRule
+    from mnft.run.report import time_table
+
+    ckpts = tmp_path / "job" / "out"
+    ckpts.mkdir(parents=True)
+    for step, at in ((10, 1010.0), (20, 1020.0), (30, 1040.0), (40, 1080.0)):
+        (ckpts / f"checkpoint-{step}").mkdir()
+        os.utime(ckpts / f"checkpoint-{step}", (at, at))
+    listing = agent.checkpoint_names(str(ckpts))
+    listing["now"] -= 1000.0 - 5.0  # the host's clock is 995 s behind this machine's, which reads it at now + 5 s
+    listing["entries"] = {name: t - 995.0 for name, t in listing["entries"].items()}
+    attempts = [{"number": 1, "started": 1001.0, "ended": 1030.0, "detected": 1030.0, "state": "failed"},
+                {"number": 2, "started": 1035.0, "ended": 1090.0, "state": "succeeded"}]
+    record = _record(tmp_path, monkeypatch, {"layout": "hf"}, attempts, 1000.0)
+    logs.keep_checkpoint_names(record.path / "h1", listing, listing["now"] + 995.0 + 5.0)
+    steps, times, more = logs.checkpoints_saved(record)
+    assert steps == {10, 20, 30, 40} and sorted(round(t) for t in times) == [1015, 1025, 1045, 1085] and not more
+    # a step a second; the saves after steps 10 and 20 took 2 s each, the one after step 30 1 s
+    step_times = {1: [(1002.0 + i + 2 * (i > 10) + 2 * (i > 20), i) for i in range(25)],
+                  2: [(1036.0 + i + (i > 30), i) for i in range(20, 41)]}
+    run = goodput.measure(1000.0, 1090.0, attempts, step_times, checkpoint_steps=steps, saved_at=times)
+    assert [a.checkpoints for a in run.attempts] == [2, 2] and run.checkpoints == 4
+    console = Console(width=200, record=True)
+    console.print(time_table(run.to_json()))
+    text = console.export_text()
+    assert "4.0s (2)" in text and "1.0s (2)" in text and "5.0s (4)" in text
+    # each layout's own names; none counts nothing
+    names = {"latest.pth", "epoch_1_step_500.pth", "epoch_1_step_600.pth", "step-40", "step-80", "notes.txt", "epoch_2", "step_9"}
+    assert checkpoints.saved(ResumeRule(layout="sana"), names) == ["epoch_1_step_600.pth", "epoch_1_step_500.pth"]
+    assert checkpoints.saved(ResumeRule(layout="mnft"), names) == ["step-80", "step-40"]
+    assert checkpoints.saved(ResumeRule(layout="torchtune"), names) == ["epoch_2", "step_9"]
+    assert checkpoints.saved(ResumeRule(layout="none"), names) == []
+    # a directory too large to name whole: at least that many
+    assert agent.checkpoint_names(str(ckpts), limit=3)["more"]
+    run = goodput.measure(1000.0, 1090.0, attempts, {}, saved_at=times[:3], saved_more=True)
+    console = Console(width=200, record=True)
+    console.print(time_table(run.to_json()))
+    assert "- (3+)" in console.export_text()

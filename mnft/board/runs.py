@@ -14,6 +14,7 @@ import getpass
 import json
 import math
 import os
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from mnft.run import goodput, records
 from mnft.run.control import job_of, rank_offset, runs_lease, supervisor
 from mnft.run.gang import split_ranks
 from mnft.run.logs import METRICS, restarts
-from mnft.run.report import TIME_COLUMNS
+from mnft.run.report import TIME_COLUMNS, saved_count
 from mnft.run.scrape import ANSI
 from mnft.run.train import Live
 
@@ -103,6 +104,36 @@ def job_label(data: dict) -> str:
         return "?"
 
 
+COMMAND_WIDTH = 56  # characters of a run's command line in the runs list (whole on hover and on its page)
+
+
+def command_words(data: dict) -> list[str]:
+    """What the run ran, as words: a script's or a module's entry point with the job's and the command line's
+    arguments (as the record keeps them: placeholders not filled in), a recipe's name with its overrides."""
+    try:
+        job = job_of(data)
+    except Exception:  # noqa: BLE001 - a damaged record's job is shown as unknown, never a failed page
+        return []
+    if job.recipe:
+        return ["recipe", job.recipe, *job.extra_args]
+    return [*job.entry, *job.args, *job.extra_args]
+
+
+def command_line(words: list[str], width: int | None = None) -> str:
+    """The words as a shell would read them (quoted where needed); given a width, cut after the last whole
+    argument that fits, marked " …" (the entry point is always there whole: it says what ran)."""
+    quoted = [shlex.quote(w) for w in words]
+    if width is None:
+        return " ".join(quoted)
+    keep = 2 if quoted[:1] in (["-m"], ["recipe"]) else 1
+    out = " ".join(quoted[:keep])
+    for i, word in enumerate(quoted[keep:], keep):
+        if len(out) + 1 + len(word) > width - (2 if i < len(quoted) - 1 else 0):
+            return out + " …"
+        out += " " + word
+    return out
+
+
 def host_names(data: dict) -> list[str]:
     hosts = data.get("hosts") if isinstance(data.get("hosts"), dict) else {}
     if not hosts and isinstance(data.get("inventory"), dict):
@@ -157,13 +188,24 @@ def summary(run_id: str, path: Path, answers: dict | None = None, now: float | N
     return {
         "id": text(run_id, 128), "mine": True, "user": ME, "state": text(data.get("state"), 40) or "?",
         "supervised": bool(live), "detached": bool(data.get("detach")), "slurm": bool(data.get("slurm")),
-        "reason": text(data.get("reason")), "job": job_label(data), "hosts": host_names(data),
+        "reason": text(data.get("reason")), "job": job_label(data), **commands(data), "hosts": host_names(data),
         "devices": {text(h, 100): [d for d in v if isinstance(d, int)] for h, v in (data.get("devices") or {}).items() if isinstance(v, list)}
         if isinstance(data.get("devices"), dict) else {},
         "created": number(data.get("created")), "ended": number(data.get("ended")),
         "attempt": len(attempts) or None, "restarts": max(0, len(attempts) - 1),
         "goodput": number(spent.get("goodput")), **metric_of(metric),
     }
+
+
+def commands(data: dict) -> dict:
+    """The run's command line whole (`command`: its page, a row's hover) and cut for its row (`command_short`),
+    after the job's name when it has one."""
+    words = command_words(data)
+    if not words:
+        return {"command": None, "command_short": None}
+    name = (data.get("job") or {}).get("name") if isinstance(data.get("job"), dict) else None
+    named = f"{text(name, 200)}: " if name else ""
+    return {"command": text(named + command_line(words), 4000), "command_short": text(named + command_line(words, COMMAND_WIDTH), 400)}
 
 
 def others(rows: list[dict], mine: set[str], now: float | None = None) -> list[dict]:
@@ -263,9 +305,10 @@ def time_spent(path: Path, data: dict, now: float) -> dict | None:
         return None
     keys = [key for _, key in TIME_COLUMNS if key != "kept_s"]
     return {"wall_s": number(spent.get("wall_s")), "goodput": number(spent.get("goodput")), "steps_lost": spent.get("steps_lost"),
-            "columns": [[name, key] for name, key in TIME_COLUMNS],
+            "columns": [[name, key] for name, key in TIME_COLUMNS], "unknown": text(spent.get("unknown")),
             "attempts": [{"number": a.get("number"), "state": text(a.get("state"), 40), **{k: number(a.get(k)) for k in keys + ["kept_s"]},
-                          "steps_lost": a.get("steps_lost")} for a in spent.get("attempts") or [] if isinstance(a, dict)]}
+                          "steps_lost": a.get("steps_lost"), "saved": saved_count(a, spent).strip() or None}
+                         for a in spent.get("attempts") or [] if isinstance(a, dict)]}
 
 
 def failure(data: dict) -> dict | None:

@@ -10,8 +10,8 @@
                            true and nothing killed when nothing of the run is alive)
     status RUN_DIR         state, exit code, last metrics line
     tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
-    pack RUN_DIR [PATH…]   the run directory and extra paths (files, directories, globs) as a base64 tar.gz
-                           (for invoke logs)
+    pack RUN_DIR [PATH…] [--checkpoints=DIR]   the run directory and extra paths (files, directories, globs) as
+                           a base64 tar.gz, and the names in the job's checkpoints directory (for invoke logs)
     checkpoints DIR        a checkpoints directory's entries and their files (for a resume)
 
 A run directory holds: spec.json (no secrets), pgid, pgid_start, output.log, exit_code, started, ended, agent.py,
@@ -975,6 +975,33 @@ def _small_json(path, limit=65536):
     return {k: data[k] for k in ("rank", "world_size", "step") if k in data} if isinstance(data, dict) else None
 
 
+CHECKPOINT_NAMES = 10000  # entries of a job's checkpoints directory named by pack at most (a count past it is "at least")
+
+
+def checkpoint_names(root, limit=CHECKPOINT_NAMES):
+    """The top-level entries of a job's checkpoints directory with their own modification times (a save's
+    directory is changed by the files it writes into it), at most `limit` of them, and this host's clock when it
+    listed them: the controller counts the checkpoints a run saved (mnft.run.logs), matching the names by the
+    job's layout. Nothing below the entries is read."""
+    root = _path(root)
+    out = {"root": root, "exists": os.path.isdir(root), "entries": {}, "more": False}
+    if out["exists"]:
+        try:
+            with os.scandir(root) as found:
+                for entry in found:
+                    if len(out["entries"]) >= limit:
+                        out["more"] = True
+                        break
+                    try:
+                        out["entries"][entry.name] = entry.stat(follow_symlinks=False).st_mtime
+                    except OSError:
+                        continue
+        except OSError as exc:
+            out["error"] = str(exc)
+    out["now"] = time.time()
+    return out
+
+
 PACK_EXTRA_BYTES = 64 << 20  # collected files besides the run directory, at most (they travel base64 in one line)
 
 
@@ -1002,9 +1029,13 @@ def _extra_files(pattern):
         yield path, os.path.basename(path)
 
 
-def pack(run_dir, extras):
+CHECKPOINTS_OPTION = "--checkpoints="  # pack's: the job's checkpoints directory, to name its entries
+
+
+def pack(run_dir, extras, checkpoints=None):
     """The run directory and extra paths (files, directories, globs: the job's metrics) as one base64 tar.gz in a
-    JSON line; extra i goes under extra/<i>/."""
+    JSON line; extra i goes under extra/<i>/. checkpoints: the job's checkpoints directory, whose entries are
+    named beside it (checkpoint_names)."""
     import base64
     import io
     import tarfile
@@ -1030,7 +1061,10 @@ def pack(run_dir, extras):
                 except OSError:
                     continue
                 budget -= size
-    print(json.dumps({"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir), "left_out": left_out}))
+    reply = {"tar": base64.b64encode(buf.getvalue()).decode(), "found": os.path.isdir(run_dir), "left_out": left_out}
+    if checkpoints:
+        reply["checkpoints"] = checkpoint_names(checkpoints)
+    print(json.dumps(reply))
     return 0
 
 
@@ -1053,7 +1087,9 @@ def main(argv):
         print(json.dumps(list_checkpoints(args[0])))
         return 0
     if mode == "pack":
-        return pack(_path(args[0]), args[1:])
+        named = [a for a in args[1:] if a.startswith(CHECKPOINTS_OPTION)]
+        return pack(_path(args[0]), [a for a in args[1:] if not a.startswith(CHECKPOINTS_OPTION)],
+                    named[-1][len(CHECKPOINTS_OPTION):] if named else None)
     if mode == "tail":
         follow = "--follow" in args
         rest = [a for a in args if a != "--follow"]

@@ -127,6 +127,22 @@ def candidates(rule: ResumeRule, names: set[str]) -> list[str]:
     return []
 
 
+SANA_SAVE = re.compile(r"^epoch_\d+_step_\d+(?:\.pth)?$")  # what Sana's save writes beside latest.pth
+
+
+def saved(rule: ResumeRule, names: set[str] | frozenset[str]) -> list[str]:
+    """The entries of a checkpoints directory the job's layout names as checkpoints (what its saves wrote, complete
+    or cut short: a save's time was spent either way), newest first; none for the layout none. Pure: names in
+    (the top-level entries, as the agent's pack lists them)."""
+    if rule.layout in LAYOUT_RULES or rule.layout == "glob":
+        return candidates(rule, set(names))
+    if rule.layout == "mnft":
+        return sorted((n for n in names if MNFT_STEP.match(n)), key=_number, reverse=True)
+    if rule.layout == "sana":
+        return sorted((n for n in names if SANA_SAVE.match(n)), key=_number, reverse=True)
+    return []
+
+
 def step_of(name: str | None) -> int | None:
     """The training step a checkpoint's name gives (checkpoint-40, step_40, step-40, epoch_1_step_500.pth), if any:
     torchtune's epoch_N names an epoch, not a step (None: the resumed attempt's first step record tells)."""

@@ -169,19 +169,24 @@ def diagnose(e: Evidence) -> Diagnosis:
                          "that step, then resume from the last checkpoint before it (`mnft train --resume`)")
     if kind == "signal" and "SIGABRT" in e.cause.detail and e.trace and not e.trace[-1].startswith(" "):
         # a Python exception first; the abort came while the interpreter exited (gloo's teardown), not the cause
-        return Diagnosis("failed", f"{who} failed: {e.trace[-1].strip()} (and then aborted while exiting)",
-                         "read the failing rank's traceback above (all of it: `mnft logs`)")
+        return Diagnosis("failed", f"{who} failed: {e.trace[-1].strip()} (and then aborted while exiting)", read_traceback(who, host))
     if kind == "signal":
         return Diagnosis("killed", e.cause.detail, f"find what killed it on {host} (`journalctl -k`, the scheduler, a person); "
                          "then `mnft train --resume`")
     if kind == "startup":
-        return Diagnosis("startup", e.cause.detail, "fix the script, its arguments or its environment (the traceback above); "
-                         "it failed before the first step, so a restart would fail again")
+        return Diagnosis("startup", e.cause.detail, f"fix the script, its arguments or its environment ({who}'s traceback in {host}'s "
+                         "output; all of it: `mnft logs`); it failed before the first step, so a restart would fail again")
     if kind == "resume-exit":
         return Diagnosis("resume-exit", e.cause.detail, "run `mnft train --resume` (or --max-restarts N to let mnft do it)")
-    if not e.trace:  # no traceback was printed: nothing above to read one from
-        return Diagnosis("failed", e.cause.detail, f"read {host}'s last lines above and its whole log (`mnft logs`): the job printed no traceback")
-    return Diagnosis("failed", e.cause.detail, "read the failing rank's traceback above (all of it: `mnft logs`)")
+    if not e.trace:  # no traceback was printed: nothing to read one from
+        return Diagnosis("failed", e.cause.detail, f"read {host}'s last lines and its whole log (`mnft logs`): the job printed no traceback")
+    return Diagnosis("failed", e.cause.detail, read_traceback(who, host))
+
+
+def read_traceback(who: str, host: str) -> str:
+    """Where the failing rank's traceback is, in words that hold wherever a fix is shown (after the lines at the end
+    of `train`, in `status`, above the hosts' lines on the board): by its host's output, never "above" or "below"."""
+    return f"read {who}'s traceback in {host}'s output (all of it: `mnft logs`)"
 
 
 def _spoke(tail: tuple[tuple[int | None, str], ...]) -> bool:

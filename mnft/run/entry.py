@@ -12,6 +12,9 @@ wrapper). When it returns, or exits with status 0, the wrapper records `done/ran
 before the interpreter's exit: so a rank that then dies while the interpreter exits (gloo's "terminate called
 without an active exception" when a script never calls destroy_process_group) is known to have finished its
 work, and mnft reports the run finished with a warning instead of failed, and never restarts it.
+
+A rank's stderr goes into its stdout when torchrun gives each a file of its own (one_stream): its lines then reach
+the run's output in the order the job printed them, a traceback after the step lines that preceded it.
 """
 
 import os
@@ -76,6 +79,22 @@ def exec_with_secrets(path, argv):
     os.execvp(argv[0], argv)
 
 
+def one_stream():
+    """The rank's stderr into its stdout, when each is a file of its own: torchrun (--tee, --redirects) points a
+    worker's stdout and stderr at two log files and copies each to its own output by a thread of its own, polling
+    every 0.1 s, so a traceback (stderr) could be shown before the step lines (stdout) printed just before it.
+    One file keeps the order the job printed them in. Not done otherwise (a terminal, a pipe: already in order)."""
+    import stat
+
+    try:
+        out, err = os.fstat(1), os.fstat(2)
+    except OSError:
+        return
+    if stat.S_ISREG(out.st_mode) and stat.S_ISREG(err.st_mode) and (out.st_dev, out.st_ino) != (err.st_dev, err.st_ino):
+        sys.stderr.flush()
+        os.dup2(1, 2)
+
+
 def main(argv):
     here = os.path.dirname(os.path.abspath(__file__))
     if argv and argv[0] == "--secrets":
@@ -83,6 +102,7 @@ def main(argv):
             sys.stderr.write("usage: entry.py --secrets FILE CMD...\n")
             return 2
         return exec_with_secrets(argv[1], argv[2:])
+    one_stream()
     if not argv or (argv[0] in ("-m", "--module") and len(argv) < 2):
         sys.stderr.write("usage: entry.py SCRIPT.py ARGS... | entry.py -m MODULE ARGS...\n")
         return 2

@@ -14,6 +14,8 @@ Per attempt:
   detection   a failed attempt's last step record -> the failure noticed (no progress, not yet known)
   finish      a succeeded attempt's last step record -> its end (final save, exit)
   restart     failure noticed -> the next attempt's start (logs kept, backoff, re-check, checkpoint made whole)
+Beside the checkpoint time, how many checkpoints each attempt saved: the entries of the job's checkpoints
+directory its layout names, by when each was written (mnft.run.logs lists them when it collects the logs).
 Goodput: the steps' time minus checkpoint and lost time, over the run's wall time.
 
 When no attempt gave a single step record (mnft read no metric in the job's output or metrics file), nothing is
@@ -39,6 +41,7 @@ class AttemptTime:
     detection_s: float | None = None
     finish_s: float | None = None
     restart_s: float | None = None
+    checkpoints: int | None = None  # the checkpoints it saved (None: the job's checkpoints directory was not listed)
 
     @property
     def kept_s(self) -> float | None:
@@ -60,6 +63,8 @@ class Goodput:
     wall_s: float
     attempts: list[AttemptTime] = field(default_factory=list)
     unknown: str | None = None  # why the time is not split
+    checkpoints: int | None = None  # the checkpoints the run saved, over its attempts (None: not listed)
+    checkpoints_more: bool = False  # the directory held more entries than were listed: at least that many
 
     @property
     def kept_s(self) -> float:
@@ -77,6 +82,7 @@ class Goodput:
         totals = {k: _round(self.total(k)) for k in ("launch_s", "steps_s", "checkpoint_s", "lost_s", "detection_s", "finish_s", "restart_s")}
         return {"wall_s": _round(self.wall_s), "kept_s": _round(self.kept_s), "goodput": None if self.ratio is None else round(self.ratio, 4),
                 **({"unknown": self.unknown} if self.unknown else {}),
+                **({"checkpoints": self.checkpoints, "checkpoints_more": self.checkpoints_more} if self.checkpoints is not None else {}),
                 "steps_lost": sum(a.steps_lost or 0 for a in self.attempts), **totals, "attempts": [a.to_json() for a in self.attempts]}
 
 
@@ -85,11 +91,17 @@ def _round(value: float | None) -> float | None:
 
 
 def measure(created: float, ended: float, attempts: list[dict], step_times: dict[int, list[tuple[float, int | None]]],
-            steps: dict[int, dict] | None = None, checkpoint_steps: set[int] | frozenset[int] = frozenset()) -> Goodput:
+            steps: dict[int, dict] | None = None, checkpoint_steps: set[int] | frozenset[int] = frozenset(),
+            saved_at: list[float] | None = None, saved_more: bool = False) -> Goodput:
     """attempts: run.json's attempt entries (started, ended, detected, state); step_times: per attempt, the wall time
     each step record arrived and its step (None: unknown); steps: per attempt, what the timeline says of its steps
-    (kept_to, steps_lost); checkpoint_steps: the steps the job saved a checkpoint at."""
+    (kept_to, steps_lost); checkpoint_steps: the steps the job saved a checkpoint at; saved_at: when each
+    checkpoint in the job's checkpoints directory was saved (None: not listed), counted for the attempt that ran
+    then (one saved before the run, by an earlier run of the job, is not this run's); saved_more: more were there."""
     out = Goodput(max(0.0, ended - created))
+    counts = _saved_per_attempt(created, ended, attempts, saved_at) if saved_at is not None else None
+    if counts is not None:
+        out.checkpoints, out.checkpoints_more = sum(counts), saved_more
     any_steps = any(step_times.get(entry.get("number", i + 1)) for i, entry in enumerate(attempts))
     if not any_steps:
         out.unknown = UNKNOWN
@@ -120,8 +132,26 @@ def measure(created: float, ended: float, attempts: list[dict], step_times: dict
         noticed = entry.get("detected") or entry.get("ended")
         if following is not None and noticed is not None and following.get("started") is not None:
             seen.restart_s = max(0.0, following["started"] - noticed)
+        if counts is not None:
+            seen.checkpoints = counts[i]
         out.attempts.append(seen)
     return out
+
+
+SAVED_SLACK = 2.0  # seconds a save's time may lie outside the run (a listing's time is the host's clock, moved by the reply's latency)
+
+
+def _saved_per_attempt(created: float, ended: float, attempts: list[dict], saved_at: list[float]) -> list[int]:
+    """How many of the saves each attempt made: each save's time falls to the last attempt started before it,
+    from the run's creation to its end."""
+    starts = [created if i == 0 else (entry.get("started") if isinstance(entry.get("started"), (int, float)) else created)
+              for i, entry in enumerate(attempts)]
+    counts = [0] * len(attempts)
+    for t in saved_at:
+        if not counts or t < created - SAVED_SLACK or t > ended + SAVED_SLACK:
+            continue
+        counts[max([0] + [i for i, start in enumerate(starts) if start <= t])] += 1
+    return counts
 
 
 def _checkpoint_time(times: list[tuple[float, int | None]], saved: set[int] | frozenset[int]) -> float | None:

@@ -25,14 +25,15 @@ from mnft.core.output import fmt_loss
 from mnft.hosts import pyrun
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
-from mnft.run import goodput, records, scrape, timeline
-from mnft.run.checkpoints import step_of
+from mnft.run import agent, goodput, records, scrape, timeline
+from mnft.run.checkpoints import saved, step_of
 from mnft.run.control import job_of, rank_offset, write_back
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
 
 STEP_TIMES = "step-times.jsonl"  # runs/<id>/step-times.jsonl: when each of rank 0's step records arrived, per attempt
 METRIC_WIDTH = 2 * scrape.MAX_METRIC_LINE  # characters of a line read for metrics: one cut there is never parsed
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)
+CHECKPOINT_NAMES = "checkpoints.json"  # runs/<id>/<host>/: the entries of the job's checkpoints directory, when
 TIMING_PREFIX = "timings-rank"  # each rank's step timings (mnft/recipes/timing.py), collected from every host
 
 
@@ -54,7 +55,10 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
     def command(host: Host):
         info = hosts[host.name]
         extras = info.get("collect") or ([info["metrics"]] if info.get("metrics") else [])
-        return agent_command(fleet, host.name, "pack", info["run_dir"], *extras)
+        listed = [f"{agent.CHECKPOINTS_OPTION}{info['checkpoints']}"] if info.get("checkpoints") and layout != "none" else []
+        return agent_command(fleet, host.name, "pack", info["run_dir"], *extras, *listed)
+
+    layout = job_of(record.data).resume.layout
 
     results = fleet.run(command, stdin=agent_payload(), hosts=[h for h in fleet.inventory.hosts if h.name in hosts])
     outcome = {}
@@ -64,6 +68,7 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
         if data is None or why:
             outcome[result.host] = f"{result.status.value}: {result.error}" if data is None else f"failed: {why}"
             continue
+        keep_checkpoint_names(record.path / result.host, data.get("checkpoints"), time.time())
         left_out = [str(p) for p in data.get("left_out") or []]
         outcome[result.host] = "ok" + (f" (left out, too large: {', '.join(left_out)})" if left_out else "")
     metrics = run_metrics(record)
@@ -404,7 +409,7 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
         ended = record.data.get("ended") or max((a.get("ended") or 0 for a in record.data["attempts"]), default=0) or time.time()
         summary["time"] = record.data["time"] = goodput.measure(
             record.data["created"], ended, record.data["attempts"], read_step_times(record),
-            {a["number"]: a for a in metrics.attempts}, checkpoint_steps(record)).to_json()
+            {a["number"]: a for a in metrics.attempts}, *checkpoints_saved(record)).to_json()
         record.save()
     if final:  # the job's own summary (mnft's recipes, HF Trainer's train_runtime line) wins where it says more
         summary.update({k: final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "steps", "wall_s") if final.get(k) is not None})
@@ -432,19 +437,61 @@ def read_step_times(record: records.RunRecord) -> dict[int, list[tuple[float, in
     return out
 
 
-def checkpoint_steps(record: records.RunRecord) -> set[int]:
-    """The steps the job saved checkpoints at, from the checkpoint directories collected from its hosts."""
+def keep_checkpoint_names(where: Path, listing: Any, read_at: float) -> None:
+    """Keep what a host's pack named of the job's checkpoints directory (agent.checkpoint_names) in
+    <host>/checkpoints.json, each entry's time on this machine's clock (the host's clock when it listed them is
+    subtracted: a host's clock that is off does not move its saves), at most agent.CHECKPOINT_NAMES of them."""
+    if not isinstance(listing, dict) or not isinstance(listing.get("entries"), dict) or not _finite(listing.get("now")):
+        return
+    entries = {}
+    for name, mtime in listing["entries"].items():
+        if len(entries) >= agent.CHECKPOINT_NAMES:
+            break
+        if isinstance(name, str) and len(name) <= 255 and "/" not in name and _finite(mtime):
+            entries[name] = round(read_at - (listing["now"] - mtime), 3)
+    where.mkdir(parents=True, exist_ok=True)
+    (where / CHECKPOINT_NAMES).write_text(json.dumps({"root": str(listing.get("root"))[:4096], "read_at": round(read_at, 3), "entries": entries,
+                                                      "more": bool(listing.get("more")) or len(entries) < len(listing["entries"])}) + "\n")
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def checkpoints_saved(record: records.RunRecord) -> tuple[set[int], list[float] | None, bool]:
+    """The steps the job saved checkpoints at, when each checkpoint was saved (None: its checkpoints directory
+    was not listed) and whether more were there than listed. The names the job's layout counts as checkpoints
+    (mnft.run.checkpoints.saved) in the checkpoints directories `logs` listed on its hosts, each at its earliest
+    time on any host (a resume that copies a checkpoint to a host lacking it does not save it again), else, for
+    runs collected before the directory was listed, the checkpoint directories collected with the metrics."""
     job = job_of(record.data)
-    names = set()
+    when: dict[str, float] = {}
+    listed, more = False, False
+    collected = set()
     for base, data, _ in _views(record):
         for host in data["hosts"]:
+            listing = base / host / CHECKPOINT_NAMES
+            found = _listing(listing)
+            if found is not None:
+                listed, more = True, more or bool(found.get("more"))
+                for name, t in found["entries"].items():
+                    if isinstance(name, str) and _finite(t):
+                        when[name] = min(when.get(name, t), t)
             extra = base / host / "extra"
             if extra.is_dir():
-                names |= {p.name for p in extra.rglob("*") if p.is_dir()}
-    pattern = {"hf": "checkpoint-", "torchtune": ("epoch_", "step_"), "mnft": "step-"}.get(job.resume.layout)
-    if not pattern:
-        return set()
-    return {step for name in names if name.startswith(pattern) and (step := step_of(name)) is not None and not name.startswith("epoch_")}
+                collected |= {p.name for p in extra.rglob("*") if p.is_dir()}
+    names = saved(job.resume, set(when) if listed else collected)
+    steps = {step for name in names if not name.startswith("epoch_") and (step := step_of(name)) is not None}
+    return steps, [when[n] for n in names] if listed else None, more
+
+
+def _listing(path: Path) -> dict | None:
+    data = limits.read_file(path, limits.STATE_BYTES, "checkpoint names file", "STATE_BYTES", missing=None)
+    try:
+        found = json.loads(data) if data is not None else None
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("entries"), dict) else None
 
 
 def print_summary(summary: dict, record: records.RunRecord, console: Console) -> None:

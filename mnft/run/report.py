@@ -140,9 +140,22 @@ def time_table(time_data: dict) -> Table:
     def cell(value) -> str:
         return f"{value:.1f}s" if isinstance(value, (int, float)) else "-"
 
+    def cells(row: dict) -> list[str]:
+        out = [cell(row.get(key)) for _, key in TIME_COLUMNS]
+        out[[key for _, key in TIME_COLUMNS].index("checkpoint_s")] += saved_count(row, time_data)
+        return out
+
     for a in time_data.get("attempts") or []:
-        table.add_row(f"{a['number']} ({a.get('state') or '?'})", *(cell(a.get(key)) for _, key in TIME_COLUMNS),
-                      str(a["steps_lost"]) if a.get("steps_lost") is not None else "-")
+        table.add_row(f"{a['number']} ({a.get('state') or '?'})", *cells(a), str(a["steps_lost"]) if a.get("steps_lost") is not None else "-")
     if len(time_data.get("attempts") or []) > 1:
-        table.add_row("total", *(cell(time_data.get(key)) for _, key in TIME_COLUMNS), str(time_data.get("steps_lost", "-")))
+        table.add_row("total", *cells(time_data), str(time_data.get("steps_lost", "-")))
     return table
+
+
+def saved_count(row: dict, time_data: dict) -> str:
+    """" (8)": the checkpoints an attempt (or the run) saved, beside their time; " (10000+)" when the directory held
+    more than were listed; nothing when its checkpoints directory was not listed."""
+    count = row.get("checkpoints")
+    if isinstance(count, bool) or not isinstance(count, int):
+        return ""
+    return f" ({count}{'+' if time_data.get('checkpoints_more') else ''})"

@@ -163,7 +163,7 @@
     const rows = data.runs.map((r) => el("tr", { "data-run": r.id, "data-state": r.state, "data-mine": r.mine ? "1" : "0" },
       el("td", { className: "id" }, runLink(r.id)),
       el("td", null, badge(r.state)),
-      el("td", { className: "job", title: r.job || "" }, r.job || "-"),
+      el("td", { className: "job", title: r.command || r.job || "" }, r.command_short || r.job || "-"),
       el("td", null, r.user || "-"),
       el("td", { className: "hosts-cell", title: (r.hosts || []).join(", ") }, (r.hosts || []).length > 3 ? r.hosts.slice(0, 3).join(", ") + " +" + (r.hosts.length - 3) : (r.hosts || []).join(", ")),
       el("td", { className: "num step" }, isNum(r.step) ? (r.step_about ? "~" : "") + r.step : "-"),
@@ -208,6 +208,7 @@
     const hosts = r.hosts || [];
     fill(head, 
       el("h2", null, "run ", el("span", { className: "mono" }, r.id), " ", badge(r.state)),
+      r.command ? el("p", { className: "command mono" }, r.command) : null,
       el("p", { className: "meta" }, el("span", { className: "job" }, r.job || "-"), " · ", r.user || "?", " · ", hosts.length + " host(s): " + hosts.join(", "),
         " · started " + fmtWhen(r.created), isNum(r.ended) ? " · ended " + fmtWhen(r.ended) + " (" + fmtSeconds(r.ended - r.created) + ")" : "",
         r.attempt > 1 ? " · attempt " + r.attempt : "", r.live && r.live.state ? " · supervisor: " + r.live.state : "",
@@ -359,6 +360,7 @@
     const keys = ["launch_s", "kept_s", "checkpoint_s", "lost_s", "detection_s", "finish_s", "restart_s"];
     const names = Object.fromEntries(columns.map(([name, key]) => [key, name]));
     names.kept_s = "training (kept)";
+    names.other = spent.unknown ? "not known" : "other";
     const total = (key) => spent.attempts.reduce((sum, a) => sum + (isNum(a[key]) ? a[key] : 0), 0);
     const parts = keys.map((k) => [k, total(k)]).filter(([, v]) => v > 0);
     const counted = parts.reduce((s, [, v]) => s + v, 0);
@@ -373,7 +375,9 @@
         (names[k] || k) + " " + fmtSeconds(v)))),
       el("table", { className: "time-table" }, el("thead", null, el("tr", null, head.map((h) => el("th", null, h)))),
         el("tbody", null, spent.attempts.map((a) => el("tr", null, el("td", null, a.number + " (" + (a.state || "?") + ")"),
-          columns.map(([, key]) => el("td", { className: "num" }, fmtSeconds(a[key]))), el("td", { className: "num" }, isNum(a.steps_lost) ? String(a.steps_lost) : "-"))))));
+          columns.map(([, key]) => el("td", { className: "num", "data-key": key }, fmtSeconds(a[key]) + (key === "checkpoint_s" && a.saved ? " " + a.saved : ""))),
+          el("td", { className: "num" }, isNum(a.steps_lost) ? String(a.steps_lost) : "-"))))),
+      spent.unknown ? el("p", { className: "muted time-unknown" }, spent.unknown) : null);
   }
 
   function renderHosts(r) {
