@@ -22,7 +22,7 @@ LAYERS = (
     ("sync",),
     ("env", "image"),
     ("check",),
-    ("run", "setup"),
+    ("run", "setup", "uninstall"),
     ("perf", "slurm", "board"),
     ("cli",),
 )
@@ -40,6 +40,7 @@ HOST_SCRIPTS = (
     "sync.treehash",
     "hosts.leasehost",
     "env.envhost",
+    "uninstall.uninstallhost",
     "image.imagehost",
     "setup.steps.remote",
     "perf.linkagent",

@@ -578,6 +578,27 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     return report.exit_code()
 
 
+@task(help={"hosts": HOSTS_HELP, "dry_run": "list per host what would be removed and its size; change nothing",
+            "include_outputs": "also remove what runs wrote: <workdir>/outputs (the jobs' directories, checkpoints) and <workdir>/runs",
+            "json": "machine-readable output", "connect_timeout": "seconds to wait for each host's SSH connection"})
+@_mnft_errors
+def uninstall(c, hosts=None, dry_run=False, include_outputs=False, json=False, connect_timeout=10.0):
+    """Take mnft off the hosts and this machine: the environment provision built, code snapshots, the files sync
+    placed (those still as placed), caches, share marks; here the wheelhouse and code snapshot store. What runs wrote
+    stays unless --include-outputs; setup's changes are `setup --undo`'s (docs/uninstall.md).
+
+    Exit codes: 0 done, 1 a host failed (or is busy with a run or another mnft operation: nothing changed),
+    2 bad input, 4 a host unreachable or its key rejected.
+    """
+    from mnft.uninstall.report import print_report
+    from mnft.uninstall.uninstall import UninstallOptions
+    from mnft.uninstall.uninstall import uninstall as run
+
+    report = run(_inventory(hosts), UninstallOptions(dry_run=dry_run, include_outputs=include_outputs), _timeouts(connect_timeout, 60.0))
+    print_report(report, json)
+    return report.exit_code()
+
+
 @task(help={"hosts": HOSTS_HELP, "json": "machine-readable output",
             "connect_timeout": "seconds to wait for each host's SSH connection"})
 @_mnft_errors
@@ -657,4 +678,4 @@ def undrain(c, target=None, hosts=None, connect_timeout=10.0):
     return _drain(target, None, hosts, connect_timeout, True)
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board, drain, undrain)
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, uninstall, lab, board, drain, undrain)
