@@ -575,6 +575,35 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     return report.exit_code()
 
 
+@task(
+    optional=["wait"],
+    help={
+        "hosts": "inventory file; default: the embedded inventory/local.yaml (this machine)",
+        "host": "the host to open the session on (default: the first host of the inventory where the GPUs are free)",
+        "gpus": "G free GPUs (the fastest-linked), seen in the session as CUDA_VISIBLE_DEVICES (default 1; 0: none)",
+        "wait": "when the GPUs are taken, wait in line for them; --wait SECONDS gives up after that long",
+        "time": "end the session after this long (90m, 2h …), told in the session 5 minutes before",
+        "idle_stop": "end the session once its GPUs have all been idle this long (30m …; lower than the hosts' idle_stop)",
+        "forward": "carry this port of the host to one here (printed: open it in a browser), e.g. for jupyter",
+    },
+)
+@_mnft_errors
+def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None):
+    """An interactive session on leased GPUs: a terminal on one host (a login shell, or the command after `--`, e.g.
+    `-- jupyter lab --no-browser`) in the workdir, with CUDA_VISIBLE_DEVICES set to the GPUs it holds. The GPUs are
+    its for exactly as long as the session lasts: exit, a closed terminal, a lost controller, --time, --idle-stop or
+    `mnft stop SESSION` end every process of it and free them."""
+    from mnft.core import durations
+    from mnft.run.session import ShellOptions
+    from mnft.run.session import shell as open_shell
+
+    options = ShellOptions(gpus=_whole("--gpus", gpus), host=host, wait=_wait(wait),
+                           time=durations.parse(time, "--time") if time is not None else None,
+                           idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None,
+                           forward=_whole("--forward", forward), argv=tuple(remainder()))
+    return open_shell(_inventory(hosts), options, _console())
+
+
 @task(help={"hosts": "inventory file; default: the embedded inventory/local.yaml", "json": "machine-readable output",
             "connect_timeout": "seconds to wait for each host's SSH connection"})
 @_mnft_errors
@@ -612,4 +641,4 @@ def board(c, hosts=None, port=8765, listen="127.0.0.1", connect_timeout=10.0):
                  lambda message, style: console.print(message, style=style or None, highlight=False, soft_wrap=True))
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board)
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board, shell)
