@@ -9,6 +9,8 @@ STATE_DIR (/run/mnft-fake-gpu, the host's private /run; MNFT_FAKE_GPU_DIR overri
     config.json         written by the test bed: {"count": 4, "name": "NVIDIA H100 80GB HBM3", "memory_mib": 81559,
                         "driver": "550.54.15", "cuda": "12.4", "links": [[0, 1, "NV18"], [2, 3, "NV18"]]}
                         (pairs not listed are "SYS"); `default_config(count)` makes it
+    util/<index>        (optional) the utilization.gpu device <index> reports, whoever uses it (`set_utilization`):
+                        a test's idle or busy GPU
     used/<index>/<pid>  a process uses device <index> while this file exists, holds "<starttime> <used_mib>"
                         (starttime: field 22 of /proc/<pid>/stat, so a reused pid is not counted) and that pid is
                         alive and not a zombie. The directories are mode 1777: every user can register; a stale
@@ -145,6 +147,21 @@ def register(state: str, index: int, pid: int | None = None, mib: int = DEFAULT_
     return path
 
 
+def set_utilization(state: str, index: int, percent: int | None) -> None:
+    """What utilization.gpu says of device `index` from now on, whoever uses it (None: as its use says again)."""
+    path = os.path.join(state, "util", str(index))
+    if percent is None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
+        f.write("%d\n" % percent)
+    os.replace(path + ".partial", path)
+
+
 def uses(state: str, count: int) -> dict[int, list[tuple[int, int]]]:
     """{index: [(pid, used MiB), …]} of every device, by pid: only live registrations count. Stale files are
     removed where the caller may (its own, or any for root); the rest are ignored."""
@@ -212,6 +229,14 @@ class Host:
     def busy(self, index: int) -> bool:
         return bool(self.used.get(index))
 
+    def utilization(self, index: int) -> int:
+        """util/<index> when a test set it (set_utilization), else BUSY_UTILIZATION while a process uses it, else 0."""
+        try:
+            with open(os.path.join(state_dir(), "util", str(index)), encoding="utf-8") as f:
+                return max(0, min(100, int(f.read().strip())))
+        except (OSError, ValueError):
+            return BUSY_UTILIZATION if self.busy(index) else 0
+
 
 # field -> (unit shown in a header and after a value, or "", and the value)
 GPU_FIELDS = {
@@ -236,7 +261,7 @@ GPU_FIELDS = {
     "memory.total": ("MiB", lambda h, i: str(h.config["memory_mib"])),
     "memory.used": ("MiB", lambda h, i: str(h.used_mib(i))),
     "memory.free": ("MiB", lambda h, i: str(max(0, int(h.config["memory_mib"]) - h.used_mib(i)))),
-    "utilization.gpu": ("%", lambda h, i: str(BUSY_UTILIZATION if h.busy(i) else 0)),
+    "utilization.gpu": ("%", lambda h, i: str(h.utilization(i))),
     "utilization.memory": ("%", lambda h, i: str(41 if h.busy(i) else 0)),
     "power.draw": ("W", lambda h, i: "512.37" if h.busy(i) else "69.52"),
     "power.limit": ("W", lambda h, i: "700.00"),

@@ -1232,7 +1232,7 @@ class IdleWatch:
         self.every = max(1.0, min(IDLE_SAMPLE, self.stop_after / 6.0)) if self.stop_after else IDLE_SAMPLE
         self.leases = [p for p in spec.get("leases") or [] if "mnft-dev-gpu" in os.path.basename(p)]
         self.sample, self.clock = sample, clock
-        self.before, self.next = None, 0.0
+        self.before, self.sampled, self.next = None, None, 0.0
         self.since, self.total = None, 0.0
 
     def idle_for(self):
@@ -1249,10 +1249,10 @@ class IdleWatch:
         self.next = now + self.every
         gpus = self.sample()
         idle = idle_sample(self.devices, self.before, gpus)
-        previous = self.before
-        self.before = gpus or None
+        then = self.sampled
+        self.before, self.sampled = gpus or None, now
         if idle and self.since is None:
-            self.since = now - self.every if previous is not None else now
+            self.since = then  # idle from the sample it is compared with
             self.mark()
         elif not idle and self.since is not None:
             self.total += now - self.since

@@ -1,0 +1,56 @@
+"""Issue 38's pure parts: what counts as idle, durations, a session's spec and outcome, the usage sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from mnft.core import durations
+from mnft.core.errors import InputError
+from mnft.hosts.settings import Host
+from mnft.run import agent
+from mnft.run.session import ShellOptions, outcome, spec_for
+
+
+def gpus(*rows):
+    return [{"index": i, "util": u, "mem_mib": m} for i, u, m in rows]
+
+
+def test_a_gpu_is_idle_when_its_utilisation_is_at_most_a_few_percent_and_its_memory_does_not_move():
+    before = gpus((0, 0, 1000), (1, 0, 500))
+    assert agent.idle_sample([0], before, gpus((0, 5, 1000), (1, 99, 900)))  # GPU 1 is not the run's
+    assert not agent.idle_sample([0], before, gpus((0, 6, 1000)))  # above the threshold
+    assert not agent.idle_sample([0], before, gpus((0, 0, 1300)))  # loading data: its memory moves
+    assert not agent.idle_sample([0, 1], before, gpus((0, 0, 1000)))  # a GPU not answered for is never idle
+    assert not agent.idle_sample([0], None, gpus((0, 0, 1000)))  # nothing to compare with yet
+
+
+def test_the_keeper_ends_a_run_only_once_all_its_gpus_have_been_idle_for_idle_stop():
+    now = [1000.0]
+    answers = iter([gpus((0, 0, 10)), gpus((0, 0, 10)), gpus((0, 50, 10)), gpus((0, 0, 10)), gpus((0, 0, 10)), gpus((0, 0, 10))])
+    watch = agent.IdleWatch({"devices": [0], "idle_stop": 12}, sample=lambda: next(answers), clock=lambda: now[0])
+    assert watch.every == 2.0
+    reasons = []
+    for _ in range(6):
+        reasons.append(watch.check())
+        now[0] += 5
+    assert reasons[:5] == [None] * 5 and "--idle-stop 12s" in reasons[5]
+    assert watch.idle_seconds() == pytest.approx(10 + 20)  # idle from the first sample to the busy one, then from that one on
+
+
+def test_durations_read_as_a_person_writes_them_and_anything_else_is_one_line():
+    assert [durations.parse(t, "--time") for t in ("90", "90s", "15m", "2h", "7d", "1h30m")] == [90, 90, 900, 7200, 604800, 5400]
+    for bad in ("", "0", "-5m", "2x", "m", "1.5.5h"):
+        with pytest.raises(InputError, match="--time"):
+            durations.parse(bad, "--time")
+    assert [durations.shown(s) for s in (40, 300, 7800, 200000)] == ["40s", "5m", "2h10m", "2d07h"]
+
+
+def test_a_session_runs_the_login_shell_in_the_workdir_on_its_gpus_and_its_end_is_named_by_its_reason():
+    host = Host(name="h1", rank=0, address="10.0.0.1", workdir="/home/a/mnft")
+    spec = spec_for("S1", host, (), [3], ["/run/lock/mnft-dev-gpu3.json"], ShellOptions(time=60, idle_stop=30))
+    assert spec["cwd"] == "/home/a/mnft" and spec["run_dir"] == "/home/a/mnft/runs/S1/h1" and spec["tag"] == "S1@h1"
+    assert spec["env"]["CUDA_VISIBLE_DEVICES"] == "3" and spec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert spec["argv"][-1].endswith("-l") and (spec["time"], spec["idle_stop"], spec["devices"]) == (60, 30, [3])
+    assert spec_for("S1", host, ("jupyter", "lab"), [], [], ShellOptions())["argv"] == ["jupyter", "lab"]
+    assert [outcome(0, r) for r in (None, "stopped", "its time limit (--time 3s) was reached", "its GPUs were idle for 8s (--idle-stop 8s: …)",
+                                   "no heartbeat from the controller for 25s")] == ["ended", "stopped", "timed-out", "idle-stopped", "lost"]
