@@ -216,3 +216,32 @@ def test_idle_stop_ends_a_session_whose_gpu_computes_nothing_with_the_reason_and
     finally:
         for index in (0, 1):
             fakegpu.set_utilization(state, index, None)
+
+
+def test_usage_counts_exactly_the_gpu_time_a_session_held_for_its_user_and_another_user_cannot_erase_it(lab, tmp_path):
+    bob, alice = Person(lab, tmp_path, "bob"), Person(lab, tmp_path, "alice")
+
+    def usage() -> dict:
+        done = alice.mnft("lab", "--hosts", alice.inventory, "--usage", "--since", "1h", "--json")
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return json.loads(done.stdout)
+
+    assert "bob" not in [u["user"] for u in usage()["users"]]  # bob has held no GPU yet
+    began = time.time()
+    proc = bob.start("shell", "--hosts", bob.inventory, "--gpus", "2", "--time", "2s", "--", "sleep", "300")
+    session, _ = session_id(proc)
+    proc.communicate(timeout=90)
+    wall = time.time() - began
+    record = bob.record(session)
+    held = record["ended"] - record["started"]
+    mine = [u for u in usage()["users"] if u["user"] == "bob"]
+    assert len(mine) == 1 and mine[0]["leases"] == 1
+    assert 2 * held <= mine[0]["gpu_seconds"] <= 2 * wall  # 2 GPUs, from before the session started to after it ended
+
+    # alice cannot erase bob's lines: his log is his (0644 in the sticky lease directory)
+    erase = "import glob, os; p = [f for f in glob.glob('/run/lock/mnft-usage-*.jsonl') + glob.glob('/tmp/mnft-usage-*.jsonl') if os.stat(f).st_uid != os.getuid()][0]\n" \
+            "for how in (lambda: open(p, 'w'), lambda: os.unlink(p), lambda: os.rename(p, p + '.x')):\n" \
+            "    try:\n        how(); print('erased')\n    except OSError as exc:\n        print(exc.errno)\n"
+    done = subprocess.run(lab.ssh_argv(lab.hosts[0], ["python3", "-c", erase], user="alice"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "erased" not in done.stdout and done.stdout.split() == ["13", "1", "1"], done.stdout + done.stderr
+    assert [u["gpu_seconds"] for u in usage()["users"] if u["user"] == "bob"] == [mine[0]["gpu_seconds"]]

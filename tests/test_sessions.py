@@ -54,3 +54,31 @@ def test_a_session_runs_the_login_shell_in_the_workdir_on_its_gpus_and_its_end_i
     assert spec_for("S1", host, ("jupyter", "lab"), [], [], ShellOptions())["argv"] == ["jupyter", "lab"]
     assert [outcome(0, r) for r in (None, "stopped", "its time limit (--time 3s) was reached", "its GPUs were idle for 8s (--idle-stop 8s: …)",
                                    "no heartbeat from the controller for 25s")] == ["ended", "stopped", "timed-out", "idle-stopped", "lost"]
+
+
+def test_usage_sums_gpu_seconds_per_user_and_host_within_the_window_with_the_idle_share_and_the_longest_waits():
+    from mnft.hosts.usage import summarise
+
+    lines = {"h1": [{"login": "alice", "devices": [0, 1], "start": 100.0, "end": 200.0, "idle_s": 50.0, "run_id": "R1", "command": "train"},
+                    {"login": "bob", "devices": [2], "start": 150.0, "end": 160.0, "idle_s": 0, "queued": 90.0, "run_id": "S1", "command": "shell"},
+                    {"login": "bob", "devices": [], "start": 0.0, "end": 300.0, "command": "sync"}],  # no GPU: no GPU-seconds
+             "h2": [{"login": "alice", "devices": [0], "start": 50.0, "end": 120.0, "idle_s": 0, "queued": 49.0}]}
+    summary = summarise(lines, since=100.0)  # h2's lease began before the window: only its last 20 s count
+    assert [(u["user"], u["gpu_seconds"], u["idle_share"]) for u in summary["users"]] == [("alice", 220.0, round(100 / 220, 3)), ("bob", 10.0, 0.0)]
+    assert [(h["host"], h["gpu_seconds"]) for h in summary["hosts"]] == [("h1", 210.0), ("h2", 20.0)]
+    assert [(w["run"], w["waited_s"]) for w in summary["longest_waits"]] == [("S1", 60.0), (None, 1.0)]
+
+
+def test_the_keeper_and_the_hosts_hold_process_write_the_same_usage_line(monkeypatch, tmp_path):
+    from mnft.hosts import leasehost
+
+    monkeypatch.setenv("MNFT_LEASE_DIR", str(tmp_path))
+    ended = [{"run_id": "R", "command": "train", "user": "a", "controller": "c", "taken": 1.0, "queued": None, "device": {"index": 0},
+              "idle_s": 3, "idle_since": None}, {"run_id": "R", "command": "train", "taken": 1.0, "workdir": "/w"}]
+    host_side, keeper_side = leasehost.usage_line(ended), agent.usage_line(ended)
+    assert set(host_side) == set(keeper_side) and host_side["devices"] == keeper_side["devices"] == [0] and host_side["idle_s"] == 3
+    leasehost.log_usage(host_side)
+    agent.log_usage(keeper_side, str(tmp_path))
+    read = leasehost.usage(0)
+    assert [(line["run_id"], line["devices"], line["login"]) for line in read["lines"]] == [("R", [0], host_side["login"])] * 2
+    assert oct((tmp_path / f"mnft-usage-{__import__('os').getuid()}.jsonl").stat().st_mode & 0o777) == "0o644"

@@ -605,9 +605,11 @@ def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None
 
 
 @task(help={"hosts": "inventory file; default: the embedded inventory/local.yaml", "json": "machine-readable output",
-            "connect_timeout": "seconds to wait for each host's SSH connection"})
+            "connect_timeout": "seconds to wait for each host's SSH connection",
+            "usage": "GPU-hours per user and per host, the idle share and the longest waits in line, from the hosts' usage logs",
+            "since": "with --usage: how far back (7d, 24h …; default 7d)"})
 @_mnft_errors
-def lab(c, hosts=None, json=False, connect_timeout=10.0):
+def lab(c, hosts=None, json=False, connect_timeout=10.0, usage=False, since=None):
     """The lab in one table: every host's devices, free / held by whom (user, run, command, since) / in use outside
     mnft, memory and utilisation, and the runs waiting in line; one round-trip per host. Exit 4 when a host did not answer."""
     import time as clock
@@ -617,6 +619,18 @@ def lab(c, hosts=None, json=False, connect_timeout=10.0):
     from mnft.hosts.report import print_lab
 
     inv = _inventory(hosts)
+    if usage or since is not None:
+        from mnft.core import durations
+        from mnft.hosts import usage as usage_logs
+        from mnft.hosts.report import print_usage
+
+        window = durations.parse(since if since is not None else "7d", "--since")
+        start = clock.time() - window
+        with Fleet(inv, _timeouts(connect_timeout, 30.0)) as fleet:
+            read = usage_logs.ask(fleet, inv.hosts, start)
+        errors = {h: str(v.get("error") or v.get("refused")) for h, v in read.items() if "lines" not in v}
+        summary = usage_logs.summarise({h: v["lines"] for h, v in read.items() if "lines" in v}, start)
+        return print_usage(inv, summary, errors, json, window / 86400)
     started = clock.monotonic()
     with Fleet(inv, _timeouts(connect_timeout, 30.0)) as fleet:
         views = look(fleet, inv.hosts)

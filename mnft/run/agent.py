@@ -475,6 +475,7 @@ def keep(run_dir):
             os.unlink(secrets_file)
     for fd in held:  # the run has ended here: its leases go (before the end is written: whoever reads it finds them free)
         os.close(fd)
+    keeper_usage(spec)
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code
@@ -1194,6 +1195,7 @@ def session(run_dir):
             code = 128 + 9
     for fd in held:  # the session has ended: its leases go (before the end is written)
         os.close(fd)
+    keeper_usage(spec)
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code
@@ -1283,6 +1285,99 @@ class IdleWatch:
                 pass
             finally:
                 os.close(fd)
+
+
+# The usage line of a lease whose last holder is the keeper (a detached run, a session whose controller is gone):
+# the same line, in the same file, as mnft.hosts.leasehost.usage_line and log_usage write (a copy: each host script
+# is one file; tests hold the two to one line).
+
+USAGE_FIELDS = ("run_id", "command", "session", "user", "controller", "image")
+USAGE_BYTES = 1 << 20
+
+
+def last_out(run_id, paths):
+    """The leases of the run nobody else holds any more (the keeper let go last): each marked released, as
+    leasehost.release marks it; returns what each named."""
+    import fcntl
+
+    ended = []
+    for path in paths or []:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            old = os.pread(fd, 65536, 0)
+            holder = json.loads(old.decode("utf-8"))
+            named = holder.get("run_id") if isinstance(holder, dict) else None
+            if isinstance(named, str) and named and (run_id == named or run_id.startswith(named + "-a")) and not holder.get("released"):
+                holder["released"] = time.time()
+                data = json.dumps(holder, sort_keys=True).encode()
+                os.pwrite(fd, data + b" " * max(0, len(old) - len(data)), 0)
+                ended.append(holder)
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(fd)
+    return ended
+
+
+def usage_line(ended):
+    devices = [e for e in ended if isinstance(e.get("device"), dict)]
+    if not ended:
+        return None
+    import pwd
+
+    first, now = ended[0], time.time()
+    line = dict((k, first.get(k)) for k in USAGE_FIELDS)
+    idle = []
+    for e in devices:
+        since = e.get("idle_since")
+        idle.append(float(e.get("idle_s") or 0) + (now - since if isinstance(since, (int, float)) else 0.0))
+    try:
+        login = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        login = "uid %d" % os.getuid()
+    line.update(host=os.uname()[1], login=login, uid=os.getuid(), devices=[e["device"].get("index") for e in devices],
+                start=first.get("taken"), end=now, idle_s=round(min(idle) if idle else 0.0, 1), queued=first.get("queued"))
+    return line
+
+
+def log_usage(line, directory):
+    import stat
+
+    if not line or not directory:
+        return
+    path = os.path.join(directory, "mnft-usage-%d.jsonl" % os.getuid())
+    try:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_size > USAGE_BYTES:
+                os.replace(path, path[:-6] + ".old.jsonl")
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            os.fchmod(fd, 0o644)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1:
+                os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def keeper_usage(spec):
+    """The keeper let go of the run's leases: if nobody else holds them, their usage line is its to write."""
+    paths = spec.get("leases") or []
+    ended = last_out(spec.get("run_id") or "", paths)
+    if ended and paths:
+        log_usage(usage_line(ended), os.path.dirname(paths[0]))
 
 
 def _duration(seconds):
