@@ -82,3 +82,19 @@ def test_the_keeper_and_the_hosts_hold_process_write_the_same_usage_line(monkeyp
     read = leasehost.usage(0)
     assert [(line["run_id"], line["devices"], line["login"]) for line in read["lines"]] == [("R", [0], host_side["login"])] * 2
     assert oct((tmp_path / f"mnft-usage-{__import__('os').getuid()}.jsonl").stat().st_mode & 0o777) == "0o644"
+
+
+def test_wait_looks_until_the_run_has_ended_and_exits_with_its_outcome(tmp_path, monkeypatch):
+    from mnft.run import notify, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R1", state="running", hosts={})
+    looks = []
+
+    def look(r):  # the hosts say it ended on the third look (status writes a detached run's end into its record)
+        looks.append(1)
+        if len(looks) == 3:
+            r.update(state="failed", reason="h1: exited (exit code 1)")
+
+    assert notify.wait(record, look, sleep=lambda s: None) == "failed" and len(looks) == 3
+    assert [notify.exit_code(s) for s in ("succeeded", "ended", "stopped", "failed", "timed-out", "idle-stopped")] == [0, 0, 130, 1, 1, 1]

@@ -575,6 +575,26 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
     return report.exit_code()
 
 
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "hosts": "inventory (default: the run's)"})
+@_mnft_errors
+def wait(c, run=None, hosts=None):
+    """Block until a run (detached, another terminal's, or a session) has ended; exit 0 if it succeeded (a session:
+    ended by itself), 130 if it was stopped or interrupted, 1 otherwise."""
+    from mnft.hosts.fleet import Fleet
+    from mnft.run import records
+    from mnft.run.control import status as run_status
+    from mnft.run.notify import exit_code
+    from mnft.run.notify import wait as wait_for
+    from mnft.run.rerun import from_snapshot, launched
+
+    record = records.load(run)
+    inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
+    with Fleet(inv) as fleet:
+        state = wait_for(record, lambda r: run_status(r, fleet) if launched(r.data) and r.data.get("kind") != "session" else None)
+    _console().print(f"run {record.run_id}: {state}" + (f": {record.data.get('reason')}" if record.data.get("reason") else ""), highlight=False, soft_wrap=True)
+    return exit_code(state)
+
+
 @task(
     optional=["wait"],
     help={
@@ -655,4 +675,4 @@ def board(c, hosts=None, port=8765, listen="127.0.0.1", connect_timeout=10.0):
                  lambda message, style: console.print(message, style=style or None, highlight=False, soft_wrap=True))
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board, shell)
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, lab, board, shell, wait)
