@@ -21,6 +21,8 @@ STATE_DIR (/run/mnft-fake-gpu, the host's private /run; MNFT_FAKE_GPU_DIR overri
                           "stall": 15                  every query answers only after that many seconds
                           "latency_ms": 40             every query takes that long (a real 8-GPU host's driver)
                           "mig": [3]                   MIG mode on
+    util/<index>        (optional) the utilization.gpu device <index> reports, whoever uses it (`set_utilization`):
+                        a test's idle or busy GPU
     used/<index>/<pid>  a process uses device <index> while this file exists, holds "<starttime> <used_mib>"
                         (starttime: field 22 of /proc/<pid>/stat, so a reused pid is not counted) and that pid is
                         alive and not a zombie. The directories are mode 1777: every user can register; a stale
@@ -168,6 +170,21 @@ def register(state: str, index: int, pid: int | None = None, mib: int = DEFAULT_
     return path
 
 
+def set_utilization(state: str, index: int, percent: int | None) -> None:
+    """What utilization.gpu says of device `index` from now on, whoever uses it (None: as its use says again)."""
+    path = os.path.join(state, "util", str(index))
+    if percent is None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        return
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".partial", "w", encoding="utf-8") as f:
+        f.write("%d\n" % percent)
+    os.replace(path + ".partial", path)
+
+
 def uses(state: str, count: int) -> dict[int, list[tuple[int, int]]]:
     """{index: [(pid, used MiB), …]} of every device, by pid: only live registrations count. Stale files are
     removed where the caller may (its own, or any for root); the rest are ignored."""
@@ -247,6 +264,14 @@ class Host:
     def lost(self) -> list[int]:
         return sorted(i for i in self.indices("lost") if 0 <= i < self.count)
 
+    def utilization(self, index: int) -> int:
+        """util/<index> when a test set it (set_utilization), else BUSY_UTILIZATION while a process uses it, else 0."""
+        try:
+            with open(os.path.join(state_dir(), "util", str(index)), encoding="utf-8") as f:
+                return max(0, min(100, int(f.read().strip())))
+        except (OSError, ValueError):
+            return BUSY_UTILIZATION if self.busy(index) else 0
+
 
 # nvmlClocksThrottleReasons bits
 THROTTLE_BITS = {"gpu_idle": 0x1, "applications_clocks_setting": 0x2, "sw_power_cap": 0x4, "hw_slowdown": 0x8, "sync_boost": 0x10,
@@ -277,8 +302,6 @@ def write_xid(index: int, code: int, path: str | None = None) -> str:
     with open(path, "a", encoding="utf-8") as f:
         f.write(line)
     return line
-
-
 # field -> (unit shown in a header and after a value, or "", and the value)
 GPU_FIELDS = {
     "timestamp": ("", lambda h, i: time.strftime("%Y/%m/%d %H:%M:%S.000")),
@@ -313,7 +336,7 @@ GPU_FIELDS = {
     "memory.total": ("MiB", lambda h, i: str(h.config["memory_mib"])),
     "memory.used": ("MiB", lambda h, i: str(h.used_mib(i))),
     "memory.free": ("MiB", lambda h, i: str(max(0, int(h.config["memory_mib"]) - h.used_mib(i)))),
-    "utilization.gpu": ("%", lambda h, i: str(BUSY_UTILIZATION if h.busy(i) else 0)),
+    "utilization.gpu": ("%", lambda h, i: str(h.utilization(i))),
     "utilization.memory": ("%", lambda h, i: str(41 if h.busy(i) else 0)),
     "power.draw": ("W", lambda h, i: "512.37" if h.busy(i) else "69.52"),
     "power.limit": ("W", lambda h, i: "700.00"),

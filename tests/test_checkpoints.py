@@ -342,7 +342,7 @@ def test_declared_shared_fs_on_private_checkpoint_directories_resumes_as_found_w
         found = checkpoints.prepare(fleet, HF, {n: str(d) for n, d in dirs.items()}, Console(file=out, width=400))
     assert found.name == "checkpoint-10" and found.shared == [] and found.copied == {"h1": 2, "h2": 2, "h3": 2}
     assert found.warnings == [(f"h2, h3 declared shared_fs, but the checkpoints directory {dirs['h2']} there is not the one h1 sees: "
-                               "resumed as found, directories of their own (a mount missing there? `invoke check` verifies shared_fs)")]
+                               "resumed as found, directories of their own (a mount missing there? `mnft check` verifies shared_fs)")]
     assert f"warning: {found.warnings[0]}" in out.getvalue()
     for root in dirs.values():
         assert sorted(p.name for p in (root / "checkpoint-10").iterdir()) == ["rng_state_1.pth", "rng_state_2.pth", "trainer_state.json"]

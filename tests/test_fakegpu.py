@@ -293,3 +293,16 @@ def pwd_uid(host, name: str) -> int:
         if line.split(":")[0] == name:
             return int(line.split(":")[2])
     raise KeyError(name)
+
+
+def test_a_test_sets_what_utilisation_a_device_reports_whoever_uses_it_and_the_keepers_sample_reads_it(gpus, on_gpu1):
+    from mnft.run import agent
+
+    fakegpu.set_utilization(str(gpus), 1, 0)  # in use, and idle: a shell holding memory, computing nothing
+    fakegpu.set_utilization(str(gpus), 2, 80)  # busy without a registered process
+    query = "--query-gpu=index,utilization.gpu,memory.used"
+    assert agent.parse_gpu_util(smi(query, CSV).stdout) == [
+        {"index": 0, "util": 0.0, "mem_mib": 0.0}, {"index": 1, "util": 0.0, "mem_mib": 1024.0},
+        {"index": 2, "util": 80.0, "mem_mib": 0.0}, {"index": 3, "util": 0.0, "mem_mib": 0.0}]
+    fakegpu.set_utilization(str(gpus), 1, None)
+    assert smi("--query-gpu=utilization.gpu", CSV, "-i", "1").stdout == "97\n"  # as its use says again

@@ -599,10 +599,61 @@ def uninstall(c, hosts=None, dry_run=False, include_outputs=False, json=False, c
     return report.exit_code()
 
 
-@task(help={"hosts": HOSTS_HELP, "json": "machine-readable output",
-            "connect_timeout": "seconds to wait for each host's SSH connection"})
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "hosts": "inventory (default: the run's)"})
 @_mnft_errors
-def lab(c, hosts=None, json=False, connect_timeout=10.0):
+def wait(c, run=None, hosts=None):
+    """Block until a run (detached, another terminal's, or a session) has ended; exit 0 if it succeeded (a session:
+    ended by itself), 130 if it was stopped or interrupted, 1 otherwise."""
+    from mnft.hosts.fleet import Fleet
+    from mnft.run import records
+    from mnft.run.control import status as run_status
+    from mnft.run.notify import exit_code
+    from mnft.run.notify import wait as wait_for
+    from mnft.run.rerun import from_snapshot, launched
+
+    record = records.load(run)
+    inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
+    with Fleet(inv) as fleet:
+        state = wait_for(record, lambda r: run_status(r, fleet) if launched(r.data) and r.data.get("kind") != "session" else None)
+    _console().print(f"run {record.run_id}: {state}" + (f": {record.data.get('reason')}" if record.data.get("reason") else ""), highlight=False, soft_wrap=True)
+    return exit_code(state)
+
+
+@task(
+    optional=["wait"],
+    help={
+        "hosts": HOSTS_HELP,
+        "host": "the host to open the session on (default: the first host of the inventory where the GPUs are free)",
+        "gpus": "G free GPUs (the fastest-linked), seen in the session as CUDA_VISIBLE_DEVICES (default 1; 0: none)",
+        "wait": "when the GPUs are taken, wait in line for them; --wait SECONDS gives up after that long",
+        "time": "end the session after this long (90m, 2h …), told in the session 5 minutes before",
+        "idle_stop": "end the session once its GPUs have all been idle this long (30m …; lower than the hosts' idle_stop)",
+        "forward": "carry this port of the host to one here (printed: open it in a browser), e.g. for jupyter",
+    },
+)
+@_mnft_errors
+def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None):
+    """An interactive session on leased GPUs: a terminal on one host (a login shell, or the command after `--`, e.g.
+    `-- jupyter lab --no-browser`) in the workdir, with CUDA_VISIBLE_DEVICES set to the GPUs it holds. The GPUs are
+    its for exactly as long as the session lasts: exit, a closed terminal, a lost controller, --time, --idle-stop or
+    `mnft stop SESSION` end every process of it and free them."""
+    from mnft.core import durations
+    from mnft.run.session import ShellOptions
+    from mnft.run.session import shell as open_shell
+
+    options = ShellOptions(gpus=_whole("--gpus", gpus), host=host, wait=_wait(wait),
+                           time=durations.parse(time, "--time") if time is not None else None,
+                           idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None,
+                           forward=_whole("--forward", forward), argv=tuple(remainder()))
+    return open_shell(_inventory(hosts), options, _console())
+
+
+@task(help={"hosts": HOSTS_HELP, "json": "machine-readable output",
+            "connect_timeout": "seconds to wait for each host's SSH connection",
+            "usage": "GPU-hours per user and per host, the idle share and the longest waits in line, from the hosts' usage logs",
+            "since": "with --usage: how far back (7d, 24h …; default 7d)"})
+@_mnft_errors
+def lab(c, hosts=None, json=False, connect_timeout=10.0, usage=False, since=None):
     """The lab in one table: every host's devices, free / held by whom (user, run, command, since) / in use outside
     mnft, memory and utilisation, and the runs waiting in line; one round-trip per host. Exit 4 when a host did not answer."""
     import time as clock
@@ -612,6 +663,18 @@ def lab(c, hosts=None, json=False, connect_timeout=10.0):
     from mnft.hosts.report import print_lab
 
     inv = _inventory(hosts)
+    if usage or since is not None:
+        from mnft.core import durations
+        from mnft.hosts import usage as usage_logs
+        from mnft.hosts.report import print_usage
+
+        window = durations.parse(since if since is not None else "7d", "--since")
+        start = clock.time() - window
+        with Fleet(inv, _timeouts(connect_timeout, 30.0)) as fleet:
+            read = usage_logs.ask(fleet, inv.hosts, start)
+        errors = {h: str(v.get("error") or v.get("refused")) for h, v in read.items() if "lines" not in v}
+        summary = usage_logs.summarise({h: v["lines"] for h, v in read.items() if "lines" in v}, start)
+        return print_usage(inv, summary, errors, json, window / 86400)
     started = clock.monotonic()
     with Fleet(inv, _timeouts(connect_timeout, 30.0)) as fleet:
         views = look(fleet, inv.hosts)
@@ -678,4 +741,5 @@ def undrain(c, target=None, hosts=None, connect_timeout=10.0):
     return _drain(target, None, hosts, connect_timeout, True)
 
 
-ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, uninstall, lab, board, drain, undrain)
+ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, uninstall, lab, board, drain, undrain, shell,
+                wait)

@@ -16,6 +16,8 @@
                 directory, the whole host for setup and provision; waits in line for them (--wait)
     leasehost   a host's lease files and their flocks: take, wait in line, hold while the controller's channel
                 lives, show the host for `mnft lab` (stdlib only)
+    terminal    an interactive terminal on a host over the verified connection (pty, raw keys, window size); -L forwarding
+    usage       the hosts' usage logs summed: GPU-hours per user and host, idle share, longest waits (pure)
     lab         the lab as its people share it: every device's holder, the rows of `mnft lab`, --nodes' pick
     report      the inventory's effective settings, per-host results and trust outcomes as tables
 """

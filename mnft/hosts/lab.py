@@ -82,6 +82,7 @@ class Row:
     health: str | None = None  # what is wrong with the GPU (mnft.hosts.leasehost.health_problems), beside its lease
     drain: str | None = None  # who drained it, when and why
 
+    idle: float | None = None  # seconds its holder's GPUs have been idle (as the holder's keeper last sampled them)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -112,9 +113,10 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 holder = d.get("holder") or {}
                 claimed, proven = leases.holder_login(holder), lockers_users(d)
                 detail = f"the lease file names {claimed}" if proven and claimed and claimed not in proven else None
-                out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), leases.shown(holder.get("command"), 20),
-                               _number(holder.get("taken") or holder.get("started")), memory, util, detail,
-                               leases.shown(holder.get("image"), 80), health, drain))
+                idle = idle_for(holder, view.get("now"))
+                out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), held_command(holder),
+                               _number(holder.get("taken") or holder.get("started")), memory, util, with_idle(detail, idle),
+                               leases.shown(holder.get("image"), 80), health, drain, idle))
             elif state == "outside":
                 procs = d.get("processes") or []
                 users = sorted({leases.shown(p.get("user")) or "?" for p in procs})
@@ -129,6 +131,27 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                            leases.shown(waiting.get("run_id")), leases.shown(waiting.get("command"), 20), _number(waiting.get("queued")),
                            detail=f"wants {'every device' if want is None else f'{want} GPU(s)'}"))
     return out
+
+
+def held_command(holder: dict) -> str | None:
+    """What holds a device: "train", "sync", "shell", or a session's own command ("shell: jupyter lab …")."""
+    command = leases.shown(holder.get("command"), 20)
+    session = leases.shown(holder.get("session"), 40)
+    return f"{command}: {session}" if command == "shell" and session else command
+
+
+def idle_for(holder: dict, now) -> float | None:
+    """How long the holder's GPUs have been idle (the keeper's `idle_since` in the lease), None when not idle."""
+    began, now = _number(holder.get("idle_since")), _number(now)
+    return max(0.0, now - began) if began is not None and now is not None else None
+
+
+def with_idle(detail: str | None, idle: float | None) -> str | None:
+    if idle is None:
+        return detail
+    from mnft.core.durations import shown
+
+    return f"idle {shown(idle)}" + (f"; {detail}" if detail else "")
 
 
 def _number(value) -> float | None:

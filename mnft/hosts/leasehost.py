@@ -834,18 +834,21 @@ def release(fd, holder):
         mutex = _lock_mutex()
     except (OSError, Refused):
         os.close(fd)
-        return
+        return None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             current = _read(fd)
             if current and current.get("op") == holder.get("op"):
                 _write(fd, dict(current, released=time.time()))
+                os.close(fd)
+                return current  # the last holder let go: the lease ended (its usage line is this one's to write)
         except BlockingIOError:
             pass
         os.close(fd)
     finally:
         os.close(mutex)
+    return None
 
 
 def show():
@@ -1032,8 +1035,8 @@ def hold():
         if child:  # released (or the controller is gone) mid-run: the run ends with the lease
             os.kill(child[0], signal.SIGKILL)
             os.waitpid(child[0], 0)
-        for fd in fds:
-            release(fd, holder)
+        ended = [release(fd, holder) for fd in fds]
+        log_usage(usage_line([e for e in ended if e]))
     return 0
 
 
@@ -1760,6 +1763,101 @@ def _open_drain(path):
     else:
         os.fchmod(fd, 0o644)
     return fd
+# ------------------------------------------------------------------------------------------------ usage
+# Every lease that ends leaves one line in its user's usage log in the lease directory, mnft-usage-<uid>.jsonl: a
+# file of that user's (0644, created O_EXCL, never through a link), so no other user can erase or forge its lines
+# without root, and its owner is who the lines are counted for (`usage` believes the file's owner, not its words).
+# Bounded: past USAGE_BYTES it becomes mnft-usage-<uid>.old.jsonl (the one before is dropped) and a new one begins.
+# The run's keeper writes the same line when it is the last to let go (mnft.run.agent.log_usage: a copy).
+
+USAGE_PREFIX = "mnft-usage-"
+USAGE_BYTES = 1 << 20
+USAGE_FIELDS = ("run_id", "command", "session", "user", "controller", "image")
+
+
+def usage_line(ended):
+    """One line for the leases of one holder that ended now (their last holder's words in each file): who, what,
+    which devices, from when to when, how long idle, how long it waited in line."""
+    devices = [e for e in ended if isinstance(e.get("device"), dict)]
+    if not ended:
+        return None
+    first, now = ended[0], time.time()
+    line = dict((k, first.get(k)) for k in USAGE_FIELDS)
+    idle = []
+    for e in devices:
+        since = e.get("idle_since")
+        idle.append(float(e.get("idle_s") or 0) + (now - since if isinstance(since, (int, float)) else 0.0))
+    line.update(host=os.uname()[1], login=user_name(os.getuid()), uid=os.getuid(), devices=[e["device"].get("index") for e in devices],
+                start=first.get("taken"), end=now, idle_s=round(min(idle) if idle else 0.0, 1), queued=first.get("queued"))
+    return line
+
+
+def usage_path(uid=None):
+    return os.path.join(lease_dir(), "%s%d.jsonl" % (USAGE_PREFIX, os.getuid() if uid is None else uid))
+
+
+def log_usage(line):
+    """Append the line to this user's usage log (best effort: a lease's end is never failed by its log)."""
+    if not line:
+        return
+    path = usage_path()
+    try:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_size > USAGE_BYTES:
+                os.replace(path, path[:-6] + ".old.jsonl")
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            os.fchmod(fd, 0o644)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1:
+                os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+MAX_USAGE_LINES = 50000
+
+
+def usage(since):
+    """Every user's usage lines of leases that ended at or after `since`, each counted for its file's owner."""
+    out, dropped = [], 0
+    try:
+        names = sorted(n for n in os.listdir(lease_dir()) if n.startswith(USAGE_PREFIX) and n.endswith(".jsonl"))
+    except OSError:
+        names = []
+    for name in names[:256]:
+        uid_text = name[len(USAGE_PREFIX):].split(".")[0]
+        fd = _existing(name)
+        if fd is None or not uid_text.isdigit():
+            continue
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != int(uid_text):
+                continue  # planted under another user's name: not believed
+            data = os.pread(fd, 2 * USAGE_BYTES, 0).decode("utf-8", "replace")
+        finally:
+            os.close(fd)
+        for text in data.splitlines():
+            try:
+                line = json.loads(text)
+            except ValueError:
+                continue
+            if not isinstance(line, dict) or not isinstance(line.get("end"), (int, float)) or line["end"] < since:
+                continue
+            line["uid"], line["login"] = st.st_uid, user_name(st.st_uid)
+            if len(out) < MAX_USAGE_LINES:
+                out.append(line)
+            else:
+                dropped += 1
+    return {"host": os.uname()[1], "now": time.time(), "lines": out, "dropped": dropped}
 
 
 def main(argv):
@@ -1777,6 +1875,12 @@ def main(argv):
             request = json.loads(sys.stdin.readline(MAX_LEASE_BYTES) or "{}")
             print(json.dumps(set_drain(dict(request, undrain=mode == "undrain"))))
         except (OSError, Refused, ValueError) as exc:
+            print(json.dumps(_failure(exc)))
+        return 0
+    if mode == "usage" and len(argv) == 2:
+        try:
+            print(json.dumps(usage(float(argv[1]))))
+        except (OSError, ValueError) as exc:
             print(json.dumps(_failure(exc)))
         return 0
     if mode in ("show", "lab"):

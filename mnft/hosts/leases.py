@@ -269,6 +269,7 @@ class Leases:
     paths: dict[str, list[str]] = field(default_factory=dict)  # host -> the lease files held there
     on_wait: Callable[[str, dict], None] | None = None  # a waiting host's place in line, each time it changes
     image: str | None = None  # the run's container image, shown by `mnft lab`
+    shows: str | None = None  # an interactive session's command (`mnft shell -- CMD`), shown by `mnft lab`
     _stop: threading.Event = field(default_factory=threading.Event)
     _beat: threading.Thread | None = None
     _writing: threading.Lock = field(default_factory=threading.Lock)  # a heartbeat never cuts into a run request
@@ -280,6 +281,8 @@ class Leases:
                   "pid": os.getpid(), "started": time.time(), "deadman": DEADMAN}
         if self.image:
             holder["image"] = self.image
+        if self.shows:
+            holder["session"] = self.shows
         if self.scope is not None and self.scope.wait is not None:  # one place in every host's line: the same ticket
             holder.update(wait=True, queued=time.time(), ticket=secrets.token_hex(8), want=self.scope.gpus)
         return holder

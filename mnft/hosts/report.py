@@ -124,3 +124,34 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
         if view.get("drain_problem"):
             console().print(plain(f"{name}: {view['drain_problem']}", style="red"))
     return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
+
+
+def print_usage(inventory: Inventory, summary: dict, errors: dict[str, str], as_json: bool, days: float) -> int:
+    """`mnft lab --usage`: GPU-hours per user and per host and their idle share, the longest waits in line.
+    Exit 0, or 4 when a host did not answer (its usage is not counted, and named)."""
+    from mnft.core.errors import ExitCode
+    from mnft.hosts.lab import since as ago
+
+    code = ExitCode.UNREACHABLE if errors else ExitCode.OK
+    if as_json:
+        print_json(dict(summary, errors=errors))
+        return code
+    span = f"{days:g} day(s)" if days >= 1 else f"{days * 24:g} hour(s)"
+    for key, title in (("users", "user"), ("hosts", "host")):
+        table = Table(title=plain(f"{inventory.path or 'the lab'}: GPU-hours per {title}, the last {span}"))
+        for col in (title, "GPU-hours", "idle", "leases"):
+            table.add_column(col)
+        for row in summary[key]:
+            table.add_row(plain(row[title]), plain(f"{row['gpu_hours']:.2f}"), plain(f"{row['idle_share'] * 100:.0f}%"), plain(str(row["leases"])))
+        console().print(table)
+    if summary["longest_waits"]:
+        table = Table(title=plain("the longest waits in line"))
+        for col in ("host", "user", "run", "command", "waited", "queued"):
+            table.add_column(col)
+        for w in summary["longest_waits"]:
+            table.add_row(plain(w["host"]), plain(w["user"]), plain(w["run"] or ""), plain(w["command"] or ""), plain(f"{w['waited_s']:.0f}s"),
+                          plain(ago(w["queued"]) + " ago"))
+        console().print(table)
+    for host, error in errors.items():
+        console().print(plain(f"{host}: not counted: {error}", "yellow"))
+    return code

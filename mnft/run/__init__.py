@@ -24,4 +24,6 @@
     others       another user's run, seen from its leases: status shown, stop only by its holder or root
     logs         `invoke logs`: every host's logs and metrics collected, summary and loss plot
     report       the status, stop and time tables
+    session      `mnft shell`: an interactive session on leased GPUs, its keeper and dead-man on the host
+    notify       `--notify CMD` run here when a waited run starts and when a run ends; `mnft wait RUN`
 """

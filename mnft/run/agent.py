@@ -475,6 +475,7 @@ def keep(run_dir):
             os.unlink(secrets_file)
     for fd in held:  # the run has ended here: its leases go (before the end is written: whoever reads it finds them free)
         os.close(fd)
+    keeper_usage(spec)
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code
@@ -859,6 +860,7 @@ def status(run_dir):
         "metric_lines": _last_lines(_Tail(_path(spec["metrics"])).path, STATUS_LINES) if spec.get("metrics") else [],
         "output_lines": _last_lines(os.path.join(run_dir, "output.log"), STATUS_LINES),
         "done": done_ranks(run_dir),
+        "reason": _read(os.path.join(run_dir, "reason")),  # why a session (or an idle-stopped run) was ended
     }
     if spec.get("container"):
         result["container"] = container_state(spec)
@@ -1068,6 +1070,385 @@ def pack(run_dir, extras, checkpoints=None):
     return 0
 
 
+# ---------------------------------------------------------------------------------------------------- sessions
+# An interactive session (`mnft shell`): `session-prepare` writes its run directory (spec.json, agent.py) from a
+# spec line on stdin; `session RUN_DIR` is the session's keeper, run on the terminal sshd gave the controller's
+# channel (a pty): it holds the session's leases, starts the shell (or the command) in its own process group in
+# the foreground of that terminal (so Ctrl-C and Ctrl-Z reach it), ends the session at its time limit (told in the
+# terminal SESSION_WARN seconds before) and, whatever ends it (the program's exit, the terminal closed, a stop, the
+# time limit, the controller gone as `watch` sees it), ends every process carrying its tag and lets the leases go.
+# `watch RUN_DIR` is the dead-man: on a channel of its own it reads the controller's heartbeats and ends the session
+# when they stop (no line for the spec's `deadman` seconds, or the channel closed) before the session ended.
+
+SESSION_WARN = 300.0  # seconds before --time ends a session that it is told so in its terminal
+SESSION_REAP = 3.0  # seconds between SIGTERM and SIGKILL for what is left of a session
+
+
+def session_prepare():
+    spec = json.loads(sys.stdin.buffer.readline())
+    run_dir = _path(spec["run_dir"])
+    cwd = _path(spec.get("cwd") or "~")
+    note = None
+    if not os.path.isdir(cwd):  # asked before the run directory (below it) makes it
+        note = "%s does not exist (mnft sync makes it): the session opens in the home directory" % spec.get("cwd")
+        spec["cwd"] = "~"
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    _write(os.path.join(run_dir, "spec.json"), json.dumps(dict(spec, run_dir=run_dir), indent=1))
+    own = os.path.join(run_dir, "agent.py")
+    _write(own, SOURCE, 0o600)
+    print(json.dumps({"run_dir": run_dir, "agent": own, "python": sys.executable, "note": note, "hostname": os.uname()[1]}))
+    return 0
+
+
+def _once(path, text):
+    """Write a file only if it is not there yet (the first reason a session ends is its reason)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError:
+        return False
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text + "\n")
+    return True
+
+
+def _tell(text):
+    """A line in the session's terminal (the keeper's own stdout is it); nothing when the terminal is gone."""
+    try:
+        os.write(1, ("\r\nmnft: %s\r\n" % text).encode("utf-8", "replace"))
+    except OSError:
+        pass
+
+
+def _reap_tagged(tag, grace=SESSION_REAP):
+    """End every process carrying the tag: SIGTERM, then SIGKILL to what is left after `grace`."""
+    for pid in run_pids(tag):
+        _signal_tagged(pid, tag, signal.SIGTERM)
+    deadline = time.time() + grace
+    while run_pids(tag) and time.time() < deadline:
+        time.sleep(0.05)
+    _after_kill(tag)
+
+
+def session(run_dir):
+    """The keeper of an interactive session (see above); its exit status is the program's."""
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json")))
+    tag, run_id = spec["tag"], spec["run_id"]
+    if os.environ.get(TAG_VAR) != tag:  # once more with the tag in its own environment: the session is found by it
+        env = dict(os.environ)
+        env[RUN_ID_VAR], env[TAG_VAR] = run_id, tag
+        os.execve(sys.executable, [sys.executable, "-S", os.path.join(run_dir, "agent.py"), "session", run_dir], env)
+    env = dict(os.environ)
+    env.update({k: _expand(v) for k, v in (spec.get("env") or {}).items()})
+    held = lease_fds(run_id, spec.get("leases"))
+    reason = []
+
+    def ended_by(why):
+        def handler(*_):
+            if not reason:
+                reason.append(why)
+        return handler
+
+    signal.signal(signal.SIGTERM, ended_by("stopped"))
+    signal.signal(signal.SIGHUP, ended_by("the terminal closed (the controller's connection ended)"))
+    for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTOU, signal.SIGTTIN):
+        signal.signal(sig, signal.SIG_IGN)  # the terminal's keys are for the program in its foreground
+    tty = 0 if os.isatty(0) else None
+    _write(os.path.join(run_dir, "pgid"), "%d\n" % os.getpgid(0), 0o644)
+    _write(os.path.join(run_dir, "pgid_start"), "%s\n" % start_time(os.getpgid(0)), 0o644)
+    started = time.time()
+    _write(os.path.join(run_dir, "started"), "%f\n" % started, 0o644)
+    argv = [_expand(a) for a in spec["argv"]]
+    child = os.fork()
+    if child == 0:  # the program: its own process group, the terminal's foreground
+        try:
+            os.setpgid(0, 0)
+            if tty is not None:
+                os.tcsetpgrp(tty, os.getpid())
+            for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTSTP, signal.SIGTTOU, signal.SIGTTIN):
+                signal.signal(sig, signal.SIG_DFL)
+            for fd in held:
+                os.close(fd)
+            os.chdir(_path(spec.get("cwd") or "~"))
+            os.execvpe(argv[0], argv, env)
+        except OSError as exc:
+            os.write(2, ("mnft: cannot start %s: %s\r\n" % (argv[0], exc)).encode("utf-8", "replace"))
+        os._exit(127)
+    try:
+        os.setpgid(child, child)
+    except OSError:
+        pass  # it did so itself, or exec'd already
+    if tty is not None:
+        try:
+            os.tcsetpgrp(tty, child)
+        except OSError:
+            pass
+    os.chdir(run_dir)  # the keeper works in its run directory: root's stop finds it there (leasehost.run_dirs)
+    limit = float(spec.get("time") or 0)
+    warned = False
+    code = None
+    idle = IdleWatch(spec) if spec.get("idle_stop") else None
+    while code is None and not reason:
+        try:
+            pid, status = os.waitpid(child, os.WNOHANG | os.WUNTRACED)
+        except ChildProcessError:
+            pid, status = child, 0
+        if pid == child:
+            if os.WIFSTOPPED(status):  # a command run without a shell has no job control: it goes on
+                _tell("Ctrl-Z: a session's command goes on (no shell to resume it); Ctrl-C ends it")
+                _signal_group(child, signal.SIGCONT)
+            else:
+                code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+                break
+        now = time.time()
+        if limit and not warned and now >= started + limit - SESSION_WARN:
+            left = max(0, started + limit - now)
+            _tell("this session ends in %s (--time %s)" % (_duration(left), _duration(limit)))
+            warned = True
+        if limit and now >= started + limit:
+            reason.append("its time limit (--time %s) was reached" % _duration(limit))
+            break
+        if idle is not None:
+            why = idle.check()
+            if why:
+                reason.append(why)
+                break
+        time.sleep(0.2)
+    if reason:
+        _once(os.path.join(run_dir, "reason"), reason[0])
+        _tell("the session ends: %s" % reason[0])
+        _signal_group(child, signal.SIGHUP)
+        _signal_group(child, signal.SIGCONT)
+        _signal_group(child, signal.SIGTERM)
+    _reap_tagged(tag)
+    if code is None:
+        try:
+            _, status = os.waitpid(child, 0)
+            code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+        except ChildProcessError:
+            code = 128 + 9
+    for fd in held:  # the session has ended: its leases go (before the end is written)
+        os.close(fd)
+    keeper_usage(spec)
+    _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
+    _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
+    return code
+
+
+IDLE_UTIL = 5.0  # % utilisation at or under which a GPU is idle (when its memory use does not change either)
+IDLE_MEMORY_MIB = 1.0  # MiB its memory use may move between two samples and still count as not changing
+IDLE_SAMPLE = 10.0  # seconds between two samples (shorter for a short --idle-stop: a sixth of it, at least 1 s)
+
+
+def idle_sample(devices, before, gpus):
+    """Whether this sample finds the devices idle: every one at or under IDLE_UTIL and its memory use within
+    IDLE_MEMORY_MIB of the previous sample's (gpus: gpu_util()'s answer; before: the previous one). A device not
+    answered for, or no previous sample, is not idle: what cannot be told is never idle."""
+    if not devices or before is None:
+        return False
+    now = dict((g["index"], g) for g in gpus)
+    then = dict((g["index"], g) for g in before)
+    for index in devices:
+        if index not in now or index not in then:
+            return False
+        if now[index]["util"] > IDLE_UTIL or abs(now[index]["mem_mib"] - then[index]["mem_mib"]) > IDLE_MEMORY_MIB:
+            return False
+    return True
+
+
+class IdleWatch:
+    """How long a run's (or session's) GPUs have been idle, sampled by its keeper; with the spec's `idle_stop`
+    (seconds), the reason to end it once they have all been idle that long. Each change is written into the
+    run's device leases (`idle_since`, `idle_s`: the idle seconds before it), which `mnft lab` shows and the
+    usage log counts."""
+
+    def __init__(self, spec, sample=gpu_util, clock=time.time):
+        self.devices = [d for d in spec.get("devices") or [] if isinstance(d, int)]
+        self.stop_after = float(spec.get("idle_stop") or 0)
+        self.every = max(1.0, min(IDLE_SAMPLE, self.stop_after / 6.0)) if self.stop_after else IDLE_SAMPLE
+        self.leases = [p for p in spec.get("leases") or [] if "mnft-dev-gpu" in os.path.basename(p)]
+        self.sample, self.clock = sample, clock
+        self.before, self.sampled, self.next = None, None, 0.0
+        self.since, self.total = None, 0.0
+
+    def idle_for(self):
+        return 0.0 if self.since is None else self.clock() - self.since
+
+    def idle_seconds(self):
+        return self.total + self.idle_for()
+
+    def check(self):
+        """Sample when due; the reason to end the run when its GPUs have been idle for idle_stop, else None."""
+        now = self.clock()
+        if now < self.next or not self.devices:
+            return None
+        self.next = now + self.every
+        gpus = self.sample()
+        idle = idle_sample(self.devices, self.before, gpus)
+        then = self.sampled
+        self.before, self.sampled = gpus or None, now
+        if idle and self.since is None:
+            self.since = then  # idle from the sample it is compared with
+            self.mark()
+        elif not idle and self.since is not None:
+            self.total += now - self.since
+            self.since = None
+            self.mark()
+        if self.stop_after and self.since is not None and now - self.since >= self.stop_after:
+            return ("its GPUs were idle for %s (--idle-stop %s: utilisation at or under %g%% and memory use unchanged)"
+                    % (_duration(now - self.since), _duration(self.stop_after), IDLE_UTIL))
+        return None
+
+    def mark(self):
+        """The idle state into each device lease the run holds (written in place, never truncated first: a reader
+        never finds it empty)."""
+        for path in self.leases:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+            except OSError:
+                continue
+            try:
+                old = os.pread(fd, 65536, 0)
+                holder = json.loads(old.decode("utf-8"))
+                if not isinstance(holder, dict):
+                    continue
+                holder.update(idle_since=self.since, idle_s=round(self.total, 1))
+                data = json.dumps(holder, sort_keys=True).encode()
+                os.pwrite(fd, data + b" " * max(0, len(old) - len(data)), 0)
+            except (OSError, ValueError):
+                pass
+            finally:
+                os.close(fd)
+
+
+# The usage line of a lease whose last holder is the keeper (a detached run, a session whose controller is gone):
+# the same line, in the same file, as mnft.hosts.leasehost.usage_line and log_usage write (a copy: each host script
+# is one file; tests hold the two to one line).
+
+USAGE_FIELDS = ("run_id", "command", "session", "user", "controller", "image")
+USAGE_BYTES = 1 << 20
+
+
+def last_out(run_id, paths):
+    """The leases of the run nobody else holds any more (the keeper let go last): each marked released, as
+    leasehost.release marks it; returns what each named."""
+    import fcntl
+
+    ended = []
+    for path in paths or []:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            old = os.pread(fd, 65536, 0)
+            holder = json.loads(old.decode("utf-8"))
+            named = holder.get("run_id") if isinstance(holder, dict) else None
+            if isinstance(named, str) and named and (run_id == named or run_id.startswith(named + "-a")) and not holder.get("released"):
+                holder["released"] = time.time()
+                data = json.dumps(holder, sort_keys=True).encode()
+                os.pwrite(fd, data + b" " * max(0, len(old) - len(data)), 0)
+                ended.append(holder)
+        except (OSError, ValueError):
+            pass
+        finally:
+            os.close(fd)
+    return ended
+
+
+def usage_line(ended):
+    devices = [e for e in ended if isinstance(e.get("device"), dict)]
+    if not ended:
+        return None
+    import pwd
+
+    first, now = ended[0], time.time()
+    line = dict((k, first.get(k)) for k in USAGE_FIELDS)
+    idle = []
+    for e in devices:
+        since = e.get("idle_since")
+        idle.append(float(e.get("idle_s") or 0) + (now - since if isinstance(since, (int, float)) else 0.0))
+    try:
+        login = pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        login = "uid %d" % os.getuid()
+    line.update(host=os.uname()[1], login=login, uid=os.getuid(), devices=[e["device"].get("index") for e in devices],
+                start=first.get("taken"), end=now, idle_s=round(min(idle) if idle else 0.0, 1), queued=first.get("queued"))
+    return line
+
+
+def log_usage(line, directory):
+    import stat
+
+    if not line or not directory:
+        return
+    path = os.path.join(directory, "mnft-usage-%d.jsonl" % os.getuid())
+    try:
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_size > USAGE_BYTES:
+                os.replace(path, path[:-6] + ".old.jsonl")
+        except FileNotFoundError:
+            pass
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            os.fchmod(fd, 0o644)
+        try:
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and st.st_nlink == 1:
+                os.write(fd, (json.dumps(line, sort_keys=True) + "\n").encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def keeper_usage(spec):
+    """The keeper let go of the run's leases: if nobody else holds them, their usage line is its to write."""
+    paths = spec.get("leases") or []
+    ended = last_out(spec.get("run_id") or "", paths)
+    if ended and paths:
+        log_usage(usage_line(ended), os.path.dirname(paths[0]))
+
+
+def _duration(seconds):
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return "%ds" % seconds
+    if seconds < 3600:
+        return "%dm%s" % (seconds // 60, "%02ds" % (seconds % 60) if seconds % 60 else "")
+    return "%dh%02dm" % (seconds // 3600, seconds % 3600 // 60)
+
+
+def watch(run_dir):
+    """The session's dead-man (see above): ends it when the controller's heartbeats stop before it ended."""
+    spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
+    deadman = float(spec.get("deadman") or 25)
+    stdin = sys.stdin.buffer.raw if hasattr(sys.stdin.buffer, "raw") else sys.stdin.buffer
+    last = time.time()
+    reason = None
+    while reason is None:
+        if os.path.exists(os.path.join(run_dir, "ended")):
+            return 0
+        ready, _, _ = select.select([stdin], [], [], 0.5)
+        if ready:
+            if not os.read(stdin.fileno(), 4096):
+                reason = "the controller's connection closed"
+            else:
+                last = time.time()
+        if reason is None and time.time() - last > deadman:
+            reason = "no heartbeat from the controller for %gs" % deadman
+    if os.path.exists(os.path.join(run_dir, "ended")):
+        return 0  # it ended by itself meanwhile (the controller lets go of this channel once the session is over)
+    _once(os.path.join(run_dir, "reason"), reason)
+    result = terminate(run_dir, SESSION_REAP + 2)
+    emit("stopped", reason=reason, **result)
+    return 0
+
+
 def main(argv):
     if not argv:
         sys.stderr.write(__doc__)
@@ -1077,6 +1458,12 @@ def main(argv):
         return launch()
     if mode == "keep":
         return keep(args[0])
+    if mode == "session-prepare":
+        return session_prepare()
+    if mode == "session":
+        return session(_path(args[0]))
+    if mode == "watch":
+        return watch(_path(args[0]))
     if mode == "stop":
         print(json.dumps(terminate(_path(args[0]), float(args[1]) if len(args) > 1 else 10.0)))
         return 0

@@ -1,0 +1,195 @@
+"""`mnft shell`: an interactive session on leased GPUs (docs/lab.md, "Interactive sessions").
+
+It takes G free GPUs on one host (`--host`, else the first host of the inventory where they are free; the
+fastest-linked G there, as a run's are picked) under a lease of its own (command `shell`), records itself as a
+run record of kind `session` (so `mnft stop SESSION` and `mnft status SESSION` work on it as on a run), and opens a
+terminal there (mnft.hosts.terminal) on the same verified connection as every other command. On the host the
+session's keeper (mnft.run.agent `session`) runs the login shell, or the command after `--`, in the inventory's
+workdir with CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER set to the leased GPUs; it holds the leases and ends every
+process of the session when it ends. A second channel (`watch`) carries this controller's heartbeats: when they
+stop (the controller or its network gone), the host ends the session within the dead-man time.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import threading
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+
+from mnft.core.errors import InputError
+from mnft.hosts import leases, pyrun
+from mnft.hosts.command import Command
+from mnft.hosts.fleet import Fleet
+from mnft.hosts.settings import Host, Inventory
+from mnft.hosts.terminal import forward, interact, open_terminal
+from mnft.run import records
+from mnft.run.gang import agent_command, agent_payload
+from mnft.run.launch import new_run_id
+from mnft.run.rerun import snapshot
+
+LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
+
+
+@dataclass(frozen=True)
+class ShellOptions:
+    gpus: int = 1
+    host: str | None = None
+    wait: float | None = None  # seconds to wait in line (inf: as long as it takes); None: do not wait
+    time: float | None = None  # seconds the session may last
+    idle_stop: float | None = None  # end it once its GPUs have all been idle this long
+    forward: int | None = None  # a port on the host carried to this machine
+    argv: tuple[str, ...] = ()  # the command instead of a shell
+
+
+def outcome(code: int | None, reason: str | None) -> str:
+    """A session's end as its record names it: ended (its program exited: the shell's exit), stopped (mnft stop),
+    timed-out (--time), idle-stopped (--idle-stop), lost (the controller's connection gone)."""
+    why = reason or ""
+    if why.startswith("stopped"):
+        return "stopped"
+    if "--time" in why:
+        return "timed-out"
+    if "--idle-stop" in why:
+        return "idle-stopped"
+    if why:
+        return "lost"
+    return "ended"
+
+
+def spec_for(session_id: str, host: Host, argv: tuple[str, ...], devices: list[int], paths: list[str], options: ShellOptions) -> dict:
+    """What the host's keeper runs (mnft.run.agent `session`): pure, tested with data."""
+    run_dir = host.workdir.rstrip("/") + f"/runs/{session_id}/{host.name}"
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "MNFT_SESSION": session_id}
+    return {"run_id": session_id, "tag": f"{session_id}@{host.name}", "run_dir": run_dir, "cwd": host.workdir, "argv": list(argv or LOGIN_SHELL),
+            "env": env, "leases": paths, "devices": devices, "time": options.time, "idle_stop": options.idle_stop,
+            "deadman": leases.DEADMAN, "kind": "session"}
+
+
+def candidates(inventory: Inventory, host: str | None) -> list[Host]:
+    if host is None:
+        return list(inventory.hosts)
+    try:
+        return [inventory.host(host)]
+    except KeyError:
+        raise InputError(f"--host {host}: not a host of {inventory.path or 'the inventory'} "
+                         f"(its hosts: {', '.join(h.name for h in inventory.hosts)})") from None
+
+
+def take(fleet: Fleet, hosts: list[Host], session_id: str, options: ShellOptions, shows: str, console: Console) -> tuple[leases.Leases, Host]:
+    """The session's GPUs on the first host where they are free (each host tried in turn); with --wait, in line on
+    the first host; else HostBusy naming every host's holders."""
+    refusals = []
+    for host in hosts:
+        held = leases.Leases("shell", session_id, leases.Scope(gpus=options.gpus, directory=None), shows=shows)
+        try:
+            held.take(fleet, [host])
+        except leases.HostBusy as exc:
+            refusals.append(str(exc).removesuffix("; nothing was changed on any host"))
+            continue
+        if host.name in held.devices:
+            return held, host
+        held.release()  # unreachable, or its lease script failed: named by the take; the next host
+        refusals.append(f"{host.name}: no lease could be taken there")
+    if options.wait is not None and hosts:
+        host = hosts[0]
+
+        def told(name: str, reply: dict) -> None:
+            ahead = len(reply.get("ahead") or [])
+            console.print(f"{name}: waiting in line, position {ahead + 1}", highlight=False, soft_wrap=True)
+
+        held = leases.Leases("shell", session_id, leases.Scope(gpus=options.gpus, directory=None, wait=options.wait), on_wait=told, shows=shows)
+        held.take(fleet, [host])
+        if host.name in held.devices:
+            return held, host
+        held.release()
+    raise leases.HostBusy("; ".join(refusals or ["no host to take GPUs on"]) + " (--wait to wait in line; `mnft lab` shows the lab)")
+
+
+class Heartbeat:
+    """This controller's heartbeats to the host's dead-man (`agent watch`), every leases.HEARTBEAT_EVERY seconds."""
+
+    def __init__(self, process) -> None:
+        self.process = process
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._beat, daemon=True, name="mnft-session-heartbeat")
+        self.thread.start()
+
+    def _beat(self) -> None:
+        while not self.stop.wait(leases.HEARTBEAT_EVERY):
+            try:
+                self.process.write(b"hb\n")
+            except Exception:  # noqa: BLE001 - the channel is gone: the host ends the session itself
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        try:
+            self.process.close_stdin()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def shell(inventory: Inventory, options: ShellOptions, console: Console) -> int:
+    """Take the GPUs, open the session, give its exit status (see the module docstring)."""
+    hosts = candidates(inventory, options.host)
+    if options.gpus < 0:
+        raise InputError(f"--gpus {options.gpus}: give a number of GPUs, 0 or more")
+    session_id = new_run_id()
+    shows = shlex.join(options.argv) if options.argv else None
+    record = records.RunRecord.create(session_id, kind="session", command=list(options.argv) or None, inventory=snapshot(inventory), hosts={},
+                                      state="waiting" if options.wait is not None else "starting", launched=False,
+                                      options={"gpus": options.gpus, "time": options.time, "idle_stop": options.idle_stop, "forward": options.forward})
+    with Fleet(inventory) as fleet:
+        try:
+            held, host = take(fleet, hosts, session_id, options, shows, console)
+        except leases.HostBusy as exc:
+            record.update(state="refused", reason=str(exc))
+            raise
+        try:
+            return _session(fleet, held, host, record, options, console)
+        finally:
+            held.release()
+
+
+def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunRecord, options: ShellOptions, console: Console) -> int:
+    devices = [d["index"] for d in held.devices.get(host.name, []) if isinstance(d.get("index"), int)]
+    spec = spec_for(record.run_id, host, options.argv, devices, held.paths.get(host.name, []), options)
+    prepared = fleet.run_one(host, agent_command(fleet, host.name, "session-prepare"), agent_payload() + json.dumps(spec).encode() + b"\n", 60)
+    reply = pyrun.reply(prepared, "the agent")
+    if reply is None or not reply.get("run_dir"):
+        record.update(state="failed", reason=f"{host.name}: the session could not be prepared: {prepared.error}")
+        raise InputError(f"{host.name}: the session could not be prepared: {prepared.error}")
+    if reply.get("note"):
+        console.print(f"{host.name}: note: {reply['note']}", style="yellow", highlight=False, soft_wrap=True)
+    watcher = fleet.start(host, agent_command(fleet, host.name, "watch", reply["run_dir"]))
+    watcher.write(agent_payload())
+    beat = Heartbeat(watcher)
+    record.update(state="running", launched=True, started=time.time(), devices={host.name: devices},
+                  hosts={host.name: {"run_dir": reply["run_dir"], "state": "running", "node_rank": 0, "devices": devices}})
+    gpus = ", ".join(str(d) for d in devices) or "none"
+    console.print(f"session {record.run_id} on {host.name}: GPU {gpus} (CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}); "
+                  f"`mnft stop {record.run_id}` ends it", highlight=False, soft_wrap=True)
+    listener = None
+    if options.forward:
+        listener, port = forward(fleet.connection(host), options.forward)
+        console.print(f"{host.name}:{options.forward} is forwarded to http://127.0.0.1:{port}", highlight=False, soft_wrap=True)
+    command = Command.of(reply.get("python") or host.python, "-S", reply["agent"], "session", reply["run_dir"]).render()
+    try:
+        code = interact(open_terminal(fleet.connection(host), command))
+    finally:
+        if listener is not None:
+            listener.close()
+        beat.close()
+    ended = fleet.run_one(host, agent_command(fleet, host.name, "status", reply["run_dir"]), agent_payload(), 30)
+    state = pyrun.reply(ended, "the agent") or {}
+    reason = state.get("reason")
+    how = outcome(code, reason)
+    record.update(state=how, exit_code=code, reason=reason, ended=time.time(),
+                  hosts={host.name: dict(record.data["hosts"][host.name], state="exited", exit_code=code)})
+    if reason:
+        console.print(f"session {record.run_id} ended: {reason}", style="yellow", highlight=False, soft_wrap=True)
+    return code

@@ -1,0 +1,100 @@
+"""Issue 38's pure parts: what counts as idle, durations, a session's spec and outcome, the usage sums."""
+
+from __future__ import annotations
+
+import pytest
+
+from mnft.core import durations
+from mnft.core.errors import InputError
+from mnft.hosts.settings import Host
+from mnft.run import agent
+from mnft.run.session import ShellOptions, outcome, spec_for
+
+
+def gpus(*rows):
+    return [{"index": i, "util": u, "mem_mib": m} for i, u, m in rows]
+
+
+def test_a_gpu_is_idle_when_its_utilisation_is_at_most_a_few_percent_and_its_memory_does_not_move():
+    before = gpus((0, 0, 1000), (1, 0, 500))
+    assert agent.idle_sample([0], before, gpus((0, 5, 1000), (1, 99, 900)))  # GPU 1 is not the run's
+    assert not agent.idle_sample([0], before, gpus((0, 6, 1000)))  # above the threshold
+    assert not agent.idle_sample([0], before, gpus((0, 0, 1300)))  # loading data: its memory moves
+    assert not agent.idle_sample([0, 1], before, gpus((0, 0, 1000)))  # a GPU not answered for is never idle
+    assert not agent.idle_sample([0], None, gpus((0, 0, 1000)))  # nothing to compare with yet
+
+
+def test_the_keeper_ends_a_run_only_once_all_its_gpus_have_been_idle_for_idle_stop():
+    now = [1000.0]
+    answers = iter([gpus((0, 0, 10)), gpus((0, 0, 10)), gpus((0, 50, 10)), gpus((0, 0, 10)), gpus((0, 0, 10)), gpus((0, 0, 10))])
+    watch = agent.IdleWatch({"devices": [0], "idle_stop": 12}, sample=lambda: next(answers), clock=lambda: now[0])
+    assert watch.every == 2.0
+    reasons = []
+    for _ in range(6):
+        reasons.append(watch.check())
+        now[0] += 5
+    assert reasons[:5] == [None] * 5 and "--idle-stop 12s" in reasons[5]
+    assert watch.idle_seconds() == pytest.approx(10 + 20)  # idle from the first sample to the busy one, then from that one on
+
+
+def test_durations_read_as_a_person_writes_them_and_anything_else_is_one_line():
+    assert [durations.parse(t, "--time") for t in ("90", "90s", "15m", "2h", "7d", "1h30m")] == [90, 90, 900, 7200, 604800, 5400]
+    for bad in ("", "0", "-5m", "2x", "m", "1.5.5h"):
+        with pytest.raises(InputError, match="--time"):
+            durations.parse(bad, "--time")
+    assert [durations.shown(s) for s in (40, 300, 7800, 200000)] == ["40s", "5m", "2h10m", "2d07h"]
+
+
+def test_a_session_runs_the_login_shell_in_the_workdir_on_its_gpus_and_its_end_is_named_by_its_reason():
+    host = Host(name="h1", rank=0, address="10.0.0.1", workdir="/home/a/mnft")
+    spec = spec_for("S1", host, (), [3], ["/run/lock/mnft-dev-gpu3.json"], ShellOptions(time=60, idle_stop=30))
+    assert spec["cwd"] == "/home/a/mnft" and spec["run_dir"] == "/home/a/mnft/runs/S1/h1" and spec["tag"] == "S1@h1"
+    assert spec["env"]["CUDA_VISIBLE_DEVICES"] == "3" and spec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert spec["argv"][-1].endswith("-l") and (spec["time"], spec["idle_stop"], spec["devices"]) == (60, 30, [3])
+    assert spec_for("S1", host, ("jupyter", "lab"), [], [], ShellOptions())["argv"] == ["jupyter", "lab"]
+    assert [outcome(0, r) for r in (None, "stopped", "its time limit (--time 3s) was reached", "its GPUs were idle for 8s (--idle-stop 8s: …)",
+                                   "no heartbeat from the controller for 25s")] == ["ended", "stopped", "timed-out", "idle-stopped", "lost"]
+
+
+def test_usage_sums_gpu_seconds_per_user_and_host_within_the_window_with_the_idle_share_and_the_longest_waits():
+    from mnft.hosts.usage import summarise
+
+    lines = {"h1": [{"login": "alice", "devices": [0, 1], "start": 100.0, "end": 200.0, "idle_s": 50.0, "run_id": "R1", "command": "train"},
+                    {"login": "bob", "devices": [2], "start": 150.0, "end": 160.0, "idle_s": 0, "queued": 90.0, "run_id": "S1", "command": "shell"},
+                    {"login": "bob", "devices": [], "start": 0.0, "end": 300.0, "command": "sync"}],  # no GPU: no GPU-seconds
+             "h2": [{"login": "alice", "devices": [0], "start": 50.0, "end": 120.0, "idle_s": 0, "queued": 49.0}]}
+    summary = summarise(lines, since=100.0)  # h2's lease began before the window: only its last 20 s count
+    assert [(u["user"], u["gpu_seconds"], u["idle_share"]) for u in summary["users"]] == [("alice", 220.0, round(100 / 220, 3)), ("bob", 10.0, 0.0)]
+    assert [(h["host"], h["gpu_seconds"]) for h in summary["hosts"]] == [("h1", 210.0), ("h2", 20.0)]
+    assert [(w["run"], w["waited_s"]) for w in summary["longest_waits"]] == [("S1", 60.0), (None, 1.0)]
+
+
+def test_the_keeper_and_the_hosts_hold_process_write_the_same_usage_line(monkeypatch, tmp_path):
+    from mnft.hosts import leasehost
+
+    monkeypatch.setenv("MNFT_LEASE_DIR", str(tmp_path))
+    ended = [{"run_id": "R", "command": "train", "user": "a", "controller": "c", "taken": 1.0, "queued": None, "device": {"index": 0},
+              "idle_s": 3, "idle_since": None}, {"run_id": "R", "command": "train", "taken": 1.0, "workdir": "/w"}]
+    host_side, keeper_side = leasehost.usage_line(ended), agent.usage_line(ended)
+    assert set(host_side) == set(keeper_side) and host_side["devices"] == keeper_side["devices"] == [0] and host_side["idle_s"] == 3
+    leasehost.log_usage(host_side)
+    agent.log_usage(keeper_side, str(tmp_path))
+    read = leasehost.usage(0)
+    assert [(line["run_id"], line["devices"], line["login"]) for line in read["lines"]] == [("R", [0], host_side["login"])] * 2
+    assert oct((tmp_path / f"mnft-usage-{__import__('os').getuid()}.jsonl").stat().st_mode & 0o777) == "0o644"
+
+
+def test_wait_looks_until_the_run_has_ended_and_exits_with_its_outcome(tmp_path, monkeypatch):
+    from mnft.run import notify, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R1", state="running", hosts={})
+    looks = []
+
+    def look(r):  # the hosts say it ended on the third look (status writes a detached run's end into its record)
+        looks.append(1)
+        if len(looks) == 3:
+            r.update(state="failed", reason="h1: exited (exit code 1)")
+
+    assert notify.wait(record, look, sleep=lambda s: None) == "failed" and len(looks) == 3
+    assert [notify.exit_code(s) for s in ("succeeded", "ended", "stopped", "failed", "timed-out", "idle-stopped")] == [0, 0, 130, 1, 1, 1]
