@@ -4,6 +4,7 @@ the installed modules it imports, its own project modules followed, optional imp
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -195,6 +196,7 @@ def test_train_outside_a_git_repository_syncs_the_current_directory_and_names_it
     (proj / "train.py").write_text("import os\nprint('trained on', os.environ['RANK'])\n")
     done = subprocess.run([*MNFT, "train", "--hosts", str(inv), "--", "train.py"], cwd=proj, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert (proj.parent / "work" / "train.py").is_file() and not (proj.parent / "work" / "mnft").exists()  # never mnft's checkout
+    job = next((proj.parent / "work" / "outputs").iterdir())  # the job's directory: its code, never mnft's checkout
+    assert (job / "train.py").is_file() and not (job / "mnft").exists()
     out = " ".join(done.stdout.split())
-    assert f"synced {proj} (1 files" in out and f"code from {proj}" in out
+    assert re.search(rf"code [0-9a-f]{{12}} from {re.escape(str(proj))} \(1 files\)", out) and f"from {proj}" in out.split("finished on every host")[-1]
