@@ -16,7 +16,7 @@ On N simulated hosts with the stand-in nvidia-smi (4 GPUs each, tests/fakegpu.py
   question (persistence off) — `mnft lab`, train's take of its devices and `mnft check` each timed, with whether
   they named the stall.
 
-    python bench/lab.py [--sizes 8,64] [--repeat 7] [--gpus 4] [--latency-ms 0] [--stall] [--out /tmp/lab.json]
+    python bench/lab.py [--sizes 8,64] [--repeat 7] [--gpus 4] [--latency-ms 0] [--stall] [--lease-hosts 8,1] [--out /tmp/lab.json]
 """
 
 from __future__ import annotations
@@ -106,15 +106,15 @@ def lab_at(n: int, work: Path, repeat: int) -> dict:
         cluster.teardown()
 
 
-def lease_cost(work: Path, repeat: int) -> dict:
+def lease_cost(work: Path, repeat: int, n: int = 8) -> dict:
     from mnft.hosts import leases
     from mnft.hosts.fleet import Fleet
     from mnft.hosts.inventory import load
 
-    cluster = Cluster.create(8, work / "tb8", outsider=False, stock_sshd=True, gpus=GPUS)
+    cluster = Cluster.create(n, work / f"tb{n}", outsider=False, stock_sshd=True, gpus=GPUS)
     try:
         real_gpus(cluster)
-        inv = load(str(cluster.write_inventory(work / "inventory8.yaml")))
+        inv = load(str(cluster.write_inventory(work / f"inventory{n}.yaml")))
         devices, host = [], []
         with Fleet(inv) as fleet:
             warm = leases.Leases("warm-up")  # connections open, as train's are when it takes its leases
@@ -128,7 +128,7 @@ def lease_cost(work: Path, repeat: int) -> dict:
                     out.append(time.monotonic() - started)
                     assert kind == "host" or all(len(d) == 2 for d in taking.devices.values())
                     taking.release()
-        return {"hosts": 8, "device_leases_s": devices, "host_lease_s": host,
+        return {"hosts": n, "device_leases_s": devices, "host_lease_s": host,
                 "added_s": statistics.median(devices) - statistics.median(host)}
     finally:
         cluster.teardown()
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--gpus", type=int, default=GPUS, help="stand-in GPUs per host")
     parser.add_argument("--latency-ms", type=float, default=LATENCY_MS, help="each nvidia-smi question's driver time")
     parser.add_argument("--stall", action="store_true", help=f"also: one host's nvidia-smi stalling {STALL_S} s")
-    parser.add_argument("--no-leases", action="store_true", help="skip the lease cost")
+    parser.add_argument("--lease-hosts", default="8", help="hosts of the lease cost's test bed (comma-separated sizes; 0: skip it)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     GPUS, LATENCY_MS = args.gpus, args.latency_ms
@@ -189,10 +189,11 @@ def main() -> None:
             ratio = f" ({statistics.median(found['lab_s']) / statistics.median(found['pdsh_s']):.2f}x)" if found["pdsh_s"] else ""
             print(f"lab at {n} hosts: median {statistics.median(found['lab_s']):.2f}s, runs {', '.join(f'{w:.2f}' for w in found['lab_s'])}{ref}{ratio}",
                   flush=True)
-        if not args.no_leases:
-            cost = lease_cost(Path(tmp), args.repeat)
-            results["leases"] = cost
-            print(f"train's leases at 8 hosts: devices (--gpus 2 + workdir) median {statistics.median(cost['device_leases_s']):.3f}s, "
+        for n in [int(x) for x in args.lease_hosts.split(",") if int(x)]:
+            cost = lease_cost(Path(tmp), args.repeat, n)
+            results["leases"] = results["leases"] or cost
+            results.setdefault("leases_at", []).append(cost)
+            print(f"train's leases at {n} hosts: devices (--gpus 2 + workdir) median {statistics.median(cost['device_leases_s']):.3f}s, "
                   f"the host's lease median {statistics.median(cost['host_lease_s']):.3f}s: +{cost['added_s']:.3f}s per start", flush=True)
         if args.stall:
             results["stall"] = found = stall(Path(tmp))
