@@ -5,10 +5,13 @@ bound. Two hosts with 4 stand-in GPUs each; bob is a login user who is not an ad
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
 import pytest
+from fakegpu import RANK_SNIPPET
 from test_cluster_lab import HOLD, Person, end, finished, held, wait_held
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -22,11 +25,23 @@ def sick(testbed, tmp_path_factory):
         yield cluster
 
 
+# attempt 1 holds its GPU until the test kills it; a later attempt registers on its GPU, says which, and ends
+ONCE = RANK_SNIPPET + '''
+import os, sys, time
+
+deadline = time.time() + (120 if os.environ.get("MNFT_ATTEMPT") == "1" else 0)
+while time.time() < deadline:
+    time.sleep(0.2)
+print("done", flush=True)
+'''
+
+
 @pytest.fixture
 def src(tmp_path: Path) -> Path:
     tree = tmp_path / "lab-src"
     tree.mkdir()
     (tree / "hold.py").write_text(HOLD)
+    (tree / "once.py").write_text(ONCE)
     return tree
 
 
@@ -94,3 +109,38 @@ def test_a_15_s_stall_of_nvidia_smi_is_named_within_the_reads_bound(sick, tmp_pa
         print(f"mnft lab with a 15 s stall answered in {took:.1f} s")
     finally:
         sick.gpu_faults(h2, stall=None, persistence=None)
+
+
+def test_a_run_whose_gpu_logs_an_xid_mid_run_is_restarted_on_the_spare_never_on_that_gpu_again(sick, tmp_path, src):
+    h1, h2 = sick.hosts
+    root = Person(sick, tmp_path, "root", [h1, h2])
+    root.inventory = str(sick.write_inventory(root.dir / "lab.yaml", hosts=[h1, h2], user="root", workdir=root.workdir, spare={h2.name: True}))
+    run = root.start("train", "--hosts", root.inventory, "--src", str(src), "--gpus", "1", "--max-restarts", "1", "--backoff", "0.5",
+                     "--", "once.py")
+    try:
+        deadline = time.monotonic() + 180
+        while not (used := {i: pids for i, pids in sick.gpu_users(h1).items() if pids}) and time.monotonic() < deadline and run.poll() is None:
+            time.sleep(0.5)
+        assert len(used) == 1, used
+        ((gpu, (pid, *_)),) = used.items()
+        sick.xid(h1, gpu, 79)  # the driver's word for the GPU that just failed the rank on it
+        os.kill(pid, signal.SIGKILL)
+        out = finished(run, timeout=240)
+        record = json.loads((root.dir / "runs" / root.run_ids()[-1] / "run.json").read_text())
+        first, second = record["attempts"]
+        assert first["cause"]["kind"] == "gpu-xid" and first["hosts"] == [h1.name]
+        assert [(x["host"], x["gpu"], x["xid"]) for x in first["cause"]["xids"]] == [(h1.name, gpu, 79)]
+        assert f"Xid 79 (fallen off the bus) on {h1.name} GPU {gpu} at " in first["cause"]["detail"]
+        assert first["diagnosis"]["kind"] == "gpu-xid" and first["diagnosis"]["fix"].startswith("Xid 79 needs the GPU reset")
+        assert second["hosts"] == [h2.name] and second["state"] == "succeeded"
+        assert f"{h1.name} replaced by the spare {h2.name} (Xid 79 on its GPU {gpu}: not used again in this run)" in out
+        # what the ranks themselves were given: h1's GPU in attempt 1 only, the spare's leased GPU in attempt 2
+        run_id = record["run_id"]
+        assert root.seen(run_id, h1) == {str(gpu)}
+        assert root.seen(f"{run_id}-a2", h2) == {str(i) for i in record["devices"][h2.name]}
+        assert not (h1.home / "mnft-lab" / "runs" / f"{run_id}-a2").exists()  # nothing of attempt 2 on h1
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.communicate()
+        (h1.root / "kmsg").write_text("")  # the stand-in kernel log: the next test's GPUs without this Xid

@@ -170,3 +170,16 @@ def test_every_fix_holds_wherever_it_is_shown():
         assert not any(word in f.fix for word in ("above", "below")), f.fix
         assert "h2's" in f.fix and "`mnft logs`" in f.fix
     assert found[0].fix == "read h2 rank 1's traceback in h2's output (all of it: `mnft logs`)"
+
+
+def test_a_gpus_new_xid_names_the_run_ahead_of_the_error_the_job_printed_and_says_drain_and_reset():
+    from mnft.run.recover import GpuXid
+
+    lines = ["Traceback (most recent call last):", "RuntimeError: CUDA error: an illegal memory access was encountered"]
+    fell = GpuXid("h2", 1, 79, 1000.0, "pid=7, name=python3, GPU has fallen off the bus.")
+    cause = classify(Seen("h2", "exited", 1, tail=tuple(lines), traceback=tuple(lines), first_step=True, xids=(fell,)))
+    found = diagnose(Evidence(cause=cause, rank=1, trace=tuple(lines), tail=tuple(lines), ranks=RANKS, master="h1"))
+    assert found.kind == "gpu-xid" and "Xid 79 (fallen off the bus) on h2 GPU 1" in found.cause
+    assert found.fix.startswith("Xid 79 needs the GPU reset: drain it (`mnft drain HOST:GPU --reason …` for h2:1)")
+    app = classify(Seen("h2", "exited", 1, tail=tuple(lines), traceback=tuple(lines), first_step=True, xids=(GpuXid("h2", 1, 31, 1000.0, "MMU Fault"),)))
+    assert diagnose(Evidence(cause=app, tail=tuple(lines))).fix.startswith("an Xid of this kind is usually the job's own fault")

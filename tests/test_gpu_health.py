@@ -320,3 +320,20 @@ def test_the_gpu_bench_reads_health_both_ways_side_by_side_and_says_which_it_cou
     assert found["nvidia-smi"]["gpus"] == 4 and found["nvidia-smi"]["median_ms"] > 0
     assert found["nvidia-smi"]["problems"]["0"][0].startswith("lost from the bus")
     assert "| nvidia-smi | " in "\n".join(bench.health_markdown(found))
+
+
+def test_check_does_not_ask_a_host_again_whose_nvidia_smi_stalled_in_the_probe(monkeypatch):
+    # the probe waited its whole bound for nvidia-smi: the lab's look would wait as long again (check took 2 × 5 s)
+    from types import SimpleNamespace
+
+    from mnft.check import gather
+    from mnft.hosts import leases
+
+    asked = []
+    monkeypatch.setattr(leases, "lab", lambda fleet, hosts, timeout=30: asked.extend(h.name for h in hosts) or
+                        {h.name: {"devices": [{"index": 0, "state": "free"}]} for h in hosts})
+    stall = "nvidia-smi did not answer in 5 s: is persistence mode off? a wedged driver?"
+    facts = {"h1": {"nvidia": {"gpus": [{"index": 0}]}}, "h2": {"nvidia": {}, "errors": {"nvidia": stall}}}
+    gather.gpu_leases(None, [SimpleNamespace(name="h1"), SimpleNamespace(name="h2")], facts)
+    assert asked == ["h1"]
+    assert facts["h2"]["gpu_health"]["error"] == stall and facts["h1"]["gpu_health"]["devices"] == [{"index": 0, "state": "free"}]

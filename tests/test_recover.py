@@ -5,10 +5,12 @@ from __future__ import annotations
 from mnft.run.recover import (
     Attempt,
     Cause,
+    GpuXid,
     Policy,
     Seen,
     classify,
     killed_pids,
+    new_xids,
     next_gang,
     oom_killed,
     should_restart,
@@ -103,3 +105,58 @@ def test_a_sigkill_is_the_oom_killers_when_the_kernel_log_names_the_workers_pid(
     log = "[ 812.1] Out of memory: Killed process 8081 (python) total-vm:912kB\n"
     assert oom_killed(log, [8081]) and not oom_killed(log, [808]) and not oom_killed("", [8081])
     assert oom_killed("oom-kill:constraint=CONSTRAINT_NONE,task=python,pid=8081,uid=0", [8081])
+
+
+# ------------------------------------------------------------------------------------------------ a GPU's Xid
+
+
+def view(*devices: tuple[int, list[tuple[int, float]]]) -> dict:
+    """A host's lab view: each device's index and its health's Xids (code, wall time), as leasehost.read_devices reads them."""
+    return {"devices": [{"index": i, "state": "held", "health": {"xids": [{"xid": c, "at": at, "text": "pid=7, name=python3, GPU has fallen off the bus."}
+                                                                         for c, at in xids]}} for i, xids in devices]}
+
+
+def test_only_xids_logged_since_the_attempt_started_on_the_runs_own_gpus_are_its():
+    views = {"h1": view((0, [(79, 1000.0)]), (1, [(79, 990.0), (13, 1005.0)]), (2, [(48, 1010.0)])),
+             "h2": view((0, [(31, 1002.0)]))}
+    # --gpus: h1's GPUs 1 and 2 were the run's; h2 not named (every GPU of it). GPU 1's Xid 79 was there before
+    found = new_xids(views, {"h1": (1, 2)}, since=1000.0)
+    assert [(x.host, x.gpu, x.xid) for x in found] == [("h2", 0, 31), ("h1", 1, 13), ("h1", 2, 48)]
+    assert new_xids(views, {"h1": (3,)}, since=1000.0)[0].host == "h2"  # h1's other GPUs were another run's
+    assert new_xids({"h1": {"error": "unreachable"}}, {}, 0.0) == ()
+    assert [x.xid for x in new_xids({"h1": view((0, [(79, 999.5)]))}, {}, since=1000.0)] == [79]  # within the clocks' slack
+
+
+def test_a_failure_with_a_new_xid_is_named_with_it_and_keeps_what_the_workers_said():
+    xid = GpuXid("h1", 0, 79, 1000.0, "pid=7, name=python3, GPU has fallen off the bus.")
+    found = classify(Seen("h1", "exited", 1, tail=tuple(SUMMARY), first_step=True, last_step=30, xids=(xid,)))
+    assert found.kind == "gpu-xid" and found.retried and found.counted and found.xids == (xid,)
+    assert found.detail.startswith("h1 rank 3 was killed by SIGKILL; Xid 79 (fallen off the bus) on h1 GPU 0 at ")
+    assert found.unfit == {"h1": "Xid 79 on its GPU 0"} and found.to_json()["xids"][0]["gpu"] == 0
+    # an import error with an Xid is the GPU's, retried (the same import without one: never retried)
+    startup = classify(Seen("h1", "exited", 1, traceback=("RuntimeError: CUDA error: unknown error",), xids=(xid,)))
+    assert startup.kind == "gpu-xid" and startup.retried
+    # a host lost stays host-lost (its kernel log is not read: it does not answer)
+    assert classify(Seen("h1", "lost", None, xids=(xid,))).kind == "host-lost"
+
+
+def test_the_same_application_xid_at_the_same_step_on_another_host_is_deterministic():
+    first = classify(Seen("h1", "exited", 1, first_step=True, last_step=8, xids=(GpuXid("h1", 0, 13, 1.0),)))
+    again = classify(Seen("h3", "exited", 1, first_step=True, last_step=8, xids=(GpuXid("h3", 0, 13, 2.0),)))
+    history = [Attempt(1, ("h1", "h2"), first, counted=True)]
+    assert should_restart(Policy(max_restarts=3), history, again).restart is False
+    other = classify(Seen("h3", "exited", 1, first_step=True, last_step=8, xids=(GpuXid("h3", 0, 79, 2.0),)))
+    assert should_restart(Policy(max_restarts=3), history, other).restart is True
+
+
+def test_a_host_whose_gpu_logged_an_xid_is_never_reused_a_spare_takes_its_place_or_the_gang_shrinks():
+    unfit = {"h2": "Xid 79 on its GPU 1"}
+    gang = next_gang(("h1", "h2", "h3"), [], set(), ["h4"], None, False, unfit)
+    assert gang.hosts == ("h1", "h4", "h3") and gang.why == "h2 replaced by the spare h4 (Xid 79 on its GPU 1: not used again in this run)"
+    # it answers (it is not lost): still not reused
+    assert next_gang(("h1", "h2", "h3"), ["h2"], {"h2"}, ["h4"], None, False, unfit).hosts == ("h1", "h4", "h3")
+    shrunk = next_gang(("h1", "h2", "h3"), [], set(), [], 2, True, unfit)
+    assert shrunk.hosts == ("h1", "h3") and "h2 (Xid 79 on its GPU 1: not used again in this run) dropped: continuing on 2 hosts" in shrunk.why
+    none = next_gang(("h1", "h2"), [], set(), [], None, False, unfit)
+    assert none.hosts is None and none.why.startswith("h2 (Xid 79 on its GPU 1: not used again in this run) lost and no spare left")
+    assert next_gang(("h1", "h3"), [], set(), ["h4"], None, False, unfit).hosts == ("h1", "h3")  # not in the gang: nothing to do

@@ -315,11 +315,19 @@ def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str
     return report
 
 
+STALLED = "did not answer in"  # the probe's and the lease script's words for a GPU read that hung (leasehost.stalled_line)
+
+
 def gpu_leases(fleet: Fleet, hosts: list[Host], facts: dict[str, dict]) -> None:
     """On hosts with GPUs, the lab's view of them (mnft.hosts.lab): whose run holds a GPU in use (each GPU's
     "lease"), and each GPU's health and drain mark as the host judges them ("gpu_health": the lab's devices, or
-    {"error"}: rules.gpu_health). Asked only there: a lab without GPUs costs no round-trip more."""
+    {"error"}: rules.gpu_health). Asked only there: a lab without GPUs costs no round-trip more, and a host whose
+    nvidia-smi the probe saw stall is not asked again (its health: the stall)."""
     busy = [h for h in hosts if (facts[h.name].get("nvidia") or {}).get("gpus") or "nvidia" in (facts[h.name].get("errors") or {})]
+    for host in [h for h in busy if STALLED in str((facts[h.name].get("errors") or {}).get("nvidia") or "")]:
+        # the probe's nvidia-smi already stalled for its whole bound: asking again would double check's time
+        facts[host.name]["gpu_health"] = {"devices": [], "error": str(facts[host.name]["errors"]["nvidia"]), "drain_problem": None}
+        busy.remove(host)
     if not busy:
         return
     from mnft.hosts import leases

@@ -13,6 +13,8 @@ Recognised, in this order (the first that matches names the run's end):
   host-oom           host memory ran out: the kernel's OOM killer killed a worker, or torch could not allocate
   non-finite         the loss or gradients were not finite (the step)
   host-lost          a host stopped answering
+  gpu-xid            a GPU the attempt ran on logged an Xid since it started (checked before every other cause
+                     but host-lost: an illegal memory access or a NCCL error is what a broken GPU makes a job say)
   killed             a worker, or a host's torchrun or container (no traceback: `podman kill`, exit code 137), was killed by a signal
   startup            the job failed before its first step
   failed             anything else: the exit code and the traceback's last line
@@ -95,6 +97,8 @@ def diagnose(e: Evidence) -> Diagnosis:
     if kind == "host-lost":
         return Diagnosis("host-lost", e.cause.detail, f"bring {host} back (power, network), or add a `spare: true` host and "
                          "run with --max-restarts so mnft continues without it; then `mnft train --resume`")
+    if kind == "gpu-xid":
+        return Diagnosis("gpu-xid", e.cause.detail, xid_fix(e.cause))
     if match := _first(MODULE, lines):
         module = match.group(1)
         python = e.python.get(host, "the host's Python")
@@ -187,6 +191,25 @@ def read_traceback(who: str, host: str) -> str:
     """Where the failing rank's traceback is, in words that hold wherever a fix is shown (after the lines at the end
     of `train`, in `status`, above the hosts' lines on the board): by its host's output, never "above" or "below"."""
     return f"read {who}'s traceback in {host}'s output (all of it: `mnft logs`)"
+
+
+def xid_fix(cause: Cause) -> str:
+    """What to do about the Xids of a failed attempt: a reset kind's GPU drained and reset; an application kind's
+    (13, 31, 43: a bad address, an illegal instruction) looked at in the job first."""
+    from mnft.hosts.leasehost import RESET_XIDS
+
+    gpus: dict[str, list[str]] = {}
+    for x in cause.xids:
+        if x.gpu is not None and str(x.gpu) not in gpus.setdefault(x.host, []):
+            gpus[x.host].append(str(x.gpu))
+    where = "; ".join(f"{h}:{','.join(g)}" if g else h for h, g in gpus.items()) or "HOST:GPU"
+    reset = sorted({x.xid for x in cause.xids if x.xid in RESET_XIDS})
+    spare = "mnft restarts a run (--max-restarts) on a spare or fewer hosts, never on that host again"
+    if reset:
+        return (f"Xid {', '.join(map(str, reset))} needs the GPU reset: drain it (`mnft drain HOST:GPU --reason …` for {where}), "
+                f"then `nvidia-smi -r -i GPU` with nothing on it, or reboot the host; {spare}")
+    return (f"an Xid of this kind is usually the job's own fault (a bad address, an illegal instruction): read the traceback and "
+            f"`dmesg` on {', '.join(sorted({x.host for x in cause.xids}))}; drain the GPU if it recurs elsewhere; {spare}")
 
 
 def _spoke(tail: tuple[tuple[int | None, str], ...]) -> bool:

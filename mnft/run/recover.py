@@ -5,6 +5,9 @@ re-check and the relaunch.
 Causes, in the order they are recognised:
   host-lost    a host's agent stopped answering (link cut, machine down): the host is waited for, then reused,
                replaced by a spare, or dropped (--min-nodes)
+  gpu-xid      a GPU the attempt ran on logged an Xid in its host's kernel log after the attempt started (whatever
+               else the workers said: that is kept in the detail): the host is never used again in this run, as a
+               host lost for good (a spare in its place, or fewer hosts)
   resume-exit  a worker exited with a code the job declared as "stopped on its own, resume me" (VILA's 124):
                restarted without counting against N, unless it made no progress since the previous attempt
   non-finite   the job stopped because its loss or gradients were not finite: never retried (it diverged; a
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import math
 import re
+import time
 from dataclasses import dataclass, field, replace
 
 from mnft.check.findings import CheckOptions
@@ -89,6 +93,48 @@ def launcher_signal(code: int | None) -> str | None:
     return SIGNALS.get(number, f"signal {number}") if number else None
 
 
+XID_SLACK_S = 1.0  # an Xid logged up to this long before the attempt's start counts as its own (clocks, rounding)
+
+
+@dataclass(frozen=True)
+class GpuXid:
+    """An Xid a host's kernel logged for one of the run's GPUs."""
+
+    host: str
+    gpu: int | None
+    xid: int
+    at: float  # wall time
+    text: str = ""
+
+    def words(self) -> str:
+        """"Xid 79 (fallen off the bus) on h1 GPU 0 at 10:02:03"."""
+        from mnft.hosts.leasehost import RESET_XIDS
+
+        what = RESET_XIDS.get(self.xid) or " ".join(self.text.split()[-6:]) or "see dmesg"
+        return f"Xid {self.xid} ({what}) on {self.host} GPU {'?' if self.gpu is None else self.gpu} at {time.strftime('%H:%M:%S', time.localtime(self.at))}"
+
+    def to_json(self) -> dict:
+        return {"host": self.host, "gpu": self.gpu, "xid": self.xid, "at": self.at, "text": self.text}
+
+
+def new_xids(views: dict[str, dict], visible: dict[str, tuple[int, ...]], since: float) -> tuple[GpuXid, ...]:
+    """The Xids logged since an attempt started on the GPUs it ran on. views: host -> its lab view (mnft.hosts.lab.look:
+    each device with its health's `xids`, read from the host's kernel log); visible: host -> the GPUs the run took
+    there (--gpus; a host not named: the run had every GPU of it). Pure."""
+    found = []
+    for host, view in views.items():
+        mine = visible.get(host)
+        for device in view.get("devices") or []:
+            index = device.get("index") if isinstance(device, dict) else None
+            if not isinstance(device, dict) or (mine and index not in mine):
+                continue
+            for x in (device.get("health") or {}).get("xids") or []:
+                at, code = x.get("at"), x.get("xid")
+                if isinstance(code, int) and isinstance(at, (int, float)) and at >= since - XID_SLACK_S:
+                    found.append(GpuXid(host, index if isinstance(index, int) else None, code, float(at), str(x.get("text") or "")[:200]))
+    return tuple(sorted(found, key=lambda x: (x.at, x.host, x.gpu if x.gpu is not None else -1)))
+
+
 @dataclass(frozen=True)
 class Seen:
     """What the supervisor saw of a failed attempt (mnft.run.train gathers it)."""
@@ -104,15 +150,25 @@ class Seen:
     resume_codes: tuple[int, ...] = ()
     oom: bool = False  # the host's kernel log says it killed one of the run's processes for memory
     container: bool = False  # the job ran in a container (a job with an image): the host's launcher is its runtime's process
+    xids: tuple[GpuXid, ...] = ()  # Xids the run's GPUs logged since the attempt started (new_xids)
 
 
 @dataclass(frozen=True)
 class Cause:
-    kind: str  # host-lost | resume-exit | non-finite | startup | signal | failed
+    kind: str  # host-lost | gpu-xid | resume-exit | non-finite | startup | signal | failed
     host: str | None
     detail: str  # one line for a person
     step: int | None = None  # the last training step seen
     code: int | None = None  # the worker's exit code (negative: signal)
+    xids: tuple[GpuXid, ...] = ()  # gpu-xid: the Xids, each with its host and GPU
+
+    @property
+    def unfit(self) -> dict[str, str]:
+        """host -> why the next attempts never run there (its GPU logged an Xid during this attempt)."""
+        out: dict[str, list[str]] = {}
+        for x in self.xids:
+            out.setdefault(x.host, []).append(f"Xid {x.xid} on its GPU {'?' if x.gpu is None else x.gpu}")
+        return {host: ", ".join(dict.fromkeys(words)) for host, words in out.items()}
 
     @property
     def retried(self) -> bool:
@@ -128,13 +184,27 @@ class Cause:
             other.kind, other.code, other.step, other.host if other.kind == "host-lost" else None, other._what())
 
     def _what(self) -> str:
+        if self.kind == "gpu-xid":  # the same Xid codes at the same step on other GPUs: the job's doing (Xid 13, 31)
+            return ",".join(str(c) for c in sorted({x.xid for x in self.xids}))
         return self.detail.rsplit(": ", 1)[-1] if self.kind in ("failed", "startup") else ""
 
     def to_json(self) -> dict:
-        return {"kind": self.kind, "host": self.host, "detail": self.detail, "step": self.step, "code": self.code}
+        out = {"kind": self.kind, "host": self.host, "detail": self.detail, "step": self.step, "code": self.code}
+        if self.xids:
+            out["xids"] = [x.to_json() for x in self.xids]
+        return out
 
 
 def classify(seen: Seen) -> Cause:
+    """The cause of a failed attempt. An Xid on one of its GPUs since it started names it (gpu-xid), with what the
+    workers said before it: the GPU, not the job, is the first suspect (a lost host stays host-lost)."""
+    cause = _classify(seen)
+    if not seen.xids or cause.kind == "host-lost":
+        return cause
+    return Cause("gpu-xid", cause.host, f"{cause.detail}; " + "; ".join(x.words() for x in seen.xids), cause.step, cause.code, seen.xids)
+
+
+def _classify(seen: Seen) -> Cause:
     host = seen.failed_host
     step = seen.last_step
     if seen.host_state == "lost":
@@ -226,13 +296,17 @@ class Gang:
 
 
 def next_gang(gang: tuple[str, ...], lost: list[str], back: set[str], spares: list[str], min_nodes: int | None,
-              elastic: bool) -> Gang:
+              elastic: bool, unfit: dict[str, str] | None = None) -> Gang:
     """Hosts that answered again keep their place; a lost host gets a spare's place (in order); without a spare
-    the gang shrinks when the job allows it and at least min_nodes remain; else no gang."""
+    the gang shrinks when the job allows it and at least min_nodes remain; else no gang. unfit: host -> why it is
+    never used again in this run (a GPU's Xid, Cause.unfit): replaced or dropped as a host lost for good."""
+    unfit = {h: why for h, why in (unfit or {}).items() if h in gang}
+    lost = list(lost) + [h for h in unfit if h not in lost]
+    back = set(back) - set(unfit)
     hosts = list(gang)
     replaced: dict[str, str] = {}
     dropped: list[str] = []
-    free = [s for s in spares if s not in gang]
+    free = [s for s in spares if s not in gang and s not in unfit]
     for name in lost:
         if name in back:
             continue
@@ -243,15 +317,19 @@ def next_gang(gang: tuple[str, ...], lost: list[str], back: set[str], spares: li
         else:
             hosts.remove(name)
             dropped.append(name)
-    notes = [f"{a} replaced by the spare {b}" for a, b in replaced.items()]
+    def why(name: str) -> str:
+        return f" ({unfit[name]}: not used again in this run)" if name in unfit else ""
+
+    notes = [f"{a} replaced by the spare {b}{why(a)}" for a, b in replaced.items()]
     if dropped:
+        which = ", ".join(f"{d}{why(d)}" for d in dropped)
         if not elastic:
-            return Gang(None, replaced, tuple(dropped), f"{', '.join(dropped)} lost and no spare left; the job is not elastic "
+            return Gang(None, replaced, tuple(dropped), f"{which} lost and no spare left; the job is not elastic "
                         "(a job file's `elastic: true` allows running on fewer hosts)")
         if min_nodes is None or len(hosts) < min_nodes:
             need = "--min-nodes is not set" if min_nodes is None else f"fewer than --min-nodes {min_nodes} would remain"
-            return Gang(None, replaced, tuple(dropped), f"{', '.join(dropped)} lost and no spare left; {need}")
-        notes.append(f"{', '.join(dropped)} dropped: continuing on {len(hosts)} hosts")
+            return Gang(None, replaced, tuple(dropped), f"{which} lost and no spare left; {need}")
+        notes.append(f"{which} dropped: continuing on {len(hosts)} hosts")
     notes += [f"{n} answers again: reused" for n in lost if n in back]
     return Gang(tuple(hosts), replaced, tuple(dropped), "; ".join(notes) or "the same hosts")
 

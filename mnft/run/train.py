@@ -429,7 +429,7 @@ class Run:
                 if result.ok:
                     live.update(state="succeeded")
                     return finish(record, result, self.timings, self.t0, fleet, self.console)
-                cause = recover.classify(self.seen(result, display))
+                cause = recover.classify(self.seen(result, display, entry["started"]))
                 decision = recover.should_restart(self.policy, history, cause)
                 diagnosis = self.diagnose(fleet, result, cause, display, port)
                 entry.update(cause=cause.to_json(), diagnosis=diagnosis.to_json(), decision=decision.why,
@@ -451,7 +451,8 @@ class Run:
             t_wait = time.monotonic()
             back = self.wait_for(inventory, lost, wait)
             entry["wait_s"] = round(time.monotonic() - t_wait, 3)
-            new = recover.next_gang(gang_names, lost, back, [s for s in spares if s not in lost], self.policy.min_nodes, self.lopts.job.elastic)
+            new = recover.next_gang(gang_names, lost, back, [s for s in spares if s not in lost], self.policy.min_nodes, self.lopts.job.elastic,
+                                    cause.unfit)
             entry.update(next=new.why)
             record.save()
             if new.hosts is None:
@@ -536,8 +537,8 @@ class Run:
             entry["first_step_s"] = round(result.first_step_at - entry["started"], 3)
         return result, display
 
-    def seen(self, result: GangResult, display: Display) -> recover.Seen:
-        """What the supervisor saw of the failed attempt, for recover.classify."""
+    def seen(self, result: GangResult, display: Display, started: float) -> recover.Seen:
+        """What the supervisor saw of the failed attempt (started at `started`), for recover.classify."""
         failed = result.hosts.get(result.failed_host) if result.failed_host else None
         tail = [text for _, text in list(failed.tail)] if failed is not None else []
         _, trace = failure_excerpt(list(failed.tail)) if failed is not None else (None, [])
@@ -552,7 +553,19 @@ class Run:
             first_step=display.first_step is not None or result.first_step_at is not None,
             last_step=display.last_step, last_loss=loss, resume_codes=self.lopts.job.resume.exit_codes,
             oom=self.oom(result.failed_host, tail), container=bool(self.lopts.job.image),
+            xids=self.gpu_xids([n for n, h in result.hosts.items() if h.state != "lost"], started),
         )
+
+    def gpu_xids(self, hosts: list[str], since: float) -> tuple[recover.GpuXid, ...]:
+        """The Xids the run's GPUs on these hosts logged since `since`: one look at each (mnft.hosts.lab.look, the
+        health read `mnft lab` makes, bounded), judged by recover.new_xids."""
+        from mnft.hosts.lab import look
+
+        if not hosts:
+            return ()
+        with Fleet(self.inventory.only(hosts), Timeouts(connect=5.0)) as fleet:
+            views = look(fleet, fleet.inventory.hosts)
+        return recover.new_xids(views, self.visible, since)
 
     def diagnose(self, fleet: Fleet, result: GangResult, cause: recover.Cause, display: Display, port: int) -> diagnosing.Diagnosis:
         """The failed attempt's cause and fix, for a person (mnft.run.diagnose)."""
