@@ -140,7 +140,7 @@ def test_a_workdir_the_nodes_do_not_see_is_found_by_the_check_step_before_anythi
     said = followed.stdout + followed.stderr
     assert "h2: workdir: /tmp/mnft-private does not exist on this node: the nodes do not see the login node's workdir" in said, said[-3000:]
     assert "set `workdir:` (in the --hosts inventory) to a directory on the shared filesystem" in said
-    assert "does not exist (a job" not in said and "script rank=" not in said  # refused in the check: nothing started
+    assert "does not exist (train places" not in said and "script rank=" not in said  # refused in the check: nothing started
 
 
 FAILS = """\

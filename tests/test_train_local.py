@@ -93,8 +93,11 @@ def test_a_host_that_cannot_start_is_recorded_failed_with_its_error(tmp_path):
     record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
     assert record["state"] == "failed" and record["launched"] is True
     assert record["hosts"]["me"]["state"] == "failed-to-start"
-    assert record["hosts"]["me"]["error"] == (f"working directory {tmp_path / 'nowork' / 'outputs' / record['job_id']} does not exist (a job's code "
-                                              "is placed there by train; --no-sync runs a job whose code is already there: a --resume)")
+    # --no-sync on a new job: the code `sync` left in the workdir, run there (and there is none)
+    assert record["hosts"]["me"]["error"] == (f"working directory {tmp_path / 'nowork'} does not exist (train places "
+                                              "a job's code there; with --no-sync, a new job runs what the `sync` task left in the workdir, a resume "
+                                              "what its job's directory holds)")
+    assert record["launch"] == {"in_workdir": True}
 
 
 def test_a_bug_in_mnft_during_supervision_ends_the_run_recorded_with_its_processes_gone(tmp_path, local_inventory):

@@ -735,7 +735,7 @@ def launch():
     secrets = spec.pop("secrets", None) or {}
     wrapper = spec.pop("entry", None)
     if not os.path.isdir(_path(spec.get("cwd") or "~")):
-        emit("error", message="working directory %s does not exist (a job's code is placed there by train; --no-sync runs a job whose code is already there: a --resume)" % spec.get("cwd"))
+        emit("error", message="working directory %s does not exist (train places a job's code there; with --no-sync, a new job runs what the `sync` task left in the workdir, a resume what its job's directory holds)" % spec.get("cwd"))
         return 2
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)

@@ -55,6 +55,7 @@ class LaunchOptions:
     deadman: float = 15.0  # a host's agent tears its run down after this long without the controller
     grace: float = 10.0  # SIGTERM -> SIGKILL
     rdzv_timeout: int = 300  # seconds the rendezvous waits for every host to join (torch's own default: 600)
+    in_workdir: bool = False  # --no-sync on a new job: run the code `sync` left in the workdir, there (not a job's directory)
 
 
 @dataclass(frozen=True)
@@ -183,10 +184,11 @@ def _join(base: str, *parts: str) -> str:
     return "/".join([base.rstrip("/"), *parts])
 
 
-def host_path(host: Host, path: str, job_id: str) -> str:
+def host_path(host: Host, path: str, job_id: str, in_workdir: bool = False) -> str:
     """A job's path on a host: absolute or ~/… as given, else relative to the job's working directory (its code
-    and what it writes: job_dir), as a script's own relative paths are."""
-    return path if path.startswith(("/", "~")) else _join(job_dir(host, job_id), path)
+    and what it writes: job_dir; the workdir for a run of `sync`'s code there: in_workdir), as a script's own relative
+    paths are."""
+    return path if path.startswith(("/", "~")) else _join(host.workdir if in_workdir else job_dir(host, job_id), path)
 
 
 def job_dir(host: Host, job_id: str) -> str:
@@ -201,12 +203,13 @@ def output_dir(host: Host, job_id: str) -> str:
 
 
 def placeholders(inventory: Inventory, host: Host, *, master_addr: str, port: int, run_id: str, job_id: str,
-                 latest_checkpoint: str | None = None) -> dict[str, str]:
+                 latest_checkpoint: str | None = None, in_workdir: bool = False) -> dict[str, str]:
     """What a job's placeholders mean on one host (mnft.run.job.PLACEHOLDERS)."""
     values = {
         "output_dir": output_dir(host, job_id), "run_id": run_id, "job_id": job_id, "nnodes": str(len(inventory.hosts)),
         "nproc_per_node": str(host.slots), "world_size": str(inventory.world_size), "node_rank": str(host.rank),
-        "master_addr": master_addr, "master_port": str(port), "workdir": job_dir(host, job_id), "data_dir": host.data_dir,
+        "master_addr": master_addr, "master_port": str(port), "workdir": host.workdir if in_workdir else job_dir(host, job_id),
+        "data_dir": host.data_dir,
     }
     if latest_checkpoint is not None:
         values["latest_checkpoint"] = latest_checkpoint
@@ -280,9 +283,9 @@ def plan(
     for host in hosts:
         # per host, under the host's own name: hosts sharing a home (NFS) never share a spec, pgid, log or agent
         run_dir = _join(host.workdir, "runs", attempt_id(run_id, attempt), host.name)
-        values = placeholders(inventory, host, master_addr=master_addr, port=port, run_id=run_id, job_id=job_id)
+        values = placeholders(inventory, host, master_addr=master_addr, port=port, run_id=run_id, job_id=job_id, in_workdir=options.in_workdir)
         if latest_checkpoint is not None:
-            values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values), job_id), latest_checkpoint)
+            values["latest_checkpoint"] = _join(host_path(host, fill(job.resume.checkpoints, values), job_id, options.in_workdir), latest_checkpoint)
             values["latest_checkpoint_name"] = latest_checkpoint
         argv = [
             host.python, "-m", "torch.distributed.run",
@@ -300,7 +303,7 @@ def plan(
         argv += [_join(run_dir, ENTRY), *job.entry, *(fill(a, values) for a in job.args), *job.extra_args]
         if with_resume:
             argv += [fill(a, values) for a in job.resume.args]
-        cwd = job_dir(host, job_id)
+        cwd = host.workdir if options.in_workdir else job_dir(host, job_id)
         host_env = {"PYTHONUNBUFFERED": "1", "PYTHONPATH": cwd, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": RANK_TEMPLATE,
                     "MNFT_OUTPUT_DIR": values["output_dir"], "MNFT_JOB_ID": job_id, "MNFT_ATTEMPT": str(attempt)}
         host_env.update({name: fill(value, values) for name, value in job.env})
@@ -313,7 +316,7 @@ def plan(
         if iface:
             host_env["NCCL_SOCKET_IFNAME"] = iface
             host_env["GLOO_SOCKET_IFNAME"] = iface
-        checkpoints = host_path(host, fill(job.resume.checkpoints, values), job_id)
+        checkpoints = host_path(host, fill(job.resume.checkpoints, values), job_id, options.in_workdir)
         container = None
         if job.image:
             rt = (runtimes or {}).get(host.name)
@@ -328,7 +331,7 @@ def plan(
         # static: the master is node 0, so rank 0's files are there; c10d: torch picks the ranks, so every host's
         # agent watches the path and only rank 0's host has it
         rank0_here = options.rdzv == "c10d" or host.name == inventory.master_name
-        metrics_path = host_path(host, fill(source.path, values), job_id) if source.path else None
+        metrics_path = host_path(host, fill(source.path, values), job_id, options.in_workdir) if source.path else None
         timings = _join(values["output_dir"], TIMINGS) if job.recipe else None  # mnft/recipes/timing.py writes them
         launches.append(
             HostLaunch(

@@ -130,6 +130,10 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         previous = previous_run(options.resume_run)
         job_id = previous.data.get("job_id", previous.run_id)
         lopts = replace(lopts, resume=True)
+        if (previous.data.get("launch") or {}).get("in_workdir"):  # a job started in the workdir goes on there, on its code
+            lopts, options = replace(lopts, in_workdir=True), replace(options, sync=False)
+    elif not options.sync:  # a new job without code of its own (--no-sync): what `sync` left in the workdir, run there
+        lopts = replace(lopts, in_workdir=True)
         if why := not_resumable(job):
             raise InputError(why)
     if job.recipe:
@@ -161,7 +165,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
             env_specs=list(lopts.env), env_files=list(lopts.env_files), rdzv=lopts.rdzv, resume=lopts.resume,
             resumed_from=previous.run_id if previous else None, detach=lopts.detach, inventory=snapshot(inventory), hosts={},
-            timings=timings, state="checking", launched=False,
+            timings=timings, state="checking", launched=False, launch={"in_workdir": lopts.in_workdir},
             code_hash=guard.code.tree.digest if guard.code is not None else None,
             code={"src": str(guard.code.source), "hash": guard.code.tree.digest, "files": len(guard.code.tree.files),
                   "snapshot": str(guard.code.tree.root), "job_dir": launching.job_dir(inventory.hosts[0], job_id)} if guard.code is not None else None,
@@ -170,7 +174,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         )
     # the run's devices and workdir on every host; taken by another run (or a host under setup) refuses it here,
     # untouched, unless it waits in line
-    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait, below=f"outputs/{job_id}"), on_wait=WaitLine(console).update,
+    guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait, below="" if lopts.in_workdir else f"outputs/{job_id}"), on_wait=WaitLine(console).update,
                image=job.image)
     held = guard.leases
     visible = {h: tuple(d["index"] for d in found if d.get("index") is not None) for h, found in held.devices.items()} \
