@@ -130,12 +130,12 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         previous = previous_run(options.resume_run)
         job_id = previous.data.get("job_id", previous.run_id)
         lopts = replace(lopts, resume=True)
+        if why := not_resumable(job):
+            raise InputError(why)
         if (previous.data.get("launch") or {}).get("in_workdir"):  # a job started in the workdir goes on there, on its code
             lopts, options = replace(lopts, in_workdir=True), replace(options, sync=False)
     elif not options.sync:  # a new job without code of its own (--no-sync): what `sync` left in the workdir, run there
         lopts = replace(lopts, in_workdir=True)
-        if why := not_resumable(job):
-            raise InputError(why)
     if job.recipe:
         parse_overrides(job.extra_args)  # bad input fails before any host is touched
     policy = options.recovery
