@@ -68,6 +68,7 @@ class TrainOptions:
     gpus: int | None = None  # --gpus G: G devices on each host (None: every device, as a host's slots say)
     nodes: int | None = None  # --nodes N: N hosts of the inventory, where the devices are free
     wait: float | None = None  # --wait [S]: wait in line for the devices (inf: as long as it takes)
+    notify: Any = None  # --notify CMD (mnft.run.notify.Notify): told when it starts after waiting in line and when it ends
 
 
 # ------------------------------------------------------------------------------------------------ port
@@ -111,7 +112,8 @@ def pass_env_specs(job: Job, environ: dict[str, str], env_files: tuple[str, ...]
 
 
 def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
-    with Guard() as guard:  # the hosts' leases, let go at the end; an interrupt recorded (mnft.run.guard)
+    warn = lambda text: console.print(Text(text, style="yellow"), soft_wrap=True)  # noqa: E731
+    with Guard(options.notify, warn) as guard:  # the hosts' leases, let go at the end; an interrupt recorded; --notify (mnft.run.guard)
         try:
             return _train(inventory, options, console, guard)
         finally:
