@@ -319,17 +319,20 @@ def _job(recipe, job_file, entry, overrides):
         "image": "run torchrun inside this container image on every host (podman, docker or apptainer: a reference, or a .sif "
                  "path); check compares its id on every host; also a job file's image: (see docs/containers.md)",
         "notify": NOTIFY_HELP,
+        "idle_stop": "end the run once its GPUs have all been idle this long (30m, 2h …: utilisation at most 5% and memory "
+                     "unchanged; docs/lab.md); a host's lab-wide idle_stop applies when lower",
     },
 )
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
           slurm=False, partition=None, nodes=None, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
-          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None, notify=None):  # last: the earlier options keep their short flags
+          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None, notify=None, idle_stop=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
     from mnft.check.findings import CheckOptions
+    from mnft.core import durations
     from mnft.core.errors import InputError
     from mnft.run.launch import LaunchOptions
     from mnft.run.recover import Policy
@@ -361,6 +364,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         from mnft.slurm.submit import SlurmTrain
         from mnft.slurm.submit import train as slurm_train
 
+        if idle_stop is not None:
+            raise InputError("--idle-stop is enforced by mnft's keepers on the lab's own hosts: under --slurm, Slurm's time limit (--time) bounds the job")
         if gpus is not None or wait is not None:
             raise InputError("--gpus and --wait share a lab's hosts without a scheduler: under --slurm, Slurm places the job "
                              "(--gpus-per-node, and it queues the job itself)")
@@ -370,7 +375,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         return slurm_train(SlurmTrain(the_job, asked, template, envs, env_files, rdzv, rdzv_timeout, int(port), Path(src) if src else None,
                                       not no_sync, dry_run, resume_run, resume, detach), _console())
     options = TrainOptions(
-        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout),
+        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout,
+                             idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None),
         check=CheckOptions(port=int(port) or None),
         force=force,
         src=Path(src) if src else None,

@@ -32,6 +32,7 @@ from mnft.run.gang import agent_command, agent_payload
 from mnft.run.launch import new_run_id
 from mnft.run.rerun import snapshot
 
+IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.run.agent.IdleWatch)
 LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
 
 
@@ -55,7 +56,7 @@ def outcome(code: int | None, reason: str | None) -> str:
         return "stopped"
     if "--time" in why:
         return "timed-out"
-    if "--idle-stop" in why:
+    if why.startswith(IDLE_REASON):  # --idle-stop, or the lab's idle_stop
         return "idle-stopped"
     if why:
         return "lost"
