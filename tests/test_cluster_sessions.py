@@ -245,3 +245,35 @@ def test_usage_counts_exactly_the_gpu_time_a_session_held_for_its_user_and_anoth
     done = subprocess.run(lab.ssh_argv(lab.hosts[0], ["python3", "-c", erase], user="alice"), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "erased" not in done.stdout and done.stdout.split() == ["13", "1", "1"], done.stdout + done.stderr
     assert [u["gpu_seconds"] for u in usage()["users"] if u["user"] == "bob"] == [mine[0]["gpu_seconds"]]
+
+
+def test_a_train_run_is_ended_by_the_labs_idle_stop_which_a_users_longer_idle_stop_cannot_raise(lab, tmp_path):
+    import fakegpu
+
+    alice = Person(lab, tmp_path, "alice")
+    host = lab.hosts[0]
+    state = str(lab._fake_gpu_state(host))
+    rules = [d / "mnft-lab.yaml" for d in (host.root / "run" / "lock", host.root / "tmp") if d.is_dir()]  # the lease directory
+    for path in rules:
+        path.write_text("idle_stop: 8s\n")  # the admin's (root's, 0644)
+        path.chmod(0o644)
+    for index in (0, 1):
+        fakegpu.set_utilization(state, index, 0)
+    try:
+        src = tmp_path / "src"
+        src.mkdir()
+        (src / "hold.py").write_text(HOLD)
+        done = alice.mnft("train", "--hosts", alice.inventory, "--gpus", "1", "--src", str(src), "--idle-stop", "1h", "--", "hold.py", timeout=180)
+        assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+        run = next(p for p in (alice.dir / "runs").iterdir() if (p / "run.json").is_file())
+        record = json.loads((run / "run.json").read_text())
+        assert record["state"] == "idle-stopped", done.stdout[-3000:]
+        assert record["reason"].startswith("h1: its GPUs were idle for ") and "(the lab's idle_stop 8s, " in record["reason"]
+        assert "--idle-stop 1h00m is more than this host allows" in done.stdout  # said in the run's output, once
+        assert f"run {record['run_id']} idle-stopped: h1: its GPUs were idle" in done.stdout
+        assert held_rows(alice.lab()) == [] and tagged(lab, host, record["run_id"]) == []
+    finally:
+        for path in rules:
+            path.unlink()
+        for index in (0, 1):
+            fakegpu.set_utilization(state, index, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from mnft.core import durations
@@ -98,3 +100,63 @@ def test_wait_looks_until_the_run_has_ended_and_exits_with_its_outcome(tmp_path,
 
     assert notify.wait(record, look, sleep=lambda s: None) == "failed" and len(looks) == 3
     assert [notify.exit_code(s) for s in ("succeeded", "ended", "stopped", "failed", "timed-out", "idle-stopped")] == [0, 0, 130, 1, 1, 1]
+
+
+# ------------------------------------------------------------------------------------------------ the lab's idle_stop
+
+
+def test_a_users_idle_stop_may_lower_the_labs_but_never_raise_it():
+    lab = {"path": "/etc/mnft/lab.yaml", "idle_stop": 7200.0}
+    assert agent.idle_limit(None, {}) == (None, None, None)
+    assert agent.idle_limit(1800, {}) == (1800.0, "--idle-stop 30m", None)
+    assert agent.idle_limit(1800, lab) == (1800.0, "--idle-stop 30m", None)  # lowered by the user
+    assert agent.idle_limit(5 * 3600, lab) == (7200.0, "the lab's idle_stop 2h00m, /etc/mnft/lab.yaml",
+                                               "--idle-stop 5h00m is more than this host allows: ended once its GPUs have all been "
+                                               "idle for 2h00m (the lab's idle_stop 2h00m, /etc/mnft/lab.yaml)")
+    assert agent.idle_limit(None, lab)[:2] == (7200.0, "the lab's idle_stop 2h00m, /etc/mnft/lab.yaml")  # none asked: the lab's
+
+
+def test_the_labs_rules_count_only_from_a_file_only_root_can_have_written(tmp_path):
+    good = tmp_path / "lab.yaml"
+    good.write_text("# set by the admins\nidle_stop: 2h   # nights and weekends\nother: 1\n")
+    good.chmod(0o644)
+    assert agent.lab_policy([str(good)]) == {"path": str(good), "idle_stop": 7200.0}
+    good.chmod(0o664)  # the group may write it: anyone of it could lift the limit
+    assert agent.lab_policy([str(good)]) == {}
+    good.chmod(0o644)
+    os.chown(good, 65534, 65534)  # a user's file (in the shared lease directory anyone may create one)
+    assert agent.lab_policy([str(good)]) == {}
+    link = tmp_path / "link.yaml"
+    os.chown(good, 0, 0)
+    link.symlink_to(good)
+    assert agent.lab_policy([str(link)]) == {}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("idle_stop: soon\n")
+    assert agent.lab_policy([str(tmp_path / "missing"), str(bad)]) == {
+        "path": str(bad), "problem": f"{bad}: idle_stop 'soon' is not a duration (2h, 90m …) and is ignored"}
+
+
+def test_durations_on_the_host_read_as_on_the_controller():
+    for text in ("90", "90s", "15m", "2h", "1h30m", "7d", "1.5h"):
+        assert agent.parse_duration(text) == durations.parse(text, "x")
+    for text in ("", "soon", "0", "2 h", "h2", "-5m"):
+        assert agent.parse_duration(text) is None
+
+
+def test_a_runs_gpus_are_its_specs_else_those_its_device_leases_name():
+    assert agent.devices_of({"devices": [2]}) == [2]
+    assert agent.devices_of({"leases": ["/run/lock/mnft-dev-gpu3.json", "/run/lock/mnft-work-ab.json", "/run/lock/mnft-dev-gpu1.json",
+                                        "/run/lock/mnft-dev-cpu.json"]}) == [1, 3]
+
+
+def test_an_idle_stop_by_the_labs_limit_is_an_idle_stopped_session_and_a_detached_runs_end(tmp_path, monkeypatch):
+    from mnft.run.control import write_back
+    from mnft.run.records import RunRecord
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path / "runs"))
+    assert outcome(129, "its GPUs were idle for 2h00m (the lab's idle_stop 2h00m, /etc/mnft/lab.yaml: …)") == "idle-stopped"
+    record = RunRecord.create("20260101-000000-idle", hosts={"h1": {}, "h2": {}}, state="running", job={"entry": ["x.py"]})
+    write_back(record, {"h1": {"state": "exited", "exit_code": 143, "reason": "its GPUs were idle for 30s (--idle-stop 30s: …)"},
+                        "h2": {"state": "exited", "exit_code": 143}})
+    assert (record.data["state"], record.data["failed_host"]) == ("idle-stopped", "h1")
+    assert record.data["reason"] == "h1: its GPUs were idle for 30s (--idle-stop 30s: …)"

@@ -97,6 +97,19 @@ def _wait(value) -> float | None:
     return _seconds("--wait", value, 0.0, most=30 * 86400.0)
 
 
+NOTIFY_HELP = ("run this shell line on this machine when the run starts after waiting in line and when it ends, its outcome in "
+               "MNFT_NOTIFY_* variables (docs/lab.md); killed after 30s (notify.timeout); default: notify: in ~/.mnft.yaml")
+
+
+def _notify(c, given: str | None, job_notify: str | None = None):
+    """--notify, else the job file's notify:, else the user's default (notify: in mnft's user config)."""
+    from mnft.run.notify import settings
+
+    config = getattr(c, "config", None)
+    name = f"~/.{getattr(type(config), 'prefix', 'mnft')}.yaml"
+    return settings(given, job_notify, config, name)
+
+
 def _timeouts(connect_timeout: float, timeout: float):
     from mnft.hosts.connection import Timeouts
 
@@ -305,17 +318,21 @@ def _job(recipe, job_file, entry, overrides):
         "sbatch_arg": "--slurm: one more sbatch option, --name or --name=value (repeat)",
         "image": "run torchrun inside this container image on every host (podman, docker or apptainer: a reference, or a .sif "
                  "path); check compares its id on every host; also a job file's image: (see docs/containers.md)",
+        "notify": NOTIFY_HELP,
+        "idle_stop": "end the run once its GPUs have all been idle this long (30m, 2h …: utilisation at most 5% and memory "
+                     "unchanged; docs/lab.md); a host's lab-wide idle_stop applies when lower",
     },
 )
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
           slurm=False, partition=None, nodes=None, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
-          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None):  # last: the earlier options keep their short flags
+          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None, notify=None, idle_stop=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
     from mnft.check.findings import CheckOptions
+    from mnft.core import durations
     from mnft.core.errors import InputError
     from mnft.run.launch import LaunchOptions
     from mnft.run.recover import Policy
@@ -347,6 +364,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         from mnft.slurm.submit import SlurmTrain
         from mnft.slurm.submit import train as slurm_train
 
+        if idle_stop is not None:
+            raise InputError("--idle-stop is enforced by mnft's keepers on the lab's own hosts: under --slurm, Slurm's time limit (--time) bounds the job")
         if gpus is not None or wait is not None:
             raise InputError("--gpus and --wait share a lab's hosts without a scheduler: under --slurm, Slurm places the job "
                              "(--gpus-per-node, and it queues the job itself)")
@@ -356,7 +375,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         return slurm_train(SlurmTrain(the_job, asked, template, envs, env_files, rdzv, rdzv_timeout, int(port), Path(src) if src else None,
                                       not no_sync, dry_run, resume_run, resume, detach), _console())
     options = TrainOptions(
-        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout),
+        launch=LaunchOptions(job=the_job, rdzv=rdzv, env=envs, env_files=env_files, detach=detach, resume=resume, rdzv_timeout=rdzv_timeout,
+                             idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None),
         check=CheckOptions(port=int(port) or None),
         force=force,
         src=Path(src) if src else None,
@@ -369,6 +389,7 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         gpus=gpus,
         nodes=nodes,
         wait=_wait(wait),
+        notify=_notify(c, notify, the_job.notify),
     )
     return run_train(_inventory(hosts), options, _console())
 
@@ -599,9 +620,11 @@ def uninstall(c, hosts=None, dry_run=False, include_outputs=False, json=False, c
     return report.exit_code()
 
 
-@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "hosts": "inventory (default: the run's)"})
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "hosts": "inventory (default: the run's)",
+                                                              "notify": "run this shell line once the run has ended, its outcome in MNFT_NOTIFY_* variables "
+                                                                        "(a detached run's end; docs/lab.md)"})
 @_mnft_errors
-def wait(c, run=None, hosts=None):
+def wait(c, run=None, hosts=None, notify=None):
     """Block until a run (detached, another terminal's, or a session) has ended; exit 0 if it succeeded (a session:
     ended by itself), 130 if it was stopped or interrupted, 1 otherwise."""
     from mnft.hosts.fleet import Fleet
@@ -611,11 +634,15 @@ def wait(c, run=None, hosts=None):
     from mnft.run.notify import wait as wait_for
     from mnft.run.rerun import from_snapshot, launched
 
+    told = _notify(c, notify) if notify is not None else None  # only when asked: the run's own controller told its end
     record = records.load(run)
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
     with Fleet(inv) as fleet:
         state = wait_for(record, lambda r: run_status(r, fleet) if launched(r.data) and r.data.get("kind") != "session" else None)
     _console().print(f"run {record.run_id}: {state}" + (f": {record.data.get('reason')}" if record.data.get("reason") else ""), highlight=False, soft_wrap=True)
+    from mnft.run.notify import tell
+
+    tell(told, "ended", record, lambda text: _console().print(text, style="yellow", highlight=False, soft_wrap=True))
     return exit_code(state)
 
 
@@ -629,10 +656,11 @@ def wait(c, run=None, hosts=None):
         "time": "end the session after this long (90m, 2h …), told in the session 5 minutes before",
         "idle_stop": "end the session once its GPUs have all been idle this long (30m …; lower than the hosts' idle_stop)",
         "forward": "carry this port of the host to one here (printed: open it in a browser), e.g. for jupyter",
+        "notify": NOTIFY_HELP.replace("the run", "the session"),
     },
 )
 @_mnft_errors
-def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None):
+def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None, notify=None):
     """An interactive session on leased GPUs: a terminal on one host (a login shell, or the command after `--`, e.g.
     `-- jupyter lab --no-browser`) in the workdir, with CUDA_VISIBLE_DEVICES set to the GPUs it holds. The GPUs are
     its for exactly as long as the session lasts: exit, a closed terminal, a lost controller, --time, --idle-stop or
@@ -644,7 +672,7 @@ def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None
     options = ShellOptions(gpus=_whole("--gpus", gpus), host=host, wait=_wait(wait),
                            time=durations.parse(time, "--time") if time is not None else None,
                            idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None,
-                           forward=_whole("--forward", forward), argv=tuple(remainder()))
+                           forward=_whole("--forward", forward), argv=tuple(remainder()), notify=_notify(c, notify))
     return open_shell(_inventory(hosts), options, _console())
 
 

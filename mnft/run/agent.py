@@ -460,9 +460,10 @@ def keep(run_dir):
     _write(os.path.join(run_dir, "started"), "%f\n" % time.time(), 0o644)
     if in_container:
         _make_mounts(spec)
+    idle = _idle_watch(spec, lambda text: print("mnft: %s" % text, flush=True))
     try:
         child = subprocess.Popen([_expand(a) for a in spec["argv"]], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
-        code = child.wait()
+        code = child.wait() if idle is None else _wait_busy(child, idle, run_dir, spec)
     except OSError as exc:
         print("mnft: cannot start %s: %s" % (spec["argv"][0], exc), flush=True)
         code = 127
@@ -479,6 +480,24 @@ def keep(run_dir):
     _write(os.path.join(run_dir, "exit_code"), "%d\n" % code, 0o644)
     _write(os.path.join(run_dir, "ended"), "%f\n" % time.time(), 0o644)
     return code
+
+
+def _wait_busy(child, idle, run_dir, spec):
+    """The command's exit code; meanwhile its GPUs sampled (IdleWatch), and the run ended, its reason written and
+    said in its output, once they have all been idle for its limit."""
+    import subprocess
+
+    while True:
+        try:
+            return child.wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            pass
+        why = idle.check()
+        if why:
+            _once(os.path.join(run_dir, "reason"), why)
+            print("mnft: the run ends: %s" % why, flush=True)
+            _reap_group(spec["tag"], float(spec.get("grace") or 10))
+            return child.wait()
 
 
 # ---------------------------------------------------------------------------------------------------- samples
@@ -826,7 +845,8 @@ def supervise(spec, run_dir, keeper, metrics=None):
                 time.sleep(0.1)
                 forward()
                 recorded = _read(os.path.join(run_dir, "exit_code"))
-                emit("exit", code=int(recorded) if recorded else 128 + 9, done=done_ranks(run_dir))
+                why = _read(os.path.join(run_dir, "reason"))  # why its keeper ended it (--idle-stop, the lab's idle_stop)
+                emit("exit", code=int(recorded) if recorded else 128 + 9, done=done_ranks(run_dir), **({"reason": why} if why else {}))
                 return 0
             if time.time() - last_hb >= 1.0:
                 emit("hb", t=time.time())
@@ -1187,7 +1207,7 @@ def session(run_dir):
     limit = float(spec.get("time") or 0)
     warned = False
     code = None
-    idle = IdleWatch(spec) if spec.get("idle_stop") else None
+    idle = _idle_watch(spec, _tell)
     while code is None and not reason:
         try:
             pid, status = os.waitpid(child, os.WNOHANG | os.WUNTRACED)
@@ -1256,6 +1276,99 @@ def idle_sample(devices, before, gpus):
     return True
 
 
+# The lab's rules, set on the host by its admin (never in a user's inventory, which any user writes): the first of
+# LAB_FILES and mnft-lab.yaml in the lease directory that only root can have written (root's, a regular file, not
+# writable by group or others, not reached through a link), flat `key: value` lines. `idle_stop: 2h` ends every run
+# and session whose GPUs have all been idle that long; a user's --idle-stop may lower it, never raise it.
+
+LAB_FILES = ("/etc/mnft/lab.yaml",)
+LAB_NAME = "mnft-lab.yaml"
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _root_text(path):
+    """The text of a file only root can have written, or None (as mnft.hosts.leasehost reads its admin files)."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            return None
+        return os.read(fd, 65536).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
+
+
+def parse_duration(text):
+    """`2h`, `90m`, `1h30m`, `45s`, `90` (seconds) -> seconds (> 0), else None (mnft.core.durations' forms)."""
+    import re
+
+    value = str(text).strip().strip("\"'").lower()
+    if not value or not re.match(r"^(\d+(\.\d+)?[smhd])+$|^\d+(\.\d+)?$", value):
+        return None
+    total = sum(float(n) * _DURATION_UNITS[u or "s"] for n, _, u in re.findall(r"(\d+(\.\d+)?)([smhd]?)", value))
+    return total if total > 0 else None
+
+
+def lab_policy(paths=None):
+    """The lab's rules on this host: {"path": the file, "idle_stop": seconds, "problem": a value it ignores}, or {}."""
+    if paths is None:
+        where = lease_path()
+        paths = LAB_FILES + ((os.path.join(os.path.dirname(where), LAB_NAME),) if where else ())
+    for path in paths:
+        text = _root_text(path)
+        if text is None:
+            continue
+        values = {}
+        for line in text.splitlines():
+            line = line.split("#", 1)[0].strip()
+            if ":" in line:
+                key, value = line.split(":", 1)
+                values[key.strip()] = value.strip()
+        out = {"path": path}
+        if values.get("idle_stop"):
+            seconds = parse_duration(values["idle_stop"])
+            if seconds:
+                out["idle_stop"] = seconds
+            else:
+                out["problem"] = "%s: idle_stop %r is not a duration (2h, 90m …) and is ignored" % (path, values["idle_stop"][:40])
+        return out
+    return {}
+
+
+def idle_limit(asked, lab):
+    """(seconds or None, how the limit is named in the reason, a note for the run's output or None): the run's
+    own --idle-stop, lowered to the lab's idle_stop (which applies alone when it asked none)."""
+    lab_s = lab.get("idle_stop")
+    if lab_s and (not asked or lab_s < asked):
+        said = "the lab's idle_stop %s, %s" % (_duration(lab_s), lab["path"])
+        note = ("--idle-stop %s is more than this host allows: " % _duration(asked) if asked else "") + \
+            "ended once its GPUs have all been idle for %s (%s)" % (_duration(lab_s), said)
+        return lab_s, said, note
+    if asked:
+        return float(asked), "--idle-stop %s" % _duration(asked), None
+    return None, None, None
+
+
+def devices_of(spec):
+    """The GPUs a run holds on this host: the spec's, else those its device leases name (mnft-dev-gpu<N>.json)."""
+    import re
+
+    named = [d for d in spec.get("devices") or [] if isinstance(d, int)]
+    if named:
+        return named
+    found = []
+    for path in spec.get("leases") or []:
+        match = re.match(r"^mnft-dev-gpu(\d+)\.json$", os.path.basename(path))
+        if match:
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
 class IdleWatch:
     """How long a run's (or session's) GPUs have been idle, sampled by its keeper; with the spec's `idle_stop`
     (seconds), the reason to end it once they have all been idle that long. Each change is written into the
@@ -1265,6 +1378,7 @@ class IdleWatch:
     def __init__(self, spec, sample=gpu_util, clock=time.time):
         self.devices = [d for d in spec.get("devices") or [] if isinstance(d, int)]
         self.stop_after = float(spec.get("idle_stop") or 0)
+        self.said = spec.get("idle_said") or "--idle-stop %s" % _duration(self.stop_after)
         self.every = max(1.0, min(IDLE_SAMPLE, self.stop_after / 6.0)) if self.stop_after else IDLE_SAMPLE
         self.leases = [p for p in spec.get("leases") or [] if "mnft-dev-gpu" in os.path.basename(p)]
         self.sample, self.clock = sample, clock
@@ -1295,8 +1409,8 @@ class IdleWatch:
             self.since = None
             self.mark()
         if self.stop_after and self.since is not None and now - self.since >= self.stop_after:
-            return ("its GPUs were idle for %s (--idle-stop %s: utilisation at or under %g%% and memory use unchanged)"
-                    % (_duration(now - self.since), _duration(self.stop_after), IDLE_UTIL))
+            return ("its GPUs were idle for %s (%s: utilisation at or under %g%% and memory use unchanged)"
+                    % (_duration(now - self.since), self.said, IDLE_UTIL))
         return None
 
     def mark(self):
@@ -1319,6 +1433,19 @@ class IdleWatch:
                 pass
             finally:
                 os.close(fd)
+
+
+def _idle_watch(spec, say):
+    """The keeper's IdleWatch when the run (or session) has an idle limit: its own, lowered to the lab's."""
+    lab = lab_policy()
+    if lab.get("problem"):
+        say("note: %s" % lab["problem"])
+    limit, said, note = idle_limit(spec.get("idle_stop"), lab)
+    if not limit:
+        return None
+    if note:
+        say(note)
+    return IdleWatch(dict(spec, devices=devices_of(spec), idle_stop=limit, idle_said=said))
 
 
 # The usage line of a lease whose last holder is the keeper (a detached run, a session whose controller is gone):

@@ -60,7 +60,10 @@ def write_back(record: records.RunRecord, states: dict[str, dict]) -> None:
     if ended and record.data.get("state") in ("running", "starting"):
         ok = all(st.get("state") == "exited" and st.get("exit_code") == 0 for st in states.values())
         bad = next((n for n, st in states.items() if not (st.get("state") == "exited" and st.get("exit_code") == 0)), None)
-        if ok:
+        idle = next(((n, st["reason"]) for n, st in states.items() if st.get("reason")), None)  # its keeper ended it (idle GPUs)
+        if idle is not None:
+            record.data.update(state="idle-stopped", failed_host=idle[0], reason=f"{idle[0]}: {idle[1]}")
+        elif ok:
             record.data.update(state="succeeded", failed_host=None, reason="every host finished")
         else:
             code = states[bad].get("exit_code")

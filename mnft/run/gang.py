@@ -137,6 +137,7 @@ class HostRun:
     ended_at: float | None = None
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL))
     stop_report: dict | None = None
+    ended_by: str | None = None  # why its keeper ended the run itself (its GPUs idle: --idle-stop, the lab's idle_stop)
     done_ranks: tuple[int, ...] = ()  # ranks whose entry point returned (mnft.run.entry's markers)
     stopping: bool = False  # mnft is stopping it (another host failed): its output is kept, not shown live
     noise: TeardownNoise = field(default_factory=TeardownNoise)  # torchrun's teardown: kept, not shown
@@ -370,8 +371,11 @@ class Gang:
         elif kind == "exit":
             run.state, run.exit_code, run.ended_at = "exited", int(event.get("code", 1)), time.time()
             run.done_ranks = tuple(event.get("done") or ())
+            run.ended_by = event.get("reason") or None
             if (said := run.noise.note(f"{run.launch.run_dir}/output.log on {name}", run.exit_code)) and not run.stopping:
                 self.on_line(name, None, said)
+            if run.ended_by:
+                return f"{name}: {run.ended_by}"
             if run.exit_code != 0:
                 why = f"{name}: torchrun exited with code {run.exit_code}"
                 if run.work_done:  # it died after its work: let the others end on their own

@@ -9,6 +9,9 @@
 * An interrupt (Ctrl-C or SIGTERM, mnft.core.interrupts) in any phase (check, sync, launch, supervision, the wait
   before a restart) ends with run.json `interrupted` and the reason, after the phase's own unwinding tore the gang
   down and ended mnft's children.
+* Being told (mnft.run.notify, `--notify CMD`): when the run got its devices after waiting in line, and once it
+  has ended, whatever the end, after its record is final and its leases are let go (a detached run's end is not
+  this process's to see: `mnft wait RUN --notify CMD` tells it).
 """
 
 from __future__ import annotations
@@ -20,11 +23,14 @@ from mnft.core import interrupts
 from mnft.hosts import leases
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Inventory
+from mnft.run import notify as notifying
 from mnft.run import records
 
 
 class Guard:
-    def __init__(self) -> None:
+    def __init__(self, notify: notifying.Notify | None = None, warn: Callable[[str], None] | None = None) -> None:
+        self.notify = notify
+        self.warn = warn or (lambda text: None)
         self.record: records.RunRecord | None = None
         self.leases: leases.Leases | None = None
         self.fleet: Fleet | None = None
@@ -41,9 +47,17 @@ class Guard:
         if record is None:
             return
         self.fleet = Fleet(inventory)
-        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=on_wait, image=image)
+        waited: list[float] = []
+
+        def in_line(host: str, reply: dict) -> None:
+            waited.append(time.time())
+            if on_wait is not None:
+                on_wait(host, reply)
+
+        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=in_line, image=image)
         if scope is not None and scope.wait is not None:
             record.update(state="waiting")
+        t_asked = time.time()
         try:
             self.leases.take(self.fleet, inventory.hosts)
         except leases.HostBusy as exc:
@@ -51,6 +65,9 @@ class Guard:
             raise
         record.update(state="checking", devices={host: [d.get("index") for d in found] for host, found in self.leases.devices.items()},
                       leases={host: paths for host, paths in self.leases.paths.items()})
+        if waited:  # it waited in line: told that it starts now
+            record.update(waited_s=round(time.time() - t_asked, 1))
+            notifying.tell(self.notify, "started", record, self.warn)
 
     def __exit__(self, kind, exc, tb) -> None:
         try:
@@ -59,7 +76,23 @@ class Guard:
                 phase = f" while {during}" if during in ("checking", "syncing", "starting", "running") else ""
                 self.record.update(state="interrupted", reason=f"interrupted ({how}){phase}", interrupted={"signal": how, "during": during, "at": time.time()})
         finally:
-            if self.leases is not None:
-                self.leases.release()
-            if self.fleet is not None:
-                self.fleet.close()
+            try:
+                if self.leases is not None:
+                    self.leases.release()
+                if self.fleet is not None:
+                    self.fleet.close()
+            finally:
+                self._told_end(exc)
+
+    def _told_end(self, exc: BaseException | None) -> None:
+        """The notify command for the run's end: after the record's final state is written and the leases are let go."""
+        record = self.record
+        if self.notify is None or record is None:
+            return
+        if record.data.get("detach") and record.data.get("state") == "running":
+            self.warn(f"note: run {record.run_id} is detached: its end is told by `mnft wait {record.run_id} --notify CMD`")
+            return
+        data = None
+        if record.data.get("state") in notifying.GOING:  # an error before the run reached an end of its own: told as failed
+            data = dict(record.data, reason=record.data.get("reason") or (str(exc) if exc is not None else None))
+        notifying.tell(self.notify, "ended", record, self.warn, data)

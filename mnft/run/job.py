@@ -53,7 +53,7 @@ METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "plain", "tensorbo
 # torchrun options mnft sets itself (or that would break supervision, logs or ranks) are refused however argparse
 # would read them (abbreviated, --opt=value, PET_* variables): mnft.run.torchrunargs.
 
-JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus", "image")
+JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus", "image", "notify")
 # What mnft's recipes import beyond what reading their source finds (mnft.run.needs reads the rest).
 RECIPE_REQUIRES = ("torch", "transformers", "peft", "safetensors", "yaml")
 RESUME_KEYS = ("layout", "checkpoints", "pattern", "marker", "args", "exit_codes")
@@ -104,6 +104,7 @@ class Job:
     requires: tuple[str, ...] = ()  # modules every host's Python must import (a job file's `requires:`, a recipe's own)
     gpus: int | None = None  # a job file's `gpus:`: the devices it takes on each host (--gpus overrides); None: every one
     image: str | None = None  # a job file's `image:` (--image overrides): the container image its torchrun runs in; None: the host's Python
+    notify: str | None = None  # a job file's `notify:` (--notify overrides): a shell line told of the run's end (mnft.run.notify); not recorded
 
     @property
     def kind(self) -> str:
@@ -255,8 +256,12 @@ def load_job_file(path: Path) -> Job:
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or not 1 <= gpus <= 64):
         raise InputError(f"{at('gpus')}: key 'gpus': {gpus!r}: a whole number of GPUs per host from 1 to 64 (leave it out: every GPU)")
     image = check_ref(doc["image"], f"{at('image')}: key 'image'") if doc.get("image") is not None else None
+    notify = doc.get("notify")
+    if notify is not None and (not isinstance(notify, str) or not notify.strip() or "\x00" in notify or "\n" in notify.strip()):
+        raise InputError(f"{at('notify')}: key 'notify': {str(notify)[:60]!r}: one shell line, run on the controller when the run ends "
+                         "(its outcome in MNFT_NOTIFY_* variables: see docs/lab.md)")
     job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic,
-              requires=requires, gpus=gpus, image=image)
+              requires=requires, gpus=gpus, image=image, notify=notify.strip() if notify is not None else None)
     if doc.get("recipe") is not None:
         base = recipe_job(doc["recipe"])
         job = replace(job, recipe=doc["recipe"], resume=base.resume, metrics=base.metrics, requires=base.requires + requires)

@@ -56,6 +56,7 @@ class LaunchOptions:
     grace: float = 10.0  # SIGTERM -> SIGKILL
     rdzv_timeout: int = 300  # seconds the rendezvous waits for every host to join (torch's own default: 600)
     in_workdir: bool = False  # --no-sync on a new job: run the code `sync` left in the workdir, there (not a job's directory)
+    idle_stop: float | None = None  # --idle-stop: its keepers end the run once its GPUs have all been idle this long (seconds)
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class HostLaunch:
             "entry": ENTRY_SOURCE,  # the launch wrapper's source: the agent writes it as <run_dir>/entry.py
             "leases": list(self.leases),
             "container": self.container,
+            "idle_stop": options.idle_stop,  # lowered on the host to the lab's idle_stop (mnft.run.agent.idle_limit)
         }
 
     def display(self) -> dict:

@@ -26,11 +26,13 @@ from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
 from mnft.hosts.terminal import forward, interact, open_terminal
+from mnft.run import notify as notifying
 from mnft.run import records
 from mnft.run.gang import agent_command, agent_payload
 from mnft.run.launch import new_run_id
 from mnft.run.rerun import snapshot
 
+IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.run.agent.IdleWatch)
 LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
 
 
@@ -43,6 +45,7 @@ class ShellOptions:
     idle_stop: float | None = None  # end it once its GPUs have all been idle this long
     forward: int | None = None  # a port on the host carried to this machine
     argv: tuple[str, ...] = ()  # the command instead of a shell
+    notify: notifying.Notify | None = None  # --notify CMD: told when it starts after waiting in line and when it ends
 
 
 def outcome(code: int | None, reason: str | None) -> str:
@@ -53,7 +56,7 @@ def outcome(code: int | None, reason: str | None) -> str:
         return "stopped"
     if "--time" in why:
         return "timed-out"
-    if "--idle-stop" in why:
+    if why.startswith(IDLE_REASON):  # --idle-stop, or the lab's idle_stop
         return "idle-stopped"
     if why:
         return "lost"
@@ -79,7 +82,8 @@ def candidates(inventory: Inventory, host: str | None) -> list[Host]:
                          f"(its hosts: {', '.join(h.name for h in inventory.hosts)})") from None
 
 
-def take(fleet: Fleet, hosts: list[Host], session_id: str, options: ShellOptions, shows: str, console: Console) -> tuple[leases.Leases, Host]:
+def take(fleet: Fleet, hosts: list[Host], session_id: str, options: ShellOptions, shows: str, console: Console,
+         waited: list | None = None) -> tuple[leases.Leases, Host]:
     """The session's GPUs on the first host where they are free (each host tried in turn); with --wait, in line on
     the first host; else HostBusy naming every host's holders."""
     refusals = []
@@ -98,6 +102,8 @@ def take(fleet: Fleet, hosts: list[Host], session_id: str, options: ShellOptions
         host = hosts[0]
 
         def told(name: str, reply: dict) -> None:
+            if waited is not None:
+                waited.append(time.time())
             ahead = len(reply.get("ahead") or [])
             console.print(f"{name}: waiting in line, position {ahead + 1}", highlight=False, soft_wrap=True)
 
@@ -143,16 +149,26 @@ def shell(inventory: Inventory, options: ShellOptions, console: Console) -> int:
     record = records.RunRecord.create(session_id, kind="session", command=list(options.argv) or None, inventory=snapshot(inventory), hosts={},
                                       state="waiting" if options.wait is not None else "starting", launched=False,
                                       options={"gpus": options.gpus, "time": options.time, "idle_stop": options.idle_stop, "forward": options.forward})
-    with Fleet(inventory) as fleet:
-        try:
-            held, host = take(fleet, hosts, session_id, options, shows, console)
-        except leases.HostBusy as exc:
-            record.update(state="refused", reason=str(exc))
-            raise
-        try:
-            return _session(fleet, held, host, record, options, console)
-        finally:
-            held.release()
+    warn = lambda text: console.print(text, style="yellow", highlight=False, soft_wrap=True)  # noqa: E731
+    try:
+        with Fleet(inventory) as fleet:
+            waited: list[float] = []
+            t_asked = time.time()
+            try:
+                held, host = take(fleet, hosts, session_id, options, shows, console, waited)
+            except leases.HostBusy as exc:
+                record.update(state="refused", reason=str(exc))
+                raise
+            if waited:
+                record.update(waited_s=round(time.time() - t_asked, 1), devices={host.name: [d.get("index") for d in held.devices.get(host.name, [])]})
+                notifying.tell(options.notify, "started", record, warn)
+            try:
+                return _session(fleet, held, host, record, options, console)
+            finally:
+                held.release()
+    finally:  # the session's end told once its GPUs are free, whatever ended it
+        going = record.data.get("state") in notifying.GOING
+        notifying.tell(options.notify, "ended", record, warn, dict(record.data) if going else None)
 
 
 def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunRecord, options: ShellOptions, console: Console) -> int:

@@ -68,6 +68,7 @@ class TrainOptions:
     gpus: int | None = None  # --gpus G: G devices on each host (None: every device, as a host's slots say)
     nodes: int | None = None  # --nodes N: N hosts of the inventory, where the devices are free
     wait: float | None = None  # --wait [S]: wait in line for the devices (inf: as long as it takes)
+    notify: Any = None  # --notify CMD (mnft.run.notify.Notify): told when it starts after waiting in line and when it ends
 
 
 # ------------------------------------------------------------------------------------------------ port
@@ -111,7 +112,8 @@ def pass_env_specs(job: Job, environ: dict[str, str], env_files: tuple[str, ...]
 
 
 def train(inventory: Inventory, options: TrainOptions, console: Console) -> int:
-    with Guard() as guard:  # the hosts' leases, let go at the end; an interrupt recorded (mnft.run.guard)
+    warn = lambda text: console.print(Text(text, style="yellow"), soft_wrap=True)  # noqa: E731
+    with Guard(options.notify, warn) as guard:  # the hosts' leases, let go at the end; an interrupt recorded; --notify (mnft.run.guard)
         try:
             return _train(inventory, options, console, guard)
         finally:
@@ -427,6 +429,10 @@ class Run:
                     entry.update(ended=time.time(), state="stopped", steps=[display.first_step, display.last_step])
                     live.update(state="stopped")
                     return finish(record, result, self.timings, self.t0, fleet, self.console, stopped_by=asked.get("by") or "mnft stop")
+                if not result.ok and any(h.ended_by for h in result.hosts.values()):  # its keepers ended it: idle GPUs
+                    entry.update(ended=time.time(), state="idle-stopped", steps=[display.first_step, display.last_step])
+                    live.update(state="idle-stopped")
+                    return finish(record, result, self.timings, self.t0, fleet, self.console, idle_stopped=True)
                 failed_run = result.hosts.get(result.failed_host) if result.failed_host else None
                 entry.update(ended=time.time(), state="succeeded" if result.ok else "failed", steps=[display.first_step, display.last_step],
                              detected=failed_run.ended_at if failed_run is not None else None)
@@ -781,7 +787,7 @@ def port_holder(fleet: Fleet, host: str, port: int) -> str | None:
 
 
 def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: float, fleet: Fleet, console: Console, note: str | None = None,
-           diagnosis: diagnosing.Diagnosis | None = None, stopped_by: str | None = None) -> int:
+           diagnosis: diagnosing.Diagnosis | None = None, stopped_by: str | None = None, idle_stopped: bool = False) -> int:
     """The end of a run: the record's final state, logs collected, and the outcome said (note: after automatic
     restarts, each attempt's cause and why there is no other attempt; stopped_by: who ran `stop` — the run was
     stopped on purpose, not failed, and is never restarted)."""
@@ -802,6 +808,8 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
     warnings = [diagnosing.after_work(name, [t for _, t in result.hosts[name].tail]) for name in result.after_work]
     if stopped_by is not None:
         record.update(state="stopped", reason=f"stopped by `mnft stop` ({stopped_by})", timings=timings)
+    elif idle_stopped:  # result.reason: the host whose keeper ended it, and why (--idle-stop, the lab's idle_stop)
+        record.update(state="idle-stopped", reason=result.reason, failed_host=result.failed_host, timings=timings)
     else:
         record.update(state="succeeded" if result.ok else ("resumable" if meaning else "failed"), reason=reason, failed_host=result.failed_host,
                       failed_rank=rank, traceback=trace or None, timings=timings,
@@ -825,6 +833,10 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
                                     + (f"; code {str(synced.get('hash') or '')[:12]} from {synced['src']}" if synced.get("src") else "")
                                     + f"; logs in {record.path}"))
         return ExitCode.OK
+    if idle_stopped:
+        console.print(Text.assemble((f"run {record.run_id} idle-stopped: {result.reason}", "bold yellow"),
+                                    f"; continue it with `mnft train --resume-run {record.run_id}`; logs in {record.path}"), soft_wrap=True)
+        return ExitCode.FAILED
     if stopped_by is not None:
         console.print(Text.assemble((f"run {record.run_id} stopped by `mnft stop` ({stopped_by})", "bold yellow"),
                                     f"; continue it with `mnft train --resume-run {record.run_id}`; logs in {record.path}"))
