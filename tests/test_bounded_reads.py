@@ -100,6 +100,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("sync/rsync.py", "_read_messages", ".read"): ("rsync's stderr (ssh's and the remote rsync's messages): the first part kept, the rest counted", H),
     ("sync/rsync.py", "_run_rsync_once", "subprocess.Popen"): ("rsync's itemized stdout, line by line (its last 200 other lines kept), and its stderr (_read_messages)", H),
     ("sync/rsync.py", "ssh_accepts", "subprocess.run"): ("ssh -G's answer", "none: the controller's own ssh, a screenful"),
+    ("run/notify.py", "run", ".read"): ("the end of the notify command's output", "none: its last OUTPUT_TAIL×4 bytes (2 KiB)"),
     ("sync/snapshot.py", "_copy", "subprocess.run"): ("rsync's stderr copying the tree into this machine's snapshot store (its last 300 characters shown)", "none: the controller's own rsync, its output a line per error"),
     # ---------------------------------------------------------------- the recipes: run by torchrun on the hosts as the job
     ("recipes/checkpointing.py", "complete_steps", ".read_text"): ("a checkpoint's marker", JOB),
@@ -207,6 +208,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("run/entry.py", "exec_with_secrets", "open"): ("the run's secrets file, written by its own agent", "host: SECRETS_BYTES (1 MiB)"),
     ("run/entry.py", "exec_with_secrets", ".read"): ("the run's secrets file, written by its own agent", "host: SECRETS_BYTES (1 MiB)"),
     ("run/agent.py", "gpu_util", "subprocess.run"): ("nvidia-smi", TOOL),
+    ("run/agent.py", "_root_text", "os.read"): ("an admin's root-owned lab file (/etc/mnft/lab.yaml)", "host: 64 KiB"),
     ("run/entry.py", "source", "open"): ("entry.py", OWN),
     ("run/entry.py", "source", ".read"): ("entry.py", OWN),
     ("setup/steps/remote.py", "source", "open"): ("remote.py", OWN),

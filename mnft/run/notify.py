@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -185,24 +186,28 @@ def run(notify: Notify, variables: Mapping[str, str], base_env: Mapping[str, str
     env = dict(os.environ if base_env is None else base_env)
     env = {k: v for k, v in env.items() if not k.startswith("MNFT_NOTIFY_")}  # only this run's values
     env.update(variables)
-    try:
-        child = subprocess.Popen(argv(notify), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 env=env, start_new_session=True)
-    except OSError as exc:
-        return Told(False, f"the notify command ({notify.source}) could not start: {exc}")
-    try:
-        out, _ = child.communicate(timeout=notify.timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(child.pid)
+    # its output goes to a file, of which only the end is read: a command that prints without end costs disk, not memory
+    with tempfile.TemporaryFile(prefix="mnft-notify-") as output:
         try:
-            child.communicate(timeout=5)
-        except subprocess.TimeoutExpired:  # something of it left the group and holds its output: left to itself
-            pass
-        return Told(False, f"the notify command ({notify.source}) took more than {notify.timeout:g}s and was killed")
-    except BaseException:
-        _kill_group(child.pid)  # interrupted while it runs: it goes with mnft
-        child.wait()
-        raise
+            child = subprocess.Popen(argv(notify), stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        except OSError as exc:
+            return Told(False, f"the notify command ({notify.source}) could not start: {exc}")
+        try:
+            child.wait(timeout=notify.timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(child.pid)
+            try:
+                child.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # something of it left the group: left to itself
+                pass
+            return Told(False, f"the notify command ({notify.source}) took more than {notify.timeout:g}s and was killed")
+        except BaseException:
+            _kill_group(child.pid)  # interrupted while it runs: it goes with mnft
+            child.wait()
+            raise
+        output.seek(max(0, output.seek(0, os.SEEK_END) - OUTPUT_TAIL * 4))
+        out = output.read(OUTPUT_TAIL * 4)
     if child.returncode != 0:
         said = out.decode("utf-8", "replace").strip()[-OUTPUT_TAIL:]
         return Told(False, f"the notify command ({notify.source}) exited with {child.returncode}" + (f": {said}" if said else ""))
