@@ -73,6 +73,42 @@ def test_the_executable_is_one_file_of_the_standard_library_run_by_the_system_py
     assert done.stdout.strip() == "[]", done.stderr
 
 
+def test_a_hosts_nvidia_smi_runs_the_stand_ins_compiled_code_and_answers_as_the_file_does(gpus: Path, tmp_path: Path):
+    """The test bed's nvidia-smi (fakegpu.STUB) runs this file's bytecode, compiled once by the hosts' Python, from
+    the host's state directory: the same answers, exit codes and errors as the file itself; a host whose state is
+    gone answers as a host without a driver."""
+    stub = tmp_path / "nvidia-smi"
+    stub.write_text(fakegpu.STUB)
+    stub.chmod(0o755)
+    (gpus / fakegpu.CODE_NAME).write_bytes(fakegpu.compiled())
+    fakegpu.set_utilization(str(gpus), 2, 40)
+    for args in (["--query-gpu=" + leasehost.GPU_READ, CSV], ["--query-gpu=index,uuid,memory.used", "--format=csv"],
+                 ["--query-compute-apps=" + leasehost.SMI_APPS, CSV], ["topo", "-m"], ["-L"], ["--query-gpu=bogus", CSV]):
+        mine, theirs = smi(*args, check=False), subprocess.run([str(stub), *args], capture_output=True, text=True, timeout=30)
+        assert (theirs.returncode, theirs.stdout, theirs.stderr) == (mine.returncode, mine.stdout, mine.stderr), args
+    (gpus / fakegpu.CODE_NAME).unlink()
+    gone = subprocess.run([str(stub), "-L"], capture_output=True, text=True, timeout=30)
+    assert gone.returncode == fakegpu.NO_DRIVER_EXIT and gone.stdout.strip() == fakegpu.NO_DRIVER
+
+
+def test_the_config_is_read_as_json_reads_it_and_anything_else_is_no_driver(gpus: Path):
+    config = dict(fakegpu.default_config(2), ecc={"1": [2, 5]}, persistence=False, latency_ms=40.5, name="NVIDIA \u00e9 \"x\"")
+    text = json.dumps(config, indent=1) + "\n"
+    assert fakegpu.parse_json(text) == json.loads(text)
+    for bad in ("", "{", '{"count": 2} trailing', "{'count': 2}", "[1, 2,]"):
+        with pytest.raises(ValueError):
+            fakegpu.parse_json(bad)
+    (gpus / "config.json").write_text('{"count": 2,')
+    assert fakegpu.load_config(str(gpus)) is None
+
+
+def test_uuids_are_sha256_of_the_host_and_index_as_hashlib_makes_it():
+    import hashlib
+
+    digest = hashlib.sha256(b"h1:3").hexdigest()
+    assert fakegpu.gpu_uuid("h1", 3) == "GPU-%s-%s-%s-%s-%s" % (digest[:8], digest[8:12], digest[12:16], digest[16:20], digest[20:32])
+
+
 def test_uuids_are_the_real_form_and_the_same_every_time_for_one_host_and_index():
     assert UUID.match(fakegpu.gpu_uuid("h1", 0))
     assert fakegpu.gpu_uuid("h1", 0) == fakegpu.gpu_uuid("h1", 0)
