@@ -43,7 +43,8 @@ Test-only parts:
 
     nvidia-smi --fake-use 1[,2…] [--mib N] -- COMMAND ARGS…
         registers its own pid on those devices, then execs COMMAND (which keeps the pid): "someone ran python by
-        hand on GPU 1", as `nvidia-smi` shows it.
+        hand on GPU 1", as `nvidia-smi` shows it, using N MiB (default 1024; at least 1: a CUDA context takes
+        memory, and mnft asks for the processes only when some GPU has memory in use).
     RANK_SNIPPET
         Python source (standard library only) for a test's training script, at its top level: a torchrun worker
         registers itself on device CUDA_VISIBLE_DEVICES.split(",")[LOCAL_RANK] (indices, as mnft sets them; every
@@ -619,7 +620,7 @@ def _fake_use(argv: list[str]) -> tuple[list[int], int, list[str]]:
             i += 1
     except (IndexError, ValueError):
         indices = None
-    if not indices or not command or mib < 0:
+    if not indices or not command or mib < 1:  # a CUDA context takes memory: no compute process uses none
         raise Refused("usage: nvidia-smi --fake-use INDEX[,INDEX…] [--mib N] -- COMMAND ARGS…")
     return indices, mib, command
 
