@@ -86,6 +86,18 @@ def test_the_lease_script_reaches_each_host_compiled_once_on_the_controller(leas
     assert holder_on_disk(lease_dir)["released"]
 
 
+def test_the_lease_script_as_shipped_runs_on_a_hosts_python_and_knows_its_own_source(lease_dir):
+    """leases.script() (pyrun.module_payload: the module's source and its bytecode as this controller imported it)
+    read by the compiled bootstrap: the script answers, and its source() is the file's, byte for byte."""
+    data = leases.script()
+    header, rest = data.split(b"\n", 1)
+    size, _, _ = header.split()
+    assert rest[: int(size)].decode() == Path(leasehost.__file__).read_text()
+    done = subprocess.run([sys.executable, "-S", "-c", pyrun.COMPILED_BOOTSTRAP, "show"], input=data, capture_output=True,
+                          timeout=30, env=dict(os.environ, MNFT_LEASE_DIR=str(lease_dir)))
+    assert json.loads(done.stdout.decode().strip().splitlines()[-1])["held"] is False, done.stderr
+
+
 def test_a_second_operation_on_a_busy_host_is_refused_naming_the_host_and_the_holder(lease_dir):
     other = hold_process(lease_dir, dict(OTHER, command="train", run_id="20260101-1200-ab12"))
     try:

@@ -45,10 +45,10 @@ REPLY_TIMEOUT = 60.0
 
 
 def script() -> bytes:
-    """The lease script as a host reads it (pyrun.command(..., compiled=True)): its source and its bytecode, compiled
-    here once per process however many hosts and looks ask (the host's Python compiling its ~80 kB itself cost each
-    host ~19 ms of CPU per look and per take)."""
-    return pyrun.compiled_payload(leasehost.source())
+    """The lease script as a host reads it (pyrun.command(..., compiled=True)): its source and its bytecode, the
+    module's own as this controller imported it (pyrun.module_payload), however many hosts and looks ask (the host's
+    Python compiling its ~80 kB itself cost each host ~19 ms of CPU per look and per take)."""
+    return pyrun.module_payload(leasehost)
 
 
 class HostBusy(MnftError):
