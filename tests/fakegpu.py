@@ -43,7 +43,8 @@ Test-only parts:
 
     nvidia-smi --fake-use 1[,2…] [--mib N] -- COMMAND ARGS…
         registers its own pid on those devices, then execs COMMAND (which keeps the pid): "someone ran python by
-        hand on GPU 1", as `nvidia-smi` shows it.
+        hand on GPU 1", as `nvidia-smi` shows it, using N MiB (default 1024; at least 1: a CUDA context takes
+        memory, and mnft asks for the processes only when some GPU has memory in use).
     RANK_SNIPPET
         Python source (standard library only) for a test's training script, at its top level: a torchrun worker
         registers itself on device CUDA_VISIBLE_DEVICES.split(",")[LOCAL_RANK] (indices, as mnft sets them; every
@@ -54,12 +55,14 @@ Test-only parts:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import socket
 import sys
 import time
+
+# A real nvidia-smi's time is the driver's (latency_ms below: a sleep), not CPU on the host's cores. So that the
+# stand-in's own work stays small, the test bed runs it from bytecode compiled once (STUB), under `python3 -S`,
+# and it imports neither json nor hashlib (their `re`, `enum` and OpenSSL were 13 of its 26 ms of CPU per
+# question): config.json is read with json's own C scanner (parse_json), the UUIDs hashed with the built-in sha256.
 
 STATE_DIR = "/run/mnft-fake-gpu"
 STATE_ENV = "MNFT_FAKE_GPU_DIR"
@@ -101,11 +104,47 @@ def state_dir() -> str:
     return os.environ.get(STATE_ENV) or STATE_DIR
 
 
+def parse_json(text: str):
+    """json.loads(text), through the C scanner the json module itself uses (importing json costs this stand-in 9 ms
+    of CPU per question); json.loads where that scanner is not there. ValueError for anything that is not JSON."""
+    try:
+        from _json import make_scanner
+    except ImportError:
+        import json
+
+        return json.loads(text)
+
+    class Context:
+        strict, object_hook, object_pairs_hook = True, None, None
+        parse_float, parse_int, parse_constant, memo = float, int, float, {}
+
+    text = text.strip(" \t\n\r")
+    try:
+        value, end = make_scanner(Context())(text, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(text):
+        raise ValueError("extra data after the JSON value")
+    return value
+
+
+def _sha256(data: bytes):
+    """hashlib.sha256 without hashlib's OpenSSL (4 ms of CPU per question): the interpreter's built-in one."""
+    for name in ("_sha256", "_sha2"):  # 3.11's name, 3.12's
+        try:
+            return __import__(name).sha256(data)
+        except (ImportError, AttributeError):
+            pass
+    import hashlib
+
+    return hashlib.sha256(data)
+
+
 def load_config(state: str) -> dict | None:
     """The host's config.json with its defaults filled in, or None when the host has no (fake) driver."""
     try:
         with open(os.path.join(state, "config.json"), encoding="utf-8") as f:
-            given = json.load(f)
+            given = parse_json(f.read())
     except (OSError, ValueError):
         return None
     config = default_config(int(given.get("count", 0)))
@@ -115,7 +154,7 @@ def load_config(state: str) -> dict | None:
 
 def gpu_uuid(hostname: str, index: int) -> str:
     """The device's UUID, the same every time for one host and index: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
-    h = hashlib.sha256(("%s:%d" % (hostname, index)).encode()).hexdigest()
+    h = _sha256(("%s:%d" % (hostname, index)).encode()).hexdigest()
     return "GPU-%s-%s-%s-%s-%s" % (h[:8], h[8:12], h[12:16], h[16:20], h[20:32])
 
 
@@ -581,7 +620,7 @@ def _fake_use(argv: list[str]) -> tuple[list[int], int, list[str]]:
             i += 1
     except (IndexError, ValueError):
         indices = None
-    if not indices or not command or mib < 0:
+    if not indices or not command or mib < 1:  # a CUDA context takes memory: no compute process uses none
         raise Refused("usage: nvidia-smi --fake-use INDEX[,INDEX…] [--mib N] -- COMMAND ARGS…")
     return indices, mib, command
 
@@ -623,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
         delay = float(config.get("stall") or 0) + float(config.get("latency_ms") or 0) / 1000.0
         if delay > 0:  # persistence off: the driver starts up for every query; a real host's driver time
             time.sleep(delay)
-        host = Host(config, socket.gethostname(), uses(state, int(config["count"])))
+        host = Host(config, os.uname()[1], uses(state, int(config["count"])))
         if argv[:1] == ["topo"]:
             if argv[1:] not in (["-m"], ["--matrix"]):
                 raise Refused(INVALID)
@@ -652,6 +691,34 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --------------------------------------------------------------------------------------------------- for tests
+
+CODE_NAME = "nvidia-smi.code"  # in STATE_DIR: this file's bytecode, as the host's /usr/bin/python3 compiled it
+# A host's nvidia-smi (tests/testbed.py writes it): runs this file's bytecode from the host's STATE_DIR without the
+# `site` import; a host whose state is gone has no driver, as this file says without its config.json.
+STUB = """#!/usr/bin/python3 -S
+# the mnft test bed's stand-in nvidia-smi: tests/fakegpu.py, compiled once when the host was made (CODE)
+import marshal, os, sys
+try:
+    with open(os.path.join(os.environ.get("@ENV@") or "@STATE@", "@CODE@"), "rb") as f:
+        code = marshal.loads(f.read())
+except (OSError, ValueError, EOFError):
+    print(@NO_DRIVER@)
+    sys.exit(@EXIT@)
+exec(code, {"__name__": "__main__"})
+""".replace("@ENV@", STATE_ENV).replace("@STATE@", STATE_DIR).replace("@CODE@", CODE_NAME).replace(
+    "@NO_DRIVER@", repr(NO_DRIVER)).replace("@EXIT@", str(NO_DRIVER_EXIT))
+
+
+def compiled(python: str = "/usr/bin/python3") -> bytes:
+    """This file's bytecode as `python` (the hosts' interpreter) compiles it, marshalled: STATE_DIR/CODE_NAME."""
+    import subprocess
+
+    with open(os.path.abspath(__file__), "rb") as f:
+        source = f.read()
+    program = ("import marshal,sys;sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.buffer.read(),"
+               "'/usr/local/bin/nvidia-smi','exec',dont_inherit=True)))")
+    return subprocess.run([python, "-S", "-c", program], input=source, capture_output=True, check=True).stdout
+
 
 RANK_SNIPPET = """
 def _mnft_fake_gpu_rank():

@@ -254,6 +254,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     # ---------------------------------------------------------------- files other people own: their bounds, or the fix to apply
     ("hosts/leasehost.py", "source", "open"): ("leasehost.py", OWN),
     ("hosts/leasehost.py", "source", ".read"): ("leasehost.py", OWN),
+    ("hosts/pyrun.py", "_module_payload", "open"): ("a host script that is a module of mnft's (leasehost.py)", OWN),
+    ("hosts/pyrun.py", "_module_payload", ".read"): ("a host script that is a module of mnft's (leasehost.py)", OWN),
     ("hosts/leasehost.py", "lockers", "open"): ("/proc/locks", "host: 1 MiB"),
     ("hosts/leasehost.py", "_root_text", "os.read"): ("the admin-group file (root's)", "host: 4 KiB"),
     ("hosts/leasehost.py", "main", ".readline"): ("a drain request on stdin", "host: MAX_LEASE_BYTES (64 KiB)"),

@@ -73,6 +73,42 @@ def test_the_executable_is_one_file_of_the_standard_library_run_by_the_system_py
     assert done.stdout.strip() == "[]", done.stderr
 
 
+def test_a_hosts_nvidia_smi_runs_the_stand_ins_compiled_code_and_answers_as_the_file_does(gpus: Path, tmp_path: Path):
+    """The test bed's nvidia-smi (fakegpu.STUB) runs this file's bytecode, compiled once by the hosts' Python, from
+    the host's state directory: the same answers, exit codes and errors as the file itself; a host whose state is
+    gone answers as a host without a driver."""
+    stub = tmp_path / "nvidia-smi"
+    stub.write_text(fakegpu.STUB)
+    stub.chmod(0o755)
+    (gpus / fakegpu.CODE_NAME).write_bytes(fakegpu.compiled())
+    fakegpu.set_utilization(str(gpus), 2, 40)
+    for args in (["--query-gpu=" + leasehost.GPU_READ, CSV], ["--query-gpu=index,uuid,memory.used", "--format=csv"],
+                 ["--query-compute-apps=" + leasehost.SMI_APPS, CSV], ["topo", "-m"], ["-L"], ["--query-gpu=bogus", CSV]):
+        mine, theirs = smi(*args, check=False), subprocess.run([str(stub), *args], capture_output=True, text=True, timeout=30)
+        assert (theirs.returncode, theirs.stdout, theirs.stderr) == (mine.returncode, mine.stdout, mine.stderr), args
+    (gpus / fakegpu.CODE_NAME).unlink()
+    gone = subprocess.run([str(stub), "-L"], capture_output=True, text=True, timeout=30)
+    assert gone.returncode == fakegpu.NO_DRIVER_EXIT and gone.stdout.strip() == fakegpu.NO_DRIVER
+
+
+def test_the_config_is_read_as_json_reads_it_and_anything_else_is_no_driver(gpus: Path):
+    config = dict(fakegpu.default_config(2), ecc={"1": [2, 5]}, persistence=False, latency_ms=40.5, name="NVIDIA \u00e9 \"x\"")
+    text = json.dumps(config, indent=1) + "\n"
+    assert fakegpu.parse_json(text) == json.loads(text)
+    for bad in ("", "{", '{"count": 2} trailing', "{'count': 2}", "[1, 2,]"):
+        with pytest.raises(ValueError):
+            fakegpu.parse_json(bad)
+    (gpus / "config.json").write_text('{"count": 2,')
+    assert fakegpu.load_config(str(gpus)) is None
+
+
+def test_uuids_are_sha256_of_the_host_and_index_as_hashlib_makes_it():
+    import hashlib
+
+    digest = hashlib.sha256(b"h1:3").hexdigest()
+    assert fakegpu.gpu_uuid("h1", 3) == "GPU-%s-%s-%s-%s-%s" % (digest[:8], digest[8:12], digest[12:16], digest[16:20], digest[20:32])
+
+
 def test_uuids_are_the_real_form_and_the_same_every_time_for_one_host_and_index():
     assert UUID.match(fakegpu.gpu_uuid("h1", 0))
     assert fakegpu.gpu_uuid("h1", 0) == fakegpu.gpu_uuid("h1", 0)
@@ -162,7 +198,7 @@ def test_the_leases_find_the_devices_on_the_path_as_on_a_gpu_server(gpus, tmp_pa
     assert leasehost.pick([0, 2, 3], 2, links) == [2, 3]
 
 
-def test_a_take_asks_nvidia_smi_two_questions_at_once_once_this_boots_links_are_cached(gpus, tmp_path, monkeypatch, on_gpu1):
+def test_a_take_of_a_busy_host_asks_nvidia_smi_two_questions_once_this_boots_links_are_cached(gpus, tmp_path, monkeypatch, on_gpu1):
     bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").write_text(f'#!/bin/sh\necho "$1" >> {asked}\nexec {FAKE} "$@"\n')
@@ -179,12 +215,64 @@ def test_a_take_asks_nvidia_smi_two_questions_at_once_once_this_boots_links_are_
     first, links = leasehost.read_devices(topology=True, live=False)
     assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.GPU_READ, "topo"]
     again, cached = leasehost.read_devices(topology=True, live=False)
-    # the devices' health and their processes, asked each time (at once); the links from the cache
+    # the devices' health and (a GPU has memory in use) their processes, asked each time; the links from the cache
     assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.GPU_READ]
     assert cached == links and [d["uuid"] for d in again] == [d["uuid"] for d in first]
     assert [d["processes"] for d in again][1] == [{"pid": on_gpu1.pid, "user": leasehost.user_name(os.getuid()), "used_mib": 1024}]
     leasehost.read_devices()  # `mnft lab`: memory in use and utilisation now, never from the cache
     assert "--query-gpu=" + leasehost.GPU_READ in questions()
+
+
+def test_the_processes_are_asked_only_when_some_gpu_has_memory_in_use_and_never_missed(gpus, tmp_path, monkeypatch):
+    """A look asks nvidia-smi for the compute processes only when a GPU it just read reports memory in use: on a
+    host whose GPUs are all idle that is one nvidia-smi instead of two. A process with a context on any GPU, the
+    smallest one the stand-in registers (1 MiB), is seen every time, with its pid, on its GPU."""
+    bin_dir, asked = tmp_path / "bin", tmp_path / "asked"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f'#!/bin/sh\necho "$1" >> {asked}\nexec {FAKE} "$@"\n')
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MNFT_NVML", "0")
+
+    def questions() -> list[str]:
+        text = asked.read_text() if asked.exists() else ""
+        asked.unlink(missing_ok=True)
+        return sorted(text.split())
+
+    for live in (True, False):  # lab's look, a take's
+        devices, _ = leasehost.read_devices(live=live)
+        assert [d["processes"] for d in devices] == [[], [], [], []]
+        assert "--query-compute-apps=" + leasehost.SMI_APPS not in questions()
+    me = leasehost.user_name(os.getuid())
+    for index in range(4):
+        proc = subprocess.Popen([str(FAKE), "--fake-use", str(index), "--mib", "1", "--", "sleep", "30"])
+        try:
+            wait_until(lambda: (gpus / "used" / str(index) / str(proc.pid)).exists())
+            for live in (True, False):
+                devices, _ = leasehost.read_devices(live=live)
+                assert [d["processes"] for d in devices] == [[{"pid": proc.pid, "user": me, "used_mib": 1}] if i == index else []
+                                                             for i in range(4)]
+                assert "--query-compute-apps=" + leasehost.SMI_APPS in questions()
+        finally:
+            proc.kill()
+            proc.wait()
+    with pytest.raises(subprocess.CalledProcessError):  # a CUDA context takes memory: the stand-in has none of 0 MiB
+        subprocess.run([str(FAKE), "--fake-use", "0", "--mib", "0", "--", "true"], check=True, capture_output=True)
+
+
+@pytest.mark.parametrize("devices, asked", [
+    ([{"memory_used_mib": 0}, {"memory_used_mib": 0}], False),
+    ([{"memory_used_mib": 0}, {"memory_used_mib": 1}], True),  # any memory in use: a process may hold it
+    ([{"memory_used_mib": 0}, {"memory_used_mib": None}], True),  # [N/A]: not known to be idle
+    ([{"memory_used_mib": 0}, {}], True),
+    ([{"memory_used_mib": 0}, {"memory_used_mib": "[Unknown Error]"}], True),
+    ([{"memory_used_mib": 0, "health": {"mig": True}}], True),  # MIG slices: their use is theirs
+    ([{"memory_used_mib": 0}, {"health": {"lost": "Unable to determine the device handle for GPU 0000:3B:00.0"}}], False),
+    ([], False),
+])
+def test_which_reads_may_show_a_compute_process(devices, asked):
+    assert leasehost.may_have_processes(devices) is asked
 
 
 def test_list_and_banner_name_every_device_the_driver_and_who_uses_what(gpus, on_gpu1):

@@ -69,6 +69,35 @@ def test_a_free_host_is_leased_for_the_block_and_the_lease_names_its_holder_and_
         assert leases.show(fleet, fleet.inventory.hosts)["h1"]["held"] is False
 
 
+def test_the_lease_script_reaches_each_host_compiled_once_on_the_controller(lease_dir, monkeypatch):
+    """A host runs the controller's bytecode of the lease script (a take, lab, show): it does not compile the ~80 kB
+    source itself on every look. Shown with a payload whose source would not even compile: only its bytecode runs."""
+    import importlib.util
+    import marshal
+
+    code = marshal.dumps(compile(leasehost.source(), "mnft-script", "exec", dont_inherit=True))
+    junk = b"this is not python ("
+    payload = b"%d %d %s\n" % (len(junk), len(code), importlib.util.MAGIC_NUMBER.hex().encode()) + junk + code
+    monkeypatch.setattr(leases, "script", lambda: payload)
+    with fleet_of("h1") as fleet:
+        with leases.hold(fleet, fleet.inventory.hosts, "sync"):
+            assert leases.show(fleet, fleet.inventory.hosts)["h1"]["held"] is True
+        assert "devices" in leases.lab(fleet, fleet.inventory.hosts)["h1"]
+    assert holder_on_disk(lease_dir)["released"]
+
+
+def test_the_lease_script_as_shipped_runs_on_a_hosts_python_and_knows_its_own_source(lease_dir):
+    """leases.script() (pyrun.module_payload: the module's source and its bytecode as this controller imported it)
+    read by the compiled bootstrap: the script answers, and its source() is the file's, byte for byte."""
+    data = leases.script()
+    header, rest = data.split(b"\n", 1)
+    size, _, _ = header.split()
+    assert rest[: int(size)].decode() == Path(leasehost.__file__).read_text()
+    done = subprocess.run([sys.executable, "-S", "-c", pyrun.COMPILED_BOOTSTRAP, "show"], input=data, capture_output=True,
+                          timeout=30, env=dict(os.environ, MNFT_LEASE_DIR=str(lease_dir)))
+    assert json.loads(done.stdout.decode().strip().splitlines()[-1])["held"] is False, done.stderr
+
+
 def test_a_second_operation_on_a_busy_host_is_refused_naming_the_host_and_the_holder(lease_dir):
     other = hold_process(lease_dir, dict(OTHER, command="train", run_id="20260101-1200-ab12"))
     try:

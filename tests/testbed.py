@@ -186,6 +186,21 @@ def _ed25519_keypair(comment: str) -> tuple[bytes, str]:
     return private, public.decode()
 
 
+_FAKE_GPU_CODE: dict[tuple, bytes] = {}
+
+
+def _fake_gpu_code() -> bytes:
+    """tests/fakegpu.py compiled by the hosts' /usr/bin/python3, once per version of the file (every host of every
+    cluster runs the same): each question then costs a host's nvidia-smi no compiling of its own."""
+    st = FAKE_GPU.stat()
+    key = (st.st_mtime_ns, st.st_size)
+    if key not in _FAKE_GPU_CODE:
+        import fakegpu
+
+        _FAKE_GPU_CODE[key] = fakegpu.compiled()
+    return _FAKE_GPU_CODE[key]
+
+
 def _write(path: Path, data: str | bytes, mode: int = 0o644) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
@@ -751,12 +766,14 @@ class Cluster:
 
     def _write_fake_gpus(self, host: SimHost) -> None:
         """The host's GPUs that are not there: the stand-in as <host>/gpu-bin/nvidia-smi (stacked onto /usr/local/bin
-        by the mount script), its config and a registry directory per device that every user may write to."""
+        by the mount script: fakegpu.STUB, which runs tests/fakegpu.py's bytecode, compiled once, from the host's
+        state directory), its config and a registry directory per device that every user may write to."""
         import fakegpu
 
-        _write(host.root / "gpu-bin" / "nvidia-smi", FAKE_GPU.read_bytes(), 0o755)
+        _write(host.root / "gpu-bin" / "nvidia-smi", fakegpu.STUB.encode(), 0o755)
         os.chmod(host.root / "gpu-bin", 0o755)
         state = self._fake_gpu_state(host)
+        _write(state / fakegpu.CODE_NAME, _fake_gpu_code(), 0o644)
         _write(state / "config.json", json.dumps(fakegpu.default_config(self.gpus)) + "\n", 0o644)
         for index in range(self.gpus):
             (state / "used" / str(index)).mkdir(parents=True, exist_ok=True)

@@ -473,6 +473,24 @@ def _smi_output(proc, deadline):
     return text
 
 
+IDLE_MIB = 0  # memory.used of a GPU no process uses: a compute process's CUDA context alone takes tens of MiB or more
+
+
+def may_have_processes(devices):
+    """Whether `nvidia-smi --query-compute-apps` may list anything, from the devices just read: some GPU in service
+    reports memory in use (above IDLE_MIB), or no memory figure, or runs MIG (its slices' use is theirs). False only
+    when every answering GPU says 0 MiB used: no process has a context on any of them, so the question is not asked
+    (a lost GPU is not asked about either way: nvidia-smi cannot reach it)."""
+    for d in devices:
+        h = d.get("health") or {}
+        if h.get("lost"):
+            continue
+        used = d.get("memory_used_mib")
+        if not isinstance(used, int) or isinstance(used, bool) or used > IDLE_MIB or h.get("mig"):
+            return True
+    return False
+
+
 def _process_owner(pid):
     try:
         return user_name(os.stat("/proc/%d" % pid).st_uid)
@@ -487,7 +505,8 @@ def read_devices(topology=False, live=True):
     not answer (StalledRead: not within SMI_TIMEOUT).
 
     Through NVML where the driver's library is there (no process at all), else nvidia-smi: the devices and their
-    health, and the compute processes, two questions asked at once. The links (`nvidia-smi topo -m`) do not change
+    health, then the compute processes only when some GPU may have one (may_have_processes: on a host whose GPUs
+    are all idle, one nvidia-smi instead of two). The links (`nvidia-smi topo -m`) do not change
     while the machine is up: kept per boot and nvidia-smi in the user's cache (load_static, save_static) by a take
     (live=False), which asks them the first time."""
     import shutil
@@ -505,15 +524,18 @@ def read_devices(topology=False, live=True):
             raise
         except (OSError, AttributeError):
             devices = None  # no libnvidia-ml here, or one that fails: nvidia-smi answers
-    asks = [] if devices is not None else [[exe, "--query-compute-apps=" + SMI_APPS, fmt]]
-    if (topology or not live) and cached is None:  # a take asks the links too, to cache them
-        asks.append([exe, "topo", "-m"])
+    topo = (topology or not live) and cached is None  # a take asks the links too, to cache them
     deadline = time.time() + SMI_TIMEOUT
-    procs = [_spawn_smi(argv) for argv in asks]
+    procs = [_spawn_smi([exe, "topo", "-m"])] if topo else []
+    apps = topo_text = ""
     try:
         if devices is None:
             devices = smi_gpus(exe)
-        outputs = [_smi_output(p, deadline) for p in procs]
+            if may_have_processes(devices):  # the compute processes, within what is left of the same bound
+                procs.append(_spawn_smi([exe, "--query-compute-apps=" + SMI_APPS, fmt]))
+                apps = _smi_output(procs[-1], deadline)
+        if topo:
+            topo_text = _smi_output(procs[0], deadline)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -524,13 +546,13 @@ def read_devices(topology=False, live=True):
             d["processes"] = [{"pid": pid, "user": _process_owner(pid), "used_mib": mib} for pid, mib in d.get("processes") or []]
     else:
         by_uuid = dict((d["uuid"], d) for d in devices if d.get("uuid"))
-        for uuid, pid, mib in parse_apps(outputs[0]):
+        for uuid, pid, mib in parse_apps(apps):
             if uuid in by_uuid:
                 by_uuid[uuid]["processes"].append({"pid": pid, "user": _process_owner(pid), "used_mib": mib})
     if cached is not None:
         links = dict(((a, b), score) for a, b, score in cached["links"])
     else:
-        links = parse_topology(outputs[-1]) if (topology or not live) else {}
+        links = parse_topology(topo_text) if (topology or not live) else {}
         if not live or topology:
             save_static(exe, [d for d in devices if d.get("uuid")], links)
     xids, why = read_xids()

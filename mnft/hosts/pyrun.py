@@ -68,6 +68,28 @@ def _compiled(source: str) -> tuple[str, bytes]:
     return importlib.util.MAGIC_NUMBER.hex(), marshal.dumps(code)
 
 
+def module_payload(module: Any) -> bytes:
+    """compiled_payload of a host script that is also a module of mnft's (mnft.hosts.leasehost): its source, and its
+    bytecode as this interpreter imported it — from the module's own cache (__pycache__, kept valid by the source's
+    mtime and size) where there is one, instead of compiling it once more on every command (~19 ms of CPU for the
+    lease script, before any host is asked). Where no cache is kept (PYTHONDONTWRITEBYTECODE) it is compiled."""
+    with _compiling:
+        return _module_payload(module.__name__, module.__file__)
+
+
+@lru_cache(maxsize=16)
+def _module_payload(name: str, path: str) -> bytes:
+    import importlib.machinery
+    import importlib.util
+    import marshal
+
+    with open(path, encoding="utf-8") as f:
+        data = f.read().encode()
+    code = importlib.machinery.SourceFileLoader(name, path).get_code(name)
+    code_bytes = marshal.dumps(code)
+    return b"%d %d %s\n" % (len(data), len(code_bytes), importlib.util.MAGIC_NUMBER.hex().encode()) + data + code_bytes
+
+
 def compiled_payload(source: str) -> bytes:
     """payload's counterpart for COMPILED_BOOTSTRAP (command(..., compiled=True)): the source and its bytecode
     (compiled). A host whose Python reads that bytecode runs it; any other compiles the source, as from payload. A
