@@ -227,7 +227,7 @@ def test_nodes_picks_the_hosts_with_free_gpus_a_gpu_used_by_hand_is_never_picked
         lock = write_lock(tmp_path / "requirements.lock", [make_wheel(wheels, "alpha", "1.0")], {"alpha": "1.0"}, find_links=wheels)
         provision = root.mnft("provision", "--hosts", root.inventory, "--lock", str(lock))  # alice's run holds h2's GPUs: the host waits
         assert provision.returncode == 1 and "Traceback" not in provision.stderr, provision.stdout[-2000:] + provision.stderr[-2000:]
-        assert re.search(r"h2 is busy: GPU 0, 1, 2, 3, workdir /tmp/home-alice/mnft: train run \S+ by alice \(.*the whole host is not changed under a run", provision.stderr)
+        assert re.search(r"h2 is busy: GPU 0, 1, 2, 3, job directory /tmp/home-alice/mnft/outputs/\S+: train run \S+ by alice \(.*the whole host is not changed under a run", provision.stderr)
 
         picked = bob.train(src, "n", "--nodes", "2", "--gpus", "2")
         wait_for_output(picked, r"rank 0 local 0 sees CUDA_VISIBLE_DEVICES=", timeout=180)

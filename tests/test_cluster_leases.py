@@ -87,7 +87,7 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_device_lease_and_a_sync
     started = mnft(tmp_path, "train", "--hosts", root_inv, "--src", str(lab_scripts), "--detach", "--", "long.py")
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     run_id = started.stdout.strip().splitlines()[-1]
-    assert (root_workdir / "long.py").is_file()
+    assert (root_workdir / "outputs" / latest_record(tmp_path)["job_id"] / "long.py").is_file()  # its job's directory
     holder = json.loads(on_h1(lab, DEVICE).read_text())
     assert holder["run_id"] == run_id and holder["login"] == "root"
     assert on_h1(lab, DEVICE).stat().st_mode & 0o777 == 0o666  # made by root, usable by bob

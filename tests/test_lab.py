@@ -149,6 +149,18 @@ def test_the_whole_host_is_refused_while_a_run_holds_devices_there_naming_each()
                                         + [dict(reply["held"][0], device=None, workdir="/home/alice/mnft")]})
     assert two.startswith("h1 is busy: GPU 0, 1, workdir /home/alice/mnft: train run R1 by alice@ctl pid 7 since ")
     assert line.endswith(": the whole host is not changed under a run (wait for it to end, or ask its user)")
+    job = leases.scope_busy_line("h1", {"what": "runs", "held": [dict(reply["held"][0], device=None, workdir="/home/alice/mnft/outputs/J1")]})
+    assert job.startswith("h1 is busy: job directory /home/alice/mnft/outputs/J1: train run R1 by alice@ctl pid 7 since ")
+
+
+def test_the_same_job_twice_at_once_is_refused_naming_the_run_that_holds_its_directory():
+    holder = VIEWS["h1"]["devices"][0]["holder"]
+    line = leases.scope_busy_line("h1", {"what": "workdir", "workdir": "/home/alice/mnft/outputs/J1", "holder": holder})
+    assert line.startswith("h1: the job's working directory /home/alice/mnft/outputs/J1 is in use by train run R1 by alice@ctl pid 7 since ")
+    assert "one job runs once at a time, as both runs would write its files" in line
+    assert line.endswith("(mnft stop R1, or wait for it; a new run without --resume gets a directory of its own)")
+    sync = leases.scope_busy_line("h1", {"what": "workdir", "workdir": "/home/alice/mnft", "holder": dict(holder, command="sync", run_id=None)})
+    assert sync.startswith("h1: workdir /home/alice/mnft is busy: sync by alice@ctl") and sync.endswith("(wait)")
 
 
 def test_a_job_files_gpus_is_a_whole_number_of_gpus_per_host(tmp_path: Path):

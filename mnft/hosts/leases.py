@@ -31,7 +31,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from mnft.core.errors import MnftError
 from mnft.hosts import leasehost, pyrun
@@ -166,6 +166,11 @@ def drained_words(mark: dict | None) -> str:
     return f"{whole}drained by {shown(mark.get('login')) or '?'}{f' ({by})' if by else ''} at {at}: {shown(mark.get('reason'), 300) or 'no reason given'}"
 
 
+def directory_label(path: Any) -> str:
+    """"job directory ~/mnft/outputs/J" for a run's job directory (mnft.sync.snapshot.job_dir), else "workdir /x"."""
+    return ("job directory " if "/outputs/" in str(path or "") else "workdir ") + str(shown(path, 200))
+
+
 def scope_busy_line(host: str, reply: dict) -> str:
     """Why a run (or a sync) cannot have what it asked of a host: its devices, its workdir, the whole host."""
     what = reply.get("what")
@@ -194,7 +199,7 @@ def scope_busy_line(host: str, reply: dict) -> str:
         pairs = []
         for h in reply.get("held") or []:
             device = h.get("device") if isinstance(h.get("device"), dict) else None
-            pairs.append((device_label(device) if device else f"workdir {shown(h.get('workdir'), 200)}", describe(h) + verified(h, h.get("lockers"))))
+            pairs.append((device_label(device) if device else directory_label(h.get("workdir")), describe(h) + verified(h, h.get("lockers"))))
         parts = grouped(pairs)
         return f"{host} is busy: {'; '.join(parts)}: the whole host is not changed under a run (wait for it to end, or ask its user)"
     devices, want = reply.get("devices") or [], reply.get("want")

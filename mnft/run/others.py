@@ -63,7 +63,7 @@ def print_status(run_id: str, held: dict[str, list[dict]], as_json: bool, consol
         table.add_column(column)
     for host, found in held.items():
         holder = found[0].get("holder") or {}
-        devices = ", ".join("workdir " + str(leases.shown(d.get("workdir"), 100)) if d.get("index") == "workdir"
+        devices = ", ".join(leases.directory_label(d.get("workdir")) if d.get("index") == "workdir"
                             else "cpu" if d.get("index") is None else f"GPU {d.get('index')}" for d in found)
         table.add_row(plain(host), plain(devices), plain(holder_user(found[0]) or "?"), plain(leases.shown(holder.get("command"), 20) or ""),
                       plain(leases.shown(holder.get("controller")) or ""), plain(since(holder.get("taken") or holder.get("started"))))
