@@ -1550,6 +1550,9 @@ def _duration(seconds):
     return "%dh%02dm" % (seconds // 3600, seconds % 3600 // 60)
 
 
+WATCH_SETTLE = 3.0  # seconds a session's watcher waits, once the controller's channel closed, for the keeper's own end
+
+
 def watch(run_dir):
     """The session's dead-man (see above): ends it when the controller's heartbeats stop before it ended."""
     spec = json.loads(_read(os.path.join(run_dir, "spec.json"), "{}") or "{}")
@@ -1568,7 +1571,12 @@ def watch(run_dir):
                 last = time.time()
         if reason is None and time.time() - last > deadman:
             reason = "no heartbeat from the controller for %gs" % deadman
-    if os.path.exists(os.path.join(run_dir, "ended")):
+    # the channel also closes when the session ends on the host (stopped, timed out: its terminal closes, then the
+    # controller lets go): the keeper's own reason, written a moment later, is the session's, not a lost controller
+    settle = time.time() + WATCH_SETTLE
+    while time.time() < settle and not any(os.path.exists(os.path.join(run_dir, f)) for f in ("ended", "reason")):
+        time.sleep(0.1)
+    if os.path.exists(os.path.join(run_dir, "ended")) or os.path.exists(os.path.join(run_dir, "reason")):
         return 0  # it ended by itself meanwhile (the controller lets go of this channel once the session is over)
     _once(os.path.join(run_dir, "reason"), reason)
     result = terminate(run_dir, SESSION_REAP + 2)
