@@ -812,3 +812,33 @@ def test_a_sync_asks_who_shares_only_when_some_host_needs_the_tree():
     assert not all_current({"h1": (None, tree("d")), "h2": (None, tree("old"))}, "d")
     assert not all_current({"h1": (None, tree("d")), "h2": (None, None)}, "d")  # unread: not known to hold it
     assert not all_current({"h1": (None, tree("d", errors={"x": "unreadable"}))}, "d")
+
+
+def test_a_tree_of_hard_links_is_hashed_from_the_cache_of_the_tree_it_links_without_reading_a_file(tmp_path, monkeypatch):
+    """A job's directory (hard links to its snapshot) and a new snapshot (hard links to the one before) cost the
+    hash of their new files only: a file with the snapshot's inode, size, mtime and ctime is the snapshot's file."""
+    snap, job = tmp_path / "snap", tmp_path / "job"
+    write(snap, {"a.py": "a", "pkg/b.bin": "b" * 5000})
+    for rel in ("a.py", "pkg/b.bin"):
+        (snap / rel).chmod(0o444)  # a snapshot's files are read-only
+    digest, _, _ = treehash.tree_hash(snap, (), str(tmp_path / "snap.cache"))
+    for rel in ("a.py", "pkg/b.bin"):
+        (job / rel).parent.mkdir(parents=True, exist_ok=True)
+        os.link(snap / rel, job / rel)
+    (job / "new.txt").write_text("written by the job")
+    read = []
+    real = treehash.sha256_file
+    monkeypatch.setattr(treehash, "sha256_file", lambda path: read.append(os.path.basename(path)) or real(path))
+    got, files, _ = treehash.tree_hash(job, (), str(tmp_path / "job.cache"), only={"a.py", "pkg/b.bin"}, also=[str(tmp_path / "snap.cache")])
+    assert got == digest and read == []
+    treehash.tree_hash(job, (), str(tmp_path / "job2.cache"), also=[str(tmp_path / "snap.cache")])
+    assert read == ["new.txt"]  # only what the cache of the linked tree does not know
+    os.utime(job / "a.py", ns=(1, 1))  # another mtime: not the file the other cache knows
+    read.clear()
+    treehash.tree_hash(job, (), None, only={"a.py"}, also=[str(tmp_path / "snap.cache")])
+    assert read == ["a.py"]
+    os.utime(job / "a.py", ns=(os.stat(snap / "pkg/b.bin").st_atime_ns, os.stat(snap / "pkg/b.bin").st_mtime_ns))
+    (job / "pkg/b.bin").chmod(0o644)  # writable: whatever its inode and times say, it is read
+    read.clear()
+    treehash.tree_hash(job, (), None, only={"pkg/b.bin"}, also=[str(tmp_path / "snap.cache")])
+    assert read == ["b.bin"]

@@ -225,14 +225,14 @@ class SyncReport:
 
 def hash_args(host: Host, target: str, *, if_exists: bool = False, other: str | None = None, expect: str | None = None,
               mark: str | None = None, names: Sequence[str] = (), placed: bool = False, siblings: bool = False,
-              prune: int | None = None) -> list[str]:
+              prune: int | None = None, also: Sequence[str] = ()) -> list[str]:
     """The tree hash script's arguments for target; other is the host's other mnft directory, which must not
     overlap; expect the local digest (a host whose copy differs also reports its rsync version); mark: leave this
     operation's mark (nonce.host) beside the target and, with names, then look for theirs (sharing_of)."""
     return [normalize_target(target)] + (["--other", normalize_target(other)] if other else []) + (["--expect", expect] if expect else []) \
         + (["--mark", f"{mark}.{host.name}"] if mark else []) + (["--names", ",".join(names)] if mark and names else []) \
         + (["--if-exists"] if if_exists else []) + (["--placed"] if placed else []) + (["--siblings"] if siblings else []) \
-        + (["--prune", str(prune)] if prune is not None else [])
+        + (["--prune", str(prune)] if prune is not None else []) + (["--also", json.dumps(list(also))] if also else [])
 
 
 def hash_command(host: Host, target: str, **options: Any) -> Command:
@@ -270,17 +270,18 @@ def other_dir(host: Host, target: str) -> str:
 def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], rules: Sequence[str], *, if_exists: bool = False,
                 timeout: float = HASH_TIMEOUT, expect: str | None = None, mark: str | None = None,
                 placed: Mapping[str, Mapping[str, Any]] | None = None, siblings: bool = False,
-                prune: int | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
+                prune: int | None = None, also: Mapping[str, Sequence[str]] | None = None) -> dict[str, tuple[HostResult, RemoteTree | None]]:
     """Each host's copy of its target, hashed; with mark, each host also leaves its mark and looks for the
     others' (RemoteTree.mark): who shares the target is known from this one round-trip (sharing_of). placed: host ->
-    what to hash, remove and record there (treehash.report's `placed`); siblings: the snapshots beside the target."""
+    what to hash, remove and record there (treehash.report's `placed`); siblings: the snapshots beside the target;
+    also: host -> directories whose hash caches the host may trust for hard links of their files (treehash.tree_hash)."""
     names = [h.name for h in hosts] if mark and len(hosts) > 1 else ()
 
     def one(host: Host) -> HostResult:
         target = targets[host.name]
         mine = (placed or {}).get(host.name)
         args = hash_args(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names,
-                         placed=mine is not None, siblings=siblings, prune=prune)
+                         placed=mine is not None, siblings=siblings, prune=prune, also=tuple((also or {}).get(host.name) or ()))
         # a host this controller holds the lease of hashes in its lease holder's process (no new session)
         held = leases.run_held(host, treehash.source(), args, rules_line(rules, mine), timeout)
         return held if held is not None else fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=hash_stdin(rules, mine), timeout=timeout)
@@ -598,6 +599,7 @@ def sync_tree(
     link_dest: Callable[[Host, RemoteTree], Sequence[str]] | None = None,
     lease: bool = True,
     conflict_fix: str = CONFLICT_FIX,
+    also: Mapping[str, Sequence[str]] | None = None,
 ) -> SyncReport:
     """read -> plan -> apply -> verify for the code (workdir), a data set (data_dir), a code snapshot or a job's
     working directory (place_code).
@@ -628,7 +630,7 @@ def sync_tree(
             nonce = None if dry_run else secrets.token_hex(8)  # a dry run leaves no mark: it changes nothing
             asked = {h.name: placed_request(local) for h in inventory.hosts} if placing else None
             before = read_remote(fleet, inventory.hosts, targets, local.rules, expect=local.digest, mark=nonce, placed=asked,
-                                 siblings=kind == "snapshot", prune=KEEP_SNAPSHOTS if kind == "snapshot" and not dry_run else None)
+                                 siblings=kind == "snapshot", prune=KEEP_SNAPSHOTS if kind == "snapshot" and not dry_run else None, also=also)
             # who shares with whom (each host marked and looked in that round-trip) decides who writes and who
             # verifies; not needed when every host already holds the tree
             sightings = {name: tree.mark for name, (_, tree) in before.items() if tree is not None and tree.mark is not None}
@@ -645,7 +647,9 @@ def sync_tree(
                 finish = {p.host: placed_request(local, p) for p in plans if p.action in ("rsync", "verify", "record")
                           and (p.action != "rsync" or outcomes.get(p.host, (None,))[0] is None or outcomes[p.host][0].exit_code == 0)} \
                     if placing else None
-                after = read_remote(fleet, again, targets, local.rules, placed=finish) if again else {}
+                # what rsync hard-linked from the link-dest directories is known by their caches: only new files are read
+                trusted = {name: tuple((also or {}).get(name) or ()) + tuple(links.get(name) or ()) for name in targets}
+                after = read_remote(fleet, again, targets, local.rules, placed=finish, also=trusted) if again else {}
                 hosts = {p.host: _result(p, before, outcomes.get(p.host), after.get(p.host), local, not placing) for p in plans}
     finally:
         if own_fleet:

@@ -117,8 +117,10 @@ def fix(src: Path | None, *, config: Any = None, extra_excludes=(), root: Path |
 
 
 def _digest(target: Path, local: LocalTree) -> str:
-    """The snapshot's tree hash, by the source's own rules (cached beside the store)."""
-    digest, _, errors = treehash.tree_hash(target, local.rules, str(target) + ".hashes")
+    """The snapshot's tree hash, by the source's own rules (cached beside the store; a file hard-linked from an
+    earlier snapshot is known by its inode from that one's cache, so a new snapshot reads its new files only)."""
+    earlier = [str(p) + ".hashes" for p in _snapshots(target.parent)[:LINK_FROM] if p != target]
+    digest, _, errors = treehash.tree_hash(target, local.rules, str(target) + ".hashes", also=earlier)
     return "" if errors else digest
 
 
@@ -227,7 +229,8 @@ def place(inventory: Inventory, fixed: LocalTree, job_id: str, *, fleet: Fleet, 
                                         + ", ".join(f"{p}: {e}" for p, e in sorted(tree.errors.items())[:3]))
     rest = [h for h in inventory.hosts if h.name not in linked]
     job = sync_tree(inventory.only([h.name for h in rest]), None, kind="job", fleet=fleet, progress=False, local=fixed, dry_run=dry_run,
-                    lease=False, targets=targets, link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX) if rest else None
+                    lease=False, targets=targets, link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX,
+                    also={h.name: (snapshot_dir(h, fixed.digest),) for h in rest}) if rest else None
     hosts = {h.name: linked[h.name] if h.name in linked else job.hosts[h.name] for h in inventory.hosts}
     return Placed(snap, SyncReport("job", fixed.root, fixed.digest, len(fixed.files), fixed.total_bytes, hosts, dry_run, fixed.ignore_source,
                                    max([job.seconds if job else 0.0] + [h.seconds for h in linked.values()])))

@@ -282,9 +282,11 @@ def walk(root: str, rules: Rules):
     return found, errors
 
 
-def tree_hash(root, excludes=(), cache=None, only=None):
+def tree_hash(root, excludes=(), cache=None, only=None, also=()):
     """(digest, {relpath: (size, sha256)}, {relpath: error}) of the tree at root, with the exclude rules applied;
-    only (a collection of relpaths): those alone are hashed (the rest is not read).
+    only (a collection of relpaths): those alone are hashed (the rest is not read). also: the caches of other trees
+    whose files this one may hold as hard links (a job's directory, its snapshot; a snapshot, the one before): a
+    read-only file with the same inode, size and mtime as one of theirs is the same file, its hash not read again.
 
     A symlink counts as its target text (size = its length), never followed. `cache` is a JSON file outside the
     tree that remembers each file's sha256 by (size, mtime_ns, ctime_ns, inode).
@@ -298,6 +300,11 @@ def tree_hash(root, excludes=(), cache=None, only=None):
         wanted = set(only)
         entries = [e for e in entries if e[0] in wanted]
     old = _load_cache(cache)
+    # by inode, size and mtime: a hard link made since (a job's directory, the next snapshot) changed the inode's
+    # ctime, so ctime cannot be compared; only read-only files are taken (snapshot files: nobody but root writes them)
+    linked = {}
+    for entries in [_load_cache(other) for other in also or ()] + [old]:  # its own too: linking bumped their ctime
+        linked.update({(v[0], v[1], v[3]): v[4] for v in entries.values() if isinstance(v, list) and len(v) == 5})
     new = {}
     files = {}
     for rel, full, st in entries:
@@ -314,6 +321,8 @@ def tree_hash(root, excludes=(), cache=None, only=None):
         hit = old.get(rel)
         if hit and hit[:4] == key:
             sha = hit[4]
+        elif not st.st_mode & 0o222 and (st.st_size, st.st_mtime_ns, st.st_ino) in linked:
+            sha = linked[(st.st_size, st.st_mtime_ns, st.st_ino)]
         else:
             try:
                 sha = sha256_file(full)
@@ -642,7 +651,7 @@ def prune(root: str, keep: int) -> list:
 
 
 def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None, mark=None, placed=None,
-           with_siblings: bool = False, keep=None) -> dict:
+           with_siblings: bool = False, keep=None, also=()) -> dict:
     """The probe's answer for root. expect: the digest the controller wants; when the tree differs from it (a
     sync will follow) the host's rsync version is reported too; when it is equal, the file list is left out.
     placed (a dict, --placed): the record of what mnft placed here is read and reported; "paths" (a list) hashes only
@@ -684,8 +693,10 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
         return out
     only = placed.get("paths") if placed is not None else None
     record = out.get("placed") or {}
+    trusted = [default_cache(os.path.expanduser(str(placed[key]))) for key in ("link_from", "cache_from") if placed and placed.get(key)] \
+        + [default_cache(os.path.expanduser(str(d))) for d in also or ()]
     digest, files, errors = tree_hash(expanded, patterns, cache or default_cache(expanded),
-                                      only=None if only is None else set(only) | set(record.get("files") or ()))
+                                      only=None if only is None else set(only) | set(record.get("files") or ()), also=trusted)
     extra = False
     if only is not None:  # the digest is the source's paths' (what the sync placed); the record's others are listed beside
         wanted = set(only)
@@ -708,12 +719,13 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
 
 def main(argv) -> int:
     usage = ("usage: treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--mark NONCE.HOST [--names HOST,HOST...]] [--if-exists]"
-             " [--placed] [--siblings] [--prune N] < rules.json [placed.json]\n"
+             " [--placed] [--siblings] [--prune N] [--also JSON-LIST] < rules.json [placed.json]\n"
              "       treehash.py ROOT --mark NONCE.HOST --only [--names HOST,HOST...]\n"
              "       treehash.py ROOT --seen NONCE --names HOST,HOST...\n"
              "--mark with --names: after marking (and hashing), whose marks of that nonce this host sees\n")
     args = list(argv)
-    values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None, "--prune": None}
+    values = {"--cache": None, "--other": None, "--expect": None, "--mark": None, "--seen": None, "--names": None, "--prune": None,
+              "--also": None}
     if_exists = "--if-exists" in args
     if if_exists:
         args.remove("--if-exists")
@@ -761,7 +773,11 @@ def main(argv) -> int:
             sys.stderr.write("treehash: --placed needs a JSON object on the second line of stdin\n")
             return 2
     keep = int(values["--prune"]) if (values["--prune"] or "").isdigit() else None
-    out = report(args[0], patterns, cache, if_exists, other, expect, mark, placed, flags["--siblings"], keep)
+    try:
+        also = [str(d) for d in json.loads(values["--also"])] if values["--also"] else []
+    except (ValueError, TypeError):
+        also = []
+    out = report(args[0], patterns, cache, if_exists, other, expect, mark, placed, flags["--siblings"], keep, also)
     sys.stdout.write(json.dumps(_looked(out, args[0], mark, names)) + "\n")
     return 0
 
