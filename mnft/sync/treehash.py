@@ -303,8 +303,8 @@ def tree_hash(root, excludes=(), cache=None, only=None, also=()):
     # by inode, size and mtime: a hard link made since (a job's directory, the next snapshot) changed the inode's
     # ctime, so ctime cannot be compared; only read-only files are taken (snapshot files: nobody but root writes them)
     linked = {}
-    for entries in [_load_cache(other) for other in also or ()] + [old]:  # its own too: linking bumped their ctime
-        linked.update({(v[0], v[1], v[3]): v[4] for v in entries.values() if isinstance(v, list) and len(v) == 5})
+    for known in [_load_cache(other) for other in also or ()] + [old]:  # its own too: linking bumped their ctime
+        linked.update({(v[0], v[1], v[3]): v[4] for v in known.values() if isinstance(v, list) and len(v) == 5})
     new = {}
     files = {}
     for rel, full, st in entries:
