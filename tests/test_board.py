@@ -430,3 +430,73 @@ def test_the_page_shows_the_command_the_save_count_and_why_the_time_is_not_split
     assert page.inner_text('#run-time td[data-key="checkpoint_s"]') == "- (8)"
     assert page.inner_text("#run-time .time-unknown").startswith("no step record was read from the job's output: where the time went is not known")
     assert page.problems == []
+
+
+# ------------------------------------------------------------------------------------------------ sessions, collisions, usage (issue 38)
+
+
+def sessions_views(now: float) -> dict[str, dict]:
+    """h1: GPU 0 a session of alice's running jupyter, idle 40 minutes; GPU 1 a run of bob's that carol also computes on."""
+    views = lab_views(["h1"], gpus=2, now=now)
+    session, run = views["h1"]["devices"]
+    session.update(state="held", holder={"command": "shell", "session": "jupyter lab --no-browser", "run_id": "20261128-100200-5e55",
+                                         "user": "alice", "login": "alice", "controller": "ctl", "pid": 1, "taken": now - 3600,
+                                         "idle_since": now - 2400}, lockers=["alice pid 300"], processes=[])
+    run.update(state="held", holder={"command": "train", "run_id": "20261128-090000-b0b0", "user": "bob", "login": "bob", "controller": "ctl",
+                                     "pid": 2, "taken": now - 7200}, lockers=["bob pid 400"],
+               collisions=[{"pid": 4242, "user": "carol", "used_mib": 900}])
+    views["h1"]["now"] = now
+    return views
+
+
+def usage_lines(now: float) -> dict[str, dict]:
+    return {"h1": {"lines": [{"login": "alice", "run_id": "S1", "command": "shell", "devices": [0], "start": now - 7200, "end": now - 3600, "idle_s": 900},
+                             {"login": "bob", "run_id": "R1", "command": "train", "devices": [0, 1], "start": now - 3600 * 5, "end": now - 3600 * 4,
+                              "idle_s": 0}]},
+            "h2": {"error": "Unable to connect to port 22", "status": "unreachable"}}
+
+
+def test_the_boards_usage_is_what_mnft_lab_usage_sums_and_is_read_again_only_when_due(tmp_path, runs_dir):
+    from mnft.hosts import usage as usage_logs
+
+    now = time.time()
+    inv = inventory(tmp_path / "lab.yaml", 2)
+    asked = []
+    board = Board(inv, look=lambda: sessions_views(now), usage=lambda start: asked.append(start) or usage_lines(now), usage_every=3600)
+    board.round()
+    board._usage_out.result(timeout=30)
+    board.round()  # not due again: the logs are not read again
+    board._usage_out.result(timeout=30)
+    got = json.loads(board.usage.text)
+    assert len(asked) == 1 and abs(asked[0] - (now - 7 * 86400)) < 60
+    expected = usage_logs.summarise({"h1": usage_lines(now)["h1"]["lines"]}, asked[0])
+    assert {k: got[k] for k in ("users", "hosts", "longest_waits")} == json.loads(json.dumps({k: expected[k] for k in ("users", "hosts", "longest_waits")}))
+    assert [(u["user"], u["gpu_hours"]) for u in got["users"]] == [("bob", 2.0), ("alice", 1.0)]
+    assert got["errors"] == {"h2": "Unable to connect to port 22"} and got["days"] == 7
+    lab = {(d["host"], d["device"]): d for d in json.loads(board.lab.text)["devices"]}
+    assert lab["h1", "1"]["also"] == "also used by carol pid 4242" and lab["h1", "0"]["command"] == "shell: jupyter lab --no-browser"
+    board.close()
+
+
+def test_the_page_shows_a_session_as_such_a_collision_and_the_last_weeks_usage(tmp_path, runs_dir, chromium):
+    now = time.time()
+    inv = inventory(tmp_path / "lab.yaml", 2)
+    with Served(Board(inv, look=lambda: sessions_views(now), usage=lambda start: usage_lines(now), every=0.5)) as served:
+        context = chromium.new_context(viewport={"width": 1366, "height": 768})
+        page = context.new_page()
+        problems = []
+        page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+        page.goto(served.url)
+        page.wait_for_selector("html[data-drawn]", timeout=30000)
+        session = page.wait_for_selector('.tile[data-host="h1"][data-device="0"][data-session="1"]').inner_text()
+        since = time.strftime("%H:%M", time.localtime(now - 3600))
+        assert f"shell by alice since {since}" in session and "jupyter lab" in session and "idle 40m" in session, session
+        crowded = page.wait_for_selector('.tile[data-host="h1"][data-device="1"][data-collision="1"]').inner_text()
+        assert "also used by carol pid 4242" in crowded
+        line = page.wait_for_selector('#collisions li[data-device="1"]').inner_text()
+        assert line == "h1 GPU 1: held by bob's run 20261128-090000-b0b0; also used by carol pid 4242"
+        page.wait_for_selector('#usage-body tr[data-user="bob"]')
+        assert [r.inner_text().split("\t") for r in page.query_selector_all("#usage-body tr")] == [["bob", "2.00", "0%", "1"], ["alice", "1.00", "25%", "1"]]
+        assert "not counted: h2" in page.inner_text("#usage-summary")
+        assert problems == []
+        context.close()

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from fakegpu import RANK_SNIPPET
 
+from mnft.run.agent import COLLISION_EVERY
+
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
@@ -166,6 +168,35 @@ def test_a_sessions_command_sees_its_gpu_and_killing_the_controller_frees_it_wit
         assert until(lambda: not tagged(lab, lab.hosts[0], session), timeout=30)
         assert not lab.gpu_users(lab.hosts[0]).get(int(gpu))
     finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_a_process_of_another_user_on_a_sessions_gpu_is_named_by_mnft_lab_and_said_once_in_the_sessions_output(lab, tmp_path):
+    alice, bob = Person(lab, tmp_path, "alice"), Person(lab, tmp_path, "bob")
+    proc = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--", "python3", "hold.py")
+    by_hand = None
+    try:
+        session, gpu = session_id(proc)
+        assert until(lambda: lab.gpu_users(lab.hosts[0]).get(int(gpu))), "the session's command never used its GPU"
+        assert [r.get("also") for r in held_rows(bob.lab())] == [None]  # its own command is no collision
+        # bob ignores CUDA_VISIBLE_DEVICES: a process of his on alice's GPU (setpriv execs: its pid is this Popen's)
+        by_hand = lab.popen(lab.hosts[0], ["setpriv", "--reuid=bob", "--regid=bob", "--init-groups", "nvidia-smi", "--fake-use", gpu,
+                                           "--", "sleep", "120"], start_new_session=True)
+        also = f"also used by bob pid {by_hand.pid}"
+        rows = until(lambda: [r for r in held_rows(bob.lab()) if r.get("also")])
+        assert [(r["device"], r["user"], r["run"], r["also"]) for r in rows] == [(gpu, "alice", session, also)]
+        shown = alice.mnft("lab", "--hosts", alice.inventory)
+        assert f"h1 GPU {gpu}: held by alice's session {session}; {also}" in " ".join(shown.stdout.split()), shown.stdout
+        time.sleep(2 * COLLISION_EVERY)  # two more of the keeper's looks at the same process: it is said once
+        done = alice.mnft("stop", session)
+        assert done.returncode == 0, done.stdout + done.stderr
+        out, _ = proc.communicate(timeout=60)
+        assert out.count(f"GPU {gpu} of this session is {also}") == 1, out
+    finally:
+        if by_hand is not None:
+            by_hand.kill()
+            by_hand.wait()
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
 

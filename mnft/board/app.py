@@ -5,6 +5,7 @@ Routes, GET (and HEAD) only; any other method is refused with 405 before routing
     /                       the page (static/index.html); it draws everything itself from the JSON below
     /static/…               board.js, board.css, uPlot (vendored: no CDN, works without internet)
     /api/lab                the lab: `mnft lab --json`'s devices, each host's last answer (mnft.board.state)
+    /api/usage              the last week's GPU-hours per user and host, idle share (`mnft lab --usage --json`'s)
     /api/runs               every run's row: this controller's runs/ and the other controllers' runs the lab shows
     /api/runs/{id}          a run's page: curve, where the time went, hosts, last lines, first failure
     /api/events[?run=ID]    server-sent events: `lab`, `runs` (and `run` for ID) each time one changes; each stream
@@ -190,6 +191,9 @@ def create_app(board: Board, origins: Origins) -> Starlette:
     async def runs(request: Request) -> Response:
         return _json(board.runs.text)
 
+    async def usage(request: Request) -> Response:
+        return _json(board.usage.text)
+
     async def run(request: Request) -> Response:
         run_id = _run_id(request.path_params["run_id"])
         if run_id is None:
@@ -207,7 +211,7 @@ def create_app(board: Board, origins: Origins) -> Starlette:
             try:
                 yield "retry: 2000\n\n"
                 while not board.stopping:  # the server is shutting down: the stream ends, the page reconnects to the next board
-                    documents = [("lab", board.lab), ("runs", board.runs)]
+                    documents = [("lab", board.lab), ("runs", board.runs), ("usage", board.usage)]
                     if run_id is not None:
                         documents.append(("run", await asyncio.to_thread(board.detail, run_id)))
                     for name, document in documents:
@@ -229,6 +233,7 @@ def create_app(board: Board, origins: Origins) -> Starlette:
         Route("/", index, methods=["GET"]),
         Route("/api/lab", lab, methods=["GET"]),
         Route("/api/runs", runs, methods=["GET"]),
+        Route("/api/usage", usage, methods=["GET"]),
         Route("/api/runs/{run_id}", run, methods=["GET"]),
         Route("/api/events", events, methods=["GET"]),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),

@@ -6,6 +6,8 @@ Each round (every EVERY seconds, or as soon as the previous one is done when ask
   question was answered: a host slow to answer (shown not answering after SLOW seconds, with its last answer if
   it ever answered) or not answering (shown unreachable once its connection attempt ends, asked again on a new
   connection) never holds up the others. The time of each host's last answer is kept;
+- reads the hosts' usage logs every USAGE_EVERY seconds, on the side (never waited for), summed as `mnft lab
+  --usage` sums them (mnft.hosts.usage): the last week's GPU-hours per user and host and the idle share;
 - reads the runs of this controller's runs/ (mnft.board.runs: a run's row is read again only when its files change
   or while it goes on) and adds the runs of other controllers the lab shows;
 - asks the hosts of a run going on, as `mnft status` does (mnft.run.control.status), when its page is open or when
@@ -39,6 +41,8 @@ from mnft.hosts.settings import Inventory
 EVERY = 2.5  # seconds between two rounds of questions to the hosts
 SLOW = 10.0  # seconds a host may take to answer before it is shown as not answering (its last answer kept)
 SLICE = 0.1  # seconds between two looks at `stop` while the poller waits for answers
+USAGE_EVERY = 300.0  # seconds between two readings of the hosts' usage logs (the last week's use changes slowly)
+USAGE_DAYS = 7.0  # the board's usage covers the last week, as `mnft lab --usage` does by default
 RUN_FLEETS = 8  # runs whose hosts are asked side by side at most
 
 
@@ -76,19 +80,25 @@ class Board:
     """The lab and the runs, as every open page sees them; `start` the poller, `close` it."""
 
     def __init__(self, inventory: Inventory, look: Callable[[], dict[str, dict]] | None = None, timeouts: Timeouts | None = None,
-                 every: float = EVERY, status: Callable | None = None, slow: float = SLOW) -> None:
+                 every: float = EVERY, status: Callable | None = None, slow: float = SLOW,
+                 usage: Callable[[float], dict[str, dict]] | None = None, usage_every: float = USAGE_EVERY) -> None:
         self.inventory = inventory
         self.timeouts = timeouts or Timeouts(connect=10.0, command=30.0)
         self.every = every
         self.slow = slow
         self._look = look  # None: the hosts' own answer (mnft.hosts.lab.look over a fleet kept open)
         self._status = status  # None: mnft.run.control.status over the run's own inventory
+        self._usage = usage  # None: the hosts' usage logs, as `mnft lab --usage` reads them (mnft.hosts.usage.ask)
+        self.usage_every = usage_every
+        self._usage_due = 0.0  # monotonic time of the next reading
+        self._usage_out: Future | None = None
         self._fleets: dict[str, Any] = {}  # host -> its fleet (one connection, kept open)
         self._asking: dict[str, float] = {}  # host -> when its question went out, until it answers
         self._run_fleets: dict[str, Any] = {}
         self.lock = threading.Lock()
         self.lab = Published()
         self.runs = Published()
+        self.usage = Published()  # the last week's GPU-hours per user and host, as `mnft lab --usage` sums them
         self.answered: dict[str, float] = {}  # host -> when it last answered
         self.asked_s: float | None = None
         self.rows: list[dict] = []
@@ -145,6 +155,10 @@ class Board:
         """One round: the lab and the going runs' hosts asked side by side, then the runs' rows read again."""
         going = self._runs_to_ask()
         lab = self._pool.submit(self._ask_lab)
+        made_up = self._look is not None and self._usage is None  # a made-up lab (tests, bench) has no usage logs to read
+        if not made_up and time.monotonic() >= self._usage_due and (self._usage_out is None or self._usage_out.done()):
+            self._usage_due = time.monotonic() + self.usage_every  # not waited for: a slow log never holds up the lab
+            self._usage_out = self._pool.submit(self.read_usage)
         asked = {run_id: self._pool.submit(self._ask_run, run_id) for run_id in going}
         if not self._wait([lab, *asked.values()]):
             return  # stopping: what is still out is abandoned
@@ -259,6 +273,29 @@ class Board:
             self.lab.set({"inventory": str(self.inventory.path) if self.inventory.path else "the embedded local inventory",
                           "now": now, "asked_s": None if started else round(self.asked_s or 0, 3), "round": self.rounds,
                           "hosts": hosts, "devices": devices})
+
+    # -------------------------------------------------------------------------------------------- usage
+
+    def read_usage(self) -> None:
+        """The last USAGE_DAYS of the hosts' usage logs, summed as `mnft lab --usage` sums them (mnft.hosts.usage:
+        the same functions), published; a host that did not answer is named, its use not counted."""
+        from mnft.hosts import usage as usage_logs
+
+        start = time.time() - USAGE_DAYS * 86400
+        try:
+            if self._usage is not None:  # made up (tests)
+                read = self._usage(start)
+            else:
+                from mnft.hosts.fleet import Fleet
+
+                with Fleet(self.inventory, self.timeouts) as fleet:
+                    read = usage_logs.ask(fleet, self.inventory.hosts, start)
+        except MnftError as exc:
+            read = {h.name: {"error": str(exc)} for h in self.inventory.hosts}
+        errors = {h: leases.shown(str(v.get("error") or v.get("refused")), 200) for h, v in read.items() if "lines" not in v}
+        summary = usage_logs.summarise({h: v["lines"] for h, v in read.items() if "lines" in v}, start)
+        with self.lock:
+            self.usage.set(dict(summary, errors=errors, days=USAGE_DAYS, since=start, now=time.time()))
 
     # -------------------------------------------------------------------------------------------- the runs
 

@@ -83,6 +83,7 @@ class Row:
     drain: str | None = None  # who drained it, when and why
 
     idle: float | None = None  # seconds its holder's GPUs have been idle (as the holder's keeper last sampled them)
+    also: str | None = None  # a collision: "also used by bob pid 4242" (a process not of the holder's run on its GPU)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -114,9 +115,11 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 claimed, proven = leases.holder_login(holder), lockers_users(d)
                 detail = f"the lease file names {claimed}" if proven and claimed and claimed not in proven else None
                 idle = idle_for(holder, view.get("now"))
+                also = also_used(d)
+                detail = "; ".join(w for w in (detail, also) if w) or None
                 out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), held_command(holder),
                                _number(holder.get("taken") or holder.get("started")), memory, util, with_idle(detail, idle),
-                               leases.shown(holder.get("image"), 80), health, drain, idle))
+                               leases.shown(holder.get("image"), 80), health, drain, idle, also))
             elif state == "outside":
                 procs = d.get("processes") or []
                 users = sorted({leases.shown(p.get("user")) or "?" for p in procs})
@@ -131,6 +134,24 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                            leases.shown(waiting.get("run_id")), leases.shown(waiting.get("command"), 20), _number(waiting.get("queued")),
                            detail=f"wants {'every device' if want is None else f'{want} GPU(s)'}"))
     return out
+
+
+def also_used(device: dict) -> str | None:
+    """A collision on a held device, in words: "also used by bob pid 4242, root pid 77" (the host's judgment,
+    leasehost.collisions: processes not of the holder's run), None when there is none."""
+    found = [p for p in device.get("collisions") or [] if isinstance(p, dict)]
+    if not found:
+        return None
+    words = [f"{leases.shown(p.get('user')) or '?'} pid {leases.shown(p.get('pid'))}" for p in found[:4]]
+    return "also used by " + ", ".join(words) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+
+
+def collision_line(row: Row) -> str | None:
+    """`GPU 3: held by alice's run R; also used by bob pid 4242` (None for a row without a collision)."""
+    if not row.also:
+        return None
+    what = "session" if (row.command or "").startswith("shell") else "run"
+    return f"{row.host} GPU {row.device}: held by {row.user or '?'}'s {what} {row.run or '?'}; {row.also}"
 
 
 def held_command(holder: dict) -> str | None:

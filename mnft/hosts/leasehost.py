@@ -915,9 +915,85 @@ def lab():
                 out["drain_problem"] = problem
             out["workdirs"] = [dict(h or {}, lockers=w) for n, h, w in held_leases((WORK_PREFIX,))]
             out["line"] = [h for _, h in tickets()]
+            for device in out["devices"]:
+                if device.get("state") == "held" and device.get("processes"):
+                    device["collisions"] = collisions(device)
     finally:
         os.close(mutex)
     return out
+
+
+# ------------------------------------------------------------------------------------------------ collisions
+# A compute process on a GPU that a run or session holds, and that is not of that run (someone ignored
+# CUDA_VISIBLE_DEVICES), is a collision. The same judgment (`foreign`, a copy in mnft.run.agent: each host script
+# is one file; tests hold the two to the same answers) serves `mnft lab` here and the holder's keeper there.
+
+MAX_ANCESTORS = 64
+
+
+def process_facts(pid):
+    """What tells whose a process is: its MNFT_RUN_ID ("run", "" when it has none) where its environment is
+    readable ("readable": its own user's, or root's look), and its ancestors' pids (/proc/<pid>/stat, readable by
+    every user)."""
+    facts = {"pid": pid, "readable": False, "run": None, "ancestors": []}
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            entries = fh.read().split(b"\0")
+        key = (RUN_ID_VAR + "=").encode()
+        facts["readable"] = True
+        facts["run"] = next((e[len(key):].decode("utf-8", "replace") for e in entries if e.startswith(key)), "")
+    except OSError:
+        pass
+    current = pid
+    for _ in range(MAX_ANCESTORS):
+        try:
+            with open("/proc/%d/stat" % current) as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        if parent <= 1:
+            break
+        facts["ancestors"].append(parent)
+        current = parent
+    return facts
+
+
+def foreign(facts, run_id, keepers, in_image=False):
+    """Whether a compute process on a held GPU is not of the holder's run: True (a collision), False (the run's),
+    None (cannot be told). Its environment, where readable, decides: the run's tag (MNFT_RUN_ID, any attempt of it)
+    or not. Else its descent: a process below one of the lease's lockers (the run's keeper, the controller's
+    hold) is the run's. A process neither readable nor below them is another's, except beside a run in a container
+    image, whose processes a container engine starts outside the keeper's tree: then it cannot be told."""
+    if facts.get("readable") and run_id:
+        tag = facts.get("run") or ""
+        ours = tag == run_id or tag.startswith(run_id + "-a") and tag[len(run_id) + 2:].isdigit()
+        return not ours
+    if set(facts.get("ancestors") or []) & set(keepers) or facts.get("pid") in set(keepers):
+        return False
+    return None if in_image else True
+
+
+def locker_pids(who):
+    """The pids of lockers' "user pid N" words."""
+    out = []
+    for word in who or []:
+        tail = str(word).rpartition(" pid ")[2]
+        if tail.isdigit():
+            out.append(int(tail))
+    return out
+
+
+def collisions(device, facts_of=process_facts):
+    """The processes on a held device that are not of its holder's run: [{"pid", "user", "used_mib"}]."""
+    holder = device.get("holder") or {}
+    run_id = holder.get("run_id") if isinstance(holder.get("run_id"), str) else None
+    keepers = locker_pids(device.get("lockers"))
+    found = []
+    for proc in device.get("processes") or []:
+        pid = proc.get("pid")
+        if isinstance(pid, int) and foreign(facts_of(pid), run_id, keepers, bool(holder.get("image"))):
+            found.append(dict(proc))
+    return found
 
 
 def run_dirs(run_id):

@@ -94,7 +94,7 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
     utilisation, each GPU's health, then each host's line of waiting runs. Exit 0, 4 when a host did not answer, 1 when a
     host's GPUs did not (a stalled nvidia-smi, named)."""
     from mnft.core.errors import ExitCode
-    from mnft.hosts.lab import rows, since
+    from mnft.hosts.lab import collision_line, rows, since
 
     table_rows = rows(inventory, views)
     unanswered = [name for name, v in views.items() if v.get("error") and not v.get("devices")]
@@ -117,6 +117,10 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
                       plain(r.command or ""), *((plain(r.image or ""),) if images else ()), plain(since(r.since)), plain(r.memory or ""),
                       plain("" if r.utilization is None else f"{r.utilization}%"), *((plain(r.health or "", "red"),) if health else ()), plain(detail))
     console().print(table)
+    for r in table_rows:  # a process on a GPU another run or session holds: named under the table, one line each
+        line = collision_line(r)
+        if line:
+            console().print(plain(line, style="bold magenta"))
     for name, view in views.items():  # what the hosts said of their GPUs' reads: a stall, an unreadable kernel log
         unread = next((d["health"]["kmsg"] for d in view.get("devices") or [] if (d.get("health") or {}).get("kmsg")), None)
         if unread:

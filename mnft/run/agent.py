@@ -461,9 +461,10 @@ def keep(run_dir):
     if in_container:
         _make_mounts(spec)
     idle = _idle_watch(spec, lambda text: print("mnft: %s" % text, flush=True))
+    crowd = _collision_watch(spec, lambda text: print("mnft: %s" % text, flush=True))
     try:
         child = subprocess.Popen([_expand(a) for a in spec["argv"]], cwd=_path(spec.get("cwd") or "~"), env=env, stdin=subprocess.DEVNULL)
-        code = child.wait() if idle is None else _wait_busy(child, idle, run_dir, spec)
+        code = child.wait() if idle is None and crowd is None else _wait_busy(child, idle, run_dir, spec, crowd)
     except OSError as exc:
         print("mnft: cannot start %s: %s" % (spec["argv"][0], exc), flush=True)
         code = 127
@@ -482,9 +483,10 @@ def keep(run_dir):
     return code
 
 
-def _wait_busy(child, idle, run_dir, spec):
+def _wait_busy(child, idle, run_dir, spec, crowd=None):
     """The command's exit code; meanwhile its GPUs sampled (IdleWatch), and the run ended, its reason written and
-    said in its output, once they have all been idle for its limit."""
+    said in its output, once they have all been idle for its limit; and a process of another on them said once
+    (CollisionWatch)."""
     import subprocess
 
     while True:
@@ -492,7 +494,9 @@ def _wait_busy(child, idle, run_dir, spec):
             return child.wait(timeout=1.0)
         except subprocess.TimeoutExpired:
             pass
-        why = idle.check()
+        if crowd is not None:
+            crowd.check()
+        why = idle.check() if idle is not None else None
         if why:
             _once(os.path.join(run_dir, "reason"), why)
             print("mnft: the run ends: %s" % why, flush=True)
@@ -1208,6 +1212,7 @@ def session(run_dir):
     warned = False
     code = None
     idle = _idle_watch(spec, _tell)
+    crowd = _collision_watch(spec, _tell)
     while code is None and not reason:
         try:
             pid, status = os.waitpid(child, os.WNOHANG | os.WUNTRACED)
@@ -1233,6 +1238,8 @@ def session(run_dir):
             if why:
                 reason.append(why)
                 break
+        if crowd is not None:
+            crowd.check()
         time.sleep(0.2)
     if reason:
         _once(os.path.join(run_dir, "reason"), reason[0])
@@ -1446,6 +1453,150 @@ def _idle_watch(spec, say):
     if note:
         say(note)
     return IdleWatch(dict(spec, devices=devices_of(spec), idle_stop=limit, idle_said=said))
+
+
+# ------------------------------------------------------------------------------------------------ collisions
+# A compute process on one of the run's GPUs that is not of the run (someone ignored CUDA_VISIBLE_DEVICES): the
+# keeper says so once in the run's output. `foreign` and `process_facts` are mnft.hosts.leasehost's (a copy: each
+# host script is one file; tests hold the two to the same answers).
+
+COLLISION_EVERY = 5.0  # seconds between two looks at who computes on the run's GPUs
+MAX_ANCESTORS = 64
+
+
+def process_facts(pid):
+    """What tells whose a process is: its MNFT_RUN_ID ("run", "" when it has none) where its environment is
+    readable ("readable": its own user's, or root's look), and its ancestors' pids (/proc/<pid>/stat, readable by
+    every user)."""
+    facts = {"pid": pid, "readable": False, "run": None, "ancestors": []}
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            entries = fh.read().split(b"\0")
+        key = (RUN_ID_VAR + "=").encode()
+        facts["readable"] = True
+        facts["run"] = next((e[len(key):].decode("utf-8", "replace") for e in entries if e.startswith(key)), "")
+    except OSError:
+        pass
+    current = pid
+    for _ in range(MAX_ANCESTORS):
+        try:
+            with open("/proc/%d/stat" % current) as fh:
+                parent = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            break
+        if parent <= 1:
+            break
+        facts["ancestors"].append(parent)
+        current = parent
+    return facts
+
+
+def foreign(facts, run_id, keepers, in_image=False):
+    """Whether a compute process on a held GPU is not of the holder's run: True (a collision), False (the run's),
+    None (cannot be told). Its environment, where readable, decides: the run's tag (MNFT_RUN_ID, any attempt of it)
+    or not. Else its descent: a process below one of the lease's lockers (the run's keeper, the controller's
+    hold) is the run's. A process neither readable nor below them is another's, except beside a run in a container
+    image, whose processes a container engine starts outside the keeper's tree: then it cannot be told."""
+    if facts.get("readable") and run_id:
+        tag = facts.get("run") or ""
+        ours = tag == run_id or tag.startswith(run_id + "-a") and tag[len(run_id) + 2:].isdigit()
+        return not ours
+    if set(facts.get("ancestors") or []) & set(keepers) or facts.get("pid") in set(keepers):
+        return False
+    return None if in_image else True
+
+
+def parse_gpu_buses(text):
+    """`nvidia-smi --query-gpu=index,pci.bus_id --format=csv,noheader` -> {bus id (upper case): index}."""
+    out = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[0].isdigit():
+            out[parts[1].upper()] = int(parts[0])
+    return out
+
+
+def parse_bus_apps(text):
+    """`nvidia-smi --query-compute-apps=gpu_bus_id,pid --format=csv,noheader` -> [(bus id, pid)]."""
+    out = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) >= 2 and parts[1].isdigit():
+            out.append((parts[0].upper(), int(parts[1])))
+    return out
+
+
+def _smi(query):
+    import shutil
+    import subprocess
+
+    if not shutil.which("nvidia-smi"):
+        return ""
+    try:
+        done = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"], capture_output=True, text=True, timeout=5)
+    except Exception:  # noqa: BLE001
+        return ""
+    return done.stdout if done.returncode == 0 else ""
+
+
+def gpu_processes():
+    """[(GPU index, pid)] of every compute process on this host's GPUs ([] when nvidia-smi cannot tell)."""
+    buses = parse_gpu_buses(_smi("--query-gpu=index,pci.bus_id"))
+    return [(buses[bus], pid) for bus, pid in parse_bus_apps(_smi("--query-compute-apps=gpu_bus_id,pid")) if bus in buses]
+
+
+def _user_of(pid):
+    import pwd
+
+    try:
+        uid = os.stat("/proc/%d" % pid).st_uid
+    except OSError:
+        return None
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+class CollisionWatch:
+    """The keeper's look at its GPUs for a process that is not of its run: each such process said once."""
+
+    def __init__(self, spec, say, keeper=None, processes=gpu_processes, facts=process_facts, user_of=_user_of, clock=time.time):
+        self.devices = set(d for d in spec.get("devices") or [] if isinstance(d, int))
+        self.run_id = spec.get("run_id")
+        self.what = "session" if spec.get("kind") == "session" else "run"
+        self.say = say
+        self.in_image = bool(spec.get("container"))
+        self.keeper = os.getpid() if keeper is None else keeper
+        self.processes, self.facts, self.user_of, self.clock = processes, facts, user_of, clock
+        self.said, self.next = set(), 0.0
+
+    def check(self):
+        """Look when due; say each process on the run's GPUs that is not of the run, once; return what was said."""
+        now = self.clock()
+        if now < self.next or not self.devices:
+            return []
+        self.next = now + COLLISION_EVERY
+        lines = []
+        for index, pid in self.processes():
+            if index not in self.devices or (index, pid) in self.said:
+                continue
+            if foreign(self.facts(pid), self.run_id, [self.keeper], self.in_image):
+                self.said.add((index, pid))
+                lines.append("GPU %d of this %s is also used by %s pid %d, a process not of this %s (it ignored "
+                             "CUDA_VISIBLE_DEVICES): both compete for its memory and time; `mnft lab` names it"
+                             % (index, self.what, self.user_of(pid) or "?", pid, self.what))
+        for line in lines:
+            self.say(line)
+        return lines
+
+
+def _collision_watch(spec, say):
+    """The keeper's CollisionWatch when the run (or session) holds GPUs here, else None."""
+    devices = devices_of(spec)
+    if not devices:
+        return None
+    return CollisionWatch(dict(spec, devices=devices), say)
 
 
 # The usage line of a lease whose last holder is the keeper (a detached run, a session whose controller is gone):

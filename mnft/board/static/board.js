@@ -88,8 +88,19 @@
     return el("div", { className: "meter " + kind, title: label }, el("span", { style: { width: pct.toFixed(1) + "%" } }));
   }
 
+  function isSession(row) {
+    return typeof row.command === "string" && (row.command === "shell" || row.command.startsWith("shell: "));
+  }
+
+  // "shell by alice since 10:02" (a session), else who holds it and for how long
+  function holderWords(row) {
+    if (isSession(row)) return "shell by " + (row.user || "?") + (isNum(row.since) ? " since " + fmtWhen(row.since) : "");
+    return (row.user || "?") + (row.since_text ? " · " + row.since_text : "");
+  }
+
   function tile(row) {
     const words = [deviceName(row) + ": " + (row.state === "outside" ? "in use outside mnft" : row.state)];
+    if (isSession(row)) words.push(holderWords(row));
     if (row.user) words.push("user " + row.user);
     if (row.run) words.push("run " + row.run);
     if (row.command) words.push(row.command);
@@ -100,17 +111,21 @@
     if (row.health) words.push("health: " + row.health);
     if (row.detail) words.push(row.detail);
     else if (row.drain) words.push(row.drain);
-    const who = row.state === "held" ? (row.user || "?") + (row.since_text ? " · " + row.since_text : "")
+    const who = row.state === "held" ? holderWords(row)
       : row.state === "outside" ? "outside: " + (row.user || "?") : row.state;
+    const notes = [];
+    if (isSession(row) && row.command !== "shell") notes.push(el("div", { className: "tile-note session-command" }, row.command.slice(7)));
+    if (isNum(row.idle)) notes.push(el("div", { className: "tile-note idle" }, "idle " + fmtSeconds(row.idle)));
+    if (row.also) notes.push(el("div", { className: "tile-note collision" }, row.also));
     const memory = isNum(row.memory_total_mib) && row.memory_total_mib > 0 && isNum(row.memory_used_mib)
       ? meter("mem", row.memory_used_mib / row.memory_total_mib, "memory " + Math.round(row.memory_used_mib / 1024) + "/" + Math.round(row.memory_total_mib / 1024) + " GiB") : null;
     const util = isNum(row.utilization) ? meter("util", row.utilization / 100, "utilisation " + row.utilization + "%") : null;
     return el("div", { className: "tile", "data-host": row.host, "data-device": row.device, "data-state": row.state, "data-user": row.user || "",
-      "data-run": row.run || "", title: words.join("\n") },
+      "data-run": row.run || "", "data-session": isSession(row) ? "1" : "", "data-collision": row.also ? "1" : "", title: words.join("\n") },
       el("div", { className: "tile-line" }, el("b", null, row.device === "cpu" ? "CPU" : row.device),
         el("span", { className: "who" }, row.run ? runLink(row.run, who) : who),
         el("span", { className: "pct" }, isNum(row.utilization) ? row.utilization + "%" : "")),
-      memory || util ? el("div", { className: "meters" }, memory, util) : null);
+      memory || util ? el("div", { className: "meters" }, memory, util) : null, ...notes);
   }
 
   function renderLab() {
@@ -146,11 +161,27 @@
         el("div", { className: "tiles" }, rows.map(tile)));
     });
     fill($("hosts"), ...cards);
+    const crowded = lab.devices.filter((r) => r.state === "held" && r.also);
+    fill($("collisions"), ...(crowded.length ? [el("h3", null, "Collisions"), el("ul", { className: "collisions" }, crowded.map((r) =>
+      el("li", { "data-host": r.host, "data-device": r.device }, el("b", null, r.host + " " + deviceName(r)), ": held by " + (r.user || "?") + "'s "
+        + (isSession(r) ? "session " : "run "), r.run ? runLink(r.run) : "?", "; " + r.also)))] : []));
     fill($("line"), ...(line.length ? [el("h3", null, "Waiting in line"), el("ol", { className: "waiting" }, line.map((r) =>
       el("li", { "data-host": r.host, "data-state": "waiting" }, el("b", null, r.host + " " + r.device), " ", r.user || "?",
         r.run ? [" · run ", runLink(r.run)] : null, r.command ? " · " + r.command : "", " · " + (r.detail || ""),
         r.since_text ? " · " + r.since_text : "")))] : []));
     fill($("legend"), ...["free", "held", "outside", "unreachable"].map((s) => el("span", { className: "key", "data-state": s }, s === "outside" ? "in use outside mnft" : s)));
+  }
+
+  // ------------------------------------------------------------------------------------------ usage
+
+  function renderUsage() {
+    const data = state.usage;
+    if (!data) return;
+    const errors = Object.entries(data.errors || {});
+    $("usage-summary").textContent = "GPU-hours per user, the last " + data.days + " days" + (errors.length ? " · not counted: " + errors.map((e) => e[0]).join(", ") : "");
+    fill($("usage-body"), ...(data.users.length ? data.users.map((u) => el("tr", { "data-user": u.user },
+      el("td", null, u.user), el("td", { className: "num" }, u.gpu_hours.toFixed(2)), el("td", { className: "num" }, fmtPct(u.idle_share)),
+      el("td", { className: "num" }, String(u.leases)))) : [el("tr", null, el("td", { className: "muted" }, "no GPU use recorded"))]));
   }
 
   // ------------------------------------------------------------------------------------------ the runs
@@ -429,13 +460,14 @@
     source.onerror = () => { conn.textContent = "reconnecting…"; conn.setAttribute("data-state", "down"); };
     const take = (name, render) => source.addEventListener(name, (event) => {
       const data = JSON.parse(event.data);
-      if (isNum(data.now)) state.skew = data.now - Date.now() / 1000;
+      if (data && isNum(data.now)) state.skew = data.now - Date.now() / 1000;
       state[name] = data;
       if (name !== "run" || !$("run").hidden) render();
       firstPaint();
     });
     take("lab", renderLab);
     take("runs", renderRuns);
+    take("usage", renderUsage);
     take("run", renderRun);
   }
 
