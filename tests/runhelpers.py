@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -72,3 +74,26 @@ def wait_no_orphans(cluster, hosts, timeout: float = 40, markers=RUN_MARKERS) ->
 def latest_record(tmp_path: Path) -> dict:
     runs = sorted((tmp_path / "runs").glob("[!.]*"))
     return json.loads((runs[-1] / "run.json").read_text())
+
+
+class Controller:
+    """A lab member's own controller: mnft run as them from the checkout, with their own home, `$MNFT_HOME` (known
+    hosts, snapshot store) and runs/ under `directory`."""
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.dir.mkdir(exist_ok=True)
+
+    def env(self) -> dict:
+        home = self.dir / "home"
+        home.mkdir(exist_ok=True)
+        return dict(os.environ, HOME=str(home), MNFT_HOME=str(home / ".mnft"), MNFT_RUNS_DIR=str(self.dir / "runs"), PYTHONUNBUFFERED="1")
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "invoke", "-r", str(REPO), *args]
+
+    def mnft(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+        return subprocess.run(self.argv(*args), cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout, check=False)
+
+    def start(self, *args: str) -> subprocess.Popen:
+        return subprocess.Popen(self.argv(*args), cwd=REPO, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

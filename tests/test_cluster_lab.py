@@ -14,13 +14,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from fakegpu import RANK_SNIPPET
-from runhelpers import wait_for_output
+from runhelpers import Controller, wait_for_output
 from wheelmaker import make_wheel, write_lock
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -56,29 +55,14 @@ def src(tmp_path: Path) -> Path:
     return tree
 
 
-class Person:
+class Person(Controller):
     """One user of the lab at their own controller: an inventory as them, their own runs/ and home."""
 
     def __init__(self, cluster, tmp_path: Path, user: str, hosts):
+        super().__init__(tmp_path / f"ctl-{user}")
         self.cluster, self.user = cluster, user
-        self.dir = tmp_path / f"ctl-{user}"
-        self.dir.mkdir(exist_ok=True)
         self.workdir = "/root/mnft-lab" if user == "root" else f"/tmp/home-{user}/mnft"
         self.inventory = str(cluster.write_inventory(self.dir / "lab.yaml", hosts=list(hosts), user=user, workdir=self.workdir))
-
-    def env(self) -> dict:
-        home = self.dir / "home"
-        home.mkdir(exist_ok=True)
-        return dict(os.environ, HOME=str(home), MNFT_HOME=str(home / ".mnft"), MNFT_RUNS_DIR=str(self.dir / "runs"), PYTHONUNBUFFERED="1")
-
-    def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "invoke", "-r", str(REPO), *args]
-
-    def mnft(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*args), cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout, check=False)
-
-    def start(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen(self.argv(*args), cwd=REPO, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def train(self, src: Path, tag: str, *options: str) -> subprocess.Popen:
         return self.start("train", "--hosts", self.inventory, "--src", str(src), *options, "--", "hold.py", tag)

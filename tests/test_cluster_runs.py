@@ -13,13 +13,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from fakegpu import RANK_SNIPPET
-from runhelpers import wait_for_output
+from runhelpers import Controller, wait_for_output
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -70,28 +69,13 @@ def lab(testbed, tmp_path_factory):
         yield cluster
 
 
-class User:
+class User(Controller):
     """A lab member at their own controller: an inventory as them, their own runs/, home and snapshot store."""
 
     def __init__(self, cluster, tmp_path: Path, user: str, workdir: str):
+        super().__init__(tmp_path / f"ctl-{user}")
         self.cluster, self.user, self.workdir = cluster, user, workdir
-        self.dir = tmp_path / f"ctl-{user}"
-        self.dir.mkdir(exist_ok=True)
         self.inventory = str(cluster.write_inventory(self.dir / "lab.yaml", hosts=cluster.hosts, user=user, workdir=workdir))
-
-    def env(self) -> dict:
-        home = self.dir / "home"
-        home.mkdir(exist_ok=True)
-        return dict(os.environ, HOME=str(home), MNFT_HOME=str(home / ".mnft"), MNFT_RUNS_DIR=str(self.dir / "runs"), PYTHONUNBUFFERED="1")
-
-    def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "invoke", "-r", str(REPO), *args]
-
-    def mnft(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-        return subprocess.run(self.argv(*args), cwd=REPO, env=self.env(), capture_output=True, text=True, timeout=timeout, check=False)
-
-    def start(self, *args: str) -> subprocess.Popen:
-        return subprocess.Popen(self.argv(*args), cwd=REPO, env=self.env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def detach(self, src: Path, *args: str) -> str:
         started = self.mnft("train", "--hosts", self.inventory, "--src", str(src), "--detach", *args)

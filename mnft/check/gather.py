@@ -345,10 +345,10 @@ def missing_files(fleet: Fleet, hosts: list[Host], paths: tuple[str, ...]) -> li
     """A problem for each host that lacks one of the files (`test -f`, relative paths in the workdir)."""
     problems = []
     for path in paths:
-        def command(host: Host, path: str = path) -> Command:
+        def test_file(host: Host, path: str = path) -> Command:
             return Command.of("test", "-f", path, cwd=None if path.startswith(("/", "~")) else host.workdir)
 
-        for result in fleet.run(command, hosts=hosts):
+        for result in fleet.run(test_file, hosts=hosts):
             if result.status is Status.OK:
                 continue
             if result.status is Status.FAILED and result.exit_code == 1:
