@@ -216,7 +216,7 @@ def test_a_script_with_children_leaves_none_after_stop_and_after_ctrl_c(healthy_
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     wait_no_orphans(healthy_cluster, hosts, timeout=5)
 
-    proc = start_mnft(user_repo, tmp_path, "train", "--hosts", inv, "--no-sync", "--", "spawner.py")
+    proc = start_mnft(user_repo, tmp_path, "train", "--hosts", inv, "--", "spawner.py")  # its code already on the hosts: nothing sent
     wait_for_output(proc, r"spawned rank")
     deadline = time.monotonic() + 60
     while sum("mnft-grandchild" in cmd for h in hosts for _, cmd in healthy_cluster.processes(h)) < 6 and time.monotonic() < deadline:

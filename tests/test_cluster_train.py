@@ -239,7 +239,7 @@ def test_a_stale_process_on_the_rendezvous_port_makes_train_take_the_next_free_p
     try:
         wait_listening(trained_cluster, master, 29500)
         inv = inventory(trained_cluster, tmp_path, 2)
-        done = invoke(tmp_path, *train_args(inv, "--no-sync", steps=4))
+        done = invoke(tmp_path, *train_args(inv, steps=4))
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         assert latest_record(tmp_path)["rendezvous_port"] == 29501
     finally:
@@ -310,7 +310,7 @@ def test_secrets_never_reach_a_command_line_a_log_or_the_run_record(trained_clus
 
 def test_logs_follow_a_detached_run_to_its_end_then_collect_everything(trained_cluster, tmp_path):
     inv = inventory(trained_cluster, tmp_path, 2)
-    started = invoke(tmp_path, *train_args(inv, "--detach", "--no-sync", steps=8))
+    started = invoke(tmp_path, *train_args(inv, "--detach", steps=8))
     assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
     run_id = started.stdout.strip().splitlines()[-1]
     followed = invoke(tmp_path, "logs", run_id, "--follow", timeout=300)

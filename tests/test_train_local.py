@@ -121,3 +121,19 @@ def test_a_bug_in_mnft_during_supervision_ends_the_run_recorded_with_its_process
     while left() and time.monotonic() < deadline:
         time.sleep(0.5)
     assert left() == []  # torn down by mnft (the last keeper exits a moment after it is killed)
+
+
+def test_no_sync_runs_a_new_job_on_what_sync_left_in_the_workdir_there(tmp_path, local_inventory):
+    """--no-sync sends nothing: a new job runs the code `sync` put in the workdir, started there (its relative paths
+    are the workdir's), and says so in its record; the job's own directory is not made."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "where.py").write_text("import os\nprint('cwd', os.getcwd(), flush=True)\n")
+    synced = invoke(tmp_path, "sync", "--hosts", local_inventory, "--src", str(repo))
+    assert synced.returncode == 0, synced.stdout + synced.stderr
+    (repo / "where.py").write_text("print('not this version')\n")  # not sent: --no-sync
+    done = invoke(tmp_path, "train", "--hosts", local_inventory, "--no-sync", "--src", str(repo), "--", "where.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"cwd {tmp_path / 'work'}" in done.stdout and "not this version" not in done.stdout
+    record = json.loads(next((tmp_path / "runs").glob("*/run.json")).read_text())
+    assert record["launch"] == {"in_workdir": True} and not (tmp_path / "work" / "outputs" / record["job_id"]).exists()
