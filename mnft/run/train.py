@@ -749,32 +749,12 @@ class CodeConflict(RunFailed):
 def place_code(inventory: Inventory, code: Any, job_id: str, fleet: Fleet, console: Console) -> None:
     """The run's fixed code (mnft.sync.snapshot.fix) into its snapshot on every host, then its job's working
     directory; files in the way there (the job's own outputs at a path the new code has) refuse the run."""
-    from mnft.sync.mirror import SyncStatus
     from mnft.sync.snapshot import place
 
     placed = place(inventory, code.tree, job_id, fleet=fleet)
-    for report in placed.reports:
-        if not report.ok:
-            conflicts = [h.error for h in report.hosts.values() if h.status == SyncStatus.CONFLICT]
-            if conflicts:
-                raise CodeConflict("; ".join(conflicts))
-            raise RunFailed(f"sync failed: {report.summary()}")
-    job = placed.job
-    assert job is not None
-    sent = sum(h.bytes_sent for r in placed.reports for h in r.hosts.values())
-    new = sum(1 for h in placed.snapshot.hosts.values() if h.status == SyncStatus.CHANGED)
-    kept = sorted({p for h in job.hosts.values() for p in h.kept})
-    console.print(Text(f"code {code.tree.digest[:12]} from {code.source} ({len(code.tree.files)} files): "
-                       + (f"snapshot sent to {new} of {len(inventory.hosts)} hosts ({fmt_bytes(sent)})" if new else f"already on all {len(inventory.hosts)} hosts")
-                       + f"; job directory {launching.job_dir(inventory.hosts[0], job_id)}"
-                       + (f"; kept {len(kept)} file(s) the job changed that the code no longer has: {', '.join(kept[:3])}" if kept else "")),
-                  soft_wrap=True)
-
-
-def fmt_bytes(n: int) -> str:
-    from mnft.core.output import fmt_size
-
-    return fmt_size(n)
+    if (why := placed.failure()) is not None:
+        raise (CodeConflict if placed.conflicts() else RunFailed)(why)
+    console.print(Text(placed.line(code, launching.job_dir(inventory.hosts[0], job_id))), soft_wrap=True)
 
 
 def port_holder(fleet: Fleet, host: str, port: int) -> str | None:

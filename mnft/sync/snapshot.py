@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mnft.core.errors import InputError, MnftError
+from mnft.core.output import fmt_size
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
@@ -187,6 +188,29 @@ class Placed:
     @property
     def reports(self) -> list[SyncReport]:
         return [self.snapshot] + ([self.job] if self.job is not None else [])
+
+    def conflicts(self) -> list[str]:
+        """Each host's line naming the files in the way in its job directory (nothing was written there)."""
+        return [h.error for r in self.reports for h in r.hosts.values() if h.status == SyncStatus.CONFLICT]
+
+    def failure(self) -> str | None:
+        """Why the code is not in place on every host (None: it is)."""
+        bad = next((r for r in self.reports if not r.ok), None)
+        if bad is None:
+            return None if self.job is not None else "the job's directory was not placed"
+        return "; ".join(self.conflicts()) or f"sync failed: {bad.summary()}"
+
+    def line(self, fixed: "Fixed", job_dir_shown: str) -> str:
+        """What train says: the code's hash and source, where it went and what it cost, the job's directory, and
+        what the job changed that the code dropped (kept)."""
+        hosts = len(self.snapshot.hosts)
+        sent = sum(h.bytes_sent for r in self.reports for h in r.hosts.values())
+        new = sum(1 for h in self.snapshot.hosts.values() if h.status == SyncStatus.CHANGED)
+        kept = sorted({p for h in (self.job.hosts.values() if self.job else ()) for p in h.kept})
+        return (f"code {fixed.tree.digest[:12]} from {fixed.source} ({len(fixed.tree.files)} files): "
+                + (f"snapshot sent to {new} of {hosts} hosts ({fmt_size(sent)})" if new else f"already on all {hosts} hosts")
+                + f"; job directory {job_dir_shown}"
+                + (f"; kept {len(kept)} file(s) the job changed that the code no longer has: {', '.join(kept[:3])}" if kept else ""))
 
 
 def _snapshot_links(host: Host, tree: Any) -> list[str]:
