@@ -169,7 +169,7 @@ def test_the_same_job_twice_at_once_is_refused_naming_the_run_that_holds_its_dir
     starts, naming the run; a new run of the same repository beside it is not."""
     root = User(lab, tmp_path, "root", "/root/mnft-twice")
     src = repo(tmp_path, {"hold.py": HOLD, "version.py": "V = 5\n",
-                          "job.yaml": "script: hold.py\nargs: [twice]\nresume: {layout: none, args: []}\n"})
+                          "job.yaml": "script: hold.py\nargs: [twice]\nresume: {layout: none, args: [--again]}\n"})
     first = root.detach(src, "--gpus", "1", "--job", str(src / "job.yaml"))
     try:
         wait_until(lambda: printed(root, first, "twice"))
