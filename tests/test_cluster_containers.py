@@ -218,3 +218,58 @@ def test_a_restart_in_the_image_on_hosts_without_torch_is_rechecked_in_the_image
     assert record["attempts"][0]["recheck_s"] is not None
     assert record["image"] == {"ref": torch_image.ref, "id": record["facts"]["h1"]["container"]["image"]["id"]}
     nothing_left(boxes, record["run_id"], timeout=15)
+
+
+INSIDE = ("read tag < /etc/mnft-tiny; echo inside tag=$tag cwd=$(pwd) cvd=${CUDA_VISIBLE_DEVICES-unset} session=$MNFT_SESSION; "
+          "test -e /run/.containerenv && echo in-a-container; exit 5")
+
+
+def test_a_shell_session_in_an_image_runs_inside_it_in_the_workdir_and_its_exit_a_stop_or_its_time_leaves_no_container(
+        container_cluster, tiny_images, controller, tmp_path):
+    """Issue 38: `mnft shell --image` through a real terminal: the command runs in the image's container (its own
+    file, podman's /run/.containerenv), in the mounted workdir, with the session's variables; its exit status is the
+    session's; the container is gone after it, after a `mnft stop` of a second session and after a third's --time."""
+    pexpect = pytest.importorskip("pexpect")
+    boxes, tiny = container_cluster, tiny_images[0]
+    h1 = boxes.hosts[0]
+    boxes.load_image([h1], tiny)
+    inv = str(boxes.write_inventory(tmp_path / "inv.yaml", hosts=[h1]))
+    argv = [sys.executable, "-c", "from mnft.cli.main import main; main()", "shell", "--hosts", inv, "--gpus", "0", "--image", tiny.ref,
+            "--", "sh", "-c", INSIDE]
+    child = pexpect.spawn(argv[0], argv[1:], env=dict(controller, TERM="xterm"), cwd=str(REPO), timeout=120, encoding="utf-8")
+    try:
+        child.expect(r"session (\S+) on h1: GPU none \(CUDA_VISIBLE_DEVICES=\) in localhost/mnft-tiny:a \(podman\)")
+        session = child.match.group(1)
+        child.expect(r"inside tag=(\S*) cwd=(\S+) cvd=(\S+) session=(\S*)\r\n")
+        assert child.match.groups() == ("a", f"{boxes.home_mountpoint.rstrip('/')}/mnft", "unset", session)
+        child.expect("in-a-container")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 5
+    record = json.loads((tmp_path / "runs" / session / "run.json").read_text())
+    assert (record["kind"], record["state"], record["exit_code"]) == ("session", "ended", 5)
+    assert record["hosts"]["h1"]["container"]["name"] == f"mnft-{session}-h1"
+    nothing_left(boxes, session, timeout=5)
+
+    held = start(controller, "shell", "--hosts", inv, "--gpus", "0", "--image", tiny.ref, "--", "sleep", "300")
+    try:
+        line = wait_for_output(held, r"session (\S+) on h1", timeout=120)[-1]
+        second = re.search(r"session (\S+) on h1", line).group(1)
+        deadline = time.monotonic() + 60
+        while containers(boxes, h1) != [f"mnft-{second}-h1"]:
+            assert time.monotonic() < deadline, containers(boxes, h1)
+            time.sleep(0.5)
+        stopped = mnft(controller, "stop", second)
+        assert stopped.returncode == 0, stopped.stdout[-3000:] + stopped.stderr[-3000:]
+        held.communicate(timeout=60)
+    finally:
+        if held.poll() is None:
+            held.kill()
+    assert json.loads((tmp_path / "runs" / second / "run.json").read_text())["state"] == "stopped"
+    nothing_left(boxes, second, timeout=5)
+
+    timed = mnft(controller, "shell", "--hosts", inv, "--gpus", "0", "--image", tiny.ref, "--time", "2s", "--", "sleep", "300", timeout=120)
+    third = re.search(r"session (\S+) on h1", timed.stdout).group(1)
+    assert json.loads((tmp_path / "runs" / third / "run.json").read_text())["state"] == "timed-out", timed.stdout[-2000:]
+    nothing_left(boxes, third, timeout=5)

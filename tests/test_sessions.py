@@ -160,3 +160,54 @@ def test_an_idle_stop_by_the_labs_limit_is_an_idle_stopped_session_and_a_detache
                         "h2": {"state": "exited", "exit_code": 143}})
     assert (record.data["state"], record.data["failed_host"]) == ("idle-stopped", "h1")
     assert record.data["reason"] == "h1: its GPUs were idle for 30s (--idle-stop 30s: …)"
+
+
+def _runtime(kind, **kw):
+    from mnft.image.runtime import Runtime
+
+    paths = {"podman": "/usr/bin/podman", "docker": "/usr/bin/docker", "apptainer": "/usr/bin/apptainer"}
+    return Runtime(kind=kind, path=paths[kind], uid=1001, gid=1001, home="/home/a", gpus=True,
+                   image_id="sha256:" + "ab" * 32, **kw)
+
+
+def test_a_session_in_an_image_is_the_runtimes_interactive_run_on_its_gpus_in_the_mounted_workdir_as_the_user():
+    host = Host(name="h1", rank=0, address="10.0.0.1", workdir="~/mnft")
+    options = ShellOptions(image="localhost/lab:1")
+    spec = spec_for("S1", host, (), [2, 5], [], options, _runtime("podman", cdi=True))
+    argv = spec["argv"]
+    assert argv[:5] == ["/usr/bin/podman", "run", "-i", "-t", "--rm"]  # interactive, a tty of its own, removed at its exit
+    assert argv[argv.index("--name") + 1] == "mnft-S1-h1" == spec["container"]["name"]
+    assert [argv[i + 1] for i, a in enumerate(argv) if a == "--device"] == ["nvidia.com/gpu=2", "nvidia.com/gpu=5"]
+    assert argv[argv.index("-v") + 1] == "/home/a/mnft:/home/a/mnft" and argv[argv.index("--workdir") + 1] == "/home/a/mnft"
+    assert argv[argv.index("--user") + 1] == "1001:1001" and "--pull" in argv
+    image_at = argv.index("ab" * 32)  # by the id the host's facts gave, never the name
+    assert argv[image_at + 1:] == ["/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -l; fi; exec sh -l"]
+    # the environment goes in by name; CUDA_VISIBLE_DEVICES as the container numbers its two GPUs, the tag for the reaper
+    assert spec["env"] == {"CUDA_VISIBLE_DEVICES": "0,1", "MNFT_SESSION": "S1"}
+    named = [argv[i + 1] for i, a in enumerate(argv) if a == "-e"]
+    assert named == sorted(["CUDA_VISIBLE_DEVICES", "MNFT_SESSION", "MNFT_RUN_ID", "MNFT_RUN_TAG", "TERM"])
+    assert spec["devices"] == [2, 5]  # the keeper's idle and collision watches read the host's numbers
+    assert spec["container"]["teardown"] == ["/usr/bin/podman", "rm", "--force", "--time", "5", "mnft-S1-h1"]
+    assert spec["cwd"] == "~/mnft"
+
+    rootless = spec_for("S1", host, ("python", "x.py"), [0], [], options, _runtime("podman", cdi=True, rootless=True))["argv"]
+    assert "--userns" in rootless and "--user" not in rootless and rootless[-2:] == ["python", "x.py"]
+
+    docker = spec_for("S1", host, ("nvidia-smi",), [3], [], options, _runtime("docker"))
+    assert docker["argv"][:4] == ["/usr/bin/docker", "run", "-i", "-t"] and docker["argv"][docker["argv"].index("--gpus") + 1] == '"device=3"'
+    assert docker["container"]["teardown"] == ["/usr/bin/docker", "rm", "--force", "mnft-S1-h1"]
+
+    sif = spec_for("S1", host, (), [3], [], ShellOptions(image="~/images/lab.sif"), _runtime("apptainer"))
+    assert sif["argv"][:2] == ["/usr/bin/apptainer", "exec"] and "-t" not in sif["argv"]  # it runs in the keeper's terminal
+    assert sif["argv"][sif["argv"].index("--pwd") + 1] == "/home/a/mnft" and "/home/a/images/lab.sif" in sif["argv"]
+    assert sif["env"]["CUDA_VISIBLE_DEVICES"] == "3" and sif["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"  # --nv: the host's numbers
+    assert sif["container"]["teardown"] is None  # no daemon: its processes are the keeper's children
+
+    plain = spec_for("S1", host, (), [3], [], ShellOptions())
+    assert "container" not in plain and plain["argv"][0] == "/bin/sh"
+
+
+def test_a_podman_session_on_gpus_without_a_cdi_description_is_one_line_naming_the_fix():
+    host = Host(name="h1", rank=0, address="10.0.0.1", workdir="/w")
+    with pytest.raises(InputError, match="nvidia-ctk cdi generate"):
+        spec_for("S1", host, (), [0], [], ShellOptions(image="localhost/lab:1"), _runtime("podman"))

@@ -657,10 +657,12 @@ def wait(c, run=None, hosts=None, notify=None):
         "idle_stop": "end the session once its GPUs have all been idle this long (30m …; lower than the hosts' idle_stop)",
         "forward": "carry this port of the host to one here (printed: open it in a browser), e.g. for jupyter",
         "notify": NOTIFY_HELP.replace("the run", "the session"),
+        "image": "open the session inside this container image (podman/docker/apptainer, as train runs a job in one): "
+                 "its GPUs, the workdir mounted, as you; the container is removed when the session ends",
     },
 )
 @_mnft_errors
-def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None, notify=None):
+def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None, notify=None, image=None):
     """An interactive session on leased GPUs: a terminal on one host (a login shell, or the command after `--`, e.g.
     `-- jupyter lab --no-browser`) in the workdir, with CUDA_VISIBLE_DEVICES set to the GPUs it holds. The GPUs are
     its for exactly as long as the session lasts: exit, a closed terminal, a lost controller, --time, --idle-stop or
@@ -672,7 +674,7 @@ def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None
     options = ShellOptions(gpus=_whole("--gpus", gpus), host=host, wait=_wait(wait),
                            time=durations.parse(time, "--time") if time is not None else None,
                            idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None,
-                           forward=_whole("--forward", forward), argv=tuple(remainder()), notify=_notify(c, notify))
+                           forward=_whole("--forward", forward), argv=tuple(remainder()), notify=_notify(c, notify), image=image)
     return open_shell(_inventory(hosts), options, _console())
 
 

@@ -134,6 +134,22 @@ def visible_devices(rt: Runtime, devices: tuple[int, ...] | None) -> str | None:
     return ",".join(str(i) for i in range(len(devices)))
 
 
+def container_env(rt: Runtime, env: dict[str, str], devices: tuple[int, ...] | None) -> dict[str, str]:
+    """The environment the runtime client passes into the container by name: `env` with CUDA_VISIBLE_DEVICES as
+    the container numbers the GPUs (visible_devices; dropped without GPUs) and CUDA_DEVICE_ORDER only where the
+    host's numbering holds inside (apptainer). Pure: a new dict; what train's and shell's containers both get."""
+    out = dict(env)
+    out.pop("CUDA_DEVICE_ORDER", None)
+    visible = visible_devices(rt, devices or None)
+    if visible is None:
+        out.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        out["CUDA_VISIBLE_DEVICES"] = visible
+        if rt.kind in SIF_RUNTIMES:
+            out["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the host's numbering, as nvidia-smi shows it
+    return out
+
+
 def _gpu_flags(rt: Runtime, devices: tuple[int, ...] | None) -> list[str]:
     if not rt.gpus:
         return []
@@ -153,9 +169,11 @@ def _user_flags(rt: Runtime) -> list[str]:
     return ["--user", f"{rt.uid}:{rt.gid}"]
 
 
-def run_argv(rt: Runtime, c: Container, command: Sequence[str]) -> list[str]:
+def run_argv(rt: Runtime, c: Container, command: Sequence[str], *, tty: bool = False) -> list[str]:
     """The runtime's command line that runs `command` in the container, in the foreground (its exit status is the
-    command's; a SIGTERM to the client reaches the command: podman's and docker's --sig-proxy, apptainer's own)."""
+    command's; a SIGTERM to the client reaches the command: podman's and docker's --sig-proxy, apptainer's own).
+    tty: an interactive session's (`mnft shell --image`): podman/docker get `-i -t` (the terminal's keys, its size
+    and colours reach the program through the container's own pty); apptainer's exec uses the terminal it is in."""
     binds = mounts(c.mounts, rt.home)
     if rt.kind in SIF_RUNTIMES:
         argv = [rt.path, "exec"]
@@ -164,7 +182,7 @@ def run_argv(rt: Runtime, c: Container, command: Sequence[str]) -> list[str]:
         return argv + ["--pwd", expand(c.workdir, rt.home), *_gpu_flags(rt, c.devices), c.image, *command]
     if rt.kind not in DAEMON_RUNTIMES:
         raise InputError(f"container runtime {rt.kind!r}: use one of {', '.join(RUNTIMES)}")
-    argv = [rt.path, "run", "--rm", "--name", c.name, "--network", "host", "--ipc", "host", "--pull", "never",
+    argv = [rt.path, "run", *(("-i", "-t") if tty else ()), "--rm", "--name", c.name, "--network", "host", "--ipc", "host", "--pull", "never",
             "--log-driver", "none", *_user_flags(rt), "--security-opt", "label=disable"]
     for key, value in c.labels:
         argv += ["--label", f"{key}={value}"]

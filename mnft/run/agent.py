@@ -1113,6 +1113,8 @@ def session_prepare():
     run_dir = _path(spec["run_dir"])
     cwd = _path(spec.get("cwd") or "~")
     note = None
+    if spec.get("container"):  # `shell --image`: the workdir is mounted and the container's working directory
+        _make_mounts(spec)
     if not os.path.isdir(cwd):  # asked before the run directory (below it) makes it
         note = "%s does not exist (mnft sync makes it): the session opens in the home directory" % spec.get("cwd")
         spec["cwd"] = "~"
@@ -1248,6 +1250,7 @@ def session(run_dir):
         _signal_group(child, signal.SIGCONT)
         _signal_group(child, signal.SIGTERM)
     _reap_tagged(tag)
+    remove_container(spec, grace=0)  # `shell --image`: podman's/docker's container outlives its client: by its name
     if code is None:
         try:
             _, status = os.waitpid(child, 0)

@@ -379,14 +379,9 @@ def in_image(rt: containers_.Runtime, image: str, name: str, argv: list[str], en
     run_dir_abs = containers_.expand(run_dir, rt.home)
     if secret_names:
         inside = [IMAGE_PYTHON, _join(run_dir_abs, ENTRY), "--secrets", _join(run_dir_abs, "secrets.json"), *inside]
-    visible = containers_.visible_devices(rt, devices or None)
-    env.pop("CUDA_DEVICE_ORDER", None)
-    if visible is None:
-        env.pop("CUDA_VISIBLE_DEVICES", None)
-    else:
-        env["CUDA_VISIBLE_DEVICES"] = visible
-        if rt.kind in containers_.SIF_RUNTIMES:
-            env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the host's numbering, as nvidia-smi shows it
+    inside_env = containers_.container_env(rt, env, devices)
+    env.clear()
+    env.update(inside_env)
     env_names = tuple(sorted(set(env) | set(KEEPER_ENV)))
     spec = containers_.Container(image=rt.runs(image), name=name, mounts=mounts, devices=devices or None,
                                  env_names=env_names, workdir=cwd, labels=labels)

@@ -8,6 +8,13 @@ session's keeper (mnft.run.agent `session`) runs the login shell, or the command
 workdir with CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER set to the leased GPUs; it holds the leases and ends every
 process of the session when it ends. A second channel (`watch`) carries this controller's heartbeats: when they
 stop (the controller or its network gone), the host ends the session within the dead-man time.
+
+With `--image REF` the keeper's program is the host's container runtime running the shell (or the command) inside
+the lab's image, exactly as train runs a job in one (mnft.image.runtime): the runtime and the image's id are read
+from the host as `check --image` reads them (mnft.image.facts, judged by check's own image rules), the container
+is given the session's GPUs (CUDA_VISIBLE_DEVICES as it numbers them), the workdir mounted at its own path and
+used as the working directory, the session's environment by name, the user's uid; it is named after the session
+(mnft-<session>-<host>) and removed by that name at every end (the keeper's, `stop`'s and the dead-man's).
 """
 
 from __future__ import annotations
@@ -20,20 +27,26 @@ from dataclasses import dataclass
 
 from rich.console import Console
 
+from mnft.check.rules import image_problems
 from mnft.core.errors import InputError
 from mnft.hosts import leases, pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
 from mnft.hosts.terminal import forward, interact, open_terminal
+from mnft.image import facts as image_facts
+from mnft.image import runtime as containers
 from mnft.run import notify as notifying
 from mnft.run import records
 from mnft.run.gang import agent_command, agent_payload
-from mnft.run.launch import new_run_id
+from mnft.run.launch import KEEPER_ENV, new_run_id
 from mnft.run.rerun import snapshot
 
 IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.run.agent.IdleWatch)
 LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
+# in an image the host's $SHELL may not exist: its bash where it has one, else its sh, as a login shell
+IMAGE_LOGIN_SHELL = ("/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -l; fi; exec sh -l")
+IMAGE_ENV = ("TERM",)  # the terminal's kind (ssh's pty request) goes in with the session's own variables: colours
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,7 @@ class ShellOptions:
     forward: int | None = None  # a port on the host carried to this machine
     argv: tuple[str, ...] = ()  # the command instead of a shell
     notify: notifying.Notify | None = None  # --notify CMD: told when it starts after waiting in line and when it ends
+    image: str | None = None  # --image REF: the session runs inside the lab's container image
 
 
 def outcome(code: int | None, reason: str | None) -> str:
@@ -63,13 +77,53 @@ def outcome(code: int | None, reason: str | None) -> str:
     return "ended"
 
 
-def spec_for(session_id: str, host: Host, argv: tuple[str, ...], devices: list[int], paths: list[str], options: ShellOptions) -> dict:
-    """What the host's keeper runs (mnft.run.agent `session`): pure, tested with data."""
+def spec_for(session_id: str, host: Host, argv: tuple[str, ...], devices: list[int], paths: list[str], options: ShellOptions,
+             runtime: containers.Runtime | None = None) -> dict:
+    """What the host's keeper runs (mnft.run.agent `session`): pure, tested with data. With a runtime (--image),
+    the program is the runtime's interactive `run` of it in the image (in_image)."""
     run_dir = host.workdir.rstrip("/") + f"/runs/{session_id}/{host.name}"
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "MNFT_SESSION": session_id}
-    return {"run_id": session_id, "tag": f"{session_id}@{host.name}", "run_dir": run_dir, "cwd": host.workdir, "argv": list(argv or LOGIN_SHELL),
+    program, container = list(argv or LOGIN_SHELL), None
+    if runtime is not None and options.image:
+        program, env, container = in_image(runtime, options.image, session_id, host, argv, devices, env)
+    spec = {"run_id": session_id, "tag": f"{session_id}@{host.name}", "run_dir": run_dir, "cwd": host.workdir, "argv": program,
             "env": env, "leases": paths, "devices": devices, "time": options.time, "idle_stop": options.idle_stop,
             "deadman": leases.DEADMAN, "kind": "session"}
+    if container is not None:
+        spec["container"] = container
+    return spec
+
+
+def in_image(rt: containers.Runtime, image: str, session_id: str, host: Host, argv: tuple[str, ...], devices: list[int],
+             env: dict[str, str]) -> tuple[list[str], dict[str, str], dict]:
+    """A session's program inside the image, as train's in_image wraps a job's (mnft.run.launch): the runtime's
+    `run -i -t` (podman/docker; apptainer's exec in the keeper's terminal) of the command or the image's login
+    shell, with the session's GPUs (numbered as the container sees them), the workdir mounted at its own path and
+    used as the working directory, the environment by name, as the user, the image by the id the host's facts
+    gave. Returns the argv, the environment the runtime client gets (and passes in), and the container's record
+    (what the keeper's, stop's and the dead-man's teardown remove by name)."""
+    name = containers.container_name(session_id, host.name)
+    inside_env = containers.container_env(rt, env, tuple(devices))
+    spec = containers.Container(image=rt.runs(image), name=name, mounts=(host.workdir,), devices=tuple(devices) or None,
+                                env_names=tuple(sorted(set(inside_env) | set(KEEPER_ENV) | set(IMAGE_ENV))), workdir=host.workdir,
+                                labels=(("mnft.run", session_id), ("mnft.host", host.name)))
+    wrapped = containers.run_argv(rt, spec, list(argv or IMAGE_LOGIN_SHELL), tty=True)
+    record = {"runtime": rt.kind, "path": rt.path, "name": name, "image": image, "image_id": rt.image_id,
+              "mounts": list(containers.mounts(spec.mounts, rt.home)), "teardown": containers.teardown_argv(rt.kind, rt.path, name)}
+    return wrapped, inside_env, record
+
+
+def image_runtime(fleet: Fleet, host: Host, image: str) -> containers.Runtime:
+    """The host's container runtime and the image's id there, read and judged as `check --image` reads and judges
+    them (mnft.image.facts, check's image rules); else one line naming the host, what is wrong and the fix."""
+    results, found = image_facts.gather(fleet, [host], image, timeout=image_facts.FACTS_TIMEOUT)
+    facts = found.get(host.name)
+    if facts is None:
+        raise InputError(f"{host.name}: the image's facts could not be read: {results[host.name].error or 'no answer'}")
+    problems = [p for p in image_problems(fleet.inventory.only([host.name]), {host.name: {"container": facts}}, image) if p.severity == "error"]
+    if problems:
+        raise InputError(f"{host.name}: {problems[0].message}" + (f" ({problems[0].fix})" if problems[0].fix else ""))
+    return containers.Runtime.from_facts(facts)
 
 
 def candidates(inventory: Inventory, host: str | None) -> list[Host]:
@@ -144,11 +198,14 @@ def shell(inventory: Inventory, options: ShellOptions, console: Console) -> int:
     hosts = candidates(inventory, options.host)
     if options.gpus < 0:
         raise InputError(f"--gpus {options.gpus}: give a number of GPUs, 0 or more")
+    if options.image is not None:
+        containers.check_ref(options.image, "--image")
     session_id = new_run_id()
     shows = shlex.join(options.argv) if options.argv else None
     record = records.RunRecord.create(session_id, kind="session", command=list(options.argv) or None, inventory=snapshot(inventory), hosts={},
                                       state="waiting" if options.wait is not None else "starting", launched=False,
-                                      options={"gpus": options.gpus, "time": options.time, "idle_stop": options.idle_stop, "forward": options.forward})
+                                      options={"gpus": options.gpus, "time": options.time, "idle_stop": options.idle_stop, "forward": options.forward,
+                                               "image": options.image})
     warn = lambda text: console.print(text, style="yellow", highlight=False, soft_wrap=True)  # noqa: E731
     try:
         with Fleet(inventory) as fleet:
@@ -173,7 +230,14 @@ def shell(inventory: Inventory, options: ShellOptions, console: Console) -> int:
 
 def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunRecord, options: ShellOptions, console: Console) -> int:
     devices = [d["index"] for d in held.devices.get(host.name, []) if isinstance(d.get("index"), int)]
-    spec = spec_for(record.run_id, host, options.argv, devices, held.paths.get(host.name, []), options)
+    runtime = None
+    if options.image:
+        try:
+            runtime = image_runtime(fleet, host, options.image)
+        except InputError as exc:
+            record.update(state="failed", reason=str(exc))
+            raise
+    spec = spec_for(record.run_id, host, options.argv, devices, held.paths.get(host.name, []), options, runtime)
     prepared = fleet.run_one(host, agent_command(fleet, host.name, "session-prepare"), agent_payload() + json.dumps(spec).encode() + b"\n", 60)
     reply = pyrun.reply(prepared, "the agent")
     if reply is None or not reply.get("run_dir"):
@@ -185,9 +249,11 @@ def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunR
     watcher.write(agent_payload())
     beat = Heartbeat(watcher)
     record.update(state="running", launched=True, started=time.time(), devices={host.name: devices},
-                  hosts={host.name: {"run_dir": reply["run_dir"], "state": "running", "node_rank": 0, "devices": devices}})
+                  hosts={host.name: {"run_dir": reply["run_dir"], "state": "running", "node_rank": 0, "devices": devices,
+                                     **({"container": spec["container"]} if spec.get("container") else {})}})
     gpus = ", ".join(str(d) for d in devices) or "none"
-    console.print(f"session {record.run_id} on {host.name}: GPU {gpus} (CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}); "
+    inside = f" in {options.image} ({spec['container']['runtime']})" if spec.get("container") else ""
+    console.print(f"session {record.run_id} on {host.name}: GPU {gpus} (CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}){inside}; "
                   f"`mnft stop {record.run_id}` ends it", highlight=False, soft_wrap=True)
     listener = None
     if options.forward:
