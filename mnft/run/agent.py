@@ -1754,6 +1754,8 @@ def main(argv):
     if mode == "watch":
         return watch(_path(args[0]))
     if mode == "stop":
+        if len(args) > 2 and args[2] == "session":  # `mnft stop` of a session: its end is this, whichever signal lands first
+            _once(os.path.join(_path(args[0]), "reason"), "stopped by mnft stop")
         print(json.dumps(terminate(_path(args[0]), float(args[1]) if len(args) > 1 else 10.0)))
         return 0
     if mode == "status":

@@ -181,7 +181,8 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
     lingering: set[str] | None = None  # the first round asks every host
     asked: dict[str, int] = {}  # host -> the rounds it was asked in
     for _ in range(STOP_ROUNDS):
-        for result in query(record, fleet, "stop", str(grace), only=lingering):
+        session = ("session",) if record.data.get("kind") == "session" else ()  # its reason written before any signal
+        for result in query(record, fleet, "stop", str(grace), *session, only=lingering):
             reply = pyrun.reply(result, "the agent")
             if result.host in out:  # asked again: what it killed before still counts, what remains is now
                 out[result.host] = again(out[result.host], reply) if reply is not None else dict(out[result.host], error=result.error)
