@@ -89,6 +89,7 @@ class RemoteTree:
     siblings: tuple[str, ...] = ()  # the code snapshots beside it, newest first
     kept: dict[str, str] = field(default_factory=dict)  # recorded files the sync was to remove but found changed
     linked: dict[str, str] | None = None  # made in that round-trip from a snapshot (treehash.link_tree): its errors
+    snapshot_ok: bool | None = None  # the snapshot it links from is there and is the tree asked for (None: not asked)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "RemoteTree":
@@ -98,7 +99,8 @@ class RemoteTree:
         return cls(str(data.get("root")), str(data.get("home")), bool(data.get("exists")), data.get("digest"), files,
                    dict(data.get("errors") or {}), data.get("refused") or None, data.get("rsync", ""), Sighting.from_json(data),
                    placed, tuple(str(s[0]) for s in data.get("siblings") or ()), dict(data.get("kept") or {}),
-                   dict(data["linked"]) if isinstance(data.get("linked"), dict) else None)
+                   dict(data["linked"]) if isinstance(data.get("linked"), dict) else None,
+                   bool(data["snapshot_ok"]) if "snapshot_ok" in data else None)
 
 
 @dataclass(frozen=True)

@@ -229,35 +229,69 @@ def place(inventory: Inventory, fixed: LocalTree, job_id: str, *, fleet: Fleet, 
     """The fixed tree onto every host: its snapshot, verified, then the job's working directory (hard links to it).
     A host's refusal or conflict leaves the job directories untouched everywhere (the snapshots are mnft's own).
 
-    A new job's directory (the usual start) is made on the host itself, in the round-trip that reads it: linked from
-    the snapshot, hashed, its record written (treehash.link_tree). An existing one (a resume) is placed by rsync
-    from here under the rules of a directory the job writes in (mirror.placement)."""
-    snap = sync_tree(inventory, None, kind="snapshot", fleet=fleet, progress=progress, local=fixed, dry_run=dry_run, lease=False,
-                     targets={h.name: snapshot_dir(h, fixed.digest) for h in inventory.hosts}, link_dest=_snapshot_links)
+    The usual start is one round-trip per host: its snapshot is checked there (its hash cached: no file read) and the
+    new job's directory made from it in the same breath (treehash.link_tree: linked, hashed, recorded). Only hosts
+    whose snapshot is missing or not this tree get it sent (rsync --link-dest to the ones beside it) and are linked
+    then; a job's directory that exists already (a resume) is placed by rsync from here under the rules of a
+    directory the job writes in (mirror.placement)."""
+    targets = {h.name: job_dir(h, job_id) for h in inventory.hosts}
+    if dry_run:
+        snap = _snapshots_to(inventory, inventory.hosts, fixed, fleet, progress, dry_run=True)
+        job = sync_tree(inventory, None, kind="job", fleet=fleet, progress=False, local=fixed, dry_run=True, lease=False, targets=targets,
+                        link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX)
+        return Placed(snap, job)
+    linked, fine, _ = _link(inventory.hosts, fixed, targets, fleet)
+    need = [h for h in inventory.hosts if h.name not in fine]  # (a host not read among them: the snapshot's sync says why)
+    snap = _snapshots_to(inventory, need, fixed, fleet, progress)
     if not snap.ok:
         return Placed(snap, None)
-    targets = {h.name: job_dir(h, job_id) for h in inventory.hosts}
-    linked: dict[str, HostSync] = {}
-    if not dry_run:
-        started = time.monotonic()
-        request = {h.name: {**placed_request(fixed), "link_from": snapshot_dir(h, fixed.digest),
-                            "write": {"digest": fixed.digest, "files": {p: list(v) for p, v in fixed.files.items()}}, "when": fixed.digest}
-                   for h in inventory.hosts}
-        read = read_remote(fleet, inventory.hosts, targets, fixed.rules, placed=request)
-        for name, (result, tree) in read.items():
-            if tree is not None and tree.linked is not None:  # made now: from the snapshot, hashed, recorded
-                ok = tree.digest == fixed.digest and not tree.errors and tree.placed is not None
-                linked[name] = HostSync(name, SyncStatus.CHANGED if ok else SyncStatus.FAILED, targets[name], remote_hash=tree.digest,
-                                        files_changed=len(fixed.files), seconds=round(time.monotonic() - started, 3),
-                                        error="" if ok else "the job's directory does not hold its snapshot's files: "
-                                        + ", ".join(f"{p}: {e}" for p, e in sorted(tree.errors.items())[:3]))
+    again, _, _ = _link([h for h in need if h.name not in linked], fixed, targets, fleet)
+    linked.update(again)
     rest = [h for h in inventory.hosts if h.name not in linked]
-    job = sync_tree(inventory.only([h.name for h in rest]), None, kind="job", fleet=fleet, progress=False, local=fixed, dry_run=dry_run,
-                    lease=False, targets=targets, link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX,
+    job = sync_tree(inventory.only([h.name for h in rest]), None, kind="job", fleet=fleet, progress=False, local=fixed, lease=False,
+                    targets=targets, link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX,
                     also={h.name: (snapshot_dir(h, fixed.digest),) for h in rest}) if rest else None
     hosts = {h.name: linked[h.name] if h.name in linked else job.hosts[h.name] for h in inventory.hosts}
-    return Placed(snap, SyncReport("job", fixed.root, fixed.digest, len(fixed.files), fixed.total_bytes, hosts, dry_run, fixed.ignore_source,
+    return Placed(snap, SyncReport("job", fixed.root, fixed.digest, len(fixed.files), fixed.total_bytes, hosts, False, fixed.ignore_source,
                                    max([job.seconds if job else 0.0] + [h.seconds for h in linked.values()])))
+
+
+def _snapshots_to(inventory: Inventory, hosts: list[Host], fixed: LocalTree, fleet: Fleet, progress: Any, dry_run: bool = False) -> SyncReport:
+    """The snapshot sent to the hosts that lack it (rsync --link-dest to the ones beside it), verified; every other
+    host already holds it (checked in the round-trip that made its job's directory)."""
+    sent = sync_tree(inventory.only([h.name for h in hosts]), None, kind="snapshot", fleet=fleet, progress=progress, local=fixed,
+                     dry_run=dry_run, lease=False, targets={h.name: snapshot_dir(h, fixed.digest) for h in hosts},
+                     link_dest=_snapshot_links) if hosts else None
+    there = {h.name: HostSync(h.name, SyncStatus.OK, snapshot_dir(h, fixed.digest), remote_hash=fixed.digest)
+             for h in inventory.hosts if sent is None or h.name not in sent.hosts}
+    return SyncReport("snapshot", fixed.root, fixed.digest, len(fixed.files), fixed.total_bytes, {**there, **(sent.hosts if sent else {})},
+                      dry_run, fixed.ignore_source, sent.seconds if sent else 0.0)
+
+
+def _link(hosts: list[Host], fixed: LocalTree, targets: dict[str, str], fleet: Fleet) -> tuple[dict[str, HostSync], set[str], set[str]]:
+    """One round-trip per host: its snapshot checked and, where it is this tree and the job's directory is new, the
+    directory made from it. -> (the directories made, the hosts whose snapshot is this tree, the hosts not read)."""
+    if not hosts:
+        return {}, set(), set()
+    started = time.monotonic()
+    request = {h.name: {**placed_request(fixed), "link_from": snapshot_dir(h, fixed.digest), "link_digest": fixed.digest,
+                        "write": {"digest": fixed.digest, "files": {p: list(v) for p, v in fixed.files.items()}}, "when": fixed.digest}
+               for h in hosts}
+    read = read_remote(fleet, hosts, targets, fixed.rules, placed=request)
+    linked, fine, unread = {}, set(), set()
+    for name, (result, tree) in read.items():
+        if tree is None or tree.refused:
+            unread.add(name)  # the snapshot's sync reports it (unreachable, refused …)
+            continue
+        if tree.snapshot_ok:
+            fine.add(name)
+        if tree.linked is not None:  # made now: from the snapshot, hashed, recorded
+            ok = tree.digest == fixed.digest and not tree.errors and tree.placed is not None
+            linked[name] = HostSync(name, SyncStatus.CHANGED if ok else SyncStatus.FAILED, targets[name], remote_hash=tree.digest,
+                                    files_changed=len(fixed.files), seconds=round(time.monotonic() - started, 3),
+                                    error="" if ok else "the job's directory does not hold its snapshot's files: "
+                                    + ", ".join(f"{p}: {e}" for p, e in sorted(tree.errors.items())[:3]))
+    return linked, fine, unread
 
 
 __all__ = ["Fixed", "Placed", "fix", "place", "prune", "snapshot_dir", "job_dir", "store", "treehash"]

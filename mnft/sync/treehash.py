@@ -678,7 +678,13 @@ def report(root: str, patterns, cache=None, if_exists: bool = False, other=None,
         out["pruned"] = prune(expanded, keep)
     if with_siblings:
         out["siblings"] = siblings(expanded)
-    if placed is not None and placed.get("link_from") and not out["exists"] and not os.path.lexists(expanded):
+    if placed is not None and placed.get("link_from") and placed.get("link_digest"):
+        # the snapshot a job's directory links from, checked first (its hash cached: no file read): missing or not the
+        # tree the controller fixed, nothing is linked and the controller sends it (mirror.place)
+        source_dir = os.path.expanduser(str(placed["link_from"]))
+        snap_digest, _, snap_errors = tree_hash(source_dir, patterns, default_cache(source_dir)) if os.path.isdir(source_dir) else (None, {}, {})
+        out["snapshot_ok"] = snap_digest == placed["link_digest"] and not snap_errors
+    if placed is not None and placed.get("link_from") and out.get("snapshot_ok", True) and not out["exists"] and not os.path.lexists(expanded):
         out["linked"] = link_tree(os.path.expanduser(str(placed["link_from"])), expanded)
         out["exists"] = os.path.isdir(expanded)
     if placed is not None and out["exists"]:
