@@ -252,7 +252,7 @@ def tar_of(entries):
             tar.addfile(info, io.BytesIO(data))
     return buf.getvalue()
 
-out = {"has_filter": archive.HAS_DATA_FILTER}
+out = {"passes_through": bool(archive.PASS_THROUGH)}
 for case, entries in json.loads(sys.argv[2]).items():
     dest = os.path.join(sys.argv[1], case)
     with tarfile.open(fileobj=io.BytesIO(tar_of(entries)), mode="r:gz") as tar:

@@ -3,9 +3,9 @@
 tarfile's own "data" filter (`extractall(filter="data")`) exists from Python 3.11.4 and 3.10.12 only, and
 `requires-python` allows 3.10.0 up (Debian 12's own Python is 3.11.2). So every member is judged here first, the
 same way on every Python, and nothing is written when one is refused: no absolute path, no `..`, no link (hard or
-symbolic) that is absolute, climbs with `..` or leaves the folder, no device or pipe. Where this Python has the
-filter it is applied as well; where it has not, each member is written as the filter would: no set-user/group-id
-or sticky bit, no write bit for group or others, owned by whoever unpacks.
+symbolic) that is absolute, climbs with `..` or leaves the folder, no device or pipe; then each member is written
+as the filter would, on every Python alike: no set-user/group-id or sticky bit, no write bit for group or others,
+owned by whoever unpacks (one path: what is unpacked never depends on the Python's patch release).
 
 Standard library only (tests run it under the system's Python).
 """
@@ -18,7 +18,9 @@ import stat
 import tarfile
 from pathlib import Path, PurePosixPath
 
-HAS_DATA_FILTER = hasattr(tarfile, "data_filter")
+# Pythons that have extraction filters warn (3.12, 3.13) or filter again (3.14) without one: the members are
+# judged and made plain here already, so they are passed through as they are
+PASS_THROUGH = {"filter": "fully_trusted"} if hasattr(tarfile, "fully_trusted_filter") else {}
 
 
 def refusal(member: tarfile.TarInfo) -> str | None:
@@ -59,8 +61,5 @@ def extract(tar: tarfile.TarFile, members: list[tarfile.TarInfo], dest: Path) ->
         why = refusal(member)
         if why:
             return why
-    if HAS_DATA_FILTER:
-        tar.extractall(dest, members=members, filter="data")
-    else:
-        tar.extractall(dest, members=[_as_data(m) for m in members], numeric_owner=True)
+    tar.extractall(dest, members=[_as_data(m) for m in members], numeric_owner=True, **PASS_THROUGH)
     return None

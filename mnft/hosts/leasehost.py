@@ -602,10 +602,15 @@ def save_static(exe, devices, links):
     path = static_path(exe) if boot_id() is not None else None
     if path is None or not devices:
         return
+    save_private(path, {"devices": [dict((k, d.get(k)) for k in ("index", "uuid", "name", "memory_total_mib")) for d in devices],
+                        "links": [[a, b, score] for (a, b), score in sorted(links.items())]})
+
+
+def save_private(path, data):
+    """A JSON cache of this user's (0600 in a 0700 directory), written whole (another name, then renamed), never
+    through a link; best effort: one that cannot be written only costs time."""
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        data = {"devices": [dict((k, d.get(k)) for k in ("index", "uuid", "name", "memory_total_mib")) for d in devices],
-                "links": [[a, b, score] for (a, b), score in sorted(links.items())]}
         tmp = "%s.%d" % (path, os.getpid())
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as fh:
@@ -1430,15 +1435,7 @@ def remember_seen(devices):
         if d.get("uuid"):
             seen[d["uuid"]] = {"index": d.get("index"), "bus_id": d.get("bus_id"), "name": d.get("name")}
     if seen != before:
-        try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            tmp = "%s.%d" % (path, os.getpid())
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                fh.write(json.dumps(seen))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        save_private(path, seen)
     return before
 
 

@@ -1318,7 +1318,7 @@ def parse_duration(text):
     import re
 
     value = str(text).strip().strip("\"'").lower()
-    if not value or not re.match(r"^(\d+(\.\d+)?[smhd])+$|^\d+(\.\d+)?$", value):
+    if not value or not re.fullmatch(r"(\d+(\.\d+)?[smhd])+|\d+(\.\d+)?", value):
         return None
     total = sum(float(n) * _DURATION_UNITS[u or "s"] for n, _, u in re.findall(r"(\d+(\.\d+)?)([smhd]?)", value))
     return total if total > 0 else None
@@ -1373,7 +1373,7 @@ def devices_of(spec):
         return named
     found = []
     for path in spec.get("leases") or []:
-        match = re.match(r"^mnft-dev-gpu(\d+)\.json$", os.path.basename(path))
+        match = re.fullmatch(r"mnft-dev-gpu(\d+)\.json", os.path.basename(path))
         if match:
             found.append(int(match.group(1)))
     return sorted(found)
