@@ -17,7 +17,7 @@ a recorded file the source no longer has and that is still as mnft left it, and 
 file that the record does not name (a run's output, a person's file) is a conflict, named, nothing written on that
 host, unless forced (`placement`, pure). A run's code goes into a snapshot of its own tree hash
 (`<workdir>/.mnft/code/<hash>`, read-only, unchanged files hard-linked from the snapshots beside it) and from there,
-as hard links, into its job's working directory (`<workdir>/jobs/<job>`): see place_code. Printing is
+as hard links, into its job's working directory (`<workdir>/outputs/<job>`): see mnft.sync.snapshot. Printing is
 mnft.sync.report's.
 """
 
@@ -467,7 +467,7 @@ def plan(
         if tree.exists and tree.digest == local.digest and not tree.errors and not where.remove and recorded:
             plans.append(HostPlan(host.name, "none", target, difference=Difference((), ()), reason="identical", placement=where))
             continue
-        diff = difference(local.files, there) if placing else difference(local.files, there)
+        diff = difference(local.files, there)
         if placing:  # files only on the host are never deleted: only the record's, when unchanged
             diff = Difference(diff.send, tuple(p for p, _, _ in where.remove))
         sending = sum(local.files[p][0] for p in diff.send)
@@ -646,9 +646,10 @@ def sync_tree(
             else:
                 outcomes = apply(plans, local.rules, rules_file, progress=progress, workers=workers, timeout=timeout)
                 again = [h for h in inventory.hosts if any(p.host == h.name and p.action in ("rsync", "verify", "record") for p in plans)]
-                finish = {p.host: placed_request(local, p) for p in plans if p.action in ("rsync", "verify", "record")
-                          and (p.action != "rsync" or outcomes.get(p.host, (None,))[0] is None or outcomes[p.host][0].exit_code == 0)} \
-                    if placing else None
+                # a host whose rsync failed is read for the source's paths only: nothing removed, no record written
+                finish = {p.host: placed_request(local, p if p.action != "rsync" or outcomes.get(p.host, (None,))[0] is None
+                                                 or outcomes[p.host][0].exit_code == 0 else None)
+                          for p in plans if p.action in ("rsync", "verify", "record")} if placing else None
                 # what rsync hard-linked from the link-dest directories is known by their caches: only new files are read
                 trusted = {name: tuple((also or {}).get(name) or ()) + tuple(links.get(name) or ()) for name in targets}
                 after = read_remote(fleet, again, targets, local.rules, placed=finish, also=trusted) if again else {}

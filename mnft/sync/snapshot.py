@@ -31,11 +31,11 @@ from mnft.hosts.fleet import Fleet
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync import treehash
-from mnft.sync.mirror import HostSync, SyncReport, SyncStatus, placed_request, read_remote, sync_tree
+from mnft.sync.mirror import KEEP_SNAPSHOTS, HostSync, SyncReport, SyncStatus, placed_request, read_remote, sync_tree
 from mnft.sync.source import LocalTree, code_source, read_local
 from mnft.sync.targets import source_problem
 
-KEEP = 8  # snapshots kept per store beyond the ones in use: the newest, for hard links and quick restarts
+KEEP = KEEP_SNAPSHOTS  # snapshots this machine's store keeps beyond the ones in use, as each host keeps its own
 CUT = 16  # a snapshot's directory name: its tree hash, cut (treehash.SNAPSHOT)
 LINK_FROM = 5  # the newest snapshots a new one hard-links unchanged files from
 CONFLICT_FIX = "the job wrote them or someone put them there: move them away, or start a new job instead of --resume"
@@ -240,12 +240,12 @@ def place(inventory: Inventory, fixed: LocalTree, job_id: str, *, fleet: Fleet, 
         job = sync_tree(inventory, None, kind="job", fleet=fleet, progress=False, local=fixed, dry_run=True, lease=False, targets=targets,
                         link_dest=_job_links(fixed.digest), conflict_fix=CONFLICT_FIX)
         return Placed(snap, job)
-    linked, fine, _ = _link(inventory.hosts, fixed, targets, fleet)
-    need = [h for h in inventory.hosts if h.name not in fine]  # (a host not read among them: the snapshot's sync says why)
+    linked, fine = _link(inventory.hosts, fixed, targets, fleet)
+    need = [h for h in inventory.hosts if h.name not in fine]
     snap = _snapshots_to(inventory, need, fixed, fleet, progress)
     if not snap.ok:
         return Placed(snap, None)
-    again, _, _ = _link([h for h in need if h.name not in linked], fixed, targets, fleet)
+    again, _ = _link([h for h in need if h.name not in linked], fixed, targets, fleet)
     linked.update(again)
     rest = [h for h in inventory.hosts if h.name not in linked]
     job = sync_tree(inventory.only([h.name for h in rest]), None, kind="job", fleet=fleet, progress=False, local=fixed, lease=False,
@@ -268,20 +268,20 @@ def _snapshots_to(inventory: Inventory, hosts: list[Host], fixed: LocalTree, fle
                       dry_run, fixed.ignore_source, sent.seconds if sent else 0.0)
 
 
-def _link(hosts: list[Host], fixed: LocalTree, targets: dict[str, str], fleet: Fleet) -> tuple[dict[str, HostSync], set[str], set[str]]:
+def _link(hosts: list[Host], fixed: LocalTree, targets: dict[str, str], fleet: Fleet) -> tuple[dict[str, HostSync], set[str]]:
     """One round-trip per host: its snapshot checked and, where it is this tree and the job's directory is new, the
-    directory made from it. -> (the directories made, the hosts whose snapshot is this tree, the hosts not read)."""
+    directory made from it. -> (the directories made, the hosts whose snapshot is this tree); a host not read is in
+    neither (the snapshot's sync, which it then gets, says why)."""
     if not hosts:
-        return {}, set(), set()
+        return {}, set()
     started = time.monotonic()
     request = {h.name: {**placed_request(fixed), "link_from": snapshot_dir(h, fixed.digest), "link_digest": fixed.digest,
                         "write": {"digest": fixed.digest, "files": {p: list(v) for p, v in fixed.files.items()}}, "when": fixed.digest}
                for h in hosts}
     read = read_remote(fleet, hosts, targets, fixed.rules, placed=request)
-    linked, fine, unread = {}, set(), set()
+    linked, fine = {}, set()
     for name, (result, tree) in read.items():
         if tree is None or tree.refused:
-            unread.add(name)  # the snapshot's sync reports it (unreachable, refused …)
             continue
         if tree.snapshot_ok:
             fine.add(name)
@@ -291,7 +291,5 @@ def _link(hosts: list[Host], fixed: LocalTree, targets: dict[str, str], fleet: F
                                     files_changed=len(fixed.files), seconds=round(time.monotonic() - started, 3),
                                     error="" if ok else "the job's directory does not hold its snapshot's files: "
                                     + ", ".join(f"{p}: {e}" for p, e in sorted(tree.errors.items())[:3]))
-    return linked, fine, unread
+    return linked, fine
 
-
-__all__ = ["Fixed", "Placed", "fix", "place", "prune", "snapshot_dir", "job_dir", "store", "treehash"]
