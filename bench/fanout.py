@@ -43,7 +43,7 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the 
 
 from testbed import Cluster  # noqa: E402
 
-from mnft.check import probe  # noqa: E402
+from mnft.onhost import probe  # noqa: E402
 from mnft.check.gather import gather_facts  # noqa: E402
 from mnft.hosts import inventory as inventory_mod  # noqa: E402
 from mnft.hosts.connection import Timeouts  # noqa: E402

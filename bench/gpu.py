@@ -136,15 +136,16 @@ class Bench:
 
 
 def health(repeats: int = 10) -> dict:
-    """The health read both ways (mnft.hosts.leasehost.read_nvml, smi_gpus), timed per look, and what each read
-    (health as leasehost.health_problems judges it): {"nvml": …, "nvidia-smi": …}, a way missing here skipped."""
+    """The health read both ways (mnft.onhost.nvml.read_nvml, mnft.onhost.health.smi_gpus), timed per look, and what each read
+    (health as mnft.onhost.health.health_problems judges it): {"nvml": …, "nvidia-smi": …}, a way missing here skipped."""
     import shutil
 
-    from mnft.hosts import leasehost
+    from mnft.onhost.health import health_problems, smi_gpus
+    from mnft.onhost.nvml import read_nvml
 
     out = {}
     exe = shutil.which("nvidia-smi")
-    ways = {"nvml": leasehost.read_nvml, "nvidia-smi": (lambda: leasehost.smi_gpus(exe)) if exe else None}
+    ways = {"nvml": read_nvml, "nvidia-smi": (lambda: smi_gpus(exe)) if exe else None}
     for name, read in ways.items():
         if read is None:
             out[name] = {"skipped": "no nvidia-smi on the PATH"}
@@ -159,7 +160,7 @@ def health(repeats: int = 10) -> dict:
             out[name] = {"skipped": f"{type(exc).__name__}: {exc}"}
             continue
         out[name] = {"median_ms": round(statistics.median(times) * 1000, 3), "first_ms": round(times[0] * 1000, 3), "gpus": len(devices),
-                     "problems": {str(d.get("index")): [p["what"] for p in leasehost.health_problems(d)] for d in devices}}
+                     "problems": {str(d.get("index")): [p["what"] for p in health_problems(d)] for d in devices}}
     return out
 
 

@@ -30,7 +30,6 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]  # mnft from this checkout; the 
 from testbed import Cluster  # noqa: E402
 
 from mnft.hosts import pyrun  # noqa: E402
-from mnft.perf import linkagent  # noqa: E402
 
 
 def agent_figure(cluster, a, b, seconds: float) -> float:
@@ -41,7 +40,7 @@ def agent_figure(cluster, a, b, seconds: float) -> float:
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         for proc in (server, client):
-            proc.stdin.write(pyrun.payload(linkagent.source()))
+            proc.stdin.write(pyrun.payload("linkagent"))
             proc.stdin.flush()
         port = json.loads(server.stdout.readline())["port"]
         json.loads(client.stdout.readline())

@@ -1,4 +1,4 @@
-"""A lab and its runs made up for `mnft board` without hosts: lab views as mnft.hosts.leasehost's `lab` answers them,
+"""A lab and its runs made up for `mnft board` without hosts: lab views as mnft.onhost.leasehost's `lab` answers them,
 run directories as `mnft train` and `mnft logs` leave them (run.json, summary.json, metrics.jsonl, a host's
 collected output.log), and a board served from a thread. Used by tests/test_board.py and bench/board.py."""
 

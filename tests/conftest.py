@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # tests run from a checkout without `pip install 
 
 @pytest.fixture(autouse=True)
 def lease_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """This test's machine-wide lease directory (mnft.hosts.leasehost) for the hosts it runs on this machine."""
+    """This test's machine-wide lease directory (mnft.onhost.leasehost) for the hosts it runs on this machine."""
     directory = tmp_path_factory.mktemp("leases")
     monkeypatch.setenv("MNFT_LEASE_DIR", str(directory))
     return directory

@@ -1,5 +1,6 @@
 """The package's shape, as docs/architecture.md draws it: capabilities in layers, imports only downwards, no
-circle between modules, and the host-side scripts standard library only.
+circle between modules, and the host package (mnft.onhost) of small modules that import only each other and the
+standard library, each shipped with exactly what it imports.
 
 Imports are read from the source (every `import`, also those inside functions), never executed.
 """
@@ -17,6 +18,7 @@ MNFT = Path(__file__).resolve().parent.parent / "mnft"
 # Bottom to top. A package imports its own modules and those of packages in lower layers, never one beside it or
 # above it. recipes stands apart: it runs under torchrun on the hosts and needs only core.
 LAYERS = (
+    ("onhost",),
     ("core",),
     ("hosts",),
     ("sync",),
@@ -31,23 +33,14 @@ APART = {"recipes": ("core",)}
 # judges it (mnft.cli.recipes imports mnft.recipes.config, which needs only core and yaml, never torch)
 APART_READERS = {"recipes": ("cli",)}
 
-# Shipped to a host as source (mnft.hosts.pyrun) and run by whatever Python the host has: one file, the standard
-# library only, Python 3.8 syntax, and a `source()` that returns the file's text.
-HOST_SCRIPTS = (
-    "run.agent",
-    "run.entry",
-    "check.probe",
-    "sync.treehash",
-    "hosts.leasehost",
-    "env.envhost",
-    "uninstall.uninstallhost",
-    "image.imagehost",
-    "setup.steps.remote",
-    "perf.linkagent",
-    "perf.torchlaunch",
-    "slurm.node",
-)
-# Shipped the same way but started by torchrun in the host's training Python: the standard library and torch.
+# What runs on hosts: mnft.onhost, shipped as payloads (mnft.hosts.payload) and run by whatever Python the host has:
+# the standard library and each other only (relative imports), Python 3.8 syntax, no module over MAX_HOST_LINES.
+HOST_PACKAGE = "onhost"
+MAX_HOST_LINES = 600
+# Run as a file of its own (written into a run directory, run by each rank's Python), outside any payload: it
+# imports nothing of the package.
+STANDALONE = ("onhost.entry",)
+# Shipped as a text and started by torchrun in the host's training Python: the standard library and torch.
 TORCH_ENTRIES = ("perf.allreduce",)
 
 
@@ -183,23 +176,61 @@ def test_the_layer_rule_refuses_upward_and_sideways_imports():
     assert not allowed("recipes", "hosts") and not allowed("run", "recipes") and allowed("cli", "recipes")
 
 
-@pytest.mark.parametrize("name", HOST_SCRIPTS + TORCH_ENTRIES)
-def test_host_scripts_are_one_file_of_the_standard_library(name):
+def host_modules() -> list[str]:
+    return sorted(m for m in modules() if package_of(m) == HOST_PACKAGE)
+
+
+@pytest.mark.parametrize("name", host_modules() + list(TORCH_ENTRIES))
+def test_host_modules_import_only_each_other_and_the_standard_library(name):
     path = modules()[name]
     text = path.read_text(encoding="utf-8")
     ast.parse(text, feature_version=(3, 8))  # hosts mnft does not control may have an old Python
     tops = {m.split(".")[0] for m in imports(name, path)}
     extra = {"torch"} if name in TORCH_ENTRIES else set()
-    outside = sorted(t for t in tops if t not in sys.stdlib_module_names and t not in extra)
-    assert outside == [], f"mnft.{name} runs on hosts from its source alone: it imports {outside}"
+    siblings = {"mnft"} if name.startswith(HOST_PACKAGE + ".") else set()  # `from . import x`, read as mnft.onhost.x
+    outside = sorted(t for t in tops if t not in sys.stdlib_module_names and t not in extra | siblings)
+    assert outside == [], f"mnft.{name} runs on hosts from its payload alone: it imports {outside}"
+    own = {m for m in imports(name, path) if m.startswith("mnft")}
+    assert all(m == "mnft." + HOST_PACKAGE or m.startswith(f"mnft.{HOST_PACKAGE}.") for m in own), \
+        f"mnft.{name} imports outside the host package: {sorted(own)}"
+    absolute = [n.module for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ImportFrom) and not n.level and (n.module or "").startswith("mnft")]
+    assert absolute == [], f"mnft.{name}: host modules import each other relatively (`from . import x`), the name they have on a host"
 
 
-@pytest.mark.parametrize("name", HOST_SCRIPTS)
-def test_host_scripts_ship_their_own_source(name):
-    import importlib
+@pytest.mark.parametrize("name", host_modules())
+def test_no_host_module_is_long(name):
+    lines = len(modules()[name].read_text(encoding="utf-8").splitlines())
+    assert lines <= MAX_HOST_LINES, f"mnft/{name.replace('.', '/')}.py has {lines} lines: split it by concern (over {MAX_HOST_LINES})"
 
-    module = importlib.import_module(f"mnft.{name}")
-    assert module.source() == modules()[name].read_text(encoding="utf-8")
+
+@pytest.mark.parametrize("name", STANDALONE)
+def test_a_standalone_host_module_imports_nothing_of_the_package(name):
+    path = modules()[name]
+    assert {m for m in imports(name, path) if m.startswith("mnft")} == set()
+
+
+def test_the_controller_imports_the_host_package_only_for_what_both_sides_judge():
+    """The controller reads host modules for constants and pure functions (written once); it never runs one's main,
+    and never reads one's file but through mnft.hosts.payload (which ships them)."""
+    offenders = []
+    for name, path in modules().items():
+        if package_of(name) == HOST_PACKAGE or name == "hosts.payload":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Attribute) and node.attr in ("main", "__file__"):
+                base = node.value
+                if isinstance(base, ast.Name) and f"mnft.{HOST_PACKAGE}.{base.id}" in imports(name, path):
+                    offenders.append(f"mnft.{name}: {base.id}.{node.attr}")
+    assert offenders == []
+
+
+def test_every_host_module_is_shipped_by_some_entry_and_entries_have_a_main():
+    from mnft.hosts import payload
+
+    entries = [m.split(".", 1)[1] for m in host_modules() if "def main(" in modules()[m].read_text(encoding="utf-8")]
+    shipped = set().union(*(payload.closure(e) for e in entries))
+    package = {m.split(".", 1)[1] if "." in m else "__init__" for m in host_modules()}
+    assert package - shipped - {s.split(".", 1)[1] for s in STANDALONE} == set(), "a host module no entry imports"
 
 
 def test_the_command_line_judges_a_recipes_overrides_without_importing_torch():

@@ -61,7 +61,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("env/wheelhouse.py", "Wheelhouse._load_index", "limits.read_json"): ("the wheelhouse's .index.json", "STATE_BYTES"),
     ("env/wheelhouse.py", "_wheel_metadata", "limits.read_at_most"): ("a wheel's METADATA", "WHEEL_METADATA_BYTES"),
     ("run/logs.py", "_value", "limits.read_file"): ("a collected exit_code, ended", "RUN_VALUE_BYTES"),
-    ("run/logs.py", "_listing", "limits.read_file"): ("the names of a job's checkpoints directory `logs` kept (at most agent.CHECKPOINT_NAMES)", "STATE_BYTES"),
+    ("run/logs.py", "_listing", "limits.read_file"): ("the names of a job's checkpoints directory `logs` kept (at most queries.CHECKPOINT_NAMES)", "STATE_BYTES"),
     ("run/logs.py", "_metrics_in", "limits.lines"): ("the job's collected metrics files, line by line (cut at METRIC_WIDTH)", "COLLECTED_BYTES"),
     ("run/logs.py", "rank0_output_records", "limits.lines"): ("a host's collected output.log, line by line (cut at METRIC_WIDTH)", "COLLECTED_BYTES"),
     ("run/logs.py", "rank_timings", "limits.lines"): ("the ranks' collected step timings, line by line", "COLLECTED_BYTES"),
@@ -116,201 +116,166 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("recipes/reshard.py", "MergedReader._merge", "pickle.load"): ("the job's checkpoint shards", JOB),
     ("recipes/timing.py", "StepTimer.__init__", "open"): ("(its own timing file, appended)", JOB),
     # ---------------------------------------------------------------- host-side scripts (their own caps)
-    ("check/probe.py", "source", "open"): ("probe.py", OWN),
-    ("check/probe.py", "source", ".read"): ("probe.py", OWN),
-    ("check/probe.py", "_os_release", "open"): ("/etc/os-release", "host: HEADER_CHARS (64 KiB)"),
-    ("check/probe.py", "_os_release", ".read"): ("/etc/os-release", "host: HEADER_CHARS (64 KiB)"),
-    ("check/probe.py", "_assignments", "open"): ("torch's version.py", "host: SOURCE_CHARS (1 MiB), larger: an error of the probe"),
-    ("check/probe.py", "_assignments", ".read"): ("torch's version.py", "host: SOURCE_CHARS (1 MiB), larger: an error of the probe"),
-    ("check/probe.py", "_dist_version", "open"): ("a distribution's METADATA headers", "host: HEADER_CHARS (64 KiB)"),
-    ("check/probe.py", "_dist_version", ".read"): ("a distribution's METADATA headers", "host: HEADER_CHARS (64 KiB)"),
-    ("check/probe.py", "_distributions", "open"): ("each distribution's METADATA headers", "host: HEADER_CHARS (64 KiB)"),
-    ("check/probe.py", "_distributions", ".readline"): ("each distribution's METADATA headers, line by line", "host: HEADER_CHARS (64 KiB)"),
-    ("check/probe.py", "_memory", "open"): ("/proc/meminfo", PROC),
-    ("check/probe.py", "_drain", ".recv"): ("a connection to the listen test", "host: recv(4096), only to see it close"),
-    ("check/probe.py", "connect", ".recv"): ("the listener's reply", "host: 64 bytes at most"),
-    ("check/probe.py", "_stdin_is_a_channel", "os.read"): ("the controller's channel", STDIN),
-    ("check/probe.py", "_serve", "os.read"): ("the controller's channel (its end), or a session's stop pipe (its end)", STDIN),
-    ("check/probe.py", "_spawn", "subprocess.Popen"): ("nvidia-smi, ip, ethtool … (with a deadline)", TOOL),
-    ("check/probe.py", "_request", ".readline"): ("the controller's request (check --image: imagehost's source, the probe's command inside the image; a session: "
+    ("onhost/facts.py", "_os_release", "open"): ("/etc/os-release", "host: HEADER_CHARS (64 KiB)"),
+    ("onhost/facts.py", "_os_release", ".read"): ("/etc/os-release", "host: HEADER_CHARS (64 KiB)"),
+    ("onhost/facts.py", "_assignments", "open"): ("torch's version.py", "host: SOURCE_CHARS (1 MiB), larger: an error of the probe"),
+    ("onhost/facts.py", "_assignments", ".read"): ("torch's version.py", "host: SOURCE_CHARS (1 MiB), larger: an error of the probe"),
+    ("onhost/facts.py", "_dist_version", "open"): ("a distribution's METADATA headers", "host: HEADER_CHARS (64 KiB)"),
+    ("onhost/facts.py", "_dist_version", ".read"): ("a distribution's METADATA headers", "host: HEADER_CHARS (64 KiB)"),
+    ("onhost/facts.py", "_distributions", "open"): ("each distribution's METADATA headers", "host: HEADER_CHARS (64 KiB)"),
+    ("onhost/facts.py", "_distributions", ".readline"): ("each distribution's METADATA headers, line by line", "host: HEADER_CHARS (64 KiB)"),
+    ("onhost/facts.py", "_memory", "open"): ("/proc/meminfo", PROC),
+    ("onhost/nettest.py", "_drain", ".recv"): ("a connection to the listen test", "host: recv(4096), only to see it close"),
+    ("onhost/nettest.py", "connect", ".recv"): ("the listener's reply", "host: 64 bytes at most"),
+    ("onhost/nettest.py", "_stdin_is_a_channel", "os.read"): ("the controller's channel", STDIN),
+    ("onhost/nettest.py", "_serve", "os.read"): ("the controller's channel (its end), or a session's stop pipe (its end)", STDIN),
+    ("onhost/facts.py", "_spawn", "subprocess.Popen"): ("nvidia-smi, ip, ethtool … (with a deadline)", TOOL),
+    ("onhost/probe.py", "_request", ".readline"): ("the controller's request (check --image: imagehost's source, the probe's command inside the image; a session: "
                                                   "a script to run, listen, connect)", "host: REQUEST_BYTES (16 MiB), larger: an error of the probe"),
-    ("check/probe.py", "_end", ".read"): ("the end of a command's output the controller sent (the probe inside the image)", "host: STDOUT_KEPT (4 MiB), STDERR_KEPT (64 KiB)"),
-    ("env/envhost.py", "source", "open"): ("envhost.py", OWN),
-    ("env/envhost.py", "source", ".read"): ("envhost.py", OWN),
-    ("env/envhost.py", "_read_json", "open"): ("an environment's record (its distributions)", "host: RECORD_BYTES (16 MiB), larger: no record"),
-    ("env/envhost.py", "_read_json", ".read"): ("an environment's record (its distributions)", "host: RECORD_BYTES (16 MiB), larger: no record"),
-    ("env/envhost.py", "env_python_version", "open"): ("pyvenv.cfg", "host: TEXT_BYTES (64 KiB)"),
-    ("env/envhost.py", "env_python_version", ".read"): ("pyvenv.cfg", "host: TEXT_BYTES (64 KiB)"),
-    ("env/envhost.py", "_os_release", "open"): ("/etc/os-release", "host: TEXT_BYTES (64 KiB)"),
-    ("env/envhost.py", "_os_release", ".read"): ("/etc/os-release", "host: TEXT_BYTES (64 KiB)"),
-    ("env/envhost.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
-    ("env/envhost.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
-    ("env/envhost.py", "_run", ".read"): ("the installer's output, for its error", "host: OUTPUT_KEPT (its last 64 KiB)"),
-    ("env/envhost.py", "_sha256", "open"): ("the relayed uv, wheels", CHUNKS),
-    ("env/envhost.py", "_sha256", ".read"): ("the relayed uv, wheels", CHUNKS),
-    ("env/envhost.py", "_controller_gone", "os.read"): ("the controller's heartbeats, dropped", STDIN),
-    ("env/envhost.py", "main", ".readline"): ("the install spec", STDIN),
-    ("env/envhost.py", "_libc", "subprocess.run"): ("ldd --version", TOOL),
-    ("image/imagehost.py", "source", "open"): ("imagehost.py", OWN),
-    ("image/imagehost.py", "source", ".read"): ("imagehost.py", OWN),
-    ("image/imagehost.py", "_kept", ".read"): ("a runtime's output (podman/docker/apptainer, nvidia-smi), from a temporary file: its end", "host: OUTPUT_KEPT (64 KiB)"),
-    ("image/imagehost.py", "cdi_gpus", "open"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
-    ("image/imagehost.py", "cdi_gpus", ".read"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
-    ("image/imagehost.py", "_load_cache", "open"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
-    ("image/imagehost.py", "_load_cache", ".read"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
-    ("image/imagehost.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
-    ("image/imagehost.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
-    ("image/imagehost.py", "sha256_file", "open"): ("a .sif, a staged .sif", CHUNKS),
-    ("image/imagehost.py", "sha256_file", ".read"): ("a .sif, a staged .sif", CHUNKS),
-    ("env/envhost.py", "_python_version", "subprocess.run"): ("a Python's version", TOOL),
-    ("perf/linkagent.py", "source", "open"): ("linkagent.py", OWN),
-    ("perf/linkagent.py", "source", ".read"): ("linkagent.py", OWN),
-    ("perf/linkagent.py", "_recv_exact", ".recv"): ("n bytes the caller asks for (one)", "host: n bytes"),
-    ("perf/linkagent.py", "_serve_one", ".recv"): ("echo: 64 bytes at a time, sent back", CHUNKS),
-    ("perf/linkagent.py", "measure", ".makefile"): ("a peer's reply line", "host: REPLY_BYTES (64 KiB)"),
-    ("perf/linkagent.py", "measure", ".readline"): ("a peer's reply line", "host: REPLY_BYTES (64 KiB)"),
-    ("perf/linkagent.py", "serve", "os.read"): ("the controller's commands", STDIN),
-    ("perf/torchlaunch.py", "source", "open"): ("torchlaunch.py", OWN),
-    ("perf/torchlaunch.py", "source", ".read"): ("torchlaunch.py", OWN),
-    ("perf/torchlaunch.py", "_read_payload", ".readline"): ("the controller's payload", STDIN),
-    ("perf/torchlaunch.py", "_read_payload", ".read"): ("the controller's payload", STDIN),
-    ("run/agent.py", "source", "open"): ("agent.py", OWN),
-    ("run/agent.py", "source", ".read"): ("agent.py", OWN),
-    ("run/agent.py", "_read", "open"): ("a run directory's file (spec.json, pgid, exit_code …)", "host: RUN_FILE_BYTES (64 MiB), larger: as missing"),
-    ("run/agent.py", "_read", ".read"): ("a run directory's file (spec.json, pgid, exit_code …)", "host: RUN_FILE_BYTES (64 MiB), larger: as missing"),
-    ("run/agent.py", "_environ_has", "open"): ("/proc/<pid>/environ", PROC),
-    ("run/agent.py", "_environ_has", ".read"): ("/proc/<pid>/environ", PROC),
-    ("run/agent.py", "run_pids", "open"): ("/proc/<pid>/stat", PROC),
-    ("run/agent.py", "run_pids", ".read"): ("/proc/<pid>/stat", PROC),
-    ("run/agent.py", "_stat", "open"): ("/proc/<pid>/stat", PROC),
-    ("run/agent.py", "_stat", ".read"): ("/proc/<pid>/stat", PROC),
-    ("run/agent.py", "_cmdline", "open"): ("/proc/<pid>/cmdline", PROC),
-    ("run/agent.py", "_cmdline", ".read"): ("/proc/<pid>/cmdline", PROC),
-    ("run/agent.py", "_cpu_times", "open"): ("/proc/stat", PROC),
-    ("run/agent.py", "_cpu_times", ".readline"): ("/proc/stat", PROC),
-    ("run/agent.py", "_process_ticks", "open"): ("/proc/<pid>/stat", PROC),
-    ("run/agent.py", "_process_ticks", ".read"): ("/proc/<pid>/stat", PROC),
-    ("run/agent.py", "keep", "open"): ("secrets.json: the agent's own 0600 file from the controller's spec", STDIN),
-    ("run/agent.py", "keep", "json.load"): ("secrets.json: the agent's own 0600 file from the controller's spec", STDIN),
-    ("run/agent.py", "_Tail.lines", "open"): ("output.log, as the job writes it", "host: TAIL_CHUNK (4 MiB) a poll, a line cut at 64 KiB"),
-    ("run/agent.py", "_Tail.lines", ".read"): ("output.log, as the job writes it", "host: TAIL_CHUNK (4 MiB) a poll, a line cut at 64 KiB"),
-    ("run/agent.py", "_last_lines", "open"): ("output.log's end", "host: 256 KiB"),
-    ("run/agent.py", "_last_lines", ".read"): ("output.log's end", "host: 256 KiB"),
-    ("run/agent.py", "_small_json", "open"): ("a checkpoint's small JSON", "host: 64 KiB, measured first"),
-    ("run/agent.py", "_small_json", "json.load"): ("a checkpoint's small JSON", "host: 64 KiB, measured first"),
-    ("run/agent.py", "lease_fd", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
-    ("run/agent.py", "launch", ".readline"): ("the launch spec", STDIN),
-    ("run/agent.py", "supervise", "os.read"): ("the controller's heartbeats", STDIN),
-    ("run/agent.py", "tail", "os.read"): ("the controller's channel (its end)", STDIN),
-    ("run/agent.py", "pack", "tarfile.open"): ("(writes the pack: the run directory, extras within PACK_EXTRA_BYTES)", "none: the controller bounds what it unpacks: COLLECTED_BYTES"),
-    ("run/agent.py", "gpu_apps", "subprocess.run"): ("nvidia-smi", TOOL),
-    ("run/agent.py", "remove_container", "subprocess.run"): ("the container runtime's answer to rm (its last 4 KiB of stderr looked at)", TOOL),
-    ("run/entry.py", "exec_with_secrets", "open"): ("the run's secrets file, written by its own agent", "host: SECRETS_BYTES (1 MiB)"),
-    ("run/entry.py", "exec_with_secrets", ".read"): ("the run's secrets file, written by its own agent", "host: SECRETS_BYTES (1 MiB)"),
-    ("run/agent.py", "gpu_util", "subprocess.run"): ("nvidia-smi", TOOL),
-    ("run/agent.py", "_root_text", "os.read"): ("an admin's root-owned lab file (/etc/mnft/lab.yaml)", "host: 64 KiB"),
-    ("run/entry.py", "source", "open"): ("entry.py", OWN),
-    ("run/entry.py", "source", ".read"): ("entry.py", OWN),
-    ("setup/steps/remote.py", "source", "open"): ("remote.py", OWN),
-    ("setup/steps/remote.py", "source", ".read"): ("remote.py", OWN),
-    ("setup/steps/remote.py", "op_read", "open"): ("authorized_keys, known_hosts, ~/.ssh/config, /etc/hosts", "HOST_FILE_BYTES"),
-    ("setup/steps/remote.py", "op_read", ".read"): ("authorized_keys, known_hosts, ~/.ssh/config, /etc/hosts", "HOST_FILE_BYTES"),
-    ("setup/steps/remote.py", "op_write", "open"): ("(a file rewritten in place, r+b: its content is written, not read)", "none: a write"),
-    ("setup/steps/remote.py", "_current_sha", "open"): ("a file's hash before it is replaced", CHUNKS),
-    ("setup/steps/remote.py", "_current_sha", ".read"): ("a file's hash before it is replaced", CHUNKS),
-    ("setup/steps/remote.py", "_record_kind", "open"): ("the key's .mnft-generated record", "host: 64 KiB"),
-    ("setup/steps/remote.py", "_record_kind", ".read"): ("the key's .mnft-generated record", "host: 64 KiB"),
-    ("setup/steps/remote.py", "op_keygen", "open"): ("the mesh key's .pub", "host: PUBLIC_KEY_CHARS (64 KiB, as PUBLIC_KEY_BYTES), larger: an error"),
-    ("setup/steps/remote.py", "op_keygen", ".read"): ("the mesh key's .pub", "host: PUBLIC_KEY_CHARS (64 KiB, as PUBLIC_KEY_BYTES), larger: an error"),
-    ("setup/steps/remote.py", "op_keygen", "subprocess.run"): ("ssh-keygen", TOOL),
-    ("setup/steps/remote.py", "_sleeper_is_ours", "open"): ("/proc/<pid>/cmdline", PROC),
-    ("setup/steps/remote.py", "_sleeper_is_ours", ".read"): ("/proc/<pid>/cmdline", PROC),
-    ("setup/steps/remote.py", "main", ".readline"): ("the controller's ops", STDIN),
-    ("setup/steps/remote.py", "op_addresses", "subprocess.run"): ("ip -j addr", TOOL),
-    ("setup/steps/remote.py", "op_nft_guarded", "subprocess.run"): ("nft -c / nft -f", TOOL),
-    ("setup/steps/remote.py", "op_run", "subprocess.run"): ("the commands setup's steps run (nft list, ufw status, sudo -n true …)", TOOL),
-    ("sync/treehash.py", "source", "open"): ("treehash.py", OWN),
-    ("sync/treehash.py", "source", ".read"): ("treehash.py", OWN),
-    ("sync/treehash.py", "sha256_file", "open"): ("each file of the tree", CHUNKS),
-    ("sync/treehash.py", "sha256_file", ".read"): ("each file of the tree", CHUNKS),
-    ("sync/treehash.py", "read_placed", "open"): ("the record of what mnft placed in a directory", "host: 64 MiB (a record larger than that is unreadable: nothing is taken as mnft's)"),
-    ("sync/treehash.py", "read_placed", ".read"): ("the record of what mnft placed in a directory", "host: 64 MiB (a record larger than that is unreadable: nothing is taken as mnft's)"),
-    ("sync/treehash.py", "_load_cache", "open"): ("the hash cache", "host: CACHE_BYTES (1 GiB), larger: hashed again"),
-    ("sync/treehash.py", "_load_cache", ".read"): ("the hash cache", "host: CACHE_BYTES (1 GiB), larger: hashed again"),
-    ("sync/treehash.py", "_mount_points", "open"): ("/proc/self/mountinfo", PROC),
-    ("sync/treehash.py", "_mount_points", ".read"): ("/proc/self/mountinfo", PROC),
-    ("uninstall/uninstallhost.py", "source", "open"): ("uninstallhost.py", OWN),
-    ("uninstall/uninstallhost.py", "source", ".read"): ("uninstallhost.py", OWN),
-    ("uninstall/uninstallhost.py", "_mount_points", "open"): ("/proc/self/mountinfo", PROC),
-    ("uninstall/uninstallhost.py", "_mount_points", ".read"): ("/proc/self/mountinfo", PROC),
-    ("uninstall/uninstallhost.py", "sha256_file", "open"): ("each file sync placed", CHUNKS),
-    ("uninstall/uninstallhost.py", "sha256_file", ".read"): ("each file sync placed", CHUNKS),
-    ("uninstall/uninstallhost.py", "read_placed", "open"): ("a tree's record of what sync placed (.mnft-checkout.json)", "host: RECORD_BYTES (64 MiB), as treehash reads it; larger: no record, nothing removed"),
-    ("uninstall/uninstallhost.py", "read_placed", ".read"): ("a tree's record of what sync placed (.mnft-checkout.json)", "host: RECORD_BYTES (64 MiB), as treehash reads it; larger: no record, nothing removed"),
-    ("sync/treehash.py", "seen", "os.fdopen"): ("a mark another host left (anyone may plant one)", "host: MARK_BYTES (8 KiB)"),
-    ("sync/treehash.py", "seen", ".read"): ("a mark another host left (anyone may plant one)", "host: MARK_BYTES (8 KiB)"),
-    ("sync/treehash.py", "main", ".readline"): ("the controller's rules", STDIN),
-    ("sync/treehash.py", "rsync_version", "subprocess.run"): ("rsync --version", TOOL),
+    ("onhost/probe.py", "_end", ".read"): ("the end of a command's output the controller sent (the probe inside the image)", "host: STDOUT_KEPT (4 MiB), STDERR_KEPT (64 KiB)"),
+    ("onhost/envfacts.py", "_read_json", "open"): ("an environment's record (its distributions)", "host: RECORD_BYTES (16 MiB), larger: no record"),
+    ("onhost/envfacts.py", "_read_json", ".read"): ("an environment's record (its distributions)", "host: RECORD_BYTES (16 MiB), larger: no record"),
+    ("onhost/envfacts.py", "env_python_version", "open"): ("pyvenv.cfg", "host: TEXT_BYTES (64 KiB)"),
+    ("onhost/envfacts.py", "env_python_version", ".read"): ("pyvenv.cfg", "host: TEXT_BYTES (64 KiB)"),
+    ("onhost/envfacts.py", "_os_release", "open"): ("/etc/os-release", "host: TEXT_BYTES (64 KiB)"),
+    ("onhost/envfacts.py", "_os_release", ".read"): ("/etc/os-release", "host: TEXT_BYTES (64 KiB)"),
+    ("onhost/envfacts.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("onhost/envfacts.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("onhost/envhost.py", "_run", ".read"): ("the installer's output, for its error", "host: OUTPUT_KEPT (its last 64 KiB)"),
+    ("onhost/envhost.py", "_controller_gone", "os.read"): ("the controller's heartbeats, dropped", STDIN),
+    ("onhost/envhost.py", "main", ".readline"): ("the install spec", STDIN),
+    ("onhost/envfacts.py", "_libc", "subprocess.run"): ("ldd --version", TOOL),
+    ("onhost/imagehost.py", "_kept", ".read"): ("a runtime's output (podman/docker/apptainer, nvidia-smi), from a temporary file: its end", "host: OUTPUT_KEPT (64 KiB)"),
+    ("onhost/imagehost.py", "cdi_gpus", "open"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
+    ("onhost/imagehost.py", "cdi_gpus", ".read"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
+    ("onhost/imagehost.py", "_load_cache", "open"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
+    ("onhost/imagehost.py", "_load_cache", ".read"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
+    ("onhost/imagehost.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("onhost/imagehost.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("onhost/envfacts.py", "_python_version", "subprocess.run"): ("a Python's version", TOOL),
+    ("onhost/linkagent.py", "_recv_exact", ".recv"): ("n bytes the caller asks for (one)", "host: n bytes"),
+    ("onhost/linkagent.py", "_serve_one", ".recv"): ("echo: 64 bytes at a time, sent back", CHUNKS),
+    ("onhost/linkagent.py", "measure", ".makefile"): ("a peer's reply line", "host: REPLY_BYTES (64 KiB)"),
+    ("onhost/linkagent.py", "measure", ".readline"): ("a peer's reply line", "host: REPLY_BYTES (64 KiB)"),
+    ("onhost/linkagent.py", "serve", "os.read"): ("the controller's commands", STDIN),
+    ("onhost/torchlaunch.py", "_read_payload", ".readline"): ("the controller's payload", STDIN),
+    ("onhost/torchlaunch.py", "_read_payload", ".read"): ("the controller's payload", STDIN),
+    ("onhost/runfiles.py", "_read", "open"): ("a run directory's file (spec.json, pgid, exit_code …)", "host: RUN_FILE_BYTES (64 MiB), larger: as missing"),
+    ("onhost/runfiles.py", "_read", ".read"): ("a run directory's file (spec.json, pgid, exit_code …)", "host: RUN_FILE_BYTES (64 MiB), larger: as missing"),
+    ("onhost/runprocs.py", "_environ_has", "open"): ("/proc/<pid>/environ", PROC),
+    ("onhost/runprocs.py", "_environ_has", ".read"): ("/proc/<pid>/environ", PROC),
+    ("onhost/runprocs.py", "run_pids", "open"): ("/proc/<pid>/stat", PROC),
+    ("onhost/runprocs.py", "run_pids", ".read"): ("/proc/<pid>/stat", PROC),
+    ("onhost/runprocs.py", "_stat", "open"): ("/proc/<pid>/stat", PROC),
+    ("onhost/runprocs.py", "_stat", ".read"): ("/proc/<pid>/stat", PROC),
+    ("onhost/runprocs.py", "_cmdline", "open"): ("/proc/<pid>/cmdline", PROC),
+    ("onhost/runprocs.py", "_cmdline", ".read"): ("/proc/<pid>/cmdline", PROC),
+    ("onhost/samples.py", "_cpu_times", "open"): ("/proc/stat", PROC),
+    ("onhost/samples.py", "_cpu_times", ".readline"): ("/proc/stat", PROC),
+    ("onhost/samples.py", "_process_ticks", "open"): ("/proc/<pid>/stat", PROC),
+    ("onhost/samples.py", "_process_ticks", ".read"): ("/proc/<pid>/stat", PROC),
+    ("onhost/keeper.py", "keep", "open"): ("secrets.json: the agent's own 0600 file from the controller's spec", STDIN),
+    ("onhost/keeper.py", "keep", "json.load"): ("secrets.json: the agent's own 0600 file from the controller's spec", STDIN),
+    ("onhost/follow.py", "_Tail.lines", "open"): ("output.log, as the job writes it", "host: TAIL_CHUNK (4 MiB) a poll, a line cut at 64 KiB"),
+    ("onhost/follow.py", "_Tail.lines", ".read"): ("output.log, as the job writes it", "host: TAIL_CHUNK (4 MiB) a poll, a line cut at 64 KiB"),
+    ("onhost/queries.py", "_last_lines", "open"): ("output.log's end", "host: 256 KiB"),
+    ("onhost/queries.py", "_last_lines", ".read"): ("output.log's end", "host: 256 KiB"),
+    ("onhost/queries.py", "_small_json", "open"): ("a checkpoint's small JSON", "host: 64 KiB, measured first"),
+    ("onhost/queries.py", "_small_json", "json.load"): ("a checkpoint's small JSON", "host: 64 KiB, measured first"),
+    ("onhost/runleases.py", "lease_fd", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
+    ("onhost/launcher.py", "launch", ".readline"): ("the launch spec", STDIN),
+    ("onhost/launcher.py", "supervise", "os.read"): ("the controller's heartbeats", STDIN),
+    ("onhost/queries.py", "tail", "os.read"): ("the controller's channel (its end)", STDIN),
+    ("onhost/queries.py", "pack", "tarfile.open"): ("(writes the pack: the run directory, extras within PACK_EXTRA_BYTES)", "none: the controller bounds what it unpacks: COLLECTED_BYTES"),
+    ("onhost/rungpus.py", "gpu_apps", "subprocess.run"): ("nvidia-smi", TOOL),
+    ("onhost/containers.py", "remove_container", "subprocess.run"): ("the container runtime's answer to rm (its last 4 KiB of stderr looked at)", TOOL),
+    ("onhost/entry.py", "exec_with_secrets", "open"): ("the run's secrets file, written by its own agent", "host: SECRETS_BYTES (1 MiB)"),
+    ("onhost/entry.py", "exec_with_secrets", ".read"): ("the run's secrets file, written by its own agent", "host: SECRETS_BYTES (1 MiB)"),
+    ("onhost/rungpus.py", "gpu_util", "subprocess.run"): ("nvidia-smi", TOOL),
+    ("onhost/setuphost.py", "op_read", "open"): ("authorized_keys, known_hosts, ~/.ssh/config, /etc/hosts", "HOST_FILE_BYTES"),
+    ("onhost/setuphost.py", "op_read", ".read"): ("authorized_keys, known_hosts, ~/.ssh/config, /etc/hosts", "HOST_FILE_BYTES"),
+    ("onhost/setuphost.py", "op_write", "open"): ("(a file rewritten in place, r+b: its content is written, not read)", "none: a write"),
+    ("onhost/setuphost.py", "_current_sha", "open"): ("a file's hash before it is replaced", CHUNKS),
+    ("onhost/setuphost.py", "_current_sha", ".read"): ("a file's hash before it is replaced", CHUNKS),
+    ("onhost/setuphost.py", "_record_kind", "open"): ("the key's .mnft-generated record", "host: 64 KiB"),
+    ("onhost/setuphost.py", "_record_kind", ".read"): ("the key's .mnft-generated record", "host: 64 KiB"),
+    ("onhost/setuphost.py", "op_keygen", "open"): ("the mesh key's .pub", "host: PUBLIC_KEY_CHARS (64 KiB, as PUBLIC_KEY_BYTES), larger: an error"),
+    ("onhost/setuphost.py", "op_keygen", ".read"): ("the mesh key's .pub", "host: PUBLIC_KEY_CHARS (64 KiB, as PUBLIC_KEY_BYTES), larger: an error"),
+    ("onhost/setuphost.py", "op_keygen", "subprocess.run"): ("ssh-keygen", TOOL),
+    ("onhost/setuphost.py", "_sleeper_is_ours", "open"): ("/proc/<pid>/cmdline", PROC),
+    ("onhost/setuphost.py", "_sleeper_is_ours", ".read"): ("/proc/<pid>/cmdline", PROC),
+    ("onhost/setuphost.py", "main", ".readline"): ("the controller's ops", STDIN),
+    ("onhost/setuphost.py", "op_addresses", "subprocess.run"): ("ip -j addr", TOOL),
+    ("onhost/setuphost.py", "op_nft_guarded", "subprocess.run"): ("nft -c / nft -f", TOOL),
+    ("onhost/setuphost.py", "op_run", "subprocess.run"): ("the commands setup's steps run (nft list, ufw status, sudo -n true …)", TOOL),
+    ("onhost/filehash.py", "sha256_file", "open"): ("each file of the tree, each file sync placed, a .sif, a staged .sif, the relayed uv, wheels", CHUNKS),
+    ("onhost/filehash.py", "sha256_file", ".read"): ("each file of the tree, each file sync placed, a .sif, a staged .sif, the relayed uv, wheels", CHUNKS),
+    ("onhost/checkout.py", "read_placed", "open"): ("the record of what mnft placed in a directory", "host: 64 MiB (a record larger than that is unreadable: nothing is taken as mnft's)"),
+    ("onhost/checkout.py", "read_placed", ".read"): ("the record of what mnft placed in a directory", "host: 64 MiB (a record larger than that is unreadable: nothing is taken as mnft's)"),
+    ("onhost/treehash.py", "_load_cache", "open"): ("the hash cache", "host: CACHE_BYTES (1 GiB), larger: hashed again"),
+    ("onhost/treehash.py", "_load_cache", ".read"): ("the hash cache", "host: CACHE_BYTES (1 GiB), larger: hashed again"),
+    ("onhost/sharemarks.py", "_mount_points", "open"): ("/proc/self/mountinfo", PROC),
+    ("onhost/sharemarks.py", "_mount_points", ".read"): ("/proc/self/mountinfo", PROC),
+    ("onhost/sharemarks.py", "seen", "os.fdopen"): ("a mark another host left (anyone may plant one)", "host: MARK_BYTES (8 KiB)"),
+    ("onhost/sharemarks.py", "seen", ".read"): ("a mark another host left (anyone may plant one)", "host: MARK_BYTES (8 KiB)"),
+    ("onhost/treehash.py", "main", ".readline"): ("the controller's rules", STDIN),
+    ("onhost/treehash.py", "rsync_version", "subprocess.run"): ("rsync --version", TOOL),
     # ---------------------------------------------------------------- files other people own: their bounds, or the fix to apply
-    ("hosts/leasehost.py", "source", "open"): ("leasehost.py", OWN),
-    ("hosts/leasehost.py", "source", ".read"): ("leasehost.py", OWN),
-    ("hosts/pyrun.py", "_module_payload", "open"): ("a host script that is a module of mnft's (leasehost.py)", OWN),
-    ("hosts/pyrun.py", "_module_payload", ".read"): ("a host script that is a module of mnft's (leasehost.py)", OWN),
-    ("hosts/leasehost.py", "lockers", "open"): ("/proc/locks", "host: 1 MiB"),
-    ("hosts/leasehost.py", "process_facts", "open"): ("/proc/<pid>/environ and /proc/<pid>/stat of a GPU's process", PROC),
-    ("hosts/leasehost.py", "process_facts", ".read"): ("/proc/<pid>/environ and /proc/<pid>/stat of a GPU's process", PROC),
-    ("run/agent.py", "process_facts", "open"): ("/proc/<pid>/environ and /proc/<pid>/stat of a GPU's process", PROC),
-    ("run/agent.py", "process_facts", ".read"): ("/proc/<pid>/environ and /proc/<pid>/stat of a GPU's process", PROC),
-    ("run/agent.py", "_smi", "subprocess.run"): ("nvidia-smi's compute apps (collisions)", TOOL),
-    ("hosts/leasehost.py", "_root_text", "os.read"): ("the admin-group file (root's)", "host: 4 KiB"),
-    ("hosts/leasehost.py", "main", ".readline"): ("a drain request on stdin", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "read_kmsg", "os.read"): ("the kernel log (/dev/kmsg)", "host: MAX_KMSG_BYTES (8 MiB) in all, 64 KiB a read"),
-    ("hosts/leasehost.py", "read_xids", "open"): ("/proc/uptime", "host: 64 bytes"),
-    ("hosts/leasehost.py", "read_xids", ".read"): ("/proc/uptime", "host: 64 bytes"),
-    ("hosts/leasehost.py", "remember_seen", "open"): ("this user's record of the boot's GPUs", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "remember_seen", ".read"): ("this user's record of the boot's GPUs", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "lockers", ".read"): ("/proc/locks", "host: 1 MiB"),
-    ("hosts/leasehost.py", "_read", "os.pread"): ("a lease file anyone may plant", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "usage", "os.pread"): ("a user's usage log (its owner's file, a line per ended lease)", "host: 2 × USAGE_BYTES (2 MiB) a file, 256 files, MAX_USAGE_LINES lines"),
-    ("run/agent.py", "IdleWatch.mark", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
-    ("run/agent.py", "last_out", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
-    ("run/agent.py", "session_prepare", ".readline"): ("a session's spec", STDIN),
-    ("run/agent.py", "watch", "os.read"): ("the controller's heartbeats", STDIN),
+    ("hosts/payload.py", "imported", ".read_text"): ("a host module's source, read for its imports", OWN),
+    ("hosts/payload.py", "_build", ".read_bytes"): ("a host module's source, shipped in a payload", OWN),
+    ("hosts/payload.py", "pack", ".read_bytes"): ("boot.py, the payload's reader", OWN),
+    ("hosts/payload.py", "standalone", ".read_text"): ("entry.py, written into a run directory", OWN),
+    ("onhost/leasefiles.py", "lockers", "open"): ("/proc/locks", "host: 1 MiB"),
+    ("onhost/procs.py", "process_facts", "open"): ("/proc/<pid>/environ and /proc/<pid>/stat of a GPU's process", PROC),
+    ("onhost/procs.py", "process_facts", ".read"): ("/proc/<pid>/environ and /proc/<pid>/stat of a GPU's process", PROC),
+    ("onhost/rungpus.py", "_smi", "subprocess.run"): ("nvidia-smi's compute apps (collisions)", TOOL),
+    ("onhost/rootfiles.py", "root_text", "os.read"): ("the admin-group file (root's)", "host: 4 KiB"),
+    ("onhost/leasehost.py", "main", ".readline"): ("a drain request on stdin", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/health.py", "read_kmsg", "os.read"): ("the kernel log (/dev/kmsg)", "host: MAX_KMSG_BYTES (8 MiB) in all, 64 KiB a read"),
+    ("onhost/health.py", "read_xids", "open"): ("/proc/uptime", "host: 64 bytes"),
+    ("onhost/health.py", "read_xids", ".read"): ("/proc/uptime", "host: 64 bytes"),
+    ("onhost/health.py", "remember_seen", "open"): ("this user's record of the boot's GPUs", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/health.py", "remember_seen", ".read"): ("this user's record of the boot's GPUs", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/leasefiles.py", "lockers", ".read"): ("/proc/locks", "host: 1 MiB"),
+    ("onhost/leasefiles.py", "_read", "os.pread"): ("a lease file anyone may plant", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/usageread.py", "usage", "os.pread"): ("a user's usage log (its owner's file, a line per ended lease)", "host: 2 × USAGE_BYTES (2 MiB) a file, 256 files, MAX_USAGE_LINES lines"),
+    ("onhost/watches.py", "IdleWatch.mark", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
+    ("onhost/runleases.py", "last_out", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
+    ("onhost/sessions.py", "session_prepare", ".readline"): ("a session's spec", STDIN),
+    ("onhost/sessions.py", "watch", "os.read"): ("the controller's heartbeats", STDIN),
     ("hosts/terminal.py", "_LocalTerminal.read", "os.read"): ("a session's terminal output", "none: streamed to this terminal in 64 KiB chunks, never held"),
     ("hosts/terminal.py", "_SshTerminal.read", ".recv"): ("a session's terminal output", "none: streamed to this terminal in 64 KiB chunks, never held"),
     ("hosts/terminal.py", "interact", ".read"): ("a session's terminal output", "none: streamed to this terminal in 64 KiB chunks, never held"),
     ("hosts/terminal.py", "interact", "os.read"): ("this terminal's keys", "none: 4 KiB chunks sent on, never held"),
     ("hosts/terminal.py", "forward.pump", ".recv"): ("a forwarded TCP connection", "none: 64 KiB chunks carried across, never held"),
-    ("hosts/leasehost.py", "_check_lease", "os.pread"): ("a lease file anyone may plant", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "_environ", "open"): ("/proc/<pid>/environ", PROC),
-    ("hosts/leasehost.py", "_environ", ".read"): ("/proc/<pid>/environ", PROC),
-    ("hosts/leasehost.py", "_zombie", "open"): ("/proc/<pid>/stat", PROC),
-    ("hosts/leasehost.py", "_zombie", ".read"): ("/proc/<pid>/stat", PROC),
-    ("hosts/leasehost.py", "boot_id", "open"): ("/proc/sys/kernel/random/boot_id", "host: 64 bytes"),
-    ("hosts/leasehost.py", "boot_id", ".read"): ("/proc/sys/kernel/random/boot_id", "host: 64 bytes"),
-    ("hosts/leasehost.py", "load_static", "open"): ("a lease file", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "load_static", ".read"): ("a lease file", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "hold", ".readline"): ("the holder line from the controller", "host: MAX_LEASE_BYTES (64 KiB)"),
-    ("hosts/leasehost.py", "hold", "os.read"): ("heartbeats and run requests; a run's output", "host: MAX_RUN_BYTES (64 MiB) a request, 1 GiB a run's output"),
-    ("hosts/leasehost.py", "wait_in_line", "os.read"): ("heartbeats", STDIN),
-    ("hosts/leasehost.py", "_spawn_smi", "subprocess.Popen"): ("nvidia-smi", "host: MAX_SMI_BYTES (1 MiB)"),
-    ("hosts/leasehost.py", "run_bounded", "subprocess.Popen"): ("nvidia-smi (the GPU health read)", "host: MAX_SMI_BYTES (1 MiB), SMI_TIMEOUT (5 s)"),
-    ("slurm/node.py", "source", "open"): ("node.py", OWN),
-    ("slurm/node.py", "source", ".read"): ("node.py", OWN),
-    ("slurm/node.py", "read_line", ".readline"): ("the launch line from the controller", "host: readline(limit)"),
-    ("slurm/node.py", "relay", ".read1"): ("the agent's output, relayed in pieces srun keeps whole", CHUNKS),
-    ("slurm/node.py", "main", "subprocess.Popen"): ("the agent's output (relay)", CHUNKS),
-    ("slurm/node.py", "run_script", "subprocess.Popen"): ("a host script's output (relay)", CHUNKS),
-    ("slurm/node.py", "run_command", "subprocess.run"): ("mnft's probe run inside the image (its last OUTPUT_KEPT / ERRORS_KEPT characters kept)", TOOL),
+    ("onhost/leasefiles.py", "_check_lease", "os.pread"): ("a lease file anyone may plant", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/runs.py", "_environ", "open"): ("/proc/<pid>/environ", PROC),
+    ("onhost/runs.py", "_environ", ".read"): ("/proc/<pid>/environ", PROC),
+    ("onhost/runs.py", "_zombie", "open"): ("/proc/<pid>/stat", PROC),
+    ("onhost/runs.py", "_zombie", ".read"): ("/proc/<pid>/stat", PROC),
+    ("onhost/gpucache.py", "boot_id", "open"): ("/proc/sys/kernel/random/boot_id", "host: 64 bytes"),
+    ("onhost/gpucache.py", "boot_id", ".read"): ("/proc/sys/kernel/random/boot_id", "host: 64 bytes"),
+    ("onhost/gpucache.py", "load_static", "open"): ("a lease file", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/gpucache.py", "load_static", ".read"): ("a lease file", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/hold.py", "hold", ".readline"): ("the holder line from the controller", "host: MAX_LEASE_BYTES (64 KiB)"),
+    ("onhost/hold.py", "hold", "os.read"): ("heartbeats and run requests; a run's output", "host: MAX_RUN_BYTES (64 MiB) a request, 1 GiB a run's output"),
+    ("onhost/hold.py", "wait_in_line", "os.read"): ("heartbeats", STDIN),
+    ("onhost/smi.py", "_spawn_smi", "subprocess.Popen"): ("nvidia-smi", "host: MAX_SMI_BYTES (1 MiB)"),
+    ("onhost/smi.py", "run_bounded", "subprocess.Popen"): ("nvidia-smi (the GPU health read)", "host: MAX_SMI_BYTES (1 MiB), SMI_TIMEOUT (5 s)"),
+    ("onhost/slurmnode.py", "read_line", ".readline"): ("the launch line from the controller", "host: readline(limit)"),
+    ("onhost/slurmnode.py", "relay", ".read1"): ("the agent's output, relayed in pieces srun keeps whole", CHUNKS),
+    ("onhost/slurmnode.py", "main", "subprocess.Popen"): ("the agent's output (relay)", CHUNKS),
+    ("onhost/slurmnode.py", "run_script", "subprocess.Popen"): ("a host script's output (relay)", CHUNKS),
+    ("onhost/slurmnode.py", "run_command", "subprocess.run"): ("mnft's probe run inside the image (its last OUTPUT_KEPT / ERRORS_KEPT characters kept)", TOOL),
     ("board/runs.py", "read_json", "open"): ("live.json, run.json for the page", "none: read(limit + 1) of board.runs.JSON_MAX, never past it"),
     ("board/runs.py", "read_json", ".read"): ("live.json, run.json for the page", "none: read(limit + 1) of board.runs.JSON_MAX, never past it"),
     ("slurm/submit.py", "logs", "limits.last_lines"): ("each node's output.log, its last lines", "LINE_CHARS"),
     ("slurm/submit.py", "logs", "limits.lines"): ("each node's output.log, line by line", "LINE_CHARS"),
     ("slurm/allocation.py", "Allocation.train.reader", ".readline"): ("srun's output, a line at most HOST_OUTPUT_BYTES at a time", "HOST_OUTPUT_BYTES"),
-    ("slurm/node.py", "sees_mark", "open"): ("a mark on the shared filesystem (anyone may write it)", "host: read(4096)"),
-    ("slurm/node.py", "sees_mark", ".read"): ("a mark on the shared filesystem (anyone may write it)", "host: read(4096)"),
-    ("slurm/node.py", "exit_code_of", "open"): ("the run's exit_code file", "host: read(64)"),
-    ("slurm/node.py", "exit_code_of", ".read"): ("the run's exit_code file", "host: read(64)"),
+    ("onhost/slurmnode.py", "sees_mark", "open"): ("a mark on the shared filesystem (anyone may write it)", "host: read(4096)"),
+    ("onhost/slurmnode.py", "sees_mark", ".read"): ("a mark on the shared filesystem (anyone may write it)", "host: read(4096)"),
+    ("onhost/slurmnode.py", "exit_code_of", "open"): ("the run's exit_code file", "host: read(64)"),
+    ("onhost/slurmnode.py", "exit_code_of", ".read"): ("the run's exit_code file", "host: read(64)"),
     ("slurm/submit.py", "tail_file", "open"): ("the batch output or a node's output.log, TAIL_CHUNK a poll", "none: read(TAIL_CHUNK); a longer line shown cut and passed"),
     ("slurm/submit.py", "tail_file", ".read"): ("the batch output or a node's output.log, TAIL_CHUNK a poll", "none: read(TAIL_CHUNK); a longer line shown cut and passed"),
                 ("slurm/allocation.py", "Allocation.script_step", "subprocess.run"): ("srun's output: every node's reply", "HOST_OUTPUT_BYTES"),
@@ -323,9 +288,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("board/runs.py", "last_lines", ".read"): ("a log's end", "none: read(chunk)"),
 }
 
-# The host-side scripts (docs/architecture.md): they parse their own tools' output, not a host's reply.
-HOST_SIDE = {"run/agent.py", "run/entry.py", "check/probe.py", "sync/treehash.py", "hosts/leasehost.py", "env/envhost.py", "image/imagehost.py",
-             "setup/steps/remote.py", "perf/linkagent.py", "slurm/node.py", "perf/torchlaunch.py"}
+# The host package (docs/architecture.md): its modules parse their own tools' output, not a host's reply.
+HOST_SIDE = {str(p.relative_to(MNFT)) for p in (MNFT / "onhost").glob("*.py")}
 
 # Files other sessions own (the brief's list): an `owner:` row may stand only there.
 OTHERS = ("board/", "slurm/", "hosts/lease", "hosts/lab", "cli/tasks.py")
@@ -812,37 +776,37 @@ def test_a_metrics_line_cut_is_never_parsed_as_a_record(tmp_path):
 
 
 def test_envhost_reads_a_config_past_its_cap_as_no_mesh_and_a_record_past_its_cap_as_none(tmp_path, monkeypatch):
-    from mnft.env import envhost
+    from mnft.onhost import envfacts
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / ".ssh").mkdir()
     (tmp_path / ".ssh" / "mnft_mesh_ed25519").write_text("key")
-    config = f"{envhost.MESH_BEGIN}\nHost h2\n{envhost.MESH_END}\n"
-    monkeypatch.setattr(envhost, "CONFIG_BYTES", len(config))
+    config = f"{envfacts.MESH_BEGIN}\nHost h2\n{envfacts.MESH_END}\n"
+    monkeypatch.setattr(envfacts, "CONFIG_BYTES", len(config))
     (tmp_path / ".ssh" / "config").write_text(config)
-    assert envhost.mesh_peers() == ["h2"]
+    assert envfacts.mesh_peers() == ["h2"]
     (tmp_path / ".ssh" / "config").write_text(config + "#")
-    assert envhost.mesh_peers() == []
+    assert envfacts.mesh_peers() == []
     record = tmp_path / "record.json"
-    monkeypatch.setattr(envhost, "RECORD_BYTES", 16)
+    monkeypatch.setattr(envfacts, "RECORD_BYTES", 16)
     record.write_text('{"id": "' + "x" * 6 + '"}')  # 16 bytes
-    assert envhost._read_json(str(record)) == {"id": "xxxxxx"}
+    assert envfacts._read_json(str(record)) == {"id": "xxxxxx"}
     record.write_text('{"id": "' + "x" * 7 + '"}')
-    assert envhost._read_json(str(record)) is None
+    assert envfacts._read_json(str(record)) is None
 
 
 def test_the_agent_reads_a_run_file_past_its_cap_as_missing(tmp_path, monkeypatch):
-    from mnft.run import agent
+    from mnft.onhost import runfiles
 
-    monkeypatch.setattr(agent, "RUN_FILE_BYTES", 8)
+    monkeypatch.setattr(runfiles, "RUN_FILE_BYTES", 8)
     (tmp_path / "pgid").write_text("12345678")
-    assert agent._read(str(tmp_path / "pgid")) == "12345678"
+    assert runfiles._read(str(tmp_path / "pgid")) == "12345678"
     (tmp_path / "pgid").write_text("123456789")
-    assert agent._read(str(tmp_path / "pgid"), "gone") == "gone"
+    assert runfiles._read(str(tmp_path / "pgid"), "gone") == "gone"
 
 
 def test_the_tree_hash_cache_past_its_cap_is_hashed_again(tmp_path, monkeypatch):
-    from mnft.sync import treehash
+    from mnft.onhost import treehash
 
     cache = tmp_path / "cache.json"
     cache.write_text(json.dumps({"version": treehash.CACHE_VERSION, "files": {"a": 1}}))
@@ -852,35 +816,35 @@ def test_the_tree_hash_cache_past_its_cap_is_hashed_again(tmp_path, monkeypatch)
 
 
 def test_the_probe_reads_no_more_of_torchs_version_py_than_its_cap(tmp_path, monkeypatch):
-    from mnft.check import probe
+    from mnft.onhost import facts
 
     path = tmp_path / "version.py"
-    monkeypatch.setattr(probe, "SOURCE_CHARS", 32)
+    monkeypatch.setattr(facts, "SOURCE_CHARS", 32)
     path.write_text("__version__ = '2.13.0'\n" + "#" * 9)  # 32 characters
-    assert probe._assignments(str(path)) == {"__version__": "2.13.0"}
+    assert facts._assignments(str(path)) == {"__version__": "2.13.0"}
     path.write_text("__version__ = '2.13.0'\n" + "#" * 10)
     with pytest.raises(ValueError, match="larger than 32 characters"):
-        probe._assignments(str(path))
+        facts._assignments(str(path))
 
 
 def test_setups_host_script_refuses_a_public_key_past_its_cap(tmp_path, monkeypatch):
-    from mnft.setup.steps import remote
+    from mnft.onhost import setuphost
 
     key = tmp_path / "id"
     key.write_text("private")
-    monkeypatch.setattr(remote, "PUBLIC_KEY_CHARS", 16)
+    monkeypatch.setattr(setuphost, "PUBLIC_KEY_CHARS", 16)
     (tmp_path / "id.pub").write_text("ssh-ed25519 AAAA")
-    assert remote.op_keygen({"path": str(key), "comment": "c"})["public"] == "ssh-ed25519 AAAA"
+    assert setuphost.op_keygen({"path": str(key), "comment": "c"})["public"] == "ssh-ed25519 AAAA"
     (tmp_path / "id.pub").write_text("ssh-ed25519 AAAAB")
     with pytest.raises(RuntimeError, match="larger than 16 characters: not a public key"):
-        remote.op_keygen({"path": str(key), "comment": "c"})
+        setuphost.op_keygen({"path": str(key), "comment": "c"})
 
 
 def test_a_peers_reply_line_is_read_to_its_cap():
-    from mnft.perf import linkagent
+    from mnft.onhost import linkagent
 
     assert linkagent.REPLY_BYTES == 65536
-    source = linkagent.source()
+    source = Path(linkagent.__file__).read_text()
     assert "readline(REPLY_BYTES)" in source
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from mnft.check import probe
+from mnft.onhost.boot import FILE_BOOTSTRAP
 from mnft.check.findings import CheckOptions, CheckReport, Need
 from mnft.check.inimage import gather_image_facts, inside_command, inside_reply, merge
 from mnft.check.rules import evaluate, image_problems, python_reference
@@ -18,7 +18,6 @@ from mnft.hosts import inventory, pyrun
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.image import imagehost
 from mnft.image.runtime import CDI_FIX, Runtime, probe_argv
 
 REF = "localhost/x:1"
@@ -122,10 +121,10 @@ def test_image_facts_not_of_imagehosts_shape_are_none_and_say_so():
                 container(image_id=12)):
         f = merge(copy.deepcopy(HOST), bad, REF, None)
         assert f["container"] is None, bad
-        assert f["image_probe"]["error"] == "not the answer imagehost gives (its contract: mnft/image/imagehost.py)"
+        assert f["image_probe"]["error"] == "not the answer imagehost gives (its contract: mnft/onhost/imagehost.py)"
     found = image_problems(INV, {"h1": merge(copy.deepcopy(HOST), "podman", REF, None)}, REF)
     assert [(p.host, p.field, p.message) for p in found] == [
-        ("h1", "image", "the image's facts could not be read: not the answer imagehost gives (its contract: mnft/image/imagehost.py)")]
+        ("h1", "image", "the image's facts could not be read: not the answer imagehost gives (its contract: mnft/onhost/imagehost.py)")]
 
 
 def test_the_reply_from_inside_is_its_last_json_line_or_the_runtimes_last_word():
@@ -249,16 +248,19 @@ def test_the_table_shows_each_hosts_image_id(monkeypatch):
 
 
 def test_the_host_step_answers_the_images_facts_the_hosts_and_the_command_it_is_sent(tmp_path):
-    stub = "def facts(runtime, image):\n    return {'runtime': runtime, 'image': {'ref': image, 'present': True, 'id': 'sha256:0'}}\n"
-    first = {"imagehost": stub, "runtime": "auto", "image": REF}
-    inner = {"argv": [sys.executable, "-c", pyrun.BOOTSTRAP, "python", "--modules", "json,mnft_surely_absent"],
-             "input": pyrun.payload(probe.source()).decode(), "timeout": 30}
-    stdin = pyrun.payload(probe.source()) + (json.dumps(first) + "\n" + json.dumps(inner) + "\n").encode()
+    first = {"runtime": str(tmp_path / "no-podman"), "image": REF}  # imagehost's facts, from the probe's own payload
+    shipped = tmp_path / "probe.payload"
+    shipped.write_bytes(pyrun.payload("probe"))
+    inner = {"argv": [sys.executable, "-c", FILE_BOOTSTRAP, str(shipped), "python", "--modules", "json,mnft_surely_absent"],
+             "input": "", "timeout": 30}
+    stdin = pyrun.payload("probe") + (json.dumps(first) + "\n" + json.dumps(inner) + "\n").encode()
     done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "image-facts", "--workdir", str(tmp_path)], input=stdin,
                           capture_output=True, timeout=60)
     lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
     assert done.returncode == 0 and len(lines) == 3, done.stderr.decode()
-    assert lines[0] == {"container": {"runtime": "auto", "image": {"ref": REF, "present": True, "id": "sha256:0"}}, "container_error": None}
+    container = lines[0]["container"]
+    assert lines[0]["container_error"] is None and container["runtime"] is None and "no-podman" in container["error"]
+    assert container["image"]["ref"] == REF and container["image"]["present"] is False
     host = next(line["facts"] for line in lines if "facts" in line)  # the host's facts and the command's: as each is ready
     assert "torch" not in host and "dists" not in host and host["disk"]["workdir"] == str(tmp_path)
     assert host["clock"] and host["timings"]["total_s"] > 0
@@ -267,11 +269,11 @@ def test_the_host_step_answers_the_images_facts_the_hosts_and_the_command_it_is_
 
 
 def test_the_host_step_says_when_the_images_facts_fail_and_still_answers_the_hosts(tmp_path):
-    stdin = pyrun.payload(probe.source()) + (json.dumps({"imagehost": "raise OSError('broken')", "runtime": "auto", "image": REF}) + "\n").encode()
+    stdin = pyrun.payload("probe") + (json.dumps({"image": REF}) + "\n").encode()  # a request imagehost cannot read
     done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "image-facts", "--workdir", str(tmp_path)], input=stdin,
                           capture_output=True, timeout=60)
     lines = [json.loads(line) for line in done.stdout.decode().splitlines()]
-    assert {"container": None, "container_error": "OSError: broken"} in lines and any("facts" in line for line in lines)
+    assert {"container": None, "container_error": "KeyError: 'runtime'"} in lines and any("facts" in line for line in lines)
 
 
 FAKE_RUNTIME = """#!/bin/sh

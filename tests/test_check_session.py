@@ -11,21 +11,21 @@ from pathlib import Path
 
 import pytest
 
-from mnft.check import probe
+from mnft.onhost import probe
 from mnft.check.findings import CheckOptions
 from mnft.check.gather import connect_request, gather
 from mnft.check.session import ran_result, session_command
-from mnft.hosts import connection, pyrun
+from mnft.hosts import connection, payload, pyrun
 from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.inventory import parse
-from mnft.sync import mirror, treehash
+from mnft.sync import mirror
 from mnft.sync.source import read_local
 
 
 def start_session(workdir: Path, *requests: dict) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "session", "--workdir", str(workdir)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    proc.stdin.write(pyrun.payload(probe.source()).decode() + "".join(json.dumps(r) + "\n" for r in requests))
+    proc.stdin.buffer.write(pyrun.payload("probe") + "".join(json.dumps(r) + "\n" for r in requests).encode())
     proc.stdin.flush()
     return proc
 
@@ -48,8 +48,8 @@ def port_is_free(port: int) -> bool:
 def test_a_session_gives_the_facts_first_then_answers_each_request_in_order(tmp_path):
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "a.py").write_text("a")
-    run = {"source": treehash.source(), "argv": [str(tmp_path / "w"), "--if-exists"], "stdin": "[]\n"}
-    proc = start_session(tmp_path / "w", {"run": run})  # sent with the source: answered once the facts are out
+    run = pyrun.run_request("treehash", [str(tmp_path / "w"), "--if-exists"], "[]\n")
+    proc = start_session(tmp_path / "w", {"run": run})  # sent with the probe: answered once the facts are out
     try:
         facts = json.loads(proc.stdout.readline())["facts"]
         assert facts["probe_version"] == probe.PROBE_VERSION and isinstance(facts["clock"], float)
@@ -114,63 +114,28 @@ def test_a_request_that_is_not_json_ends_the_session_with_one_line(tmp_path):
     assert json.loads(lines[1])["error"].startswith("a request the probe cannot read: ")
 
 
-def test_a_script_runs_in_the_probe_as_pyrun_runs_it_and_the_probe_keeps_its_own_streams():
-    before = sys.stdout, sys.stdin, sys.argv
-    ran = probe.run_script({"source": "import sys\nprint(sys.argv[1:], sys.stdin.read(), __name__)\nsys.exit(3)",
-                            "argv": ["a", "b c"], "stdin": "rules"})
-    assert (sys.stdout, sys.stdin, sys.argv) == before
-    assert ran["exit_code"] == 3 and ran["stdout"] == "['a', 'b c'] rules __main__\n" and ran["error"] is None
-    assert probe.run_script({"source": "raise RuntimeError('boom')"})["exit_code"] == 1
-    assert probe.run_script({"source": "raise RuntimeError('boom')"})["error"] == "boom"
-    assert probe.run_script({"source": "import sys; sys.exit()"})["exit_code"] == 0
-    not_run = probe.run_script({"source": "def ("})
-    assert not_run["exit_code"] is None and not_run["error"].startswith("the run request: SyntaxError")
-    assert probe.run_script({"argv": []})["error"] == "the run request: KeyError: 'source'"
-
-
-def test_a_script_that_prints_more_than_a_session_keeps_is_an_error_not_its_output(monkeypatch):
-    monkeypatch.setattr(probe, "RUN_STDOUT_CHARS", 10)
-    ran = probe.run_script({"source": "print('x' * 11)"})
-    assert ran["stdout"] == "" and ran["error"] == "printed more than 10 characters"
-
-
-# ------------------------------------------------------------------------------------------------ compiled once, on the controller
-
-
-def shipped(source: str, code_of: str, magic: str) -> bytes:
-    """compiled_payload's shape with the bytecode of another source and a given magic number: which of the two ran?"""
-    data, code = source.encode(), pyrun.compiled(code_of)[1]
-    return b"%d %d %s\n" % (len(data), len(code), magic.encode()) + data + code
-
-
-def test_a_host_whose_python_reads_the_controllers_bytecode_runs_it_and_any_other_compiles_the_source():
-    magic = pyrun.compiled("pass")[0]
-    argv = [sys.executable, "-S", "-c", pyrun.COMPILED_BOOTSTRAP, "a b"]
-    ran = subprocess.run(argv, input=shipped("print('source')", "import sys; print('bytecode', sys.argv[1:])", magic), capture_output=True)
-    assert ran.stdout == b"bytecode ['a b']\n" and ran.returncode == 0
-    ran = subprocess.run(argv, input=shipped("print('source', __source__)", "print('bytecode')", "0d0d0a0b"), capture_output=True)
-    assert ran.stdout == b"source b\"print('source', __source__)\"\n"
-    whole = subprocess.run(argv, input=pyrun.compiled_payload("import sys; print(__name__, sys.argv[1:])"), capture_output=True)
-    assert whole.stdout == b"__main__ ['a b']\n"
-
-
-def test_the_controller_compiles_as_the_host_would_without_its_own_future_flags():
+def entry_request(source: str, argv=(), stdin: str = "", compiles: bool = True) -> dict:
+    """A run request of an ad-hoc host entry `x` (its main is the source's)."""
+    import base64
     import marshal
 
-    code = marshal.loads(pyrun.compiled("def f(x: undefined_name): pass\nf(1)\n")[1])
-    with pytest.raises(NameError):  # pyrun.py's `from __future__ import annotations` is not the script's
-        exec(code, {"__name__": "__main__"})
-    assert code.co_filename == "mnft-script"
+    code = marshal.dumps(compile(source, "x", "exec", dont_inherit=True)) if compiles else b""
+    data = payload.pack("x", {"x": (source.encode(), code)})
+    return {"payload": base64.b64encode(data).decode(), "argv": list(argv), "stdin": stdin}
 
 
-def test_a_script_run_in_a_session_runs_the_shipped_bytecode_only_where_the_magic_number_is_its_own():
-    import base64
-
-    magic, code = pyrun.compiled("print('bytecode')")
-    request = {"source": "print('source')", "code": base64.b64encode(code).decode()}
-    assert probe.run_script(dict(request, magic=magic))["stdout"] == "bytecode\n"
-    assert probe.run_script(dict(request, magic="0d0d0a0b"))["stdout"] == "source\n"
-    assert probe.run_script({"source": "print('source')"})["stdout"] == "source\n"
+def test_a_script_runs_in_the_probe_as_pyrun_runs_it_and_the_probe_keeps_its_own_streams():
+    before = sys.stdout, sys.stdin, sys.argv
+    ran = probe.run_script(entry_request("import sys\ndef main(argv):\n    print(argv, sys.argv[1:], sys.stdin.read())\n    return 3\n",
+                                         ["a", "b c"], "rules"))
+    assert (sys.stdout, sys.stdin, sys.argv) == before
+    assert ran["exit_code"] == 3 and ran["stdout"] == "['a', 'b c'] ['a', 'b c'] rules\n" and ran["error"] is None
+    assert probe.run_script(entry_request("def main(argv):\n    raise RuntimeError('boom')\n"))["exit_code"] == 1
+    assert probe.run_script(entry_request("def main(argv):\n    raise RuntimeError('boom')\n"))["error"] == "boom"
+    assert probe.run_script(entry_request("import sys\ndef main(argv):\n    sys.exit()\n"))["exit_code"] == 0
+    broken = probe.run_script(entry_request("def (", compiles=False))
+    assert broken["exit_code"] == 1 and broken["error"].startswith("SyntaxError")
+    assert probe.run_script({"argv": []})["error"] == "the run request: KeyError: 'payload'"
 
 
 # ------------------------------------------------------------------------------------------------ pure pieces
@@ -208,8 +173,8 @@ def test_the_code_request_is_the_tree_hash_check_ran_apart_and_the_mark_request_
     (tmp_path / "a.py").write_text("a")
     inv = parse("hosts:\n  h1: {address: 10.0.0.1, workdir: /w/h1, data_dir: /d/h1}\n")
     local = read_local(tmp_path, ())
-    source, args, stdin = mirror.code_request(inv.host("h1"), local, mark="n0nce", names=["h1", "h2"])
-    assert source == treehash.source() and stdin == mirror.rules_line(local.rules)
+    entry, args, stdin = mirror.code_request(inv.host("h1"), local, mark="n0nce", names=["h1", "h2"])
+    assert entry == "treehash" and stdin == mirror.rules_line(local.rules)
     assert args == ["/w/h1", "--other", "/d/h1", "--mark", "n0nce.h1", "--names", "h1,h2", "--if-exists"]
     assert args == mirror.hash_args(inv.host("h1"), "/w/h1", if_exists=True, other="/d/h1", mark="n0nce", names=["h1", "h2"])
     assert mirror.mark_request(inv.host("h1"), "/w/h1", "n0nce", ["h1", "h2"])[1:] == (

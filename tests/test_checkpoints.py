@@ -13,9 +13,10 @@ from rich.console import Console
 from mnft.hosts import inventory
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
-from mnft.run import agent, checkpoints
+from mnft.run import checkpoints
+from mnft.onhost import queries
 from mnft.run.job import ResumeRule
-from mnft.sync import treehash
+from mnft.onhost import sharemarks, treehash
 
 
 def listing(**entries):
@@ -89,7 +90,7 @@ def test_the_agent_lists_a_checkpoints_directory_and_the_hash_reads_only_the_cho
         (tmp_path / name).mkdir()
         (tmp_path / name / "trainer_state.json").write_text(name)
     (tmp_path / "latest.pth").symlink_to("checkpoint-20")
-    found = agent.list_checkpoints(str(tmp_path))
+    found = queries.list_checkpoints(str(tmp_path))
     listed = found["entries"]["checkpoint-10"]
     assert {k: v for k, v in listed.items() if k != "newest"} == {"dir": True, "link": None, "files": {"trainer_state.json": 13}}
     assert listed["newest"] == (tmp_path / "checkpoint-10" / "trainer_state.json").stat().st_mtime  # which save came last
@@ -105,7 +106,7 @@ def test_a_crashed_saves_temp_dir_is_neither_hashed_nor_copied(tmp_path):
     (step / "rank-1.tmp-k3j9" / "__0_0.distcp").write_bytes(b"half")
     (step / "rank-0").mkdir()
     (step / "rank-0" / "meta.json").write_text('{"rank": 0, "world_size": 3, "step": 36}')
-    listing = agent.list_checkpoints(str(tmp_path))
+    listing = queries.list_checkpoints(str(tmp_path))
     choice = checkpoints.choose(ResumeRule(layout="mnft"), {"h1": listing}, needs="any")
     assert choice.name == "step-36" and sorted(choice.union) == ["step-36/rank-0/meta.json"]
     _, files, _ = treehash.tree_hash(tmp_path, checkpoints.hash_rules(choice.paths, choice.exclude))
@@ -352,13 +353,13 @@ def test_a_host_whose_mark_failed_is_said_to_and_read_as_its_own_directory_and_n
     """h1's mark cannot be left (a .mnft-share writable by others is never used); h2 and h3 see one directory,
     all three declared shared_fs. Before, h2 and h3 were blamed for not seeing h1's directory and the resume stopped."""
     (tmp_path / "h1").mkdir()
-    (tmp_path / "h1" / treehash.SHARE_DIR).mkdir(mode=0o777)
-    os.chmod(tmp_path / "h1" / treehash.SHARE_DIR, 0o777)
+    (tmp_path / "h1" / sharemarks.SHARE_DIR).mkdir(mode=0o777)
+    os.chmod(tmp_path / "h1" / sharemarks.SHARE_DIR, 0o777)
     own = hf_checkpoint(tmp_path / "h1" / "ckpt", "trainer_state.json")
     shared = hf_checkpoint(tmp_path / "home" / "ckpt", "rng_state_1.pth", "rng_state_2.pth")
     with Fleet(local_hosts("h1", "h2", "h3", shared_fs=True)) as fleet:
         found = checkpoints.prepare(fleet, HF, {"h1": str(own), "h2": str(shared), "h3": str(shared)}, Console(file=None, quiet=True))
-    assert found.warnings == [(f"h1: no mark could be left for the checkpoints directory {own} ({tmp_path / 'h1' / treehash.SHARE_DIR} is "
+    assert found.warnings == [(f"h1: no mark could be left for the checkpoints directory {own} ({tmp_path / 'h1' / sharemarks.SHARE_DIR} is "
                                "another user's or writable by others: not used (remove it)): read as a directory of its own")]
     assert found.name == "checkpoint-10" and found.shared == [["h2", "h3"]] and found.copied == {"h1": 2, "h2": 1}
 

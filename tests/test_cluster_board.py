@@ -242,7 +242,7 @@ def test_a_run_killed_on_one_host_shows_failed_with_the_named_cause(lab, page):
         page.wait_for_selector('#run-hosts tr[data-host="h2"][data-state="running"]', timeout=150000)
         h2 = lab.cluster.hosts[1]
         worker = until(lambda: next((pid for pid, cmd in lab.cluster.processes(h2) if "steps.py" in cmd and "torch.distributed.run" not in cmd
-                                     and "mnft/run/agent" not in cmd), None), timeout=30, what="h2's worker")
+                                     and "mnft/onhost/agent" not in cmd), None), timeout=30, what="h2's worker")
         os.kill(worker, signal.SIGKILL)  # a process of this test's run, in h2's namespace: its pid is the same here
         code, out = finished(proc)
         assert code == 1, out[-3000:]

@@ -116,7 +116,7 @@ def test_two_login_users_of_a_host_are_kept_apart_by_its_device_lease_and_a_sync
 
 
 def test_a_link_planted_at_a_lease_path_by_a_user_is_refused_and_what_it_names_is_untouched(lab, tmp_path, lab_scripts):
-    from mnft.hosts.leasehost import work_name
+    from mnft.onhost.leases import work_name
 
     root_inv, _ = inventories(lab, tmp_path)
     workdir_lease = "/tmp/" + work_name("/root/mnft")  # what a sync of /root/mnft takes

@@ -158,17 +158,18 @@ def test_a_failed_install_leaves_that_host_on_its_previous_environment(fresh_clu
     assert imported(cluster, h2, "alpha") == ["1.1"]
 
     # the controller's connection lost before the switch (the script's stdin closed): the build is thrown away
-    from mnft.env import envhost
     from mnft.env.wheelhouse import Wheelhouse
     from mnft.hosts import pyrun
+    from mnft.onhost.boot import FILE_BOOTSTRAP
 
     house = Wheelhouse(wheelhouse)
     spec = {"venv": "~/mnft-env", "id": "lost-connection", "python": BASE_PYTHON, "watch_stdin": True,
             "wheels": [{"name": w.name, "version": w.installed_version, "sha256": w.sha256, "file": w.file, "installed_version": w.installed_version}
                        for w in (house.wheel("alpha-1.1-py3-none-any.whl"), house.wheel("beta-2.0-py3-none-any.whl"))]}
     link = os.readlink(h1.home / "mnft-env")
-    done = cluster.run(h1, [BASE_PYTHON, "-c", pyrun.BOOTSTRAP, "install", json.dumps(spec)],
-                       input=pyrun.payload(envhost.source()).decode())  # stdin ends right after the script
+    shipped = h1.home / "envhost.payload"  # the payload from a file, as a keeper starts: stdin ends right after it
+    shipped.write_bytes(pyrun.payload("envhost"))
+    done = cluster.run(h1, [BASE_PYTHON, "-c", FILE_BOOTSTRAP, cluster.home_mountpoint + "/envhost.payload", "install", json.dumps(spec)], input="")
     assert json.loads(done.stdout.splitlines()[-1]) == {
         "ok": False, "error": "the controller's connection was lost before the switch: the previous environment stays"}
     assert os.readlink(h1.home / "mnft-env") == link and imported(cluster, h1, "alpha") == ["1.1"]

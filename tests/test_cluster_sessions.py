@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from fakegpu import RANK_SNIPPET
 
-from mnft.run.agent import COLLISION_EVERY
+from mnft.onhost.watches import COLLISION_EVERY
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 

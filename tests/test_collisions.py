@@ -1,7 +1,7 @@
 """Collisions (issue 38): a process that computes on a GPU another run or session holds (it ignored
 CUDA_VISIBLE_DEVICES). The judgment of whose a process is (`foreign`: its run tag where its environment is readable,
-else its descent from the lease's lockers), as the host's `mnft lab` view (mnft.hosts.leasehost) and the run's
-keeper (mnft.run.agent, a copy: each host script is one file) both make it; what `mnft lab` says of it; what the
+else its descent from the lease's lockers), as the host's `mnft lab` view (mnft.onhost.leasehost) and the run's
+keeper (mnft.onhost.watches) both make it with mnft.onhost.procs; what `mnft lab` says of it; what the
 keeper says in the run's output, once."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import sys
 
 import pytest
 
-from mnft.hosts import lab, leasehost
+from mnft.hosts import lab
+
+from mnft.onhost import runs
 from mnft.hosts.inventory import parse
-from mnft.run import agent
+from mnft.onhost import procs, rungpus, watches
 
 
 def facts(pid=4242, readable=False, run=None, ancestors=()):
@@ -36,24 +38,22 @@ JUDGED = [  # (facts, run id, keepers, in an image) -> foreign
 ]
 
 
-@pytest.mark.parametrize("module", [leasehost, agent], ids=["leasehost", "agent"])
 @pytest.mark.parametrize("case", JUDGED)
-def test_a_process_is_the_runs_by_its_tag_where_readable_else_by_descent_from_the_keeper_the_same_on_both_sides(module, case):
+def test_a_process_is_the_runs_by_its_tag_where_readable_else_by_descent_from_the_keeper_the_same_on_both_sides(case):
     fact, run_id, keepers, in_image, expected = case
-    assert module.foreign(fact, run_id, keepers, in_image) is expected
+    assert procs.foreign(fact, run_id, keepers, in_image) is expected
 
 
 def test_the_facts_of_a_process_are_its_run_tag_where_readable_and_its_ancestors():
     env = dict(os.environ, MNFT_RUN_ID="R7-a1")
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], env=env, stdin=subprocess.PIPE)
     try:
-        for module in (leasehost, agent):
-            got = module.process_facts(child.pid)
-            assert got["readable"] and got["run"] == "R7-a1" and got["ancestors"][0] == os.getpid()
-            assert module.foreign(got, "R7", [os.getpid()]) is False and module.foreign(got, "R8", [os.getpid()]) is True
+        got = procs.process_facts(child.pid)
+        assert got["readable"] and got["run"] == "R7-a1" and got["ancestors"][0] == os.getpid()
+        assert procs.foreign(got, "R7", [os.getpid()]) is False and procs.foreign(got, "R8", [os.getpid()]) is True
     finally:
         child.communicate(b"")
-    untagged = leasehost.process_facts(os.getpid())
+    untagged = procs.process_facts(os.getpid())
     assert untagged["readable"] and untagged["run"] == (os.environ.get("MNFT_RUN_ID") or "")
 
 
@@ -67,9 +67,9 @@ def test_the_lab_view_names_the_processes_on_a_held_gpu_that_are_not_of_its_run(
     known = {10: facts(10, ancestors=[50, 99]), 11: facts(11, ancestors=[60, 98]), 4242: facts(4242, ancestors=[7]),
              77: facts(77, readable=True, run="R2")}
     procs = [{"pid": p, "user": u, "used_mib": 900} for p, u in ((10, "alice"), (11, "alice"), (4242, "bob"), (77, "carol"))]
-    assert leasehost.collisions(held(procs), known.__getitem__) == [procs[2], procs[3]]
-    assert leasehost.collisions(held(procs, image="img:1"), known.__getitem__) == [procs[3]]  # 4242 cannot be told there
-    assert leasehost.locker_pids(["alice pid 99", "bob pid x", "pid 5"]) == [99]
+    assert runs.collisions(held(procs), known.__getitem__) == [procs[2], procs[3]]
+    assert runs.collisions(held(procs, image="img:1"), known.__getitem__) == [procs[3]]  # 4242 cannot be told there
+    assert runs.locker_pids(["alice pid 99", "bob pid x", "pid 5"]) == [99]
 
 
 def test_mnft_lab_says_who_else_uses_a_held_gpu_beside_its_holder_and_under_the_table():
@@ -92,25 +92,25 @@ def test_the_keeper_says_once_in_the_runs_output_each_process_of_another_on_its_
     on_gpus = [(0, 10), (1, 4242), (2, 5151), (1, 77)]
     known = {10: facts(10, ancestors=[99]), 4242: facts(4242, ancestors=[7]), 5151: facts(5151), 77: facts(77, readable=True, run="R1-a1")}
     clock = [100.0]
-    watch = agent.CollisionWatch({"run_id": "R1", "devices": [0, 1]}, said.append, keeper=99, processes=lambda: on_gpus,
+    watch = watches.CollisionWatch({"run_id": "R1", "devices": [0, 1]}, said.append, keeper=99, processes=lambda: on_gpus,
                                  facts=known.__getitem__, user_of={4242: "bob"}.get, clock=lambda: clock[0])
     assert watch.check() == said == [
         "GPU 1 of this run is also used by bob pid 4242, a process not of this run (it ignored CUDA_VISIBLE_DEVICES): "
         "both compete for its memory and time; `mnft lab` names it"]
-    clock[0] += agent.COLLISION_EVERY
+    clock[0] += watches.COLLISION_EVERY
     assert watch.check() == [] and len(said) == 1  # said once
     on_gpus.append((0, 6000))
     known[6000] = facts(6000)
     assert watch.check() == []  # not due yet
-    clock[0] += agent.COLLISION_EVERY
+    clock[0] += watches.COLLISION_EVERY
     assert [line.split(",")[0] for line in watch.check()] == ["GPU 0 of this run is also used by ? pid 6000"]
-    session = agent.CollisionWatch({"run_id": "S1", "devices": [1], "kind": "session"}, said.append, keeper=99,
+    session = watches.CollisionWatch({"run_id": "S1", "devices": [1], "kind": "session"}, said.append, keeper=99,
                                    processes=lambda: [(1, 4242)], facts=known.__getitem__, user_of={4242: "bob"}.get)
     assert session.check()[0].startswith("GPU 1 of this session is also used by bob pid 4242, a process not of this session")
 
 
 def test_the_keeper_reads_which_gpu_each_compute_process_is_on_by_its_bus_id():
-    buses = agent.parse_gpu_buses("0, 00000000:18:00.0\n1, 00000000:2A:00.0\n")
+    buses = rungpus.parse_gpu_buses("0, 00000000:18:00.0\n1, 00000000:2A:00.0\n")
     assert buses == {"00000000:18:00.0": 0, "00000000:2A:00.0": 1}
-    assert agent.parse_bus_apps("00000000:2a:00.0, 4242\nNo running processes found\n") == [("00000000:2A:00.0", 4242)]
-    assert agent._collision_watch({"run_id": "R1"}, print) is None  # no GPUs of its own here: nothing to watch
+    assert rungpus.parse_bus_apps("00000000:2a:00.0, 4242\nNo running processes found\n") == [("00000000:2A:00.0", 4242)]
+    assert watches._collision_watch({"run_id": "R1"}, print) is None  # no GPUs of its own here: nothing to watch

@@ -19,7 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft.hosts import leasehost, leases, pyrun
+from mnft.hosts import leases, pyrun
+
+from mnft.onhost import line
+from mnft.onhost import leases as hostleases
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.inventory import parse
 
@@ -36,7 +39,7 @@ def other(lease_dir: Path, run_id: str, workdir: Path, *, wait: bool = False, qu
         holder.update(wait=True, queued=queued or time.time(), ticket=f"t{run_id}", want=None)
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env=dict(os.environ, MNFT_LEASE_DIR=str(lease_dir)), cwd="/")
-    proc.stdin.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
+    proc.stdin.write(pyrun.payload("leasehost") + json.dumps(holder).encode() + b"\n")
     proc.stdin.flush()
     return proc
 
@@ -70,7 +73,7 @@ def test_the_same_workdir_is_one_runs_or_one_syncs_at_a_time_and_another_directo
         with fleet_of(tmp_path / "a") as fleet, pytest.raises(leases.HostBusy, match=rf"^h1: workdir {tmp_path / 'a'} is busy: train run R1 by "):
             leases.Leases("sync", scope=leases.sync_scope("code")).take(fleet, fleet.inventory.hosts)
         with fleet_of(tmp_path / "b") as fleet, leases.hold(fleet, fleet.inventory.hosts, "sync", scope=leases.sync_scope("code")) as held:
-            assert held.devices == {"h1": []} and held.paths["h1"] == [str(lease_dir / leasehost.work_name(str(tmp_path / "b")))]
+            assert held.devices == {"h1": []} and held.paths["h1"] == [str(lease_dir / hostleases.work_name(str(tmp_path / "b")))]
     finally:
         let_go(first)
 
@@ -136,7 +139,7 @@ def test_waiting_runs_start_in_the_order_they_came_and_each_is_told_its_place(le
 
 def leasehost_tickets(lease_dir: Path) -> list:
     os.environ["MNFT_LEASE_DIR"] = str(lease_dir)  # conftest's monkeypatch restores it
-    return leasehost.tickets()
+    return line.tickets()
 
 
 def test_a_waiter_that_leaves_the_line_takes_its_ticket_with_it_and_a_wait_that_runs_out_is_refused(lease_dir, tmp_path):

@@ -16,8 +16,8 @@ from pathlib import Path
 import fakegpu
 import pytest
 
-from mnft.check import probe
-from mnft.hosts import leasehost
+from mnft.onhost import facts
+from mnft.onhost import gpuread, health, procs
 
 FAKE = Path(fakegpu.__file__)
 UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -82,8 +82,8 @@ def test_a_hosts_nvidia_smi_runs_the_stand_ins_compiled_code_and_answers_as_the_
     stub.chmod(0o755)
     (gpus / fakegpu.CODE_NAME).write_bytes(fakegpu.compiled())
     fakegpu.set_utilization(str(gpus), 2, 40)
-    for args in (["--query-gpu=" + leasehost.GPU_READ, CSV], ["--query-gpu=index,uuid,memory.used", "--format=csv"],
-                 ["--query-compute-apps=" + leasehost.SMI_APPS, CSV], ["topo", "-m"], ["-L"], ["--query-gpu=bogus", CSV]):
+    for args in (["--query-gpu=" + health.GPU_READ, CSV], ["--query-gpu=index,uuid,memory.used", "--format=csv"],
+                 ["--query-compute-apps=" + gpuread.SMI_APPS, CSV], ["topo", "-m"], ["-L"], ["--query-gpu=bogus", CSV]):
         mine, theirs = smi(*args, check=False), subprocess.run([str(stub), *args], capture_output=True, text=True, timeout=30)
         assert (theirs.returncode, theirs.stdout, theirs.stderr) == (mine.returncode, mine.stdout, mine.stderr), args
     (gpus / fakegpu.CODE_NAME).unlink()
@@ -116,26 +116,26 @@ def test_uuids_are_the_real_form_and_the_same_every_time_for_one_host_and_index(
 
 
 def test_the_probe_reads_every_device_of_the_host(gpus):
-    found = probe._parse_gpus(smi("--query-gpu=" + probe.GPU_QUERY, CSV).stdout)
+    found = facts._parse_gpus(smi("--query-gpu=" + facts.GPU_QUERY, CSV).stdout)
     assert [(g["index"], g["name"], g["memory_total_mib"], g["memory_used_mib"], g["driver"]) for g in found] == [
         (i, "NVIDIA H100 80GB HBM3", 81559, 0, "550.54.15") for i in range(4)]
     assert [g["uuid"] for g in found] == [fakegpu.gpu_uuid(os.uname().nodename, i) for i in range(4)]
     assert all(UUID.match(g["uuid"]) for g in found)
-    assert probe._parse_apps(smi("--query-compute-apps=" + probe.APP_QUERY, CSV).stdout) == []
+    assert facts._parse_apps(smi("--query-compute-apps=" + facts.APP_QUERY, CSV).stdout) == []
 
 
 def test_a_process_run_on_gpu_1_by_hand_shows_there_with_its_memory_and_nowhere_else(gpus, on_gpu1):
     uuid1 = fakegpu.gpu_uuid(os.uname().nodename, 1)
-    apps = probe._parse_apps(smi("--query-compute-apps=" + probe.APP_QUERY, CSV).stdout)
+    apps = facts._parse_apps(smi("--query-compute-apps=" + facts.APP_QUERY, CSV).stdout)
     assert [(uuid, app["pid"], app["name"], app["used_mib"], app["mine"]) for uuid, app in apps] == [
         (uuid1, on_gpu1.pid, "/usr/bin/sleep", fakegpu.DEFAULT_MIB, True)]
     rows = smi("--query-gpu=index,memory.used,memory.free,utilization.gpu", CSV).stdout.splitlines()
     assert rows == ["0, 0, 81559, 0", f"1, {fakegpu.DEFAULT_MIB}, {81559 - fakegpu.DEFAULT_MIB}, 97", "2, 0, 81559, 0", "3, 0, 81559, 0"]
 
     # mnft's device leases read the same answers: GPU 1 is in use, by this very process
-    devices = leasehost.parse_devices(smi("--query-gpu=" + leasehost.SMI_QUERY, CSV).stdout)
+    devices = gpuread.parse_devices(smi("--query-gpu=" + gpuread.SMI_QUERY, CSV).stdout)
     assert [(d["index"], d["memory_used_mib"], d["utilization"]) for d in devices] == [(0, 0, 0), (1, 1024, 97), (2, 0, 0), (3, 0, 0)]
-    assert leasehost.parse_apps(smi("--query-compute-apps=" + leasehost.SMI_APPS, CSV).stdout) == [(uuid1, on_gpu1.pid, 1024)]
+    assert gpuread.parse_apps(smi("--query-compute-apps=" + gpuread.SMI_APPS, CSV).stdout) == [(uuid1, on_gpu1.pid, 1024)]
 
 
 def test_once_the_process_is_gone_the_device_is_free_and_its_stale_entry_is_removed(gpus, on_gpu1):
@@ -182,9 +182,9 @@ def test_topo_prints_the_real_tab_separated_matrix_and_legend_and_the_leases_pic
     assert lines[5:8] == ["", "Legend:", ""]
     assert "  X    = Self" in lines and "  NV#  = Connection traversing a bonded set of # NVLinks" in lines
     assert any(line.startswith("  SYS  = Connection traversing PCIe as well as the SMP interconnect") for line in lines)
-    links = leasehost.parse_topology(text)
-    assert links[(0, 1)] == links[(3, 2)] == leasehost.link_score("NV18") and links[(1, 2)] == leasehost.link_score("SYS")
-    assert leasehost.pick([0, 1, 2, 3], 2, links) == [0, 1] and leasehost.pick([1, 2, 3], 2, links) == [2, 3]
+    links = gpuread.parse_topology(text)
+    assert links[(0, 1)] == links[(3, 2)] == gpuread.link_score("NV18") and links[(1, 2)] == gpuread.link_score("SYS")
+    assert gpuread.pick([0, 1, 2, 3], 2, links) == [0, 1] and gpuread.pick([1, 2, 3], 2, links) == [2, 3]
 
 
 def test_the_leases_find_the_devices_on_the_path_as_on_a_gpu_server(gpus, tmp_path, monkeypatch, on_gpu1):
@@ -192,10 +192,10 @@ def test_the_leases_find_the_devices_on_the_path_as_on_a_gpu_server(gpus, tmp_pa
     bin_dir.mkdir()
     (bin_dir / "nvidia-smi").symlink_to(FAKE)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    devices, links = leasehost.read_devices(topology=True)
+    devices, links = gpuread.read_devices(topology=True)
     assert [d["index"] for d in devices] == [0, 1, 2, 3]
-    assert devices[1]["processes"] == [{"pid": on_gpu1.pid, "user": leasehost.user_name(os.getuid()), "used_mib": 1024}]
-    assert leasehost.pick([0, 2, 3], 2, links) == [2, 3]
+    assert devices[1]["processes"] == [{"pid": on_gpu1.pid, "user": procs.user_name(os.getuid()), "used_mib": 1024}]
+    assert gpuread.pick([0, 2, 3], 2, links) == [2, 3]
 
 
 def test_a_take_of_a_busy_host_asks_nvidia_smi_two_questions_once_this_boots_links_are_cached(gpus, tmp_path, monkeypatch, on_gpu1):
@@ -212,15 +212,15 @@ def test_a_take_of_a_busy_host_asks_nvidia_smi_two_questions_once_this_boots_lin
         return sorted(text.split())
 
     monkeypatch.setenv("MNFT_NVML", "0")  # should this machine have the driver's library
-    first, links = leasehost.read_devices(topology=True, live=False)
-    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.GPU_READ, "topo"]
-    again, cached = leasehost.read_devices(topology=True, live=False)
+    first, links = gpuread.read_devices(topology=True, live=False)
+    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + health.GPU_READ, "topo"]
+    again, cached = gpuread.read_devices(topology=True, live=False)
     # the devices' health and (a GPU has memory in use) their processes, asked each time; the links from the cache
-    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + leasehost.GPU_READ]
+    assert questions() == ["--query-compute-apps=gpu_uuid,pid,used_memory", "--query-gpu=" + health.GPU_READ]
     assert cached == links and [d["uuid"] for d in again] == [d["uuid"] for d in first]
-    assert [d["processes"] for d in again][1] == [{"pid": on_gpu1.pid, "user": leasehost.user_name(os.getuid()), "used_mib": 1024}]
-    leasehost.read_devices()  # `mnft lab`: memory in use and utilisation now, never from the cache
-    assert "--query-gpu=" + leasehost.GPU_READ in questions()
+    assert [d["processes"] for d in again][1] == [{"pid": on_gpu1.pid, "user": procs.user_name(os.getuid()), "used_mib": 1024}]
+    gpuread.read_devices()  # `mnft lab`: memory in use and utilisation now, never from the cache
+    assert "--query-gpu=" + health.GPU_READ in questions()
 
 
 def test_the_processes_are_asked_only_when_some_gpu_has_memory_in_use_and_never_missed(gpus, tmp_path, monkeypatch):
@@ -241,19 +241,19 @@ def test_the_processes_are_asked_only_when_some_gpu_has_memory_in_use_and_never_
         return sorted(text.split())
 
     for live in (True, False):  # lab's look, a take's
-        devices, _ = leasehost.read_devices(live=live)
+        devices, _ = gpuread.read_devices(live=live)
         assert [d["processes"] for d in devices] == [[], [], [], []]
-        assert "--query-compute-apps=" + leasehost.SMI_APPS not in questions()
-    me = leasehost.user_name(os.getuid())
+        assert "--query-compute-apps=" + gpuread.SMI_APPS not in questions()
+    me = procs.user_name(os.getuid())
     for index in range(4):
         proc = subprocess.Popen([str(FAKE), "--fake-use", str(index), "--mib", "1", "--", "sleep", "30"])
         try:
             wait_until(lambda: (gpus / "used" / str(index) / str(proc.pid)).exists())
             for live in (True, False):
-                devices, _ = leasehost.read_devices(live=live)
+                devices, _ = gpuread.read_devices(live=live)
                 assert [d["processes"] for d in devices] == [[{"pid": proc.pid, "user": me, "used_mib": 1}] if i == index else []
                                                              for i in range(4)]
-                assert "--query-compute-apps=" + leasehost.SMI_APPS in questions()
+                assert "--query-compute-apps=" + gpuread.SMI_APPS in questions()
         finally:
             proc.kill()
             proc.wait()
@@ -272,7 +272,7 @@ def test_the_processes_are_asked_only_when_some_gpu_has_memory_in_use_and_never_
     ([], False),
 ])
 def test_which_reads_may_show_a_compute_process(devices, asked):
-    assert leasehost.may_have_processes(devices) is asked
+    assert gpuread.may_have_processes(devices) is asked
 
 
 def test_list_and_banner_name_every_device_the_driver_and_who_uses_what(gpus, on_gpu1):
@@ -364,7 +364,7 @@ def test_on_a_gpu_cluster_root_and_a_torch_user_see_the_gpus_and_the_user_trains
         used = wait_until(lambda: (lambda u: u if u[2] and u[3] else None)(cluster.gpu_users(h1)), timeout=120)
         assert used[0] == used[1] == [] and len(used[2]) == len(used[3]) == 1
         assert {os.stat(f"/proc/{pid}").st_uid for pid in used[2] + used[3]} == {pwd_uid(h1, "ada")}
-        apps = probe._parse_apps(ssh(["nvidia-smi", "--query-compute-apps=" + probe.APP_QUERY, CSV]))  # root sees ada's
+        apps = facts._parse_apps(ssh(["nvidia-smi", "--query-compute-apps=" + facts.APP_QUERY, CSV]))  # root sees ada's
         assert sorted(app["pid"] for _, app in apps) == sorted(used[2] + used[3])
     finally:
         (script.parent / "stop").write_text("")
@@ -384,12 +384,12 @@ def pwd_uid(host, name: str) -> int:
 
 
 def test_a_test_sets_what_utilisation_a_device_reports_whoever_uses_it_and_the_keepers_sample_reads_it(gpus, on_gpu1):
-    from mnft.run import agent
+    from mnft.onhost import rungpus
 
     fakegpu.set_utilization(str(gpus), 1, 0)  # in use, and idle: a shell holding memory, computing nothing
     fakegpu.set_utilization(str(gpus), 2, 80)  # busy without a registered process
     query = "--query-gpu=index,utilization.gpu,memory.used"
-    assert agent.parse_gpu_util(smi(query, CSV).stdout) == [
+    assert rungpus.parse_gpu_util(smi(query, CSV).stdout) == [
         {"index": 0, "util": 0.0, "mem_mib": 0.0}, {"index": 1, "util": 0.0, "mem_mib": 1024.0},
         {"index": 2, "util": 80.0, "mem_mib": 0.0}, {"index": 3, "util": 0.0, "mem_mib": 0.0}]
     fakegpu.set_utilization(str(gpus), 1, None)

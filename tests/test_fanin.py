@@ -188,9 +188,9 @@ def test_the_relay_sends_each_host_one_copy_per_round():
 
 
 def test_the_reachability_test_of_check_connects_in_waves_the_listener_queue_holds():
-    from mnft.check import probe
+    from mnft.onhost import nettest
 
-    waves = fanin.pace([(f"h{i}", "master") for i in range(300)], probe.LISTEN_BACKLOG)
+    waves = fanin.pace([(f"h{i}", "master") for i in range(300)], nettest.LISTEN_BACKLOG)
     assert [len(w) for w in waves] == [128, 128, 44]
 
 

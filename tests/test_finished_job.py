@@ -1,4 +1,4 @@
-"""A finished job is finished: mnft's launch wrapper (mnft.run.entry) records each rank whose entry point returned,
+"""A finished job is finished: mnft's launch wrapper (mnft.onhost.entry) records each rank whose entry point returned,
 and a host that fails after every one of its ranks did (an abort while the interpreter exits) does not fail the
 run; it ends as succeeded with a warning naming the cause and the fix, and recovery never sees a failure."""
 
@@ -15,7 +15,8 @@ import pytest
 
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.inventory import parse
-from mnft.run import entry
+from mnft.hosts import payload
+from mnft.onhost import entry
 from mnft.run.diagnose import after_work
 from mnft.run.gang import Gang, HostLaunch
 from mnft.run.launch import LaunchOptions
@@ -26,7 +27,7 @@ def run_dir(tmp_path) -> Path:
     """A run directory holding the wrapper, as the agent writes it."""
     folder = tmp_path / "run"
     folder.mkdir()
-    (folder / "entry.py").write_text(entry.source())
+    (folder / "entry.py").write_text(payload.standalone("entry"))
     return folder
 
 

@@ -79,7 +79,7 @@ def _pack_checkpoints(where, capsys) -> dict:
     """What a host's agent answers `logs` about the job's checkpoints directory (its pack, as shipped)."""
     import json
 
-    from mnft.run import agent
+    from mnft.onhost import agent
 
     (where.parent / "run").mkdir(exist_ok=True)
     assert agent.main(["pack", str(where.parent / "run"), f"--checkpoints={where}"]) == 0
@@ -138,7 +138,9 @@ def test_each_attempt_counts_the_saves_it_made_and_their_time_beside(tmp_path, m
 
     from rich.console import Console
 
-    from mnft.run import agent, checkpoints, logs
+    from mnft.run import checkpoints, logs
+
+    from mnft.onhost import queries
     from mnft.run.job import ResumeRule
     from mnft.run.report import time_table
 
@@ -147,7 +149,7 @@ def test_each_attempt_counts_the_saves_it_made_and_their_time_beside(tmp_path, m
     for step, at in ((10, 1010.0), (20, 1020.0), (30, 1040.0), (40, 1080.0)):
         (ckpts / f"checkpoint-{step}").mkdir()
         os.utime(ckpts / f"checkpoint-{step}", (at, at))
-    listing = agent.checkpoint_names(str(ckpts))
+    listing = queries.checkpoint_names(str(ckpts))
     listing["now"] -= 1000.0 - 5.0  # the host's clock is 995 s behind this machine's, which reads it at now + 5 s
     listing["entries"] = {name: t - 995.0 for name, t in listing["entries"].items()}
     attempts = [{"number": 1, "started": 1001.0, "ended": 1030.0, "detected": 1030.0, "state": "failed"},
@@ -172,7 +174,7 @@ def test_each_attempt_counts_the_saves_it_made_and_their_time_beside(tmp_path, m
     assert checkpoints.saved(ResumeRule(layout="torchtune"), names) == ["epoch_2", "step_9"]
     assert checkpoints.saved(ResumeRule(layout="none"), names) == []
     # a directory too large to name whole: at least that many
-    assert agent.checkpoint_names(str(ckpts), limit=3)["more"]
+    assert queries.checkpoint_names(str(ckpts), limit=3)["more"]
     run = goodput.measure(1000.0, 1090.0, attempts, {}, saved_at=times[:3], saved_more=True)
     console = Console(width=200, record=True)
     console.print(time_table(run.to_json()))

@@ -17,8 +17,11 @@ from pathlib import Path
 import fakegpu
 import pytest
 
-from mnft.hosts import leasehost, pyrun
+from mnft.hosts import pyrun
 
+
+from mnft.onhost import drain, gpuread, health, leasefiles, leasehost, smi
+from mnft.onhost import leases as hostleases
 FAKE = Path(fakegpu.__file__)
 
 
@@ -37,7 +40,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lease_dir: Path):
     kmsg.write_text("6,1,100,-;Linux version 6.1.0\n")
     monkeypatch.setenv(fakegpu.STATE_ENV, str(state))
     monkeypatch.setenv(fakegpu.FAKE_KMSG_ENV, str(kmsg))
-    monkeypatch.setenv(leasehost.KMSG_VAR, str(kmsg))
+    monkeypatch.setenv(health.KMSG_VAR, str(kmsg))
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MNFT_NVML", "0")
@@ -56,7 +59,7 @@ def by_index(devices):
 
 
 def problems(device, level=None):
-    return [p["what"] for p in leasehost.health_problems(device) if level is None or p["level"] == level]
+    return [p["what"] for p in health.health_problems(device) if level is None or p["level"] == level]
 
 
 def test_a_gpu_fallen_off_the_bus_is_answered_in_its_place_with_exit_15_and_read_as_lost_the_others_as_they_are(host):
@@ -64,27 +67,27 @@ def test_a_gpu_fallen_off_the_bus_is_answered_in_its_place_with_exit_15_and_read
     done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
     assert done.returncode == 15
     assert done.stdout.splitlines()[0] == "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error"
-    devices = by_index(leasehost.read_devices()[0])
+    devices = by_index(gpuread.read_devices()[0])
     assert sorted(devices) == [0, 1, 2, 3]
     assert devices[0]["health"]["lost"].startswith("Unable to determine the device handle for GPU 0000:18:00.0")
-    assert leasehost.broken(devices[0]).startswith("lost from the bus")
-    assert [leasehost.broken(devices[i]) for i in (1, 2, 3)] == [None, None, None]
+    assert health.broken(devices[0]).startswith("lost from the bus")
+    assert [health.broken(devices[i]) for i in (1, 2, 3)] == [None, None, None]
     assert devices[1]["uuid"] == fakegpu.gpu_uuid(os.uname().nodename, 1) and devices[1]["memory_total_mib"] == 81559
 
 
 def test_a_lost_gpu_seen_earlier_this_boot_keeps_its_uuid_and_one_missing_from_the_list_is_gone(host):
-    first = by_index(leasehost.read_devices()[0])
+    first = by_index(gpuread.read_devices()[0])
     host(lost=[0])
-    assert by_index(leasehost.read_devices()[0])[0]["uuid"] == first[0]["uuid"]
+    assert by_index(gpuread.read_devices()[0])[0]["uuid"] == first[0]["uuid"]
     host(count=3)  # GPU 3 no longer listed at all (the driver reloaded without it)
-    now = by_index(leasehost.read_devices()[0])
+    now = by_index(gpuread.read_devices()[0])
     assert now[3]["health"] == {"gone": True} and now[3]["uuid"] == first[3]["uuid"]
-    assert leasehost.broken(now[3]).startswith("gone: the host had it earlier this boot")
+    assert health.broken(now[3]).startswith("gone: the host had it earlier this boot")
 
 
 def test_ecc_remaps_throttling_persistence_and_mig_are_read_and_judged_with_their_fix(host):
     host(ecc={"1": [2, 5], "2": [0, 3]}, remap={"3": ["Yes", "No"]}, throttle={"2": ["hw_thermal_slowdown"]}, persistence=False, mig=[3])
-    devices = by_index(leasehost.read_devices()[0])
+    devices = by_index(gpuread.read_devices()[0])
     assert devices[1]["health"]["ecc_volatile"] == 2 and devices[1]["health"]["ecc_aggregate"] == 5
     assert problems(devices[1], "broken") == ["2 uncorrectable ECC error(s) since the driver loaded"]
     assert problems(devices[2], "broken") == []  # errors of its past only: a warning, still leased
@@ -92,16 +95,16 @@ def test_ecc_remaps_throttling_persistence_and_mig_are_read_and_judged_with_thei
     assert "clocks throttled (HW thermal slowdown): the likely straggler of any gang it joins" in problems(devices[2], "warning")
     assert problems(devices[3], "broken") == ["a row remap is pending"]
     assert any(p.startswith("MIG mode on") for p in problems(devices[3], "warning"))
-    persistence = [p for p in leasehost.health_problems(devices[0]) if p["what"].startswith("persistence mode off")]
+    persistence = [p for p in health.health_problems(devices[0]) if p["what"].startswith("persistence mode off")]
     assert persistence and persistence[0]["fix"] == "nvidia-smi -pm 1, or enable nvidia-persistenced"
-    fix = [p["fix"] for p in leasehost.health_problems(devices[1]) if p["level"] == "broken"][0]
+    fix = [p["fix"] for p in health.health_problems(devices[1]) if p["level"] == "broken"][0]
     assert fix.startswith("drain it") and "reset it" in fix and "reboot" in fix
 
 
 def test_xid_lines_of_the_kernel_log_are_the_gpus_they_name_and_a_reset_kind_breaks_it(host, tmp_path):
     fakegpu.write_xid(2, 79)
     fakegpu.write_xid(1, 13)
-    devices = by_index(leasehost.read_devices()[0])
+    devices = by_index(gpuread.read_devices()[0])
     assert [x["xid"] for x in devices[2]["health"]["xids"]] == [79]
     assert abs(devices[2]["health"]["xids"][0]["at"] - time.time()) < 60
     assert problems(devices[2], "broken")[0].startswith("Xid 79 (fallen off the bus) at ")
@@ -110,8 +113,8 @@ def test_xid_lines_of_the_kernel_log_are_the_gpus_they_name_and_a_reset_kind_bre
 
 
 def test_an_unreadable_kernel_log_is_said_not_passed_over(host, tmp_path, monkeypatch):
-    monkeypatch.setenv(leasehost.KMSG_VAR, str(tmp_path / "no-such-log"))
-    devices = leasehost.read_devices()[0]
+    monkeypatch.setenv(health.KMSG_VAR, str(tmp_path / "no-such-log"))
+    devices = gpuread.read_devices()[0]
     assert devices[0]["health"]["kmsg"].startswith(f"the kernel log ({tmp_path / 'no-such-log'})")
 
 
@@ -124,9 +127,9 @@ def test_the_stand_in_never_writes_the_machines_real_kernel_log(host, monkeypatc
 
 def test_a_stalled_nvidia_smi_is_named_within_its_bound(host, monkeypatch):
     host(stall=3, persistence=False)
-    monkeypatch.setattr(leasehost, "SMI_TIMEOUT", 0.5)
-    with pytest.raises(leasehost.StalledRead) as stalled:
-        leasehost.read_devices()
+    monkeypatch.setattr(smi, "SMI_TIMEOUT", 0.5)
+    with pytest.raises(smi.StalledRead) as stalled:
+        gpuread.read_devices()
     assert str(stalled.value) == "nvidia-smi did not answer in 0.5 s: is persistence mode off? a wedged driver?"
 
 
@@ -135,7 +138,7 @@ def take(holder_gpus, lease_dir):
     holder = {"op": "op-t", "command": "train", "run_id": "R", "user": "u", "controller": "c", "pid": 1, "started": time.time(),
               "scope": {"gpus": holder_gpus, "workdir": None}}
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd="/")
-    proc.stdin.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
+    proc.stdin.write(pyrun.payload("leasehost") + json.dumps(holder).encode() + b"\n")
     proc.stdin.flush()
     reply = json.loads(proc.stdout.readline())
     proc.stdin.close()
@@ -154,22 +157,22 @@ def test_gpus_2_on_a_host_with_gpu_0_lost_and_gpu_1_ecc_failed_takes_2_and_3_and
 
 
 def test_a_drained_gpu_is_never_taken_and_shows_who_drained_it_when_and_why(host, lease_dir):
-    assert leasehost.set_drain({"gpus": [2], "reason": "fan noise", "by": "ops@ctl"})["drained"]["gpus"]["2"]["reason"] == "fan noise"
+    assert drain.set_drain({"gpus": [2], "reason": "fan noise", "by": "ops@ctl"})["drained"]["gpus"]["2"]["reason"] == "fan noise"
     assert [d["index"] for d in take(2, lease_dir)["devices"]] == [0, 1]
     assert [d["index"] for d in take(3, lease_dir)["devices"]] == [0, 1, 3]
-    view = leasehost.lab()
+    view = hostleases.lab()
     drained = by_index(view["devices"])[2]
     assert drained["state"] == "drained" and drained["drain"]["login"] == "root" and drained["drain"]["reason"] == "fan noise"
-    leasehost.set_drain({"gpus": None, "reason": "rack move"})
+    drain.set_drain({"gpus": None, "reason": "rack move"})
     assert take(1, lease_dir)["what"] == "unavailable"
-    leasehost.set_drain({"gpus": None, "undrain": True})
-    assert leasehost.drain_marks()[0] == {"host": None, "gpus": {}}
+    drain.set_drain({"gpus": None, "undrain": True})
+    assert drain.drain_marks()[0] == {"host": None, "gpus": {}}
     assert take(4, lease_dir)["devices"]
 
 
 def test_a_drain_without_a_reason_is_refused(host):
-    with pytest.raises(leasehost.Refused, match="--reason"):
-        leasehost.set_drain({"gpus": [0], "reason": " "})
+    with pytest.raises(leasefiles.Refused, match="--reason"):
+        drain.set_drain({"gpus": [0], "reason": " "})
 
 
 def as_user(uid: int, code: str, env: dict) -> dict:
@@ -191,7 +194,7 @@ def shared(monkeypatch: pytest.MonkeyPatch):
     os.chmod(top, 0o755)
     (top / "leases").mkdir(mode=0o1777)
     os.chmod(top / "leases", 0o1777)
-    (top / "leasehost.py").write_text(leasehost.source())
+    shutil.copytree(Path(leasehost.__file__).parent, top / "onhost", ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setenv("MNFT_LEASE_DIR", str(top / "leases"))
     yield top
     shutil.rmtree(top)
@@ -199,17 +202,17 @@ def shared(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 def test_a_non_admins_drain_is_refused_and_a_mark_a_user_planted_is_ignored(host, shared):
-    code = ("import json, sys; sys.path.insert(0, %r); import leasehost\n"
-            "try:\n    print(json.dumps(leasehost.set_drain({'gpus': [0], 'reason': 'mine'})))\n"
-            "except leasehost.Refused as exc:\n    print(json.dumps({'refused': str(exc)}))\n") % str(shared)
+    code = ("import json, sys; sys.path.insert(0, %r); from onhost import drain, leasefiles\n"
+            "try:\n    print(json.dumps(drain.set_drain({'gpus': [0], 'reason': 'mine'})))\n"
+            "except leasefiles.Refused as exc:\n    print(json.dumps({'refused': str(exc)}))\n") % str(shared)
     env = dict(os.environ, HOME="/nonexistent")
     refused = as_user(65534, code, env)["refused"]
     assert refused.startswith("nobody may not drain: only root (this host names no admin group")
-    assert not (shared / "leases" / leasehost.DRAIN_NAME).exists()
-    planted = shared / "leases" / leasehost.DRAIN_NAME
+    assert not (shared / "leases" / drain.DRAIN_NAME).exists()
+    planted = shared / "leases" / drain.DRAIN_NAME
     planted.write_text(json.dumps({"host": {"login": "root", "reason": "planted"}, "gpus": {}}))
     os.chown(planted, 65534, 65534)
-    marks, problem = leasehost.drain_marks()
+    marks, problem = drain.drain_marks()
     assert marks == {"host": None, "gpus": {}} and "was not written by root or an admin of this host" in problem
 
 
@@ -218,16 +221,16 @@ def test_a_member_of_the_group_the_host_names_drains_and_another_admin_undrains(
     import grp
 
     group = grp.getgrgid(65534).gr_name  # nogroup: nobody's own group stands for the lab's admins
-    names = shared / "leases" / leasehost.ADMIN_NAME
+    names = shared / "leases" / drain.ADMIN_NAME
     names.write_text(group + "\n")
     os.chmod(names, 0o644)
-    code = ("import json, sys; sys.path.insert(0, %r); import leasehost\n"
-            "print(json.dumps(leasehost.set_drain({'gpus': [1], 'reason': 'Xid 79 twice'})))\n") % str(shared)
+    code = ("import json, sys; sys.path.insert(0, %r); from onhost import drain, leasefiles\n"
+            "print(json.dumps(drain.set_drain({'gpus': [1], 'reason': 'Xid 79 twice'})))\n") % str(shared)
     assert as_user(65534, code, dict(os.environ, HOME="/nonexistent"))["drained"]["gpus"]["1"]["login"] == "nobody"
-    marks, problem = leasehost.drain_marks()
+    marks, problem = drain.drain_marks()
     assert problem is None and marks["gpus"]["1"]["reason"] == "Xid 79 twice"
-    leasehost.set_drain({"gpus": [1], "undrain": True})  # root
-    assert leasehost.drain_marks()[0]["gpus"] == {}
+    drain.set_drain({"gpus": [1], "undrain": True})  # root
+    assert drain.drain_marks()[0]["gpus"] == {}
 
 
 # ------------------------------------------------------------------------------------------------ the controller's side

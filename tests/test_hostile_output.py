@@ -82,7 +82,7 @@ def test_an_epoch_no_training_reaches_gives_no_step():
 
 
 def test_the_agent_cuts_a_line_without_end_once_and_reads_on_after_it(tmp_path):
-    from mnft.run.agent import MAX_LINE, _Tail
+    from mnft.onhost.follow import MAX_LINE, _Tail
 
     out = tmp_path / "output.log"
     out.write_bytes(b"before\n" + b"x" * (10 << 20))  # 10 MB, no newline yet

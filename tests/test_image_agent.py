@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 
 from mnft.hosts import pyrun
-from mnft.run import agent, entry
+from mnft.hosts import payload
+from mnft.onhost import queries, runprocs
 
 FAKE_RUNTIME = r'''#!PYTHON
 import json, os, signal, subprocess, sys
@@ -79,13 +80,13 @@ def start(tmp_path: Path, command: list[str], *, detach=False):
     spec = {"run_id": "R7", "tag": "R7@local", "run_dir": str(run_dir), "cwd": str(tmp_path),
             "argv": [str(runtime), "run", "--rm", "--name", name, "-e", "PLAIN", "-e", "MNFT_RUN_TAG", "localhost/lab:1", *inside],
             "env": {"PLAIN": "1"}, "secrets": {"API_TOKEN": "hush"}, "metrics": None, "detach": detach, "deadman": 30, "grace": 2,
-            "entry": entry.source(),
+            "entry": payload.standalone("entry"),
             "container": {"runtime": "podman", "path": str(runtime), "name": name, "image": "localhost/lab:1",
                           "mounts": [str(tmp_path / "data")], "secrets_file": True,
                           "teardown": [str(runtime), "rm", "--force", "--time", "5", name]}}
     env = dict(os.environ, FAKE_RUNTIME_STATE=str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
-    proc.stdin.write(pyrun.payload(agent.source()) + json.dumps(spec).encode() + b"\n")
+    proc.stdin.write(pyrun.payload("agent") + json.dumps(spec).encode() + b"\n")
     proc.stdin.flush()
     assert json.loads(proc.stdout.readline())["event"] == "started"
     return proc, run_dir
@@ -129,11 +130,11 @@ def test_stop_ends_the_job_and_removes_its_container_and_status_says_it_is_gone(
         time.sleep(0.05)
     os.environ["FAKE_RUNTIME_STATE"] = str(tmp_path)  # the stop and status below run the runtime from this process
     try:
-        assert agent.status(str(run_dir))["container"] == {"name": "mnft-R7-local", "image": "localhost/lab:1", "runtime": "podman", "present": True}
-        result = agent.terminate(str(run_dir), grace=2)
-        assert result["remaining"] == [] and agent.run_pids("R7@local") == []
+        assert queries.status(str(run_dir))["container"] == {"name": "mnft-R7-local", "image": "localhost/lab:1", "runtime": "podman", "present": True}
+        result = runprocs.terminate(str(run_dir), grace=2)
+        assert result["remaining"] == [] and runprocs.run_pids("R7@local") == []
         assert ["rm", "--force", "--time", "0", "mnft-R7-local"] in [c["argv"] for c in calls(tmp_path)]
-        assert agent.status(str(run_dir))["container"]["present"] is False
+        assert queries.status(str(run_dir))["container"]["present"] is False
     finally:
         del os.environ["FAKE_RUNTIME_STATE"]
     assert not (run_dir / "secrets.json").exists()

@@ -1,4 +1,4 @@
-"""An image's facts on a host (mnft.image.imagehost): which runtime, its version, as whom, CDI and GPUs, and the
+"""An image's facts on a host (mnft.onhost.imagehost): which runtime, its version, as whom, CDI and GPUs, and the
 image's id; with fake runtimes on PATH (small shell scripts), then against this machine's podman in a storage of
 the test's own (a wrapper named podman: --root in tmp_path), never the machine's."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mnft.image import imagehost
+from mnft.onhost import imagehost
 
 HEX = "ab" * 32
 OTHER = "cd" * 32
@@ -208,18 +208,27 @@ def test_a_cache_past_its_cap_or_not_json_is_started_afresh(path, tmp_path, monk
 def test_the_script_prints_one_json_line_and_refuses_a_wrong_call(path):
     podman(path, images={"r": HEX})
     env = dict(os.environ)
-    done = subprocess.run([sys.executable, "-S", str(SCRIPT), "facts", "auto", "r"], capture_output=True, text=True, env=env, timeout=60)
+    done = as_host("facts", "auto", "r", env=env)
     assert done.returncode == 0 and len(done.stdout.splitlines()) == 1
     assert json.loads(done.stdout)["image"]["id"] == "sha256:" + HEX
-    wrong = subprocess.run([sys.executable, "-S", str(SCRIPT), "facts", "auto"], capture_output=True, text=True, env=env, timeout=60)
+    wrong = as_host("facts", "auto", env=env)
     assert wrong.returncode == 2 and wrong.stderr.startswith("usage: imagehost.py")
 
 
-def test_another_script_runs_the_facts_from_this_source():
-    """check's probe computes them in its own round-trip: the source in a namespace of its own, main() not run."""
-    ns = {"__name__": "mnft_imagehost"}
-    exec(compile(imagehost.source(), "imagehost", "exec"), ns)
-    assert callable(ns["facts"]) and ns["KINDS"] == imagehost.KINDS
+def as_host(*args: str, env: dict) -> subprocess.CompletedProcess:
+    """imagehost as a host runs it: `python -S -c BOOTSTRAP ARGS`, its payload on stdin."""
+    from mnft.hosts import pyrun
+
+    done = subprocess.run([sys.executable, "-S", "-c", pyrun.BOOTSTRAP, *args], input=pyrun.payload("imagehost"), capture_output=True,
+                          env=env, timeout=60)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
+
+
+def test_another_host_module_runs_the_facts_from_the_same_module():
+    """check's probe computes them in its own round-trip: imagehost ships inside the probe's payload and is imported."""
+    from mnft.hosts import payload
+
+    assert "imagehost" in payload.closure("probe") and callable(imagehost.facts)
 
 
 def test_gather_reads_each_host_through_pyrun(path, tmp_path, monkeypatch):

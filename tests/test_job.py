@@ -27,7 +27,7 @@ def plan_resumed(job, latest):
 
 
 def entry_of(argv: tuple[str, ...]) -> list[str]:
-    """What torchrun runs: mnft's launch wrapper in the run directory (mnft.run.entry), then the job's entry point
+    """What torchrun runs: mnft's launch wrapper in the run directory (mnft.onhost.entry), then the job's entry point
     and arguments, everything after its --log-dir option."""
     wrapper = argv[argv.index("--log-dir") + 2]
     assert wrapper == argv[argv.index("--log-dir") + 1].rsplit("/", 1)[0] + "/entry.py"  # <run_dir>/entry.py

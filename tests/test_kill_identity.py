@@ -17,19 +17,19 @@ from pathlib import Path
 import pytest
 
 from mnft.hosts import pyrun
-from mnft.run import agent
+from mnft.onhost import runfiles, runprocs
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 
 
 def alive(pid: int) -> bool:
-    return agent.start_time(pid) is not None
+    return runprocs.start_time(pid) is not None
 
 
 def execed(proc: subprocess.Popen, marker: str = "time.sleep(300)") -> subprocess.Popen:
     """The process once it runs its program (before its exec, /proc shows the parent's environment and command)."""
     deadline = time.monotonic() + 30
-    while marker not in " ".join(agent._cmdline(proc.pid)) and time.monotonic() < deadline:
+    while marker not in " ".join(runprocs._cmdline(proc.pid)) and time.monotonic() < deadline:
         time.sleep(0.02)
     return proc
 
@@ -37,7 +37,7 @@ def execed(proc: subprocess.Popen, marker: str = "time.sleep(300)") -> subproces
 def group_leader(env_extra: dict | None = None) -> subprocess.Popen:
     """A process that leads its own process group (pgid = its pid), like a run's keeper or an unrelated daemon."""
     env = dict(os.environ, **(env_extra or {}))
-    env.pop(agent.TAG_VAR, None) if not env_extra else None
+    env.pop(runfiles.TAG_VAR, None) if not env_extra else None
     return execed(subprocess.Popen(SLEEP, start_new_session=True, env=env))
 
 
@@ -67,39 +67,39 @@ def test_start_time_is_field_22_of_stat_and_none_for_a_gone_process(procs):
     p = group_leader()
     procs.append(p)
     fields = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    assert agent.start_time(p.pid) == int(fields[19])
+    assert runprocs.start_time(p.pid) == int(fields[19])
     p.kill()
     p.wait()
-    assert agent.start_time(p.pid) is None
+    assert runprocs.start_time(p.pid) is None
 
 
 def test_a_process_is_the_runs_only_with_its_recorded_start_time_and_the_runs_tag(procs):
-    tagged = group_leader({agent.TAG_VAR: "R1@h1"})
+    tagged = group_leader({runfiles.TAG_VAR: "R1@h1"})
     other = group_leader()
     procs += [tagged, other]
-    start = agent.start_time(tagged.pid)
-    assert agent.is_run_process(tagged.pid, start, "R1@h1")
-    assert not agent.is_run_process(tagged.pid, start + 1, "R1@h1")  # the number reused by a later process
-    assert not agent.is_run_process(tagged.pid, None, "R1@h1")  # no start time recorded: not provably ours
-    assert not agent.is_run_process(tagged.pid, start, "R2@h1")  # another run's
-    assert not agent.is_run_process(other.pid, agent.start_time(other.pid), "R1@h1")  # right time, no tag
+    start = runprocs.start_time(tagged.pid)
+    assert runprocs.is_run_process(tagged.pid, start, "R1@h1")
+    assert not runprocs.is_run_process(tagged.pid, start + 1, "R1@h1")  # the number reused by a later process
+    assert not runprocs.is_run_process(tagged.pid, None, "R1@h1")  # no start time recorded: not provably ours
+    assert not runprocs.is_run_process(tagged.pid, start, "R2@h1")  # another run's
+    assert not runprocs.is_run_process(other.pid, runprocs.start_time(other.pid), "R1@h1")  # right time, no tag
 
 
 def test_the_keeper_is_recognised_by_its_command_line_when_its_environment_is_not_readable(tmp_path, procs):
     run_dir = str(tmp_path / "run")
     keeper = execed(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", "keep", run_dir], start_new_session=True))
     procs.append(keeper)
-    start = agent.start_time(keeper.pid)
-    assert agent.is_run_process(keeper.pid, start, None, run_dir)
-    assert not agent.is_run_process(keeper.pid, start, None, run_dir + "-other")
+    start = runprocs.start_time(keeper.pid)
+    assert runprocs.is_run_process(keeper.pid, start, None, run_dir)
+    assert not runprocs.is_run_process(keeper.pid, start, None, run_dir + "-other")
 
 
 def test_an_unrelated_group_that_reuses_the_recorded_number_survives_stop_and_stop_says_the_run_ended(tmp_path, procs):
     unrelated = group_leader()
     procs.append(unrelated)
     # the run's keeper had this number, and another start time: the number was reused
-    run_dir = ended_run_dir(tmp_path, "R1@h1", unrelated.pid, agent.start_time(unrelated.pid) - 1)
-    result = agent.terminate(str(run_dir), grace=0.5)
+    run_dir = ended_run_dir(tmp_path, "R1@h1", unrelated.pid, runprocs.start_time(unrelated.pid) - 1)
+    result = runprocs.terminate(str(run_dir), grace=0.5)
     assert result["ended"] is True and result["killed"] == [] and result["remaining"] == []
     time.sleep(0.2)
     assert unrelated.poll() is None
@@ -109,22 +109,22 @@ def test_a_recorded_group_without_its_start_time_is_never_signalled(tmp_path, pr
     unrelated = group_leader()
     procs.append(unrelated)
     run_dir = ended_run_dir(tmp_path, "R1@h1", unrelated.pid, None)  # a run dir from before pgid_start
-    assert agent.terminate(str(run_dir), grace=0.5)["ended"] is True
+    assert runprocs.terminate(str(run_dir), grace=0.5)["ended"] is True
     assert unrelated.poll() is None
 
 
 def test_a_group_whose_leader_is_gone_is_still_the_runs_while_a_process_of_the_run_is_in_it(tmp_path, procs):
     # the leader (an untagged shell) started a tagged member in its group, as a keeper starts torchrun
-    script = f"{agent.TAG_VAR}=R1@h1 {sys.executable} -c 'import time; time.sleep(300)' & wait"
-    leader = subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True, env={k: v for k, v in os.environ.items() if k != agent.TAG_VAR})
+    script = f"{runfiles.TAG_VAR}=R1@h1 {sys.executable} -c 'import time; time.sleep(300)' & wait"
+    leader = subprocess.Popen(["/bin/sh", "-c", script], start_new_session=True, env={k: v for k, v in os.environ.items() if k != runfiles.TAG_VAR})
     procs.append(leader)
     deadline = time.monotonic() + 10
-    while not agent.run_pids("R1@h1") and time.monotonic() < deadline:
+    while not runprocs.run_pids("R1@h1") and time.monotonic() < deadline:
         time.sleep(0.05)
     run_dir = ended_run_dir(tmp_path, "R1@h1", leader.pid, None)
-    assert agent.group_is_ours(str(run_dir), leader.pid, "R1@h1")
-    assert not agent.group_is_ours(str(run_dir), leader.pid, "R2@h1")
-    result = agent.terminate(str(run_dir), grace=2)
+    assert runprocs.group_is_ours(str(run_dir), leader.pid, "R1@h1")
+    assert not runprocs.group_is_ours(str(run_dir), leader.pid, "R2@h1")
+    result = runprocs.terminate(str(run_dir), grace=2)
     assert result["remaining"] == [] and leader.pid in result["killed"]
     leader.wait(timeout=10)
 
@@ -139,10 +139,10 @@ def test_an_unprivileged_stop_of_an_ended_run_whose_number_another_user_took_is_
     where = Path(tempfile.mkdtemp(prefix="mnft-kill-"))  # pytest's tmp_path is root's alone
     try:
         where.chmod(0o755)
-        run_dir = ended_run_dir(where, "R1@h1", unrelated.pid, agent.start_time(unrelated.pid))  # even the same start time
+        run_dir = ended_run_dir(where, "R1@h1", unrelated.pid, runprocs.start_time(unrelated.pid))  # even the same start time
         for path in (run_dir, *run_dir.iterdir()):
             path.chmod(0o755 if path.is_dir() else 0o644)
-        done = subprocess.run(["/usr/bin/python3", "-c", pyrun.BOOTSTRAP, "stop", str(run_dir), "0.5"], input=pyrun.payload(agent.source()),
+        done = subprocess.run(["/usr/bin/python3", "-c", pyrun.BOOTSTRAP, "stop", str(run_dir), "0.5"], input=pyrun.payload("agent"),
                               capture_output=True, timeout=60, user=65534, group=65534, cwd="/")
     finally:
         shutil.rmtree(where, ignore_errors=True)
@@ -153,11 +153,11 @@ def test_an_unprivileged_stop_of_an_ended_run_whose_number_another_user_took_is_
 
 
 def test_the_run_itself_is_still_stopped_whole(tmp_path, procs):
-    tagged = group_leader({agent.TAG_VAR: "R1@h1"})
+    tagged = group_leader({runfiles.TAG_VAR: "R1@h1"})
     procs.append(tagged)
-    run_dir = ended_run_dir(tmp_path, "R1@h1", tagged.pid, agent.start_time(tagged.pid))
+    run_dir = ended_run_dir(tmp_path, "R1@h1", tagged.pid, runprocs.start_time(tagged.pid))
     (run_dir / "exit_code").unlink()
-    result = agent.terminate(str(run_dir), grace=2)
+    result = runprocs.terminate(str(run_dir), grace=2)
     assert tagged.pid in result["killed"] and result["remaining"] == [] and not result.get("ended")
     assert tagged.wait(timeout=10) == -signal.SIGTERM
 
@@ -179,12 +179,12 @@ def test_stop_waits_for_killed_processes_to_be_gone_and_kills_any_the_run_forked
     0.1 s stop once allowed, and stop said processes remained that were gone a moment later); one of the run's
     that appeared after the kill's scan is killed too, by its tag."""
     tag = "run-settle-test"
-    late = execed(subprocess.Popen(SLEEP, env=dict(os.environ, **{agent.TAG_VAR: tag})))
+    late = execed(subprocess.Popen(SLEEP, env=dict(os.environ, **{runfiles.TAG_VAR: tag})))
     unrelated = execed(subprocess.Popen(SLEEP))
     try:
-        assert agent._after_kill(tag, [], settle=0) == [late.pid]  # no time to settle: named, not yet killed
+        assert runprocs._after_kill(tag, [], settle=0) == [late.pid]  # no time to settle: named, not yet killed
         killed = []
-        assert agent._after_kill(tag, killed, settle=10) == [] and killed == [late.pid]
+        assert runprocs._after_kill(tag, killed, settle=10) == [] and killed == [late.pid]
         assert late.wait(timeout=10) == -signal.SIGKILL and unrelated.poll() is None
     finally:
         for proc in (late, unrelated):

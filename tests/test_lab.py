@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from mnft.core.errors import InputError
-from mnft.hosts import lab, leasehost, leases
+from mnft.hosts import lab, leases
+from mnft.onhost import gpuread, line
+from mnft.onhost import leases as hostleases
 from mnft.hosts.inventory import parse
 
 TOPO = (
@@ -25,40 +27,40 @@ TOPO = (
 
 
 def test_topology_reads_every_pair_of_gpus_and_ranks_nvlink_above_pcie_above_the_smp_link():
-    links = leasehost.parse_topology(TOPO)
+    links = gpuread.parse_topology(TOPO)
     assert links[(0, 1)] == links[(1, 0)] == links[(2, 3)] == 118
     assert links[(0, 2)] == links[(1, 3)] == 10
     assert (0, 0) not in links
-    assert leasehost.link_score("NV4") > leasehost.link_score("PIX") > leasehost.link_score("PXB") > leasehost.link_score("PHB") \
-        > leasehost.link_score("NODE") > leasehost.link_score("SYS") > leasehost.link_score("???")
+    assert gpuread.link_score("NV4") > gpuread.link_score("PIX") > gpuread.link_score("PXB") > gpuread.link_score("PHB") \
+        > gpuread.link_score("NODE") > gpuread.link_score("SYS") > gpuread.link_score("???")
 
 
 def test_two_gpus_are_picked_from_one_nvlink_pair_not_across_sockets():
-    links = leasehost.parse_topology(TOPO)
-    assert leasehost.pick([0, 1, 2, 3], 2, links) == [0, 1]
-    assert leasehost.pick([1, 2, 3], 2, links) == [2, 3]  # GPU 0 taken: the other pair, not 1 and 2
-    assert leasehost.pick([0, 2], 2, links) == [0, 2]  # what is free, when nothing better is
-    assert leasehost.pick([0, 3], 3, links) is None  # fewer free than asked
-    assert leasehost.pick([3, 1, 2], 1, {}) == [1]  # no topology: the lowest indices
+    links = gpuread.parse_topology(TOPO)
+    assert gpuread.pick([0, 1, 2, 3], 2, links) == [0, 1]
+    assert gpuread.pick([1, 2, 3], 2, links) == [2, 3]  # GPU 0 taken: the other pair, not 1 and 2
+    assert gpuread.pick([0, 2], 2, links) == [0, 2]  # what is free, when nothing better is
+    assert gpuread.pick([0, 3], 3, links) is None  # fewer free than asked
+    assert gpuread.pick([3, 1, 2], 1, {}) == [1]  # no topology: the lowest indices
 
 
 def test_nvidia_smi_answers_read_as_devices_and_their_compute_processes():
-    devices = leasehost.parse_devices("0, GPU-aa, NVIDIA H100 80GB HBM3, 81559, 1024, 97\n1, GPU-bb, NVIDIA, Inc. X, 81559, 0, 0\nbad line\n")
+    devices = gpuread.parse_devices("0, GPU-aa, NVIDIA H100 80GB HBM3, 81559, 1024, 97\n1, GPU-bb, NVIDIA, Inc. X, 81559, 0, 0\nbad line\n")
     assert [(d["index"], d["uuid"], d["name"], d["memory_used_mib"], d["utilization"]) for d in devices] == [
         (0, "GPU-aa", "NVIDIA H100 80GB HBM3", 1024, 97), (1, "GPU-bb", "NVIDIA, Inc. X", 0, 0)]
-    assert leasehost.parse_apps("GPU-aa, 4242, 1024\nGPU-bb, [N/A], 3\n") == [("GPU-aa", 4242, 1024)]
+    assert gpuread.parse_apps("GPU-aa, 4242, 1024\nGPU-bb, [N/A], 3\n") == [("GPU-aa", 4242, 1024)]
 
 
 def test_a_lease_file_is_named_for_its_device_and_a_workdir_for_its_path():
-    assert leasehost.device_name({"index": 3}) == "mnft-dev-gpu3.json"
-    assert leasehost.device_name({"index": None}) == "mnft-dev-cpu.json"
-    assert leasehost.work_name("/root/mnft") == leasehost.work_name("/root/./mnft/") != leasehost.work_name("/root/mnft2")
-    assert leasehost.work_name("/root/mnft").startswith("mnft-work-")
+    assert hostleases.device_name({"index": 3}) == "mnft-dev-gpu3.json"
+    assert hostleases.device_name({"index": None}) == "mnft-dev-cpu.json"
+    assert hostleases.work_name("/root/mnft") == hostleases.work_name("/root/./mnft/") != hostleases.work_name("/root/mnft2")
+    assert hostleases.work_name("/root/mnft").startswith("mnft-work-")
 
 
 def test_the_line_is_first_come_first_served_by_the_controllers_queue_time_then_the_ticket():
     assert sorted([{"queued": 20.0, "ticket": "a"}, {"queued": 10.0, "ticket": "z"}, {"queued": 10.0, "ticket": "b"}, {}],
-                  key=leasehost.order) == [{"queued": 10.0, "ticket": "b"}, {"queued": 10.0, "ticket": "z"}, {"queued": 20.0, "ticket": "a"}, {}]
+                  key=line.order) == [{"queued": 10.0, "ticket": "b"}, {"queued": 10.0, "ticket": "z"}, {"queued": 20.0, "ticket": "a"}, {}]
 
 
 # ------------------------------------------------------------------------------------------------ the lab's views

@@ -11,7 +11,8 @@ import pytest
 
 from mnft.core.errors import InputError
 from mnft.hosts import inventory, pyrun
-from mnft.run import agent, launch
+from mnft.run import launch
+from mnft.onhost import queries, runprocs
 from mnft.run.job import recipe_job
 from mnft.run.launch import LaunchOptions
 
@@ -92,7 +93,7 @@ def start_agent(tmp_path, argv, run_id="R9", detach=False, deadman=30.0):
     spec = {"run_id": run_id, "tag": f"{run_id}@local", "run_dir": str(tmp_path / "run"), "argv": argv, "cwd": str(tmp_path),
             "env": {"PLAIN": "1"}, "secrets": {"API_TOKEN": "hush"}, "metrics": None, "detach": detach, "deadman": deadman, "grace": 2}
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
-    proc.stdin.write(pyrun.payload(agent.source()) + json.dumps(spec).encode() + b"\n")
+    proc.stdin.write(pyrun.payload("agent") + json.dumps(spec).encode() + b"\n")
     proc.stdin.flush()
     started = json.loads(proc.stdout.readline())
     assert started["event"] == "started"
@@ -103,7 +104,7 @@ def settled_pids(tag: str, count: int, timeout: float = 20.0) -> list[int]:
     """The run's processes once at least `count` of them are up (a detached run's command starts after its agent
     returned)."""
     deadline = time.monotonic() + timeout
-    while len(pids := agent.run_pids(tag)) < count and time.monotonic() < deadline:
+    while len(pids := runprocs.run_pids(tag)) < count and time.monotonic() < deadline:
         time.sleep(0.1)
     return pids
 
@@ -136,7 +137,7 @@ def test_closing_the_agents_stdin_kills_the_whole_process_group(tmp_path):
     proc, pgid = start_agent(tmp_path, [sys.executable, "-c", child])
     while json.loads(proc.stdout.readline()) != {"event": "line", "text": "up"}:  # the command and its child are up
         pass
-    pids = agent.run_pids("R9@local")
+    pids = runprocs.run_pids("R9@local")
     assert len(pids) >= 3  # keeper, the command, its child
     proc.stdin.close()  # the controller (or the link to it) is gone
     out = proc.stdout.read().decode()
@@ -152,10 +153,10 @@ def test_stop_kills_only_its_own_run(tmp_path):
     two, _ = start_agent(tmp_path / "two", sleep, run_id="TWO", detach=True)
     one.wait(timeout=10), two.wait(timeout=10)  # detached: the agents return at once, the runs go on
     two_pids = settled_pids("TWO@local", 2)  # its keeper and its command
-    assert agent.run_pids("ONE@local") and two_pids
-    result = agent.terminate(str(tmp_path / "one" / "run"), grace=2)
-    assert result["remaining"] == [] and agent.run_pids("ONE@local") == []
-    assert agent.run_pids("TWO@local") == two_pids
-    assert agent.status(str(tmp_path / "two" / "run"))["state"] == "running"
-    agent.terminate(str(tmp_path / "two" / "run"), grace=2)
-    assert agent.run_pids("TWO@local") == []
+    assert runprocs.run_pids("ONE@local") and two_pids
+    result = runprocs.terminate(str(tmp_path / "one" / "run"), grace=2)
+    assert result["remaining"] == [] and runprocs.run_pids("ONE@local") == []
+    assert runprocs.run_pids("TWO@local") == two_pids
+    assert queries.status(str(tmp_path / "two" / "run"))["state"] == "running"
+    runprocs.terminate(str(tmp_path / "two" / "run"), grace=2)
+    assert runprocs.run_pids("TWO@local") == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import marshal
 import os
 import shutil
 import stat
@@ -24,7 +25,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from mnft.hosts import leasehost, leases, pyrun
+from mnft.hosts import leases, pyrun
+
+from mnft.onhost import leasefiles, procs, runs
+from mnft.onhost import leases as hostleases
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.inventory import parse
 
@@ -43,7 +47,7 @@ def hold_process(directory: Path, holder: dict, *, user: int | None = None, pyth
     """Another controller's hold process on this host (its stdin is its channel), as this user or `user`."""
     proc = subprocess.Popen([python, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env=dict(os.environ, MNFT_LEASE_DIR=str(directory)), user=user, cwd="/")
-    proc.stdin.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
+    proc.stdin.write(pyrun.payload("leasehost") + json.dumps(holder).encode() + b"\n")
     proc.stdin.flush()
     reply = json.loads(proc.stdout.readline())
     assert reply.get("taken"), reply
@@ -62,7 +66,7 @@ def test_a_free_host_is_leased_for_the_block_and_the_lease_names_its_holder_and_
     with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "sync") as held:
         on_disk = holder_on_disk(lease_dir)
         assert on_disk["command"] == "sync" and on_disk["pid"] == os.getpid() and on_disk["op"] == held.op
-        assert on_disk["uid"] == os.getuid() and on_disk["login"] == leasehost.user_name(os.getuid())
+        assert on_disk["uid"] == os.getuid() and on_disk["login"] == procs.user_name(os.getuid())
         assert leases.show(fleet, fleet.inventory.hosts)["h1"]["held"] is True
     assert holder_on_disk(lease_dir)["released"]  # let go at the end of the block
     with fleet_of("h1") as fleet:
@@ -70,32 +74,22 @@ def test_a_free_host_is_leased_for_the_block_and_the_lease_names_its_holder_and_
 
 
 def test_the_lease_script_reaches_each_host_compiled_once_on_the_controller(lease_dir, monkeypatch):
-    """A host runs the controller's bytecode of the lease script (a take, lab, show): it does not compile the ~80 kB
-    source itself on every look. Shown with a payload whose source would not even compile: only its bytecode runs."""
-    import importlib.util
+    """A host runs the controller's bytecode of the lease script (a take, lab, show): it does not compile its modules'
+    source itself on every look. Shown with a payload whose sources would not even compile: only their bytecode runs."""
     import marshal
+    import zlib
 
-    code = marshal.dumps(compile(leasehost.source(), "mnft-script", "exec", dont_inherit=True))
-    junk = b"this is not python ("
-    payload = b"%d %d %s\n" % (len(junk), len(code), importlib.util.MAGIC_NUMBER.hex().encode()) + junk + code
-    monkeypatch.setattr(leases, "script", lambda: payload)
+    from mnft.hosts import payload
+
+    head, body = payload.build("leasehost").split(b"\n", 1)
+    modules = marshal.loads(zlib.decompress(body))
+    junk = {name: (b"this is not python (", code) for name, (source, code) in modules.items() if name != "boot"}
+    monkeypatch.setattr(leases, "script", lambda: payload.pack("leasehost", junk))
     with fleet_of("h1") as fleet:
         with leases.hold(fleet, fleet.inventory.hosts, "sync"):
             assert leases.show(fleet, fleet.inventory.hosts)["h1"]["held"] is True
         assert "devices" in leases.lab(fleet, fleet.inventory.hosts)["h1"]
     assert holder_on_disk(lease_dir)["released"]
-
-
-def test_the_lease_script_as_shipped_runs_on_a_hosts_python_and_knows_its_own_source(lease_dir):
-    """leases.script() (pyrun.module_payload: the module's source and its bytecode as this controller imported it)
-    read by the compiled bootstrap: the script answers, and its source() is the file's, byte for byte."""
-    data = leases.script()
-    header, rest = data.split(b"\n", 1)
-    size, _, _ = header.split()
-    assert rest[: int(size)].decode() == Path(leasehost.__file__).read_text()
-    done = subprocess.run([sys.executable, "-S", "-c", pyrun.COMPILED_BOOTSTRAP, "show"], input=data, capture_output=True,
-                          timeout=30, env=dict(os.environ, MNFT_LEASE_DIR=str(lease_dir)))
-    assert json.loads(done.stdout.decode().strip().splitlines()[-1])["held"] is False, done.stderr
 
 
 def test_a_second_operation_on_a_busy_host_is_refused_naming_the_host_and_the_holder(lease_dir):
@@ -105,7 +99,7 @@ def test_a_second_operation_on_a_busy_host_is_refused_naming_the_host_and_the_ho
             with leases.hold(fleet, fleet.inventory.hosts, "provision"):
                 pytest.fail("the block ran on a busy host")
         line = str(refused.value)
-        me = leasehost.user_name(os.getuid())
+        me = procs.user_name(os.getuid())
         assert line.startswith(f"h1 is busy: train run 20260101-1200-ab12 by {me} (ana@ctl2) pid 4242 since ")
         assert "(mnft stop 20260101-1200-ab12, or wait)" in line and "\n" not in line  # the same login: it may stop it
         assert refused.value.exit_code == 1
@@ -158,7 +152,7 @@ def test_a_lease_released_by_its_holder_is_taken_without_a_word(lease_dir):
 
 def wait_for_run_processes(run_id: str) -> None:
     deadline = time.monotonic() + 30
-    while not leasehost.run_processes(run_id) and time.monotonic() < deadline:  # until its exec is done
+    while not runs.run_processes(run_id) and time.monotonic() < deadline:  # until its exec is done
         time.sleep(0.05)
 
 
@@ -180,13 +174,13 @@ def test_a_run_whose_processes_live_on_holds_its_lease_after_its_holders_are_gon
 
 
 def test_a_keeper_sharing_the_lock_keeps_the_host_busy_after_the_controller_let_go(lease_dir):
-    # the agent gives a run's keeper the lease (mnft.run.agent.lease_fd): a detached run holds its host
-    from mnft.run import agent
+    # the agent gives a run's keeper the lease (mnft.onhost.runleases.lease_fd): a detached run holds its host
+    from mnft.onhost import runleases
 
     with fleet_of("h1") as fleet, leases.hold(fleet, fleet.inventory.hosts, "train", run_id="R8"):
-        assert agent.lease_path() == leasehost.lease_path() == str(lease_dir / LEASE)
-        fd = agent.lease_fd("R8-a2")
-        assert fd is not None and agent.lease_fd("R9") is None
+        assert runleases.lease_path() == leasefiles.lease_path() == str(lease_dir / LEASE)
+        fd = runleases.lease_fd("R8-a2")
+        assert fd is not None and runleases.lease_fd("R9") is None
     try:
         assert "released" not in holder_on_disk(lease_dir)  # somebody else still holds it
         with fleet_of("h1") as fleet, pytest.raises(leases.HostBusy, match=r"^h1 is busy: train run R8 "):
@@ -199,10 +193,10 @@ def test_a_keeper_sharing_the_lock_keeps_the_host_busy_after_the_controller_let_
 
 @pytest.mark.parametrize("content", [b'{"run_id": 7}', b"[" * 100000, b'{"run_id": ["R"]}', b"\xff\xfe not json"])
 def test_a_keeper_is_not_given_a_lease_whose_run_id_is_not_text(lease_dir, content):
-    from mnft.run import agent
+    from mnft.onhost import runleases
 
     (lease_dir / LEASE).write_bytes(content)  # any user of the host may write the lease: the launch goes on
-    assert agent.lease_fd("R") is None
+    assert runleases.lease_fd("R") is None
 
 
 def test_takes_nested_in_one_controller_are_no_ops_and_two_names_for_one_machine_share_one_lease(lease_dir):
@@ -228,7 +222,17 @@ def test_a_hold_without_heartbeat_lets_go_after_its_deadman(lease_dir):
 
 # ------------------------------------------------------------------------------------ runs in the holder
 
-ECHO = "import json, sys\nprint(json.dumps({'argv': sys.argv[1:], 'stdin': sys.stdin.read()}))\nsys.exit(int(sys.argv[1]))\n"
+ECHO = "import json, sys\ndef main(argv):\n    print(json.dumps({'argv': argv, 'stdin': sys.stdin.read()}))\n    return int(argv[0])\n"
+
+
+def entry(source: str, argv: list, stdin: str = "") -> dict:
+    """A run request of an ad-hoc host entry whose main is the source's (as pyrun.run_request makes one)."""
+    import base64
+
+    from mnft.hosts import payload
+
+    shipped = payload.pack("x", {"x": (source.encode(), marshal.dumps(compile(source, "x", "exec", dont_inherit=True)))})
+    return {"payload": base64.b64encode(shipped).decode(), "argv": argv, "stdin": stdin}
 
 
 def ask(proc: subprocess.Popen, request: dict, *pieces: bytes) -> dict:
@@ -245,11 +249,11 @@ def ask(proc: subprocess.Popen, request: dict, *pieces: bytes) -> dict:
 def test_the_holder_runs_the_operations_scripts_forked_with_their_arguments_and_stdin_between_heartbeats(lease_dir):
     proc = hold_process(lease_dir, dict(OTHER))
     try:
-        answer = ask(proc, {"source": ECHO, "argv": ["0", "a b", "$HOME"], "stdin": "rules\n"}, b"hb\n")
+        answer = ask(proc, entry(ECHO, ["0", "a b", "$HOME"], "rules\n"), b"hb\n")
         assert answer["ran"] == 0 and json.loads(answer["out"]) == {"argv": ["0", "a b", "$HOME"], "stdin": "rules\n"}
-        answer = ask(proc, {"source": ECHO, "argv": ["3"], "stdin": ""}, b"hb\nhb\n")  # an exit status is told
+        answer = ask(proc, entry(ECHO, ["3"]), b"hb\nhb\n")  # an exit status is told
         assert answer["ran"] == 3
-        answer = ask(proc, {"source": "raise ValueError('a bug')", "argv": []})
+        answer = ask(proc, entry("raise ValueError('a bug')", []))
         assert answer["ran"] == 1 and answer["out"] == ""
         assert holder_on_disk(lease_dir)["op"] == OTHER["op"] and proc.poll() is None  # still held
     finally:
@@ -259,8 +263,8 @@ def test_the_holder_runs_the_operations_scripts_forked_with_their_arguments_and_
 
 def test_a_release_during_a_run_ends_the_run_with_the_lease(lease_dir, tmp_path):
     proc = hold_process(lease_dir, dict(OTHER))
-    sleeper = "import os, sys, time\nopen(sys.argv[1], 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
-    body = json.dumps({"source": sleeper, "argv": [str(tmp_path / "pid")]}).encode()
+    sleeper = "import os, time\ndef main(argv):\n    open(argv[0], 'w').write(str(os.getpid()))\n    time.sleep(600)\n"
+    body = json.dumps(entry(sleeper, [str(tmp_path / "pid")])).encode()
     proc.stdin.write(b"run %d\n" % len(body) + body)
     proc.stdin.flush()
     deadline = time.monotonic() + 10
@@ -336,30 +340,30 @@ def fake_stat(**dirs: tuple[int, int]):
     (None, "/tmp"),  # no /run/lock
 ])
 def test_the_lease_directory_is_run_lock_when_every_user_may_use_it_else_tmp(run_lock, chosen):
-    from mnft.run import agent
+    from mnft.onhost import runleases
 
     dirs = {"run_lock": run_lock} if run_lock else {}
     stat_of = fake_stat(**dirs, tmp=(stat.S_IFDIR | 0o1777, 0))
-    assert leasehost.lease_dir({}, stat_of) == chosen
-    assert agent.lease_path({}, stat_of) == os.path.join(chosen, LEASE)  # the keeper holds the same file
+    assert leasefiles.lease_dir({}, stat_of) == chosen
+    assert runleases.lease_path({}, stat_of) == os.path.join(chosen, LEASE)  # the keeper holds the same file
 
 
 def test_mnft_lease_dir_overrides_the_choice_and_must_be_absolute():
-    from mnft.run import agent
+    from mnft.onhost import runleases
 
-    assert leasehost.lease_dir({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == "/srv/lab-locks"
-    assert agent.lease_path({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == os.path.join("/srv/lab-locks", LEASE)
+    assert leasefiles.lease_dir({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == "/srv/lab-locks"
+    assert runleases.lease_path({"MNFT_LEASE_DIR": "/srv/lab-locks"}, fake_stat()) == os.path.join("/srv/lab-locks", LEASE)
     with pytest.raises(OSError, match="MNFT_LEASE_DIR=locks: not an absolute path"):
-        leasehost.lease_dir({"MNFT_LEASE_DIR": "locks"}, fake_stat())
-    assert agent.lease_path({"MNFT_LEASE_DIR": "locks"}, fake_stat()) is None
+        leasefiles.lease_dir({"MNFT_LEASE_DIR": "locks"}, fake_stat())
+    assert runleases.lease_path({"MNFT_LEASE_DIR": "locks"}, fake_stat()) is None
 
 
 def test_the_agent_names_the_lease_as_the_host_side_does_on_this_machine(monkeypatch):
-    from mnft.run import agent
+    from mnft.onhost import runleases
 
     monkeypatch.delenv("MNFT_LEASE_DIR")
-    assert agent.lease_path() == leasehost.lease_path() == os.path.join(leasehost.lease_dir(), LEASE)
-    assert leasehost.lease_dir() == ("/run/lock" if leasehost.shared_dir("/run/lock") else "/tmp")
+    assert runleases.lease_path() == leasefiles.lease_path() == os.path.join(leasefiles.lease_dir(), LEASE)
+    assert leasefiles.lease_dir() == ("/run/lock" if leasefiles.shared_dir("/run/lock") else "/tmp")
 
 
 def test_the_lease_files_are_made_for_every_user_whatever_the_umask(lease_dir):
@@ -460,7 +464,7 @@ def take_as(directory: Path, user: int | None, command: str = "sync", run_id: st
     proc = subprocess.Popen([SYSTEM_PYTHON, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env={"MNFT_LEASE_DIR": str(directory), "PATH": "/usr/bin:/bin"}, user=user, cwd="/")
     holder = dict(OTHER, op=f"op-{user}-{time.monotonic()}", command=command, run_id=run_id)
-    proc.stdin.write(pyrun.payload(leasehost.source()) + json.dumps(holder).encode() + b"\n")
+    proc.stdin.write(pyrun.payload("leasehost") + json.dumps(holder).encode() + b"\n")
     proc.stdin.flush()
     return json.loads(proc.stdout.readline()), proc
 
@@ -517,14 +521,14 @@ def test_between_two_logins_the_flock_tells_a_run_is_alive_not_its_processes(sha
 
 
 def test_a_lock_held_past_its_wait_is_refused_naming_who_holds_it(lease_dir, monkeypatch):
-    monkeypatch.setattr(leasehost, "MUTEX_WAIT", 0.2)
+    monkeypatch.setattr(leasefiles, "MUTEX_WAIT", 0.2)
     script = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o644); "
               "fcntl.flock(fd, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", script, str(lease_dir / LOCK)], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "locked\n"
-        with pytest.raises(leasehost.Refused) as refused:
-            leasehost.take(dict(OTHER))
+        with pytest.raises(leasefiles.Refused) as refused:
+            hostleases.take(dict(OTHER))
         assert str(refused.value) == (f"the lease's lock {lease_dir / LOCK} has been held for over 0.2s by root pid {holder.pid}: "
                                       "another mnft is stuck there, or a user holds it; wait, or ask its user")
     finally:

@@ -151,9 +151,9 @@ def test_a_host_whose_python_lacks_a_needed_module_fails_the_check_naming_host_m
 def test_the_probe_tells_which_modules_this_python_resolves_without_importing_them():
     import sys
 
-    from mnft.check import probe
+    from mnft.onhost import facts
 
-    assert probe.modules(["json", "definitely_not_a_module_x", "yaml"]) == {"json": True, "definitely_not_a_module_x": False, "yaml": True}
+    assert facts.modules(["json", "definitely_not_a_module_x", "yaml"]) == {"json": True, "definitely_not_a_module_x": False, "yaml": True}
     assert "definitely_not_a_module_x" not in sys.modules
 
 

@@ -17,7 +17,8 @@ import pytest
 
 from mnft.core.errors import InputError
 from mnft.hosts import inventory, pyrun, settings
-from mnft.perf import linkagent, schedule, torchlaunch
+from mnft.perf import schedule
+from mnft.onhost import torchlaunch
 from mnft.perf.collectives import parse_figures, torchrun_argv
 from mnft.perf.evaluate import Thresholds, evaluate, slow_links
 from mnft.perf.links import disjoint_rounds
@@ -241,7 +242,7 @@ def test_direct_launch_runs_the_allreduce_worker_on_this_machine():
     port = str(29000 + os.getpid() % 1000)
     args = ["direct", "--nnodes", "1", "--nproc-per-node", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
             "--master-port", port, "--", "--sizes", f"{1 << 20},{2 << 20}", "--budget", "1", "--compute", "0.1"]
-    payload = pyrun.payload(torchlaunch.source()) + pyrun.payload(ENTRY.read_text())
+    payload = pyrun.payload("torchlaunch") + pyrun.text(ENTRY.read_text())
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     proc.stdin.write(payload)
@@ -275,7 +276,7 @@ def test_held_ranks_say_ready_and_join_the_process_group_only_when_released():
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     try:
-        proc.stdin.write(pyrun.payload(torchlaunch.source()) + pyrun.payload(ENTRY.read_text()))
+        proc.stdin.write(pyrun.payload("torchlaunch") + pyrun.text(ENTRY.read_text()))
         proc.stdin.flush()
         ready = sorted(proc.stdout.readline() for _ in range(2))
         assert ready == [b"MNFT-READY 0\n", b"MNFT-READY 1\n"], proc.stderr.read(2000) if b"" in ready else ready
@@ -357,7 +358,7 @@ def test_ranks_started_early_run_when_released_after_other_work(tmp_path, monkey
     port = _free_port()
     with Fleet(local_hosts(tmp_path, a=sys.executable, b=sys.executable), Timeouts(connect=5, command=30)) as fleet:
         pending = start_allreduce(fleet, "127.0.0.1", port, {}, [1 << 20, 2 << 20], 0.5, 0.05, 90)
-        other = fleet.run(lambda host: pyrun.command(host), stdin=pyrun.payload("print('links')"))  # the links' turn
+        other = fleet.run(lambda host: pyrun.command(host, "python"), stdin=pyrun.payload("probe"))  # the links' turn: another host command
         run = pending.release()
     assert all(r.ok for r in other)
     assert run.figures is not None, run.error
@@ -411,7 +412,7 @@ def test_a_launcher_whose_controller_goes_away_leaves_nothing_behind(tmp_path):
     script = f"import os, time\nopen({str(marker)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
     args = ["direct", "--nnodes", "1", "--nproc-per-node", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "1", "--"]
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, *args], stdin=subprocess.PIPE)
-    proc.stdin.write(pyrun.payload(torchlaunch.source()) + pyrun.payload(script))
+    proc.stdin.write(pyrun.payload("torchlaunch") + pyrun.text(script))
     proc.stdin.flush()
     deadline = time.monotonic() + 30
     while not marker.exists() or not marker.read_text():
@@ -432,7 +433,7 @@ def test_a_launcher_whose_controller_goes_away_leaves_nothing_behind(tmp_path):
 def start_agent():
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "serve", "--bind", "127.0.0.1", "--lifetime", "60"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=False)
-    proc.stdin.write(pyrun.payload(linkagent.source()))
+    proc.stdin.write(pyrun.payload("linkagent"))
     proc.stdin.flush()
     hello = json.loads(proc.stdout.readline())
     assert hello["ok"], hello
@@ -464,7 +465,8 @@ def test_two_link_agents_measure_rtt_and_both_directions_on_loopback():
 
 
 def test_the_link_agent_refuses_a_malformed_command_line():
-    proc = subprocess.run([sys.executable, str(ROOT / "mnft" / "perf" / "linkagent.py"), "serve"], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "serve"], input=pyrun.payload("linkagent"), capture_output=True, timeout=30)
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, proc.stdout.decode(), proc.stderr.decode())
     assert proc.returncode == 2 and "usage" in proc.stderr
 
 

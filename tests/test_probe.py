@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from mnft.check import probe
+from mnft.hosts import pyrun
+from mnft.onhost import facts
 
-PROBE = Path(probe.__file__)
 
 FACT_KEYS = {
     "probe_version", "hostname", "fqdn", "os", "kernel", "arch", "python", "torch", "nccl", "cudnn", "nvidia",
@@ -37,10 +37,10 @@ BANNER = "| NVIDIA-SMI 550.54.15    Driver Version: 550.54.15    CUDA Version: 1
 
 
 def run_stdin(*args: str, env: dict | None = None, timeout: float = 20) -> subprocess.CompletedProcess:
-    """`python3 - ARGS` with the probe's source on stdin."""
-    return subprocess.run(
-        [sys.executable, "-", *args], input=probe.source(), capture_output=True, text=True, env=env, timeout=timeout,
-    )
+    """The probe as a host runs it: `python -c BOOTSTRAP ARGS`, its payload on stdin (then stdin ends)."""
+    done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, *args], input=pyrun.payload("probe"), capture_output=True, env=env,
+                          timeout=timeout)
+    return subprocess.CompletedProcess(done.args, done.returncode, done.stdout.decode(), done.stderr.decode())
 
 
 def facts_of(workdir: Path, env: dict | None = None) -> dict:
@@ -136,10 +136,8 @@ def test_without_version_py_the_version_comes_from_metadata(tmp_path):
 
 def test_facts_never_imports_torch(tmp_path):
     child = textwrap.dedent(f"""
-        import importlib.util, sys
-        spec = importlib.util.spec_from_file_location("probe_under_test", {str(PROBE)!r})
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        import sys
+        from mnft.onhost import probe as module
         rc = module.main(["facts", "--workdir", {str(tmp_path)!r}])
         sys.exit(3 if "torch" in sys.modules else rc)
     """)
@@ -252,7 +250,7 @@ def test_ip_json_parsing_keeps_links_without_ipv4_and_needs_a_carrier_for_up():
                        {"family": "inet", "local": "10.0.0.3", "prefixlen": 24}]},
         {"ifname": "ib0", "flags": ["UP", "LOWER_UP"], "addr_info": []},
     ])
-    assert probe._parse_ip_json(text) == [
+    assert facts._parse_ip_json(text) == [
         {"name": "lo", "up": True, "ipv4": ["127.0.0.1/8"]},
         {"name": "eth1", "up": False, "ipv4": ["10.0.0.2/24", "10.0.0.3/24"]},
         {"name": "ib0", "up": True, "ipv4": []},
@@ -260,31 +258,34 @@ def test_ip_json_parsing_keeps_links_without_ipv4_and_needs_a_carrier_for_up():
 
 
 def test_source_is_python38_syntax_and_imports_only_the_stdlib():
-    tree = ast.parse(probe.source(), feature_version=(3, 8))
-    imported = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            imported.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            imported.add(node.module.split(".")[0])
-    assert imported <= set(sys.stdlib_module_names) | {"__future__"}
+    from mnft.hosts import payload
+
+    for name in payload.closure("probe"):  # every module the probe's payload carries
+        tree = ast.parse(Path(payload.HOST_PACKAGE, f"{name}.py").read_text(), feature_version=(3, 8))
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                imported.add(node.module.split(".")[0])
+        assert imported <= set(sys.stdlib_module_names) | {"__future__"}, name
 
 
 # ------------------------------------------------------------------------------------------------ network
 
 
 def start_listener(port: int, *, via_stdin: bool = False, seconds: str = "20") -> subprocess.Popen:
-    argv = [sys.executable, "-" if via_stdin else str(PROBE), "listen", str(port), seconds, "--bind", "127.0.0.1"]
+    argv = [sys.executable, "-c", pyrun.BOOTSTRAP, "listen", str(port), seconds, "--bind", "127.0.0.1"]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdin.buffer.write(pyrun.payload("probe"))
+    proc.stdin.flush()
     if via_stdin:
-        proc.stdin.write(probe.source())
         proc.stdin.close()
     return proc
 
 
 def connect(port: int, timeout: str = "2", *extra: str) -> dict:
-    done = subprocess.run([sys.executable, str(PROBE), "connect", "127.0.0.1", str(port), timeout, *extra],
-                          capture_output=True, text=True, timeout=20)
+    done = run_stdin("connect", "127.0.0.1", str(port), timeout, *extra)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -305,8 +306,7 @@ def test_listen_connect_round_trip_and_closing_stdin_stops_the_listener():
         proc.kill()
         proc.wait()
     # the client closed first, so the port is not left in TIME_WAIT on the listener's side
-    assert json.loads(subprocess.run([sys.executable, str(PROBE), "free-port", str(port), "--bind", "127.0.0.1"],
-                                     capture_output=True, text=True).stdout) == {"free": True, "error": None}
+    assert json.loads(run_stdin("free-port", str(port), "--bind", "127.0.0.1").stdout) == {"free": True, "error": None}
 
 
 def test_listener_started_through_the_controller_bootstrap_stops_when_stdin_closes():
@@ -316,7 +316,7 @@ def test_listener_started_through_the_controller_bootstrap_stops_when_stdin_clos
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "listen", str(port), "20", "--bind", "127.0.0.1"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        proc.stdin.write(pyrun.payload(probe.source()))
+        proc.stdin.write(pyrun.payload("probe"))
         proc.stdin.flush()
         assert json.loads(read_line(proc.stdout, 5)) == {"ok": True, "port": port}
         assert connect(port)["reply_ok"] is True
@@ -328,7 +328,7 @@ def test_listener_started_through_the_controller_bootstrap_stops_when_stdin_clos
 
 
 def test_listener_whose_stdin_was_the_source_stops_when_its_reader_goes_away():
-    # `python3 - listen …` consumed stdin to read the script: EOF there means nothing, so the listener keeps
+    # its stdin ended right after the payload: EOF there means nothing, so the listener keeps
     # serving, and stops when the SSH channel (its stdout's reader) goes away.
     port = free_tcp_port()
     proc = start_listener(port, via_stdin=True)
@@ -359,10 +359,8 @@ def test_listen_on_a_port_in_use_reports_it_at_once():
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        done = subprocess.run([sys.executable, str(PROBE), "listen", str(port), "20", "--bind", "127.0.0.1"],
-                              capture_output=True, text=True, timeout=5)
-        free = subprocess.run([sys.executable, str(PROBE), "free-port", str(port), "--bind", "127.0.0.1"],
-                              capture_output=True, text=True, timeout=5)
+        done = run_stdin("listen", str(port), "20", "--bind", "127.0.0.1", timeout=5)
+        free = run_stdin("free-port", str(port), "--bind", "127.0.0.1", timeout=5)
     assert done.returncode == 0
     assert json.loads(done.stdout) == {"ok": False, "error": "address in use"}
     assert json.loads(free.stdout) == {"free": False, "error": "address in use"}
@@ -399,7 +397,7 @@ def test_connect_from_an_address_not_on_this_host_is_an_error():
     ["connect", "h", "0", "1"], ["free-port"],
 ])
 def test_malformed_command_line_exits_2_with_a_message_on_stderr(argv):
-    done = subprocess.run([sys.executable, str(PROBE), *argv], capture_output=True, text=True, timeout=10)
+    done = run_stdin(*argv, timeout=10)
     assert done.returncode == 2
     assert done.stdout == ""
     assert done.stderr.startswith("probe: ")

@@ -384,7 +384,7 @@ def test_a_venv_that_is_not_an_absolute_or_home_path_is_refused(value):
 def test_an_index_token_never_reaches_a_command_line_or_a_message(tmp_path):
     """uv gets the lock's index URLs by environment (ps shows command lines to every user of the host), and a
     failure that quotes the URL says *** for its credentials."""
-    from mnft.env import envhost
+    from mnft.onhost import envhost
 
     root = tmp_path / "env.d"  # the environment link is env, its builds and tools beside it
     (root / "dist").mkdir(parents=True)
@@ -429,7 +429,7 @@ def test_pip_download_gets_the_index_by_environment_and_its_errors_are_redacted(
 def test_an_environment_reached_through_a_symlinked_home_is_kept_by_the_prune(tmp_path):
     """A lab home that is a link (/home/u -> /data/home/u): the environment just built is the current one, not a
     stray to remove (it used to be pruned: the env link dangled and every later provision was refused)."""
-    from mnft.env import envhost
+    from mnft.onhost import envhost
 
     (tmp_path / "real" / "env.d" / "envs" / "new").mkdir(parents=True)
     (tmp_path / "real" / "env.d" / "envs" / "stray").mkdir(parents=True)
@@ -442,7 +442,7 @@ def test_an_environment_reached_through_a_symlinked_home_is_kept_by_the_prune(tm
 def test_an_installer_step_that_times_out_is_ended_with_its_whole_process_group(tmp_path):
     """The installer runs in its own session; what ends it (a timeout here, the controller's EOF or a signal on a
     host) ends its group by number, the child it started included."""
-    from mnft.env import envhost
+    from mnft.onhost import envhost
 
     pids = tmp_path / "pids"
     script = tmp_path / "installer"
@@ -460,7 +460,7 @@ def test_an_installer_step_that_times_out_is_ended_with_its_whole_process_group(
 
 
 def test_a_relayed_uv_that_is_not_the_controllers_is_removed_never_run(tmp_path):
-    from mnft.env import envhost
+    from mnft.onhost import envhost
 
     root = tmp_path / "env.d"
     (root / "dist").mkdir(parents=True)
@@ -477,7 +477,7 @@ def test_a_relayed_uv_that_is_not_the_controllers_is_removed_never_run(tmp_path)
 # ------------------------------------------------------------------------------------------------ the host script stopped
 
 
-ENVHOST = str(Path(__file__).resolve().parent.parent / "mnft" / "env" / "envhost.py")
+REPO = str(Path(__file__).resolve().parent.parent)
 HANGING_UV = """#!/bin/sh
 # a stand-in for uv that never finishes on its own: it makes the new environment's directory (uv venv's last
 # argument), starts a child in its process group and waits
@@ -502,10 +502,9 @@ QUICK_UV = """#!/bin/sh
 if [ "$1" = venv ]; then for a; do last=$a; done; mkdir -p "$last/bin"; fi
 exit 0
 """
-SIGNALLED_SWITCH = """import importlib.util, os, signal, sys
-spec = importlib.util.spec_from_file_location("envhost", sys.argv[1])
-envhost = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(envhost)
+SIGNALLED_SWITCH = """import os, signal, sys
+sys.path.insert(0, sys.argv[1])
+from mnft.onhost import envhost
 switch = envhost._switch
 def signalled(link, target):  # SIGTERM and SIGHUP come while the links switch
     os.kill(os.getpid(), signal.SIGTERM)
@@ -535,10 +534,12 @@ class HostScript:
         binary.write_text(uv.replace("{pids}", str(self.pids)))
         binary.chmod(0o755)
         spec = {"venv": str(self.link), "id": "new", "python": sys.executable, "wheels": [], "watch_stdin": watch, "deadman": deadman}
-        argv = [sys.executable, "-c", wrapper, ENVHOST] if wrapper else [sys.executable, ENVHOST]
+        from mnft.hosts import pyrun
+
+        argv = [sys.executable, "-c", wrapper, REPO] if wrapper else [sys.executable, "-c", pyrun.BOOTSTRAP]  # as a host runs it
         self.process = subprocess.Popen([*argv, "install", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, start_new_session=True)
-        self.process.stdin.write(json.dumps(spec).encode() + b"\n")
+        self.process.stdin.write((b"" if wrapper else pyrun.payload("envhost")) + json.dumps(spec).encode() + b"\n")
         self.process.stdin.flush()
 
     def installer_group(self) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_architecture import HOST_SCRIPTS, TORCH_ENTRIES, modules
+from tests.test_architecture import TORCH_ENTRIES, host_modules, modules
 
 ROOT = Path(__file__).resolve().parent.parent
 CONTROLLER_FLOOR = (3, 10, 0)
@@ -161,7 +161,7 @@ def newer_than(source: str, floor: tuple[int, ...]) -> list[str]:
     return sorted(set(found), key=lambda s: int(re.match(r"line (\d+)", s).group(1)))
 
 
-HOSTS = set(HOST_SCRIPTS + TORCH_ENTRIES)
+HOSTS = set(host_modules()) | set(TORCH_ENTRIES)
 
 
 @pytest.mark.parametrize("name", sorted(modules()))
@@ -204,16 +204,14 @@ def _python(version: str) -> str | None:
     return shutil.which(f"python{version}")
 
 
-@pytest.mark.parametrize("name", HOST_SCRIPTS)
-def test_host_scripts_import_under_python_3_8(name):
-    """Each host-side script compiled and imported (its definitions run, nothing started) by a real 3.8."""
+@pytest.mark.parametrize("name", host_modules())
+def test_host_modules_import_under_python_3_8(name):
+    """Each host module imported (its definitions run, nothing started) by a real 3.8, from its payload's package."""
     python = _python("3.8")
     if python is None:
         pytest.skip("no Python 3.8 on this machine")
-    path = modules()[name]
-    code = ("import importlib.util,sys;s=importlib.util.spec_from_file_location('m',sys.argv[1]);m=importlib.util.module_from_spec(s);"
-            "s.loader.exec_module(m)")
-    done = subprocess.run([python, "-c", code, str(path)], capture_output=True, text=True, timeout=60)
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import importlib; importlib.import_module('mnft.' + sys.argv[2])"
+    done = subprocess.run([python, "-S", "-c", code, str(ROOT), name], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -9,7 +9,7 @@ import pytest
 from mnft.core import durations
 from mnft.core.errors import InputError
 from mnft.hosts.settings import Host
-from mnft.run import agent
+from mnft.onhost import rootfiles, watches
 from mnft.run.session import ShellOptions, outcome, spec_for
 
 
@@ -19,17 +19,17 @@ def gpus(*rows):
 
 def test_a_gpu_is_idle_when_its_utilisation_is_at_most_a_few_percent_and_its_memory_does_not_move():
     before = gpus((0, 0, 1000), (1, 0, 500))
-    assert agent.idle_sample([0], before, gpus((0, 5, 1000), (1, 99, 900)))  # GPU 1 is not the run's
-    assert not agent.idle_sample([0], before, gpus((0, 6, 1000)))  # above the threshold
-    assert not agent.idle_sample([0], before, gpus((0, 0, 1300)))  # loading data: its memory moves
-    assert not agent.idle_sample([0, 1], before, gpus((0, 0, 1000)))  # a GPU not answered for is never idle
-    assert not agent.idle_sample([0], None, gpus((0, 0, 1000)))  # nothing to compare with yet
+    assert watches.idle_sample([0], before, gpus((0, 5, 1000), (1, 99, 900)))  # GPU 1 is not the run's
+    assert not watches.idle_sample([0], before, gpus((0, 6, 1000)))  # above the threshold
+    assert not watches.idle_sample([0], before, gpus((0, 0, 1300)))  # loading data: its memory moves
+    assert not watches.idle_sample([0, 1], before, gpus((0, 0, 1000)))  # a GPU not answered for is never idle
+    assert not watches.idle_sample([0], None, gpus((0, 0, 1000)))  # nothing to compare with yet
 
 
 def test_the_keeper_ends_a_run_only_once_all_its_gpus_have_been_idle_for_idle_stop():
     now = [1000.0]
     answers = iter([gpus((0, 0, 10)), gpus((0, 0, 10)), gpus((0, 50, 10)), gpus((0, 0, 10)), gpus((0, 0, 10)), gpus((0, 0, 10))])
-    watch = agent.IdleWatch({"devices": [0], "idle_stop": 12}, sample=lambda: next(answers), clock=lambda: now[0])
+    watch = watches.IdleWatch({"devices": [0], "idle_stop": 12}, sample=lambda: next(answers), clock=lambda: now[0])
     assert watch.every == 2.0
     reasons = []
     for _ in range(6):
@@ -72,17 +72,17 @@ def test_usage_sums_gpu_seconds_per_user_and_host_within_the_window_with_the_idl
 
 
 def test_the_keeper_and_the_hosts_hold_process_write_the_same_usage_line(monkeypatch, tmp_path):
-    from mnft.hosts import leasehost
+    from mnft.onhost import usage, usageread
 
     monkeypatch.setenv("MNFT_LEASE_DIR", str(tmp_path))
     ended = [{"run_id": "R", "command": "train", "user": "a", "controller": "c", "taken": 1.0, "queued": None, "device": {"index": 0},
               "idle_s": 3, "idle_since": None}, {"run_id": "R", "command": "train", "taken": 1.0, "workdir": "/w"}]
-    host_side, keeper_side = leasehost.usage_line(ended), agent.usage_line(ended)
-    assert set(host_side) == set(keeper_side) and host_side["devices"] == keeper_side["devices"] == [0] and host_side["idle_s"] == 3
-    leasehost.log_usage(host_side)
-    agent.log_usage(keeper_side, str(tmp_path))
-    read = leasehost.usage(0)
-    assert [(line["run_id"], line["devices"], line["login"]) for line in read["lines"]] == [("R", [0], host_side["login"])] * 2
+    line = usage.usage_line(ended)  # the one line both write: the hold's process and the keeper share mnft.onhost.usage
+    assert line["devices"] == [0] and line["idle_s"] == 3
+    for writer in ("hold", "keeper"):
+        usage.log_usage(line, str(tmp_path))
+    read = usageread.usage(0)
+    assert [(entry["run_id"], entry["devices"], entry["login"]) for entry in read["lines"]] == [("R", [0], line["login"])] * 2
     assert oct((tmp_path / f"mnft-usage-{__import__('os').getuid()}.jsonl").stat().st_mode & 0o777) == "0o644"
 
 
@@ -107,45 +107,45 @@ def test_wait_looks_until_the_run_has_ended_and_exits_with_its_outcome(tmp_path,
 
 def test_a_users_idle_stop_may_lower_the_labs_but_never_raise_it():
     lab = {"path": "/etc/mnft/lab.yaml", "idle_stop": 7200.0}
-    assert agent.idle_limit(None, {}) == (None, None, None)
-    assert agent.idle_limit(1800, {}) == (1800.0, "--idle-stop 30m", None)
-    assert agent.idle_limit(1800, lab) == (1800.0, "--idle-stop 30m", None)  # lowered by the user
-    assert agent.idle_limit(5 * 3600, lab) == (7200.0, "the lab's idle_stop 2h00m, /etc/mnft/lab.yaml",
+    assert watches.idle_limit(None, {}) == (None, None, None)
+    assert watches.idle_limit(1800, {}) == (1800.0, "--idle-stop 30m", None)
+    assert watches.idle_limit(1800, lab) == (1800.0, "--idle-stop 30m", None)  # lowered by the user
+    assert watches.idle_limit(5 * 3600, lab) == (7200.0, "the lab's idle_stop 2h00m, /etc/mnft/lab.yaml",
                                                "--idle-stop 5h00m is more than this host allows: ended once its GPUs have all been "
                                                "idle for 2h00m (the lab's idle_stop 2h00m, /etc/mnft/lab.yaml)")
-    assert agent.idle_limit(None, lab)[:2] == (7200.0, "the lab's idle_stop 2h00m, /etc/mnft/lab.yaml")  # none asked: the lab's
+    assert watches.idle_limit(None, lab)[:2] == (7200.0, "the lab's idle_stop 2h00m, /etc/mnft/lab.yaml")  # none asked: the lab's
 
 
 def test_the_labs_rules_count_only_from_a_file_only_root_can_have_written(tmp_path):
     good = tmp_path / "lab.yaml"
     good.write_text("# set by the admins\nidle_stop: 2h   # nights and weekends\nother: 1\n")
     good.chmod(0o644)
-    assert agent.lab_policy([str(good)]) == {"path": str(good), "idle_stop": 7200.0}
+    assert watches.lab_policy([str(good)]) == {"path": str(good), "idle_stop": 7200.0}
     good.chmod(0o664)  # the group may write it: anyone of it could lift the limit
-    assert agent.lab_policy([str(good)]) == {}
+    assert watches.lab_policy([str(good)]) == {}
     good.chmod(0o644)
     os.chown(good, 65534, 65534)  # a user's file (in the shared lease directory anyone may create one)
-    assert agent.lab_policy([str(good)]) == {}
+    assert watches.lab_policy([str(good)]) == {}
     link = tmp_path / "link.yaml"
     os.chown(good, 0, 0)
     link.symlink_to(good)
-    assert agent.lab_policy([str(link)]) == {}
+    assert watches.lab_policy([str(link)]) == {}
     bad = tmp_path / "bad.yaml"
     bad.write_text("idle_stop: soon\n")
-    assert agent.lab_policy([str(tmp_path / "missing"), str(bad)]) == {
+    assert watches.lab_policy([str(tmp_path / "missing"), str(bad)]) == {
         "path": str(bad), "problem": f"{bad}: idle_stop 'soon' is not a duration (2h, 90m …) and is ignored"}
 
 
 def test_durations_on_the_host_read_as_on_the_controller():
     for text in ("90", "90s", "15m", "2h", "1h30m", "7d", "1.5h"):
-        assert agent.parse_duration(text) == durations.parse(text, "x")
+        assert rootfiles.parse_duration(text) == durations.parse(text, "x")
     for text in ("", "soon", "0", "2 h", "h2", "-5m"):
-        assert agent.parse_duration(text) is None
+        assert rootfiles.parse_duration(text) is None
 
 
 def test_a_runs_gpus_are_its_specs_else_those_its_device_leases_name():
-    assert agent.devices_of({"devices": [2]}) == [2]
-    assert agent.devices_of({"leases": ["/run/lock/mnft-dev-gpu3.json", "/run/lock/mnft-work-ab.json", "/run/lock/mnft-dev-gpu1.json",
+    assert watches.devices_of({"devices": [2]}) == [2]
+    assert watches.devices_of({"leases": ["/run/lock/mnft-dev-gpu3.json", "/run/lock/mnft-work-ab.json", "/run/lock/mnft-dev-gpu1.json",
                                         "/run/lock/mnft-dev-cpu.json"]}) == [1, 3]
 
 

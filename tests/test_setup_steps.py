@@ -289,15 +289,15 @@ def test_undo_keeps_a_key_replaced_since_mnft_generated_it():
 
 
 def test_keygen_records_what_it_made_and_never_claims_a_private_key_it_found(tmp_path):
-    from mnft.setup.steps import remote
+    from mnft.onhost import setuphost
 
     mine = tmp_path / "mine"
-    out = remote.op_keygen({"path": str(mine), "comment": "mnft-mesh@h1"})
+    out = setuphost.op_keygen({"path": str(mine), "comment": "mnft-mesh@h1"})
     assert out["generated"] and mesh.generated_record((tmp_path / ("mine" + mesh.KEY_RECORD)).read_text()) == ("key", out["public"].split()[1])
     theirs = tmp_path / "theirs"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "alice", "-f", str(theirs)], check=True)
     (tmp_path / "theirs.pub").unlink()
-    out = remote.op_keygen({"path": str(theirs), "comment": "mnft-mesh@h1"})
+    out = setuphost.op_keygen({"path": str(theirs), "comment": "mnft-mesh@h1"})
     assert not out["generated"] and out["wrote_pub"]
     assert mesh.generated_record((tmp_path / ("theirs" + mesh.KEY_RECORD)).read_text())[0] == "pub"
     files = {**mesh_files(), "pub": file((tmp_path / "theirs.pub").read_text()), "record": file((tmp_path / ("theirs" + mesh.KEY_RECORD)).read_text())}
@@ -523,9 +523,9 @@ echo reverted >> "$dir/log"
 
 @pytest.fixture
 def fake_nft(tmp_path, monkeypatch):
-    from mnft.setup.steps import remote
+    from mnft.onhost import setuphost
 
-    monkeypatch.setattr(remote, "STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setattr(setuphost, "STATE_DIR", str(tmp_path / "state"))
     nft = tmp_path / "nft"
     nft.write_text(FAKE_NFT)
     nft.chmod(0o755)
@@ -545,29 +545,29 @@ def _wait_for(path, what: str) -> None:
 def test_a_cancel_that_comes_while_the_revert_runs_reports_reverted_not_cancelled(fake_nft, tmp_path):
     import threading
 
-    from mnft.setup.steps import remote
+    from mnft.onhost import setuphost
 
-    armed = remote.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 0, "nft": str(fake_nft)})
+    armed = setuphost.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 0, "nft": str(fake_nft)})
     _wait_for(tmp_path / "reverting", "the revert")  # the sleeper holds the lock and runs `nft -f <revert>`
     got = {}
-    cancel = threading.Thread(target=lambda: got.update(remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]})))
+    cancel = threading.Thread(target=lambda: got.update(setuphost.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]})))
     cancel.start()
     (tmp_path / "release").touch()
     cancel.join(timeout=120)
     assert got == {"cancelled": False}  # the late probe's cancel must not claim the rules it checked are in place
     assert (tmp_path / "log").read_text() == "applied\nreverted\n"
-    assert remote.op_wait_gone({"pid": armed["pid"], "token": armed["token"], "timeout": 60}) == {"gone": True}
+    assert setuphost.op_wait_gone({"pid": armed["pid"], "token": armed["token"], "timeout": 60}) == {"gone": True}
 
 
 def test_a_cancel_before_the_delay_disarms_the_revert_for_good(fake_nft, tmp_path):
-    from mnft.setup.steps import remote
+    from mnft.onhost import setuphost
 
-    armed = remote.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 600, "nft": str(fake_nft)})
-    assert remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": True}
-    assert remote.op_wait_gone({"pid": armed["pid"], "token": armed["token"], "timeout": 60}) == {"gone": True}
+    armed = setuphost.op_nft_guarded({"rules": "rules\n", "revert": "revert\n", "delay": 600, "nft": str(fake_nft)})
+    assert setuphost.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": True}
+    assert setuphost.op_wait_gone({"pid": armed["pid"], "token": armed["token"], "timeout": 60}) == {"gone": True}
     assert (tmp_path / "log").read_text() == "applied\n"
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == []
-    assert remote.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": False}
+    assert setuphost.op_cancel_revert({"pid": armed["pid"], "token": armed["token"]}) == {"cancelled": False}
 
 
 def test_the_host_script_refuses_to_edit_a_file_past_the_limit_naming_it(tmp_path):
@@ -578,17 +578,19 @@ def test_the_host_script_refuses_to_edit_a_file_past_the_limit_naming_it(tmp_pat
     import sys
 
     from mnft.core import limits
-    from mnft.setup.steps import remote
+    from mnft.onhost import setuphost
 
-    assert remote.MAX_READ_BYTES == limits.HOST_FILE_BYTES  # the host script cannot import mnft: one value, two places
+    assert setuphost.MAX_READ_BYTES == limits.HOST_FILE_BYTES  # the host script cannot import mnft: one value, two places
     big, small = tmp_path / "authorized_keys", tmp_path / "config"
     with open(big, "wb") as f:
         f.truncate(limits.HOST_FILE_BYTES + 1)
     small.write_text("Host *\n")
     sysctl = "/proc/sys/net/ipv4/ip_local_port_range"  # the kernel refuses one large read of it (ENOMEM): chunks
     request = {"ops": [{"op": "read", "path": str(small)}, {"op": "read", "path": sysctl}, {"op": "read", "path": str(big)}]}
-    done = subprocess.run([sys.executable, "-c", remote.source() + "\nsys.exit(main())"], input=json.dumps(request) + "\n",
-                          capture_output=True, text=True, timeout=30)
-    [ok, proc, refused] = json.loads(done.stdout)["results"]
+    from mnft.hosts import pyrun
+
+    done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP], input=pyrun.payload("setuphost") + (json.dumps(request) + "\n").encode(),
+                          capture_output=True, timeout=30)
+    [ok, proc, refused] = json.loads(done.stdout.decode())["results"]
     assert ok["text"] == "Host *\n" and proc["text"] == open(sysctl).read()
     assert refused == {"error": f"{big} is larger than 4 MiB: mnft edits files up to that size (trim it, or edit it by hand)"}

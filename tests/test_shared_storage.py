@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from mnft.sync import mirror, treehash
+from mnft.sync import mirror
 
+
+from mnft.onhost import sharemarks, treehash
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -30,20 +32,22 @@ def test_groups_are_the_hosts_that_see_each_others_marks_taken_both_ways():
 def test_a_mark_is_seen_for_the_same_path_only_and_never_creates_the_target(tmp_path):
     shared, other = tmp_path / "home" / "mnft", tmp_path / "home" / "elsewhere"
     (tmp_path / "home").mkdir()
-    assert treehash._mark(str(shared), "n1.h1") is None and treehash._mark(str(other), "n1.h2") is None
+    assert sharemarks._mark(str(shared), "n1.h1") is None and sharemarks._mark(str(other), "n1.h2") is None
     assert not shared.exists()  # marked beside it: a missing mount never becomes a local directory
-    assert treehash.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1"]  # h2 marked another path
-    assert treehash._mark(str(shared), "n1.h3") is None
-    assert treehash.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1", "h3"]
-    assert treehash.seen(str(shared), "n2", ["h1"]) == []  # another sync's nonce
-    assert treehash._mark(str(tmp_path / "home" / "x"), "../../etc.h1") == "invalid mark"
+    assert sharemarks.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1"]  # h2 marked another path
+    assert sharemarks._mark(str(shared), "n1.h3") is None
+    assert sharemarks.seen(str(shared), "n1", ["h1", "h2", "h3"]) == ["h1", "h3"]
+    assert sharemarks.seen(str(shared), "n2", ["h1"]) == []  # another sync's nonce
+    assert sharemarks._mark(str(tmp_path / "home" / "x"), "../../etc.h1") == "invalid mark"
 
 
 def run_treehash(*argv: str) -> dict:
     """The host script as a host runs it (its own process: marks and looks from the command line)."""
-    done = subprocess.run([sys.executable, "-S", str(REPO / "mnft/sync/treehash.py"), *argv], capture_output=True, text=True, timeout=60,
-                          stdin=subprocess.DEVNULL, check=True)
-    return json.loads(done.stdout.splitlines()[-1])
+    from mnft.hosts import pyrun
+
+    done = subprocess.run([sys.executable, "-S", "-c", pyrun.BOOTSTRAP, *argv], input=pyrun.payload("treehash"), capture_output=True,
+                          timeout=60, check=True)
+    return json.loads(done.stdout.decode().splitlines()[-1])
 
 
 def test_one_round_trip_finds_who_shares_because_the_later_of_two_hosts_to_mark_sees_the_earlier(tmp_path):
@@ -85,10 +89,10 @@ def test_a_mark_appears_whole_and_a_link_planted_at_its_name_is_replaced_never_f
     share = tmp_path / "home" / ".mnft-share"
     share.mkdir(mode=0o700)
     (share / "n1.h1").symlink_to(victim)
-    assert treehash._mark(str(tmp_path / "home" / "mnft"), "n1.h1") is None
+    assert sharemarks._mark(str(tmp_path / "home" / "mnft"), "n1.h1") is None
     assert victim.read_text() == "not mnft's\n" and not (share / "n1.h1").is_symlink()
     assert sorted(os.listdir(share)) == ["n1.h1"]  # written under another name, renamed into place: nothing else left
-    assert treehash.seen(str(tmp_path / "home" / "mnft"), "n1", ["h1"]) == ["h1"]
+    assert sharemarks.seen(str(tmp_path / "home" / "mnft"), "n1", ["h1"]) == ["h1"]
 
 
 def test_a_target_that_is_a_mount_of_its_own_is_marked_inside_and_its_marks_are_never_synced(tmp_path, monkeypatch):
@@ -98,12 +102,12 @@ def test_a_target_that_is_a_mount_of_its_own_is_marked_inside_and_its_marks_are_
 
     data = tmp_path / "home" / "mnft-data"
     data.mkdir(parents=True)
-    assert treehash._anchor(str(data)) == (str(tmp_path / "home"), "mnft-data")  # a plain directory: beside it
-    monkeypatch.setattr(treehash, "_mount_points", lambda: {str(data)})
-    assert treehash._anchor(str(data)) == (str(data), ".")
-    assert treehash._mark(str(data), "n1.h1") is None and (data / ".mnft-share" / "n1.h1").is_file()
-    assert treehash.seen(str(data), "n1", ["h1", "h2"]) == ["h1"]
-    assert treehash._anchor(str(data / "missing")) == (str(data), "missing")  # below the mount: beside, as before
+    assert sharemarks._anchor(str(data)) == (str(tmp_path / "home"), "mnft-data")  # a plain directory: beside it
+    monkeypatch.setattr(sharemarks, "_mount_points", lambda: {str(data)})
+    assert sharemarks._anchor(str(data)) == (str(data), ".")
+    assert sharemarks._mark(str(data), "n1.h1") is None and (data / ".mnft-share" / "n1.h1").is_file()
+    assert sharemarks.seen(str(data), "n1", ["h1", "h2"]) == ["h1"]
+    assert sharemarks._anchor(str(data / "missing")) == (str(data), "missing")  # below the mount: beside, as before
     (data / "x.txt").write_text("x")
     for fixed in (source.ALWAYS_EXCLUDES, source.DATA_EXCLUDES):  # the same rules go to rsync: not sent, not deleted
         assert sorted(source.tree_hash(data, fixed)[1]) == ["x.txt"]
@@ -113,7 +117,7 @@ def test_mount_points_are_read_with_their_escapes_undone():
     info = ("22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n"
             "95 22 0:50 /export/data /srv/lab\\040data rw,relatime - nfs4 fs:/export rw,vers=4.2\n"
             "96 22 0:51 / /srv/a\\011b\\134c rw - tmpfs tmpfs rw\n")
-    assert treehash._mount_points(info) == {"/", "/srv/lab data", "/srv/a\tb\\c"}
+    assert sharemarks._mount_points(info) == {"/", "/srv/lab data", "/srv/a\tb\\c"}
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="a bind mount in a mount namespace of its own needs root")
@@ -123,18 +127,18 @@ def test_a_bind_mount_whose_name_needs_escapes_is_found_in_this_machines_mountin
     source, target = tmp_path / "export", tmp_path / "lab data\tset"
     source.mkdir()
     target.mkdir()
-    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from mnft.sync import treehash; "
-             "print(sys.argv[2] in treehash._mount_points(), sys.argv[3] in treehash._mount_points())")
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); from mnft.onhost import sharemarks; "
+             "print(sys.argv[2] in sharemarks._mount_points(), sys.argv[3] in sharemarks._mount_points())")
     done = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount --bind "$1" "$2" && exec "$3" -c "$4" "$5" "$2" "$1"',
                            "sh", str(source), str(target), sys.executable, probe, str(REPO)], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "False"]  # the mount point, not the directory it shows
-    assert str(target) not in treehash._mount_points()  # this namespace never saw it
+    assert str(target) not in sharemarks._mount_points()  # this namespace never saw it
 
 
 @pytest.mark.parametrize("target", ["/etc/mnft", "/mnft"])
 def test_nothing_is_marked_in_a_system_directory_or_at_the_root(target):
-    assert treehash._mark(target, "n1.h1") == "no directory above the target to mark"
+    assert sharemarks._mark(target, "n1.h1") == "no directory above the target to mark"
 
 
 # ------------------------------------------------------------------------------------------------ on the test bed

@@ -1,7 +1,7 @@
 """`train --slurm` with an image, its pure and host-side parts: the allocation's check of a job in an image (every
 node's facts and the image's in one step, then the probe inside the image on every node by its own command line),
 the facts merged as `check --image` merges them, the image's rules refusing an attempt, each node's runtime built
-for the launch plan; mnft.slurm.node's command mode and a script's input; the dry run's honest command. No Slurm:
+for the launch plan; mnft.onhost.slurmnode's command mode and a script's input; the dry run's honest command. No Slurm:
 the steps' answers are data (the cluster test is tests/test_cluster_slurm_image.py)."""
 
 from __future__ import annotations
@@ -15,23 +15,25 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mnft.check import probe
+from mnft.onhost import probe
+from mnft.hosts import pyrun
 from mnft.hosts.pyrun import BOOTSTRAP
 from mnft.hosts.settings import Host
 from mnft.run.job import Job
-from mnft.slurm import allocation, node, plan
+from mnft.slurm import allocation, plan
 
-NODE = Path(node.__file__)
+from mnft.onhost import slurmnode
+NODE = Path(slurmnode.__file__)
 IMAGE = "localhost/lab-train:3"
 ID = "sha256:" + "ab" * 32
 OTHER = "sha256:" + "cd" * 32
 
 
 def run_node(line: dict, node_id: int, timeout: float = 60) -> list[str]:
-    """mnft.slurm.node as srun starts it on the node with SLURM_NODEID node_id, its stdin this one line: the whole
+    """mnft.onhost.slurmnode as srun starts it on the node with SLURM_NODEID node_id, its stdin this one line: the whole
     lines it printed (its pieces joined back as the batch joins them)."""
     env = dict(os.environ, SLURM_NODEID=str(node_id))
-    done = subprocess.run([sys.executable, str(NODE)], input=json.dumps(line).encode() + b"\n", capture_output=True, env=env,
+    done = subprocess.run([sys.executable, "-c", BOOTSTRAP], input=pyrun.payload("slurmnode") + json.dumps(line).encode() + b"\n", capture_output=True, env=env,
                           timeout=timeout, check=False)
     assert done.returncode == 0, done.stderr.decode()
     joined = plan.Pieces()
@@ -61,19 +63,23 @@ def test_a_command_that_does_not_end_in_time_is_said_not_waited_for():
     assert ran["exit_code"] is None and ran["error"] == "no answer within 0.5s"
 
 
-def test_a_script_reads_the_lines_input_after_its_source():
-    echo = "import sys\nprint('got ' + sys.stdin.read().strip())\n"
-    assert run_node(plan.script_line(echo, [], input='{"image": "x"}\n'), 0) == ['got {"image": "x"}']
-    assert "input" not in plan.script_line(echo, [])  # the other steps' lines are as before
+def test_a_script_reads_the_lines_input_after_its_payload():
+    import base64
+    import marshal
+
+    from mnft.hosts import payload
+
+    echo = "import sys\ndef main(argv):\n    print('got ' + sys.stdin.read().strip())\n"
+    shipped = base64.b64encode(payload.pack("x", {"x": (echo.encode(), marshal.dumps(compile(echo, "x", "exec")))})).decode()
+    assert run_node(dict(plan.script_line("probe", [], input='{"image": "x"}\n'), payload=shipped), 0) == ['got {"image": "x"}']
+    assert "input" not in plan.script_line("probe", [])  # the other steps' lines are as before
 
 
 def test_the_probe_in_image_facts_mode_answers_the_nodes_facts_and_the_images_through_the_node_script(tmp_path):
-    """The check step's script as the allocation sends it: the probe, its request on stdin (imagehost's source, a
-    runtime setting, the image); a runtime that is not there is said in the image's facts, the host's facts come."""
-    from mnft.image import imagehost
-
-    request = json.dumps({"imagehost": imagehost.source(), "runtime": str(tmp_path / "no-podman"), "image": IMAGE}) + "\n"
-    lines = run_node(plan.script_line(probe.source(), plan.image_check_args(str(tmp_path)), input=request), 0)
+    """The check step's script as the allocation sends it: the probe (imagehost in its payload), its request on stdin
+    (a runtime setting, the image); a runtime that is not there is said in the image's facts, the host's facts come."""
+    request = json.dumps({"runtime": str(tmp_path / "no-podman"), "image": IMAGE}) + "\n"
+    lines = run_node(plan.script_line("probe", plan.image_check_args(str(tmp_path)), input=request), 0)
     host_facts, container, error = allocation.image_facts_reply(lines, "")
     assert isinstance(host_facts, dict) and host_facts["disk"]["workdir"] == str(tmp_path)
     assert container["runtime"] is None and "no-podman" in container["error"] and container["image"]["present"] is False
@@ -154,14 +160,14 @@ def test_a_job_in_an_image_is_checked_inside_the_image_on_every_node_and_each_no
     # step 1: the probe in image-facts mode, imagehost's source with the template's runtime setting and the image
     assert (first["name"], first["args"]) == ("mnft-check", ["image-facts", "--workdir", workdir])
     request = json.loads(first["input"])
-    assert (request["runtime"], request["image"]) == ("podman", IMAGE) and "def facts(runtime" in request["imagehost"]
+    assert (request["runtime"], request["image"]) == ("podman", IMAGE) and first["script"] == "probe" and "imagehost" not in request
     # step 2: each node's own command line, the probe on stdin, run by the id the check just read (as train runs it)
     assert second["name"] == "mnft-check-image"
     command = second["line"]["commands"][1]
     assert command[:3] == ["/usr/bin/podman", "run", "--rm"] and "-i" in command and "--userns" in command
     at = command.index("ab" * 32)
     assert command[at + 1:] == ["python3", "-c", BOOTSTRAP, "python", "--modules", "json"]
-    assert second["line"]["input"].startswith(str(len(probe.source().encode())) + "\n")
+    assert second["line"]["payload"] == plan.payload64("probe") and second["line"]["input"] == ""
     # merged as check --image merges them: the image's Python, the host's own kept apart
     assert facts["node1"]["image_probe"]["ok"] is True and facts["node1"]["image_probe"]["seconds"] == 1.2
     assert facts["node1"]["python"] == inside["python"] and facts["node1"]["host_python"] == host_facts["python"]
@@ -264,12 +270,12 @@ def test_the_dry_run_of_a_job_in_an_image_shows_the_command_inside_and_says_the_
 
 def test_on_slurms_sigterm_a_node_removes_its_container_by_name_with_a_short_grace_outside_the_step(tmp_path):
     podman = {"runtime": "podman", "teardown": ["/usr/bin/podman", "rm", "--force", "--time", "5", "mnft-R-h1"]}
-    assert node.removal_on_term(podman) == ["/usr/bin/podman", "rm", "--force", "--time", str(node.TERM_GRACE), "mnft-R-h1"]
+    assert slurmnode.removal_on_term(podman) == ["/usr/bin/podman", "rm", "--force", "--time", str(slurmnode.TERM_GRACE), "mnft-R-h1"]
     assert podman["teardown"][4] == "5"  # the spec's own is left as the agent's teardown reads it
-    assert node.removal_on_term({"runtime": "docker", "teardown": ["docker", "rm", "--force", "n"]}) == ["docker", "rm", "--force", "n"]
-    assert node.removal_on_term({"runtime": "apptainer", "teardown": None}) is None and node.removal_on_term(None) is None
+    assert slurmnode.removal_on_term({"runtime": "docker", "teardown": ["docker", "rm", "--force", "n"]}) == ["docker", "rm", "--force", "n"]
+    assert slurmnode.removal_on_term({"runtime": "apptainer", "teardown": None}) is None and slurmnode.removal_on_term(None) is None
     mark = tmp_path / "removed"
-    node.detached([sys.executable, "-c", f"import time; time.sleep(0.3); open({str(mark)!r}, 'w').write('x')"])
+    slurmnode.detached([sys.executable, "-c", f"import time; time.sleep(0.3); open({str(mark)!r}, 'w').write('x')"])
     assert not mark.exists()  # not waited for: it runs on after the shell that started it
     import time
 
@@ -280,4 +286,4 @@ def test_on_slurms_sigterm_a_node_removes_its_container_by_name_with_a_short_gra
 
 
 def test_the_kept_end_of_a_commands_output_fits_the_line_the_batch_joins_back_even_escaped():
-    assert len(json.dumps({"ran": {"stdout": '"' * node.OUTPUT_KEPT, "stderr": '"' * node.ERRORS_KEPT}})) < plan.LINE_KEPT
+    assert len(json.dumps({"ran": {"stdout": '"' * slurmnode.OUTPUT_KEPT, "stderr": '"' * slurmnode.ERRORS_KEPT}})) < plan.LINE_KEPT

@@ -8,7 +8,8 @@ import pytest
 from mnft.core.errors import InputError
 from mnft.hosts.pyrun import BOOTSTRAP
 from mnft.hosts.settings import Host
-from mnft.slurm import cluster, node, plan
+from mnft.slurm import cluster, plan
+from mnft.onhost import slurmnode
 from mnft.slurm.plan import SlurmOptions
 
 
@@ -80,7 +81,7 @@ def test_every_step_is_one_task_per_node_ended_when_one_fails_with_the_same_stdi
         "srun", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--wait=60", "--input=all", "--label",
         "--job-name=mnft-train", "/py", "-c", BOOTSTRAP]
     assert plan.check_args("/w", ["torch", "peft", "torch"]) == ["facts", "--workdir", "/w", "--modules", "peft,torch"]
-    assert plan.script_line("src", ["facts"]) == {"mode": "script", "script": "src", "args": ["facts"], "bootstrap": BOOTSTRAP}
+    assert plan.script_line("probe", ["facts"]) == {"mode": "script", "payload": plan.payload64("probe"), "args": ["facts"]}
 
 
 def test_the_allocation_nodes_become_an_inventory_in_hostnames_order():
@@ -100,19 +101,19 @@ def test_pieces_of_labelled_lines_are_joined_back_per_task():
 
 
 def test_the_node_side_cuts_long_lines_into_pieces_the_batch_joins():
-    line = "x" * (node.PIECE * 2 + 7)
+    line = "x" * (slurmnode.PIECE * 2 + 7)
     joined = plan.Pieces()
-    out = [joined.feed(f"3: {piece}") for piece in node.pieces(line + "\n")]
+    out = [joined.feed(f"3: {piece}") for piece in slurmnode.pieces(line + "\n")]
     assert out[-1] == (3, line) and all(o is None for o in out[:-1])
-    assert node.pieces("") == ["|"]
+    assert slurmnode.pieces("") == ["|"]
 
 
 def test_a_node_takes_the_launch_at_its_slurm_nodeid_only_when_the_plan_made_it_for_that_node():
     launches = [{"node": "h1", "spec": {}}, {"node": "h2", "spec": {}}]
-    assert node.choose(launches, 1, "h2") == (launches[1], None)
-    launch, why = node.choose(launches, 1, "h9")
+    assert slurmnode.choose(launches, 1, "h2") == (launches[1], None)
+    launch, why = slurmnode.choose(launches, 1, "h9")
     assert launch is None and "SLURM_NODEID 1 is h9" in why
-    assert node.choose(launches, 2, "h3")[0] is None
+    assert slurmnode.choose(launches, 2, "h3")[0] is None
 
 
 def test_sinfo_partitions_and_the_request_checked_against_them():

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from mnft.run import agent, control
+from mnft.run import control
+
+from mnft.onhost import queries
 from mnft.run.report import print_status
 
 
@@ -27,7 +29,7 @@ def test_status_shows_the_last_step_not_the_summary_or_a_checkpoint_event(tmp_pa
         {"event": "summary", "initial_loss": 6.3, "final_loss": 1.16, "steps": 200},
         {"event": "saved", "adapter": "/o/adapter"},
     ])
-    state = agent.status(str(run))
+    state = queries.status(str(run))
     assert state["state"] == "exited" and state["exit_code"] == 0
     assert control.last_metric({"recipe": "lora"}, "a", state) == {"step": 200, "loss": 1.2032}
 
@@ -41,11 +43,11 @@ def test_status_of_a_script_reads_rank_0s_output_in_the_jobs_format(tmp_path):
         "[rank0]: 50%|#####     | 20/40 [00:10<00:10]\n")
     data = {"job": {"entry": ["train.py"], "metrics": {"format": "hf"}}, "hosts": {"a": {"node_rank": 0}},
             "inventory": {"hosts": [{"slots": 1}]}}
-    state = dict(agent.status(str(run)), metric_lines=[])
+    state = dict(queries.status(str(run)), metric_lines=[])
     # HF's records carry no step: the training bar printed after the newest one says where it is, about
     assert control.last_metric(data, "a", state) == {"loss": 2.25, "grad_norm": 1.0, "lr": 4e-05, "epoch": 0.5, "step": 20, "step_about": True}
     (run / "output.log").write_text("[rank0]:{'loss': 2.25, 'epoch': 0.5}\n")
-    assert control.last_metric(data, "a", dict(agent.status(str(run)), metric_lines=[]))["step"] is None  # no bar: unknown
+    assert control.last_metric(data, "a", dict(queries.status(str(run)), metric_lines=[]))["step"] is None  # no bar: unknown
 
 
 def test_a_non_finite_loss_is_shown_as_the_recipe_wrote_it(capsys):

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 
-from mnft.run import agent, straggler
+from mnft.run import straggler
+
+from mnft.onhost import rungpus, samples
 from mnft.run.straggler import Watch
 
 
@@ -48,13 +50,13 @@ def test_a_host_is_named_only_when_slow_in_two_samples_in_a_row_and_cleared_only
 def test_the_agent_reads_rank_timings_gpu_use_and_the_runs_cpu(tmp_path):
     rows = [{"step": s, "rank": 1, "node_rank": 0, "step_s": 0.5, "data_s": 0.01, "compute_s": 0.3 + s / 100, "comm_s": 0.1} for s in range(1, 31)]
     (tmp_path / "timings-rank1.jsonl").write_text(json.dumps({"event": "start", "rank": 1}) + "\n" + "".join(json.dumps(r) + "\n" for r in rows))
-    sampler = agent.Sampler(None, str(tmp_path / "timings-rank*.jsonl"))
+    sampler = samples.Sampler(None, str(tmp_path / "timings-rank*.jsonl"))
     assert sampler.sample()["ranks"] == {}  # what the files held at the start is history
     with open(tmp_path / "timings-rank1.jsonl", "a") as fh:
         fh.write(json.dumps(dict(rows[-1], step=31, compute_s=0.9)) + "\n")
     (tmp_path / "timings-rank2.jsonl").write_text(json.dumps(dict(rows[0], rank=2, compute_s=0.25)) + "\n")  # a new file: read whole
     ranks = sampler.sample()["ranks"]
     assert ranks["1"] == {"step": 31, "n": 1, "step_s": 0.5, "compute_s": 0.9, "comm_s": 0.1} and ranks["2"]["compute_s"] == 0.25
-    assert agent.rank_window({0: rows})["0"]["n"] == agent.WINDOW  # the medians are over the last steps only
-    assert agent.parse_gpu_util("0, 97, 40000\n1, 3, 1200\n") == [{"index": 0, "util": 97.0, "mem_mib": 40000.0},
+    assert samples.rank_window({0: rows})["0"]["n"] == samples.WINDOW  # the medians are over the last steps only
+    assert rungpus.parse_gpu_util("0, 97, 40000\n1, 3, 1200\n") == [{"index": 0, "util": 97.0, "mem_mib": 40000.0},
                                                                  {"index": 1, "util": 3.0, "mem_mib": 1200.0}]

@@ -13,8 +13,9 @@ import pytest
 from mnft.core.errors import ExitCode, InputError
 from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.inventory import parse
-from mnft.sync import gitignore, mirror, rsync, source, targets, treehash
+from mnft.sync import gitignore, mirror, rsync, source, targets
 
+from mnft.onhost import treehash
 KNOWN = ("/etc/ssh/ssh_known_hosts", "/ctl/.ssh/known_hosts", "/ctl/lab kh", "/ctl/.mnft/known_hosts")
 SSH = rsync.SshSettings(KNOWN)
 RULES_FILE = "/tmp/mnft-sync-x/excludes"
@@ -208,23 +209,27 @@ def test_cache_does_not_hide_a_modification(tmp_path):
     assert treehash.tree_hash(root, (), cache)[0] != first[0]
 
 
+def treehash_on_host(*argv: str, stdin: str) -> dict:
+    """The tree-hash entry as a host runs it: its payload, then the rules, on stdin."""
+    from mnft.hosts import pyrun
+
+    done = subprocess.run([os.sys.executable, "-c", pyrun.BOOTSTRAP, *argv], input=pyrun.payload("treehash") + stdin.encode(),
+                          capture_output=True, check=True)
+    return json.loads(done.stdout.decode())
+
+
 def test_treehash_script_reads_rules_from_stdin_and_reports_home(tmp_path):
     root = write(tmp_path / "t", {"x.py": "x", "y.pyc": "y"})
     stdin = json.dumps(["*.pyc"]) + "\n"
-    done = subprocess.run([os.sys.executable, treehash.__file__, str(root), "--cache", str(tmp_path / "c.json")],
-                          input=stdin, capture_output=True, text=True, check=True)
-    data = json.loads(done.stdout)
+    data = treehash_on_host(str(root), "--cache", str(tmp_path / "c.json"), stdin=stdin)
     assert data["exists"] and list(data["files"]) == ["x.py"]
     assert data["home"] == os.path.realpath(os.environ["HOME"])
     assert data["rsync"] == "" and data["refused"] is None  # not asked: no rsync check
-    wants = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(root), "--expect", "0" * 64], input=stdin,
-                                      capture_output=True, text=True, check=True).stdout)
+    wants = treehash_on_host(str(root), "--expect", "0" * 64, stdin=stdin)
     assert wants["rsync"] and wants["rsync"][0].isdigit()  # differs from what the controller expects: rsync will run
-    same = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(root), "--expect", data["digest"]], input=stdin,
-                                     capture_output=True, text=True, check=True).stdout)
+    same = treehash_on_host(str(root), "--expect", data["digest"], stdin=stdin)
     assert same["rsync"] == "" and same["files"] is None  # identical: no rsync will run, no list is needed
-    missing = json.loads(subprocess.run([os.sys.executable, treehash.__file__, str(tmp_path / "nope"), "--if-exists"],
-                                        input="[]\n", capture_output=True, text=True, check=True).stdout)
+    missing = treehash_on_host(str(tmp_path / "nope"), "--if-exists", stdin="[]\n")
     assert missing["exists"] is False and missing["files"] is None
 
 
@@ -748,7 +753,7 @@ def test_a_planted_link_at_the_marks_directory_is_never_followed(tmp_path):
     import os
     import time
 
-    from mnft.sync import treehash
+    from mnft.onhost import sharemarks
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -758,32 +763,32 @@ def test_a_planted_link_at_the_marks_directory_is_never_followed(tmp_path):
     home = tmp_path / "home"
     (home / "work").mkdir(parents=True)
     (home / ".mnft-share").symlink_to(victim)
-    assert treehash._mark(str(home / "work"), "n1.h1") is not None  # refused, with why
+    assert sharemarks._mark(str(home / "work"), "n1.h1") is not None  # refused, with why
     assert sorted(p.name for p in victim.iterdir()) == ["old-file"]
-    assert treehash.seen(str(home / "work"), "n1", ["h1"]) == []
+    assert sharemarks.seen(str(home / "work"), "n1", ["h1"]) == []
 
 
 def test_marks_are_kept_only_in_a_directory_nobody_else_can_write_and_never_read_through_a_link(tmp_path):
     import os
 
-    from mnft.sync import treehash
+    from mnft.onhost import sharemarks
 
     home = tmp_path / "home"
     (home / "work").mkdir(parents=True)
     (home / ".mnft-share").mkdir(mode=0o777)
     os.chmod(home / ".mnft-share", 0o777)  # another user could plant marks or links in it
-    assert "writable by others" in treehash._mark(str(home / "work"), "n1.h1")
+    assert "writable by others" in sharemarks._mark(str(home / "work"), "n1.h1")
     os.chmod(home / ".mnft-share", 0o700)
-    assert treehash._mark(str(home / "work"), "n1.h1") is None
+    assert sharemarks._mark(str(home / "work"), "n1.h1") is None
     assert oct((home / ".mnft-share" / "n1.h1").stat().st_mode & 0o777) == "0o600"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.write_text("work")  # what h2's mark would hold
     (home / ".mnft-share" / "n1.h2").symlink_to(elsewhere)
-    assert treehash.seen(str(home / "work"), "n1", ["h1", "h2"]) == ["h1"]  # the link is not h2's mark
+    assert sharemarks.seen(str(home / "work"), "n1", ["h1", "h2"]) == ["h1"]  # the link is not h2's mark
     (home / ".mnft-share" / "n2.h3").symlink_to(tmp_path / "victim-file")
     os.utime(home / ".mnft-share" / "n2.h3", (0, 0), follow_symlinks=False)
     (tmp_path / "victim-file").write_text("x")
-    assert treehash._mark(str(home / "work"), "n3.h1") is None  # cleans up the old link, not its target
+    assert sharemarks._mark(str(home / "work"), "n3.h1") is None  # cleans up the old link, not its target
     assert (tmp_path / "victim-file").exists() and not (home / ".mnft-share" / "n2.h3").is_symlink()
 
 

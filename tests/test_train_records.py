@@ -18,7 +18,8 @@ from rich.console import Console
 
 from mnft.core.errors import ExitCode, InputError
 from mnft.hosts import inventory, pyrun
-from mnft.run import agent, control, launch, logs, progress, records, rerun
+from mnft.run import control, launch, logs, progress, records, rerun
+from mnft.onhost import follow, queries, rungpus, runprocs
 from mnft.run.gang import split_rank
 from mnft.run.launch import LaunchOptions
 
@@ -63,7 +64,7 @@ def test_an_env_file_must_be_0600_and_its_secrets_stay_secret(tmp_path):
 def test_the_agent_never_leaves_the_secrets_file_when_the_workdir_is_missing(tmp_path):
     spec = {"run_id": "R", "tag": "R@local", "run_dir": str(tmp_path / "run"), "argv": ["true"], "cwd": str(tmp_path / "nowhere"),
             "env": {}, "secrets": {"API_TOKEN": "hush"}, "metrics": None, "detach": True, "deadman": 5, "grace": 1}
-    done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], input=pyrun.payload(agent.source()) + json.dumps(spec).encode() + b"\n",
+    done = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], input=pyrun.payload("agent") + json.dumps(spec).encode() + b"\n",
                           capture_output=True, timeout=60)
     assert done.returncode == 2
     assert json.loads(done.stdout.decode().splitlines()[-1])["message"].startswith(f"working directory {tmp_path / 'nowhere'} does not exist")
@@ -128,14 +129,14 @@ def test_resume_and_default_run_skip_runs_that_never_started(tmp_path, monkeypat
 def test_the_agent_does_not_replay_a_resumed_jobs_old_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_text('{"step": 1}\n{"step": 2}\n')
-    tail = agent._Tail(str(metrics), from_end=True)
+    tail = follow._Tail(str(metrics), from_end=True)
     assert tail.lines() == []
     with open(metrics, "a") as fh:
         fh.write('{"step": 3}\n{"step": 4')
     assert tail.lines() == ['{"step": 3}']
     metrics.write_text('{"step": 1}\n')  # rewritten from scratch: read again from the start
     assert tail.lines() == ['{"step": 1}']
-    assert agent._Tail(str(tmp_path / "not-yet.jsonl"), from_end=True).pos == 0
+    assert follow._Tail(str(tmp_path / "not-yet.jsonl"), from_end=True).pos == 0
 
 
 # ------------------------------------------------------------------------------------------- the run record
@@ -289,18 +290,18 @@ def test_tail_follow_ends_when_no_process_of_the_run_remains_even_without_an_exi
     (tmp_path / "w").mkdir()
     spec = {"run_id": "RK", "tag": "RK@local", "run_dir": str(tmp_path / "run"), "argv": [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(300)"],
             "cwd": str(tmp_path / "w"), "env": {}, "secrets": {}, "metrics": None, "detach": True, "deadman": 5, "grace": 1}
-    started = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], input=pyrun.payload(agent.source()) + json.dumps(spec).encode() + b"\n",
+    started = subprocess.run([sys.executable, "-c", pyrun.BOOTSTRAP, "launch"], input=pyrun.payload("agent") + json.dumps(spec).encode() + b"\n",
                              capture_output=True, timeout=60)
     pgid = json.loads(started.stdout.decode().splitlines()[0])["pgid"]
     follower = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "tail", str(tmp_path / "run"), "5", "--follow"],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    follower.stdin.write(pyrun.payload(agent.source()))
+    follower.stdin.write(pyrun.payload("agent"))
     follower.stdin.flush()  # stays open: the follower is still there
     for _ in range(600):  # the run is up (bounded: a run that never starts fails below, it does not hang)
-        if agent.run_pids("RK@local"):
+        if runprocs.run_pids("RK@local"):
             break
         time.sleep(0.1)
-    assert agent.run_pids("RK@local")
+    assert runprocs.run_pids("RK@local")
     os.killpg(pgid, signal.SIGKILL)  # keeper and command die at once: nobody writes exit_code
     guard = threading.Timer(60, follower.kill)  # a follower that never ends fails the test instead of hanging it
     guard.start()
@@ -320,15 +321,15 @@ SMI = "1234, 15360\n5678, 812\n  \n9, [N/A]\n"
 
 
 def test_nvidia_smi_compute_apps_are_parsed():
-    assert agent.parse_compute_apps(SMI) == [{"pid": 1234, "memory_mib": 15360}, {"pid": 5678, "memory_mib": 812}, {"pid": 9, "memory_mib": None}]
-    assert agent.parse_compute_apps("") == []
+    assert rungpus.parse_compute_apps(SMI) == [{"pid": 1234, "memory_mib": 15360}, {"pid": 5678, "memory_mib": 812}, {"pid": 9, "memory_mib": None}]
+    assert rungpus.parse_compute_apps("") == []
 
 
 def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_your_other_processes_warns():
     me, bob = os.getuid(), os.getuid() + 1
     owners = {1234: me, 5678: me, 9: me, 4242: bob}.get
-    apps = agent.parse_compute_apps(SMI + "4242, 900\n")  # 4242: another user's run on the shared host: not a warning
-    report = agent.gpu_report(apps, {1234, 77}, owner=owners)
+    apps = rungpus.parse_compute_apps(SMI + "4242, 900\n")  # 4242: another user's run on the shared host: not a warning
+    report = rungpus.gpu_report(apps, {1234, 77}, owner=owners)
     assert report == {"gpus_held": ["pid 1234 (15360 MiB)"], "gpus_other": ["pid 5678 (812 MiB)", "pid 9 (? MiB)"]}
     out = io.StringIO()
     console = Console(file=out, force_terminal=False, width=200)
@@ -338,7 +339,7 @@ def test_a_gpu_held_by_the_run_after_stop_fails_and_one_held_by_your_other_proce
     assert "h1: warning: GPUs held by your other processes (not this run's): pid 5678 (812 MiB), pid 9 (? MiB)" in out.getvalue()
     others_only = {"h1": {"killed": [], "remaining": [], "gpus_held": [], "gpus_other": ["pid 5678 (812 MiB)"]}}
     assert control.gpu_verdict(others_only, ExitCode.OK, None) == ExitCode.OK
-    assert agent.gpu_report(None, set())["gpu_error"] == "nvidia-smi failed"
+    assert rungpus.gpu_report(None, set())["gpu_error"] == "nvidia-smi failed"
 
 
 def test_the_agent_packs_a_metrics_directory_with_a_dangling_link_skipping_the_link(tmp_path, capsys):
@@ -350,7 +351,7 @@ def test_the_agent_packs_a_metrics_directory_with_a_dangling_link_skipping_the_l
     metrics.mkdir()
     (metrics / "events.out").write_text("e")
     (metrics / "gone").symlink_to(tmp_path / "nowhere")
-    assert agent.pack(str(tmp_path / "run"), [str(metrics)]) == 0
+    assert queries.pack(str(tmp_path / "run"), [str(metrics)]) == 0
     reply = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     names = tarfile.open(fileobj=io.BytesIO(base64.b64decode(reply["tar"]))).getnames()
     assert "extra/0/events.out" in names and not any(n.endswith("gone") for n in names)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mnft.sync import treehash
-from mnft.uninstall import uninstallhost as host
+from mnft.onhost import checkout, sharemarks, treehash
+from mnft.onhost import uninstallhost as host
 from mnft.uninstall.plan import CONTROLLER, OUTPUTS_KEPT, OWNED, plan_items, settle, to_remove
 
 SPEC = {"venv": "~/mnft-env", "workdir": "~/mnft", "data_dir": "~/mnft-data"}
@@ -64,11 +64,11 @@ def test_every_owned_place_is_found_by_the_host_script_by_its_key_in_the_same_or
 
 
 def test_the_host_script_uses_the_names_and_mark_places_of_sync_and_provision(tmp_path):
-    from mnft.env import envhost  # noqa: F401 - the environment's store is envhost's root_of
-    assert host.PLACED == treehash.PLACED and host.SHARE_DIR == treehash.SHARE_DIR
+    from mnft.onhost import envhost  # noqa: F401 - the environment's store is envhost's root_of
+    assert host.PLACED == treehash.PLACED and host.SHARE_DIR == sharemarks.SHARE_DIR
     (tmp_path / "a" / "b").mkdir(parents=True)
     for path in (tmp_path / "a" / "b", tmp_path / "a" / "missing" / "deeper", tmp_path / "a", Path("/usr/share/x"), Path("/")):
-        assert host.anchor(str(path)) == treehash._anchor(str(path))[0], path
+        assert host.anchor(str(path)) == sharemarks._anchor(str(path))[0], path
     assert all(host.MARK.match(n) for n in ("0123abcd.h1", ".0123abcd.h-2.part"))
     assert host.cache_dir() == os.path.dirname(treehash.default_cache("/x"))
     assert host.look_tree(str(tmp_path), None)["ours"] and host.unsafe(os.path.expanduser("~"))
@@ -113,13 +113,13 @@ def home(tmp_path, monkeypatch) -> Path:
     (work / "train.py").write_bytes(b"edited by a person")
     (work / "notes.txt").write_text("mine")
     (work / "setup.cfg").write_bytes(b"cfg")
-    treehash.write_placed(str(work), {"digest": "d", "files": {"pkg/m.py": [1, _sha(b"m")], "train.py": [5, _sha(b"train")],
+    checkout.write_placed(str(work), {"digest": "d", "files": {"pkg/m.py": [1, _sha(b"m")], "train.py": [5, _sha(b"train")],
                                                                "setup.cfg": [3, _sha(b"cfg")], "../escape": [1, _sha(b"x")]}})
     data = h / "mnft-data"
     data.mkdir()
     (data / "train.jsonl").write_bytes(b"{}\n")
-    treehash.write_placed(str(data), {"digest": "d", "files": {"train.jsonl": [3, _sha(b"{}\n")]}})
-    assert treehash._mark(str(work), "0123abcd.h1") is None
+    checkout.write_placed(str(data), {"digest": "d", "files": {"train.jsonl": [3, _sha(b"{}\n")]}})
+    assert sharemarks._mark(str(work), "0123abcd.h1") is None
     (h / ".cache" / "mnft").mkdir(parents=True)
     (h / ".cache" / "mnft" / "treehash-x.json").write_text("{}")
     return h
@@ -186,9 +186,9 @@ def test_the_host_script_runs_as_shipped(home, tmp_path):
 
     from mnft.hosts import pyrun
 
-    done = subprocess.run([sys.executable, "-S", "-c", pyrun.BOOTSTRAP, "look", json.dumps(SPEC)], input=pyrun.payload(host.source()),
+    done = subprocess.run([sys.executable, "-S", "-c", pyrun.BOOTSTRAP, "look", json.dumps(SPEC)], input=pyrun.payload("uninstallhost"),
                           capture_output=True, env=dict(os.environ, HOME=str(home)), timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout)["found"]["env"]["ours"] is True
-    bad = subprocess.run([sys.executable, "-S", "-c", pyrun.BOOTSTRAP, "look", "{}"], input=pyrun.payload(host.source()), capture_output=True, timeout=60)
+    bad = subprocess.run([sys.executable, "-S", "-c", pyrun.BOOTSTRAP, "look", "{}"], input=pyrun.payload("uninstallhost"), capture_output=True, timeout=60)
     assert bad.returncode == 2 and b"workdir and data_dir" in bad.stderr

@@ -1,7 +1,7 @@
 """`invoke check`: prove every host can join one training job.
 
-    probe       the host side: a host's facts, or a network test, in one round-trip (stdlib only); or all of
-                them in one session
+    (the host side, a host's facts or a network test in one round-trip, or all of them in one session: the host
+    package's probe, facts, nettest)
     findings    what a check produces: options, problems with their fix, the report
     gather      read: probes on every host in parallel, the rendezvous port tested from every host
     session     one command per host for all of it: the probe's facts, then the code hash and workdir marks, the

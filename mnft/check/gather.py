@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Mapping
 
-from mnft.check import probe
+from mnft.onhost import nettest
 from mnft.check.findings import CheckOptions, CheckReport, Problem, Reach
 from mnft.check.rules import evaluate, iface_of_address, master_address, probe_failed, probe_skew, shared_fs_problems, source_address
 from mnft.check.session import Run, Session, close_sessions, open_sessions
@@ -33,7 +33,7 @@ def probe_command(host: Host, mode: str, *args: str) -> Command:
 
 
 def probe_payload() -> bytes:
-    return pyrun.payload(probe.source())
+    return pyrun.payload("probe")
 
 
 def gather_facts(fleet: Fleet, hosts: list[Host] | None = None, modules: tuple[str, ...] = ()) -> tuple[Results, dict[str, dict], dict[str, float]]:
@@ -154,8 +154,8 @@ def gather_network(fleet: Fleet, report: CheckReport, options: CheckOptions, ses
             return HostResult(host.name, Status.OK)
 
         # Every host connects to one listener (not sshd: MaxStartups does not apply); its accept queue holds
-        # probe.LISTEN_BACKLOG, so larger clusters connect in waves of that many.
-        results = [r for wave in fanin.pace([(h, master.name) for h in reachable], probe.LISTEN_BACKLOG)
+        # nettest.LISTEN_BACKLOG, so larger clusters connect in waves of that many.
+        results = [r for wave in fanin.pace([(h, master.name) for h in reachable], nettest.LISTEN_BACKLOG)
                    for r in fleet.map(connect, [h for h, _ in wave])]
         for result in results:
             data, error = said.get(result.host, ({}, result.error or "no answer"))
@@ -315,7 +315,7 @@ def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str
     return report
 
 
-STALLED = "did not answer in"  # the probe's and the lease script's words for a GPU read that hung (leasehost.stalled_line)
+STALLED = "did not answer in"  # the probe's and the lease script's words for a GPU read that hung (mnft.onhost.smi.stalled_line)
 
 
 def gpu_leases(fleet: Fleet, hosts: list[Host], facts: dict[str, dict]) -> None:

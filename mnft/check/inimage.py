@@ -3,7 +3,7 @@ command per host; the facts merged so that the rules compare the Python, torch, 
 
 One SSH command per host (`probe.py image-facts` on the host's Python), its stdin and stdout a conversation:
 
-    → the probe's source; {imagehost's source, the host's runtime setting, the image}
+    → the probe's payload (imagehost with it); {the host's runtime setting, the image}
     ← {the image's facts}: imagehost's, read in a thread of the probe while the probe reads the host's
     → {the probe's command line inside the image, the probe's source}       (only where the runtime has the image)
     ← {the host's facts}: without its Python's packages; its clock read last, for the skew, as without an image
@@ -17,10 +17,10 @@ A host without a runtime or without the image sends no command: the rules name w
 
 from __future__ import annotations
 
+import base64
 import time
 from typing import Sequence
 
-from mnft.check import probe
 from mnft.check.rules import probe_skew
 from mnft.check.session import cut_short, no_reply, request_line, since, start
 from mnft.core.errors import InputError
@@ -28,7 +28,7 @@ from mnft.hosts import pyrun
 from mnft.hosts.connection import CommandTimeout, OutputTooLarge, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Results, Status
 from mnft.hosts.settings import Host
-from mnft.image import imagehost
+from mnft.onhost import imagehost
 from mnft.image.facts import FACTS_TIMEOUT, runtime_setting
 from mnft.image.runtime import Runtime, probe_argv
 
@@ -99,7 +99,7 @@ def merge(host_facts: dict, container: dict | None, image: str, ran: dict | None
     inner, error = inside_reply(ran)
     if facts["container"] is None and error is None:
         if container is not None and not container_error:
-            container_error = "not the answer imagehost gives (its contract: mnft/image/imagehost.py)"
+            container_error = "not the answer imagehost gives (its contract: mnft/onhost/imagehost.py)"
         error = _one_line(container_error or "") or "no answer"  # why the image's facts are missing
     facts["image_probe"] = {
         "image": image,
@@ -120,8 +120,8 @@ def merge(host_facts: dict, container: dict | None, image: str, ran: dict | None
 def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
                        hosts: list[Host] | None = None) -> tuple[Results, dict[str, dict], dict[str, float]]:
     """gather_facts' counterpart with an image: outcomes, merged facts and each host's clock skew vs this machine."""
-    head = pyrun.payload(probe.source())  # the bootstrap's input: on the host's Python, then on the image's
-    host_source = imagehost.source()
+    head = pyrun.payload("probe")  # the bootstrap's input: on the host's Python, then on the image's
+    shipped = base64.b64encode(head).decode()
     # a .sif not seen before is hashed whole, once (then its id is cached on the host): its facts may take longer
     timeout = max(fleet.timeouts.command, FACTS_TIMEOUT) if imagehost.is_path_image(image) else fleet.timeouts.command
     facts: dict[str, dict] = {}
@@ -139,7 +139,7 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
         asked, said, after = False, [], None
         finished = False
         try:
-            process.write(head + request_line({"imagehost": host_source, "runtime": runtime_setting(host), "image": image}))
+            process.write(head + request_line({"runtime": runtime_setting(host), "image": image}))
             while "facts" not in got or "container" not in got or (asked and "ran" not in got):
                 line, said = process.json_reply(left())
                 if line is None or not any(key in line for key in ("facts", "container", "ran")):
@@ -150,7 +150,7 @@ def gather_image_facts(fleet: Fleet, image: str, modules: Sequence[str] = (),
                     got["container"], got["container_error"] = line["container"], line.get("container_error")
                     argv = inside_command(host, line["container"], image, modules)
                     if argv is not None:  # the look inside starts while the host's facts are still being read
-                        process.write(request_line({"argv": argv, "input": head.decode(), "timeout": max(1.0, left() - INSIDE_MARGIN)}))
+                        process.write(request_line({"argv": argv, "payload": shipped, "timeout": max(1.0, left() - INSIDE_MARGIN)}))
                         asked = True
                 if "ran" in line:
                     got["ran"] = line["ran"]

@@ -11,7 +11,7 @@ from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, referen
 from mnft.env.diff import compare
 from mnft.hosts.fleet import HostResult
 from mnft.core.output import command
-from mnft.hosts.leasehost import health_problems
+from mnft.onhost.health import health_problems
 from mnft.hosts.leases import describe, drained_words, shown, verified
 from mnft.hosts.settings import Host, Inventory
 
@@ -211,7 +211,7 @@ RUNTIME_FIX = "install podman, docker or apptainer on the host, or set container
 
 
 def gpu_health(host: str, view: dict | None) -> list[Problem]:
-    """Each GPU's health as its host judges it (mnft.hosts.leasehost.health_problems), with the fix: a GPU that
+    """Each GPU's health as its host judges it (mnft.onhost.health.health_problems), with the fix: a GPU that
     breaks runs (lost, uncorrectable ECC since boot, a pending remap, an Xid needing a reset) fails the check and is
     never leased; throttling, persistence off, MIG are warnings; a drained GPU is a note naming who, when and why."""
     if not view:

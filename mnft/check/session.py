@@ -1,12 +1,12 @@
 """check's one command per host: the probe's `session` mode, one SSH session and one interpreter on each host for
 the facts, the code hash and workdir marks, and the network test, its stdin and stdout a conversation:
 
-    → the probe's source, then {"run": the tree-hash script, its arguments, its rules}      (one write)
+    → the probe's payload, then {"run": the tree-hash payload, its arguments, its rules}    (one write)
     ← {"facts": …}            its clock read last: the skew is measured to this line, the SSH handshake outside it
     ← {"ran": …}              the tree hash's answer (the workdir's hash, the marks it saw), run in the probe's process
     → {"listen": …}  ← {"listen": …}      on the master, once every host's facts are in (its address) and the port
                                           is chosen (the next one on a refusal, with find_free_port)
-    → {"connect": …} ← {"connect": …}     on every host, in waves of probe.LISTEN_BACKLOG (the listener's queue)
+    → {"connect": …} ← {"connect": …}     on every host, in waves of nettest.LISTEN_BACKLOG (the listener's queue)
     stdin closed: the listener stops, the probe ends
 
 What each request says is planned from the facts, as before: the master's address and each host's source address
@@ -22,7 +22,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from mnft.check import probe
 from mnft.check.rules import probe_skew
 from mnft.hosts import pyrun
 from mnft.hosts.connection import (
@@ -40,7 +39,7 @@ from mnft.hosts.settings import Host
 CLOSE_WAIT = 5.0  # seconds for every session to end once its stdin is closed (then it is ended)
 ERROR_CHARS = 300  # a reason quoted from a host, at most
 
-Run = tuple[str, Sequence[str], str]  # a host script's source, its arguments and its stdin (mirror.code_request)
+Run = tuple[str, Sequence[str], str]  # a host entry, its arguments and its stdin (mirror.code_request)
 
 
 @dataclass
@@ -100,18 +99,14 @@ def request_line(request: dict) -> bytes:
 
 def session_command(host: Host, modules: Sequence[str] = ()):
     """The probe's session on the host's Python, with `site` (it finds the torch `import torch` would load), the
-    probe compiled on the controller once for every host (pyrun.compiled_payload)."""
+    probe's payload built on the controller once for every host (pyrun.payload)."""
     wanted = ("--modules", ",".join(modules)) if modules else ()
-    return pyrun.command(host, "session", "--workdir", host.workdir, *wanted, compiled=True)
+    return pyrun.command(host, "session", "--workdir", host.workdir, *wanted)
 
 
-def run_request(source: str, args: Sequence[str], stdin: str) -> dict:
-    """A script for the session to run: its source, arguments and stdin, and its bytecode compiled here (run as it
-    is where the host's Python has the same magic number: probe.run_script)."""
-    import base64
-
-    magic, code = pyrun.compiled(source)
-    return {"run": {"source": source, "argv": list(args), "stdin": stdin, "magic": magic, "code": base64.b64encode(code).decode()}}
+def run_request(entry: str, args: Sequence[str], stdin: str) -> dict:
+    """A host entry for the session to run in its process (probe.run_script): its payload, arguments and stdin."""
+    return {"run": pyrun.run_request(entry, args, stdin)}
 
 
 def ran_result(name: str, ran: dict | None, why: str | None) -> HostResult:
@@ -224,7 +219,7 @@ def close_sessions(sessions: dict[str, Session], wait: float = CLOSE_WAIT) -> No
 
 
 def probe_payload() -> bytes:
-    return pyrun.compiled_payload(probe.source())
+    return pyrun.payload("probe")
 
 
 def no_reply(name: str, process: Process, first: dict | None, said: list[str], left: float, started: float) -> HostResult:

@@ -2,7 +2,7 @@
 
 Read state → plan → apply, as everywhere in mnft:
 
-* facts (one round-trip per host, `mnft.env.envhost` shipped to the host's base Python): the Pythons it has, CPU
+* facts (one round-trip per host, `mnft.onhost.envhost` shipped to the host's base Python): the Pythons it has, CPU
   arch, libc, free disk, the environment now at its `venv` (installed distributions read from metadata), the
   wheels it already holds, whether `invoke setup`'s SSH mesh is there;
 * shared environments: when a host has something to do, which hosts see one environment directory (an NFS home:
@@ -15,7 +15,7 @@ Read state → plan → apply, as everywhere in mnft:
 * apply: the controller resolves the lock once into wheel files per host platform (`mnft.env.wheelhouse`); the
   wheels and uv reach the hosts through the mesh (`mnft.sync.relay`: the controller uploads them about once), and
   every host builds the new environment beside the current one with `uv venv` + `uv pip sync --offline`,
-  verifies it and switches a link (`mnft.env.envhost`). A failure leaves the host on its previous environment.
+  verifies it and switches a link (`mnft.onhost.envhost`). A failure leaves the host on its previous environment.
   Every host then reads its environment again: a host that shares one sees the id its group's builder made.
 
 The controller records, per host, the environment it provisioned (`$MNFT_HOME/provision/hosts.json`);
@@ -38,7 +38,7 @@ from typing import Any, Callable, Mapping
 
 from mnft.core.errors import InputError
 from mnft.core.output import fmt_size
-from mnft.env import envhost, lockfile
+from mnft.env import lockfile
 from mnft.env.diff import against_lock, fingerprint
 from mnft.env.lockfile import Lock, Pin
 from mnft.env.plan import HostPlan, choose_python, disk_needed, env_state, plan_host, plan_rollback, plan_shared
@@ -51,7 +51,7 @@ from mnft.hosts.connection import CommandTimeout, HostKeyRejected, OutputTooLarg
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync.mirror import detect_shared
-from mnft.sync.treehash import sha256_file
+from mnft.onhost.filehash import sha256_file
 
 FACTS_TIMEOUT = 60.0
 INSTALL_TIMEOUT = 3600.0
@@ -106,7 +106,7 @@ def facts_command(host: Host, want: str | None) -> Command:
 
 
 def _script_payload() -> bytes:
-    return pyrun.payload(envhost.source())
+    return pyrun.payload("envhost")
 
 
 def parse_reply(result: HostResult) -> dict | None:

@@ -29,7 +29,7 @@ from mnft.core.errors import InputError
 from mnft.env.lockfile import Lock, Pin
 from mnft.hosts.command import redact_url
 from mnft.hosts.hostkeys import mnft_home
-from mnft.sync.treehash import sha256_file
+from mnft.onhost.filehash import sha256_file
 
 LEGACY_MANYLINUX = {(2, 5): "manylinux1", (2, 12): "manylinux2010", (2, 17): "manylinux2014"}
 PIP_TIMEOUT = 3600.0

@@ -11,11 +11,10 @@
     connection  the one connection factory: verified SSH (Fabric/paramiko) or the local machine
     fleet       one command on every host in parallel, one outcome per host (ok/failed/unreachable/rejected)
     fanin       hosts connecting to hosts: batches no sshd receives more than K of (MaxStartups), drops retried
-    pyrun       a stdlib-only Python script run on a host in one round-trip
+    pyrun       a host module of mnft.onhost run on a host in one round-trip, its payload on stdin
+    payload     what a host command ships: its entry and the host modules it imports, found in their source
     leases      the controller takes, holds and lets go of leases: a run's devices and workdir, a sync's
                 directory, the whole host for setup and provision; waits in line for them (--wait)
-    leasehost   a host's lease files and their flocks: take, wait in line, hold while the controller's channel
-                lives, show the host for `mnft lab` (stdlib only)
     terminal    an interactive terminal on a host over the verified connection (pty, raw keys, window size); -L forwarding
     usage       the hosts' usage logs summed: GPU-hours per user and host, idle share, longest waits (pure)
     lab         the lab as its people share it: every device's holder, the rows of `mnft lab`, --nodes' pick

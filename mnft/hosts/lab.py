@@ -1,6 +1,6 @@
 """The lab as its people share it: every host's devices and who holds or uses each, in one round-trip per host.
 
-read (`look`): each host's lease directory and nvidia-smi, through mnft.hosts.leasehost's `lab` mode; plan (pure):
+read (`look`): each host's lease directory and nvidia-smi, through mnft.onhost.leasehost's `lab` mode; plan (pure):
 the rows of `mnft lab` (`rows`), how many devices a host has free (`free_count`), and which hosts a run asking
 `--nodes N --gpus G` takes (`pick_nodes`). What a lease file says is anyone's writing: it is shown cut and
 without control characters (mnft.hosts.leases.shown); who holds a lease is also told from /proc/locks (the
@@ -14,13 +14,14 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from mnft.core.errors import InputError
-from mnft.hosts import leasehost, leases
+from mnft.hosts import leases
+from mnft.onhost.health import health_problems
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
 
 
 def look(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
-    """host -> its lab view (leasehost.lab), or {"error", "status"} for a host that did not answer."""
+    """host -> its lab view (mnft.onhost.leases.lab), or {"error", "status"} for a host that did not answer."""
     return leases.lab(fleet, hosts)
 
 
@@ -43,7 +44,7 @@ def out_of_service(view: dict) -> list[dict]:
 
 def health_words(device: dict) -> str | None:
     """What `mnft lab` says of a GPU's health beside its lease: why it breaks runs, else its warnings; None when well."""
-    found = leasehost.health_problems(device)
+    found = health_problems(device)
     worst = [p for p in found if p["level"] == "broken"] or found
     return leases.shown("; ".join(p["what"] for p in worst), 300) if worst else None
 
@@ -79,7 +80,7 @@ class Row:
     utilization: int | None = None
     detail: str | None = None  # the lease file's own words when /proc/locks disagrees; an error
     image: str | None = None  # the holder's container image (a run in an image)
-    health: str | None = None  # what is wrong with the GPU (mnft.hosts.leasehost.health_problems), beside its lease
+    health: str | None = None  # what is wrong with the GPU (mnft.onhost.health.health_problems), beside its lease
     drain: str | None = None  # who drained it, when and why
 
     idle: float | None = None  # seconds its holder's GPUs have been idle (as the holder's keeper last sampled them)
@@ -138,7 +139,7 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
 
 def also_used(device: dict) -> str | None:
     """A collision on a held device, in words: "also used by bob pid 4242, root pid 77" (the host's judgment,
-    leasehost.collisions: processes not of the holder's run), None when there is none."""
+    mnft.onhost.runs.collisions: processes not of the holder's run), None when there is none."""
     found = [p for p in device.get("collisions") or [] if isinstance(p, dict)]
     if not found:
         return None
@@ -305,7 +306,7 @@ def drain_target(inventory: Inventory, target: str | None) -> tuple[Host, list[i
 
 
 def drain(fleet: Fleet, host: Host, gpus: list[int] | None, reason: str | None, undrain: bool = False) -> dict:
-    """Mark the host (gpus None) or its GPUs out of service, or back in (leasehost.set_drain, as the login user of
+    """Mark the host (gpus None) or its GPUs out of service, or back in (mnft.onhost.drain.set_drain, as the login user of
     the host: root or the admin group the host names decide, never this controller): the host's marks, or
     {"refused"|"error": …}."""
     import getpass

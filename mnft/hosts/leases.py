@@ -1,4 +1,4 @@
-"""What an operation holds on each host, the controller's side (the host's is mnft.hosts.leasehost; the model is
+"""What an operation holds on each host, the controller's side (the host's is mnft.onhost.leasehost; the model is
 docs/lab.md): a run takes its devices (`Scope.gpus` of them, or every one) and its workdir, a sync the directory
 it writes (`sync_scope`), setup and provision the whole host (no scope), which they get only while no run holds a
 device there; a run that finds its devices taken may wait in line for them (`Scope.wait`: a ticket on every host,
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from mnft.core.errors import MnftError
-from mnft.hosts import leasehost, pyrun
+from mnft.hosts import pyrun
 from mnft.hosts.connection import HostKeyRejected, Process, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
@@ -45,10 +45,8 @@ REPLY_TIMEOUT = 60.0
 
 
 def script() -> bytes:
-    """The lease script as a host reads it (pyrun.command(..., compiled=True)): its source and its bytecode, the
-    module's own as this controller imported it (pyrun.module_payload), however many hosts and looks ask (the host's
-    Python compiling its ~80 kB itself cost each host ~19 ms of CPU per look and per take)."""
-    return pyrun.module_payload(leasehost)
+    """The lease entry's payload (pyrun.payload): built once on this controller for every host and look."""
+    return pyrun.payload("leasehost")
 
 
 class HostBusy(MnftError):
@@ -364,7 +362,7 @@ class Leases:
 
     def _take_one(self, fleet: Fleet, host: Host, holder: dict, python: str | None = None) -> HostResult:
         try:
-            process = fleet.start(host, pyrun.command(host, "hold", python=python, site=False, compiled=True))
+            process = fleet.start(host, pyrun.command(host, "hold", python=python, site=False))
             process.write(script() + json.dumps(holder).encode() + b"\n")
         except (Unreachable, HostKeyRejected) as exc:
             return HostResult(host.name, Status.UNREACHABLE, error=str(exc))
@@ -421,14 +419,14 @@ class Leases:
                 except Exception:  # noqa: BLE001 - a lost channel: the host let the lease go itself
                     pass
 
-    def run(self, host: str, source: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
-        """Run a standard-library host script (as `python -S -c`, sys.argv[1:] = args, its stdin the text given) in
+    def run(self, host: str, entry: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
+        """Run a host entry (mnft.onhost.<entry>'s main(args), its stdin the text given) in
         the host's hold process, forked: no new SSH session nor interpreter on the host. None when this lease is
         not held there (the caller makes its own round-trip). One run per host at a time."""
         process = self.processes.get(host)
         if process is None:
             return None
-        request = json.dumps({"source": source, "argv": list(args), "stdin": stdin}).encode()
+        request = json.dumps(pyrun.run_request(entry, args, stdin)).encode()
         started = time.monotonic()
         with self._running.setdefault(host, threading.Lock()):
             try:
@@ -469,11 +467,11 @@ class Leases:
             self._forget(name)
 
 
-def run_held(host: Host, source: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
+def run_held(host: Host, entry: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
     """Leases.run in whichever of this controller's leases holds the host (a nested operation's too), or None."""
     with _held_lock:
         holder = _held.get(host_key(host))
-    return holder.run(host.name, source, args, stdin, timeout) if holder is not None else None
+    return holder.run(host.name, entry, args, stdin, timeout) if holder is not None else None
 
 
 @contextmanager
@@ -494,7 +492,7 @@ def hold(fleet: Fleet, hosts: Iterable[Host], command: str, run_id: str | None =
 def show(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
     """host -> {"held": bool, "holder": {...} or None, "path"} (or {"error"} / {"refused"} for a host that did not
     answer or whose lease file mnft will not use)."""
-    results = fleet.run(lambda h: pyrun.command(h, "show", site=False, compiled=True), stdin=script(), hosts=list(hosts), timeout=30)
+    results = fleet.run(lambda h: pyrun.command(h, "show", site=False), stdin=script(), hosts=list(hosts), timeout=30)
     out = {}
     for result in results:
         data = pyrun.reply(result, "the lease script")
@@ -503,9 +501,9 @@ def show(fleet: Fleet, hosts: Iterable[Host]) -> dict[str, dict]:
 
 
 def lab(fleet: Fleet, hosts: Iterable[Host], timeout: float = 30) -> dict[str, dict]:
-    """host -> what its lease directory and nvidia-smi say now (mnft.hosts.leasehost.lab), one round-trip each;
+    """host -> what its lease directory and nvidia-smi say now (mnft.onhost.leases.lab), one round-trip each;
     {"error": …} for a host that did not answer (its status in "status")."""
-    results = fleet.run(lambda h: pyrun.command(h, "lab", site=False, compiled=True), stdin=script(), hosts=list(hosts), timeout=timeout)
+    results = fleet.run(lambda h: pyrun.command(h, "lab", site=False), stdin=script(), hosts=list(hosts), timeout=timeout)
     out = {}
     for result in results:
         data = pyrun.reply(result, "the lease script")
@@ -517,6 +515,6 @@ def run_drain(fleet: Fleet, host: Host, request: dict, undrain: bool) -> dict:
     """One host's drain or undrain (leasehost's `drain`/`undrain` modes, the request on stdin after the script)."""
     mode = "undrain" if undrain else "drain"
     stdin = script() + json.dumps(request).encode() + b"\n"
-    result = fleet.run_one(host, pyrun.command(host, mode, site=False, compiled=True), stdin=stdin, timeout=30)
+    result = fleet.run_one(host, pyrun.command(host, mode, site=False), stdin=stdin, timeout=30)
     data = pyrun.reply(result, "the lease script")
     return data if data is not None else {"error": result.error or result.status.value, "status": result.status.value}

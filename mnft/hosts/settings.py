@@ -64,7 +64,7 @@ class Host:
     venv: str | None = "~/mnft-env"
     base_python: str | None = None  # set when `python` is the provisioned environment's: the inventory's own python
     spare: bool = False
-    container_runtime: str | None = None  # None: the first of CONTAINER_RUNTIMES the host has (mnft.image.imagehost)
+    container_runtime: str | None = None  # None: the first of CONTAINER_RUNTIMES the host has (mnft.onhost.imagehost)
 
     @property
     def is_local(self) -> bool:

@@ -1,4 +1,4 @@
-"""`mnft lab --usage`: what the hosts' usage logs say (mnft.hosts.leasehost `usage`: one line per lease that ended,
+"""`mnft lab --usage`: what the hosts' usage logs say (mnft.onhost.leasehost `usage`: one line per lease that ended,
 counted for the user who owns the log it is in), summed over the inventory: GPU-hours per user and per host, the
 share of them the GPUs were idle, and the longest waits in line. `summarise` is pure: lines in, totals out."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from mnft.hosts import leasehost, leases, pyrun
+from mnft.hosts import leases, pyrun
+
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host
 
@@ -59,7 +60,7 @@ def summarise(lines_by_host: dict[str, list[dict]], since: float) -> dict:
 
 def ask(fleet: Fleet, hosts: Iterable[Host], since: float, timeout: float = 30) -> dict[str, dict]:
     """host -> its usage lines since `since` (or {"error": …}), one round-trip each."""
-    results = fleet.run(lambda h: pyrun.command(h, "usage", repr(float(since)), site=False), stdin=pyrun.payload(leasehost.source()),
+    results = fleet.run(lambda h: pyrun.command(h, "usage", repr(float(since)), site=False), stdin=pyrun.payload("leasehost"),
                         hosts=list(hosts), timeout=timeout)
     out = {}
     for result in results:

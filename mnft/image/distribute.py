@@ -35,7 +35,7 @@ from mnft.hosts import pyrun
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.image import imagehost
+from mnft.onhost import imagehost
 from mnft.image.facts import (
     CONTROLLER,
     FACTS_TIMEOUT,

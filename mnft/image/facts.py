@@ -1,4 +1,4 @@
-"""Reading an image's identity on every host: `mnft.image.imagehost`'s facts, one round-trip per host, in parallel.
+"""Reading an image's identity on every host: `mnft.onhost.imagehost`'s facts, one round-trip per host, in parallel.
 
     gather(fleet, hosts, image, runtime_of)  ->  (outcomes, {host name: facts})
 
@@ -19,7 +19,6 @@ from mnft.hosts import pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet, HostResult, Results
 from mnft.hosts.settings import Host, Inventory
-from mnft.image import imagehost
 
 CONTROLLER = "controller"  # this machine, where it is the source of an image
 FACTS_TIMEOUT = 900.0  # a .sif not seen before is hashed whole (10 GB at ~1 GB/s), once
@@ -48,7 +47,7 @@ def script_command(host: Host, *args: str) -> Command:
 
 
 def payload() -> bytes:
-    return pyrun.payload(imagehost.source())
+    return pyrun.payload("imagehost")
 
 
 def gather(fleet: Fleet, hosts: Sequence[Host], image: str, runtime_of: Callable[[Host], str] = runtime_setting,

@@ -6,7 +6,7 @@ directories at the same paths (a path in a job's arguments means the same file i
 user (nothing root-owned left in anyone's home), never pulls (the image is the one `check` verified, by id), and
 gets environment variables by name only: their values come from the runtime client's own environment, never
 from its command line. Secrets do not even go by name: they would show in `podman inspect`'s Config.Env; they
-reach the job through a 0600 file the launch wrapper (mnft.run.entry) reads and deletes inside the container.
+reach the job through a 0600 file the launch wrapper (mnft.onhost.entry) reads and deletes inside the container.
 
     podman       run --rm --name N --network host --ipc host --pull never --log-driver none
                  --user UID:GID (rootful) | --userns keep-id (rootless) --security-opt label=disable
@@ -56,7 +56,7 @@ def is_sif(ref: str) -> bool:
 
 @dataclass(frozen=True)
 class Runtime:
-    """A host's container runtime, as its probe found it (mnft.image.imagehost's facts)."""
+    """A host's container runtime, as its probe found it (mnft.onhost.imagehost's facts)."""
 
     kind: str  # podman | docker | apptainer | singularity
     path: str  # its executable on the host

@@ -19,7 +19,7 @@ yet). NCCL and the GPU of LOCAL_RANK when CUDA is available, gloo and the CPU ot
    record has its `phases` in seconds (import_s: Python's start to torch imported; held_s: waiting to be released;
    rendezvous_s: process group up and every rank joined; compute_s; allreduce_s).
 
-`--hold FILE` (mnft.perf.torchlaunch passes it): after importing torch, print "MNFT-READY <rank>" and wait until
+`--hold FILE` (mnft.onhost.torchlaunch passes it): after importing torch, print "MNFT-READY <rank>" and wait until
 FILE exists before joining the process group. The controller may start the ranks while it measures the link matrix
 (torch's import is most of a rank's start-up); it releases them when the links are done and every rank is ready.
 

@@ -1,7 +1,7 @@
 """Collectives with the training stack: torch.distributed on every host running mnft.perf.allreduce, bounded.
 
 A small launcher, kept apart so it can later go through the generic job plan (mnft.run.launch): `torchrun_argv` is
-pure (host and cluster in, argument list out); `start_allreduce` ships the stdlib launcher (mnft.perf.torchlaunch)
+pure (host and cluster in, argument list out); `start_allreduce` ships the stdlib launcher (mnft.onhost.torchlaunch)
 and the entry script over SSH stdin to every host with `--hold`: the ranks start and import torch (most of their
 start-up) while the controller measures something else, then say they are ready and wait. `Pending.release` waits
 until every host's ranks are ready, releases them all at once and collects one outcome per host plus the figures
@@ -23,7 +23,6 @@ from mnft.hosts import pyrun
 from mnft.hosts.connection import CommandTimeout, Process, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.perf import torchlaunch
 
 ENTRY = Path(__file__).with_name("allreduce.py")  # shipped, never imported here: it imports torch (seconds)
 MARKER = "MNFT-PERF "  # the same as in allreduce.py (a test holds them equal)
@@ -185,7 +184,7 @@ def start_allreduce(fleet: Fleet, master_addr: str, port: int, ifaces: dict[str,
     started = time.monotonic()
     entry_args = ["--sizes", ",".join(map(str, sizes)), "--budget", f"{budget:g}", "--compute", f"{compute:g}",
                   "--init-timeout", f"{max(10.0, timeout):g}", *(["--limit", f"{limit:g}"] if limit else [])]
-    payload = pyrun.payload(torchlaunch.source()) + pyrun.payload(ENTRY.read_text())
+    payload = pyrun.payload("torchlaunch") + pyrun.text(ENTRY.read_text())
     processes: dict[str, Process] = {}
     for host in inventory.hosts:
         argv = torchrun_argv(host, inventory, master_addr, port, entry_args, launcher)

@@ -1,6 +1,6 @@
 """The link matrix: TCP throughput and RTT between every pair of hosts, on the interface the job will use.
 
-One link agent (mnft.perf.linkagent, stdlib only, shipped over SSH stdin) runs on every host for the whole
+One link agent (mnft.onhost.linkagent, stdlib only, shipped over SSH stdin) runs on every host for the whole
 matrix, listening on an ephemeral port of the host's cluster address. The controller walks the round-robin
 schedule: in each round it tells one host of every pair to measure its link to the other (both directions, one
 after the other), and waits for every pair of the round before starting the next, so no host ever does two
@@ -19,7 +19,6 @@ from mnft.hosts import pyrun
 from mnft.hosts.connection import Process
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host
-from mnft.perf import linkagent
 from mnft.perf.schedule import round_robin
 
 PINGS = 10
@@ -146,7 +145,7 @@ def measure_links(fleet: Fleet, report: CheckReport, hosts: list[Host], seconds:
     lifetime = (len(hosts) + 1) * per_round + 60
     agents: dict[str, Process] = {}
     ports: dict[str, int] = {}
-    payload = pyrun.payload(linkagent.source())
+    payload = pyrun.payload("linkagent")
 
     def start(host: Host):
         process = fleet.start(host, pyrun.command(host, "serve", "--bind", addresses[host.name], "--lifetime", str(int(lifetime))))

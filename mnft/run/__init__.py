@@ -3,9 +3,8 @@
     job          what torchrun starts on every host, how it resumes, where its metrics come from (data)
     launch       one torchrun command per host (pure: inventory, job and facts in, commands out)
     torchrunargs torchrun's options as its argparse reads them: which a job may not set, however written
-    agent        the host side of a run: start under a keeper, stream events, stop (stdlib only)
-    entry        the launch wrapper every rank runs the job's entry point through: records the ranks that finished
-                 (stdlib only)
+    (the host side of a run, started under a keeper, its events, stop, status, logs, sessions, and the launch
+    wrapper every rank runs its entry point through: the host package's agent and its modules, entry)
     needs        what a job needs on every host, read from its source: its entry point and the modules it imports
     gang         every host's agent started in parallel and supervised as one gang
     train        the launch sequence: check, sync, resume point, plan, gang, recovery, finish

@@ -368,9 +368,7 @@ def conflicts(trees: dict[str, dict[str, tuple[int, str]]]) -> list[str]:
 
 
 def _agent_json(fleet: Fleet, hosts: list[Host], args_of) -> dict[str, dict]:
-    from mnft.run import agent
-
-    results = fleet.run(lambda h: pyrun.command(h, *args_of(h), site=False), stdin=pyrun.payload(agent.source()), hosts=hosts)
+    results = fleet.run(lambda h: pyrun.command(h, *args_of(h), site=False), stdin=pyrun.payload("agent"), hosts=hosts)
     return _parsed(results)
 
 

@@ -170,7 +170,7 @@ def status(record: records.RunRecord, fleet: Fleet, lines: int = 0) -> dict[str,
 
 
 def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[str, dict]:
-    """Each host's agent stops the run (only what is provably the run's: mnft.run.agent.terminate). A run ended on
+    """Each host's agent stops the run (only what is provably the run's: mnft.onhost.runprocs.terminate). A run ended on
     every host is left as recorded: stopping it is a no-op that says so (mnft.run.report.print_stop)."""
     import getpass
     import os
@@ -209,7 +209,7 @@ def stop(record: records.RunRecord, fleet: Fleet, grace: float = 10.0) -> dict[s
 
 
 # rounds of `agent stop` on a host whose killed processes are not gone yet: 64 torchrun trees SIGKILLed on 2 busy
-# cores can take longer to be freed than one round's settle (mnft.run.agent.KILL_SETTLE); each round kills again
+# cores can take longer to be freed than one round's settle (mnft.onhost.runprocs.KILL_SETTLE); each round kills again
 # whatever of the run is left and waits for it. A process SIGKILLed is going: stop waits for it rather than calling
 # it remaining, and says remaining only of what outlived every round.
 STOP_ROUNDS = 4

@@ -196,7 +196,7 @@ def read_traceback(who: str, host: str) -> str:
 def xid_fix(cause: Cause) -> str:
     """What to do about the Xids of a failed attempt: a reset kind's GPU drained and reset; an application kind's
     (13, 31, 43: a bad address, an illegal instruction) looked at in the job first."""
-    from mnft.hosts.leasehost import RESET_XIDS
+    from mnft.onhost.health import RESET_XIDS
 
     gpus: dict[str, list[str]] = {}
     for x in cause.xids:

@@ -1,6 +1,6 @@
 """Gang supervision: start every host's run in parallel and treat them as one.
 
-Each host runs mnft.run.agent `launch` over its own SSH session: the agent starts torchrun under a keeper in a new
+Each host runs mnft.onhost.agent `launch` over its own SSH session: the agent starts torchrun under a keeper in a new
 process group and streams JSON events (output lines, rank 0's metrics, a heartbeat every second, the exit code).
 The controller writes a heartbeat to every agent; an agent that stops hearing it (controller gone, link cut)
 tears its own run down. When any host's run exits non-zero, its agent stops answering, or the user presses
@@ -25,7 +25,6 @@ from mnft.hosts import pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.connection import HostKeyRejected, Process, Unreachable
 from mnft.hosts.fleet import Fleet, Status
-from mnft.run import agent
 from mnft.run.launch import HostLaunch, LaunchOptions
 
 LOST_AFTER = 10.0  # seconds without any event from an agent before its host counts as lost (while others are heard)
@@ -138,7 +137,7 @@ class HostRun:
     tail: deque = field(default_factory=lambda: deque(maxlen=TAIL))
     stop_report: dict | None = None
     ended_by: str | None = None  # why its keeper ended the run itself (its GPUs idle: --idle-stop, the lab's idle_stop)
-    done_ranks: tuple[int, ...] = ()  # ranks whose entry point returned (mnft.run.entry's markers)
+    done_ranks: tuple[int, ...] = ()  # ranks whose entry point returned (mnft.onhost.entry's markers)
     stopping: bool = False  # mnft is stopping it (another host failed): its output is kept, not shown live
     noise: TeardownNoise = field(default_factory=TeardownNoise)  # torchrun's teardown: kept, not shown
 
@@ -171,7 +170,7 @@ def agent_command(fleet: Fleet, host_name: str, *args: str) -> Command:
 
 
 def agent_payload() -> bytes:
-    return pyrun.payload(agent.source())
+    return pyrun.payload("agent")
 
 
 def split_rank(text: str, rank_offset: int) -> tuple[int | None, str]:

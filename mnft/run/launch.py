@@ -20,7 +20,8 @@ from mnft.core.errors import InputError
 from mnft.hosts.command import ENV_NAME, REDACTED, check_env_name, is_secret_name, shell_line
 from mnft.hosts.settings import Host, Inventory
 from mnft.image import runtime as containers_
-from mnft.run import entry, torchrunargs
+from mnft.run import torchrunargs
+from mnft.hosts import payload
 from mnft.run.job import Job, fill, parse_overrides, recipe_job
 
 # torchrun labels each worker's line with the global rank torch gave it (with c10d not the inventory order)
@@ -29,8 +30,8 @@ RANK_TEMPLATE = "[rank${rank}]:"
 TIMINGS = "timings-rank*.jsonl"  # each rank's step timings, in the recipes' output_dir on its own host
 PASSTHROUGH = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "WANDB_API_KEY", "WANDB_PROJECT", "NCCL_DEBUG", "TORCH_DISTRIBUTED_DEBUG")
 
-ENTRY = "entry.py"  # mnft.run.entry, written into each run directory by the agent
-ENTRY_SOURCE = entry.source()
+ENTRY = "entry.py"  # mnft.onhost.entry, written into each run directory by the agent
+ENTRY_SOURCE = payload.standalone("entry")
 
 
 def new_run_id(now: float | None = None) -> str:
@@ -97,7 +98,7 @@ class HostLaunch:
             "entry": ENTRY_SOURCE,  # the launch wrapper's source: the agent writes it as <run_dir>/entry.py
             "leases": list(self.leases),
             "container": self.container,
-            "idle_stop": options.idle_stop,  # lowered on the host to the lab's idle_stop (mnft.run.agent.idle_limit)
+            "idle_stop": options.idle_stop,  # lowered on the host to the lab's idle_stop (mnft.onhost.watches.idle_limit)
         }
 
     def display(self) -> dict:
@@ -301,7 +302,7 @@ def plan(
             argv += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master_addr}:{port}", "--rdzv-id", job_id,
                      "--rdzv-conf", f"join_timeout={options.rdzv_timeout}"]
         argv += [*job.torchrun, "--max-restarts", "0", "--tee", "3", "--log-dir", _join(run_dir, "torchrun")]
-        # the entry point runs under mnft's wrapper (mnft.run.entry), which records each rank that finished its work
+        # the entry point runs under mnft's wrapper (mnft.onhost.entry), which records each rank that finished its work
         argv += [_join(run_dir, ENTRY), *job.entry, *(fill(a, values) for a in job.args), *job.extra_args]
         if with_resume:
             argv += [fill(a, values) for a in job.resume.args]
@@ -361,7 +362,7 @@ def plan(
 
 
 IMAGE_PYTHON = "python3"  # the image's Python: on PATH in every image mnft supports (NGC's, python:*, a Dockerfile's)
-# set by the keeper in the run's environment (mnft.run.agent): passed into the container by name with the rest. Not
+# set by the keeper in the run's environment (mnft.onhost.agent): passed into the container by name with the rest. Not
 # HOME: the host's home is not mounted (only the run's directories are); inside, HOME is the image's for the user
 # (podman: the workdir for a uid the image does not know), so a cache written there is writable
 KEEPER_ENV = ("MNFT_RUN_ID", "MNFT_RUN_TAG")

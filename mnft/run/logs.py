@@ -25,7 +25,8 @@ from mnft.core.output import fmt_loss
 from mnft.hosts import pyrun
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
-from mnft.run import agent, goodput, records, scrape, timeline
+from mnft.run import goodput, records, scrape, timeline
+from mnft.onhost import queries
 from mnft.run.checkpoints import saved, step_of
 from mnft.run.control import job_of, rank_offset, write_back
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
@@ -55,7 +56,7 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
     def command(host: Host):
         info = hosts[host.name]
         extras = info.get("collect") or ([info["metrics"]] if info.get("metrics") else [])
-        listed = [f"{agent.CHECKPOINTS_OPTION}{info['checkpoints']}"] if info.get("checkpoints") and layout != "none" else []
+        listed = [f"{queries.CHECKPOINTS_OPTION}{info['checkpoints']}"] if info.get("checkpoints") and layout != "none" else []
         return agent_command(fleet, host.name, "pack", info["run_dir"], *extras, *listed)
 
     layout = job_of(record.data).resume.layout
@@ -438,14 +439,14 @@ def read_step_times(record: records.RunRecord) -> dict[int, list[tuple[float, in
 
 
 def keep_checkpoint_names(where: Path, listing: Any, read_at: float) -> None:
-    """Keep what a host's pack named of the job's checkpoints directory (agent.checkpoint_names) in
+    """Keep what a host's pack named of the job's checkpoints directory (queries.checkpoint_names) in
     <host>/checkpoints.json, each entry's time on this machine's clock (the host's clock when it listed them is
-    subtracted: a host's clock that is off does not move its saves), at most agent.CHECKPOINT_NAMES of them."""
+    subtracted: a host's clock that is off does not move its saves), at most queries.CHECKPOINT_NAMES of them."""
     if not isinstance(listing, dict) or not isinstance(listing.get("entries"), dict) or not _finite(listing.get("now")):
         return
     entries = {}
     for name, mtime in listing["entries"].items():
-        if len(entries) >= agent.CHECKPOINT_NAMES:
+        if len(entries) >= queries.CHECKPOINT_NAMES:
             break
         if isinstance(name, str) and len(name) <= 255 and "/" not in name and _finite(mtime):
             entries[name] = round(read_at - (listing["now"] - mtime), 3)

@@ -5,7 +5,7 @@ The entry script's module-level imports are read with `ast`. An import that name
 of the synced tree, found where Python will find it on the host: the script's own directory first, then the
 tree's top, which mnft puts on PYTHONPATH) is followed into that module, so the project's own modules add their
 imports too. What remains are the top-level names of installed packages, which every host's Python must resolve
-(mnft.check.probe looks each up with `importlib.util.find_spec`: nothing is imported). Imports in a `try` that
+(mnft.onhost.probe looks each up with `importlib.util.find_spec`: nothing is imported). Imports in a `try` that
 catches ImportError, under `if TYPE_CHECKING:`, or inside a function are optional or late: not required. A recipe
 adds its declared dependencies, a job file its `requires:` list.
 

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.core.output import plain, print_json
-from mnft.hosts import leasehost, leases, pyrun
+from mnft.hosts import leases, pyrun
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.lab import holder_user, look, since
 from mnft.hosts.settings import Inventory
@@ -95,7 +95,7 @@ def stop(inventory: Inventory, run_id: str, held: dict[str, list[dict]], grace: 
     stopped by the run's agent there (the recorded process group, its leader verified)."""
     out: dict[str, dict] = {}
     with Fleet(inventory.only(held)) as fleet:
-        found = fleet.run(lambda h: pyrun.command(h, "rundirs", run_id, site=False), stdin=pyrun.payload(leasehost.source()), timeout=30)
+        found = fleet.run(lambda h: pyrun.command(h, "rundirs", run_id, site=False), stdin=pyrun.payload("leasehost"), timeout=30)
         dirs = {r.host: (pyrun.reply(r, "the lease script") or {}).get("run_dirs") or [] for r in found}
         for host, run_dirs in dirs.items():
             for run_dir in run_dirs:

@@ -108,7 +108,7 @@ class GpuXid:
 
     def words(self) -> str:
         """"Xid 79 (fallen off the bus) on h1 GPU 0 at 10:02:03"."""
-        from mnft.hosts.leasehost import RESET_XIDS
+        from mnft.onhost.health import RESET_XIDS
 
         what = RESET_XIDS.get(self.xid) or " ".join(self.text.split()[-6:]) or "see dmesg"
         return f"Xid {self.xid} ({what}) on {self.host} GPU {'?' if self.gpu is None else self.gpu} at {time.strftime('%H:%M:%S', time.localtime(self.at))}"

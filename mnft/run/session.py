@@ -4,7 +4,7 @@ It takes G free GPUs on one host (`--host`, else the first host of the inventory
 fastest-linked G there, as a run's are picked) under a lease of its own (command `shell`), records itself as a
 run record of kind `session` (so `mnft stop SESSION` and `mnft status SESSION` work on it as on a run), and opens a
 terminal there (mnft.hosts.terminal) on the same verified connection as every other command. On the host the
-session's keeper (mnft.run.agent `session`) runs the login shell, or the command after `--`, in the inventory's
+session's keeper (mnft.onhost.agent `session`) runs the login shell, or the command after `--`, in the inventory's
 workdir with CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER set to the leased GPUs; it holds the leases and ends every
 process of the session when it ends. A second channel (`watch`) carries this controller's heartbeats: when they
 stop (the controller or its network gone), the host ends the session within the dead-man time.
@@ -42,7 +42,7 @@ from mnft.run.gang import agent_command, agent_payload
 from mnft.run.launch import KEEPER_ENV, new_run_id
 from mnft.run.rerun import snapshot
 
-IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.run.agent.IdleWatch)
+IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.onhost.watches.IdleWatch)
 LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
 # in an image the host's $SHELL may not exist: its bash where it has one, else its sh, as a login shell
 IMAGE_LOGIN_SHELL = ("/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -l; fi; exec sh -l")
@@ -79,7 +79,7 @@ def outcome(code: int | None, reason: str | None) -> str:
 
 def spec_for(session_id: str, host: Host, argv: tuple[str, ...], devices: list[int], paths: list[str], options: ShellOptions,
              runtime: containers.Runtime | None = None) -> dict:
-    """What the host's keeper runs (mnft.run.agent `session`): pure, tested with data. With a runtime (--image),
+    """What the host's keeper runs (mnft.onhost.agent `session`): pure, tested with data. With a runtime (--image),
     the program is the runtime's interactive `run` of it in the image (in_image)."""
     run_dir = host.workdir.rstrip("/") + f"/runs/{session_id}/{host.name}"
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "MNFT_SESSION": session_id}
@@ -259,7 +259,7 @@ def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunR
     if options.forward:
         listener, port = forward(fleet.connection(host), options.forward)
         console.print(f"{host.name}:{options.forward} is forwarded to http://127.0.0.1:{port}", highlight=False, soft_wrap=True)
-    command = Command.of(reply.get("python") or host.python, "-S", reply["agent"], "session", reply["run_dir"]).render()
+    command = Command.of(*[str(a) for a in reply["argv"]]).render()  # the host's Python, from the session's copy of the agent
     try:
         code = interact(open_terminal(fleet.connection(host), command))
     finally:

@@ -1,4 +1,4 @@
-"""Which host holds the gang back: pure rules over what each host's agent samples (mnft.run.agent `sample`).
+"""Which host holds the gang back: pure rules over what each host's agent samples (mnft.onhost.samples).
 
 A gang runs at its slowest member's pace. In synchronous training every rank's *step* time is the same — the fast
 ranks wait in the collectives for the slow one — so the straggler shows in its *compute* time (the step minus

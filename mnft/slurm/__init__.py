@@ -15,6 +15,6 @@ makes the job save and the batch requeue itself.
                 status, stop and logs of a Slurm run
     allocation  inside the allocation: the check step, the plan, the agents' step supervised, requeue on the
                 warning signal
-    node        the host side of the agents' step (standard library only): picks its node's launch by
-                SLURM_NODEID and runs mnft's agent with it
+    (the host side of the steps, which picks its node's launch by SLURM_NODEID and runs mnft's agent with it:
+    the host package's slurmnode)
 """

@@ -9,7 +9,7 @@ One attempt (attempt = SLURM_RESTART_COUNT + 1; a requeued job is the next attem
    the master, torch present, disk, interface, the job's modules importable); a problem refuses the attempt;
 3. the master's IPv4 from its facts (mnft's rule: never 127.x); on a resume (a requeued attempt, or --resume) the
    latest complete checkpoint by the job's resume rule;
-4. the launch plan of the SSH path; one srun step runs mnft.slurm.node on every node, which runs mnft's agent with
+4. the launch plan of the SSH path; one srun step runs mnft.onhost.slurmnode on every node, which runs mnft's agent with
    its node's launch; its events come back through srun (labelled by task = node), the heartbeats go out through
    srun's stdin (--input=all), so an agent that stops hearing the batch tears its run down;
 5. the warning signal (sbatch --signal=B:SIG@N) makes the batch pass the signal to the job's processes (scancel
@@ -40,7 +40,6 @@ from rich.text import Text
 
 from mnft.check.findings import CheckOptions, CheckReport, Need, Problem
 from mnft.check.inimage import inside_command, merge
-from mnft.check.probe import source as probe_source
 from mnft.check.rules import evaluate, master_address, verified_image_id
 from mnft.core import limits
 from mnft.core.errors import ExitCode, MnftError
@@ -48,16 +47,16 @@ from mnft.core.output import console as make_console
 from mnft.hosts import pyrun
 from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.image import imagehost
 from mnft.image.facts import runtime_setting
-from mnft.run import agent, launch, records, recover
+from mnft.run import launch, records, recover
+from mnft.onhost import queries
 from mnft.run.control import job_of
 from mnft.run.gang import TeardownNoise, _parse, failure_excerpt, split_ranks
 from mnft.run.job import Job
 from mnft.run.launch import HostLaunch, LaunchOptions
 from mnft.run.rerun import snapshot
 from mnft.run.train import runtimes_of
-from mnft.slurm import cluster, node, plan
+from mnft.slurm import cluster, plan
 
 HEARTBEAT_EVERY = 2.0
 RESEND_EVERY = 5.0  # seconds between passes of the warning signal to the job until its step ends
@@ -152,13 +151,13 @@ class Allocation:
 
     # ---------------------------------------------------------------------------------------------- check
 
-    def script_step(self, inventory: Inventory, name: str, script: str | None, args: list[str], input: str | None = None,
+    def script_step(self, inventory: Inventory, name: str, entry: str | None, args: list[str], input: str | None = None,
                     line: dict | None = None) -> tuple[dict[int, list[str]], str]:
         """A host-side script on every node in one srun step (input: on its stdin after its source; line: another of
-        mnft.slurm.node's lines instead): each task's whole lines, and srun's own output."""
+        mnft.onhost.slurmnode's lines instead): each task's whole lines, and srun's own output."""
         argv = plan.node_step(inventory.hosts[0].python, len(inventory.hosts), name)
-        line = line if line is not None else plan.script_line(str(script), args, input)
-        message = pyrun.payload(node.source()) + json.dumps(line).encode() + b"\n"
+        line = line if line is not None else plan.script_line(str(entry), args, input)
+        message = pyrun.payload("slurmnode") + json.dumps(line).encode() + b"\n"
         try:
             done = subprocess.run(argv, input=message, capture_output=True, timeout=300, check=False)
         except subprocess.TimeoutExpired:
@@ -186,7 +185,7 @@ class Allocation:
         if self.job.image:
             facts, outcomes = self.check_image(inventory, [n.module for n in needs])
         else:
-            replies, own = self.script_step(inventory, "mnft-check", probe_source(), plan.check_args(template.workdir, [n.module for n in needs]))
+            replies, own = self.script_step(inventory, "mnft-check", "probe", plan.check_args(template.workdir, [n.module for n in needs]))
             facts, outcomes = {}, {}
             for host in inventory.hosts:
                 lines = replies.get(host.rank, [])
@@ -224,19 +223,18 @@ class Allocation:
         node's own facts and the image's there (the probe's image-facts mode, imagehost's facts read in a thread of
         it: runtime, as whom, CDI, GPUs, the image's id), then the probe's Python facts from inside the image on every
         node that has it (each node's command line built from its facts by inimage.inside_command, run by
-        mnft.slurm.node at its SLURM_NODEID). Merged by inimage.merge, so the rules judge the image's Python, torch,
+        mnft.onhost.slurmnode at its SLURM_NODEID). Merged by inimage.merge, so the rules judge the image's Python, torch,
         CUDA, NCCL and the job's modules, and the image's own rules apply (runtime, image there, same id, CDI)."""
         image = str(self.job.image)
         template = inventory.hosts[0]
-        request = json.dumps({"imagehost": imagehost.source(), "runtime": runtime_setting(template), "image": image}) + "\n"
-        replies, own = self.script_step(inventory, "mnft-check", probe_source(), plan.image_check_args(template.workdir), input=request)
+        request = json.dumps({"runtime": runtime_setting(template), "image": image}) + "\n"
+        replies, own = self.script_step(inventory, "mnft-check", "probe", plan.image_check_args(template.workdir), input=request)
         seen = {host.name: image_facts_reply(replies.get(host.rank, []), own) for host in inventory.hosts}
         commands = [inside_command(host, seen[host.name][1], image, modules) if seen[host.name][0] is not None else None
                     for host in inventory.hosts]
         ran: dict[str, dict | None] = {}
         if any(commands):
-            head = pyrun.payload(probe_source()).decode()
-            inside, own = self.script_step(inventory, "mnft-check-image", None, [], line=plan.command_line(commands, head, INSIDE_TIMEOUT))
+            inside, own = self.script_step(inventory, "mnft-check-image", None, [], line=plan.command_line(commands, "", INSIDE_TIMEOUT, "probe"))
             ran = {host.name: inside_ran(inside.get(host.rank, []), own) for host, command in zip(inventory.hosts, commands) if command}
         facts, outcomes = {}, {}
         for host in inventory.hosts:
@@ -261,7 +259,7 @@ class Allocation:
         template = inventory.hosts[0]
         values = launch.placeholders(inventory, template, master_addr="", port=0, run_id=self.record.run_id, job_id=self.record.data["job_id"])
         directory = launch.host_path(template, launch.fill(rule.checkpoints, values), self.record.data["job_id"])
-        replies, _ = self.script_step(inventory, "mnft-checkpoints", agent.source(), ["checkpoints", directory])
+        replies, _ = self.script_step(inventory, "mnft-checkpoints", "agent", ["checkpoints", directory])
         listings: dict[str, dict] = {}
         for task, lines in replies.items():
             if task < len(inventory.hosts) and lines:
@@ -288,7 +286,7 @@ class Allocation:
         spec_options = LaunchOptions(job=self.job, detach=False)
         launches = [{"node": p.host, "spec": p.spec(launch.attempt_id(self.record.run_id, self.record.data["attempt"]), {}, spec_options)}
                     for p in plans]
-        message = {"launches": launches, "agent": agent.source(), "bootstrap": pyrun.BOOTSTRAP, "save_signal": self.options.signal_name,
+        message = {"launches": launches, "agent": plan.payload64("agent"), "save_signal": self.options.signal_name,
                    "mark": {"path": str(mark.resolve()), "token": token}}
         argv = plan.node_step(template.python, len(plans), "mnft-train")
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -320,7 +318,7 @@ class Allocation:
             while not stop.wait(HEARTBEAT_EVERY):
                 write(b"hb\n")
 
-        write(pyrun.payload(node.source()) + json.dumps(message).encode() + b"\n")
+        write(pyrun.payload("slurmnode") + json.dumps(message).encode() + b"\n")
         threading.Thread(target=reader, daemon=True).start()
         threading.Thread(target=heartbeat, daemon=True).start()
         previous = signal.signal(signal.SIGUSR2 if self.options.signal_name == "USR2" else getattr(signal, "SIG" + self.options.signal_name),
@@ -536,7 +534,7 @@ def inside_ran(lines: list[str], own: str) -> dict:
 
 
 def unseen_workdir(inventory: Inventory, facts: dict[str, dict]) -> list[Problem]:
-    """A node on which the run's workdir does not exist (the probe measured the disk of a parent: mnft.check.probe
+    """A node on which the run's workdir does not exist (the probe measured the disk of a parent: mnft.onhost.probe
     `_disk`): it does not see the filesystem the login node synced the code to, and nothing mnft could sync would
     reach it. Said in the check, before anything starts, with what to do under Slurm."""
     problems = []
@@ -564,7 +562,7 @@ def collect_run(record: records.RunRecord, say, launches: list[HostLaunch] | Non
         if source.is_dir():
             shutil.copytree(source, dest / "run", dirs_exist_ok=True, ignore=shutil.ignore_patterns("agent.py", "secrets.json"))
         for index, pattern in enumerate(p.collect):
-            for path, name in agent._extra_files(pattern):
+            for path, name in queries._extra_files(pattern):
                 target = dest / "extra" / str(index) / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 try:

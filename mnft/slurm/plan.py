@@ -4,7 +4,7 @@ The script holds the allocation's options as #SBATCH lines (nodes, one task per 
 GPUs, per-job output appended across requeues, requeue, the warning signal to the batch) and one command: mnft
 continuing the run inside the allocation (mnft.slurm.allocation), which runs two kinds of job step, both
 `srun --ntasks-per-node=1 --kill-on-bad-exit=1` on every node: the host checks (mnft's facts probe) and mnft's
-host agent (through mnft.slurm.node). The nodes of the allocation become an inventory in `scontrol show
+host agent (through mnft.onhost.slurmnode). The nodes of the allocation become an inventory in `scontrol show
 hostnames` order, so the launch plan of the SSH path gives node_rank = SLURM_NODEID and the master's IPv4.
 
 Every value that reaches the script is validated here (a partition is a name, a time is Slurm's time format);
@@ -13,13 +13,14 @@ words of the command line are quoted for the shell once.
 
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 from mnft.core.errors import InputError
-from mnft.hosts.pyrun import BOOTSTRAP
+from mnft.hosts.pyrun import BOOTSTRAP, payload
 from mnft.hosts.settings import Host, Inventory
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # a partition or account name
@@ -177,7 +178,7 @@ def srun_argv(nodes: int, *, label: bool = True, input_all: bool = True, output:
 
 
 def node_step(python: str, nodes: int, name: str) -> list[str]:
-    """mnft.slurm.node on every node (its source, then one JSON line, on the step's stdin)."""
+    """mnft.onhost.slurmnode on every node (its source, then one JSON line, on the step's stdin)."""
     return srun_argv(nodes, job_name=name) + [python, "-c", BOOTSTRAP]
 
 
@@ -193,27 +194,33 @@ def image_check_args(workdir: str) -> list[str]:
     return ["image-facts", "--workdir", workdir]
 
 
-def script_line(script: str, args: list[str], input: str | None = None) -> dict:
-    """The JSON line that makes mnft.slurm.node run another host-side script with its arguments on every node;
-    input: what the script reads on its stdin after its source (then its stdin ends)."""
-    line = {"mode": "script", "script": script, "args": list(args), "bootstrap": BOOTSTRAP}
+def script_line(entry: str, args: list[str], input: str | None = None) -> dict:
+    """The JSON line that makes mnft.onhost.slurmnode run another host entry (mnft.onhost.<entry>) with its arguments
+    on every node; input: what the entry reads on its stdin after its payload (then its stdin ends)."""
+    line = {"mode": "script", "payload": payload64(entry), "args": list(args)}
     if input is not None:
         line["input"] = input
     return line
 
 
-def command_line(commands: list[list[str] | None], input: str, timeout: float) -> dict:
-    """The JSON line that makes mnft.slurm.node run on each node the command at its SLURM_NODEID (None: nothing
+def payload64(entry: str) -> str:
+    """A host entry's payload as a JSON line carries it (base64)."""
+    return base64.b64encode(payload(entry)).decode()
+
+
+def command_line(commands: list[list[str] | None], input: str, timeout: float, entry: str | None = None) -> dict:
+    """The JSON line that makes mnft.onhost.slurmnode run on each node the command at its SLURM_NODEID (None: nothing
     there), `input` on its stdin, for at most `timeout` seconds: srun runs one command on every node, so each node's
     own comes in one list, as its launch does (the probe inside the image: its command line is the node's own)."""
-    return {"mode": "command", "commands": [list(c) if c is not None else None for c in commands], "input": input, "timeout": float(timeout)}
+    line = {"mode": "command", "commands": [list(c) if c is not None else None for c in commands], "input": input, "timeout": float(timeout)}
+    return dict(line, payload=payload64(entry)) if entry else line
 
 
 LINE_KEPT = 1 << 20  # characters of one task's line put back together (a line without end costs no more)
 
 
 class Pieces:
-    """Lines of an srun --label stream put back together: mnft.slurm.node sends each line in pieces ("+…" goes
+    """Lines of an srun --label stream put back together: mnft.onhost.slurmnode sends each line in pieces ("+…" goes
     on, "|…" ends it). Returns (task, line) for each whole line; srun's own lines (no label) and a task's lines
     without a marker (a traceback on its stderr) come through as they are."""
 

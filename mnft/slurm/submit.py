@@ -69,16 +69,16 @@ def steps_text(python: str, nodes: int, workdir: str, image: str | None = None) 
         check = ["1. the host checks on every node (mnft's facts probe " + shell_line(plan.image_check_args(workdir)) + ": the node's",
                  f"   facts and the image's: runtime, {image} there, its id), then the probe inside the image on every node",
                  "   (Python, torch, CUDA, NCCL, the job's modules):",
-                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
+                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.onhost.slurmnode on stdin)",
                  "   " + shell_line(plan.node_step(python, nodes, "mnft-check-image")[:-2]) + " -c BOOTSTRAP   (each node's podman/docker/"
                  "apptainer command)"]
     else:
         check = ["1. the host checks on every node (mnft's facts probe " + shell_line(plan.check_args(workdir)) + ", the job's modules):",
-                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)"]
+                 "   " + shell_line(plan.node_step(python, nodes, "mnft-check")[:-2]) + " -c BOOTSTRAP   (mnft.onhost.slurmnode on stdin)"]
     return check + [
         "2. mnft's host agent on every node (node_rank = SLURM_NODEID; master = the first node of scontrol show",
         "   hostnames, by its IPv4 address)" + (f", torchrun inside {image}:" if image else ":"),
-        "   " + shell_line(plan.node_step(python, nodes, "mnft-train")[:-2]) + " -c BOOTSTRAP   (mnft.slurm.node on stdin)",
+        "   " + shell_line(plan.node_step(python, nodes, "mnft-train")[:-2]) + " -c BOOTSTRAP   (mnft.onhost.slurmnode on stdin)",
     ]
 
 

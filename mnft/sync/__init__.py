@@ -2,8 +2,8 @@
 
     source      the local tree: which directory, which files (git's ignores, configured excludes), its hash
     gitignore   git's ignore files as filter rules with git's meaning
-    treehash    a tree's identity (paths, sizes, sha256), the record of what mnft placed in a directory, a job's
-                directory linked from its snapshot; host side too (stdlib only, shipped through pyrun)
+    (a tree's identity, the record of what mnft placed in a directory, a job's directory linked from its snapshot,
+    computed alike here and on hosts: the host package's treehash, checkout, sharemarks)
     targets     where a sync may go, judged before anything is touched
     rsync       rsync's argv with verified host keys, its run with progress, what its exit means
     mirror      `invoke sync`: read each host's copy, plan (never removing or replacing what mnft did not place), rsync, verify

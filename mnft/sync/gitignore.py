@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 
 from mnft.core import limits
 from mnft.core.errors import InputError, MnftError
-from mnft.sync import treehash
+from mnft.onhost import treehash
 
 
 def git(args: Sequence[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -81,7 +81,7 @@ def _glob_part(text: str) -> list[tuple[str, str]]:
 
 def _render(tokens: list[tuple[str, str]]) -> str:
     """Tokens -> an rsync pattern: literal wildcard characters are backslash-escaped, and backslashes only mean
-    something in a pattern with a wildcard (rsync's rule, which mnft.sync.treehash implements too)."""
+    something in a pattern with a wildcard (rsync's rule, which mnft.onhost.treehash implements too)."""
     wild = any(kind == "glob" or text in "*?[" for kind, text in tokens)
     if not wild:
         return "".join(text for _, text in tokens)

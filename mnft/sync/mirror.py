@@ -3,7 +3,7 @@
 Three layers, as everywhere in mnft:
 
 * read: the local tree (mnft.sync.source: which files, by git's rules and the configured excludes, and their hash) and
-  each host's copy (the stdlib `mnft.sync.treehash` script shipped through pyrun: real paths of the target and of the
+  each host's copy (the stdlib `mnft.onhost.treehash` script shipped through pyrun: real paths of the target and of the
   home, every file's size and sha256);
 * plan (pure): per host, nothing to do / rsync with an exact argv (mnft.sync.rsync) / verify only (a shared filesystem
   another host wrote) / refused (the target resolves to `/` or the home: mnft.sync.targets). Tested with data: trees
@@ -12,7 +12,7 @@ Three layers, as everywhere in mnft:
   and any difference fails that host, naming the files.
 
 The exclude rules go to rsync and to every host's hash alike. Nothing that exists only on a host is ever deleted or
-overwritten: each directory mnft writes keeps a record of what it placed there (treehash.PLACED); a sync removes only
+overwritten: each directory mnft writes keeps a record of what it placed there (checkout.PLACED); a sync removes only
 a recorded file the source no longer has and that is still as mnft left it, and a host file in the way of a source
 file that the record does not name (a run's output, a person's file) is a conflict, named, nothing written on that
 host, unless forced (`placement`, pure). A run's code goes into a snapshot of its own tree hash
@@ -39,7 +39,6 @@ from mnft.hosts.command import Command
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.sync import treehash
 from mnft.sync.rsync import (
     SSH_CONNECT_TIMEOUT,
     RsyncOutcome,
@@ -53,7 +52,7 @@ from mnft.sync.rsync import (
 from mnft.sync.source import LocalTree, code_source, read_local
 from mnft.sync.targets import normalize_target, preflight, remote_refusal, source_problem
 
-KEEP_SNAPSHOTS = 8  # a host's code snapshots kept beside the one a sync places (treehash.prune)
+KEEP_SNAPSHOTS = 8  # a host's code snapshots kept beside the one a sync places (checkout.prune)
 HASH_TIMEOUT = 1800.0  # a first hash of a large data set reads every byte
 SHOWN_DIFFERENCES = 20
 
@@ -88,7 +87,7 @@ class RemoteTree:
     placed: dict[str, tuple[int, str]] | None = None  # the record of what mnft placed there (None: none)
     siblings: tuple[str, ...] = ()  # the code snapshots beside it, newest first
     kept: dict[str, str] = field(default_factory=dict)  # recorded files the sync was to remove but found changed
-    linked: dict[str, str] | None = None  # made in that round-trip from a snapshot (treehash.link_tree): its errors
+    linked: dict[str, str] | None = None  # made in that round-trip from a snapshot (checkout.link_tree): its errors
     snapshot_ok: bool | None = None  # the snapshot it links from is there and is the tree asked for (None: not asked)
 
     @classmethod
@@ -248,7 +247,7 @@ def rules_line(rules: Sequence[str], placed: Mapping[str, Any] | None = None) ->
 
 
 def hash_stdin(rules: Sequence[str], placed: Mapping[str, Any] | None = None) -> bytes:
-    return pyrun.payload(treehash.source()) + rules_line(rules, placed).encode()
+    return pyrun.payload("treehash") + rules_line(rules, placed).encode()
 
 
 def parse_hash(result: HostResult) -> RemoteTree | None:
@@ -285,7 +284,7 @@ def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str],
         args = hash_args(host, target, if_exists=if_exists, other=other_dir(host, target), expect=expect, mark=mark, names=names,
                          placed=mine is not None, siblings=siblings, prune=prune, also=tuple((also or {}).get(host.name) or ()))
         # a host this controller holds the lease of hashes in its lease holder's process (no new session)
-        held = leases.run_held(host, treehash.source(), args, rules_line(rules, mine), timeout)
+        held = leases.run_held(host, "treehash", args, rules_line(rules, mine), timeout)
         return held if held is not None else fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=hash_stdin(rules, mine), timeout=timeout)
 
     results = fleet.map(one, hosts)
@@ -295,7 +294,7 @@ def read_remote(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str],
 def look(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, str], nonce: str, names: Sequence[str]) -> dict[str, set[str]]:
     """A round-trip of its own: whose marks of nonce (among names) each host sees for its target."""
     results = fleet.run(lambda h: pyrun.command(h, normalize_target(targets[h.name]), "--seen", nonce, "--names", ",".join(names), site=False),
-                        stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
+                        stdin=pyrun.payload("treehash"), hosts=list(hosts), timeout=HASH_TIMEOUT)
     sees = {}
     for result in results:
         try:
@@ -333,7 +332,7 @@ def detect_sharing(fleet: Fleet, hosts: Sequence[Host], targets: Mapping[str, st
     nonce = secrets.token_hex(8)
     names = [h.name for h in hosts]
     results = fleet.run(lambda h: pyrun.command(h, *mark_request(h, targets[h.name], nonce, names)[1], site=False),
-                        stdin=pyrun.payload(treehash.source()), hosts=list(hosts), timeout=HASH_TIMEOUT)
+                        stdin=pyrun.payload("treehash"), hosts=list(hosts), timeout=HASH_TIMEOUT)
     sightings = {r.host: sighting_of(r) for r in results}
     groups, _ = sharing_of(fleet, hosts, targets, nonce, {name: s for name, s in sightings.items() if s is not None})
     return groups, {r.host: why for r in results if (why := mark_refused(r))}
@@ -785,16 +784,16 @@ def code_unknown(error: str) -> dict[str, Any]:
 
 def code_request(host: Host, local: LocalTree, *, mark: str | None = None, names: Sequence[str] = ()) -> tuple[str, list[str], str]:
     """What hashes the host's workdir for code_of (with mark: also marks it and looks for the marks of `names`):
-    the tree-hash script's source, its arguments and its stdin (the rules), for a host script already running
-    there to run (check's probe session, mnft.check.session)."""
-    return treehash.source(), hash_args(host, host.workdir, if_exists=True, other=other_dir(host, host.workdir), mark=mark, names=names), \
+    the tree-hash entry, its arguments and its stdin (the rules), for a host script already running there to run
+    (check's probe session, mnft.check.session)."""
+    return "treehash", hash_args(host, host.workdir, if_exists=True, other=other_dir(host, host.workdir), mark=mark, names=names), \
         rules_line(local.rules)
 
 
 def mark_request(host: Host, target: str, nonce: str, names: Sequence[str]) -> tuple[str, list[str], str]:
     """detect_sharing's look for one host as code_request's triple: leave its mark for target, look for those of
     `names`, hash nothing (read its answer with sighting_of)."""
-    return treehash.source(), [normalize_target(target), "--mark", f"{nonce}.{host.name}", "--only", "--names", ",".join(names)], ""
+    return "treehash", [normalize_target(target), "--mark", f"{nonce}.{host.name}", "--only", "--names", ",".join(names)], ""
 
 
 def sighting_of(result: HostResult) -> Sighting | None:

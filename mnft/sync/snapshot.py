@@ -30,13 +30,13 @@ from mnft.core.output import fmt_size
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
-from mnft.sync import treehash
+from mnft.onhost import checkout, treehash
 from mnft.sync.mirror import KEEP_SNAPSHOTS, HostSync, SyncReport, SyncStatus, placed_request, read_remote, sync_tree
 from mnft.sync.source import LocalTree, code_source, read_local
 from mnft.sync.targets import source_problem
 
 KEEP = KEEP_SNAPSHOTS  # snapshots this machine's store keeps beyond the ones in use, as each host keeps its own
-CUT = 16  # a snapshot's directory name: its tree hash, cut (treehash.SNAPSHOT)
+CUT = 16  # a snapshot's directory name: its tree hash, cut (checkout.SNAPSHOT)
 LINK_FROM = 5  # the newest snapshots a new one hard-links unchanged files from
 CONFLICT_FIX = "the job wrote them or someone put them there: move them away, or start a new job instead of --resume"
 
@@ -168,7 +168,7 @@ def _snapshots(base: Path) -> list[Path]:
     def when(p: Path) -> float:
         mark = Path(str(p) + ".complete")
         return mark.stat().st_mtime if mark.exists() else p.stat().st_mtime
-    return sorted((p for p in base.iterdir() if p.is_dir() and treehash.SNAPSHOT.match(p.name)), key=when, reverse=True)
+    return sorted((p for p in base.iterdir() if p.is_dir() and checkout.SNAPSHOT.match(p.name)), key=when, reverse=True)
 
 
 # ------------------------------------------------------------------------------------------------ on the hosts
@@ -230,7 +230,7 @@ def place(inventory: Inventory, fixed: LocalTree, job_id: str, *, fleet: Fleet, 
     A host's refusal or conflict leaves the job directories untouched everywhere (the snapshots are mnft's own).
 
     The usual start is one round-trip per host: its snapshot is checked there (its hash cached: no file read) and the
-    new job's directory made from it in the same breath (treehash.link_tree: linked, hashed, recorded). Only hosts
+    new job's directory made from it in the same breath (checkout.link_tree: linked, hashed, recorded). Only hosts
     whose snapshot is missing or not this tree get it sent (rsync --link-dest to the ones beside it) and are linked
     then; a job's directory that exists already (a resume) is placed by rsync from here under the rules of a
     directory the job writes in (mirror.placement)."""

@@ -15,13 +15,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from mnft.core.errors import InputError
 from mnft.hosts.hostkeys import mnft_home
-from mnft.sync import treehash
+from mnft.onhost import sharemarks, treehash
 from mnft.sync.gitignore import git, git_view
 
-# the marks of shared storage (treehash._anchor: inside a target that is a mount point of its own, or beside a
+# the marks of shared storage (sharemarks._anchor: inside a target that is a mount point of its own, or beside a
 # directory mnft marks, such as a checkpoints directory within the tree), at any depth: neither hashed, sent nor
 # deleted
-SHARE_MARKS = f"{treehash.SHARE_DIR}/"
+SHARE_MARKS = f"{sharemarks.SHARE_DIR}/"
 ALWAYS_EXCLUDES = (".git", "runs/", "outputs/", "/.mnft/", "__pycache__", "*.pyc", ".venv", "venv", ".mypy_cache", ".pytest_cache", "*.egg-info",
                    SHARE_MARKS)
 DATA_EXCLUDES: tuple[str, ...] = (SHARE_MARKS,)

@@ -93,7 +93,7 @@ def preflight(inventory: Inventory, src: Path, kind: str = "code") -> None:
 
 
 def remote_refusal(root: str, home: str, refused: str | None = None) -> str | None:
-    """The host-side check: the probe's own refusal (real paths, before any walk: see treehash.refusal), and
+    """The host-side check: the probe's own refusal (real paths, before any walk: see systemdirs.refusal), and
     again here from the real paths it reported: not `/`, the home, or a directory above the home."""
     if refused:
         return refused

@@ -1,7 +1,7 @@
 """What uninstall removes where (pure: what each host and this machine hold in, the items to remove or keep out).
 
 OWNED is what mnft puts on a host, one line each, in the order removal goes (what is inside first); the host
-script (mnft.uninstall.uninstallhost.locations) finds each of them by the same key. What a run or a person wrote is
+script (mnft.onhost.uninstallhost.locations) finds each of them by the same key. What a run or a person wrote is
 never mnft's to remove: a job's directory and a run's logs only with --include-outputs, a file in a synced tree
 only when it is still exactly as sync placed it.
 """

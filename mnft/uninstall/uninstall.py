@@ -1,6 +1,6 @@
 """`mnft uninstall`: take mnft off the hosts and this machine. Read state -> plan -> apply -> report.
 
-* read: every host, in one round-trip (mnft.uninstall.uninstallhost on the host's base Python: the environment
+* read: every host, in one round-trip (mnft.onhost.uninstallhost on the host's base Python: the environment
   may be what goes), says what of mnft's is there and its size; this machine its wheelhouse, code snapshot store,
   tree-hash caches and provision record;
 * plan (pure, mnft.uninstall.plan): per host and here, each item to remove or to keep, and why;
@@ -28,7 +28,7 @@ from mnft.hosts.fleet import Fleet, Status
 from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync import snapshot
-from mnft.uninstall import uninstallhost
+from mnft.onhost import uninstallhost
 from mnft.uninstall.plan import CONTROLLER, Item, freed, plan_items, settle, to_remove
 
 LOOK_TIMEOUT = 300.0  # a look hashes the files sync placed (a large data_dir is read once)
@@ -82,7 +82,7 @@ def host_command(host: Host, action: str, remove: list[str] | None = None) -> Co
 
 
 def look_hosts(fleet: Fleet, hosts: list[Host], include_outputs: bool) -> dict[str, HostOutcome]:
-    results = fleet.run(lambda h: host_command(h, "look"), stdin=pyrun.payload(uninstallhost.source()), hosts=hosts, timeout=LOOK_TIMEOUT)
+    results = fleet.run(lambda h: host_command(h, "look"), stdin=pyrun.payload("uninstallhost"), hosts=hosts, timeout=LOOK_TIMEOUT)
     outcomes = {}
     for result in results:
         data = pyrun.reply(result, "the uninstall script")
@@ -99,7 +99,7 @@ def remove_on_hosts(fleet: Fleet, hosts: list[Host], outcomes: dict[str, HostOut
     todo = [h for h in hosts if outcomes[h.name].status == "ok" and to_remove(outcomes[h.name].items)]
     if not todo:
         return
-    results = fleet.run(lambda h: host_command(h, "remove", to_remove(outcomes[h.name].items)), stdin=pyrun.payload(uninstallhost.source()),
+    results = fleet.run(lambda h: host_command(h, "remove", to_remove(outcomes[h.name].items)), stdin=pyrun.payload("uninstallhost"),
                         hosts=todo, timeout=REMOVE_TIMEOUT)
     for result in results:
         outcome = outcomes[result.host]

@@ -16,7 +16,6 @@ from mnft.hosts import pyrun
 from mnft.hosts.command import Command
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host, Inventory
-from mnft.setup.steps import remote
 
 REMOTE_TIMEOUT = 60.0
 
@@ -153,7 +152,7 @@ class Context:
         """Run ops on the host in one round-trip: (results, None), or (None, Outcome) when the call itself failed."""
         command = pyrun.command(host, site=False)  # the host side is standard library only
         become = self.become.get(host.name, Become()) if root else Become()
-        stdin = become.stdin_prefix() + pyrun.payload(remote.source()) + (json.dumps({"ops": list(ops)}) + "\n").encode()
+        stdin = become.stdin_prefix() + pyrun.payload("setuphost") + (json.dumps({"ops": list(ops)}) + "\n").encode()
         result = self.fleet.run_one(host, become.wrap(command), stdin=stdin, timeout=timeout)
         if not result.ok:
             return None, outcome_of(result)

@@ -52,11 +52,6 @@ STATE_DIR = "/run/mnft"
 MAX_READ_BYTES = 4 * 1024 * 1024  # a file read to be edited: mnft.core.limits.HOST_FILE_BYTES (this file is stdlib only)
 
 
-def source() -> str:
-    with open(__file__, encoding="utf-8") as f:
-        return f.read()
-
-
 def _path(p: str) -> str:
     return os.path.expanduser(p)
 
@@ -450,7 +445,7 @@ def _root_path() -> None:
     os.environ["PATH"] = os.pathsep.join([p for p in parts if p] + [d for d in SBIN if d not in parts])
 
 
-def main() -> int:
+def main(argv=None) -> int:
     _root_path()
     try:
         request = json.loads(sys.stdin.readline())

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """mnft tree hash: the identity of a directory tree (paths, sizes, sha256 of contents), here or on a host.
 
-The controller imports this module to hash its own tree and ships this file's source (see `source()`) to each
+The controller imports this module to hash its own tree and ships this module (its payload: mnft.hosts.payload) to each
 host's Python (mnft.hosts.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
-as `python3 mnft/sync/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] [--placed]
+as `python3 mnft/onhost/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] [--placed]
 [--siblings]` with the exclude rules as one JSON line on stdin (and, with --placed, a second line: the paths to
 hash, the files to remove and the record to write: see `placed`).
 
@@ -42,33 +42,20 @@ never raises on a bad file (the error is recorded for that path); exit status 0,
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
 import stat
 import sys
-import time
 
-CHUNK = 1 << 20
-# Shared storage: each host leaves a mark <nonce>.<host> for its target in this directory beside it (in the
-# deepest existing directory above it; inside it when the target is a mount point of its own, as a lab's NFS data
-# mount is), then, in the same round-trip, looks for every host's mark of that nonce for the same path. A mark
-# appears whole (written under another name, then renamed), so of two hosts that share, the later to mark sees
-# the earlier's: the sightings taken both ways find every group (mirror.sharing_of).
-SHARE_DIR = ".mnft-share"
-MARK = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+from .checkout import PLACED, link_tree, prune, read_placed, remove_placed, siblings, write_placed
+from .filehash import sha256_file
+from .sharemarks import _mark, seen
+from .systemdirs import refusal
+
 CACHE_VERSION = 1
 CACHE_BYTES = 1 << 30  # the hash cache read at most (~200 bytes a file: millions of files); past it, hashed again
 WILDCARDS = "*?["
-PLACED = ".mnft-checkout.json"  # at a tree's top: what mnft placed there (never hashed, never sent)
-SNAPSHOT = re.compile(r"^[0-9a-f]{16}$")  # a code snapshot's directory name: its tree hash, cut
-
-
-def source() -> str:
-    """This file's source text, for the controller to ship to a host."""
-    with open(__file__, encoding="utf-8") as f:
-        return f.read()
 
 
 # ------------------------------------------------------------------------------------------------ rules
@@ -180,20 +167,6 @@ def escape_literal(relpath: str) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ hashing
-
-
-def sha256_file(path) -> str:
-    """A file's sha256, read in chunks."""
-    import hashlib  # in the functions that hash: a mark or seen round-trip imports nothing it does not use
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            chunk = fh.read(CHUNK)
-            if not chunk:
-                break
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def digest_of(files: dict) -> str:
@@ -348,52 +321,6 @@ def default_cache(root: str) -> str:
 # ------------------------------------------------------------------------------------------------ main
 
 
-# Directories a target must never be, or be above (a mirror with --delete would empty them); compared by real
-# path, so a workdir that is a symlink to one of them is caught too.
-SYSTEM_DIRS = ("/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media", "/mnt", "/opt", "/proc",
-               "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr", "/usr/local", "/var", "/var/lib", "/var/tmp", "/Users")
-# ... nor lie inside (they never hold a workdir, and a mirror into them would replace system files)
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
-HOME_SECRETS = (".ssh", ".gnupg")
-
-
-def _inside(path: str, folder: str) -> bool:
-    """path is folder or lies below it (real paths)."""
-    folder = folder.rstrip("/") or "/"
-    return path == folder or path.startswith(folder.rstrip("/") + "/")
-
-
-def refusal(root: str, home: str, other=None):
-    """Why a mirror (rsync --delete) into the real path root must not happen on this host, or None.
-
-    Judged before any walk, so a target that resolves to / or the home is refused at once, not after an hour of
-    hashing. home is the real path of the home; other (optional) the real path of the host's other mnft
-    directory (the data_dir for a workdir, and the reverse), which must not overlap root.
-    """
-    if root == "/":
-        return "the target resolves to / on this host"
-    if root == home:
-        return "the target resolves to the home directory %s on this host" % home
-    if _inside(home, root):
-        return "the target %s contains the home directory %s on this host" % (root, home)
-    for name in HOME_SECRETS:
-        secret = os.path.join(home, name)
-        if _inside(root, os.path.realpath(secret)):
-            return "the target %s is inside %s on this host" % (root, secret)
-    for folder in SYSTEM_DIRS:
-        real = os.path.realpath(folder)
-        if _inside(real, root) or _inside(folder, root):
-            return "the target %s is (or contains) the system directory %s on this host" % (root, folder)
-    for folder in SYSTEM_TREES:
-        real = os.path.realpath(folder)
-        if _inside(root, real) or _inside(root, folder):
-            return "the target %s is inside the system directory %s on this host" % (root, folder)
-    if other:
-        if _inside(root, other) or _inside(other, root):
-            return "the target %s and the other mnft directory %s overlap on this host" % (root, other)
-    return None
-
-
 def rsync_version():
     """The version of the rsync a remote shell here would start ("3.2.7"), "unknown", or None when there is none."""
     import shutil
@@ -408,246 +335,6 @@ def rsync_version():
         return "unknown"
     match = re.search(r"version\s+v?(\d+(?:\.\d+)+)", text)
     return match.group(1) if match else "unknown"
-
-
-def _mount_points(mountinfo=None) -> set:
-    """The mount points this host's processes see (/proc/self/mountinfo's fifth field, octal escapes undone):
-    os.path.ismount misses a bind mount within one filesystem."""
-    if mountinfo is None:
-        try:
-            with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-                mountinfo = f.read()
-        except OSError:
-            return set()
-    fields = [line.split(" ") for line in mountinfo.splitlines()]
-    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), x[4]) for x in fields if len(x) > 4}
-
-
-def _anchor(root: str):
-    """Where the marks for root go, and root relative to it: the deepest existing directory above root (root's
-    parent when it exists), never / or inside a system tree (/etc, /usr, …); root itself ("." below it) when root is
-    a mount point of its own (what hosts share is that mount, not its parent: marks beside it would be private).
-    Marks go into root only then (it is the user's tree: `/.mnft-share/` is in sync's fixed excludes) and never
-    create a directory (a missing mount must not become a local directory)."""
-    real = os.path.realpath(os.path.expanduser(root))
-    if real != "/" and os.path.isdir(real) and (os.path.ismount(real) or real in _mount_points()) \
-            and not any(real == tree or real.startswith(tree + "/") for tree in SYSTEM_TREES):
-        return real, "."
-    path = os.path.dirname(real.rstrip("/") or "/")
-    while path != "/" and not os.path.isdir(path):
-        path = os.path.dirname(path)
-    if path == "/" or any(path == tree or path.startswith(tree + "/") for tree in SYSTEM_TREES):
-        return None, None
-    return path, os.path.relpath(real, path)
-
-
-MARK_BYTES = 8192  # a mark holds a path below its anchor
-
-
-def _share_dir(anchor: str, create: bool) -> int:
-    """An open descriptor of <anchor>/SHARE_DIR, made 0700 when missing (create). Never through a link, and only a
-    directory of this user that nobody else can write into: marks may sit in a shared mount where others write,
-    and mnft often runs as root (a planted link must never make it delete or write files elsewhere)."""
-    parent = os.open(anchor, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        if create:
-            try:
-                os.mkdir(SHARE_DIR, 0o700, dir_fd=parent)
-            except FileExistsError:
-                pass
-        fd = os.open(SHARE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
-    finally:
-        os.close(parent)
-    st = os.fstat(fd)
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        os.close(fd)
-        raise PermissionError(errno.EPERM, "%s is another user's or writable by others: not used (remove it)" % os.path.join(anchor, SHARE_DIR))
-    return fd
-
-
-def _mark(root: str, mark: str):
-    """Leave this sync's mark for root (<anchor>/SHARE_DIR/<nonce.host>, holding root's path below the anchor);
-    marks older than a day are removed. Returns why not, or None. Every name is taken relative to the directory's
-    descriptor, never followed through a link."""
-    if not MARK.match(mark):
-        return "invalid mark"
-    anchor, rest = _anchor(root)
-    if anchor is None:
-        return "no directory above the target to mark"
-    try:
-        where = _share_dir(anchor, create=True)
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    try:
-        now = time.time()
-        for entry in os.scandir(where):
-            try:
-                if now - entry.stat(follow_symlinks=False).st_mtime > 86400:
-                    os.unlink(entry.name, dir_fd=where)  # a link is removed itself, never what it points to
-            except OSError:
-                pass
-        part = "." + mark + ".part"  # written whole under this name, then renamed: a mark is never seen half-written
-        try:
-            os.unlink(part, dir_fd=where)  # the same nonce and host again (a retry): written anew
-        except FileNotFoundError:
-            pass
-        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=where)
-        with os.fdopen(fd, "w") as f:
-            f.write(rest)
-        os.rename(part, mark, src_dir_fd=where, dst_dir_fd=where)  # replaces a link there, never follows it
-    except OSError as exc:
-        return exc.strerror or str(exc)
-    finally:
-        os.close(where)
-    return None
-
-
-def seen(root: str, nonce: str, names) -> list:
-    """Which hosts' marks of this sync (nonce) this host sees for root, each for the same path: the hosts that
-    share root with it. Looked up by name (a fresh name is in no negative lookup cache of a network filesystem)."""
-    anchor, rest = _anchor(root)
-    if anchor is None:
-        return []
-    try:
-        where = _share_dir(anchor, create=False)
-    except OSError:
-        return []
-    out = []
-    try:
-        for name in names:
-            mark = "%s.%s" % (nonce, name)
-            if not MARK.match(mark):
-                continue
-            try:
-                fd = os.open(mark, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=where)
-                with os.fdopen(fd, "rb") as f:
-                    if f.read(MARK_BYTES).decode("utf-8") == rest:
-                        out.append(name)
-            except (OSError, UnicodeDecodeError):
-                pass
-    finally:
-        os.close(where)
-    return out
-
-
-def read_placed(root: str):
-    """The record of what mnft placed in root ({"digest", "files"}), or None (none, or unreadable: nothing is
-    taken as mnft's then, so nothing is removed)."""
-    try:
-        with open(os.path.join(root, PLACED), encoding="utf-8") as f:
-            data = json.loads(f.read(64 << 20))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
-        return None
-    return {"digest": data.get("digest"), "files": {str(k): [v[0], v[1]] for k, v in data["files"].items()
-                                                   if isinstance(v, list) and len(v) == 2}}
-
-
-def write_placed(root: str, record: dict) -> None:
-    """The record of what mnft placed, written whole (another name, then renamed)."""
-    path = os.path.join(root, PLACED)
-    tmp = "%s.%d.tmp" % (path, os.getpid())
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(json.dumps(record, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def remove_placed(root: str, doomed, cache=None) -> dict:
-    """Remove each [relpath, size, sha256] that is still exactly that (what mnft placed and the source no longer
-    has); a file changed since is kept. Empty directories left behind are removed. -> {relpath: why kept}."""
-    kept = {}
-    for item in doomed:
-        rel, size, sha = str(item[0]), item[1], item[2]
-        if rel.startswith("/") or ".." in rel.split("/"):
-            kept[rel] = "not a path inside the tree"
-            continue
-        full = os.path.join(root, rel)
-        try:
-            st = os.lstat(full)
-            if stat.S_ISDIR(st.st_mode) or st.st_size != size or sha256_file(full) != sha:
-                kept[rel] = "changed on the host since mnft placed it"
-                continue
-            os.unlink(full)
-        except OSError as exc:
-            if exc.errno != errno.ENOENT:
-                kept[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
-            continue
-        folder = os.path.dirname(rel)
-        while folder:
-            try:
-                os.rmdir(os.path.join(root, folder))
-            except OSError:
-                break
-            folder = os.path.dirname(folder)
-    return kept
-
-
-def link_tree(source: str, root: str) -> dict:
-    """root (which does not exist) made as a copy of the tree at source by hard links (no byte copied): a job's
-    directory from its code snapshot. Made under another name, then renamed, so root appears whole; another host of
-    a shared filesystem that made it first wins, and this one's copy is discarded. -> {relpath: error}."""
-    import shutil
-
-    errors = {}
-    parent = os.path.dirname(os.path.abspath(root))
-    os.makedirs(parent, exist_ok=True)
-    tmp = "%s.linking-%d" % (os.path.abspath(root), os.getpid())
-    for folder, dirs, names in os.walk(source, onerror=lambda exc: errors.setdefault(".", str(exc))):
-        rel = os.path.relpath(folder, source)
-        here = tmp if rel == "." else os.path.join(tmp, rel)
-        os.makedirs(here, exist_ok=True)
-        for name in dirs[:]:
-            if os.path.islink(os.path.join(folder, name)):  # a symlink to a directory is linked as the link it is
-                dirs.remove(name)
-                names.append(name)
-        for name in names:
-            try:
-                os.link(os.path.join(folder, name), os.path.join(here, name), follow_symlinks=False)
-            except OSError as exc:
-                errors[os.path.normpath(os.path.join(rel, name))] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
-    try:
-        os.rename(tmp, root)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)  # made meanwhile (a host sharing it): that copy stands
-    return errors
-
-
-def siblings(root: str) -> list:
-    """The code snapshots beside root (directories named by a tree hash), newest first: [[name, mtime]]."""
-    parent = os.path.dirname(os.path.abspath(root))
-    found = []
-    try:
-        names = os.listdir(parent)
-    except OSError:
-        return []
-    for name in names:
-        if SNAPSHOT.match(name) and name != os.path.basename(os.path.abspath(root)):
-            try:
-                st = os.stat(os.path.join(parent, name))
-            except OSError:
-                continue
-            if stat.S_ISDIR(st.st_mode):
-                found.append([name, int(st.st_mtime)])
-    found.sort(key=lambda item: -item[1])
-    return found
-
-
-def prune(root: str, keep: int) -> list:
-    """Remove the code snapshots beside root past the newest `keep` (root itself and those marked <name>.keep
-    beside them stay): they are the cache that job directories hard-link from, so removing one frees only what no
-    job links. -> the names removed."""
-    import shutil
-
-    parent = os.path.dirname(os.path.abspath(root))
-    removed = []
-    for name, _ in siblings(root)[keep:]:
-        if os.path.exists(os.path.join(parent, name + ".keep")):
-            continue
-        path = os.path.join(parent, name)
-        shutil.rmtree(path, ignore_errors=True)
-        removed.append(name)
-    return removed
 
 
 def report(root: str, patterns, cache=None, if_exists: bool = False, other=None, expect=None, mark=None, placed=None,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """mnft uninstall, the host side: what of mnft's is on this host (look), and its removal (remove).
 
-The controller ships this file's source (see `source()`) to the host's base Python (mnft.hosts.pyrun) and reads one
+The controller ships this module (its payload: mnft.hosts.payload) to the host's base Python (mnft.hosts.pyrun) and reads one
 JSON object from stdout. Standard library only, Python >= 3.8; nothing here imports an installed package.
 
     look SPEC_JSON      every place mnft writes to on this host (LOCATIONS): what is there, its size, whether it is
@@ -11,7 +11,7 @@ JSON object from stdout. Standard library only, Python >= 3.8; nothing here impo
 
 SPEC_JSON: {"venv": "~/mnft-env" or null, "workdir": "~/mnft", "data_dir": "~/mnft-data", "remove": [KEY, ...]}.
 
-What mnft placed in a synced tree is its record (PLACED, `.mnft-checkout.json`, written by mnft.sync.treehash):
+What mnft placed in a synced tree is its record (PLACED, `.mnft-checkout.json`, written by mnft.onhost.checkout):
 only the files still exactly as recorded (size and sha256) are mnft's; the others, and any file the record does not
 name, stay. A tree is removed without following a link, and never when its real path is /, the home, or a
 system directory. An error on one file is recorded for that file; the script never raises on a bad file.
@@ -20,7 +20,6 @@ system directory. An error on one file is recorded for that file; the script nev
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import re
@@ -28,20 +27,15 @@ import shutil
 import stat
 import sys
 
-# the same names as mnft.sync.treehash and mnft.env.envhost (tests/test_uninstall.py holds them equal)
-PLACED = ".mnft-checkout.json"
-SHARE_DIR = ".mnft-share"
+from .checkout import PLACED, read_placed
+from .filehash import sha256_file
+from .sharemarks import SHARE_DIR, _anchor
+from .systemdirs import SYSTEM_TREES
+
+# the same names as mnft.onhost.sharemarks and mnft.onhost.envhost (tests/test_uninstall.py holds them equal)
 MARK = re.compile(r"^\.?[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}(\.part)?$")
 ENV_ROOT_NAMES = ("envs", "dist", "cache", "previous", ".lock")  # what provision makes in <venv>.d
-SYSTEM_TREES = ("/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/proc", "/sbin", "/sys", "/usr")
 SYSTEM_DIRS = SYSTEM_TREES + ("/home", "/media", "/mnt", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp", "/Users")
-RECORD_BYTES = 64 << 20
-CHUNK = 1 << 20
-
-
-def source() -> str:
-    with open(__file__, encoding="utf-8") as f:
-        return f.read()
 
 
 def _expand(path: str) -> str:
@@ -49,32 +43,13 @@ def _expand(path: str) -> str:
 
 
 def cache_dir() -> str:
-    """mnft's cache on this host (tree-hash caches, GPU and .sif identities): as mnft.sync.treehash.default_cache."""
+    """mnft's cache on this host (tree-hash caches, GPU and .sif identities): as mnft.onhost.treehash.default_cache."""
     return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mnft")
 
 
-def _mount_points() -> set:
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return set()
-    fields = [line.split(" ") for line in lines]
-    return {re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), x[4]) for x in fields if len(x) > 4}
-
-
 def anchor(root: str):
-    """Where a sync or provision leaves its share marks for root: as mnft.sync.treehash._anchor (the same rule)."""
-    real = os.path.realpath(os.path.expanduser(root))
-    if real != "/" and os.path.isdir(real) and (os.path.ismount(real) or real in _mount_points()) \
-            and not any(real == tree or real.startswith(tree + "/") for tree in SYSTEM_TREES):
-        return real
-    path = os.path.dirname(real.rstrip("/") or "/")
-    while path != "/" and not os.path.isdir(path):
-        path = os.path.dirname(path)
-    if path == "/" or any(path == tree or path.startswith(tree + "/") for tree in SYSTEM_TREES):
-        return None
-    return path
+    """Where a sync or provision leaves its share marks for root: mnft.onhost.sharemarks._anchor (the same rule)."""
+    return _anchor(root)[0]
 
 
 def unsafe(path: str):
@@ -181,25 +156,6 @@ def _inside(root_real: str, full: str) -> bool:
     return parent == root_real or parent.startswith(root_real + "/")
 
 
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def read_placed(root: str):
-    try:
-        with open(os.path.join(root, PLACED), encoding="utf-8") as f:
-            data = json.loads(f.read(RECORD_BYTES))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
-        return None
-    return {str(k): v for k, v in data["files"].items() if isinstance(v, list) and len(v) == 2}
-
-
 def placed_as_recorded(root: str, files: dict):
     """([relpath, size] still exactly as recorded, [relpath] changed or not a plain file, missing count)."""
     same, changed, missing = [], [], 0
@@ -230,7 +186,8 @@ def look_placed(root: str) -> dict:
     out = {"path": root, "kind": _kind(root), "bytes": 0, "files": 0, "ours": False, "why": None, "kept": []}
     if out["kind"] != "dir":
         return out
-    files = read_placed(root)
+    record = read_placed(root)
+    files = record["files"] if record is not None else None
     if files is None:
         out["why"] = "no record of what mnft placed here (%s)" % PLACED if os.path.lexists(os.path.join(root, PLACED)) else None
         out["kind"] = "missing" if out["why"] is None else out["kind"]
@@ -322,7 +279,7 @@ def _rmtree(path: str) -> dict:
 
 def _remove_placed(root: str) -> dict:
     """Each file of the record still exactly as recorded, then the record; directories left empty go too."""
-    files = read_placed(root) or {}
+    files = (read_placed(root) or {}).get("files") or {}
     same, _, _ = placed_as_recorded(root, files)
     errors = {}
     for rel, _ in same:

@@ -2,7 +2,7 @@
 """mnft's container image on a host, the host side: the runtime found there and the image's identity; save, load
 and place an image for `mnft sync --image`.
 
-The controller ships this file's source (see `source()`) to the host's Python (mnft.hosts.pyrun) and reads one JSON
+The controller ships this module (its payload: mnft.hosts.payload) to the host's Python (mnft.hosts.pyrun) and reads one JSON
 object from stdout. Standard library only, Python >= 3.8.
 
     facts RUNTIME IMAGE                 the runtime and the image's identity, one JSON line (below)
@@ -30,9 +30,8 @@ same after save and load on another host, where a manifest digest is not. A .sif
 sha256, cached in ~/.cache/mnft/sif-ids.json by (path, device, inode, size, mtime): a 10 GB file is read once, not at
 every check. `error` is one line (no runtime, the runtime failed: its last line of stderr), else null.
 
-Another host script may compute the same facts in its own round-trip: run this file's source in a namespace of its
-own (`ns = {"__name__": "mnft_imagehost"}; exec(compile(text, "imagehost", "exec"), ns)`: main() does not run) and
-call `ns["facts"](runtime, image)`.
+Another host module may compute the same facts in its own round-trip: `from . import imagehost;
+imagehost.facts(runtime, image)` (the probe's image-facts mode).
 
 Every program this script starts has a timeout, stdin closed (the controller's channel is this script's stdin), and
 its output kept at most OUTPUT_KEPT bytes; every file read has a cap.
@@ -42,7 +41,6 @@ from __future__ import annotations
 
 import errno
 import glob
-import hashlib
 import json
 import os
 import re
@@ -52,6 +50,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from .filehash import sha256_file
 
 KINDS = ("podman", "docker", "apptainer", "singularity")
 DAEMONS = ("podman", "docker")
@@ -75,11 +75,6 @@ MESH_KEY = "~/.ssh/mnft_mesh_ed25519"
 CONFIG_BYTES = 4 << 20  # ~/.ssh/config read at most (setup edits none larger): past it, no mesh is seen
 LOADED = re.compile(r"^Loaded image(?:\(s\))?(?: ID)?:\s*(.+)$")
 VERSION = re.compile(r"version\s+v?([0-9][^\s,]*)", re.I)
-
-
-def source() -> str:
-    with open(__file__, encoding="utf-8") as f:
-        return f.read()
 
 
 def _emit(obj) -> None:
@@ -268,17 +263,6 @@ def daemon_image(path: str, image: str) -> tuple:
     if code is not None and _not_found(err):
         return False, None, None
     return False, None, _failed("%s image inspect" % path, code, err)
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 20)
-            if not chunk:
-                break
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _cache_key(path: str, st) -> str:

@@ -1,5 +1,5 @@
 """mnft's launch wrapper: what torchrun starts on every rank in place of the job's entry point. Standard library
-only, Python >= 3.8; the host agent writes it into the run directory (mnft.run.agent).
+only, Python >= 3.8; the host agent writes it into the run directory (mnft.onhost.agent).
 
     python entry.py SCRIPT.py ARGS…        runs SCRIPT.py as `python SCRIPT.py ARGS…` would
     python entry.py -m MODULE ARGS…        runs MODULE as `python -m MODULE ARGS…` would
@@ -22,12 +22,6 @@ import runpy
 import sys
 
 DONE_DIR = "done"
-
-
-def source():
-    """This file's text, for the controller to send to a host."""
-    with open(__file__, encoding="utf-8") as fh:
-        return fh.read()
 
 
 def mark_done(run_dir, rank):

@@ -247,11 +247,5 @@ def main(argv: list) -> int:
     return 0
 
 
-def source() -> str:
-    """This file's text, for the controller to ship to a host."""
-    with open(__file__, encoding="utf-8") as f:
-        return f.read()
-
-
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

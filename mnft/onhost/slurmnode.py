@@ -2,8 +2,9 @@
 """mnft slurm node: the host side of a Slurm run's agents step. Standard library only; Python 3.8.
 
 srun starts this script once per node (`--ntasks-per-node=1 --input=all`, through mnft.hosts.pyrun's bootstrap),
-so every node reads the same stdin: this script's source, then one JSON line holding every node's launch (the
-launch plan of mnft.run.launch, in node_rank order), mnft's agent (mnft.run.agent) and the run directory's mark.
+so every node reads the same stdin: this module's payload, then one JSON line holding every node's launch (the
+launch plan of mnft.run.launch, in node_rank order), mnft's agent's payload (mnft.onhost.agent, base64) and the run
+directory's mark.
 It takes the launch at index SLURM_NODEID (node_rank = SLURM_NODEID) after checking that the plan put this node
 there (SLURMD_NODENAME), checks that it sees the run directory the batch sees (a Slurm run needs a shared
 filesystem), then runs the agent's `launch` with that spec and relays the rest of stdin to it (the batch's
@@ -11,11 +12,11 @@ heartbeats, "stop"); the agent's JSON events go to stdout, which srun brings bac
 task number. Its exit code is the run's exit code on this node, so `srun --kill-on-bad-exit=1` ends the other
 nodes' runs when one fails.
 
-Modes (the JSON line's "mode"): "agents" as above; "script": run another host-side script given in the line
+Modes (the JSON line's "mode"): "agents" as above; "script": run another host entry whose payload is in the line
 (mnft's facts probe for the check step, the agent's `checkpoints DIR` listing) with its arguments, and the line's
-"input" after its source on its stdin, on every node; "command": run the command at SLURM_NODEID of the line's
-list, the line's "input" on its stdin (each node's own: the probe inside a job's image, `podman run … IMAGE python3
-…` built from that node's facts), and print its outcome as one JSON line.
+"input" after its payload on its stdin, on every node; "command": run the command at SLURM_NODEID of the line's
+list, the line's payload and "input" on its stdin (each node's own: the probe inside a job's image, `podman run …
+IMAGE python3 …` built from that node's facts), and print its outcome as one JSON line.
 Either way each line the child prints goes out in pieces of at most PIECE characters, each piece "+text" when
 the line goes on and "|text" when it ends: srun cuts longer lines into several labelled ones, and the batch
 joins the pieces back (mnft.slurm.plan.Pieces).
@@ -37,6 +38,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from . import boot
 
 
 def emit(event, **fields):
@@ -116,13 +119,19 @@ def exit_code_of(run_dir, default):
         return default
 
 
+def _payload(data, key="payload"):
+    """A payload the line carries (base64: mnft.hosts.pyrun.payload's bytes), or b"" when it carries none."""
+    import binascii
+
+    return binascii.a2b_base64(data.get(key) or "")
+
+
 def run_script(data):
-    """Another host-side script (its source and arguments in the line), its output in pieces; its exit code."""
-    payload = data["script"].encode()
-    child = subprocess.Popen([sys.executable, "-c", data["bootstrap"]] + list(data.get("args") or []), stdin=subprocess.PIPE,
+    """Another host entry (its payload and arguments in the line), its output in pieces; its exit code."""
+    child = subprocess.Popen([sys.executable, "-c", boot.BOOTSTRAP] + list(data.get("args") or []), stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)
     try:
-        child.stdin.write(b"%d\n" % len(payload) + payload + (data.get("input") or "").encode("utf-8"))
+        child.stdin.write(_payload(data) + (data.get("input") or "").encode("utf-8"))
         child.stdin.close()
     except OSError:
         pass
@@ -177,7 +186,7 @@ def run_command(data, node_id):
     out = {"exit_code": None, "stdout": "", "stderr": "", "error": None, "seconds": None}
     start = time.monotonic()
     try:
-        done = subprocess.run([str(a) for a in argv], input=(data.get("input") or "").encode("utf-8"), stdout=subprocess.PIPE,
+        done = subprocess.run([str(a) for a in argv], input=_payload(data) + (data.get("input") or "").encode("utf-8"), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, timeout=timeout)
         out["exit_code"] = done.returncode
         out["stdout"] = done.stdout.decode("utf-8", "replace")[-OUTPUT_KEPT:]
@@ -191,7 +200,7 @@ def run_command(data, node_id):
     return 0
 
 
-def main():
+def main(argv=None):
     data = json.loads(read_line().decode("utf-8") or "{}")
     if data.get("mode") == "script":
         return run_script(data)
@@ -220,10 +229,9 @@ def main():
     removal = removal_on_term(launch["spec"].get("container"))
     if removal:
         signal.signal(signal.SIGTERM, lambda *_: detached(removal))
-    payload = data["agent"].encode()
-    agent = subprocess.Popen([sys.executable, "-c", data["bootstrap"], "launch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    agent = subprocess.Popen([sys.executable, "-c", boot.BOOTSTRAP, "launch"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
-        agent.stdin.write(b"%d\n" % len(payload) + payload + json.dumps(launch["spec"]).encode() + b"\n")
+        agent.stdin.write(_payload(data, "agent") + json.dumps(launch["spec"]).encode() + b"\n")
         agent.stdin.flush()
     except OSError:
         pass
@@ -233,16 +241,11 @@ def main():
     return exit_code_of(launch["spec"]["run_dir"], code or 1)
 
 
-def source():
-    """This script's text: given by mnft.hosts.pyrun's bootstrap when shipped, else read from the file."""
-    shipped = globals().get("__source__")
-    if shipped:
-        return shipped.decode()
-    with open(__file__) as fh:
-        return fh.read()
+def leave(code):
+    """Exit without the interpreter's shutdown: the relay thread may hold stdin's buffer, which shutdown would wait for."""
+    sys.stdout.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    os._exit(code)  # not sys.exit: the relay thread may hold stdin's buffer, which interpreter shutdown would wait for
+    leave(main())

@@ -163,11 +163,6 @@ def main(argv: list) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def source() -> str:
-    with open(__file__, encoding="utf-8") as f:
-        return f.read()
-
-
 def leave(code: int) -> None:
     """Exit without the interpreter's shutdown: the stdin watcher may be blocked in a read of the buffered stdin,
     whose lock would make the shutdown abort."""
