@@ -71,7 +71,7 @@ def _finish(proc, deadline: float, what: str, ok=(0,)) -> str:  # proc: subproce
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
-        if what == "nvidia-smi":  # named as leasehost.stalled_line names it
+        if what == "nvidia-smi":  # named as smi.stalled_line names it
             raise RuntimeError("nvidia-smi did not answer in %g s: is persistence mode off? a wedged driver?" % NVIDIA_SMI_TIMEOUT) from None
         raise RuntimeError("%s timed out" % what) from None
     if proc.returncode not in ok:

@@ -9,26 +9,17 @@ import json
 import os
 import time
 
+from . import leasefiles
 from .usage import log_usage, usage_line
 
 
 def lease_path(environ=None, stat_of=os.stat):
-    """The host's lease file, as mnft.onhost.leasehost names it (a copy: each host script is one file; tests hold the
-    two to one table): machine-wide, in $MNFT_LEASE_DIR (absolute, else no lease: None), else /run/lock when it is
-    a sticky world-writable directory of root's, else /tmp."""
-    import stat
-
-    directory = (os.environ if environ is None else environ).get("MNFT_LEASE_DIR")
-    if directory and not os.path.isabs(directory):
-        return None  # leasehost refused to take a lease there: there is none to hold
-    if not directory:
-        try:
-            st = stat_of("/run/lock")
-            shared = stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & 0o1002 == 0o1002
-        except OSError:
-            shared = False
-        directory = "/run/lock" if shared else "/tmp"
-    return os.path.join(directory, "mnft-lease.json")
+    """The host's lease file, as the lease script names it (leasefiles.lease_dir): None where $MNFT_LEASE_DIR is not
+    absolute (the lease script refused to take a lease there: there is none to hold)."""
+    try:
+        return os.path.join(leasefiles.lease_dir(environ, stat_of), leasefiles.LEASE_NAME)
+    except OSError:
+        return None
 
 
 def lease_fds(run_id, paths=None):
@@ -101,7 +92,7 @@ def relock(fds):
 
 def last_out(run_id, paths):
     """The leases of the run nobody else holds any more (the keeper let go last): each marked released, as
-    leasehost.release marks it; returns what each named."""
+    leases.release marks it; returns what each named."""
     import fcntl
 
     ended = []

@@ -70,8 +70,8 @@ class _one_look(object):
 
 # ------------------------------------------------------------------------------------------------ collisions
 # A compute process on a GPU that a run or session holds, and that is not of that run (someone ignored
-# CUDA_VISIBLE_DEVICES), is a collision. The same judgment (`foreign`, a copy in mnft.onhost.agent: each host script
-# is one file; tests hold the two to the same answers) serves `mnft lab` here and the holder's keeper there.
+# CUDA_VISIBLE_DEVICES), is a collision. The same judgment (procs.foreign) serves `mnft lab` here and the holder's
+# keeper (watches.CollisionWatch).
 
 def locker_pids(who):
     """The pids of lockers' "user pid N" words."""

@@ -121,7 +121,7 @@ def session(run_dir):
             os.tcsetpgrp(tty, child)
         except OSError:
             pass
-    os.chdir(run_dir)  # the keeper works in its run directory: root's stop finds it there (leasehost.run_dirs)
+    os.chdir(run_dir)  # the keeper works in its run directory: root's stop finds it there (leases.run_dirs)
     limit = float(spec.get("time") or 0)
     warned = False
     code = None

@@ -49,7 +49,7 @@ from mnft.hosts.fleet import HostResult, Status
 from mnft.hosts.settings import Host, Inventory
 from mnft.image.facts import runtime_setting
 from mnft.run import launch, records, recover
-from mnft.onhost import queries
+from mnft.onhost import queries, runfiles
 from mnft.run.control import job_of
 from mnft.run.gang import TeardownNoise, _parse, failure_excerpt, split_ranks
 from mnft.run.job import Job
@@ -560,7 +560,7 @@ def collect_run(record: records.RunRecord, say, launches: list[HostLaunch] | Non
         dest = record.path / p.host
         source = Path(os.path.expanduser(p.run_dir))
         if source.is_dir():
-            shutil.copytree(source, dest / "run", dirs_exist_ok=True, ignore=shutil.ignore_patterns("agent.py", "secrets.json"))
+            shutil.copytree(source, dest / "run", dirs_exist_ok=True, ignore=shutil.ignore_patterns(runfiles.PAYLOAD_NAME, "secrets.json"))
         for index, pattern in enumerate(p.collect):
             for path, name in queries._extra_files(pattern):
                 target = dest / "extra" / str(index) / name
