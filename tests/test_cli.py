@@ -48,6 +48,19 @@ def test_a_required_positional_of_plain_invoke_is_still_required():
         Parser(contexts=Collection(needs).to_contexts()).parse_argv(["needs"])
 
 
+def test_no_merge_leftover_is_tracked():
+    """Issue 45: mnft/cli/tasks.py.orig, a merge's leftover, was committed (and would ship in nothing, but confuse)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (repo / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=repo, capture_output=True, text=True, check=True, timeout=60).stdout
+    assert [f for f in tracked.split("\0") if f.endswith((".orig", ".rej", ".BACKUP", ".BASE", ".LOCAL", ".REMOTE"))] == []
+
+
 # ------------------------------------------------------------------------------------------------ the command's own name
 
 
