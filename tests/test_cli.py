@@ -48,6 +48,50 @@ def test_a_required_positional_of_plain_invoke_is_still_required():
         Parser(contexts=Collection(needs).to_contexts()).parse_argv(["needs"])
 
 
+# ------------------------------------------------------------------------------------------------ every task's help
+
+
+def _tasks() -> list[str]:
+    return sorted(tasks.ns.task_names)
+
+
+def help_of(name: str, monkeypatch, capsys, tmp_path) -> tuple[int, str]:
+    """`mnft NAME --help`: its exit code and what it printed (in a scratch directory, with a scratch home)."""
+    from mnft.cli import parsing
+    from mnft.cli.main import program
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MNFT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path / "runs"))
+    monkeypatch.setattr(parsing, "_ARGV", None)  # restored: later tests read sys.argv, as `invoke` does
+    with pytest.raises(SystemExit) as done:
+        program().run(["mnft", name, "--help"])
+    said = capsys.readouterr()
+    return done.value.code or 0, said.out + said.err
+
+
+def test_every_task_given_help_prints_its_help_exit_0(monkeypatch, capsys, tmp_path):
+    """Issue 45: `mnft logs --help` said "run id '--help': not a run id" and `mnft drain --help` "'--help' is not a
+    host of …": an optional RUN or HOST ate the flag. A word starting with '-' is never taken for one."""
+    said = {name: help_of(name, monkeypatch, capsys, tmp_path) for name in _tasks()}
+    wrong = {name: out for name, (code, out) in said.items() if code != 0 or not out.startswith(f"Usage: mnft [--core-opts] {name} ")}
+    assert {"drain", "undrain", "logs", "status", "stop", "wait", "train", "check"} <= set(said) and wrong == {}
+
+
+def test_no_task_lists_a_flag_without_a_name(monkeypatch, capsys, tmp_path):
+    """Issue 45: train listed `--=STRING, --idle-stop=STRING`: invoke gave --idle-stop the short flag '-' (i, d, l, e
+    taken). Short flags are letters or digits."""
+    wrong = {name: [ln for ln in out.splitlines() if "--=" in ln or ln.lstrip().startswith("-=")]
+             for name in _tasks() for out in [help_of(name, monkeypatch, capsys, tmp_path)[1]]}
+    assert {name: lines for name, lines in wrong.items() if lines} == {}
+
+
+def test_a_run_id_or_host_still_comes_positionally_and_a_word_with_a_dash_is_a_flag():
+    assert parse("drain", "gpu3", "--reason", "fan")["drain"]["target"] == "gpu3"
+    with pytest.raises(ParseError, match="No idea what '--bogus' is"):
+        parse("logs", "--bogus")
+
+
 def test_no_merge_leftover_is_tracked():
     """Issue 45: mnft/cli/tasks.py.orig, a merge's leftover, was committed (and would ship in nothing, but confuse)."""
     import shutil

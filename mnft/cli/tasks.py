@@ -10,12 +10,15 @@ from __future__ import annotations
 import atexit
 import gc
 from dataclasses import replace
-from functools import wraps
+from functools import partial, wraps
 from pathlib import Path
 
-from invoke import Collection, Exit, task
+import invoke
+from invoke import Collection, Exit
 
-from mnft.cli.parsing import OptionalPositionalTask, remainder
+from mnft.cli.parsing import LetterFlagsTask, OptionalPositionalTask, remainder
+
+task = partial(invoke.task, klass=LetterFlagsTask)  # short flags are letters (mnft.cli.parsing); klass= still chooses
 
 DEFAULT_INVENTORY = Path(__file__).resolve().parent / "local.yaml"  # this machine only, no SSH
 INVENTORY_FORMATS = "mnft YAML, Ansible YAML or INI, or a hostfile"
