@@ -69,6 +69,36 @@ def test_the_embedded_default_inventory_is_this_machine_without_ssh():
     assert [h.connection for h in inv.hosts] == ["local"]
 
 
+def test_the_embedded_inventorys_hosts_run_the_python_running_mnft(tmp_path, monkeypatch):
+    """Issue 45: `/opt/mnft/bin/python -m invoke train` without the venv activated ran `python3` from PATH (no
+    torch). Without --hosts, or --hosts naming the embedded file through the checkout's link, the hosts run
+    sys.executable; any other inventory keeps python3 on the host's PATH."""
+    import sys
+
+    from mnft.cli.tasks import _inventory
+
+    monkeypatch.setenv("MNFT_HOME", str(tmp_path / "home"))  # no provision record of this machine's
+    assert [h.python for h in _inventory(None).hosts] == [sys.executable]
+    assert [h.python for h in _inventory(str(REPO / "inventory" / "local.yaml")).hosts] == [sys.executable]
+    mine = tmp_path / "mine.yaml"
+    mine.write_text((REPO / "inventory" / "local.yaml").read_text())
+    assert [h.python for h in _inventory(str(mine)).hosts] == ["python3"]
+
+
+@pytest.mark.parametrize("text", ["hosts: {me: {connection: local, python: /opt/py/bin/python3}}\n",
+                                  "vars: {python: /opt/py/bin/python3}\nhosts: {me: {connection: local}}\n",
+                                  "all: {hosts: {me: {ansible_connection: local, ansible_python_interpreter: /opt/py/bin/python3}}}\n"])
+def test_a_python_the_inventory_names_wins_over_the_default_it_is_read_with(text):
+    assert inventory.parse(text, python="/usr/bin/mnft-python").hosts[0].python == "/opt/py/bin/python3"
+
+
+@pytest.mark.parametrize("text", ["hosts: {me: {connection: local}}\n", "all: {hosts: {me: {ansible_connection: local}}}\n",
+                                  "[lab]\nme ansible_connection=local\n", "me slots=2\n"])
+def test_every_format_reads_the_default_python_for_hosts_that_name_none(text):
+    assert inventory.parse(text, python="/usr/bin/mnft-python").hosts[0].python == "/usr/bin/mnft-python"
+    assert inventory.parse(text).hosts[0].python == "python3"
+
+
 def test_the_example_inventory_is_valid():
     inv = inventory.load(REPO / "inventory" / "example.yaml")
     assert len(inv.hosts) >= 2

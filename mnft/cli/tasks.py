@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import sys
 from dataclasses import replace
 from functools import partial, wraps
 from pathlib import Path
@@ -56,10 +57,14 @@ def _mnft_errors(fn):
 
 
 def _inventory(hosts: str | None):
+    """The inventory --hosts names, else the embedded one. The embedded one's hosts (also read through the checkout's
+    inventory/local.yaml) run the Python running mnft unless they name a python: this machine's, with its torch."""
     from mnft.env.record import effective
     from mnft.hosts import inventory
 
-    return effective(inventory.load(hosts or DEFAULT_INVENTORY))  # a provisioned host uses its environment's python
+    path = Path(hosts or DEFAULT_INVENTORY)
+    python = sys.executable if path.resolve() == DEFAULT_INVENTORY else None
+    return effective(inventory.load(path, python=python))  # a provisioned host uses its environment's python
 
 
 def _seconds(option: str, value: str | None, default: float, most: float = 3600.0) -> float:

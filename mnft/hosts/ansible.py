@@ -142,7 +142,8 @@ def _split_host_port(pattern: str) -> tuple[str, int | None]:
     return pattern, None
 
 
-def parse(doc: dict, path: Path | None, where: str, first_seen: dict[str, int] | None = None, fmt: str = "ansible") -> Inventory:
+def parse(doc: dict, path: Path | None, where: str, first_seen: dict[str, int] | None = None, fmt: str = "ansible",
+          python: str | None = None) -> Inventory:
     """An Ansible inventory as a YAML document (or the same shape read from INI by mnft.hosts.ansible_ini)."""
     raw, all_vars = hostvars(doc, where, first_seen)
     settings = [(name, _from_ansible(merged), own) for name, merged, own in raw]
@@ -159,6 +160,7 @@ def parse(doc: dict, path: Path | None, where: str, first_seen: dict[str, int] |
         master=all_vars.get("mnft_master"),
         known_hosts=all_vars.get("mnft_known_hosts"),
         rendezvous_port=all_vars.get("mnft_rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
+        python=python,
     )
     return replace(inv, ignored=ignored, perf=perf_thresholds(all_vars.get("mnft_perf"), where, "mnft_perf"))
 

@@ -57,9 +57,9 @@ def looks_like_ini(text: str) -> bool:
     return saw_ansible_var
 
 
-def parse(text: str, path: Path | None, where: str) -> Inventory:
+def parse(text: str, path: Path | None, where: str, python: str | None = None) -> Inventory:
     doc, first_seen = to_document(text, where)
-    return ansible.parse(doc, path, where, first_seen=first_seen, fmt="ansible-ini")
+    return ansible.parse(doc, path, where, first_seen=first_seen, fmt="ansible-ini", python=python)
 
 
 def _body(line: int) -> LineMap:

@@ -37,27 +37,28 @@ TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port", "perf")
 # --------------------------------------------------------------------------------------------------- loading
 
 
-def load(path: str | os.PathLike[str]) -> Inventory:
-    """Read and validate an inventory file of any of the three formats."""
+def load(path: str | os.PathLike[str], *, python: str | None = None) -> Inventory:
+    """Read and validate an inventory file of any of the four formats. `python`: the interpreter of every host
+    that names none (default: `python3` on the host's PATH; the embedded local inventory's is the one running mnft)."""
     path = Path(path)
-    return parse(yamlfile.read_text(path, "inventory file", "--hosts", limits.INVENTORY_BYTES), path)
+    return parse(yamlfile.read_text(path, "inventory file", "--hosts", limits.INVENTORY_BYTES), path, python=python)
 
 
-def parse(text: str, path: Path | None = None) -> Inventory:
+def parse(text: str, path: Path | None = None, *, python: str | None = None) -> Inventory:
     where = str(path) if path else "<inventory>"
     limits.check_lines(text, where)
     if ansible_ini.looks_like_ini(text):
-        return ansible_ini.parse(text, path, where)
+        return ansible_ini.parse(text, path, where, python=python)
     if _looks_like_hostfile(text) or _looks_like_a_broken_hostfile(text):
-        return _parse_hostfile(text, path, where)
+        return _parse_hostfile(text, path, where, python)
     doc = yamlfile.load(text, where)
     if doc is None or doc == {}:
         raise InputError(f"{where}: inventory is empty: list at least one host")
     if not isinstance(doc, dict):
         raise InputError(f"{where}: an inventory is a mapping (mnft or Ansible YAML) or a hostfile, got a {type(doc).__name__}")
     if _looks_like_ansible(doc):
-        return ansible.parse(doc, path, where)
-    return _parse_mnft(doc, path, where)
+        return ansible.parse(doc, path, where, python=python)
+    return _parse_mnft(doc, path, where, python)
 
 
 def _looks_like_ansible(doc: dict) -> bool:
@@ -89,7 +90,7 @@ def _looks_like_a_broken_hostfile(text: str) -> bool:
 # --------------------------------------------------------------------------------------------------- mnft
 
 
-def _parse_mnft(doc: dict, path: Path | None, where: str) -> Inventory:
+def _parse_mnft(doc: dict, path: Path | None, where: str, python: str | None) -> Inventory:
     for key in doc:
         if key not in TOP_KEYS:
             raise InputError(f"{where}{line_of(doc, key)}: unknown top-level key {key!r}{suggest(str(key), TOP_KEYS)}")
@@ -119,6 +120,7 @@ def _parse_mnft(doc: dict, path: Path | None, where: str) -> Inventory:
         master=doc.get("master"),
         known_hosts=doc.get("known_hosts"),
         rendezvous_port=doc.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
+        python=python,
     )
     return replace(inv, perf=perf_thresholds(doc.get("perf"), f"{where}{line_of(doc, 'perf') if 'perf' in doc else ''}", "perf"))
 
@@ -135,7 +137,7 @@ def _check_keys(settings: dict, where: str, what: str) -> None:
 # --------------------------------------------------------------------------------------------------- hostfile
 
 
-def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
+def _parse_hostfile(text: str, path: Path | None, where: str, python: str | None) -> Inventory:
     raw = []
     seen: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), 1):
@@ -164,4 +166,4 @@ def _parse_hostfile(text: str, path: Path | None, where: str) -> Inventory:
         raw.append((name, settings, settings))
     if not raw:
         raise InputError(f"{where}: inventory is empty: the hostfile lists no host")
-    return build(raw, path, where, "hostfile", master=None, known_hosts=None, rendezvous_port=DEFAULT_RENDEZVOUS_PORT)
+    return build(raw, path, where, "hostfile", master=None, known_hosts=None, rendezvous_port=DEFAULT_RENDEZVOUS_PORT, python=python)

@@ -129,7 +129,10 @@ def build(
     master: Any,
     known_hosts: Any,
     rendezvous_port: Any,
+    python: str | None = None,
 ) -> Inventory:
+    """The inventory from each host's merged and own settings. `python`: the interpreter of a host that names none
+    (default: HOST_DEFAULTS' python3)."""
     if len(raw) > limits.HOSTS:
         raise InputError(f"{where}: more than {limits.HOSTS} hosts (a limit of mnft's input, see docs/security.md)")
     hosts = []
@@ -139,7 +142,7 @@ def build(
         if name in seen_names:
             raise InputError(f"{where}: host {name!r}: duplicate host")
         seen_names.add(name)
-        host = validate_host(name, rank, settings, own, where)
+        host = validate_host(name, rank, settings, own, where, python=python)
         target = (host.address, host.port or 22, host.user) if not host.is_local else ("local", host.name)
         if target in seen_targets:
             raise InputError(
@@ -198,7 +201,7 @@ MAX_SLOTS = 1024
 IFACE = re.compile(r"^[A-Za-z0-9_.:@-]{1,15}$")
 
 
-def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -> Host:
+def validate_host(name: str, rank: int, settings: dict, own: dict, where: str, python: str | None = None) -> Host:
     what = f"host {name!r}"
     line = line_of(own)
     loc = f"{where}{line}"
@@ -208,7 +211,7 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str) -
             f"{loc}: {what}: not a valid host name (letters, digits, '.', '_', '-', not starting with '-'; "
             f"no white space, quotes, shell or ssh_config pattern characters)"
         )
-    values = {**HOST_DEFAULTS, **{k: v for k, v in settings.items() if v is not None}}
+    values = {**HOST_DEFAULTS, **({"python": python} if python else {}), **{k: v for k, v in settings.items() if v is not None}}
 
     def at(key: str) -> str:  # file:line where the key's value was set, else of the host
         return f"{where}{line_of(own, key) if key in getattr(own, 'key_lines', {}) else line}"
