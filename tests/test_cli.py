@@ -198,3 +198,21 @@ def test_every_path_the_docs_name_in_backticks_exists():
             if not (root / path).exists():
                 missing.append(f"{doc.name}: {path}")
     assert missing == []
+
+
+def test_the_install_works_on_a_system_python_and_never_takes_mnft_from_the_index():
+    """Issue 45: on Debian 12's own Python the README's `pip install torch==2.13.0 -e .` failed
+    (externally-managed-environment), and the docs said `pip install mnft`, an unrelated package on PyPI. The
+    README's first command installs into a venv (python3-venv where ensurepip is missing) and runs that venv's
+    Python; no page installs mnft by its name from an index."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    by_name = re.compile(r"pip install\s+(?:-\S+\s+)*['\"]?mnft(?![\w/.-])")
+    found = [f"{doc.name}: {m.group(0)}" for doc in [*sorted((root / "docs").glob("*.md")), root / "README.md"]
+             for m in by_name.finditer(doc.read_text())]
+    assert found == []
+    first = re.search(r"```\n(.*?)\n```", (root / "README.md").read_text(), re.S).group(1)
+    assert "python3-venv" in first and "python3 -m venv ~/mnft-venv" in first
+    assert re.findall(r"(\S*)pip install", first) == ["~/mnft-venv/bin/"] and first.endswith("~/mnft-venv/bin/python -m invoke train --recipe lora")
