@@ -224,14 +224,15 @@ def _console():
     return console()
 
 
-def _record_fleet(run, hosts):
-    """The run record and a fleet over its inventory snapshot (or --hosts when given)."""
+def _record_fleet(run, hosts, anywhere=True):
+    """The run record (by id from any directory; without one, the latest here, else, `anywhere`, the latest of
+    the user's) and a fleet over its inventory snapshot (or --hosts when given)."""
     from mnft.core.errors import InputError
     from mnft.hosts.fleet import Fleet
     from mnft.run import records
     from mnft.run.rerun import from_snapshot, launched
 
-    record = records.load(run, launched)
+    record = records.load(run, launched, anywhere=anywhere)
     if not launched(record.data):
         raise InputError(f"{record.path}: run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
@@ -242,15 +243,15 @@ def _someone_elses(run) -> bool:
     """A run id this controller has no record of (another user's run, seen in `mnft lab`)."""
     from mnft.run import records
 
-    return bool(run) and isinstance(run, str) and bool(records.RUN_ID.fullmatch(run)) and not (records.runs_root() / run / "run.json").is_file()
+    return bool(run) and isinstance(run, str) and bool(records.RUN_ID.fullmatch(run)) and records.path_of(run) is None
 
 
-def _slurm_record(run):
+def _slurm_record(run, anywhere=True):
     """The run's record when it is a Slurm run (status, stop and logs then ask Slurm), else None."""
     from mnft.run import records
     from mnft.run.rerun import launched
 
-    record = records.load(run, launched)
+    record = records.load(run, launched, anywhere=anywhere)
     return record if record.data.get("slurm") else None
 
 
@@ -450,11 +451,11 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
         held = others.find(inv, run)
         others.refuse_stop(run, held, inv)
         return others.print_stop(run, others.stop(inv, run, held, float(grace)), json, _console())
-    if (slurm_run := _slurm_record(run)) is not None:
+    if (slurm_run := _slurm_record(run, anywhere=False)) is not None:  # no id: this directory's latest, never another's
         from mnft.slurm.submit import stop as slurm_stop
 
         return slurm_stop(slurm_run, json, _console())
-    record, fleet = _record_fleet(run, hosts)
+    record, fleet = _record_fleet(run, hosts, anywhere=False)
     with fleet:
         result = run_stop(record, fleet, float(grace))
     code = print_stop(record, result, json)
@@ -635,7 +636,7 @@ def wait(c, run=None, hosts=None, notify=None):
     from mnft.run.rerun import from_snapshot, launched
 
     told = _notify(c, notify) if notify is not None else None  # only when asked: the run's own controller told its end
-    record = records.load(run)
+    record = records.load(run, anywhere=True)
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
     with Fleet(inv) as fleet:
         state = wait_for(record, lambda r: run_status(r, fleet) if launched(r.data) and r.data.get("kind") != "session" else None)
@@ -711,6 +712,18 @@ def lab(c, hosts=None, json=False, connect_timeout=10.0, usage=False, since=None
     return print_lab(inv, views, json, clock.monotonic() - started)
 
 
+@task(help={"json": "machine-readable output"})
+@_mnft_errors
+def runs(c, json=False):
+    """Your runs, wherever each was started (this directory's runs/ and your index in $MNFT_HOME/runs): id, repo
+    (the directory it was started from), job, state, hosts, since; newest first. `status ID`, `logs ID`, `wait ID`
+    and `stop ID` find a run by its id from any directory."""
+    from mnft.run import records
+    from mnft.run.report import print_runs, runs_rows
+
+    return print_runs(runs_rows(records.every_run()), json)
+
+
 @task(help={"hosts": "the inventory whose lab the board shows: " + HOSTS_HELP,
             "port": "TCP port to serve on (default 8765; 0: a free one, printed)",
             "listen": "address to listen on (default 127.0.0.1: reach it with ssh -L); another one shows the lab to anyone who can reach it",
@@ -772,4 +785,4 @@ def undrain(c, target=None, hosts=None, connect_timeout=10.0):
 
 
 ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, uninstall, lab, board, drain, undrain, shell,
-                wait)
+                wait, runs)
