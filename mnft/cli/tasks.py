@@ -289,7 +289,7 @@ def _job(recipe, job_file, entry, overrides):
         "rdzv_timeout": "seconds the rendezvous waits for every host to join before the run fails naming the missing hosts (default 300)",
         "detach": "start, print the run id and return; the run goes on",
         "resume": "continue the latest run's job (or --resume-run ID's) from its latest complete checkpoint",
-        "resume_run": "the run to continue",
+        "resume_run": "the run to continue (by id, from any directory); with --job FILE: FILE's resume rule, the rest as the run recorded it",
         "force": "launch even if the check finds problems",
         "dry_run": "print every host's exact command and environment (secrets redacted); start nothing",
         "no_sync": "do not sync the code first",
@@ -343,13 +343,19 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
     gpus, nodes = _whole("--gpus", gpus), _whole("--nodes", nodes)
     if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
-        from mnft.run.rerun import previous_run, reuse_previous
+        from mnft.run.job import load_job_file
+        from mnft.run.rerun import previous_run, reuse_previous, with_rule_of
 
-        if job or entry or recipe:
-            raise InputError("--resume continues the recorded job: leave out --recipe, --job and the script (start a new run to change them)")
+        if entry or recipe:
+            raise InputError("--resume continues the recorded job: leave out --recipe and the script (start a new run to change them; "
+                             "--job FILE gives the run FILE's resume rule)")
         reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files, src=src)
         hosts, the_job, envs, env_files, resume_run, src = reused.hosts, reused.job, reused.env, reused.env_files, reused.run_id, reused.src
-        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
+        notes = reused.notes
+        if job:  # the recorded job, with the job file's resume rule (a run started without one can be continued)
+            the_job = with_rule_of(the_job, load_job_file(Path(job)), job)
+            notes = (*notes, f"(the resume rule of {job})")
+        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(notes) if notes else ""), highlight=False, soft_wrap=True)
     else:
         the_job = _job(recipe, job, entry, overrides)
     if image is not None:
@@ -459,9 +465,13 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     with fleet:
         result = run_stop(record, fleet, float(grace))
     code = print_stop(record, result, json)
-    from mnft.run.control import gpu_verdict
+    from mnft.run.control import gpu_verdict, job_of
+    from mnft.run.rerun import resume_hint
 
-    return gpu_verdict(result, code, None if json else _console())
+    code = gpu_verdict(result, code, None if json else _console())
+    if not json and record.data.get("state") == "stopped" and record.data.get("kind") != "session":
+        _console().print(f"run {record.run_id} stopped; {resume_hint(record.run_id, job_of(record.data))}", highlight=False, soft_wrap=True)
+    return code
 
 
 @task(
