@@ -16,6 +16,8 @@ Fixtures:
   (the last three skip without podman, runc and conmon, and fail instead under MNFT_REQUIRE_CLUSTER=1)
   (autouse) lease_dir     function: MNFT_LEASE_DIR in a fresh directory, so a `connection: local` host's lease is
                           the test's own, not this machine's /run/lock (shared with every other test run)
+  (autouse) own_mnft_home function: MNFT_HOME in a fresh directory (a test that names its own keeps it), so the
+                          index of runs a recorded run is added to (mnft.run.records) is never the developer's ~/.mnft
 
 Every test marked `cluster` gets a pytest-timeout (CLUSTER_TIMEOUT seconds) unless it sets its own, so a hung
 ssh or torchrun fails the test instead of blocking CI. Nothing heavy (and no mnft module) is imported here at
@@ -45,6 +47,14 @@ def lease_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     """This test's machine-wide lease directory (mnft.onhost.leasehost) for the hosts it runs on this machine."""
     directory = tmp_path_factory.mktemp("leases")
     monkeypatch.setenv("MNFT_LEASE_DIR", str(directory))
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def own_mnft_home(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's $MNFT_HOME (the user's runs index, code snapshots, caches), never the developer's ~/.mnft."""
+    directory = tmp_path_factory.mktemp("mnft-home")
+    monkeypatch.setenv("MNFT_HOME", str(directory))
     return directory
 
 

@@ -362,10 +362,10 @@ def collected_lines(path: Path, data: dict, host: str) -> list[tuple[int | None,
 
 
 def run_dirs() -> dict[str, Path]:
-    """run id -> its directory, for every run recorded under runs/ (mnft.run.records.all_runs)."""
-    root = records.runs_root()
+    """run id -> its directory, for every run of the user's: recorded under runs/ here, or anywhere else the
+    user's index of runs names (mnft.run.records.every_run)."""
     try:
-        return {name: root / name for name in records.all_runs() if records.RUN_ID.fullmatch(name)}
+        return records.every_run()
     except OSError:
         return {}
 

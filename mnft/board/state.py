@@ -352,7 +352,7 @@ class Board:
         """The run's page (read again when its files or its hosts' answer changed)."""
         from mnft.run import records
 
-        path = records.runs_root() / run_id
+        path = records.path_of(run_id) or records.runs_root() / run_id  # here, else where the user's index says
         answered = self.answers.get(run_id)
         key = (runs_of.stamp(path), answered[0] if answered else None, int(time.time() // 10))
         with self.lock:

@@ -232,14 +232,15 @@ def _console():
     return console()
 
 
-def _record_fleet(run, hosts):
-    """The run record and a fleet over its inventory snapshot (or --hosts when given)."""
+def _record_fleet(run, hosts, anywhere=True):
+    """The run record (by id from any directory; without one, the latest here, else, `anywhere`, the latest of
+    the user's) and a fleet over its inventory snapshot (or --hosts when given)."""
     from mnft.core.errors import InputError
     from mnft.hosts.fleet import Fleet
     from mnft.run import records
     from mnft.run.rerun import from_snapshot, launched
 
-    record = records.load(run, launched)
+    record = records.load(run, launched, anywhere=anywhere)
     if not launched(record.data):
         raise InputError(f"{record.path}: run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
@@ -250,15 +251,15 @@ def _someone_elses(run) -> bool:
     """A run id this controller has no record of (another user's run, seen in `mnft lab`)."""
     from mnft.run import records
 
-    return bool(run) and isinstance(run, str) and bool(records.RUN_ID.fullmatch(run)) and not (records.runs_root() / run / "run.json").is_file()
+    return bool(run) and isinstance(run, str) and bool(records.RUN_ID.fullmatch(run)) and records.path_of(run) is None
 
 
-def _slurm_record(run):
+def _slurm_record(run, anywhere=True):
     """The run's record when it is a Slurm run (status, stop and logs then ask Slurm), else None."""
     from mnft.run import records
     from mnft.run.rerun import launched
 
-    record = records.load(run, launched)
+    record = records.load(run, launched, anywhere=anywhere)
     return record if record.data.get("slurm") else None
 
 
@@ -296,7 +297,7 @@ def _job(recipe, job_file, entry, overrides):
         "rdzv_timeout": "seconds the rendezvous waits for every host to join before the run fails naming the missing hosts (default 300)",
         "detach": "start, print the run id and return; the run goes on",
         "resume": "continue the latest run's job (or --resume-run ID's) from its latest complete checkpoint",
-        "resume_run": "the run to continue",
+        "resume_run": "the run to continue (by id, from any directory); with --job FILE: FILE's resume rule, the rest as the run recorded it",
         "force": "launch even if the check finds problems",
         "dry_run": "print every host's exact command and environment (secrets redacted); start nothing",
         "no_sync": "do not sync the code first",
@@ -350,13 +351,19 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
     gpus, nodes = _whole("--gpus", gpus), _whole("--nodes", nodes)
     if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
-        from mnft.run.rerun import previous_run, reuse_previous
+        from mnft.run.job import load_job_file
+        from mnft.run.rerun import previous_run, reuse_previous, with_rule_of
 
-        if job or entry or recipe:
-            raise InputError("--resume continues the recorded job: leave out --recipe, --job and the script (start a new run to change them)")
+        if entry or recipe:
+            raise InputError("--resume continues the recorded job: leave out --recipe and the script (start a new run to change them; "
+                             "--job FILE gives the run FILE's resume rule)")
         reused = reuse_previous(previous_run(resume_run).data, hosts=hosts, overrides=overrides, env=envs, env_files=env_files, src=src)
         hosts, the_job, envs, env_files, resume_run, src = reused.hosts, reused.job, reused.env, reused.env_files, reused.run_id, reused.src
-        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(reused.notes) if reused.notes else ""), highlight=False, soft_wrap=True)
+        notes = reused.notes
+        if job:  # the recorded job, with the job file's resume rule (a run started without one can be continued)
+            the_job = with_rule_of(the_job, load_job_file(Path(job)), job)
+            notes = (*notes, f"(the resume rule of {job})")
+        _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(notes) if notes else ""), highlight=False, soft_wrap=True)
     else:
         the_job = _job(recipe, job, entry, overrides)
     if image is not None:
@@ -458,17 +465,21 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
         held = others.find(inv, run)
         others.refuse_stop(run, held, inv)
         return others.print_stop(run, others.stop(inv, run, held, float(grace)), json, _console())
-    if (slurm_run := _slurm_record(run)) is not None:
+    if (slurm_run := _slurm_record(run, anywhere=False)) is not None:  # no id: this directory's latest, never another's
         from mnft.slurm.submit import stop as slurm_stop
 
         return slurm_stop(slurm_run, json, _console())
-    record, fleet = _record_fleet(run, hosts)
+    record, fleet = _record_fleet(run, hosts, anywhere=False)
     with fleet:
         result = run_stop(record, fleet, float(grace))
     code = print_stop(record, result, json)
-    from mnft.run.control import gpu_verdict
+    from mnft.run.control import gpu_verdict, job_of
+    from mnft.run.rerun import resume_hint
 
-    return gpu_verdict(result, code, None if json else _console())
+    code = gpu_verdict(result, code, None if json else _console())
+    if not json and record.data.get("state") == "stopped" and record.data.get("kind") != "session":
+        _console().print(f"run {record.run_id} stopped; {resume_hint(record.run_id, job_of(record.data))}", highlight=False, soft_wrap=True)
+    return code
 
 
 @task(
@@ -643,7 +654,7 @@ def wait(c, run=None, hosts=None, notify=None):
     from mnft.run.rerun import from_snapshot, launched
 
     told = _notify(c, notify) if notify is not None else None  # only when asked: the run's own controller told its end
-    record = records.load(run)
+    record = records.load(run, anywhere=True)
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
     with Fleet(inv) as fleet:
         state = wait_for(record, lambda r: run_status(r, fleet) if launched(r.data) and r.data.get("kind") != "session" else None)
@@ -719,6 +730,18 @@ def lab(c, hosts=None, json=False, connect_timeout=10.0, usage=False, since=None
     return print_lab(inv, views, json, clock.monotonic() - started)
 
 
+@task(help={"json": "machine-readable output"})
+@_mnft_errors
+def runs(c, json=False):
+    """Your runs, wherever each was started (this directory's runs/ and your index in $MNFT_HOME/runs): id, repo
+    (the directory it was started from), job, state, hosts, since; newest first. `status ID`, `logs ID`, `wait ID`
+    and `stop ID` find a run by its id from any directory."""
+    from mnft.run import records
+    from mnft.run.report import print_runs, runs_rows
+
+    return print_runs(runs_rows(records.every_run()), json)
+
+
 @task(help={"hosts": "the inventory whose lab the board shows: " + HOSTS_HELP,
             "port": "TCP port to serve on (default 8765; 0: a free one, printed)",
             "listen": "address to listen on (default 127.0.0.1: reach it with ssh -L); another one shows the lab to anyone who can reach it",
@@ -780,4 +803,4 @@ def undrain(c, target=None, hosts=None, connect_timeout=10.0):
 
 
 ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, uninstall, lab, board, drain, undrain, shell,
-                wait)
+                wait, runs)

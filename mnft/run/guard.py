@@ -8,7 +8,7 @@
   hold their host's leases on until the run ends there (a detached run's too).
 * An interrupt (Ctrl-C or SIGTERM, mnft.core.interrupts) in any phase (check, sync, launch, supervision, the wait
   before a restart) ends with run.json `interrupted` and the reason, after the phase's own unwinding tore the gang
-  down and ended mnft's children.
+  down and ended mnft's children; a run that was started on the hosts is told how to continue (as a stopped one).
 * Being told (mnft.run.notify, `--notify CMD`): when the run got its devices after waiting in line, and once it
   has ended, whatever the end, after its record is final and its leases are let go (a detached run's end is not
   this process's to see: `mnft wait RUN --notify CMD` tells it).
@@ -25,6 +25,9 @@ from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Inventory
 from mnft.run import notify as notifying
 from mnft.run import records
+
+
+STARTED = ("starting", "running")  # an interrupted run in these states was started on the hosts: it can be continued
 
 
 class Guard:
@@ -75,6 +78,11 @@ class Guard:
                 how, during = interrupts.describe(), self.record.data.get("state")
                 phase = f" while {during}" if during in ("checking", "syncing", "starting", "running") else ""
                 self.record.update(state="interrupted", reason=f"interrupted ({how}){phase}", interrupted={"signal": how, "during": during, "at": time.time()})
+                if during in STARTED:  # it ran on the hosts: how to continue it, as a stopped run is told
+                    from mnft.run.control import job_of
+                    from mnft.run.rerun import resume_hint
+
+                    self.warn(f"run {self.record.run_id} interrupted; {resume_hint(self.record.run_id, job_of(self.record.data))}")
         finally:
             try:
                 if self.leases is not None:

@@ -68,6 +68,8 @@ class ResumeRule:
     epoch_N/step_N holding recipe_state.pt; sana: the target of latest.pth; glob: `pattern` + `marker`; mnft: the
     recipes find it themselves; none: mnft does not look). args: appended on resume, only when a complete
     checkpoint was found (for layout none/mnft: always). exit_codes: the job's "stopped on its own, resume me".
+    declared: the job said how it resumes (a job file's `resume:`): `layout: none` with no args then means the
+    script resumes itself from its own directory (VILA's way), not that it has no rule.
     """
 
     layout: str = "none"
@@ -76,6 +78,7 @@ class ResumeRule:
     marker: str | None = None
     args: tuple[str, ...] = ()
     exit_codes: tuple[int, ...] = ()
+    declared: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,11 +132,18 @@ class Job:
             "kind": self.kind, "name": self.name, "recipe": self.recipe, "source": self.source, "entry": list(self.entry),
             "args": list(self.args), "extra_args": list(self.extra_args), "env": dict(self.env), "pass_env": list(self.pass_env),
             "resume": {"layout": self.resume.layout, "checkpoints": self.resume.checkpoints, "pattern": self.resume.pattern,
-                       "marker": self.resume.marker, "args": list(self.resume.args), "exit_codes": list(self.resume.exit_codes)},
+                       "marker": self.resume.marker, "args": list(self.resume.args), "exit_codes": list(self.resume.exit_codes),
+                       "declared": self.resume.declared},
             "metrics": {"format": self.metrics.format, "path": self.metrics.path, "regex": self.metrics.regex},
             "torchrun": list(self.torchrun), "elastic": self.elastic, "requires": list(self.requires), "gpus": self.gpus,
             "image": self.image,
         }
+
+
+def resumable(job: Job) -> bool:
+    """Whether the job can be continued: a recipe, a layout mnft finds checkpoints by, resume args, or a rule the
+    job declared (`resume: {layout: none}`: the script resumes itself)."""
+    return bool(job.recipe or job.resume.declared or job.resume.layout != "none" or job.resume.args)
 
 
 def from_record(data: Mapping[str, Any]) -> Job:
@@ -142,7 +152,8 @@ def from_record(data: Mapping[str, Any]) -> Job:
         entry=tuple(data["entry"]), args=tuple(data.get("args") or ()), extra_args=tuple(data.get("extra_args") or ()),
         env=tuple((data.get("env") or {}).items()), pass_env=tuple(data.get("pass_env") or ()),
         resume=ResumeRule(resume.get("layout", "none"), resume.get("checkpoints") or "{output_dir}", resume.get("pattern"),
-                          resume.get("marker"), tuple(resume.get("args") or ()), tuple(resume.get("exit_codes") or ())),
+                          resume.get("marker"), tuple(resume.get("args") or ()), tuple(resume.get("exit_codes") or ()),
+                          resume.get("declared") is True),
         metrics=MetricsSource(metrics.get("format", "auto"), metrics.get("path"), metrics.get("regex")),
         torchrun=tuple(data.get("torchrun") or ()), name=data.get("name"), recipe=data.get("recipe"), source=data.get("source"),
         elastic=bool(data.get("elastic")), requires=tuple(data.get("requires") or ()),
@@ -367,7 +378,7 @@ def _resume(data: Any, where: str, at: str) -> ResumeRule:
         raise InputError(f"{line('args')}: resume.args use {{latest_checkpoint}}: set resume.layout (hf, torchtune, sana or glob) so mnft can find it")
     checkpoints = data.get("checkpoints", "{output_dir}")
     checkpoints = _text(checkpoints, line("checkpoints"), "resume.checkpoints")
-    return ResumeRule(layout, checkpoints, pattern, marker, args, tuple(codes))
+    return ResumeRule(layout, checkpoints, pattern, marker, args, tuple(codes), declared=True)
 
 
 def _metrics(data: Any, where: str, at: str) -> MetricsSource:

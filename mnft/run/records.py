@@ -1,5 +1,10 @@
 """Local run records: runs/<id>/run.json (inventory snapshot, facts, code hash, per-host commands with secrets
-redacted, timings, exit codes), written as the run goes; runs/<id>/<host>/ holds the collected logs."""
+redacted, timings, exit codes), written as the run goes; runs/<id>/<host>/ holds the collected logs.
+
+A run's record lives under `runs/` of the directory train was started in (or $MNFT_RUNS_DIR); the user's index,
+`$MNFT_HOME/runs/<id>` (a link to that record's directory, made when the run is recorded, never replaced while its
+record is there), finds it by id from any directory. The current directory's runs come first; an index entry whose
+record is gone is skipped."""
 
 from __future__ import annotations
 
@@ -24,6 +29,71 @@ IGNORE_ALL = "# written by mnft: its run records stay out of `git status` (as .p
 
 def runs_root() -> Path:
     return Path(os.environ.get("MNFT_RUNS_DIR") or "runs")
+
+
+def index_root() -> Path:
+    """The user's index of their runs, wherever each was started: $MNFT_HOME/runs/<id> -> the record's directory."""
+    from mnft.hosts.hostkeys import mnft_home  # here: reading a record needs no SSH library
+
+    return mnft_home() / "runs"
+
+
+def add_to_index(path: Path) -> None:
+    """The record's directory, linked by its run id in the user's index (best effort: a read-only home leaves the
+    run findable from its own directory). An entry of a record still there is never replaced; a stale one is."""
+    root = index_root()
+    link = root / path.name
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        target = str(path.resolve())
+        try:
+            os.symlink(target, link)
+        except FileExistsError:
+            if indexed_path(path.name) is None:  # stale (its record deleted or moved): this run takes the name
+                tmp = root / f".{path.name}.{os.getpid()}.tmp"
+                os.symlink(target, tmp)
+                os.replace(tmp, link)
+    except OSError:
+        pass
+
+
+def indexed_path(run_id: str) -> Path | None:
+    """The record directory the user's index names for this run id, when a record of that run is there."""
+    if not RUN_ID.fullmatch(run_id):
+        return None
+    try:
+        path = Path(os.readlink(index_root() / run_id))
+    except OSError:
+        return None
+    return path if path.is_absolute() and (path / "run.json").is_file() else None
+
+
+def indexed() -> dict[str, Path]:
+    """run id -> record directory, for every entry of the user's index whose record is still there."""
+    try:
+        names = sorted(n for n in os.listdir(index_root()) if RUN_ID.fullmatch(n))
+    except OSError:
+        return {}
+    return {name: path for name in names if (path := indexed_path(name)) is not None}
+
+
+def every_run() -> dict[str, Path]:
+    """run id -> record directory for every run of the user's: this directory's runs/ and the index (this
+    directory's record wins for an id both name), in run-id order (the ids begin with their start time)."""
+    found = indexed()
+    root = runs_root()
+    found.update({name: root / name for name in all_runs() if RUN_ID.fullmatch(name)})
+    return dict(sorted(found.items()))
+
+
+def path_of(run_id: str) -> Path | None:
+    """Where the run's record is: this directory's runs/ first, else the user's index; None when neither has it."""
+    if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):
+        return None
+    here = runs_root() / run_id
+    if (here / "run.json").is_file():
+        return here
+    return indexed_path(run_id)
 
 
 def out_of_git(root: Path) -> None:
@@ -51,8 +121,9 @@ class RunRecord:
         path = runs_root() / run_id
         path.mkdir(parents=True, exist_ok=False)
         out_of_git(path.parent)
-        record = cls(path, {"run_id": run_id, "created": time.time(), **data})
+        record = cls(path, {"run_id": run_id, "created": time.time(), "started_in": os.getcwd(), **data})
         record.save()
+        add_to_index(path)
         return record
 
     def save(self) -> None:
@@ -94,28 +165,32 @@ def all_runs() -> list[str]:
     return sorted(p.name for p in root.iterdir() if (p / "run.json").is_file())
 
 
-def load(run_id: str | None = None, prefer=None) -> RunRecord:
-    """A run by id, or the latest one (the latest for which `prefer(data)` holds, when there is one)."""
+def load(run_id: str | None = None, prefer=None, anywhere: bool = False) -> RunRecord:
+    """A run by id (this directory's runs/, else the user's index), or the latest one here (the latest for which
+    `prefer(data)` holds, when there is one); `anywhere`: with no run here, the latest of the user's index."""
     runs = all_runs()
     if run_id is None:
-        if not runs:
-            raise InputError(f"{runs_root()}: no runs recorded yet (start one with {command('train')})")
-        run_id = runs[-1]
+        elsewhere = indexed() if not runs else {}
+        if not runs and not (anywhere and elsewhere):
+            there = f"; yours elsewhere: {len(elsewhere)}, the latest {list(elsewhere)[-1]} (`{command('runs')}` lists them; give the id)" if elsewhere else ""
+            raise InputError(f"{runs_root()}: no runs recorded yet (start one with {command('train')}){there}")
+        paths = {name: runs_root() / name for name in runs} if runs else elsewhere
+        run_id = list(paths)[-1]
         if prefer is not None:
-            for candidate in reversed(runs):
+            for candidate in reversed(paths):
                 try:
-                    data = read_record(runs_root() / candidate / "run.json")
+                    data = read_record(paths[candidate] / "run.json")
                 except InputError:
                     continue
                 if prefer(data):
                     run_id = candidate
                     break
     if not isinstance(run_id, str) or not RUN_ID.fullmatch(run_id):  # a run id never leaves runs/ (../x, /etc)
-        raise InputError(f"run id {run_id!r}: not a run id (like 20261125-073502-0ef6): see `{command('status')}` for the runs")
-    path = runs_root() / run_id
-    if not (path / "run.json").is_file():
-        hint = f" (latest: {runs[-1]})" if runs else ""
-        raise InputError(f"{path}: no such run{hint}")
+        raise InputError(f"run id {run_id!r}: not a run id (like 20261125-073502-0ef6): see `{command('runs')}` for the runs")
+    path = path_of(run_id)
+    if path is None:
+        hint = f" (latest here: {runs[-1]})" if runs else ""
+        raise InputError(f"{runs_root() / run_id}: no such run{hint}; `{command('runs')}` lists your runs")
     data = read_record(path / "run.json")
     if data.get("run_id") != run_id:
         raise InputError(f"{path / 'run.json'}: not this run's record: move the run away or delete it")

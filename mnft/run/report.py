@@ -159,3 +159,61 @@ def saved_count(row: dict, time_data: dict) -> str:
     if isinstance(count, bool) or not isinstance(count, int):
         return ""
     return f" ({count}{'+' if time_data.get('checkpoints_more') else ''})"
+
+
+# ------------------------------------------------------------------------------------------------ `mnft runs`
+
+
+def runs_rows(found: dict) -> list[dict]:
+    """A row per run of the user's (run id -> record directory, mnft.run.records.every_run), newest first: its id,
+    the directory it was started from, its job, state, hosts and since when; a damaged record is a row that says so."""
+    from mnft.core.errors import InputError
+    from mnft.run import records
+    from mnft.run.control import job_of
+
+    rows = []
+    for run_id, path in found.items():
+        repo = str(path.parent.parent)  # runs/<id> of the directory train was started in (a record from before `started_in`)
+        try:
+            data = records.read_record(path / "run.json")
+        except InputError as exc:
+            rows.append({"id": run_id, "repo": repo, "record": str(path), "job": "?", "state": "unreadable", "hosts": [], "since": None, "reason": str(exc)})
+            continue
+        try:
+            label = job_of(data).label
+        except Exception:  # noqa: BLE001 - a damaged record's job is shown as unknown, never a failed list
+            label = "?"
+        hosts = data.get("hosts") if isinstance(data.get("hosts"), dict) else {}
+        if not hosts and isinstance(data.get("inventory"), dict):
+            names = [h.get("name") for h in data["inventory"].get("hosts") or [] if isinstance(h, dict)]
+        else:
+            names = list(hosts)
+        created = data.get("created")
+        rows.append({"id": run_id, "repo": str(data.get("started_in") or repo), "record": str(path), "job": label,
+                     "state": str(data.get("state") or "?"), "hosts": [str(n) for n in names],
+                     "since": created if isinstance(created, (int, float)) and not isinstance(created, bool) else None})
+    rows.sort(key=lambda r: r["id"], reverse=True)
+    return rows
+
+
+def print_runs(rows: list[dict], as_json: bool, now: float | None = None) -> int:
+    """The user's runs as a table (id, repo, job, state, hosts, since) or JSON."""
+    if as_json:
+        print_json({"runs": rows})
+        return ExitCode.OK
+    if not rows:
+        from mnft.core.output import command
+
+        console().print(plain(f"no runs recorded yet (start one with {command('train')})"))
+        return ExitCode.OK
+    now = time.time() if now is None else now
+    table = Table(title=plain(f"your runs ({len(rows)})"))
+    for col in ("id", "repo", "job", "state", "hosts", "since"):
+        table.add_column(col)
+    style = {"running": "green", "succeeded": "green", "failed": "red", "unreadable": "magenta"}
+    for r in rows:
+        since = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["since"])) if r["since"] else "-"
+        table.add_row(plain(r["id"]), plain(r["repo"]), plain(r["job"]), Text(r["state"], style=style.get(r["state"], "yellow")),
+                      plain(", ".join(r["hosts"]) or "-"), since)
+    console().print(table)
+    return ExitCode.OK

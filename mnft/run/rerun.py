@@ -9,10 +9,11 @@ from typing import Any
 
 from mnft.core import limits
 from mnft.core.errors import InputError
+from mnft.core.output import command
 from mnft.hosts.settings import HOST_KEYS, Inventory, port_number, validate_host
 from mnft.run import records
 from mnft.run.control import job_of
-from mnft.run.job import Job, parse_overrides
+from mnft.run.job import Job, parse_overrides, resumable
 
 
 def snapshot(inventory: Inventory) -> dict[str, Any]:
@@ -114,3 +115,20 @@ def reuse_previous(previous: dict, *, hosts: str | None, overrides: tuple[str, .
 def previous_run(run_id: str | None) -> records.RunRecord:
     """The run --resume continues: that one, or the latest that was started on the hosts."""
     return records.load(run_id) if run_id else records.load(None, launched)
+
+
+def resume_hint(run_id: str, job: Job) -> str:
+    """What to run to continue a run that was stopped, idle-stopped or interrupted: a command that works. A job
+    with no resume rule is not told `--resume-run ID` (refused: it would start again at step 1) but how to give it
+    one when it is resumed."""
+    if resumable(job):
+        return f"continue it with `{command(f'train --resume-run {run_id}')}`"
+    return (f"{job.label} has no resume rule: to continue it, give one in a job file (`resume:`, docs/jobs.md) and run "
+            f"`{command(f'train --resume-run {run_id} --job FILE')}`")
+
+
+def with_rule_of(job: Job, rule_job: Job, where: str) -> Job:
+    """--resume-run ID --job FILE: the recorded run's job, with FILE's resume rule (everything else as recorded)."""
+    if not resumable(rule_job):
+        raise InputError(f"{where}: no resume rule (resume: …) to continue the run with; see docs/jobs.md#resume")
+    return replace(job, resume=rule_job.resume)

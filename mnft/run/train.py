@@ -39,13 +39,13 @@ from mnft.run import records, recover
 from mnft.run.control import exit_meaning, job_of
 from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_excerpt
 from mnft.run.guard import Guard
-from mnft.run.job import Job, parse_overrides
+from mnft.run.job import Job, parse_overrides, resumable
 from mnft.run.launch import HostLaunch, LaunchOptions
 from mnft.run.logs import keep_step_times
 from mnft.run.needs import job_needs
 from mnft.run.progress import Display
 from mnft.run.recover import Policy
-from mnft.run.rerun import previous_run, snapshot
+from mnft.run.rerun import previous_run, resume_hint, snapshot
 from mnft.run.scrape import for_job_output
 from mnft.sync.source import PROJECT_DIR, default_source
 from mnft.sync.targets import source_problem
@@ -278,13 +278,15 @@ class WaitLine:
 
 RESUME_FIX = ("give the job a resume rule in a job file (docs/jobs.md), e.g. for an HF Trainer script "
               "`resume: {layout: hf, checkpoints: '{output_dir}', args: [--resume_from_checkpoint, '{latest_checkpoint}']}`, "
-              "for torchtune `resume: {layout: torchtune, args: [resume_from_checkpoint=True]}`")
+              "for torchtune `resume: {layout: torchtune, args: [resume_from_checkpoint=True]}`, "
+              "for a script that resumes itself from its own directory `resume: {layout: none, args: []}`; "
+              "a recorded run takes it with `--resume-run ID --job FILE`")
 
 
 def not_resumable(job: Job) -> str | None:
     """Why --resume cannot continue this job (None: it can): a job with no resume rule would start again at step 1
     and overwrite what it saved, while the person asked to continue."""
-    if job.recipe or job.resume.layout != "none" or job.resume.args:
+    if resumable(job):
         return None
     return (f"--resume: {job.label} has no resume rule, so mnft cannot tell it where to continue: it would start again "
             f"at step 1 and overwrite its checkpoints; {RESUME_FIX}")
@@ -815,11 +817,11 @@ def finish(record: records.RunRecord, result: GangResult, timings: dict, t0: flo
         return ExitCode.OK
     if idle_stopped:
         console.print(Text.assemble((f"run {record.run_id} idle-stopped: {result.reason}", "bold yellow"),
-                                    f"; continue it with `mnft train --resume-run {record.run_id}`; logs in {record.path}"), soft_wrap=True)
+                                    f"; {resume_hint(record.run_id, job)}; logs in {record.path}"), soft_wrap=True)
         return ExitCode.FAILED
     if stopped_by is not None:
         console.print(Text.assemble((f"run {record.run_id} stopped by `mnft stop` ({stopped_by})", "bold yellow"),
-                                    f"; continue it with `mnft train --resume-run {record.run_id}`; logs in {record.path}"))
+                                    f"; {resume_hint(record.run_id, job)}; logs in {record.path}"), soft_wrap=True)
         return ExitCode.INTERRUPTED
     shown = trace or ([text for _, text in list(failed.tail)[-8:]] if failed is not None else [])
     label = f"{result.failed_host} r{rank}" if rank is not None else result.failed_host
