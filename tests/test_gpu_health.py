@@ -62,17 +62,44 @@ def problems(device, level=None):
     return [p["what"] for p in health.health_problems(device) if level is None or p["level"] == level]
 
 
-def test_a_gpu_fallen_off_the_bus_is_answered_in_its_place_with_exit_15_and_read_as_lost_the_others_as_they_are(host):
+def test_a_gpu_fallen_off_the_bus_is_answered_on_stderr_with_exit_15_and_read_as_lost_the_others_as_they_are(host):
     host(lost=[0])
     done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
     assert done.returncode == 15
-    assert done.stdout.splitlines()[0] == "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error"
+    assert done.stderr == "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error\n"
+    assert [line.split(",")[0] for line in done.stdout.splitlines()] == ["1", "2", "3"]
     devices = by_index(gpuread.read_devices()[0])
     assert sorted(devices) == [0, 1, 2, 3]
     assert devices[0]["health"]["lost"].startswith("Unable to determine the device handle for GPU 0000:18:00.0")
     assert health.broken(devices[0]).startswith("lost from the bus")
     assert [health.broken(devices[i]) for i in (1, 2, 3)] == [None, None, None]
     assert devices[1]["uuid"] == fakegpu.gpu_uuid(os.uname().nodename, 1) and devices[1]["memory_total_mib"] == 81559
+
+
+@pytest.mark.parametrize("spelling", ["bus", "index"])
+@pytest.mark.parametrize("where", ["stderr", "inline"])
+@pytest.mark.parametrize("code", [15, 0])
+def test_a_lost_gpu_other_than_the_first_is_placed_by_its_bus_or_index_never_by_where_its_line_came(host, spelling, where, code):
+    """The real tool writes the handle error to stderr, which reaches a merged pipe before the rows; whether
+    --query-gpu then exits 15 or 0 is not settled: both are read the same."""
+    host(lost=[2], lost_spelling=spelling, lost_where=where, lost_exit=code)
+    done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
+    assert done.returncode == code
+    devices = gpuread.read_devices()[0]
+    assert [d["index"] for d in devices] == [0, 1, 2, 3]  # never two GPUs numbered alike
+    assert [bool(d["health"].get("lost")) for d in devices] == [False, False, True, False]
+    assert health.bus_key(devices[2]["bus_id"]) == "3a:00" and devices[3]["uuid"] == fakegpu.gpu_uuid(os.uname().nodename, 3)
+    assert health.broken(devices[0]) is None and not any(d["health"].get("gone") for d in devices)
+
+
+def test_the_handle_errors_line_names_the_gpu_by_bus_id_in_both_spellings_and_a_row_order_that_is_not_the_bus_order():
+    rows = "0, GPU-a, 00000000:18:00.0, 1, 0, 0, NVIDIA H100\n1, GPU-b, 00000000:2A:00.0, 1, 0, 0, NVIDIA H100\n"
+    old = "Unable to determine the device handle for GPU 0000:AB:00.0: Unknown Error\n"
+    new = "Unable to determine the device handle for GPU3: 0000:5D:00.0: Unknown Error\n"
+    placed = health.parse_gpu_read(old + new + rows, health.GPU_READ_BASIC)
+    assert [(d["index"], health.bus_key(d["bus_id"]), bool(d["health"].get("lost"))) for d in placed] == [
+        (0, "18:00", False), (1, "2a:00", False), (2, "ab:00", True), (3, "5d:00", True)]  # GPU3 as its line says; AB: the index left
+    assert health.parse_lost(new) == (3, "0000:5D:00.0") and health.parse_lost(old) == (None, "0000:AB:00.0")
 
 
 def test_a_lost_gpu_seen_earlier_this_boot_keeps_its_uuid_and_one_missing_from_the_list_is_gone(host):
