@@ -107,9 +107,32 @@ def test_a_lost_gpu_seen_earlier_this_boot_keeps_its_uuid_and_one_missing_from_t
     host(lost=[0])
     assert by_index(gpuread.read_devices()[0])[0]["uuid"] == first[0]["uuid"]
     host(count=3)  # GPU 3 no longer listed at all (the driver reloaded without it)
-    now = by_index(gpuread.read_devices()[0])
-    assert now[3]["health"] == {"gone": True} and now[3]["uuid"] == first[3]["uuid"]
-    assert health.broken(now[3]).startswith("gone: the host had it earlier this boot")
+    gone = [d for d in gpuread.read_devices()[0] if d["uuid"] == first[3]["uuid"]]
+    assert len(gone) == 1 and gone[0]["health"] == {"gone": True} and gone[0]["index"] is None and gone[0]["gone_index"] == 3
+    assert health.broken(gone[0]).startswith("gone: the host had it earlier this boot (GPU 3, ")
+
+
+def test_a_gpu_that_fell_off_the_bus_and_renumbered_the_others_is_gone_by_its_uuid_with_its_xid_and_the_others_keep_theirs(host, lease_dir):
+    before = gpuread.read_devices()[0]
+    uuids = [d["uuid"] for d in before]
+    fakegpu.write_xid(1, 79)
+    host(gone=[1])  # the driver numbers the rest 0..2
+    done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
+    assert done.returncode == 0 and [line.split(", ") for line in done.stdout.splitlines()] == [
+        ["0", uuids[0]], ["1", uuids[2]], ["2", uuids[3]]]
+    devices = gpuread.read_devices()[0]
+    listed = [d for d in devices if d["index"] is not None]
+    assert [(d["index"], d["uuid"]) for d in listed] == [(0, uuids[0]), (1, uuids[2]), (2, uuids[3])]
+    assert [health.broken(d) for d in listed] == [None, None, None]  # GPU 1 now is the healthy one that was GPU 2
+    (fallen,) = [d for d in devices if d["index"] is None]
+    assert fallen["uuid"] == uuids[1] and fallen["gone_index"] == 1 and health.bus_key(fallen["bus_id"]) == "2a:00"
+    assert [x["xid"] for x in fallen["health"]["xids"]] == [79]
+    assert health.device_label(fallen) == "the GPU gone from bus 00000000:2A:00.0 (GPU 1 earlier this boot)"
+    reply = take(2, lease_dir)  # the fallen GPU is never had; the others are leased by their indices now
+    assert reply["taken"] and [d["uuid"] for d in reply["devices"]] == [uuids[2], uuids[3]]
+    every = take(None, lease_dir)
+    assert every.get("what") == "unavailable"
+    assert not any(name.startswith("mnft-dev-cpu") for name in os.listdir(lease_dir))
 
 
 def test_ecc_remaps_throttling_persistence_and_mig_are_read_and_judged_with_their_fix(host):
@@ -291,6 +314,19 @@ def test_lab_shows_each_gpus_health_beside_its_lease_and_the_out_of_service_ones
     assert rows[("h1", "2")].detail.endswith(": fan noise")
     assert rows[("h1", "3")].state == "free" and rows[("h1", "3")].health.startswith("persistence mode off")
     assert rows[("h2", "-")].state == "failed" and rows[("h2", "-")].detail.startswith("GPUs not read: nvidia-smi did not answer in 5 s")
+
+
+def test_lab_and_check_name_a_gpu_gone_from_the_bus_by_what_it_was_never_as_the_hosts_cpus():
+    from mnft.check.rules import gpu_health
+    from mnft.hosts import lab
+
+    fallen = dict(gpu(None, "unhealthy", gone=True), gone_index=1, bus_id="00000000:2A:00.0", broken="gone: …")
+    views = {"h1": {"devices": [gpu(0), gpu(1), gpu(2), fallen]}}
+    rows = {(r.host, r.device): r for r in lab.rows(lab_inventory(), views)}
+    assert rows[("h1", "gone")].state == "unhealthy" and ("h1", "cpu") not in rows
+    assert rows[("h1", "gone")].health.startswith("gone: the host had it earlier this boot (GPU 1, GPU-None, bus 00000000:2A:00.0)")
+    said = [p.message for p in gpu_health("h1", views["h1"])]
+    assert said and said[0].startswith("the GPU gone from bus 00000000:2A:00.0 (GPU 1 earlier this boot): gone: ")
 
 
 def test_nodes_skips_a_host_whose_free_gpus_are_all_unhealthy_and_every_gpu_of_such_a_host_is_never_had():

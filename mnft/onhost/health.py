@@ -236,7 +236,9 @@ def remember_seen(devices):
 
 def add_health(devices, xids, kmsg_error=None, seen=None):
     """The devices of one read with what the host knows beside them: each GPU's Xids (by its bus), a lost GPU's
-    UUID and name from this boot's earlier looks, and a GPU seen earlier this boot and missing now (gone)."""
+    UUID and name from this boot's earlier looks, and a GPU seen earlier this boot and missing now (gone). A GPU is
+    who its UUID and bus say, never its index: when one falls off the bus the driver numbers the rest 0..n-2, so a
+    gone GPU has no index now ("index": None, "gone_index": the one it had), and its Xids stay with it (its bus)."""
     seen = seen or {}
     by_bus = dict((bus_key(v.get("bus_id")), (uuid, v)) for uuid, v in seen.items())
     for d in devices:
@@ -249,16 +251,32 @@ def add_health(devices, xids, kmsg_error=None, seen=None):
             health["xids"] = found[-20:]
         if kmsg_error:
             health["kmsg"] = kmsg_error
-    present = set(d.get("uuid") for d in devices)
-    buses = set(bus_key(d.get("bus_id")) for d in devices)
-    indices = set(d.get("index") for d in devices)
-    for uuid, known in sorted(seen.items(), key=lambda item: str(item[1].get("index"))):
-        if uuid in present or bus_key(known.get("bus_id")) in buses or known.get("index") in indices:
+    present = set(d.get("uuid") for d in devices if d.get("uuid"))
+    buses = set(bus_key(d.get("bus_id")) for d in devices if d.get("bus_id"))
+    for uuid, known in sorted(seen.items(), key=lambda item: bus_order(item[1].get("bus_id"))):
+        if uuid in present or bus_key(known.get("bus_id")) in buses:
             continue
-        devices.append({"index": known.get("index"), "uuid": uuid, "name": known.get("name"), "bus_id": known.get("bus_id"),
-                        "processes": [], "health": {"gone": True}})
-    devices.sort(key=lambda d: (d.get("index") is None, d.get("index") or 0))
+        health = {"gone": True}
+        found = xids.get(bus_key(known.get("bus_id"))) or []
+        if found:
+            health["xids"] = found[-20:]
+        devices.append({"index": None, "gone_index": known.get("index"), "uuid": uuid, "name": known.get("name"),
+                        "bus_id": known.get("bus_id"), "processes": [], "health": health})
+    devices.sort(key=lambda d: (d.get("index") is None, d.get("index") or 0, bus_order(d.get("bus_id"))))
     return devices
+
+
+def gone(device):
+    return bool((device.get("health") or {}).get("gone"))
+
+
+def device_label(device):
+    """"GPU 3", "the host's CPUs", or a GPU gone from the bus by what it was: "the GPU gone from bus 0000:2A:00.0
+    (GPU 1 earlier this boot)"."""
+    if gone(device):
+        was = device.get("gone_index")
+        return "the GPU gone from bus %s%s" % (device.get("bus_id") or "?", " (GPU %s earlier this boot)" % was if was is not None else "")
+    return "the host's CPUs" if device.get("index") is None else "GPU %s" % device["index"]
 
 
 def health_problems(device):
@@ -273,7 +291,10 @@ def health_problems(device):
     if h.get("lost"):
         say("broken", "lost from the bus (%s)" % h["lost"], RESET_FIX)
     if h.get("gone"):
-        say("broken", "gone: the host had it earlier this boot (%s), nvidia-smi no longer lists it" % (device.get("uuid") or "?"), RESET_FIX)
+        was = device.get("gone_index")
+        say("broken", "gone: the host had it earlier this boot (%s%s, bus %s), nvidia-smi no longer lists it: the GPUs after it "
+            "are numbered one lower now" % ("GPU %s, " % was if was is not None else "", device.get("uuid") or "?", device.get("bus_id") or "?"),
+            "reboot the host (or reload the driver) once it is mended; drain the host meanwhile if its GPUs' numbers matter to anyone")
     volatile, aggregate = h.get("ecc_volatile"), h.get("ecc_aggregate")
     if isinstance(volatile, int) and volatile > 0:
         say("broken", "%d uncorrectable ECC error(s) since the driver loaded" % volatile, RESET_FIX)

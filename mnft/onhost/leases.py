@@ -28,6 +28,10 @@ DEVICE_PREFIX, WORK_PREFIX = "mnft-dev-", "mnft-work-"
 
 
 def device_key(device):
+    """The device's lease key: "gpu<N>" by its index now, "cpu" for a host without nvidia-smi; a GPU gone from the bus
+    has no index and never a lease: "gone-<its UUID>" names no file anyone takes."""
+    if device.get("index") is None and device.get("uuid"):
+        return "gone-" + "".join(c for c in str(device["uuid"]) if c.isalnum() or c == "-")[:64]
     return "cpu" if device.get("index") is None else "gpu%d" % device["index"]
 
 
