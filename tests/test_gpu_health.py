@@ -206,6 +206,16 @@ def test_gpus_2_on_a_host_with_gpu_0_lost_and_gpu_1_ecc_failed_takes_2_and_3_and
     assert take(3, lease_dir)["what"] == "unavailable"  # 2 healthy GPUs: waiting would not help
 
 
+def test_a_gpu_back_from_the_bus_refreshes_the_links_cached_while_it_was_lost_and_its_nvlink_pair_is_picked(host, lease_dir):
+    host(lost=[0])  # `topo -m` answers without GPU 0: the links the take caches lack it
+    assert "GPU0" not in subprocess.run([str(FAKE), "topo", "-m"], capture_output=True, text=True).stdout
+    assert [d["index"] for d in take(2, lease_dir)["devices"]] == [2, 3]
+    host()  # GPU 0 is back: the cache does not know it at its index
+    assert [d["index"] for d in take(2, lease_dir)["devices"]] == [0, 1]
+    host(gone=[1])  # GPU 1 fell off the bus and the others were renumbered: the pair that was 2, 3 is 1, 2 now
+    assert [d["index"] for d in take(2, lease_dir)["devices"]] == [1, 2]
+
+
 def test_a_drained_gpu_is_never_taken_and_shows_who_drained_it_when_and_why(host, lease_dir):
     assert drain.set_drain({"gpus": [2], "reason": "fan noise", "by": "ops@ctl"})["drained"]["gpus"]["2"]["reason"] == "fan noise"
     assert [d["index"] for d in take(2, lease_dir)["devices"]] == [0, 1]
