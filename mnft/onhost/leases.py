@@ -178,7 +178,8 @@ def take_devices(holder, devices, links):
         for fd in fds:
             os.close(fd)
         raise
-    taken = [{"index": s["index"], "uuid": s.get("uuid"), "name": s.get("name")} for s in chosen]
+    taken = [dict({"index": s["index"], "uuid": s.get("uuid"), "name": s.get("name")}, **({"bus_id": s["bus_id"]} if s.get("bus_id") else {}))
+             for s in chosen]  # a GPU's bus too: who it is, whatever its index becomes (mnft.run.recover.new_xids)
     return {"taken": True, "devices": taken, "count": len(devices), "paths": paths, "took_over": took_over[0] if took_over else None}, fds
 
 
