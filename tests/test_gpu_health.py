@@ -413,3 +413,15 @@ def test_check_does_not_ask_a_host_again_whose_nvidia_smi_stalled_in_the_probe(m
     gather.gpu_leases(None, [SimpleNamespace(name="h1"), SimpleNamespace(name="h2")], facts)
     assert asked == ["h1"]
     assert facts["h2"]["gpu_health"]["error"] == stall and facts["h1"]["gpu_health"]["devices"] == [{"index": 0, "state": "free"}]
+
+
+def test_lab_says_an_unreadable_kernel_log_once_carries_it_in_json_and_does_not_fail_for_it(capsys):
+    from mnft.hosts import report
+
+    why = "the kernel log (/dev/kmsg) is not readable by bob (kernel.dmesg_restrict=1?): Xid errors are not seen"
+    views = {h: {"devices": [gpu(0, kmsg=why), gpu(1, kmsg=why)]} for h in ("h1", "h2")}
+    assert report.print_lab(lab_inventory(), views, True, 0.1) == 0
+    assert json.loads(capsys.readouterr().out)["kernel_log"] == {"h1": why, "h2": why}
+    assert report.print_lab(lab_inventory(), views, False, 0.1) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("is not readable by bob") == 1 and "h1, h2: the kernel log (/dev/kmsg) is not readable" in out
