@@ -10,9 +10,21 @@ STATE_DIR (/run/mnft-fake-gpu, the host's private /run; MNFT_FAKE_GPU_DIR overri
                         "driver": "550.54.15", "cuda": "12.4", "links": [[0, 1, "NV18"], [2, 3, "NV18"]]}
                         (pairs not listed are "SYS"); `default_config(count)` makes it. What a GPU server gets
                         wrong, each optional (keys are device indices, as strings in JSON):
-                          "lost": [0]                  fallen off the bus: every query prints "Unable to determine
-                                                       the device handle for GPU 0000:18:00.0: Unknown Error" in
-                                                       its place and exits 15, as the real one does
+                          "lost": [0]                  fallen off the bus, still enumerated: every query prints
+                                                       "Unable to determine the device handle for GPU 0000:18:00.0:
+                                                       Unknown Error" on stderr, before the rows (the real tool's
+                                                       stderr is unbuffered, its rows are written at exit), and
+                                                       exits 15; `topo -m` answers without it
+                          "lost_spelling": "index"     the newer drivers' line, naming the index too: "… for
+                                                       GPU0: 0000:18:00.0: Unknown Error" (default "bus")
+                          "lost_where": "inline"       the line on stdout in the device's place instead
+                          "lost_exit": 0               --query-gpu's exit status with a lost GPU (default 15: the
+                                                       real tool's is not settled, mnft accepts both)
+                          "gone": [1]                  fallen off the bus and no longer enumerated (the driver
+                                                       reloaded without it): not listed at all, and the devices
+                                                       after it renumbered 0..n-2, as the real driver does. Keys
+                                                       of this config (and the used/ registries) stay the slots:
+                                                       the indices the devices had with none gone
                           "ecc": {"1": [2, 5]}         uncorrectable ECC errors, volatile and aggregate
                           "remap": {"1": ["Yes", "No"]}  remapped rows pending, failed
                           "retired_pending": [1]       retired pages pending
@@ -284,6 +296,12 @@ class Host:
     def __init__(self, config: dict, hostname: str, used: dict[int, list[tuple[int, int]]]):
         self.config, self.hostname, self.used = config, hostname, used
         self.count = int(config["count"])
+        self.errors: list[str] = []  # what goes to stderr, before the answer
+
+    def lost_out(self, lines: list[str], slot: int) -> None:
+        """A lost device's line: on stderr (self.errors, written before the rows), or in its place ("lost_where":
+        "inline")."""
+        (lines if self.config.get("lost_where") == "inline" else self.errors).append(self.lost_line(slot))
 
     def used_mib(self, index: int) -> int:
         return sum(mib for _, mib in self.used.get(index, ()))
@@ -300,8 +318,27 @@ class Host:
     def throttled(self, index: int, reason: str) -> str:
         return "Active" if reason in self.per("throttle", index, []) else "Not Active"
 
+    def slots(self) -> list[int]:
+        """The devices the driver enumerates, by slot (their indices with none gone): every one but the gone."""
+        return [i for i in range(self.count) if i not in self.indices("gone")]
+
+    def index_of(self, slot: int) -> int:
+        """The device's index now, as nvidia-smi and CUDA number it: the ones after a gone device one lower."""
+        return self.slots().index(slot)
+
+    def slot_of(self, index: int) -> int | None:
+        slots = self.slots()
+        return slots[index] if 0 <= index < len(slots) else None
+
     def lost(self) -> list[int]:
-        return sorted(i for i in self.indices("lost") if 0 <= i < self.count)
+        return sorted(i for i in self.indices("lost") if i in self.slots())
+
+    def lost_line(self, slot: int) -> str:
+        """What the real nvidia-smi prints for a device that fell off the bus (older drivers name its bus id,
+        newer ones its index too)."""
+        if self.config.get("lost_spelling") == "index":
+            return "Unable to determine the device handle for GPU%d: %s: Unknown Error" % (self.index_of(slot), bus_id(slot)[4:])
+        return lost_line(slot)
 
     def utilization(self, index: int) -> int:
         """util/<index> when a test set it (set_utilization), else BUSY_UTILIZATION while a process uses it, else 0."""
@@ -345,8 +382,8 @@ def write_xid(index: int, code: int, path: str | None = None) -> str:
 GPU_FIELDS = {
     "timestamp": ("", lambda h, i: time.strftime("%Y/%m/%d %H:%M:%S.000")),
     "driver_version": ("", lambda h, i: h.config["driver"]),
-    "count": ("", lambda h, i: str(h.count)),
-    "index": ("", lambda h, i: str(i)),
+    "count": ("", lambda h, i: str(len(h.slots()))),
+    "index": ("", lambda h, i: str(h.index_of(i))),
     "name": ("", lambda h, i: h.config["name"]),
     "gpu_name": ("", lambda h, i: h.config["name"]),
     "uuid": ("", lambda h, i: gpu_uuid(h.hostname, i)),
@@ -421,10 +458,10 @@ def _fields(text: str, table: dict) -> list[str]:
 def _chosen(host: Host, ids: str | None) -> list[int]:
     """The devices -i/--id names (indices or UUIDs), all by default."""
     if ids is None:
-        return list(range(host.count))
+        return host.slots()
     chosen = []
     for word in (w.strip() for w in ids.split(",")):
-        match = [i for i in range(host.count) if word in (str(i), gpu_uuid(host.hostname, i), bus_id(i))]
+        match = [i for i in host.slots() if word in (str(host.index_of(i)), gpu_uuid(host.hostname, i), bus_id(i))]
         if not match:
             raise Refused("No devices were found", code=6)
         chosen += match
@@ -445,7 +482,7 @@ def query_gpu(host: Host, fields_text: str, fmt: str | None, ids: str | None = N
         lines.append(", ".join(f + (" [%s]" % GPU_FIELDS[f][0] if units and GPU_FIELDS[f][0] else "") for f in fields))
     for index in _chosen(host, ids):
         if index in host.lost():
-            lines.append(lost_line(index))
+            host.lost_out(lines, index)
             continue
         lines.append(", ".join(_with_unit(GPU_FIELDS[f][1](host, index), GPU_FIELDS[f][0], units) for f in fields))
     return "".join(line + "\n" for line in lines)
@@ -460,7 +497,7 @@ def query_apps(host: Host, fields_text: str, fmt: str | None, ids: str | None = 
                                for f in fields))
     for index in _chosen(host, ids):
         if index in host.lost():
-            lines.append(lost_line(index))
+            host.lost_out(lines, index)
             continue
         for pid, mib in host.used.get(index, ()):
             lines.append(", ".join(_with_unit(APP_FIELDS[f][2](host, index, pid, mib), APP_FIELDS[f][0], units) for f in fields))
@@ -483,26 +520,32 @@ Legend:
 def topology(host: Host, cpus: int | None = None) -> str:
     """`nvidia-smi topo -m`: the tab-separated matrix (the first half of the devices on NUMA node 0 with the first half
     of the CPUs, the rest on node 1), then the legend."""
-    n = host.count
+    shown = [i for i in host.slots() if i not in host.lost()]  # a lost device is not in the matrix
+    n = len(shown)
     cpus = cpus or os.cpu_count() or 1
     nodes = 2 if n > 1 and cpus > 1 else 1
-    per_node = -(-n // nodes)
+    per_node = -(-n // nodes) if n else 1
 
     def affinity(node: int) -> str:
         first, last = cpus * node // nodes, cpus * (node + 1) // nodes - 1
         return str(first) if first == last else "%d-%d" % (first, last)
 
-    lines = ["\t" + "".join("GPU%d\t" % i for i in range(n)) + "CPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
-    for a in range(n):
-        node = a // per_node
-        lines.append("GPU%d\t" % a + "".join(link(host.config, a, b) + "\t" for b in range(n))
+    lines = ["\t" + "".join("GPU%d\t" % host.index_of(i) for i in shown) + "CPU Affinity\tNUMA Affinity\tGPU NUMA ID"]
+    for row, a in enumerate(shown):
+        node = row // per_node
+        lines.append("GPU%d\t" % host.index_of(a) + "".join(link(host.config, a, b) + "\t" for b in shown)
                      + "%s\t%d\t\tN/A" % (affinity(node), node))
     return "\n".join(lines) + "\n" + LEGEND
 
 
 def list_gpus(host: Host) -> str:
-    return "".join(lost_line(i) + "\n" if i in host.lost() else "GPU %d: %s (UUID: %s)\n" % (i, host.config["name"], gpu_uuid(host.hostname, i))
-                   for i in range(host.count))
+    lines: list[str] = []
+    for i in host.slots():
+        if i in host.lost():
+            host.lost_out(lines, i)
+        else:
+            lines.append("GPU %d: %s (UUID: %s)" % (host.index_of(i), host.config["name"], gpu_uuid(host.hostname, i)))
+    return "".join(line + "\n" for line in lines)
 
 
 def version(host: Host) -> str:
@@ -532,10 +575,10 @@ def banner(host: Host) -> str:
              "| Fan  Temp   Perf          Pwr:Usage/Cap |           Memory-Usage | GPU-Util  Compute M. |",
              "|                                         |                        |               MIG M. |",
              "|" + "=" * a + "+" + "=" * b + "+" + "=" * c + "|"]
-    for i in range(host.count):
+    for i in host.slots():
         watts = GPU_FIELDS["power.draw"][1](host, i).split(".")[0]
         lines += [
-            row(" %3d  %-30s On  " % (i, host.config["name"][:30]), "%s Off " % bus_id(i), "0 "),
+            row(" %3d  %-30s On  " % (host.index_of(i), host.config["name"][:30]), "%s Off " % bus_id(i), "0 "),
             row(" N/A   %sC    P0 %14sW /  700W " % (GPU_FIELDS["temperature.gpu"][1](host, i), watts),
                 "%dMiB / %6dMiB " % (host.used_mib(i), int(host.config["memory_mib"])),
                 "%3d%%      Default " % (BUSY_UTILIZATION if host.busy(i) else 0)),
@@ -546,11 +589,11 @@ def banner(host: Host) -> str:
               full("  GPU   GI   CI        PID   Type   Process name                              GPU Memory"),
               full("        ID   ID                                                               Usage"),
               "|" + "=" * wide + "|"]
-    apps = [(i, pid, mib) for i in range(host.count) for pid, mib in host.used.get(i, ())]
+    apps = [(i, pid, mib) for i in host.slots() for pid, mib in host.used.get(i, ())]
     for i, pid, mib in apps:
         name = process_name(pid)
         name = name if len(name) <= 38 else "..." + name[-35:]
-        lines.append(full(" %4d   N/A  N/A  %8d      C   %-38s %10dMiB" % (i, pid, name, mib)))
+        lines.append(full(" %4d   N/A  N/A  %8d      C   %-38s %10dMiB" % (host.index_of(i), pid, name, mib)))
     if not apps:
         lines.append(full("  No running processes found"))
     lines.append(top)
@@ -639,9 +682,11 @@ def main(argv: list[str] | None = None) -> int:
             return NO_DRIVER_EXIT
         if argv and argv[0].partition("=")[0] == "--fake-use":
             indices, mib, command = _fake_use(argv)
-            bad = [i for i in indices if not 0 <= i < int(config["count"])]
+            now = Host(config, "", {})  # the indices as nvidia-smi numbers the devices now; registered by slot
+            bad = [i for i in indices if now.slot_of(i) is None]
             if bad:
-                raise Refused("--fake-use: no device %d on this host (it has %d)" % (bad[0], int(config["count"])))
+                raise Refused("--fake-use: no device %d on this host (it has %d)" % (bad[0], len(now.slots())))
+            indices = [now.slot_of(i) for i in indices]
             paths = []
             for index in indices:
                 try:
@@ -655,9 +700,10 @@ def main(argv: list[str] | None = None) -> int:
                     os.unlink(path)
                 raise Refused("--fake-use: cannot run %s: %s" % (command[0], exc.strerror), code=127) from None
         if argv[:1] == ["--fake-xid"]:
-            if len(argv) != 3 or not argv[1].isdigit() or not argv[2].isdigit() or int(argv[1]) >= int(config["count"]):
+            now = Host(config, "", {})
+            if len(argv) != 3 or not argv[1].isdigit() or not argv[2].isdigit() or now.slot_of(int(argv[1])) is None:
                 raise Refused("usage: nvidia-smi --fake-xid INDEX CODE (INDEX a device of this host)")
-            write_xid(int(argv[1]), int(argv[2]))
+            write_xid(now.slot_of(int(argv[1])), int(argv[2]))
             return 0
         delay = float(config.get("stall") or 0) + float(config.get("latency_ms") or 0) / 1000.0
         if delay > 0:  # persistence off: the driver starts up for every query; a real host's driver time
@@ -673,18 +719,24 @@ def main(argv: list[str] | None = None) -> int:
         if len(queries) > 1 or (not queries and options.keys() - {"--id"}):
             raise Refused(INVALID)
         if not queries:
-            sys.stdout.write(banner(host))
+            out = banner(host)
         elif queries[0] == "--query-gpu":
-            sys.stdout.write(query_gpu(host, options["--query-gpu"], options.get("--format"), options.get("--id")))
+            out = query_gpu(host, options["--query-gpu"], options.get("--format"), options.get("--id"))
         elif queries[0] == "--query-compute-apps":
-            sys.stdout.write(query_apps(host, options["--query-compute-apps"], options.get("--format"), options.get("--id")))
+            out = query_apps(host, options["--query-compute-apps"], options.get("--format"), options.get("--id"))
         elif queries[0] == "--list-gpus":
-            sys.stdout.write(list_gpus(host))
+            out = list_gpus(host)
         elif queries[0] == "--version":
-            sys.stdout.write(version(host))
+            out = version(host)
         else:
             raise Refused(INVALID)
-        return LOST_EXIT if host.lost() and queries[:1] != ["--version"] else 0
+        if host.errors:  # the real tool's stderr comes first: its rows are written at its end
+            sys.stderr.write("".join(line + "\n" for line in host.errors))
+            sys.stderr.flush()
+        sys.stdout.write(out)
+        if not host.lost() or queries[:1] == ["--version"]:
+            return 0
+        return int(config.get("lost_exit", LOST_EXIT)) if queries[:1] == ["--query-gpu"] else LOST_EXIT
     except Refused as exc:
         print(str(exc), file=sys.stderr)
         return exc.code
@@ -736,10 +788,13 @@ def _mnft_fake_gpu_rank():
     if not os.path.isdir(state) or visible == "":
         return
     with open(os.path.join(state, "config.json")) as f:
-        count = int(json.load(f)["count"])
+        config = json.load(f)
+    slots = [i for i in range(int(config["count"])) if i not in set(int(g) for g in config.get("gone") or ())]
+    count = len(slots)  # the devices CUDA numbers now (one gone from the bus: the ones after it one lower)
     devices = [d.strip() for d in visible.split(",")] if visible is not None else [str(i) for i in range(count)]
     if local >= len(devices) or not devices[local].isdigit() or int(devices[local]) >= count:
         sys.exit("CUDA error: invalid device ordinal (LOCAL_RANK %d, CUDA_VISIBLE_DEVICES=%s)" % (local, visible))
+    devices = [str(slots[int(d)]) if d.isdigit() and int(d) < count else d for d in devices]  # registered by slot
     with open("/proc/self/stat") as f:
         began = f.read().rsplit(")", 1)[1].split()[19]
     directory = os.path.join(state, "used", devices[local])

@@ -124,6 +124,8 @@ def test_a_run_whose_gpu_logs_an_xid_mid_run_is_restarted_on_the_spare_never_on_
         assert len(used) == 1, used
         ((gpu, (pid, *_)),) = used.items()
         sick.xid(h1, gpu, 79)  # the driver's word for the GPU that just failed the rank on it
+        sick.gpu_faults(h1, gone=[gpu])  # and the GPU falls off the bus: the driver renumbers the others
+        time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         out = finished(run, timeout=240)
         record = json.loads((root.dir / "runs" / root.run_ids()[-1] / "run.json").read_text())
@@ -144,3 +146,4 @@ def test_a_run_whose_gpu_logs_an_xid_mid_run_is_restarted_on_the_spare_never_on_
             run.kill()
             run.communicate()
         (h1.root / "kmsg").write_text("")  # the stand-in kernel log: the next test's GPUs without this Xid
+        sick.gpu_faults(h1, gone=None)

@@ -62,11 +62,12 @@ def problems(device, level=None):
     return [p["what"] for p in health.health_problems(device) if level is None or p["level"] == level]
 
 
-def test_a_gpu_fallen_off_the_bus_is_answered_in_its_place_with_exit_15_and_read_as_lost_the_others_as_they_are(host):
+def test_a_gpu_fallen_off_the_bus_is_answered_on_stderr_with_exit_15_and_read_as_lost_the_others_as_they_are(host):
     host(lost=[0])
     done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
     assert done.returncode == 15
-    assert done.stdout.splitlines()[0] == "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error"
+    assert done.stderr == "Unable to determine the device handle for GPU 0000:18:00.0: Unknown Error\n"
+    assert [line.split(",")[0] for line in done.stdout.splitlines()] == ["1", "2", "3"]
     devices = by_index(gpuread.read_devices()[0])
     assert sorted(devices) == [0, 1, 2, 3]
     assert devices[0]["health"]["lost"].startswith("Unable to determine the device handle for GPU 0000:18:00.0")
@@ -75,14 +76,63 @@ def test_a_gpu_fallen_off_the_bus_is_answered_in_its_place_with_exit_15_and_read
     assert devices[1]["uuid"] == fakegpu.gpu_uuid(os.uname().nodename, 1) and devices[1]["memory_total_mib"] == 81559
 
 
+@pytest.mark.parametrize("spelling", ["bus", "index"])
+@pytest.mark.parametrize("where", ["stderr", "inline"])
+@pytest.mark.parametrize("code", [15, 0])
+def test_a_lost_gpu_other_than_the_first_is_placed_by_its_bus_or_index_never_by_where_its_line_came(host, spelling, where, code):
+    """The real tool writes the handle error to stderr, which reaches a merged pipe before the rows; whether
+    --query-gpu then exits 15 or 0 is not settled: both are read the same."""
+    host(lost=[2], lost_spelling=spelling, lost_where=where, lost_exit=code)
+    done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
+    assert done.returncode == code
+    devices = gpuread.read_devices()[0]
+    assert [d["index"] for d in devices] == [0, 1, 2, 3]  # never two GPUs numbered alike
+    assert [bool(d["health"].get("lost")) for d in devices] == [False, False, True, False]
+    assert health.bus_key(devices[2]["bus_id"]) == "3a:00" and devices[3]["uuid"] == fakegpu.gpu_uuid(os.uname().nodename, 3)
+    assert health.broken(devices[0]) is None and not any(d["health"].get("gone") for d in devices)
+
+
+def test_the_handle_errors_line_names_the_gpu_by_bus_id_in_both_spellings_and_a_row_order_that_is_not_the_bus_order():
+    rows = "0, GPU-a, 00000000:18:00.0, 1, 0, 0, NVIDIA H100\n1, GPU-b, 00000000:2A:00.0, 1, 0, 0, NVIDIA H100\n"
+    old = "Unable to determine the device handle for GPU 0000:AB:00.0: Unknown Error\n"
+    new = "Unable to determine the device handle for GPU3: 0000:5D:00.0: Unknown Error\n"
+    placed = health.parse_gpu_read(old + new + rows, health.GPU_READ_BASIC)
+    assert [(d["index"], health.bus_key(d["bus_id"]), bool(d["health"].get("lost"))) for d in placed] == [
+        (0, "18:00", False), (1, "2a:00", False), (2, "ab:00", True), (3, "5d:00", True)]  # GPU3 as its line says; AB: the index left
+    assert health.parse_lost(new) == (3, "0000:5D:00.0") and health.parse_lost(old) == (None, "0000:AB:00.0")
+
+
 def test_a_lost_gpu_seen_earlier_this_boot_keeps_its_uuid_and_one_missing_from_the_list_is_gone(host):
     first = by_index(gpuread.read_devices()[0])
     host(lost=[0])
     assert by_index(gpuread.read_devices()[0])[0]["uuid"] == first[0]["uuid"]
     host(count=3)  # GPU 3 no longer listed at all (the driver reloaded without it)
-    now = by_index(gpuread.read_devices()[0])
-    assert now[3]["health"] == {"gone": True} and now[3]["uuid"] == first[3]["uuid"]
-    assert health.broken(now[3]).startswith("gone: the host had it earlier this boot")
+    gone = [d for d in gpuread.read_devices()[0] if d["uuid"] == first[3]["uuid"]]
+    assert len(gone) == 1 and gone[0]["health"] == {"gone": True} and gone[0]["index"] is None and gone[0]["gone_index"] == 3
+    assert health.broken(gone[0]).startswith("gone: the host had it earlier this boot (GPU 3, ")
+
+
+def test_a_gpu_that_fell_off_the_bus_and_renumbered_the_others_is_gone_by_its_uuid_with_its_xid_and_the_others_keep_theirs(host, lease_dir):
+    before = gpuread.read_devices()[0]
+    uuids = [d["uuid"] for d in before]
+    fakegpu.write_xid(1, 79)
+    host(gone=[1])  # the driver numbers the rest 0..2
+    done = subprocess.run([str(FAKE), "--query-gpu=index,uuid", "--format=csv,noheader"], capture_output=True, text=True)
+    assert done.returncode == 0 and [line.split(", ") for line in done.stdout.splitlines()] == [
+        ["0", uuids[0]], ["1", uuids[2]], ["2", uuids[3]]]
+    devices = gpuread.read_devices()[0]
+    listed = [d for d in devices if d["index"] is not None]
+    assert [(d["index"], d["uuid"]) for d in listed] == [(0, uuids[0]), (1, uuids[2]), (2, uuids[3])]
+    assert [health.broken(d) for d in listed] == [None, None, None]  # GPU 1 now is the healthy one that was GPU 2
+    (fallen,) = [d for d in devices if d["index"] is None]
+    assert fallen["uuid"] == uuids[1] and fallen["gone_index"] == 1 and health.bus_key(fallen["bus_id"]) == "2a:00"
+    assert [x["xid"] for x in fallen["health"]["xids"]] == [79]
+    assert health.device_label(fallen) == "the GPU gone from bus 00000000:2A:00.0 (GPU 1 earlier this boot)"
+    reply = take(2, lease_dir)  # the fallen GPU is never had; the others are leased by their indices now
+    assert reply["taken"] and [d["uuid"] for d in reply["devices"]] == [uuids[2], uuids[3]]
+    every = take(None, lease_dir)
+    assert every.get("what") == "unavailable"
+    assert not any(name.startswith("mnft-dev-cpu") for name in os.listdir(lease_dir))
 
 
 def test_ecc_remaps_throttling_persistence_and_mig_are_read_and_judged_with_their_fix(host):
@@ -154,6 +204,16 @@ def test_gpus_2_on_a_host_with_gpu_0_lost_and_gpu_1_ecc_failed_takes_2_and_3_and
     states = by_index(refused["devices"])
     assert states[0]["state"] == states[1]["state"] == "unhealthy" and states[1]["broken"].startswith("1 uncorrectable ECC")
     assert take(3, lease_dir)["what"] == "unavailable"  # 2 healthy GPUs: waiting would not help
+
+
+def test_a_gpu_back_from_the_bus_refreshes_the_links_cached_while_it_was_lost_and_its_nvlink_pair_is_picked(host, lease_dir):
+    host(lost=[0])  # `topo -m` answers without GPU 0: the links the take caches lack it
+    assert "GPU0" not in subprocess.run([str(FAKE), "topo", "-m"], capture_output=True, text=True).stdout
+    assert [d["index"] for d in take(2, lease_dir)["devices"]] == [2, 3]
+    host()  # GPU 0 is back: the cache does not know it at its index
+    assert [d["index"] for d in take(2, lease_dir)["devices"]] == [0, 1]
+    host(gone=[1])  # GPU 1 fell off the bus and the others were renumbered: the pair that was 2, 3 is 1, 2 now
+    assert [d["index"] for d in take(2, lease_dir)["devices"]] == [1, 2]
 
 
 def test_a_drained_gpu_is_never_taken_and_shows_who_drained_it_when_and_why(host, lease_dir):
@@ -266,6 +326,19 @@ def test_lab_shows_each_gpus_health_beside_its_lease_and_the_out_of_service_ones
     assert rows[("h2", "-")].state == "failed" and rows[("h2", "-")].detail.startswith("GPUs not read: nvidia-smi did not answer in 5 s")
 
 
+def test_lab_and_check_name_a_gpu_gone_from_the_bus_by_what_it_was_never_as_the_hosts_cpus():
+    from mnft.check.rules import gpu_health
+    from mnft.hosts import lab
+
+    fallen = dict(gpu(None, "unhealthy", gone=True), gone_index=1, bus_id="00000000:2A:00.0", broken="gone: …")
+    views = {"h1": {"devices": [gpu(0), gpu(1), gpu(2), fallen]}}
+    rows = {(r.host, r.device): r for r in lab.rows(lab_inventory(), views)}
+    assert rows[("h1", "gone")].state == "unhealthy" and ("h1", "cpu") not in rows
+    assert rows[("h1", "gone")].health.startswith("gone: the host had it earlier this boot (GPU 1, GPU-None, bus 00000000:2A:00.0)")
+    said = [p.message for p in gpu_health("h1", views["h1"])]
+    assert said and said[0].startswith("the GPU gone from bus 00000000:2A:00.0 (GPU 1 earlier this boot): gone: ")
+
+
 def test_nodes_skips_a_host_whose_free_gpus_are_all_unhealthy_and_every_gpu_of_such_a_host_is_never_had():
     from mnft.hosts import lab
 
@@ -340,3 +413,15 @@ def test_check_does_not_ask_a_host_again_whose_nvidia_smi_stalled_in_the_probe(m
     gather.gpu_leases(None, [SimpleNamespace(name="h1"), SimpleNamespace(name="h2")], facts)
     assert asked == ["h1"]
     assert facts["h2"]["gpu_health"]["error"] == stall and facts["h1"]["gpu_health"]["devices"] == [{"index": 0, "state": "free"}]
+
+
+def test_lab_says_an_unreadable_kernel_log_once_carries_it_in_json_and_does_not_fail_for_it(capsys):
+    from mnft.hosts import report
+
+    why = "the kernel log (/dev/kmsg) is not readable by bob (kernel.dmesg_restrict=1?): Xid errors are not seen"
+    views = {h: {"devices": [gpu(0, kmsg=why), gpu(1, kmsg=why)]} for h in ("h1", "h2")}
+    assert report.print_lab(lab_inventory(), views, True, 0.1) == 0
+    assert json.loads(capsys.readouterr().out)["kernel_log"] == {"h1": why, "h2": why}
+    assert report.print_lab(lab_inventory(), views, False, 0.1) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert out.count("is not readable by bob") == 1 and "h1, h2: the kernel log (/dev/kmsg) is not readable" in out

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from mnft.run.recover import (
     Attempt,
     Cause,
@@ -125,6 +127,29 @@ def test_only_xids_logged_since_the_attempt_started_on_the_runs_own_gpus_are_its
     assert new_xids(views, {"h1": (3,)}, since=1000.0)[0].host == "h2"  # h1's other GPUs were another run's
     assert new_xids({"h1": {"error": "unreachable"}}, {}, 0.0) == ()
     assert [x.xid for x in new_xids({"h1": view((0, [(79, 999.5)]))}, {}, since=1000.0)] == [79]  # within the clocks' slack
+
+
+def _gpu(index, uuid, bus, xids=(), **health):
+    return {"index": index, "uuid": uuid, "bus_id": f"00000000:{bus}:00.0", "state": "held",
+            "health": dict(health, xids=[{"xid": c, "at": at, "text": "GPU has fallen off the bus."} for c, at in xids])}
+
+
+@pytest.mark.parametrize("fallen", ["listed", "lost", "gone"])
+def test_the_runs_gpu_is_told_by_its_uuid_and_bus_however_far_it_had_fallen_when_the_supervisor_looked(fallen):
+    """An Xid 79 logged for the run's GPU 2 (bus 3A), its rank killed half a second later: the look after the failure
+    finds the GPU still listed, lost at its place, or gone with the GPUs after it renumbered (GPU 3 is GPU 2 now).
+    Each way the Xid is the run's, named with the index the run had it under; never another run's GPU's."""
+    taken = {"h1": ({"index": 2, "uuid": "GPU-c", "bus_id": "00000000:3A:00.0"},)}
+    xid = [(79, 1001.0)]
+    devices = {"listed": [_gpu(0, "GPU-a", "18"), _gpu(1, "GPU-b", "2A"), _gpu(2, "GPU-c", "3A", xid), _gpu(3, "GPU-d", "5D", [(13, 1002.0)])],
+               "lost": [_gpu(0, "GPU-a", "18"), _gpu(1, "GPU-b", "2A"), _gpu(2, None, "3A", xid, lost="Unable to determine …"),
+                        _gpu(3, "GPU-d", "5D", [(13, 1002.0)])],
+               "gone": [_gpu(0, "GPU-a", "18"), _gpu(1, "GPU-b", "2A"), _gpu(2, "GPU-d", "5D", [(13, 1002.0)]),
+                        dict(_gpu(None, "GPU-c", "3A", xid, gone=True), gone_index=2)]}[fallen]
+    found = new_xids({"h1": {"devices": devices}}, {"h1": (2,)}, since=1000.0, taken=taken)
+    assert [(x.host, x.gpu, x.xid) for x in found] == [("h1", 2, 79)]
+    cause = classify(Seen("h1", "exited", 1, tail=("  rank      : 0 (local_rank: 0)", "  exitcode  : -9 (pid: 81)"), first_step=True, xids=found))
+    assert cause.kind == "gpu-xid" and cause.unfit == {"h1": "Xid 79 on its GPU 2"}
 
 
 def test_a_failure_with_a_new_xid_is_named_with_it_and_keeps_what_the_workers_said():

@@ -11,7 +11,7 @@ from mnft.check.findings import GIB, CheckOptions, CheckReport, Problem, referen
 from mnft.env.diff import compare
 from mnft.hosts.fleet import HostResult
 from mnft.core.output import command
-from mnft.onhost.health import health_problems
+from mnft.onhost.health import device_label, health_problems
 from mnft.hosts.leases import describe, drained_words, shown, verified
 from mnft.hosts.settings import Host, Inventory
 
@@ -224,7 +224,7 @@ def gpu_health(host: str, view: dict | None) -> list[Problem]:
         problems.append(Problem(host, "drain", shown(view["drain_problem"], 300) or "", "remove it as root", "warning"))
     unread = None
     for d in view.get("devices") or []:
-        label = "the host's CPUs" if d.get("index") is None else f"GPU {d.get('index')}"
+        label = device_label(d)
         for p in health_problems(d):
             problems.append(Problem(host, "gpu-health", f"{label}: {p['what']}", p["fix"], "error" if p["level"] == "broken" else "warning"))
         if d.get("drain"):

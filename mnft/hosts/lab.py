@@ -101,7 +101,7 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
         if view.get("devices_error") and not view.get("devices"):  # the host answered, its GPUs did not (a stall named)
             out.append(Row(host.name, "-", "failed", detail="GPUs not read: " + (leases.shown(view["devices_error"], 300) or "")))
         for d in view.get("devices") or []:
-            key = "cpu" if d.get("index") is None else str(d.get("index"))
+            key = "gone" if d.get("index") is None and d.get("uuid") else "cpu" if d.get("index") is None else str(d.get("index"))
             total, used = d.get("memory_total_mib"), d.get("memory_used_mib")
             memory = f"{used}/{total} MiB" if isinstance(total, int) and isinstance(used, int) else None
             util = d.get("utilization") if isinstance(d.get("utilization"), int) else None

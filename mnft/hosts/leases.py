@@ -109,7 +109,9 @@ def busy_line(host: str, holder: dict | None, run_processes: int = 0, same_login
 
 
 def device_label(device: dict) -> str:
-    return "the host's CPUs" if device.get("index") is None else f"GPU {device['index']}"
+    from mnft.onhost.health import device_label as label
+
+    return label(device)
 
 
 def join_labels(labels: Sequence[str]) -> str:

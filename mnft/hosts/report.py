@@ -99,8 +99,10 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
     table_rows = rows(inventory, views)
     unanswered = [name for name, v in views.items() if v.get("error") and not v.get("devices")]
     unread = [name for name, v in views.items() if v.get("devices_error") and not v.get("devices")]  # its GPUs did not answer
+    kernel_log = kernel_log_unread(views)
     if as_json:
-        print_json({"hosts": [h.name for h in inventory.hosts], "seconds": round(seconds, 3), "devices": [r.to_json() for r in table_rows]})
+        print_json({"hosts": [h.name for h in inventory.hosts], "seconds": round(seconds, 3), "devices": [r.to_json() for r in table_rows],
+                    "kernel_log": kernel_log})
         return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
     free = sum(1 for r in table_rows if r.state == "free")
     devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside", "drained", "unhealthy"))
@@ -121,13 +123,25 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
         line = collision_line(r)
         if line:
             console().print(plain(line, style="bold magenta"))
-    for name, view in views.items():  # what the hosts said of their GPUs' reads: a stall, an unreadable kernel log
-        unread = next((d["health"]["kmsg"] for d in view.get("devices") or [] if (d.get("health") or {}).get("kmsg")), None)
-        if unread:
-            console().print(plain(f"{name}: {unread}", style="yellow"))
+    if kernel_log:  # once for every host whose kernel log this user may not read, not a line per host
+        hosts = ", ".join(sorted(kernel_log))
+        console().print(plain(f"{hosts}: {next(iter(kernel_log.values()))}" if len(set(kernel_log.values())) == 1
+                              else "; ".join(f"{h}: {w}" for h, w in sorted(kernel_log.items())), style="yellow"))
+    for name, view in views.items():  # what the hosts said of their GPUs' reads: a drain mark not honoured
         if view.get("drain_problem"):
             console().print(plain(f"{name}: {view['drain_problem']}", style="red"))
     return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
+
+
+def kernel_log_unread(views: dict[str, dict]) -> dict[str, str]:
+    """host -> why its kernel log (the Xids) is not readable by this user, for each host where it is not: the state
+    `mnft lab --json` carries and the one line under the table; not a failure of the look (exit status unchanged)."""
+    out = {}
+    for name, view in views.items():
+        why = next((d["health"]["kmsg"] for d in view.get("devices") or [] if (d.get("health") or {}).get("kmsg")), None)
+        if why:
+            out[name] = str(why)[:300]
+    return out
 
 
 def print_usage(inventory: Inventory, summary: dict, errors: dict[str, str], as_json: bool, days: float) -> int:

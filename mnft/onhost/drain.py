@@ -91,6 +91,8 @@ def drain_of(marks, device):
     """The mark that drains a device (the host's, else its own), or None."""
     if marks.get("host"):
         return dict(marks["host"], scope="host")
+    if device.get("index") is None and device.get("uuid"):  # a GPU gone from the bus: only the host's mark is its
+        return None
     key = "cpu" if device.get("index") is None else str(device.get("index"))
     mark = (marks.get("gpus") or {}).get(key)
     return dict(mark, scope="gpu") if mark else None

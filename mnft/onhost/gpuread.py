@@ -116,6 +116,15 @@ def _process_owner(pid):
         return None
 
 
+def cache_fits(cached, devices):
+    """Whether this user's cache of the boot's GPUs and links (load_static) knows every GPU in service now, each at
+    the index it has now: a GPU that was lost when the cache was written and is back, or GPUs renumbered since one
+    fell off the bus, are not in it, and their links would be read as none (an NVLink pair passed over)."""
+    known = set((d.get("index"), d.get("uuid")) for d in cached.get("devices") or [])
+    return all((d.get("index"), d.get("uuid")) in known for d in devices
+               if d.get("uuid") and d.get("index") is not None and not (d.get("health") or {}).get("lost"))
+
+
 def read_devices(topology=False, live=True):
     """(devices, links): the host's GPUs (index, uuid, name, bus id, memory, utilisation, their health: see "GPU
     health" below, and the compute processes on each: pid, user, MiB), and their links when asked; ([{"index":
@@ -126,7 +135,8 @@ def read_devices(topology=False, live=True):
     health, then the compute processes only when some GPU may have one (may_have_processes: on a host whose GPUs
     are all idle, one nvidia-smi instead of two). The links (`nvidia-smi topo -m`) do not change
     while the machine is up: kept per boot and nvidia-smi in the user's cache (load_static, save_static) by a take
-    (live=False), which asks them the first time."""
+    (live=False), which asks them the first time, and again whenever a GPU in service is one the cache does not
+    know at its index (cache_fits)."""
     import shutil
 
     exe = shutil.which("nvidia-smi")
@@ -152,6 +162,9 @@ def read_devices(topology=False, live=True):
             if may_have_processes(devices):  # the compute processes, within what is left of the same bound
                 procs.append(_spawn_smi([exe, "--query-compute-apps=" + SMI_APPS, fmt]))
                 apps = _smi_output(procs[-1], deadline)
+        if cached is not None and not cache_fits(cached, devices):  # a GPU the cache does not know: asked afresh
+            cached, topo = None, True
+            procs.insert(0, _spawn_smi([exe, "topo", "-m"]))
         if topo:
             topo_text = _smi_output(procs[0], deadline)
     finally:

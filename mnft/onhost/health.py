@@ -62,16 +62,61 @@ def _value(text):
     return number if number is not None else text
 
 
+def bus_order(bus_id):
+    """A sort key of a PCI bus id ("00000000:3B:00.0", "0000:3b:00.0"): (domain, bus, device, function), the order
+    in which the driver numbers its GPUs (nvidia-smi's indices; CUDA's under CUDA_DEVICE_ORDER=PCI_BUS_ID)."""
+    parts = str(bus_id or "").replace(".", ":").split(":")
+    try:
+        return tuple(int(p, 16) for p in parts[-4:])
+    except ValueError:
+        return (1 << 32,)
+
+
+def parse_lost(line):
+    """(index or None, bus id) a handle error names: "… for GPU 0000:AB:00.0: Unknown Error" (the bus id only) or
+    the newer drivers' "… for GPU3: 0000:5D:00.0: Unknown Error" (its index too)."""
+    import re
+
+    match = re.search(re.escape(LOST_MARK) + r"\s*GPU\s*(?:(\d+):\s+)?([0-9A-Fa-f]+:[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}(?:\.[0-9A-Fa-f])?)", line)
+    if not match:
+        return None, None
+    return (int(match.group(1)) if match.group(1) else None), match.group(2)
+
+
+def place_lost(found):
+    """Give each lost GPU its index: the one its line names, else by its bus id, never by where its line came (the
+    real tool writes it to stderr, which can arrive before the rows). The driver numbers its GPUs in bus order, so
+    the indices the rows do not hold go to the lost GPUs in bus order; a lost GPU that cannot be placed so (its
+    bus unknown, or GPUs gone beside it) is placed by its bus among all of them."""
+    lost = [d for d in found if d["index"] is None]
+    if not lost:
+        return found
+    held = set(d["index"] for d in found if d["index"] is not None)
+    lost.sort(key=lambda d: bus_order(d.get("bus_id")))
+    free = [i for i in range(len(found)) if i not in held]
+    if len(free) == len(lost):
+        for device, index in zip(lost, free):
+            device["index"] = index
+    else:
+        ranked = sorted(found, key=lambda d: bus_order(d.get("bus_id")))
+        for device in lost:
+            index = next(n for n, d in enumerate(ranked) if d is device)
+            while index in held:
+                index += 1
+            device["index"] = index
+            held.add(index)
+    return found
+
+
 def parse_gpu_read(text, query=GPU_READ):
     """nvidia-smi --query-gpu=GPU_READ --format=csv,noheader,nounits (stdout and stderr together): one dict per
-    device in index order, a lost one ({"health": {"lost": its line}}) in its place."""
+    device, a lost one ({"health": {"lost": its line}}) at the index its line or its bus id gives it (place_lost)."""
     fields = query.split(",")
     found = []
     for line in text.splitlines():
         if LOST_MARK in line:
-            bus = line.split(LOST_MARK, 1)[1].strip()  # "GPU 0000:3B:00.0: Unknown Error" (or "GPU0000:…")
-            bus = (bus[3:] if bus.lower().startswith("gpu") else bus).strip().split(" ")[0].rstrip(":")
-            found.append({"index": None, "uuid": None, "name": None, "bus_id": bus, "processes": [], "health": {"lost": line.strip()[:300]}})
+            index, bus = parse_lost(line)
+            found.append({"index": index, "uuid": None, "name": None, "bus_id": bus, "processes": [], "health": {"lost": line.strip()[:300]}})
             continue
         parts = [p.strip() for p in line.split(",")]
         if len(parts) < len(fields) or _number(parts[0]) is None:
@@ -88,10 +133,7 @@ def parse_gpu_read(text, query=GPU_READ):
         found.append({"index": _number(parts[0]), "uuid": parts[1], "name": name, "bus_id": parts[2],
                       "memory_total_mib": _number(parts[3]), "memory_used_mib": _number(parts[4]), "utilization": _number(parts[5]),
                       "processes": [], "health": dict((k, v) for k, v in health.items() if v is not None)})
-    for position, device in enumerate(found):  # nvidia-smi lists by index: a lost device's index is its place
-        if device["index"] is None:
-            device["index"] = position
-    return found
+    return sorted(place_lost(found), key=lambda d: d["index"])
 
 
 def smi_gpus(exe, seconds=None):
@@ -194,7 +236,9 @@ def remember_seen(devices):
 
 def add_health(devices, xids, kmsg_error=None, seen=None):
     """The devices of one read with what the host knows beside them: each GPU's Xids (by its bus), a lost GPU's
-    UUID and name from this boot's earlier looks, and a GPU seen earlier this boot and missing now (gone)."""
+    UUID and name from this boot's earlier looks, and a GPU seen earlier this boot and missing now (gone). A GPU is
+    who its UUID and bus say, never its index: when one falls off the bus the driver numbers the rest 0..n-2, so a
+    gone GPU has no index now ("index": None, "gone_index": the one it had), and its Xids stay with it (its bus)."""
     seen = seen or {}
     by_bus = dict((bus_key(v.get("bus_id")), (uuid, v)) for uuid, v in seen.items())
     for d in devices:
@@ -207,16 +251,32 @@ def add_health(devices, xids, kmsg_error=None, seen=None):
             health["xids"] = found[-20:]
         if kmsg_error:
             health["kmsg"] = kmsg_error
-    present = set(d.get("uuid") for d in devices)
-    buses = set(bus_key(d.get("bus_id")) for d in devices)
-    indices = set(d.get("index") for d in devices)
-    for uuid, known in sorted(seen.items(), key=lambda item: str(item[1].get("index"))):
-        if uuid in present or bus_key(known.get("bus_id")) in buses or known.get("index") in indices:
+    present = set(d.get("uuid") for d in devices if d.get("uuid"))
+    buses = set(bus_key(d.get("bus_id")) for d in devices if d.get("bus_id"))
+    for uuid, known in sorted(seen.items(), key=lambda item: bus_order(item[1].get("bus_id"))):
+        if uuid in present or bus_key(known.get("bus_id")) in buses:
             continue
-        devices.append({"index": known.get("index"), "uuid": uuid, "name": known.get("name"), "bus_id": known.get("bus_id"),
-                        "processes": [], "health": {"gone": True}})
-    devices.sort(key=lambda d: (d.get("index") is None, d.get("index") or 0))
+        health = {"gone": True}
+        found = xids.get(bus_key(known.get("bus_id"))) or []
+        if found:
+            health["xids"] = found[-20:]
+        devices.append({"index": None, "gone_index": known.get("index"), "uuid": uuid, "name": known.get("name"),
+                        "bus_id": known.get("bus_id"), "processes": [], "health": health})
+    devices.sort(key=lambda d: (d.get("index") is None, d.get("index") or 0, bus_order(d.get("bus_id"))))
     return devices
+
+
+def gone(device):
+    return bool((device.get("health") or {}).get("gone"))
+
+
+def device_label(device):
+    """"GPU 3", "the host's CPUs", or a GPU gone from the bus by what it was: "the GPU gone from bus 0000:2A:00.0
+    (GPU 1 earlier this boot)"."""
+    if gone(device):
+        was = device.get("gone_index")
+        return "the GPU gone from bus %s%s" % (device.get("bus_id") or "?", " (GPU %s earlier this boot)" % was if was is not None else "")
+    return "the host's CPUs" if device.get("index") is None else "GPU %s" % device["index"]
 
 
 def health_problems(device):
@@ -231,7 +291,10 @@ def health_problems(device):
     if h.get("lost"):
         say("broken", "lost from the bus (%s)" % h["lost"], RESET_FIX)
     if h.get("gone"):
-        say("broken", "gone: the host had it earlier this boot (%s), nvidia-smi no longer lists it" % (device.get("uuid") or "?"), RESET_FIX)
+        was = device.get("gone_index")
+        say("broken", "gone: the host had it earlier this boot (%s%s, bus %s), nvidia-smi no longer lists it: the GPUs after it "
+            "are numbered one lower now" % ("GPU %s, " % was if was is not None else "", device.get("uuid") or "?", device.get("bus_id") or "?"),
+            "reboot the host (or reload the driver) once it is mended; drain the host meanwhile if its GPUs' numbers matter to anyone")
     volatile, aggregate = h.get("ecc_volatile"), h.get("ecc_aggregate")
     if isinstance(volatile, int) and volatile > 0:
         say("broken", "%d uncorrectable ECC error(s) since the driver loaded" % volatile, RESET_FIX)

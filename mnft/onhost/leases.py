@@ -28,6 +28,10 @@ DEVICE_PREFIX, WORK_PREFIX = "mnft-dev-", "mnft-work-"
 
 
 def device_key(device):
+    """The device's lease key: "gpu<N>" by its index now, "cpu" for a host without nvidia-smi; a GPU gone from the bus
+    has no index and never a lease: "gone-<its UUID>" names no file anyone takes."""
+    if device.get("index") is None and device.get("uuid"):
+        return "gone-" + "".join(c for c in str(device["uuid"]) if c.isalnum() or c == "-")[:64]
     return "cpu" if device.get("index") is None else "gpu%d" % device["index"]
 
 
@@ -174,7 +178,8 @@ def take_devices(holder, devices, links):
         for fd in fds:
             os.close(fd)
         raise
-    taken = [{"index": s["index"], "uuid": s.get("uuid"), "name": s.get("name")} for s in chosen]
+    taken = [dict({"index": s["index"], "uuid": s.get("uuid"), "name": s.get("name")}, **({"bus_id": s["bus_id"]} if s.get("bus_id") else {}))
+             for s in chosen]  # a GPU's bus too: who it is, whatever its index becomes (mnft.run.recover.new_xids)
     return {"taken": True, "devices": taken, "count": len(devices), "paths": paths, "took_over": took_over[0] if took_over else None}, fds
 
 

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from mnft.check.findings import CheckOptions
+from mnft.onhost.health import bus_key
 
 # torchrun's error summary, per failed worker: "rank      : 3 (local_rank: 1)" then "exitcode  : -6 (pid: 8081)"
 _RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -117,16 +118,33 @@ class GpuXid:
         return {"host": self.host, "gpu": self.gpu, "xid": self.xid, "at": self.at, "text": self.text}
 
 
-def new_xids(views: dict[str, dict], visible: dict[str, tuple[int, ...]], since: float) -> tuple[GpuXid, ...]:
+def new_xids(views: dict[str, dict], visible: dict[str, tuple[int, ...]], since: float,
+             taken: dict[str, tuple[dict, ...]] | None = None) -> tuple[GpuXid, ...]:
     """The Xids logged since an attempt started on the GPUs it ran on. views: host -> its lab view (mnft.hosts.lab.look:
     each device with its health's `xids`, read from the host's kernel log); visible: host -> the GPUs the run took
-    there (--gpus; a host not named: the run had every GPU of it). Pure."""
+    there (--gpus; a host not named: the run had every GPU of it); taken: host -> those GPUs as the take named them
+    (index, UUID, bus id). Pure.
+
+    A run's GPU is told by its UUID and bus, never by its index in the look after the failure: that look sees the
+    GPU as the driver has it at that instant — still listed at its index, lost (an Xid 79: its handle error), or gone
+    with the GPUs after it renumbered, its index now another GPU's — so matching by index named the Xid or not
+    depending on how far the GPU had fallen when the supervisor looked (the race of issue 44). Each Xid is named
+    with the index the run had the GPU under."""
     found = []
     for host, view in views.items():
         mine = visible.get(host)
+        ids = [d for d in (taken or {}).get(host) or () if isinstance(d, dict) and (d.get("uuid") or d.get("bus_id"))]
         for device in view.get("devices") or []:
-            index = device.get("index") if isinstance(device, dict) else None
-            if not isinstance(device, dict) or (mine and index not in mine):
+            if not isinstance(device, dict):
+                continue
+            index = device.get("index")
+            if ids:
+                match = [d for d in ids if (device.get("uuid") and d.get("uuid") == device.get("uuid"))
+                         or (device.get("bus_id") and d.get("bus_id") and bus_key(d["bus_id"]) == bus_key(device["bus_id"]))]
+                if not match:
+                    continue
+                index = match[0].get("index")
+            elif mine and index not in mine:
                 continue
             for x in (device.get("health") or {}).get("xids") or []:
                 at, code = x.get("at"), x.get("xid")

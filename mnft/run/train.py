@@ -200,7 +200,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         run = Run(record, console, lopts, options, env, secrets, run_id, job_id, timings, t0, ifaces, policy, inventory, reached,
                   {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()},
                   visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {}, runtimes_of(report, job),
-                  recover.later_check(check_options, image_id, None))
+                  recover.later_check(check_options, image_id, None),
+                  taken={h: tuple(d for d in found if isinstance(d, dict)) for h, found in held.devices.items()} if held is not None and gpus is not None else {})
         try:  # the launch plan refuses (slots, rendezvous, the master's address) before any byte is synced
             run.plan(inventory.gang(gang_names), report.master_addr, port, 1, lopts.resume)
         except InputError as exc:
@@ -368,6 +369,7 @@ class Run:
     held: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> the lease files the run holds there
     runtimes: dict[str, Runtime] = field(default_factory=dict)  # host -> its container runtime (a job with an image)
     later: CheckOptions = CheckOptions()  # what each later check judges: the first check's (recover.later_check)
+    taken: dict[str, tuple[dict, ...]] = field(default_factory=dict)  # host -> the GPUs the run took, each its index, UUID and bus
 
     def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
         return launching.plan(
@@ -577,7 +579,7 @@ class Run:
             return ()
         with Fleet(self.inventory.only(hosts), Timeouts(connect=5.0)) as fleet:
             views = look(fleet, fleet.inventory.hosts)
-        return recover.new_xids(views, self.visible, since)
+        return recover.new_xids(views, self.visible, since, self.taken)
 
     def diagnose(self, fleet: Fleet, result: GangResult, cause: recover.Cause, display: Display, port: int) -> diagnosing.Diagnosis:
         """The failed attempt's cause and fix, for a person (mnft.run.diagnose)."""
