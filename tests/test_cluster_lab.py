@@ -209,9 +209,15 @@ def test_nodes_picks_the_hosts_with_free_gpus_a_gpu_used_by_hand_is_never_picked
         wheels = tmp_path / "wheels"
         wheels.mkdir()
         lock = write_lock(tmp_path / "requirements.lock", [make_wheel(wheels, "alpha", "1.0")], {"alpha": "1.0"}, find_links=wheels)
-        provision = root.mnft("provision", "--hosts", root.inventory, "--lock", str(lock))  # alice's run holds h2's GPUs: the host waits
+        # alice's run holds h2's GPUs: an environment the lab shares (outside root's home) changes the whole host: refused
+        shared = lab.write_inventory(root.dir / "shared-env.yaml", hosts=[h2], user="root", workdir=root.workdir, venv="/tmp/lab-env")
+        provision = root.mnft("provision", "--hosts", str(shared), "--lock", str(lock))
         assert provision.returncode == 1 and "Traceback" not in provision.stderr, provision.stdout[-2000:] + provision.stderr[-2000:]
         assert re.search(r"h2 is busy: GPU 0, 1, 2, 3, job directory /tmp/home-alice/mnft/outputs/\S+: train run \S+ by alice \(.*the whole host is not changed under a run", provision.stderr)
+        # root's own ~/mnft-env is root's alone: it is built while alice trains (issue 45: a new member's environment in a busy lab)
+        provision = root.mnft("provision", "--hosts", root.inventory, "--lock", str(lock))
+        assert provision.returncode == 0, provision.stdout[-2000:] + provision.stderr[-2000:]
+        assert held(wait_held(bob, "h3", 4), "h2")["0"][0] == "held"  # alice's run went on
 
         picked = bob.train(src, "n", "--nodes", "2", "--gpus", "2")
         wait_for_output(picked, r"rank 0 local 0 sees CUDA_VISIBLE_DEVICES=", timeout=180)

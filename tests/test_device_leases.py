@@ -182,3 +182,41 @@ def test_a_run_whose_keeper_was_killed_leaves_its_devices_to_be_taken_over_said_
                                                         on_took_over=lambda host, previous: said.append((host, previous["run_id"]))):
         pass
     assert said == [("h1", "R1")]
+
+
+# ------------------------------------------------------------------------------------------------ provision of one's own environment
+
+
+def test_a_provision_in_the_users_own_home_takes_only_its_environment_and_a_shared_one_the_whole_host():
+    home = parse("hosts:\n  h1: {connection: local, venv: ~/mnft-env}\n  h2: {connection: local, venv: /opt/lab-env}\n  h3: {connection: local, venv: none}\n")
+    h1, h2, h3 = home.hosts
+    assert leases.provision_scope(h1) == leases.Scope(gpus=0, directory="venv", own=True)
+    assert leases.provision_scope(h1).on(h1) == {"gpus": 0, "workdir": "~/mnft-env", "own": True}
+    assert leases.provision_scope(h2) is None and leases.provision_scope(h3) is None  # the whole host
+    assert leases.in_own_home("~") and not leases.in_own_home("~alice/env") and not leases.in_own_home("/home/me/env")
+
+
+def test_a_provision_of_ones_own_environment_goes_on_beside_others_runs_and_waits_only_for_ones_own(lease_dir, tmp_path, monkeypatch):
+    inventory = parse(f"hosts:\n  h1: {{connection: local, workdir: {json.dumps(str(tmp_path / 'w'))}, venv: ~/mnft-env, "
+                      f"python: {json.dumps(sys.executable)}}}\n")
+    mine = other(lease_dir, "R1", tmp_path / "a")  # a run of this login (the hold runs as this user) holds the host's CPUs
+    try:
+        answer(mine)
+        with Fleet(inventory) as fleet, pytest.raises(leases.HostBusy) as refused:
+            leases.Leases("provision", per_host=leases.provision_scope).take(fleet, fleet.inventory.hosts)
+        assert str(refused.value).startswith("h1: your environment ~/mnft-env is not changed under your own run: the host's CPUs, "
+                                             f"workdir {tmp_path / 'a'}: train run R1 by ")
+        assert "(it runs from that environment: wait for it to end, or mnft stop it); nothing was changed on any host" in str(refused.value)
+    finally:
+        let_go(mine)
+    # another login's run: the host's lease script sees its holder's uid, not this one's
+    theirs = {"op": "op-R2", "command": "train", "run_id": "R2", "uid": os.getuid() + 1, "login": "bob"}
+    monkeypatch.setattr(hostleases, "held_leases", lambda op=None: [("mnft-dev-cpu.json", theirs, ["bob pid 7"])])
+    reply, fds = hostleases.take_devices({"op": "op-p", "command": "provision", "scope": {"gpus": 0, "workdir": "~/mnft-env", "own": True}}, [], {})
+    try:
+        assert reply["taken"] and reply["devices"] == [] and reply["paths"] == [str(lease_dir / hostleases.work_name("~/mnft-env"))]
+    finally:
+        for fd in fds:
+            os.close(fd)
+    theirs["uid"] = os.getuid()  # the same holder as this login's: refused
+    assert hostleases.take_devices({"op": "op-p", "command": "provision", "scope": {"gpus": 0, "workdir": "~/mnft-env", "own": True}}, [], {})[0]["what"] == "own-runs"

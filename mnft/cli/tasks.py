@@ -779,8 +779,15 @@ def _drain(target, reason, hosts, connect_timeout, undrain):
     marks = reply.get("drained") or {}
     lines = ([f"{host.name}: {drained_words(dict(marks['host'], scope='host'))}"] if marks.get("host") else []) + [
         f"{host.name} GPU {index}: {drained_words(mark)}" for index, mark in sorted((marks.get("gpus") or {}).items())]
-    console.print("\n".join(lines) if lines else f"{host.name}: in service (nothing drained)", highlight=False, soft_wrap=True)
+    console.print("\n".join(undrain_lines(host.name, gpus, lines) if undrain else lines or [f"{host.name}: in service (nothing drained)"]),
+                  highlight=False, soft_wrap=True)
     return ExitCode.OK
+
+
+def undrain_lines(host: str, gpus, still: list[str]) -> list[str]:
+    """What an undrain did first (what is back in service), then what stays drained on the host, if anything."""
+    back = f"{host}: back in service" if not gpus else f"{host} GPU {', '.join(str(g) for g in gpus)}: back in service"
+    return [back] + ([f"still drained: {line}" for line in still] if still else [f"{host}: nothing else drained"])
 
 
 @task(klass=OptionalPositionalTask, positional=["target"],

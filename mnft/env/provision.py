@@ -163,7 +163,8 @@ def provision(inventory: Inventory, options: ProvisionOptions = ProvisionOptions
         if not re.match(r"^https?://", name) and not Path(name).is_dir():
             raise InputError(f"--find-links {name}: not a directory")
     inventory = effective(inventory)  # base_python known for hosts provisioned before
-    with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision", skip=options.dry_run, python=base_python):
+    with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision", skip=options.dry_run, python=base_python,
+                                                            per_host=leases.provision_scope):
         say(f"reading {len(inventory.hosts)} host(s)")
         want = lock.python or options.python
         outcomes, facts = gather(fleet, list(inventory.hosts), want)
@@ -533,7 +534,8 @@ def _record(inventory: Inventory, facts: Mapping[str, dict], plans: Mapping[str,
 
 def _rollback(inventory: Inventory, say: Say, timeouts: Timeouts, started: float) -> ProvisionReport:
     inventory = effective(inventory)
-    with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision --rollback", python=base_python):
+    with Fleet(inventory, timeouts) as fleet, leases.hold(fleet, inventory.hosts, "provision --rollback", python=base_python,
+                                                            per_host=leases.provision_scope):
         outcomes, facts = gather(fleet, list(inventory.hosts), None)
         plans = {h.name: plan_rollback(h, outcomes.get(h.name), facts.get(h.name)) for h in inventory.hosts}
         plans = _shared(fleet, inventory, plans, facts)  # a shared environment is switched back once

@@ -1,7 +1,8 @@
 """What an operation holds on each host, the controller's side (the host's is mnft.onhost.leasehost; the model is
 docs/lab.md): a run takes its devices (`Scope.gpus` of them, or every one) and its workdir, a sync the directory
-it writes (`sync_scope`), setup and provision the whole host (no scope), which they get only while no run holds a
-device there; a run that finds its devices taken may wait in line for them (`Scope.wait`: a ticket on every host,
+it writes (`sync_scope`), setup (and a provision of an environment outside the user's home) the whole host (no
+scope), which they get only while no run holds a device there; a provision of the user's own `~/…` environment
+(`provision_scope`) takes only that directory, and waits only for that user's own runs, which use it; a run that finds its devices taken may wait in line for them (`Scope.wait`: a ticket on every host,
 first come first served, its place told through `on_wait`).
 
 train, sync, provision and setup take their leases on every host they will change before they change anything,
@@ -193,6 +194,11 @@ def scope_busy_line(host: str, reply: dict) -> str:
         out = [d for d in devices if d.get("state") in ("drained", "unhealthy")]
         return (f"{host}: {asked} asked, {usable} of {len(devices)} in service: {'; '.join(holders_of(out))} "
                 f"(never leased, waiting would not help: --gpus {usable} or fewer, or other hosts; `mnft lab` shows the lab)")
+    if what == "own-runs":  # a provision of this user's environment, under this user's own run
+        pairs = [(device_label(h["device"]) if isinstance(h.get("device"), dict) else directory_label(h.get("workdir")),
+                  describe(h) + verified(h, h.get("lockers"))) for h in reply.get("held") or []]
+        return (f"{host}: your environment {shown(reply.get('workdir'), 200)} is not changed under your own run: {'; '.join(grouped(pairs))} "
+                f"(it runs from that environment: wait for it to end, or mnft stop it)")
     if what == "no-gpus":
         return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
     if what == "runs":  # grouped by holder: "GPU 0, 1, workdir /home/a/mnft: train run R by alice …"
@@ -220,15 +226,30 @@ class Scope:
     (None: do not wait; inf: as long as it takes)."""
 
     gpus: int | None = None
-    directory: str | None = "workdir"  # the host setting naming the directory it takes: workdir, or data_dir (sync --data)
+    directory: str | None = "workdir"  # the host setting naming the directory it takes: workdir, data_dir (sync --data), venv
     wait: float | None = None
     below: str = ""  # a directory below it instead (a run: its job's working directory, outputs/<job>)
+    own: bool = False  # the directory is what this login's own runs use (its environment): none of them may run meanwhile
 
     def on(self, host: Host) -> dict:
         if not self.directory:
             return {"gpus": self.gpus, "workdir": None}
         base = getattr(host, self.directory)
-        return {"gpus": self.gpus, "workdir": base.rstrip("/") + "/" + self.below if self.below else base}
+        found = {"gpus": self.gpus, "workdir": base.rstrip("/") + "/" + self.below if self.below else base}
+        return dict(found, own=True) if self.own else found
+
+
+def in_own_home(path: str | None) -> bool:
+    """Whether a host path is written in its login's home (`~/…`): a change there is that user's alone."""
+    return bool(path) and (path == "~" or path.startswith("~/"))
+
+
+def provision_scope(host: Host) -> Scope | None:
+    """What a provision takes on a host: an environment in the user's own home (venv `~/…`, the default) changes
+    nothing of anyone else's, so it takes only that directory, and waits for none of the others' runs (but for this
+    user's own, which run from it); an environment elsewhere (a lab's shared /opt/env) changes the whole host: None,
+    the host's lease, never taken under a run."""
+    return Scope(gpus=0, directory="venv", own=True) if in_own_home(host.venv) else None
 
 
 def sync_scope(kind: str) -> Scope:
@@ -273,6 +294,7 @@ class Leases:
     command: str
     run_id: str | None = None
     scope: Scope | None = None  # None: the whole host (setup, provision)
+    per_host: Callable[[Host], Scope | None] | None = None  # a scope decided host by host instead (provision_scope)
     op: str = field(default_factory=lambda: secrets.token_hex(8))
     processes: dict[str, Process] = field(default_factory=dict)
     keys: dict[str, tuple] = field(default_factory=dict)
@@ -300,7 +322,8 @@ class Leases:
         return holder
 
     def holder_on(self, holder: dict, host: Host) -> dict:
-        return holder if self.scope is None else dict(holder, scope=self.scope.on(host))
+        scope = self.per_host(host) if self.per_host is not None else self.scope
+        return holder if scope is None else dict(holder, scope=scope.on(host))
 
     def take(self, fleet: Fleet, hosts: Iterable[Host], on_took_over: Callable[[str, dict], None] = say_took_over,
              on_problem: Callable[[str, str], None] = say_problem, python: Callable[[Host], str | None] = lambda host: None) -> None:
@@ -479,10 +502,11 @@ def run_held(host: Host, entry: str, args: Sequence[str], stdin: str = "", timeo
 @contextmanager
 def hold(fleet: Fleet, hosts: Iterable[Host], command: str, run_id: str | None = None, *, skip: bool = False,
          on_took_over: Callable[[str, dict], None] = say_took_over, python: Callable[[Host], str | None] = lambda host: None,
-         scope: Scope | None = None) -> Iterator[Leases]:
+         scope: Scope | None = None, per_host: Callable[[Host], Scope | None] | None = None) -> Iterator[Leases]:
     """Hold the hosts' leases for the block (see the module docstring); HostBusy before it if one is taken.
-    skip: take none (a dry run changes nothing). scope: devices and the workdir instead of the whole host."""
-    leases = Leases(command, run_id, scope)
+    skip: take none (a dry run changes nothing). scope: devices and the workdir instead of the whole host; per_host:
+    that decided for each host (None there: the whole host)."""
+    leases = Leases(command, run_id, scope, per_host=per_host)
     if not skip:
         leases.take(fleet, hosts, on_took_over, python=python)
     try:

@@ -160,7 +160,8 @@ def print_usage(inventory: Inventory, summary: dict, errors: dict[str, str], as_
         for col in (title, "GPU-hours", "idle", "leases"):
             table.add_column(col)
         for row in summary[key]:
-            table.add_row(plain(row[title]), plain(f"{row['gpu_hours']:.2f}"), plain(f"{row['idle_share'] * 100:.0f}%"), plain(str(row["leases"])))
+            leases = str(row["leases"]) + (f" ({row['running']} running)" if row.get("running") else "")
+            table.add_row(plain(row[title]), plain(f"{row['gpu_hours']:.2f}"), plain(f"{row['idle_share'] * 100:.0f}%"), plain(leases))
         console().print(table)
     if summary["longest_waits"]:
         table = Table(title=plain("the longest waits in line"))

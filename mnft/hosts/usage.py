@@ -1,6 +1,8 @@
-"""`mnft lab --usage`: what the hosts' usage logs say (mnft.onhost.leasehost `usage`: one line per lease that ended,
-counted for the user who owns the log it is in), summed over the inventory: GPU-hours per user and per host, the
-share of them the GPUs were idle, and the longest waits in line. `summarise` is pure: lines in, totals out."""
+"""`mnft lab --usage`: what the hosts' usage logs say (mnft.onhost.usageread `usage`: one line per lease that ended,
+counted for the user who owns the log it is in, and one per GPU lease still held, to now, counted for the user the
+kernel says holds it), summed over the inventory: GPU-hours per user and per host (leases of GPUs only: setup,
+provision and syncs hold none), the share of them the GPUs were idle, and the longest waits in line. `summarise` is
+pure: lines in, totals out."""
 
 from __future__ import annotations
 
@@ -38,13 +40,16 @@ def summarise(lines_by_host: dict[str, list[dict]], since: float) -> dict:
     waits = []
     for host, lines in lines_by_host.items():
         for line in lines:
+            if not any(isinstance(d, int) and not isinstance(d, bool) for d in line.get("devices") or []):
+                continue  # no GPU held: setup, provision, a sync, a CPU host's run are no GPU usage
             used, idle = gpu_seconds(line, since)
             user = leases.shown(line.get("login")) or "?"
             for table, key in ((users, user), (hosts, host)):
-                total = table.setdefault(key, [0.0, 0.0, 0])
+                total = table.setdefault(key, [0.0, 0.0, 0, 0])
                 total[0] += used
                 total[1] += idle
                 total[2] += 1
+                total[3] += 1 if line.get("running") is True else 0
             queued, start = _number(line.get("queued")), _number(line.get("start"))
             if queued is not None and start is not None and start > queued:
                 waits.append({"host": host, "user": user, "run": leases.shown(line.get("run_id")), "command": leases.shown(line.get("command"), 20),
@@ -52,7 +57,7 @@ def summarise(lines_by_host: dict[str, list[dict]], since: float) -> dict:
 
     def rows(table: dict[str, list[float]], key: str) -> list[dict]:
         return [{key: name, "gpu_seconds": round(used, 1), "gpu_hours": round(used / 3600, 3), "idle_share": round(idle / used, 3) if used else 0.0,
-                 "leases": count} for name, (used, idle, count) in sorted(table.items(), key=lambda item: -item[1][0])]
+                 "leases": count, "running": now} for name, (used, idle, count, now) in sorted(table.items(), key=lambda item: -item[1][0])]
 
     return {"since": since, "users": rows(users, "user"), "hosts": rows(hosts, "host"),
             "longest_waits": sorted(waits, key=lambda w: -w["waited_s"])[:LONGEST_WAITS]}

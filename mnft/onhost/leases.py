@@ -63,6 +63,9 @@ def _held_by(name, op=None):
         os.close(fd)
 
 
+RUN_COMMANDS = ("train", "shell")  # the holders that run a program from the login's environment
+
+
 def held_leases(prefixes=(DEVICE_PREFIX, WORK_PREFIX), op=None):
     """[(file name, holder, lockers)] of every device and workdir lease held now (whole-host operations wait for none)."""
     try:
@@ -140,6 +143,11 @@ def take_devices(holder, devices, links):
         if held:
             return {"busy": True, "what": "workdir", "workdir": workdir, "holder": previous, "lockers": who,
                     "run_processes": len(run_processes(_text(previous, "run_id")))}, []
+    if scope.get("own"):  # this login's environment: its own runs and sessions use it, another login's never do
+        mine = [dict(h, file=n, lockers=w) for n, h, w in held_leases(op=holder.get("op"))
+                if isinstance(h, dict) and h.get("uid") == os.getuid() and h.get("command") in RUN_COMMANDS]
+        if mine:
+            return {"busy": True, "what": "own-runs", "workdir": workdir, "held": mine}, []
     chosen = []
     if want != 0:
         mine = order(holder) if holder.get("ticket") else (float("inf"), "")

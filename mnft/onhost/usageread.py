@@ -8,7 +8,7 @@ import time
 
 from .leasefiles import _existing, lease_dir
 from .procs import user_name
-from .usage import USAGE_BYTES, USAGE_PREFIX
+from .usage import USAGE_BYTES, USAGE_FIELDS, USAGE_PREFIX
 
 # ------------------------------------------------------------------------------------------------ usage
 # Every lease that ends leaves one line in its user's usage log in the lease directory, mnft-usage-<uid>.jsonl: a
@@ -21,7 +21,8 @@ MAX_USAGE_LINES = 50000
 
 
 def usage(since):
-    """Every user's usage lines of leases that ended at or after `since`, each counted for its file's owner."""
+    """Every user's usage lines of leases that ended at or after `since`, each counted for its file's owner, and the
+    GPU leases held now (`running`)."""
     out, dropped = [], 0
     try:
         names = sorted(n for n in os.listdir(lease_dir()) if n.startswith(USAGE_PREFIX) and n.endswith(".jsonl"))
@@ -51,4 +52,30 @@ def usage(since):
                 out.append(line)
             else:
                 dropped += 1
-    return {"host": os.uname()[1], "now": time.time(), "lines": out, "dropped": dropped}
+    now = time.time()
+    return {"host": os.uname()[1], "now": now, "lines": out + running(now), "dropped": dropped}
+
+
+def running(now):
+    """The GPU leases held now (runs and sessions still on their devices), one line per holder as its usage line
+    will read when it ends, to now, marked "running": counted for the user the kernel says holds the lock (the
+    lease file's words are anyone's), never twice (a keeper and a hold both lock it)."""
+    from .leases import DEVICE_PREFIX, held_leases
+
+    found = {}
+    for name, holder, who in held_leases(prefixes=(DEVICE_PREFIX,)):
+        device = holder.get("device") if isinstance(holder, dict) else None
+        index = device.get("index") if isinstance(device, dict) else None
+        if not isinstance(index, int) or isinstance(index, bool) or not who:
+            continue  # a CPU host's one device is no GPU-hour
+        login = str(who[0]).split(" pid ")[0]
+        line = found.setdefault(holder.get("op") or name, dict(
+            [(k, holder.get(k)) for k in USAGE_FIELDS], host=os.uname()[1], login=login, devices=[], start=holder.get("taken"),
+            end=now, queued=holder.get("queued"), running=True, idle=[]))
+        since = holder.get("idle_since")
+        line["idle"].append(float(holder.get("idle_s") or 0) + (now - since if isinstance(since, (int, float)) else 0.0))
+        line["devices"].append(index)
+    for line in found.values():
+        idle = line.pop("idle")
+        line["idle_s"] = round(min(idle) if idle else 0.0, 1)
+    return list(found.values())

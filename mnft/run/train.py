@@ -259,6 +259,7 @@ class WaitLine:
 
     def __init__(self, console: Console) -> None:
         self.console = console
+        self.said: dict[str, str] = {}  # host -> its line last said: a reply that says nothing new is not said again
 
     def update(self, host: str, reply: dict) -> None:
         from mnft.hosts.leases import describe, holders_of
@@ -274,7 +275,11 @@ class WaitLine:
         held = holders_of(reply.get("devices") or [])
         if held:
             parts.append("; ".join(held))
-        self.console.print(Text(" — ".join(parts), style="yellow"), soft_wrap=True)
+        line = " — ".join(parts)
+        if self.said.get(host) == line:
+            return
+        self.said[host] = line
+        self.console.print(Text(line, style="yellow"), soft_wrap=True)
 
 
 RESUME_FIX = ("give the job a resume rule in a job file (docs/jobs.md), e.g. for an HF Trainer script "

@@ -1,0 +1,59 @@
+"""The lab's second member (issue 45): what a new student meets in the first week, beyond the admin's path.
+
+Pure pieces here, with data in and words out; the cluster tests (test_cluster_lab) run them on the test bed.
+"""
+
+from __future__ import annotations
+
+import io
+
+from rich.console import Console
+
+from mnft.cli.tasks import undrain_lines
+from mnft.run.train import WaitLine
+
+
+def test_an_undrain_says_what_came_back_in_service_then_what_stays_drained():
+    assert undrain_lines("node2", [1], []) == ["node2 GPU 1: back in service", "node2: nothing else drained"]
+    assert undrain_lines("node2", None, []) == ["node2: back in service", "node2: nothing else drained"]
+    still = ["node2 GPU 3: drained by root since 10:02: fan"]
+    assert undrain_lines("node2", [0, 1], still) == ["node2 GPU 0, 1: back in service", "still drained: node2 GPU 3: drained by root since 10:02: fan"]
+
+
+def test_a_waiting_run_says_its_place_once_per_change_not_once_per_reply():
+    out = io.StringIO()
+    line = WaitLine(Console(file=out, width=300, color_system=None))
+    holder = {"command": "train", "run_id": "R1", "user": "alice", "controller": "ctl", "pid": 5, "started": 0}
+    reply = {"position": 1, "devices": [{"index": 0, "state": "held", "holder": holder}]}
+    for _ in range(3):
+        line.update("h1", reply)
+    line.update("h2", reply)
+    line.update("h1", dict(reply, position=2))
+    said = out.getvalue().splitlines()
+    assert [s.split(" — ")[0] for s in said] == ["h1: waiting in line, position 1", "h2: waiting in line, position 1",
+                                                 "h1: waiting in line, position 2"]
+
+
+def test_usage_counts_gpu_leases_only_and_those_still_running_to_now():
+    from mnft.hosts.usage import summarise
+
+    lines = {"h1": [{"login": "root", "devices": [], "start": 0.0, "end": 50.0, "command": "setup"},
+                    {"login": "root", "devices": [], "start": 60.0, "end": 90.0, "command": "provision"},
+                    {"login": "alice", "devices": [0, 1], "start": 100.0, "end": 200.0, "idle_s": 0, "run_id": "R1", "command": "train"},
+                    {"login": "alice", "devices": [2], "start": 150.0, "end": 250.0, "idle_s": 0, "run_id": "R2", "running": True}]}
+    summary = summarise(lines, since=0.0)
+    assert [(u["user"], u["gpu_seconds"], u["leases"], u["running"]) for u in summary["users"]] == [("alice", 300.0, 2, 1)]  # no root row
+
+
+def test_a_host_reports_its_gpu_leases_held_now_counted_for_whom_the_kernel_says_holds_them(monkeypatch):
+    from mnft.onhost import leases as hostleases
+    from mnft.onhost import usageread
+
+    held = [("mnft-dev-gpu0.json", {"op": "o1", "run_id": "R1", "command": "train", "user": "mallory", "login": "mallory", "taken": 10.0,
+                                    "device": {"index": 0}, "idle_s": 4, "idle_since": None}, ["alice pid 5", "alice pid 6"]),
+            ("mnft-dev-gpu1.json", {"op": "o1", "run_id": "R1", "command": "train", "taken": 10.0, "device": {"index": 1}, "idle_s": 2}, ["alice pid 5"]),
+            ("mnft-dev-cpu.json", {"op": "o2", "command": "train", "taken": 10.0, "device": {"index": None}}, ["bob pid 7"])]
+    monkeypatch.setattr(hostleases, "held_leases", lambda prefixes=None, op=None: held)
+    [line] = usageread.running(100.0)
+    assert (line["login"], line["run_id"], line["devices"], line["start"], line["end"], line["idle_s"], line["running"]) == \
+        ("alice", "R1", [0, 1], 10.0, 100.0, 2.0, True)
