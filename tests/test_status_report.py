@@ -129,3 +129,23 @@ def test_a_long_last_line_keeps_its_end_cut_at_a_word_boundary_and_marked():
     assert len(cut) <= 60 and cut.endswith("'step': 120}")
     assert clip_end("short line", 60) == "short line"
     assert clip_end("x" * 100, 60) == "…" + "x" * 59  # no word to cut at: cut where it must, still marked
+
+
+def test_an_hf_scripts_closing_summary_is_not_read_as_one_more_step(tmp_path, monkeypatch):
+    """Issue 45: a run_clm-like script prints train()'s closing dict and then log_metrics' block (`train_loss = …`,
+    the run's mean loss); summary.json said final loss 4.7523 over 31 points where rank 0 printed 30 steps."""
+    from mnft.run import logs, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R6", state="succeeded", job={"entry": ["run_clm.py"]}, hosts={"a": {"node_rank": 0}},
+                                      inventory={"hosts": [{"slots": 1}]})
+    (record.path / "a" / "run").mkdir(parents=True)
+    steps = [f"[rank0]:{{'loss': '{5.0 - i * 0.0215:.4g}', 'learning_rate': '4e-05', 'epoch': '{(i + 1) / 81:.4g}'}}" for i in range(30)]
+    closing = ["[rank0]:{'train_runtime': '0.85', 'train_samples_per_second': '2053', 'train_steps_per_second': '35.29', 'train_loss': '4.752', 'epoch': '0.3704'}",
+               "[rank0]:***** train metrics *****", "[rank0]:  epoch                    =     0.3704",
+               "[rank0]:  train_loss               =     4.7523", "[rank0]:  train_runtime            = 0:00:00.85"]
+    (record.path / "a" / "run" / "output.log").write_text("\n".join(steps + closing) + "\n")
+    (record.path / "a" / "run" / "exit_code").write_text("0\n")
+    summary = logs.summarize(record)
+    assert (summary["logged_points"], summary["final_loss"]) == (30, 4.377)
+    assert summary["job_summary"]["train_loss"] == 4.752  # the run's mean stays the job's summary, not a step
