@@ -32,6 +32,7 @@ from mnft.run.control import job_of, rank_offset, write_back
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
 
 STEP_TIMES = "step-times.jsonl"  # runs/<id>/step-times.jsonl: when each of rank 0's step records arrived, per attempt
+LIVE_METRICS = "live-metrics.jsonl"  # runs/<id>/live-metrics.jsonl: the same, written by an attached supervisor as they come
 METRIC_WIDTH = 2 * scrape.MAX_METRIC_LINE  # characters of a line read for metrics: one cut there is never parsed
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)
 CHECKPOINT_NAMES = "checkpoints.json"  # runs/<id>/<host>/: the entries of the job's checkpoints directory, when
@@ -426,9 +427,17 @@ def keep_step_times(record: records.RunRecord, attempt: int, times: list[tuple[f
 
 
 def read_step_times(record: records.RunRecord) -> dict[int, list[tuple[float, int | None]]]:
+    """When each of rank 0's step records reached the attached supervisor, per attempt: step-times.jsonl (kept
+    when an attempt ends), else, for an attempt still going, live-metrics.jsonl (written as each arrives)."""
+    out = _times(record.path / STEP_TIMES, "step times file")
+    for attempt, times in _times(record.path / LIVE_METRICS, "live metrics file").items():
+        out.setdefault(attempt, times)
+    return out
+
+
+def _times(path: Path, what: str) -> dict[int, list[tuple[float, int | None]]]:
     out: dict[int, list[tuple[float, int | None]]] = {}
-    path = record.path / STEP_TIMES
-    data = limits.read_file(path, limits.STATE_BYTES, "step times file", "STATE_BYTES", missing=b"")
+    data = limits.read_file(path, limits.STATE_BYTES, what, "STATE_BYTES", missing=b"")
     for line in data.decode("utf-8", "replace").splitlines():
         try:
             data = json.loads(line)
@@ -501,7 +510,8 @@ def print_summary(summary: dict, record: records.RunRecord, console: Console) ->
     if summary.get("final_loss") is not None:
         rate = f", {summary['tokens_per_s']:.0f} tokens/s" if isinstance(summary.get("tokens_per_s"), (int, float)) else ""
         over = summary.get("steps") or summary.get("last_step")
-        console.print(f"summary: loss {fmt_loss(summary.get('initial_loss'))} -> {fmt_loss(summary['final_loss'])}{rate}"
+        label = "so far (running)" if summary.get("state") in ("running", "starting") else "summary"
+        console.print(f"{label}: loss {fmt_loss(summary.get('initial_loss'))} -> {fmt_loss(summary['final_loss'])}{rate}"
                       + (f" over {over} steps" if over is not None else ""), highlight=False)
     elif summary.get("last_step") is not None:
         console.print(f"last step {summary['last_step']}: loss {fmt_loss(summary['last_loss'])}", highlight=False)
