@@ -149,3 +149,26 @@ def test_an_hf_scripts_closing_summary_is_not_read_as_one_more_step(tmp_path, mo
     summary = logs.summarize(record)
     assert (summary["logged_points"], summary["final_loss"]) == (30, 4.377)
     assert summary["job_summary"]["train_loss"] == 4.752  # the run's mean stays the job's summary, not a step
+
+
+def test_a_detached_run_mnft_stop_ended_is_stopped_in_status_its_record_and_its_logs(tmp_path, monkeypatch, capsys):
+    """Issue 45: `mnft status` of a stopped detached run said `exited 1 … got signal: 15`. Its hosts marked it
+    (stopped_by, before the first signal): status, the record written back and the collected logs say stopped."""
+    from mnft.run import logs, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R7", state="running", job={"entry": ["train.py"]}, hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}},
+                                      inventory={"hosts": [{"slots": 1}, {"slots": 1}]})
+    states = {name: {"state": "stopped", "exit_code": 1, "stopped_by": "mnft stop", "processes": 0,
+                     "last_line": "stopped by `mnft stop` (its shutdown is in the host's output.log)"} for name in ("a", "b")}
+    assert print_status(record, states, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "stopped" in out and "exited" not in out and "got signal" not in out
+    control.write_back(record, states)
+    assert (records.load("R7").data["state"], records.load("R7").data["reason"]) == ("stopped", "stopped by `mnft stop`")
+    assert records.load("R7").data["hosts"]["a"]["state"] == "stopped"
+    for name in ("a", "b"):  # what `logs` collects of each host's run directory
+        (record.path / name / "run").mkdir(parents=True)
+        (record.path / name / "run" / "exit_code").write_text("1\n")
+        (record.path / name / "run" / "stopped_by").write_text("mnft stop\n")
+    assert logs.collected_states(record)["a"] == {"state": "stopped", "exit_code": 1, "ended": None, "stopped_by": "mnft stop"}

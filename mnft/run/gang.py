@@ -263,6 +263,7 @@ class Gang:
         self.metrics_from_output = metrics_from_output  # rank 0's output lines carry the metrics (no metrics file)
         self._stop_heartbeat = threading.Event()
         self.first_step_at: float | None = None
+        self.stopped_by: str | None = None  # `mnft stop` is ending the run (a host's agent said so): its shutdown is not shown
         # host -> when its agent's stream last gave a line (set by its reader thread as the line arrives): a host
         # whose lines wait in the queue behind others' (a chatty master on a loaded controller) is not silent
         self.heard: dict[str, float] = {}
@@ -363,6 +364,13 @@ class Gang:
             run.tail.append((None, event["text"]))
             if not run.stopping and not run.noise.hides(None, event["text"]):
                 self.on_line(name, None, event["text"])
+        elif kind == "stopping":  # `mnft stop` from another shell marked the run before its signal: what follows is shutdown
+            if self.stopped_by is None:
+                self.stopped_by = str(event.get("by") or "mnft stop")
+                for other in self.runs.values():  # every host's: a peer's ranks fail on this host's gone ones
+                    other.stopping = True
+                self.on_line(name, None, f"stopped by `{self.stopped_by}`: each host's shutdown is kept in its log "
+                                         f"({run.launch.run_dir}/output.log on {name}), not shown")
         elif kind == "mline":
             self._metric(self.parse_metric(event.get("text", "")))
         elif kind == "sample":

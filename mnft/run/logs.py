@@ -27,6 +27,7 @@ from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
 from mnft.run import goodput, records, scrape, timeline
 from mnft.onhost import queries
+from mnft.onhost.runfiles import STOPPED_BY
 from mnft.run.checkpoints import saved, step_of
 from mnft.run.control import job_of, rank_offset, write_back
 from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
@@ -349,14 +350,19 @@ def plot_timings(timings: dict[tuple[str, int], list[dict]], out: Path, title: s
 
 
 def collected_states(record: records.RunRecord) -> dict[str, dict]:
-    """Per host state from the collected run directories (exit_code written by the keeper)."""
+    """Per host state from the collected run directories (exit_code written by the keeper; stopped: the host marked
+    the run as `mnft stop` ended it, mnft.onhost.runfiles.mark_stop)."""
     out = {}
     for name in record.data["hosts"]:
         run = record.path / name / "run"
         if not run.is_dir():
             continue
         code, ended = _value(run / "exit_code", "exit code", int), _value(run / "ended", "end time", float)
-        out[name] = {"state": "exited", "exit_code": code, "ended": ended} if code is not None else {"state": "unknown"}
+        by = limits.read_file(run / STOPPED_BY, limits.RUN_VALUE_BYTES, "stop mark", "RUN_VALUE_BYTES", missing=None)
+        if by is not None:
+            out[name] = {"state": "stopped", "exit_code": code, "ended": ended, "stopped_by": by.decode("utf-8", "replace").strip() or "mnft stop"}
+        else:
+            out[name] = {"state": "exited", "exit_code": code, "ended": ended} if code is not None else {"state": "unknown"}
     return out
 
 
