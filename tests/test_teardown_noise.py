@@ -5,6 +5,7 @@ host's log and its tail; the terminal gets one line that says so. Lines in, line
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -206,3 +207,31 @@ def test_the_hosts_agent_says_the_run_is_being_stopped_before_the_lines_its_sign
     events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [e["event"] for e in events] == ["line", "stopping"] + ["line"] * len(SHUTDOWN)
     assert events[1] == {"event": "stopping", "by": "mnft stop"}
+
+
+def test_the_collected_log_of_a_succeeded_run_says_what_torchruns_teardown_lines_are(tmp_path, monkeypatch):
+    """Issue 45: a succeeded 2-host run's collected log ended with h2's `Error waiting on exit barrier … DistNetworkError:
+    Failed to recv, got 0 bytes` traceback (the master's torchrun had passed the barrier and closed its store). `logs`
+    shows them as the run's terminal did, one line that says what they are, and summary.json says it for the host;
+    the lines stay in the collected output.log."""
+    from rich.console import Console
+
+    from mnft.run import logs, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R8", state="succeeded", job={"entry": ["train.py"]}, hosts={"h1": {"node_rank": 0}, "h2": {"node_rank": 1}},
+                                      inventory={"hosts": [{"slots": 1}, {"slots": 1}]})
+    for name, rank, end in (("h1", 0, []), ("h2", 1, TEARDOWN)):
+        (record.path / name / "run").mkdir(parents=True)
+        (record.path / name / "run" / "output.log").write_text("".join(f"{line}\n" for line in [f"[rank{rank}]:{t}" for t in WORK] + end))
+        (record.path / name / "run" / "exit_code").write_text("0\n")
+    console = Console(width=400, record=True)
+    logs.merged_tail(record, 40, console)
+    text = console.export_text()
+    assert "Traceback" not in text and "DistNetworkError" not in text and "frame #" not in text, text
+    log = record.path / "h2" / "run" / "output.log"
+    note = f"torchrun's teardown after every rank here finished met the master's closed store: not a failure ({len(TEARDOWN)} line(s) kept in {log})"
+    assert f"h2| {note}" in text and "h2 r1| done" in text
+    summary = json.loads((record.path / "summary.json").read_text())
+    assert summary["hosts"]["h2"]["note"] == note and "note" not in summary["hosts"]["h1"]
+    assert log.read_text().endswith(TEARDOWN[-1] + "\n")  # kept whole in the collected log

@@ -30,7 +30,7 @@ from mnft.onhost import queries
 from mnft.onhost.runfiles import STOPPED_BY
 from mnft.run.checkpoints import saved, step_of
 from mnft.run.control import job_of, rank_offset, write_back
-from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
+from mnft.run.gang import TeardownNoise, _parse, agent_command, agent_payload, split_rank, split_ranks
 
 STEP_TIMES = "step-times.jsonl"  # runs/<id>/step-times.jsonl: when each of rank 0's step records arrived, per attempt
 LIVE_METRICS = "live-metrics.jsonl"  # runs/<id>/live-metrics.jsonl: the same, written by an attached supervisor as they come
@@ -366,6 +366,21 @@ def collected_states(record: records.RunRecord) -> dict[str, dict]:
     return out
 
 
+TEARDOWN_LINES = 200  # the end of a host's collected log read for torchrun's teardown records
+
+
+def teardown_note(record: records.RunRecord, host: str, exit_code: int | None) -> str | None:
+    """What the end of a host's collected log holds of torchrun's teardown (mnft.run.gang.TeardownNoise: the exit
+    barrier that met the master's closed store after every rank there had finished), in one line; None if nothing."""
+    log = record.path / host / "run" / "output.log"
+    if not log.is_file():
+        return None
+    noise, offset = TeardownNoise(), rank_offset(record.data, host) if record.data.get("inventory") else 0
+    for text in limits.last_lines(log, TEARDOWN_LINES):
+        noise.hides(*split_rank(text, offset))
+    return noise.note(str(log), exit_code)
+
+
 def _value(path: Path, what: str, kind: type) -> Any:
     """The one value a run's file holds (exit_code, ended: written by the host's keeper, collected here), or None
     when there is none; a file past limits.RUN_VALUE_BYTES, or one that holds no such value, is one line."""
@@ -390,6 +405,9 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
     hosts = {name: {"node_rank": info.get("node_rank"), "state": states.get(name, {}).get("state", info.get("state")),
                     "exit_code": states.get(name, {}).get("exit_code", info.get("exit_code"))}
              for name, info in record.data["hosts"].items()}
+    for name, host in hosts.items():  # the lines torchrun's teardown left at the end of a host's log, said for what they are
+        if note := teardown_note(record, name, host.get("exit_code")):
+            host["note"] = note
     job = job_of(record.data)
     summary: dict[str, Any] = {"run_id": record.run_id, "job_id": record.data.get("job_id"), "job": job.label, "recipe": job.recipe,
                                "state": record.data.get("state"), "reason": record.data.get("reason"), "hosts": hosts,
@@ -541,17 +559,23 @@ def print_summary(summary: dict, record: records.RunRecord, console: Console) ->
 def merged_tail(record: records.RunRecord, lines: int, console: Console, metrics: Metrics | None = None) -> None:
     """The last lines of every host's collected output, prefixed with host and rank, host after host (output.log
     carries no timestamps, so lines of different hosts cannot be put in time order), then the summary."""
+    states = collected_states(record)
     for name in record.data["hosts"]:
         log = record.path / name / "run" / "output.log"
         if not log.is_file():
             console.print(Text(f"{name}| (no output collected)", style="dim"))
             continue
         offset = rank_offset(record.data, name)
+        noise = TeardownNoise()  # torchrun's teardown and c10d's warning: one line, as the run's terminal had it
         for text in limits.last_lines(log, lines):  # its end only (a log may be gigabytes); a line cut at LINE_CHARS…
             rank, text = split_rank(text, offset)
+            if noise.hides(rank, text):
+                continue
             label = f"{name} r{rank}" if rank is not None else name
             console.print(Text.assemble((f"{label}| ", "dim"), text), highlight=False, soft_wrap=True)
-    write_back(record, collected_states(record))
+        if said := noise.note(str(log), states.get(name, {}).get("exit_code")):
+            console.print(Text.assemble((f"{name}| ", "dim"), (said, "yellow")), highlight=False, soft_wrap=True)
+    write_back(record, states)
     print_summary(summarize(record, metrics), record, console)
 
 
