@@ -183,3 +183,35 @@ def test_a_gpus_new_xid_names_the_run_ahead_of_the_error_the_job_printed_and_say
     assert found.fix.startswith("Xid 79 needs the GPU reset: drain it (`mnft drain HOST:GPU --reason …` for h2:1)")
     app = classify(Seen("h2", "exited", 1, tail=tuple(lines), traceback=tuple(lines), first_step=True, xids=(GpuXid("h2", 1, 31, 1000.0, "MMU Fault"),)))
     assert diagnose(Evidence(cause=app, tail=tuple(lines))).fix.startswith("an Xid of this kind is usually the job's own fault")
+
+
+# torchrun 2.13's summary after a rank exited without a traceback (argparse's error: exit code 2)
+CHILD_FAILED = ["Traceback (most recent call last):", '  File "/opt/env/bin/torchrun", line 8, in <module>', "    sys.exit(main())",
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+                "============================================================", "train.py FAILED",
+                "------------------------------------------------------------", "Failures:", "  <NO_OTHER_FAILURES>",
+                "------------------------------------------------------------", "Root Cause (first observed failure):", "[0]:",
+                "  time      : 2026-11-23_06:07:37", "  host      : h1", "  rank      : 0 (local_rank: 0)", "  exitcode  : 2 (pid: 4242)",
+                "  error_file: <N/A>", "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html",
+                "============================================================"]
+
+
+def test_a_rank_that_fails_before_its_first_step_without_a_traceback_is_quoted_in_its_own_words():
+    """Issue 45: `-- train.py --lr abc` ended `h1 rank 0 failed before the first step: exit code 2`; the script had said
+    why (argparse: `train.py: error: argument --lr: invalid float value: 'abc'`), and the cause must quote it."""
+    from mnft.run.gang import failure_excerpt
+
+    said = "train.py: error: argument --lr: invalid float value: 'abc'"
+    tail = [(0, "usage: train.py [-h] [--lr LR] [--steps STEPS]"), (0, said), (1, "usage: train.py [-h] [--lr LR] [--steps STEPS]"),
+            (1, said), *[(None, line) for line in CHILD_FAILED]]
+    rank, trace = failure_excerpt(tail)
+    assert (rank, trace) == (0, ["usage: train.py [-h] [--lr LR] [--steps STEPS]", said])
+    cause = classify(Seen("h1", "exited", 1, tuple(t for _, t in tail), tuple(trace), first_step=False))
+    assert (cause.kind, cause.detail) == ("startup", f"h1 rank 0 failed before the first step: {said}")
+    found = diagnose(Evidence(cause=cause, rank=0, trace=tuple(trace), tail=tuple(t for _, t in tail)))
+    assert found.cause == f"h1 rank 0 failed before the first step: {said}"
+    # a script's own `sys.exit("…")` after steps: a failure, in its words; a rank killed says nothing: no quote
+    tail = [(0, "step 3 loss 1.2"), (0, "error: the dataset shard data-3.bin is truncated"), *[(None, line) for line in CHILD_FAILED]]
+    cause = classify(Seen("h1", "exited", 1, tuple(t for _, t in tail), tuple(failure_excerpt(tail)[1]), first_step=True))
+    assert cause.detail == "h1 rank 0 exited with code 2: error: the dataset shard data-3.bin is truncated"
+    assert failure_excerpt([(0, "step 3 loss 1.2"), *[(None, line) for line in CHILD_FAILED]]) == (0, [])

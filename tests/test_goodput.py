@@ -179,3 +179,51 @@ def test_each_attempt_counts_the_saves_it_made_and_their_time_beside(tmp_path, m
     console = Console(width=200, record=True)
     console.print(time_table(run.to_json()))
     assert "- (3+)" in console.export_text()
+
+
+# ------------------------------------------------------------------------------------------------ a run still going
+
+
+def _running_script(tmp_path, monkeypatch):
+    import time
+
+    from mnft.run import records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path / "runs"))
+    now = time.time()
+    record = records.RunRecord.create("R9", state="running", launched=True, job={"entry": ["steps.py"]},
+                                      hosts={"h1": {"node_rank": 0, "state": "running"}}, inventory={"hosts": [{"slots": 1}]},
+                                      attempts=[{"number": 1, "started": now - 50}])
+    record.data["created"] = now - 60
+    record.save()
+    (record.path / "h1" / "run").mkdir(parents=True)
+    (record.path / "h1" / "run" / "output.log").write_text("".join(f"[rank0]:step {n} loss {3 - n / 10}\n" for n in range(1, 6)))
+    return record, now
+
+
+def test_logs_of_a_running_detached_script_never_says_no_step_was_read_beside_its_loss(tmp_path, monkeypatch):
+    """Issue 45: `mnft logs` of a running script printed `summary: loss 2.9 -> 2.5` and, in the same breath, `no step
+    record was read from the job's output`. The steps were read; what no one saw is when each arrived (a detached
+    run has no supervisor to time them), and a loss of a run still going is so far, not its summary."""
+    from rich.console import Console
+
+    from mnft.run import logs
+
+    record, _ = _running_script(tmp_path, monkeypatch)
+    console = Console(width=300, record=True)
+    logs.print_summary(logs.summarize(record), record, console)
+    text = console.export_text()
+    assert "so far (running): loss 2.9000 -> 2.5000 over 5 steps" in text
+    assert "no step record was read" not in text and goodput.UNTIMED.split(":")[0] in text
+
+
+def test_a_running_attached_runs_time_is_split_from_the_step_records_as_they_arrived(tmp_path, monkeypatch):
+    import json
+
+    from mnft.run import logs
+
+    record, now = _running_script(tmp_path, monkeypatch)
+    (record.path / logs.LIVE_METRICS).write_text("".join(
+        json.dumps({"attempt": 1, "t": now - 40 + n, "step": n, "loss": 3 - n / 10}) + "\n" for n in range(1, 6)))
+    spent = logs.summarize(record)["time"]
+    assert "unknown" not in spent and spent["attempts"][0]["launch_s"] == 21.0 and spent["attempts"][0]["steps_s"] == 4.0

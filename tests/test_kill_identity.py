@@ -229,3 +229,30 @@ def test_stop_asks_again_a_host_whose_killed_processes_are_still_going_and_exits
     result = control.stop(record, fleet=None, grace=1)
     assert len(asked) == control.STOP_ROUNDS and result["h2"]["remaining"] == [301]
     assert print_stop(record, result, as_json=True) == 1
+
+
+def test_stop_marks_a_run_still_going_so_status_says_stopped_not_its_signals_exit_code(tmp_path, procs, capsys):
+    """Issue 45: `mnft status` of a stopped detached run said `exited 1 … got signal: 15`. The agent's stop marks a run
+    that has not ended before its first signal; the host's status then says `stopped`, whatever code the signal left."""
+    from mnft.onhost import agent, queries
+
+    tagged = group_leader({runfiles.TAG_VAR: "R1@h1"})
+    procs.append(tagged)
+    run_dir = ended_run_dir(tmp_path, "R1@h1", tagged.pid, runprocs.start_time(tagged.pid))
+    (run_dir / "exit_code").unlink()
+    assert agent.main(["stop", str(run_dir), "2"]) == 0
+    assert tagged.pid in json.loads(capsys.readouterr().out.splitlines()[-1])["killed"]
+    (run_dir / "exit_code").write_text("1\n")  # what the keeper records of torchrun's end by SIGTERM
+    state = queries.status(str(run_dir))
+    assert (state["state"], state["exit_code"], state["stopped_by"]) == ("stopped", 1, "mnft stop")
+
+
+def test_stop_of_a_run_that_had_ended_by_itself_leaves_no_mark(tmp_path, procs, capsys):
+    from mnft.onhost import agent, queries
+
+    run_dir = ended_run_dir(tmp_path, "R1@h1", 999999, None)  # exit code recorded: it ended on its own
+    assert agent.main(["stop", str(run_dir), "0.5"]) == 0
+    assert not (run_dir / runfiles.STOPPED_BY).exists() and queries.status(str(run_dir))["state"] == "exited"
+    (run_dir / "exit_code").unlink()  # its keeper killed before it recorded one: nothing of it alive, no mark either
+    assert agent.main(["stop", str(run_dir), "0.5"]) == 0
+    assert not (run_dir / runfiles.STOPPED_BY).exists() and queries.status(str(run_dir))["state"] == "killed"

@@ -129,3 +129,46 @@ def test_a_long_last_line_keeps_its_end_cut_at_a_word_boundary_and_marked():
     assert len(cut) <= 60 and cut.endswith("'step': 120}")
     assert clip_end("short line", 60) == "short line"
     assert clip_end("x" * 100, 60) == "…" + "x" * 59  # no word to cut at: cut where it must, still marked
+
+
+def test_an_hf_scripts_closing_summary_is_not_read_as_one_more_step(tmp_path, monkeypatch):
+    """Issue 45: a run_clm-like script prints train()'s closing dict and then log_metrics' block (`train_loss = …`,
+    the run's mean loss); summary.json said final loss 4.7523 over 31 points where rank 0 printed 30 steps."""
+    from mnft.run import logs, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R6", state="succeeded", job={"entry": ["run_clm.py"]}, hosts={"a": {"node_rank": 0}},
+                                      inventory={"hosts": [{"slots": 1}]})
+    (record.path / "a" / "run").mkdir(parents=True)
+    steps = [f"[rank0]:{{'loss': '{5.0 - i * 0.0215:.4g}', 'learning_rate': '4e-05', 'epoch': '{(i + 1) / 81:.4g}'}}" for i in range(30)]
+    closing = ["[rank0]:{'train_runtime': '0.85', 'train_samples_per_second': '2053', 'train_steps_per_second': '35.29', 'train_loss': '4.752', 'epoch': '0.3704'}",
+               "[rank0]:***** train metrics *****", "[rank0]:  epoch                    =     0.3704",
+               "[rank0]:  train_loss               =     4.7523", "[rank0]:  train_runtime            = 0:00:00.85"]
+    (record.path / "a" / "run" / "output.log").write_text("\n".join(steps + closing) + "\n")
+    (record.path / "a" / "run" / "exit_code").write_text("0\n")
+    summary = logs.summarize(record)
+    assert (summary["logged_points"], summary["final_loss"]) == (30, 4.377)
+    assert summary["job_summary"]["train_loss"] == 4.752  # the run's mean stays the job's summary, not a step
+
+
+def test_a_detached_run_mnft_stop_ended_is_stopped_in_status_its_record_and_its_logs(tmp_path, monkeypatch, capsys):
+    """Issue 45: `mnft status` of a stopped detached run said `exited 1 … got signal: 15`. Its hosts marked it
+    (stopped_by, before the first signal): status, the record written back and the collected logs say stopped."""
+    from mnft.run import logs, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R7", state="running", job={"entry": ["train.py"]}, hosts={"a": {"node_rank": 0}, "b": {"node_rank": 1}},
+                                      inventory={"hosts": [{"slots": 1}, {"slots": 1}]})
+    states = {name: {"state": "stopped", "exit_code": 1, "stopped_by": "mnft stop", "processes": 0,
+                     "last_line": "stopped by `mnft stop` (its shutdown is in the host's output.log)"} for name in ("a", "b")}
+    assert print_status(record, states, as_json=False) == 0
+    out = capsys.readouterr().out
+    assert "stopped" in out and "exited" not in out and "got signal" not in out
+    control.write_back(record, states)
+    assert (records.load("R7").data["state"], records.load("R7").data["reason"]) == ("stopped", "stopped by `mnft stop`")
+    assert records.load("R7").data["hosts"]["a"]["state"] == "stopped"
+    for name in ("a", "b"):  # what `logs` collects of each host's run directory
+        (record.path / name / "run").mkdir(parents=True)
+        (record.path / name / "run" / "exit_code").write_text("1\n")
+        (record.path / name / "run" / "stopped_by").write_text("mnft stop\n")
+    assert logs.collected_states(record)["a"] == {"state": "stopped", "exit_code": 1, "ended": None, "stopped_by": "mnft stop"}

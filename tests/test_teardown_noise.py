@@ -5,6 +5,7 @@ host's log and its tail; the terminal gets one line that says so. Lines in, line
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,91 @@ def test_c10ds_hostname_warning_on_every_run_is_kept_in_the_log_and_off_the_term
     assert not noise.hides(0, "step 21 loss 0.2474") and not noise.hides(None, "[W1128 12:00:00.1 socket.cpp:9] [c10d] another warning")
     assert noise.note("output.log", 0) is None  # nothing to say for it
 
+
+
+# what torch 2.13's torchrun prints when it is sent SIGTERM (`mnft stop` from another shell): its agent's warnings,
+# then the SignalException's traceback (about 60 lines with the workers' own on a real run; a few frames kept here)
+SIGTERM_AT = "W1128 12:00:00.000000 4242 site-packages/torch/distributed/elastic/agent/server/api.py:719] "
+SHUTDOWN = [
+    SIGTERM_AT + "Received 15 death signal, shutting down workers",
+    "W1128 12:00:00.000000 4242 site-packages/torch/distributed/elastic/multiprocessing/api.py:908] Sending process 4243 closing signal SIGTERM",
+    "Traceback (most recent call last):",
+    '  File "/usr/lib/python3.11/runpy.py", line 198, in _run_module_as_main',
+    "    return _run_code(code, main_globals, None,",
+    '  File "/usr/lib/python3/dist-packages/torch/distributed/elastic/multiprocessing/api.py", line 84, in _terminate_process_handler',
+    '    raise SignalException(f"Process {os.getpid()} got signal: {sigval}", sigval=sigval)',
+    "torch.distributed.elastic.multiprocessing.api.SignalException: Process 4242 got signal: 15",
+]
+# the other host's rank, whose peer was stopped first: its collective fails on the closed connection
+PEER_GONE = ["[rank1]:Traceback (most recent call last):", '[rank1]:  File "train.py", line 30, in <module>',
+             "[rank1]:RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.1]:29500"]
+
+
+def test_a_run_mnft_stop_ends_from_another_shell_keeps_every_hosts_shutdown_off_the_terminal(tmp_path):
+    """Issue 45: `mnft stop` put torchrun's SignalException tracebacks (~60 lines) into the attached run's terminal.
+    The host's agent marks the run before the first signal and says so (`stopping`) before any line the signal made:
+    from then on every host's output stays in its log (a peer's ranks fail on the stopped host's: kept too)."""
+    said: list[tuple[str, int | None, str]] = []
+    with Fleet(TWO_HOSTS) as fleet:
+        gang = Gang(fleet, [launch("h1", 0, tmp_path), launch("h2", 1, tmp_path)], "R", LaunchOptions(grace=0.5), {},
+                    on_line=lambda host, rank, text: said.append((host, rank, text)))
+        for run in gang.runs.values():
+            run.state = "running"
+        gang._handle("h1", {"event": "line", "text": "[rank0]:step 20 loss 1.234"})
+        gang._handle("h1", {"event": "stopping", "by": "mnft stop"})
+        for text in SHUTDOWN:
+            gang._handle("h1", {"event": "line", "text": text})
+        for text in PEER_GONE:
+            gang._handle("h2", {"event": "line", "text": text})
+        gang._handle("h1", {"event": "exit", "code": 1})
+    terminal = "\n".join(text for _, _, text in said)
+    assert "Traceback" not in terminal and "SignalException" not in terminal and "Connection closed" not in terminal, terminal
+    assert [text for _, _, text in said] == ["step 20 loss 1.234", "stopped by `mnft stop`: each host's shutdown is kept in its log "
+                                             "(/root/.mnft/runs/R/h1/output.log on h1), not shown"]
+    assert [text for _, text in gang.runs["h1"].tail][-len(SHUTDOWN):] == SHUTDOWN  # kept: the host's log, its tail
+
+
+def test_the_hosts_agent_says_the_run_is_being_stopped_before_the_lines_its_signal_made(tmp_path, capsys):
+    import json
+
+    from mnft.onhost import follow, launcher, runfiles
+
+    (tmp_path / "output.log").write_text("[rank0]:step 20 loss 1.234\n")
+    out, said = follow._Tail(str(tmp_path / "output.log")), []
+    launcher.forward_lines(str(tmp_path), out, None, said)
+    assert runfiles.mark_stop(str(tmp_path))  # `mnft stop`: the mark, then the signal, then torchrun's shutdown
+    with open(tmp_path / "output.log", "a") as log:
+        log.write("".join(line + "\n" for line in SHUTDOWN))
+    launcher.forward_lines(str(tmp_path), out, None, said)
+    launcher.forward_lines(str(tmp_path), out, None, said)
+    events = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [e["event"] for e in events] == ["line", "stopping"] + ["line"] * len(SHUTDOWN)
+    assert events[1] == {"event": "stopping", "by": "mnft stop"}
+
+
+def test_the_collected_log_of_a_succeeded_run_says_what_torchruns_teardown_lines_are(tmp_path, monkeypatch):
+    """Issue 45: a succeeded 2-host run's collected log ended with h2's `Error waiting on exit barrier … DistNetworkError:
+    Failed to recv, got 0 bytes` traceback (the master's torchrun had passed the barrier and closed its store). `logs`
+    shows them as the run's terminal did, one line that says what they are, and summary.json says it for the host;
+    the lines stay in the collected output.log."""
+    from rich.console import Console
+
+    from mnft.run import logs, records
+
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path))
+    record = records.RunRecord.create("R8", state="succeeded", job={"entry": ["train.py"]}, hosts={"h1": {"node_rank": 0}, "h2": {"node_rank": 1}},
+                                      inventory={"hosts": [{"slots": 1}, {"slots": 1}]})
+    for name, rank, end in (("h1", 0, []), ("h2", 1, TEARDOWN)):
+        (record.path / name / "run").mkdir(parents=True)
+        (record.path / name / "run" / "output.log").write_text("".join(f"{line}\n" for line in [f"[rank{rank}]:{t}" for t in WORK] + end))
+        (record.path / name / "run" / "exit_code").write_text("0\n")
+    console = Console(width=400, record=True)
+    logs.merged_tail(record, 40, console)
+    text = console.export_text()
+    assert "Traceback" not in text and "DistNetworkError" not in text and "frame #" not in text, text
+    log = record.path / "h2" / "run" / "output.log"
+    note = f"torchrun's teardown after every rank here finished met the master's closed store: not a failure ({len(TEARDOWN)} line(s) kept in {log})"
+    assert f"h2| {note}" in text and "h2 r1| done" in text
+    summary = json.loads((record.path / "summary.json").read_text())
+    assert summary["hosts"]["h2"]["note"] == note and "note" not in summary["hosts"]["h1"]
+    assert log.read_text().endswith(TEARDOWN[-1] + "\n")  # kept whole in the collected log

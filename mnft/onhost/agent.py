@@ -7,7 +7,8 @@
     keep RUN_DIR           (internal) session leader of the run: runs the command, records its exit code
     stop RUN_DIR [GRACE]   kill that run's process group (recorded pgid, its leader verified: see below), then any
                            process still carrying the run id; print what was killed and what remains ("ended":
-                           true and nothing killed when nothing of the run is alive)
+                           true and nothing killed when nothing of the run is alive); a run still going is marked
+                           stopped_by first (its shutdown is then kept from the terminal, its end said `stopped`)
     status RUN_DIR         state, exit code, last metrics line
     tail RUN_DIR [N] [--follow]   the run's output (follow until stdin closes)
     pack RUN_DIR [PATH…] [--checkpoints=DIR]   the run directory and extra paths (files, directories, globs) as
@@ -35,7 +36,7 @@ import sys
 from .keeper import keep
 from .launcher import launch
 from .queries import CHECKPOINTS_OPTION, list_checkpoints, pack, status, tail
-from .runfiles import _once, _path
+from .runfiles import STOPPED_BY, _once, _path, mark_stop
 from .runprocs import terminate
 from .sessions import session, session_prepare, watch
 
@@ -56,9 +57,14 @@ def main(argv):
     if mode == "watch":
         return watch(_path(args[0]))
     if mode == "stop":
+        run_dir = _path(args[0])
         if len(args) > 2 and args[2] == "session":  # `mnft stop` of a session: its end is this, whichever signal lands first
-            _once(os.path.join(_path(args[0]), "reason"), "stopped by mnft stop")
-        print(json.dumps(terminate(_path(args[0]), float(args[1]) if len(args) > 1 else 10.0)))
+            _once(os.path.join(run_dir, "reason"), "stopped by mnft stop")
+        marked = mark_stop(run_dir)  # before any signal: what the run prints from now on is its shutdown
+        result = terminate(run_dir, float(args[1]) if len(args) > 1 else 10.0)
+        if marked and result.get("ended"):  # nothing of it was alive: it had ended by itself, not by this stop
+            os.unlink(os.path.join(run_dir, STOPPED_BY))
+        print(json.dumps(result))
         return 0
     if mode == "status":
         print(json.dumps(status(_path(args[0]))))

@@ -11,7 +11,7 @@ import time
 
 from .follow import _Tail
 from .procs import RUN_ID_VAR
-from .runfiles import LEASE_FDS_VAR, TAG_VAR, _own_argv, _own_payload, _path, _read, _write, done_ranks, emit
+from .runfiles import LEASE_FDS_VAR, TAG_VAR, _own_argv, _own_payload, _path, _read, _write, done_ranks, emit, stopped_by
 from .runleases import lease_fds
 from .runprocs import start_time, terminate
 from .samples import SAMPLE_EVERY, Sampler
@@ -70,6 +70,22 @@ def launch():
     return supervise(spec, run_dir, keeper, metrics)
 
 
+def forward_lines(run_dir, out, metrics, said):
+    """New output lines and metrics since the last call, as events. The mark of `mnft stop` (mnft.onhost.runfiles.
+    mark_stop) is looked for after the lines are read: it is written before the first signal, so a line the signal
+    made is never sent before the `stopping` event that says what it is. said: the mark once said (a list)."""
+    lines = out.lines()
+    if not said:
+        by = stopped_by(run_dir)
+        if by is not None:
+            said.append(by)
+            emit("stopping", by=by)
+    for line in lines:
+        emit("line", text=line)
+    for line in metrics.lines() if metrics is not None else ():
+        emit("mline", text=line)  # the controller parses it with the job's metrics format
+
+
 def supervise(spec, run_dir, keeper, metrics=None):
     out = _Tail(os.path.join(run_dir, "output.log"))
     sampler = Sampler(spec.get("tag"), spec.get("timings"))
@@ -82,12 +98,10 @@ def supervise(spec, run_dir, keeper, metrics=None):
     pending = b""
     reason = None
 
+    said = []  # `mnft stop` marked the run: said once
+
     def forward():
-        """New output lines and metrics since the last call, as events."""
-        for line in out.lines():
-            emit("line", text=line)
-        for line in metrics.lines() if metrics is not None else ():
-            emit("mline", text=line)  # the controller parses it with the job's metrics format
+        forward_lines(run_dir, out, metrics, said)
 
     try:
         while True:

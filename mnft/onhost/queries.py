@@ -11,7 +11,7 @@ import time
 
 from .containers import container_state
 from .follow import _Tail
-from .runfiles import PAYLOAD_NAME, _is_glob, _path, _read, done_ranks, emit
+from .runfiles import PAYLOAD_NAME, _is_glob, _path, _read, done_ranks, emit, stopped_by
 from .runprocs import run_pids
 from .samples import WINDOW, Sampler, _timing_record, rank_window
 
@@ -23,6 +23,9 @@ def status(run_dir):
     code = _read(os.path.join(run_dir, "exit_code"))
     alive = run_pids(spec.get("tag") or spec["run_id"])
     state = "exited" if code is not None else ("running" if alive else "killed")
+    by = stopped_by(run_dir)
+    if by is not None and state != "running":  # `mnft stop` ended it: its exit code is the signal's, not a failure
+        state = "stopped"
     result = {
         "state": state,
         "exit_code": int(code) if code is not None else None,
@@ -34,6 +37,7 @@ def status(run_dir):
         "output_lines": _last_lines(os.path.join(run_dir, "output.log"), STATUS_LINES),
         "done": done_ranks(run_dir),
         "reason": _read(os.path.join(run_dir, "reason")),  # why a session (or an idle-stopped run) was ended
+        "stopped_by": by,
     }
     if spec.get("container"):
         result["container"] = container_state(spec)

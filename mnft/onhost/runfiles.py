@@ -2,7 +2,9 @@
 library only.
 
 A run directory holds: spec.json (no secrets), pgid, pgid_start, output.log, exit_code, started, ended, agent.payload,
-entry.py (the launch wrapper, mnft.onhost.entry) and done/rank-<R> for each rank whose entry point returned. Secrets
+entry.py (the launch wrapper, mnft.onhost.entry), done/rank-<R> for each rank whose entry point returned, and
+stopped_by when `mnft stop` ended the run (written before its first signal: what the run prints after it is its
+shutdown, and its exit code is the signal's, not a failure). Secrets
 arrive in the spec's "secrets", are written to secrets.json (0600) for the keeper, which deletes it after reading.
 """
 
@@ -64,6 +66,22 @@ def _read(path, default=None):
     except (OSError, ValueError):
         return default
     return text.strip() if len(text) <= RUN_FILE_BYTES else default
+
+
+STOPPED_BY = "stopped_by"  # the run directory's mark that `mnft stop` is ending the run (see the module's doc)
+
+
+def mark_stop(run_dir, by="mnft stop"):
+    """Mark a run that has not ended (no exit code yet) as being stopped by `mnft stop`, before any signal; True when
+    this call marked it (its caller takes the mark back if nothing of the run was alive to stop)."""
+    if _read(os.path.join(run_dir, "exit_code")) is not None:
+        return False
+    return _once(os.path.join(run_dir, STOPPED_BY), by)
+
+
+def stopped_by(run_dir):
+    """Who is stopping (or stopped) the run: mark_stop's text, or None."""
+    return _read(os.path.join(run_dir, STOPPED_BY))
 
 
 def _is_glob(path):

@@ -45,23 +45,29 @@ def runs_lease(run_id: str, named) -> bool:
     return isinstance(named, str) and bool(named) and (run_id == named or run_id.startswith(named + "-a") or named.startswith(run_id + "-a"))
 
 
+ENDED = ("exited", "killed", "stopped")  # a host's states of a run that ended there (stopped: by `mnft stop`)
+
+
 def write_back(record: records.RunRecord, states: dict[str, dict]) -> None:
     """A detached run's end, as status/logs see it on the hosts, goes into its record: per host state and exit
     code, and the run's state once every host has ended (succeeded only if every host exited 0)."""
     changed = False
     for name, st in states.items():
-        if st.get("state") in ("exited", "killed") and name in record.data["hosts"]:
+        if st.get("state") in ENDED and name in record.data["hosts"]:
             info = record.data["hosts"][name]
             if (info.get("state"), info.get("exit_code")) != (st["state"], st.get("exit_code")):
                 info.update(state=st["state"], exit_code=st.get("exit_code"), ended=st.get("ended"))
                 changed = True
     every_host = set(states) >= set(record.data["hosts"])  # a host not heard from may still be running
-    ended = every_host and all(st.get("state") in ("exited", "killed") for st in states.values())
+    ended = every_host and all(st.get("state") in ENDED for st in states.values())
     if ended and record.data.get("state") in ("running", "starting"):
         ok = all(st.get("state") == "exited" and st.get("exit_code") == 0 for st in states.values())
         bad = next((n for n, st in states.items() if not (st.get("state") == "exited" and st.get("exit_code") == 0)), None)
         idle = next(((n, st["reason"]) for n, st in states.items() if st.get("reason")), None)  # its keeper ended it (idle GPUs)
-        if idle is not None:
+        stopped = next((st["stopped_by"] for st in states.values() if st.get("state") == "stopped"), None)
+        if stopped is not None:  # `mnft stop` ended it (its hosts marked it before any signal): on purpose, not failed
+            record.data.update(state="stopped", failed_host=None, reason=f"stopped by `{stopped}`")
+        elif idle is not None:
             record.data.update(state="idle-stopped", failed_host=idle[0], reason=f"{idle[0]}: {idle[1]}")
         elif ok:
             record.data.update(state="succeeded", failed_host=None, reason="every host finished")
@@ -143,6 +149,8 @@ def status(record: records.RunRecord, fleet: Fleet, lines: int = 0) -> dict[str,
             output = state.pop("output_lines", None) or []
             state["last_metric"] = metric
             state["last_line"] = split_rank(output[-1], 0)[1] if output else None
+            if state.get("state") == "stopped":  # its last lines are its shutdown (torchrun's SIGTERM traceback): in its log
+                state["last_line"] = f"stopped by `{state.get('stopped_by')}` (its shutdown is in the host's output.log)"
             if lines:
                 offset = rank_offset(record.data, result.host)
                 state["lines"] = [list(piece) for line in output for piece in split_ranks(line, offset)][-lines:]

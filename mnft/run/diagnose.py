@@ -66,7 +66,7 @@ class Evidence:
 
     cause: Cause  # mnft.run.recover's classification (drives the retry decision)
     rank: int | None = None  # the rank that failed first (torchrun's root cause), where known
-    trace: tuple[str, ...] = ()  # that rank's traceback
+    trace: tuple[str, ...] = ()  # that rank's traceback (without one: its last lines, to its error line)
     tail: tuple[str, ...] = ()  # the failed host's last output lines
     tails: dict[str, tuple[tuple[int | None, str], ...]] = field(default_factory=dict)  # every host's (rank, line)
     ranks: dict[str, tuple[int, ...]] = field(default_factory=dict)  # host -> its global ranks (static rendezvous)
@@ -171,7 +171,7 @@ def diagnose(e: Evidence) -> Diagnosis:
     if kind == "non-finite":
         return Diagnosis("non-finite", e.cause.detail, "lower the learning rate or clip gradients, look at the data around "
                          "that step, then resume from the last checkpoint before it (`mnft train --resume`)")
-    if kind == "signal" and "SIGABRT" in e.cause.detail and e.trace and not e.trace[-1].startswith(" "):
+    if kind == "signal" and "SIGABRT" in e.cause.detail and _traceback(e.trace) and not e.trace[-1].startswith(" "):
         # a Python exception first; the abort came while the interpreter exited (gloo's teardown), not the cause
         return Diagnosis("failed", f"{who} failed: {e.trace[-1].strip()} (and then aborted while exiting)", read_traceback(who, host))
     if kind == "signal":
@@ -184,7 +184,15 @@ def diagnose(e: Evidence) -> Diagnosis:
         return Diagnosis("resume-exit", e.cause.detail, "run `mnft train --resume` (or --max-restarts N to let mnft do it)")
     if not e.trace:  # no traceback was printed: nothing to read one from
         return Diagnosis("failed", e.cause.detail, f"read {host}'s last lines and its whole log (`mnft logs`): the job printed no traceback")
+    if not _traceback(e.trace):  # the rank's own last words, ending at its error line (mnft.run.gang.failure_excerpt)
+        return Diagnosis("failed", e.cause.detail, f"read {who}'s last lines in {host}'s output (all of it: `mnft logs`): "
+                         "the job said why it stopped, with no traceback")
     return Diagnosis("failed", e.cause.detail, read_traceback(who, host))
+
+
+def _traceback(trace: tuple[str, ...]) -> bool:
+    """Whether the failed rank's excerpt is a Python traceback (else its own last lines, ending at its error line)."""
+    return any("Traceback (most recent call last)" in line for line in trace)
 
 
 def read_traceback(who: str, host: str) -> str:

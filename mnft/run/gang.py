@@ -206,7 +206,10 @@ def failure_excerpt(tail: list[tuple[int | None, str]], limit: int = 40) -> tupl
     """The rank that failed first on a host and its traceback, from the host's last output lines.
 
     torchrun's own summary names the root cause ("rank: 1 (local_rank: 1)" under "Root Cause"); else the last
-    traceback on the host is taken. Returns (rank or None, the traceback's lines: at most `limit`, its end kept)."""
+    traceback on the host is taken. A root-cause rank that printed no traceback (argparse's `error: argument --lr:
+    invalid float value: 'abc'`, a `sys.exit("…")`) gives its own last lines instead, up to its last error line
+    (ERROR_LINE): the script's own words, never torchrun's summary. Returns (rank or None, the lines: at most
+    `limit`, their end kept)."""
     rank = None
     for i, (_, text) in enumerate(tail):
         if "Root Cause" in text:
@@ -218,12 +221,23 @@ def failure_excerpt(tail: list[tuple[int | None, str]], limit: int = 40) -> tupl
     starts = [i for i, (r, text) in enumerate(tail) if text.lstrip().startswith("Traceback (most recent call last)")
               and (rank is None or r == rank)]
     if not starts:
-        return rank, []
+        return rank, (_last_words([text for r, text in tail if r == rank], min(limit, 8)) if rank is not None else [])
     start = starts[-1]
     owner = tail[start][0]
     lines = [text for r, text in tail[start:] if r == owner]
     end = next((i + 1 for i, text in enumerate(lines) if i > 0 and text and not text.startswith((" ", "\t", "Traceback"))), len(lines))
     return (owner if rank is None else rank), lines[:end][-limit:]
+
+
+# a line a script prints for its own error: argparse's `prog: error: …`, an exception's name, a logger's ERROR/FATAL
+ERROR_LINE = re.compile(r"\berror\b|\w(Error|Exception)\b|\b(ERROR|FATAL|CRITICAL)\b|\bfailed\b", re.IGNORECASE)
+
+
+def _last_words(lines: list[str], limit: int) -> list[str]:
+    """A rank's last lines that say anything, ending at its last error line; none without one (a rank killed by a
+    signal says nothing of it: its last step line is no cause)."""
+    end = next((i for i in reversed(range(len(lines))) if ERROR_LINE.search(lines[i])), None)
+    return [text for text in lines[:end + 1] if text.strip()][-limit:] if end is not None else []
 
 
 def collateral(run: HostRun) -> bool:
@@ -263,6 +277,7 @@ class Gang:
         self.metrics_from_output = metrics_from_output  # rank 0's output lines carry the metrics (no metrics file)
         self._stop_heartbeat = threading.Event()
         self.first_step_at: float | None = None
+        self.stopped_by: str | None = None  # `mnft stop` is ending the run (a host's agent said so): its shutdown is not shown
         # host -> when its agent's stream last gave a line (set by its reader thread as the line arrives): a host
         # whose lines wait in the queue behind others' (a chatty master on a loaded controller) is not silent
         self.heard: dict[str, float] = {}
@@ -363,6 +378,13 @@ class Gang:
             run.tail.append((None, event["text"]))
             if not run.stopping and not run.noise.hides(None, event["text"]):
                 self.on_line(name, None, event["text"])
+        elif kind == "stopping":  # `mnft stop` from another shell marked the run before its signal: what follows is shutdown
+            if self.stopped_by is None:
+                self.stopped_by = str(event.get("by") or "mnft stop")
+                for other in self.runs.values():  # every host's: a peer's ranks fail on this host's gone ones
+                    other.stopping = True
+                self.on_line(name, None, f"stopped by `{self.stopped_by}`: each host's shutdown is kept in its log "
+                                         f"({run.launch.run_dir}/output.log on {name}), not shown")
         elif kind == "mline":
             self._metric(self.parse_metric(event.get("text", "")))
         elif kind == "sample":

@@ -20,7 +20,8 @@ Goodput: the steps' time minus checkpoint and lost time, over the run's wall tim
 
 When no attempt gave a single step record (mnft read no metric in the job's output or metrics file), nothing is
 split: whether the job was still starting or training is not known, and `unknown` says so (an attempt that never
-reached a step is launch time only when another attempt of the run did reach one).
+reached a step is launch time only when another attempt of the run did reach one). The same when the step records
+were read from the collected output but no supervisor saw them arrive (a detached run): `unknown` then says that.
 """
 
 from __future__ import annotations
@@ -56,6 +57,8 @@ class AttemptTime:
 
 
 UNKNOWN = "no step record was read from the job's output: where the time went is not known (set the job's metrics, docs/jobs.md)"
+UNTIMED = ("step records were read from the job's output, but not when each arrived: only an attached `mnft train` "
+           "sees them arrive (a detached run has none): where the time went is not known")
 
 
 @dataclass
@@ -103,8 +106,9 @@ def measure(created: float, ended: float, attempts: list[dict], step_times: dict
     if counts is not None:
         out.checkpoints, out.checkpoints_more = sum(counts), saved_more
     any_steps = any(step_times.get(entry.get("number", i + 1)) for i, entry in enumerate(attempts))
-    if not any_steps:
-        out.unknown = UNKNOWN
+    if not any_steps:  # no arrival times: the job printed no step record mnft read, or none was seen arriving
+        read = any(isinstance(told, dict) and told.get("logged_points") for told in (steps or {}).values())
+        out.unknown = UNTIMED if read else UNKNOWN
     for i, entry in enumerate(attempts):
         number = entry.get("number", i + 1)
         times = sorted(step_times.get(number) or [], key=lambda p: p[0])

@@ -27,11 +27,13 @@ from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
 from mnft.run import goodput, records, scrape, timeline
 from mnft.onhost import queries
+from mnft.onhost.runfiles import STOPPED_BY
 from mnft.run.checkpoints import saved, step_of
 from mnft.run.control import job_of, rank_offset, write_back
-from mnft.run.gang import _parse, agent_command, agent_payload, split_rank, split_ranks
+from mnft.run.gang import TeardownNoise, _parse, agent_command, agent_payload, split_rank, split_ranks
 
 STEP_TIMES = "step-times.jsonl"  # runs/<id>/step-times.jsonl: when each of rank 0's step records arrived, per attempt
+LIVE_METRICS = "live-metrics.jsonl"  # runs/<id>/live-metrics.jsonl: the same, written by an attached supervisor as they come
 METRIC_WIDTH = 2 * scrape.MAX_METRIC_LINE  # characters of a line read for metrics: one cut there is never parsed
 METRICS = "metrics.jsonl"  # runs/<id>/metrics.jsonl: rank 0's records, normalised (mnft.run.scrape)
 CHECKPOINT_NAMES = "checkpoints.json"  # runs/<id>/<host>/: the entries of the job's checkpoints directory, when
@@ -348,15 +350,35 @@ def plot_timings(timings: dict[tuple[str, int], list[dict]], out: Path, title: s
 
 
 def collected_states(record: records.RunRecord) -> dict[str, dict]:
-    """Per host state from the collected run directories (exit_code written by the keeper)."""
+    """Per host state from the collected run directories (exit_code written by the keeper; stopped: the host marked
+    the run as `mnft stop` ended it, mnft.onhost.runfiles.mark_stop)."""
     out = {}
     for name in record.data["hosts"]:
         run = record.path / name / "run"
         if not run.is_dir():
             continue
         code, ended = _value(run / "exit_code", "exit code", int), _value(run / "ended", "end time", float)
-        out[name] = {"state": "exited", "exit_code": code, "ended": ended} if code is not None else {"state": "unknown"}
+        by = limits.read_file(run / STOPPED_BY, limits.RUN_VALUE_BYTES, "stop mark", "RUN_VALUE_BYTES", missing=None)
+        if by is not None:
+            out[name] = {"state": "stopped", "exit_code": code, "ended": ended, "stopped_by": by.decode("utf-8", "replace").strip() or "mnft stop"}
+        else:
+            out[name] = {"state": "exited", "exit_code": code, "ended": ended} if code is not None else {"state": "unknown"}
     return out
+
+
+TEARDOWN_LINES = 200  # the end of a host's collected log read for torchrun's teardown records
+
+
+def teardown_note(record: records.RunRecord, host: str, exit_code: int | None) -> str | None:
+    """What the end of a host's collected log holds of torchrun's teardown (mnft.run.gang.TeardownNoise: the exit
+    barrier that met the master's closed store after every rank there had finished), in one line; None if nothing."""
+    log = record.path / host / "run" / "output.log"
+    if not log.is_file():
+        return None
+    noise, offset = TeardownNoise(), rank_offset(record.data, host) if record.data.get("inventory") else 0
+    for text in limits.last_lines(log, TEARDOWN_LINES):
+        noise.hides(*split_rank(text, offset))
+    return noise.note(str(log), exit_code)
 
 
 def _value(path: Path, what: str, kind: type) -> Any:
@@ -383,6 +405,9 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
     hosts = {name: {"node_rank": info.get("node_rank"), "state": states.get(name, {}).get("state", info.get("state")),
                     "exit_code": states.get(name, {}).get("exit_code", info.get("exit_code"))}
              for name, info in record.data["hosts"].items()}
+    for name, host in hosts.items():  # the lines torchrun's teardown left at the end of a host's log, said for what they are
+        if note := teardown_note(record, name, host.get("exit_code")):
+            host["note"] = note
     job = job_of(record.data)
     summary: dict[str, Any] = {"run_id": record.run_id, "job_id": record.data.get("job_id"), "job": job.label, "recipe": job.recipe,
                                "state": record.data.get("state"), "reason": record.data.get("reason"), "hosts": hosts,
@@ -426,9 +451,17 @@ def keep_step_times(record: records.RunRecord, attempt: int, times: list[tuple[f
 
 
 def read_step_times(record: records.RunRecord) -> dict[int, list[tuple[float, int | None]]]:
+    """When each of rank 0's step records reached the attached supervisor, per attempt: step-times.jsonl (kept
+    when an attempt ends), else, for an attempt still going, live-metrics.jsonl (written as each arrives)."""
+    out = _times(record.path / STEP_TIMES, "step times file")
+    for attempt, times in _times(record.path / LIVE_METRICS, "live metrics file").items():
+        out.setdefault(attempt, times)
+    return out
+
+
+def _times(path: Path, what: str) -> dict[int, list[tuple[float, int | None]]]:
     out: dict[int, list[tuple[float, int | None]]] = {}
-    path = record.path / STEP_TIMES
-    data = limits.read_file(path, limits.STATE_BYTES, "step times file", "STATE_BYTES", missing=b"")
+    data = limits.read_file(path, limits.STATE_BYTES, what, "STATE_BYTES", missing=b"")
     for line in data.decode("utf-8", "replace").splitlines():
         try:
             data = json.loads(line)
@@ -501,7 +534,8 @@ def print_summary(summary: dict, record: records.RunRecord, console: Console) ->
     if summary.get("final_loss") is not None:
         rate = f", {summary['tokens_per_s']:.0f} tokens/s" if isinstance(summary.get("tokens_per_s"), (int, float)) else ""
         over = summary.get("steps") or summary.get("last_step")
-        console.print(f"summary: loss {fmt_loss(summary.get('initial_loss'))} -> {fmt_loss(summary['final_loss'])}{rate}"
+        label = "so far (running)" if summary.get("state") in ("running", "starting") else "summary"
+        console.print(f"{label}: loss {fmt_loss(summary.get('initial_loss'))} -> {fmt_loss(summary['final_loss'])}{rate}"
                       + (f" over {over} steps" if over is not None else ""), highlight=False)
     elif summary.get("last_step") is not None:
         console.print(f"last step {summary['last_step']}: loss {fmt_loss(summary['last_loss'])}", highlight=False)
@@ -525,17 +559,23 @@ def print_summary(summary: dict, record: records.RunRecord, console: Console) ->
 def merged_tail(record: records.RunRecord, lines: int, console: Console, metrics: Metrics | None = None) -> None:
     """The last lines of every host's collected output, prefixed with host and rank, host after host (output.log
     carries no timestamps, so lines of different hosts cannot be put in time order), then the summary."""
+    states = collected_states(record)
     for name in record.data["hosts"]:
         log = record.path / name / "run" / "output.log"
         if not log.is_file():
             console.print(Text(f"{name}| (no output collected)", style="dim"))
             continue
         offset = rank_offset(record.data, name)
+        noise = TeardownNoise()  # torchrun's teardown and c10d's warning: one line, as the run's terminal had it
         for text in limits.last_lines(log, lines):  # its end only (a log may be gigabytes); a line cut at LINE_CHARS…
             rank, text = split_rank(text, offset)
+            if noise.hides(rank, text):
+                continue
             label = f"{name} r{rank}" if rank is not None else name
             console.print(Text.assemble((f"{label}| ", "dim"), text), highlight=False, soft_wrap=True)
-    write_back(record, collected_states(record))
+        if said := noise.note(str(log), states.get(name, {}).get("exit_code")):
+            console.print(Text.assemble((f"{name}| ", "dim"), (said, "yellow")), highlight=False, soft_wrap=True)
+    write_back(record, states)
     print_summary(summarize(record, metrics), record, console)
 
 

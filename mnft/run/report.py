@@ -15,7 +15,8 @@ LAST_LINE_WIDTH = 60  # the status table's last-line column: the line's end, cut
 
 
 def print_status(record, states: dict[str, dict], as_json: bool, live: dict | None = None) -> int:
-    """A row per host; returns the exit code: 0 healthy (running or exited 0 everywhere), 1 not, 4 unreachable.
+    """A row per host; returns the exit code: 0 healthy (running, exited 0, or stopped by `mnft stop` everywhere), 1
+    not, 4 unreachable.
     live: what the run's attached supervisor says (its attempt, when restarting: healthy while it recovers)."""
     ending = {key: record.data[key] for key in ("diagnosis", "warnings") if record.data.get(key)}
     code = code_of(record.data)
@@ -31,7 +32,7 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
             metric = st.get("last_metric") or {}
             since = st.get("ended") or st.get("started")
             state = st.get("state", "?")
-            style = {"running": "green", "exited": "green" if st.get("exit_code") == 0 else "red"}.get(state, "magenta")
+            style = {"running": "green", "stopped": "yellow", "exited": "green" if st.get("exit_code") == 0 else "red"}.get(state, "magenta")
             table.add_row(
                 plain(name),
                 str(record.data["hosts"][name]["node_rank"]),
@@ -70,7 +71,7 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
             console().print(Text.assemble(("warning: ", "bold yellow"), warning["cause"], "\n", ("fix:   ", "bold"), warning["fix"]))
     if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
         return ExitCode.UNREACHABLE
-    healthy = all(st.get("state") == "running" or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
+    healthy = all(st.get("state") in ("running", "stopped") or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
     recovering = bool(live) and live.get("state") in ("waiting", "starting", "running")
     return ExitCode.OK if healthy or recovering else ExitCode.FAILED
 

@@ -17,7 +17,9 @@ Formats (research/user_scripts.md):
              Loss 0.5`, a tqdm or Lightning bar's postfix `…| 45/100 [00:01<00:02, 30.1it/s, train_loss=0.123]`);
              the step is `step`/`iter`/`iteration`/`global_step`'s value, else a tqdm bar's count (Lightning's,
              counted from the epoch: epoch × total + count), else none; a loss named for evaluation (`val`,
-             `eval`, `test`, `best`) is not the training loss, nor a line that begins with such a word. The corpus it is tested on: tests/data/metric_lines.py
+             `eval`, `test`, `best`) is not the training loss, nor a line that begins with such a word; a script's
+             closing summary is no step either (HF's `  train_loss               =     4.7523` block after
+             train()). The corpus it is tested on: tests/data/metric-lines/corpus.py
   auto       jsonl, hf, torchtune, sana, plain: the first that matches a line
 """
 
@@ -52,6 +54,9 @@ PLAIN_QUALIFIED = re.compile(r"\b(train|training|val|valid|validation|eval|test|
 PLAIN_STEPS = ("step", "global_step", "globalstep", "iter", "iteration", "it")
 NOT_TRAINING = ("val", "valid", "validation", "eval", "test", "best")
 EVALUATION_LINE = re.compile(r"^\W*(?:test|val|valid|validation|validating|eval|evaluation|evaluating)\b", re.IGNORECASE)
+# HF's end-of-run metrics block (Trainer.log_metrics, printed by run_clm.py and its kin after train()):
+# `***** train metrics *****`, then `  train_loss               =     4.7523` a key a line: the run's totals, no step
+HF_METRICS_ROW = re.compile(r"(?:^|\s)\s(?:train|eval|test|predict)_\w+ +=  *\S+\s*$")
 TQDM_PERCENT = re.compile(r"\s*\d{1,3}%\|")
 TQDM_BAR = re.compile(r"\|\s*(\d{1,18})/(\d{1,18})\s*\[")
 LIGHTNING_EPOCH = re.compile(r"^\s*Epoch (\d+):")
@@ -179,6 +184,8 @@ def plain_line(text: str) -> dict[str, Any] | None:
     """`name value` pairs as scripts print them by hand, one of them a training loss (see the module's doc)."""
     text = PLAIN_QUALIFIED.sub(lambda m: f"{m.group(1)}_{m.group(2)}", ANSI.sub("", text))
     if EVALUATION_LINE.match(text):  # `Test set: Average loss: 0.0274, …`: an evaluation, not a training step
+        return None
+    if HF_METRICS_ROW.search(text):  # `  train_loss = 4.7523`: HF's closing metrics block, the run's mean loss
         return None
     pairs: dict[str, str] = {}
     for key, value, unit in PLAIN_PAIR.findall(TQDM_PERCENT.sub("|", text)):  # `train:  40%|███|`: the bar's share is no value

@@ -41,7 +41,7 @@ from mnft.run.gang import Gang, GangError, GangInterrupted, GangResult, failure_
 from mnft.run.guard import Guard
 from mnft.run.job import Job, parse_overrides, resumable
 from mnft.run.launch import HostLaunch, LaunchOptions
-from mnft.run.logs import keep_step_times
+from mnft.run.logs import LIVE_METRICS, keep_step_times
 from mnft.run.needs import job_needs
 from mnft.run.progress import Display
 from mnft.run.recover import Policy
@@ -704,7 +704,7 @@ class Live:
 
     EVERY = 5.0
     METRIC_EVERY = 1.0
-    METRICS = "live-metrics.jsonl"
+    METRICS = LIVE_METRICS
 
     def __init__(self, path: Path, max_restarts: int) -> None:
         self.file = path / "live.json"
