@@ -57,3 +57,15 @@ def test_a_host_reports_its_gpu_leases_held_now_counted_for_whom_the_kernel_says
     [line] = usageread.running(100.0)
     assert (line["login"], line["run_id"], line["devices"], line["start"], line["end"], line["idle_s"], line["running"]) == \
         ("alice", "R1", [0, 1], 10.0, 100.0, 2.0, True)
+
+
+def test_a_workdir_holding_other_code_is_a_note_naming_the_tree_not_a_warning_on_every_host():
+    """Runs no longer use the workdir (each places its own code): check from another directory says what the
+    workdir holds and that train does not read it, without a warning (issue 45)."""
+    from mnft.check.gather import code_problems
+
+    code = {"h1": {"hash": "a", "exists": True, "matches": False, "local_hash": "b", "source": "/home/me/other", "differing": ["x.py"]},
+            "h2": {"hash": "b", "exists": True, "matches": True, "local_hash": "b", "source": "/home/me/other", "differing": []}}
+    [problem] = code_problems(code)
+    assert (problem.host, problem.field, problem.severity) == ("h1", "code", "note")
+    assert problem.message.startswith("the workdir holds other code than /home/me/other (x.py); train runs the code it places for each run")
