@@ -69,3 +69,23 @@ def test_a_workdir_holding_other_code_is_a_note_naming_the_tree_not_a_warning_on
     [problem] = code_problems(code)
     assert (problem.host, problem.field, problem.severity) == ("h1", "code", "note")
     assert problem.message.startswith("the workdir holds other code than /home/me/other (x.py); train runs the code it places for each run")
+
+
+def test_lab_says_what_is_reserved_for_whom_beside_a_run_waiting_in_line():
+    """A waiting run's GPUs taken on one host while it waits for another, and the free GPUs of a host whose line is
+    not empty (a run that does not wait is refused them): both said, not shown as plain held and free (issue 45)."""
+    from mnft.hosts.inventory import parse
+    from mnft.hosts.lab import rows
+
+    inventory = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
+    waiter = {"command": "train", "run_id": "R9", "user": "alice", "login": "alice", "wait": True, "queued": 5.0, "taken": 6.0}
+    views = {"h1": {"now": 10.0, "devices": [{"index": 0, "state": "held", "holder": waiter, "run_started": False, "lockers": ["alice pid 5"]}],
+                    "line": []},
+             "h2": {"now": 10.0, "devices": [{"index": 0, "state": "free"}, {"index": 1, "state": "held", "holder": {"run_id": "R1", "login": "bob"}}],
+                    "line": [dict(waiter, want=2)]}}
+    table = {(r.host, r.device): r for r in rows(inventory, views)}
+    assert table["h1", "0"].state == "held" and table["h1", "0"].detail.startswith("reserved: its run waits in line for its other hosts")
+    assert table["h2", "0"].state == "free" and table["h2", "0"].detail == \
+        "reserved for the line: alice's train R9 waits for 2 GPU(s) (--wait to queue behind it)"
+    started = dict(views["h1"]["devices"][0], run_started=True)
+    assert rows(inventory, {"h1": dict(views["h1"], devices=[started]), "h2": views["h2"]})[0].detail is None
