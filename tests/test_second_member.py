@@ -89,3 +89,19 @@ def test_lab_says_what_is_reserved_for_whom_beside_a_run_waiting_in_line():
         "reserved for the line: alice's train R9 waits for 2 GPU(s) (--wait to queue behind it)"
     started = dict(views["h1"]["devices"][0], run_started=True)
     assert rows(inventory, {"h1": dict(views["h1"], devices=[started]), "h2": views["h2"]})[0].detail is None
+
+
+def test_waiting_in_line_is_its_own_figure_never_launch_time_nor_the_runs_wall():
+    """A run that waited 94 s in line for its GPUs, then took 10 s to its first step and trained 100 s: launch is
+    10 s, the wall 110 s, the queue said beside them (issue 45: `launch 107.4s … goodput 3%`, 94 s of it the queue)."""
+    from mnft.run import goodput
+    from mnft.run.report import time_table
+
+    attempts = [{"number": 1, "started": 1094.0, "ended": 1204.0, "state": "succeeded"}]
+    times = {1: [(1104.0 + s, s) for s in range(0, 101)]}
+    spent = goodput.measure(1000.0, 1204.0, attempts, times, waited=94.0)
+    data = spent.to_json()
+    assert (data["queue_s"], data["wall_s"], data["launch_s"], data["steps_s"]) == (94.0, 110.0, 10.0, 100.0)
+    assert data["goodput"] == round(100.0 / 110.0, 4)
+    assert "(after 94.0s waiting in line, counted in neither)" in str(time_table(data).title)
+    assert "queue_s" not in goodput.measure(1000.0, 1204.0, attempts, times).to_json()  # a run that did not wait
