@@ -105,3 +105,22 @@ def test_waiting_in_line_is_its_own_figure_never_launch_time_nor_the_runs_wall()
     assert data["goodput"] == round(100.0 / 110.0, 4)
     assert "(after 94.0s waiting in line, counted in neither)" in str(time_table(data).title)
     assert "queue_s" not in goodput.measure(1000.0, 1204.0, attempts, times).to_json()  # a run that did not wait
+
+
+def test_a_session_gets_the_environment_a_run_gets_first_on_path_for_a_command_and_after_a_login_shells_profile(tmp_path):
+    import os
+    import subprocess
+
+    from mnft.hosts.settings import Host
+    from mnft.run.session import LOGIN_SHELL, ShellOptions, spec_for
+
+    provisioned = Host(name="h1", rank=0, address="10.0.0.1", workdir="~/mnft", python="~/mnft-env/bin/python")
+    assert spec_for("S1", provisioned, (), [0], [], ShellOptions())["path_first"] == "~/mnft-env/bin"
+    assert "path_first" not in spec_for("S1", Host(name="h1", rank=0, address="a", python="python3"), (), [0], [], ShellOptions())
+    # the login shell's profile sets PATH anew (Debian's /etc/profile does): the environment goes first after it
+    profile = tmp_path / ".profile"
+    profile.write_text("PATH=/usr/bin:/bin; export PATH\n")
+    env = {"HOME": str(tmp_path), "SHELL": "/bin/sh", "ENV": "", "PATH": "/usr/bin:/bin", "MNFT_PATH_FIRST": "/opt/lab/env/bin"}
+    done = subprocess.run(list(LOGIN_SHELL), input="echo PATH=$PATH\n", env=env, capture_output=True, text=True, timeout=30)
+    said = [line for line in done.stdout.splitlines() if "PATH=" in line]
+    assert said and said[-1].split("PATH=", 1)[1].startswith("/opt/lab/env/bin:"), done.stdout + done.stderr

@@ -20,6 +20,7 @@ used as the working directory, the session's environment by name, the user's uid
 from __future__ import annotations
 
 import json
+import posixpath
 import shlex
 import threading
 import time
@@ -43,7 +44,11 @@ from mnft.run.launch import KEEPER_ENV, new_run_id
 from mnft.run.rerun import snapshot
 
 IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.onhost.watches.IdleWatch)
-LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
+# the host user's own shell, as a login shell; a POSIX one (sh, bash, zsh, ksh, dash) then puts the environment a run gets
+# first on PATH (MNFT_PATH_FIRST: the login profile sets PATH anew) and goes on as an interactive shell (its rc file read)
+LOGIN_SHELL = ("/bin/sh", "-c", 'case "${SHELL##*/}" in sh|bash|zsh|ksh|dash) exec "${SHELL}" -l -c '
+               '\'[ -n "$MNFT_PATH_FIRST" ] && PATH="$MNFT_PATH_FIRST:$PATH" && export PATH; exec "$SHELL" -i\';; '
+               '*) exec "${SHELL:-/bin/sh}" -l;; esac')
 # in an image the host's $SHELL may not exist: its bash where it has one, else its sh, as a login shell
 IMAGE_LOGIN_SHELL = ("/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -l; fi; exec sh -l")
 IMAGE_ENV = ("TERM",)  # the terminal's kind (ssh's pty request) goes in with the session's own variables: colours
@@ -89,6 +94,8 @@ def spec_for(session_id: str, host: Host, argv: tuple[str, ...], devices: list[i
     spec = {"run_id": session_id, "tag": f"{session_id}@{host.name}", "run_dir": run_dir, "cwd": host.workdir, "argv": program,
             "env": env, "leases": paths, "devices": devices, "time": options.time, "idle_stop": options.idle_stop,
             "deadman": leases.DEADMAN, "kind": "session"}
+    if container is None and "/" in host.python:  # the environment a run gets (a provisioned host's ~/mnft-env): first on PATH
+        spec["path_first"] = posixpath.dirname(host.python)
     if container is not None:
         spec["container"] = container
     return spec
