@@ -130,8 +130,13 @@ def test_a_shell_in_a_real_terminal_sees_its_gpu_ctrl_c_interrupts_a_remote_slee
         child.sendline("echo CVD=$CUDA_VISIBLE_DEVICES $(pwd) $(stty size)")
         child.expect(r"CVD=(\S*) (\S+) (\d+) (\d+)\r\n")
         assert child.match.group(1) == gpu
-        assert child.match.group(2) == "/tmp/home-alice/mnft"  # the inventory's workdir
+        assert child.match.group(2) == f"/tmp/home-alice/mnft/outputs/{session}"  # alice's code as of now, placed as train places a run's
         assert (child.match.group(3), child.match.group(4)) == ("30", "100")  # this terminal's window size
+        child.expect(r"[$#] ")
+        child.sendline("test -f pyproject.toml && echo code-is-here; echo PY=$(command -v python3)")
+        child.expect("code-is-here")
+        child.expect(r"PY=(\S+)\r\n")  # the environment a run gets, first on PATH after the login profile
+        assert os.path.dirname(child.match.group(1)) == os.path.dirname(lab.python), child.match.group(1)
         rows = held_rows(bob.lab())
         assert [(r["device"], r["user"], r["run"], r["command"]) for r in rows] == [(gpu, "alice", session, "shell")]
         child.expect(r"[$#] ")
