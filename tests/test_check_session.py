@@ -186,7 +186,8 @@ def test_a_hosts_code_entry_from_its_tree_hash(tmp_path):
     local = read_local(tmp_path, ())
     ok = ran_result("h1", {"exit_code": 0, "stdout": "{}"}, None)
     same = mirror.RemoteTree("/w", "/root", True, local.digest, dict(local.files))
-    assert mirror.code_of(local, ok, same) == {"hash": local.digest, "exists": True, "matches": True, "local_hash": local.digest, "differing": []}
+    assert mirror.code_of(local, ok, same) == {"hash": local.digest, "exists": True, "matches": True, "local_hash": local.digest, "differing": [],
+                                               "source": str(local.root)}
     other = mirror.RemoteTree("/w", "/root", True, "f" * 64, {"a.py": (2, "0" * 64)})
     entry = mirror.code_of(local, ok, other)
     assert entry["matches"] is False and entry["differing"]

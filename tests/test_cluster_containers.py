@@ -241,7 +241,7 @@ def test_a_shell_session_in_an_image_runs_inside_it_in_the_workdir_and_its_exit_
         child.expect(r"session (\S+) on h1: GPU none \(CUDA_VISIBLE_DEVICES=\) in localhost/mnft-tiny:a \(podman\)")
         session = child.match.group(1)
         child.expect(r"inside tag=(\S*) cwd=(\S+) cvd=(\S+) session=(\S*)\r\n")
-        assert child.match.groups() == ("a", f"{boxes.home_mountpoint.rstrip('/')}/mnft", "unset", session)
+        assert child.match.groups() == ("a", f"{boxes.home_mountpoint.rstrip('/')}/mnft/outputs/{session}", "unset", session)  # the code, placed
         child.expect("in-a-container")
         child.expect(pexpect.EOF)
     finally:

@@ -55,6 +55,9 @@ class Person:
         self.dir = tmp_path / f"ctl-{user}"
         self.dir.mkdir(exist_ok=True)
         self.inventory = str(cluster.write_inventory(self.dir / "lab.yaml", user=user, workdir=f"/tmp/home-{user}/mnft"))
+        self.src = self.dir / "project"  # the user's project: a session opens in it, placed as train places a run's code
+        self.src.mkdir(exist_ok=True)
+        (self.src / "hold.py").write_text(HOLD)
 
     def env(self) -> dict:
         home = self.dir / "home"
@@ -130,8 +133,13 @@ def test_a_shell_in_a_real_terminal_sees_its_gpu_ctrl_c_interrupts_a_remote_slee
         child.sendline("echo CVD=$CUDA_VISIBLE_DEVICES $(pwd) $(stty size)")
         child.expect(r"CVD=(\S*) (\S+) (\d+) (\d+)\r\n")
         assert child.match.group(1) == gpu
-        assert child.match.group(2) == "/tmp/home-alice/mnft"  # the inventory's workdir
+        assert child.match.group(2) == f"/tmp/home-alice/mnft/outputs/{session}"  # alice's code as of now, placed as train places a run's
         assert (child.match.group(3), child.match.group(4)) == ("30", "100")  # this terminal's window size
+        child.expect(r"[$#] ")
+        child.sendline("test -f pyproject.toml && echo code-is-here; echo PY=$(command -v python3)")
+        child.expect("code-is-here")
+        child.expect(r"PY=(\S+)\r\n")  # the environment a run gets, first on PATH after the login profile
+        assert os.path.dirname(child.match.group(1)) == os.path.dirname(lab.python), child.match.group(1)
         rows = held_rows(bob.lab())
         assert [(r["device"], r["user"], r["run"], r["command"]) for r in rows] == [(gpu, "alice", session, "shell")]
         child.expect(r"[$#] ")
@@ -156,7 +164,7 @@ def test_a_shell_in_a_real_terminal_sees_its_gpu_ctrl_c_interrupts_a_remote_slee
 
 def test_a_sessions_command_sees_its_gpu_and_killing_the_controller_frees_it_within_the_dead_man_and_leaves_nothing(lab, tmp_path):
     alice, bob = Person(lab, tmp_path, "alice"), Person(lab, tmp_path, "bob")
-    proc = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--", "python3", "hold.py")
+    proc = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--src", str(alice.src), "--", "python3", "hold.py")
     try:
         session, gpu = session_id(proc)
         users = until(lambda: lab.gpu_users(lab.hosts[0]).get(int(gpu)))
@@ -174,7 +182,7 @@ def test_a_sessions_command_sees_its_gpu_and_killing_the_controller_frees_it_wit
 
 def test_a_process_of_another_user_on_a_sessions_gpu_is_named_by_mnft_lab_and_said_once_in_the_sessions_output(lab, tmp_path):
     alice, bob = Person(lab, tmp_path, "alice"), Person(lab, tmp_path, "bob")
-    proc = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--", "python3", "hold.py")
+    proc = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--src", str(alice.src), "--", "python3", "hold.py")
     by_hand = None
     try:
         session, gpu = session_id(proc)
@@ -228,7 +236,7 @@ def test_idle_stop_ends_a_session_whose_gpu_computes_nothing_with_the_reason_and
     for index in (0, 1):
         fakegpu.set_utilization(state, index, 0)
     try:
-        idle = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--idle-stop", "8s", "--", "python3", "hold.py")
+        idle = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--idle-stop", "8s", "--src", str(alice.src), "--", "python3", "hold.py")
         session, gpu = session_id(idle)
         shown = until(lambda: [r for r in held_rows(bob.lab()) if (r.get("detail") or "").startswith("idle ")], timeout=60)
         assert [(r["device"], r["run"]) for r in shown] == [(gpu, session)]
@@ -240,7 +248,7 @@ def test_idle_stop_ends_a_session_whose_gpu_computes_nothing_with_the_reason_and
 
         for index in (0, 1):
             fakegpu.set_utilization(state, index, 80)
-        busy = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--idle-stop", "8s", "--time", "20s", "--", "python3", "hold.py")
+        busy = alice.start("shell", "--hosts", alice.inventory, "--gpus", "1", "--idle-stop", "8s", "--time", "20s", "--src", str(alice.src), "--", "python3", "hold.py")
         other, _ = session_id(busy)
         busy.communicate(timeout=90)
         assert alice.record(other)["state"] == "timed-out"  # 20 s at 80%: never idle, ended by its time limit only

@@ -57,3 +57,70 @@ def test_a_host_reports_its_gpu_leases_held_now_counted_for_whom_the_kernel_says
     [line] = usageread.running(100.0)
     assert (line["login"], line["run_id"], line["devices"], line["start"], line["end"], line["idle_s"], line["running"]) == \
         ("alice", "R1", [0, 1], 10.0, 100.0, 2.0, True)
+
+
+def test_a_workdir_holding_other_code_is_a_note_naming_the_tree_not_a_warning_on_every_host():
+    """Runs no longer use the workdir (each places its own code): check from another directory says what the
+    workdir holds and that train does not read it, without a warning (issue 45)."""
+    from mnft.check.gather import code_problems
+
+    code = {"h1": {"hash": "a", "exists": True, "matches": False, "local_hash": "b", "source": "/home/me/other", "differing": ["x.py"]},
+            "h2": {"hash": "b", "exists": True, "matches": True, "local_hash": "b", "source": "/home/me/other", "differing": []}}
+    [problem] = code_problems(code)
+    assert (problem.host, problem.field, problem.severity) == ("h1", "code", "note")
+    assert problem.message.startswith("the workdir holds other code than /home/me/other (x.py); train runs the code it places for each run")
+
+
+def test_lab_says_what_is_reserved_for_whom_beside_a_run_waiting_in_line():
+    """A waiting run's GPUs taken on one host while it waits for another, and the free GPUs of a host whose line is
+    not empty (a run that does not wait is refused them): both said, not shown as plain held and free (issue 45)."""
+    from mnft.hosts.inventory import parse
+    from mnft.hosts.lab import rows
+
+    inventory = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n")
+    waiter = {"command": "train", "run_id": "R9", "user": "alice", "login": "alice", "wait": True, "queued": 5.0, "taken": 6.0}
+    views = {"h1": {"now": 10.0, "devices": [{"index": 0, "state": "held", "holder": waiter, "run_started": False, "lockers": ["alice pid 5"]}],
+                    "line": []},
+             "h2": {"now": 10.0, "devices": [{"index": 0, "state": "free"}, {"index": 1, "state": "held", "holder": {"run_id": "R1", "login": "bob"}}],
+                    "line": [dict(waiter, want=2)]}}
+    table = {(r.host, r.device): r for r in rows(inventory, views)}
+    assert table["h1", "0"].state == "held" and table["h1", "0"].detail.startswith("reserved: its run waits in line for its other hosts")
+    assert table["h2", "0"].state == "free" and table["h2", "0"].detail == \
+        "reserved for the line: alice's train R9 waits for 2 GPU(s) (--wait to queue behind it)"
+    started = dict(views["h1"]["devices"][0], run_started=True)
+    assert rows(inventory, {"h1": dict(views["h1"], devices=[started]), "h2": views["h2"]})[0].detail is None
+
+
+def test_waiting_in_line_is_its_own_figure_never_launch_time_nor_the_runs_wall():
+    """A run that waited 94 s in line for its GPUs, then took 10 s to its first step and trained 100 s: launch is
+    10 s, the wall 110 s, the queue said beside them (issue 45: `launch 107.4s … goodput 3%`, 94 s of it the queue)."""
+    from mnft.run import goodput
+    from mnft.run.report import time_table
+
+    attempts = [{"number": 1, "started": 1094.0, "ended": 1204.0, "state": "succeeded"}]
+    times = {1: [(1104.0 + s, s) for s in range(0, 101)]}
+    spent = goodput.measure(1000.0, 1204.0, attempts, times, waited=94.0)
+    data = spent.to_json()
+    assert (data["queue_s"], data["wall_s"], data["launch_s"], data["steps_s"]) == (94.0, 110.0, 10.0, 100.0)
+    assert data["goodput"] == round(100.0 / 110.0, 4)
+    assert "(after 94.0s waiting in line, counted in neither)" in str(time_table(data).title)
+    assert "queue_s" not in goodput.measure(1000.0, 1204.0, attempts, times).to_json()  # a run that did not wait
+
+
+def test_a_session_gets_the_environment_a_run_gets_first_on_path_for_a_command_and_after_a_login_shells_profile(tmp_path):
+    import os
+    import subprocess
+
+    from mnft.hosts.settings import Host
+    from mnft.run.session import LOGIN_SHELL, ShellOptions, spec_for
+
+    provisioned = Host(name="h1", rank=0, address="10.0.0.1", workdir="~/mnft", python="~/mnft-env/bin/python")
+    assert spec_for("S1", provisioned, (), [0], [], ShellOptions())["path_first"] == "~/mnft-env/bin"
+    assert "path_first" not in spec_for("S1", Host(name="h1", rank=0, address="a", python="python3"), (), [0], [], ShellOptions())
+    # the login shell's profile sets PATH anew (Debian's /etc/profile does): the environment goes first after it
+    profile = tmp_path / ".profile"
+    profile.write_text("PATH=/usr/bin:/bin; export PATH\n")
+    env = {"HOME": str(tmp_path), "SHELL": "/bin/sh", "ENV": "", "PATH": "/usr/bin:/bin", "MNFT_PATH_FIRST": "/opt/lab/env/bin"}
+    done = subprocess.run(list(LOGIN_SHELL), input="echo PATH=$PATH\n", env=env, capture_output=True, text=True, timeout=30)
+    said = [line for line in done.stdout.splitlines() if "PATH=" in line]
+    assert said and said[-1].split("PATH=", 1)[1].startswith("/opt/lab/env/bin:"), done.stdout + done.stderr

@@ -10,7 +10,7 @@ from mnft.core import durations
 from mnft.core.errors import InputError
 from mnft.hosts.settings import Host
 from mnft.onhost import rootfiles, watches
-from mnft.run.session import ShellOptions, outcome, spec_for
+from mnft.run.session import LOGIN_SHELL, ShellOptions, outcome, spec_for
 
 
 def gpus(*rows):
@@ -52,7 +52,7 @@ def test_a_session_runs_the_login_shell_in_the_workdir_on_its_gpus_and_its_end_i
     spec = spec_for("S1", host, (), [3], ["/run/lock/mnft-dev-gpu3.json"], ShellOptions(time=60, idle_stop=30))
     assert spec["cwd"] == "/home/a/mnft" and spec["run_dir"] == "/home/a/mnft/runs/S1/h1" and spec["tag"] == "S1@h1"
     assert spec["env"]["CUDA_VISIBLE_DEVICES"] == "3" and spec["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
-    assert spec["argv"][-1].endswith("-l") and (spec["time"], spec["idle_stop"], spec["devices"]) == (60, 30, [3])
+    assert spec["argv"] == list(LOGIN_SHELL) and (spec["time"], spec["idle_stop"], spec["devices"]) == (60, 30, [3])
     assert spec_for("S1", host, ("jupyter", "lab"), [], [], ShellOptions())["argv"] == ["jupyter", "lab"]
     assert [outcome(0, r) for r in (None, "stopped", "its time limit (--time 3s) was reached", "its GPUs were idle for 8s (--idle-stop 8s: …)",
                                    "no heartbeat from the controller for 25s")] == ["ended", "stopped", "timed-out", "idle-stopped", "lost"]

@@ -298,7 +298,8 @@ def time_spent(path: Path, data: dict, now: float) -> dict | None:
             if isinstance(r.get("t"), (int, float)) and isinstance(r.get("attempt"), int):
                 times.setdefault(r["attempt"], []).append((float(r["t"]), r["step"] if isinstance(r.get("step"), int) else None))
         try:
-            spent = goodput.measure(data["created"], data.get("ended") or now, data["attempts"], times).to_json()
+            waited = data.get("waited_s") if isinstance(data.get("waited_s"), (int, float)) else 0.0
+            spent = goodput.measure(data["created"], data.get("ended") or now, data["attempts"], times, waited=waited).to_json()
         except (TypeError, ValueError, KeyError):
             spent = None
     if not spent:

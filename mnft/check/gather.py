@@ -278,6 +278,19 @@ class _LocalTree:
         return self.tree
 
 
+def code_problems(code_of: dict[str, dict]) -> list[Problem]:
+    """Pure: each host whose workdir holds other code than the local tree, as a note: train places its own code for
+    each run (a snapshot, a job directory), so only what reads the workdir itself sees the difference."""
+    out = []
+    for name, code in code_of.items():
+        if code.get("matches") is False:
+            shown = ", ".join(code.get("differing") or [])
+            out.append(Problem(name, "code", f"the workdir holds other code than {code.get('source') or 'the local tree'} ({shown}); train runs "
+                               "the code it places for each run, so this matters only to tools that read the workdir itself",
+                               command("sync") + " updates it", "note"))
+    return out
+
+
 def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str | None, sightings: dict, unmarked: dict[str, str],
             sessions: dict[str, Session] | None = None) -> CheckReport:
     """The rest of a check once every host's facts (and code hash) are in: the code's problems, who shares a
@@ -286,10 +299,7 @@ def _judged(fleet: Fleet, options: CheckOptions, report: CheckReport, nonce: str
     inventory, facts = report.inventory, report.facts
     probed = [h for h in inventory.hosts if h.name in facts]
     report.problems.extend(probe_failed(inventory, o) for o in report.outcomes.values() if o.status is Status.FAILED and o.host not in facts)
-    for name, code in report.code.items():
-        if code.get("matches") is False:
-            shown = ", ".join(code.get("differing") or [])
-            report.problems.append(Problem(name, "code", f"the code in the workdir differs from the local tree ({shown})", command("sync"), "warning"))
+    report.problems.extend(code_problems(report.code))
     if nonce:
         from mnft.sync.mirror import detect_sharing, sharing_of
 

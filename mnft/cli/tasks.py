@@ -678,12 +678,16 @@ def wait(c, run=None, hosts=None, notify=None):
         "notify": NOTIFY_HELP.replace("the run", "the session"),
         "image": "open the session inside this container image (podman/docker/apptainer, as train runs a job in one): "
                  "its GPUs, the workdir mounted, as you; the container is removed when the session ends",
+        "src": "the code the session opens in, placed as train places a run's (default: the repository around this directory)",
+        "no_code": "place no code: open in the inventory's workdir as it is",
     },
 )
 @_mnft_errors
-def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None, notify=None, image=None):
+def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None, forward=None, notify=None, image=None, src=None,
+          no_code=False):
     """An interactive session on leased GPUs: a terminal on one host (a login shell, or the command after `--`, e.g.
-    `-- jupyter lab --no-browser`) in the workdir, with CUDA_VISIBLE_DEVICES set to the GPUs it holds. The GPUs are
+    `-- jupyter lab --no-browser`) in your code as of now (placed as train places a run's: outputs/<session> in the
+    workdir), with the environment a run gets first on PATH and CUDA_VISIBLE_DEVICES set to the GPUs it holds. The GPUs are
     its for exactly as long as the session lasts: exit, a closed terminal, a lost controller, --time, --idle-stop or
     `mnft stop SESSION` end every process of it and free them."""
     from mnft.core import durations
@@ -693,7 +697,8 @@ def shell(c, hosts=None, host=None, gpus=1, wait=None, time=None, idle_stop=None
     options = ShellOptions(gpus=_whole("--gpus", gpus), host=host, wait=_wait(wait),
                            time=durations.parse(time, "--time") if time is not None else None,
                            idle_stop=durations.parse(idle_stop, "--idle-stop") if idle_stop is not None else None,
-                           forward=_whole("--forward", forward), argv=tuple(remainder()), notify=_notify(c, notify), image=image)
+                           forward=_whole("--forward", forward), argv=tuple(remainder()), notify=_notify(c, notify), image=image,
+                           src=src, code=not no_code)
     return open_shell(_inventory(hosts), options, _console())
 
 

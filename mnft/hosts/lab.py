@@ -117,7 +117,9 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 detail = f"the lease file names {claimed}" if proven and claimed and claimed not in proven else None
                 idle = idle_for(holder, view.get("now"))
                 also = also_used(d)
-                detail = "; ".join(w for w in (detail, also) if w) or None
+                reserved = ("reserved: its run waits in line for its other hosts (it has not started here)"
+                            if holder.get("wait") and d.get("run_started") is False else None)
+                detail = "; ".join(w for w in (reserved, detail, also) if w) or None
                 out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), held_command(holder),
                                _number(holder.get("taken") or holder.get("started")), memory, util, with_idle(detail, idle),
                                leases.shown(holder.get("image"), 80), health, drain, idle, also))
@@ -128,13 +130,26 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 out.append(Row(host.name, key, "outside", ", ".join(users), None, None, None, memory, util, f"in use outside mnft: {pids}",
                                health=health, drain=drain))
             else:
-                out.append(Row(host.name, key, "free", memory=memory, utilization=util, health=health))
+                out.append(Row(host.name, key, "free", memory=memory, utilization=util, health=health, detail=reserved_for(view.get("line"))))
         for place, waiting in enumerate(view.get("line") or [], 1):
             want = waiting.get("want")
             out.append(Row(host.name, f"#{place}", "waiting", leases.holder_login(waiting) or leases.shown(waiting.get("user")),
                            leases.shown(waiting.get("run_id")), leases.shown(waiting.get("command"), 20), _number(waiting.get("queued")),
                            detail=f"wants {'every device' if want is None else f'{want} GPU(s)'}"))
     return out
+
+
+def reserved_for(line: list[dict] | None) -> str | None:
+    """What a free device of a host with runs waiting in line is kept for: the line goes first come, first served,
+    so a run that does not wait is refused it ("reserved for the line: alice's run R waits for 4 GPU(s)")."""
+    first = next((w for w in line or [] if isinstance(w, dict)), None)
+    if first is None:
+        return None
+    want = first.get("want")
+    who = leases.holder_login(first) or leases.shown(first.get("user")) or "?"
+    run = leases.shown(first.get("run_id"))
+    return (f"reserved for the line: {who}'s {leases.shown(first.get('command'), 20) or 'run'}{' ' + run if run else ''} waits for "
+            f"{'every device' if want is None else f'{want} GPU(s)'} (--wait to queue behind it)")
 
 
 def also_used(device: dict) -> str | None:

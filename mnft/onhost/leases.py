@@ -300,6 +300,9 @@ def lab():
             for device in out["devices"]:
                 if device.get("state") == "held" and device.get("processes"):
                     device["collisions"] = collisions(device)
+                holder = device.get("holder") if device.get("state") == "held" else None
+                if isinstance(holder, dict) and holder.get("wait"):  # taken by a run that waited in line: started here yet?
+                    device["run_started"] = bool(run_processes(_text(holder, "run_id")))
     finally:
         os.close(mutex)
     return out

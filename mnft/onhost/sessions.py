@@ -68,6 +68,9 @@ def _reap_tagged(tag, grace=SESSION_REAP):
     _after_kill(tag)
 
 
+PATH_FIRST_VAR = "MNFT_PATH_FIRST"  # the directory a session's login shell puts first on PATH once its profile has run
+
+
 def session(run_dir):
     """The keeper of an interactive session (see above); its exit status is the program's."""
     spec = json.loads(_read(os.path.join(run_dir, "spec.json")))
@@ -78,6 +81,11 @@ def session(run_dir):
         os.execve(sys.executable, _own_argv(os.path.join(run_dir, PAYLOAD_NAME), "session", run_dir), env)
     env = dict(os.environ)
     env.update({k: _expand(v) for k, v in (spec.get("env") or {}).items()})
+    first = spec.get("path_first")
+    if first:  # the environment a run gets, first on PATH: for a command at once, for a login shell after its profile
+        first = _expand(first)
+        env["PATH"] = first + os.pathsep + env.get("PATH", "")
+        env[PATH_FIRST_VAR] = first
     held = lease_fds(run_id, spec.get("leases"))
     reason = []
 

@@ -68,6 +68,7 @@ class Goodput:
     unknown: str | None = None  # why the time is not split
     checkpoints: int | None = None  # the checkpoints the run saved, over its attempts (None: not listed)
     checkpoints_more: bool = False  # the directory held more entries than were listed: at least that many
+    queue_s: float = 0.0  # waiting in line for its devices (--wait) before it held any: not the run's wall time
 
     @property
     def kept_s(self) -> float:
@@ -84,6 +85,7 @@ class Goodput:
     def to_json(self) -> dict:
         totals = {k: _round(self.total(k)) for k in ("launch_s", "steps_s", "checkpoint_s", "lost_s", "detection_s", "finish_s", "restart_s")}
         return {"wall_s": _round(self.wall_s), "kept_s": _round(self.kept_s), "goodput": None if self.ratio is None else round(self.ratio, 4),
+                **({"queue_s": _round(self.queue_s)} if self.queue_s else {}),
                 **({"unknown": self.unknown} if self.unknown else {}),
                 **({"checkpoints": self.checkpoints, "checkpoints_more": self.checkpoints_more} if self.checkpoints is not None else {}),
                 "steps_lost": sum(a.steps_lost or 0 for a in self.attempts), **totals, "attempts": [a.to_json() for a in self.attempts]}
@@ -95,13 +97,16 @@ def _round(value: float | None) -> float | None:
 
 def measure(created: float, ended: float, attempts: list[dict], step_times: dict[int, list[tuple[float, int | None]]],
             steps: dict[int, dict] | None = None, checkpoint_steps: set[int] | frozenset[int] = frozenset(),
-            saved_at: list[float] | None = None, saved_more: bool = False) -> Goodput:
+            saved_at: list[float] | None = None, saved_more: bool = False, waited: float = 0.0) -> Goodput:
     """attempts: run.json's attempt entries (started, ended, detected, state); step_times: per attempt, the wall time
     each step record arrived and its step (None: unknown); steps: per attempt, what the timeline says of its steps
     (kept_to, steps_lost); checkpoint_steps: the steps the job saved a checkpoint at; saved_at: when each
     checkpoint in the job's checkpoints directory was saved (None: not listed), counted for the attempt that ran
-    then (one saved before the run, by an earlier run of the job, is not this run's); saved_more: more were there."""
-    out = Goodput(max(0.0, ended - created))
+    then (one saved before the run, by an earlier run of the job, is not this run's); saved_more: more were there;
+    waited: seconds it waited in line (--wait) before it had its devices: its own figure, neither wall nor launch."""
+    waited = max(0.0, min(waited or 0.0, ended - created))
+    created += waited
+    out = Goodput(max(0.0, ended - created), queue_s=waited)
     counts = _saved_per_attempt(created, ended, attempts, saved_at) if saved_at is not None else None
     if counts is not None:
         out.checkpoints, out.checkpoints_more = sum(counts), saved_more

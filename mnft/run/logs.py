@@ -435,7 +435,8 @@ def summarize(record: records.RunRecord, metrics: Metrics | None = None) -> dict
         ended = record.data.get("ended") or max((a.get("ended") or 0 for a in record.data["attempts"]), default=0) or time.time()
         summary["time"] = record.data["time"] = goodput.measure(
             record.data["created"], ended, record.data["attempts"], read_step_times(record),
-            {a["number"]: a for a in metrics.attempts}, *checkpoints_saved(record)).to_json()
+            {a["number"]: a for a in metrics.attempts}, *checkpoints_saved(record),
+            waited=record.data["waited_s"] if isinstance(record.data.get("waited_s"), (int, float)) else 0.0).to_json()
         record.save()
     if final:  # the job's own summary (mnft's recipes, HF Trainer's train_runtime line) wins where it says more
         summary.update({k: final.get(k) for k in ("initial_loss", "final_loss", "tokens_per_s", "steps", "wall_s") if final.get(k) is not None})

@@ -130,7 +130,9 @@ TIME_COLUMNS = (("launch", "launch_s"), ("steps", "steps_s"), ("checkpoints", "c
 def time_table(time_data: dict) -> Table:
     """Where the run's wall time went (mnft.run.goodput), a row per attempt and the total, with the goodput."""
     ratio = time_data.get("goodput")
-    title = f"where the time went: {time_data.get('wall_s', 0):.1f}s wall" + (f", goodput {ratio:.0%}" if ratio is not None else "")
+    queue = time_data.get("queue_s")
+    title = (f"where the time went: {time_data.get('wall_s', 0):.1f}s wall" + (f", goodput {ratio:.0%}" if ratio is not None else "")
+             + (f" (after {queue:.1f}s waiting in line, counted in neither)" if isinstance(queue, (int, float)) and queue else ""))
     unknown = time_data.get("unknown")
     table = Table(title=plain(title), caption=plain(str(unknown)) if unknown else None)
     table.add_column("attempt")

@@ -20,10 +20,12 @@ used as the working directory, the session's environment by name, the user's uid
 from __future__ import annotations
 
 import json
+import posixpath
 import shlex
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from rich.console import Console
 
@@ -43,7 +45,11 @@ from mnft.run.launch import KEEPER_ENV, new_run_id
 from mnft.run.rerun import snapshot
 
 IDLE_REASON = "its GPUs were idle for"  # how the keeper's reason begins (mnft.onhost.watches.IdleWatch)
-LOGIN_SHELL = ("/bin/sh", "-c", 'exec "${SHELL:-/bin/sh}" -l')  # the host user's own shell, as a login shell
+# the host user's own shell, as a login shell; a POSIX one (sh, bash, zsh, ksh, dash) then puts the environment a run gets
+# first on PATH (MNFT_PATH_FIRST: the login profile sets PATH anew) and goes on as an interactive shell (its rc file read)
+LOGIN_SHELL = ("/bin/sh", "-c", 'case "${SHELL##*/}" in sh|bash|zsh|ksh|dash) exec "${SHELL}" -l -c '
+               '\'[ -n "$MNFT_PATH_FIRST" ] && PATH="$MNFT_PATH_FIRST:$PATH" && export PATH; exec "$SHELL" -i\';; '
+               '*) exec "${SHELL:-/bin/sh}" -l;; esac')
 # in an image the host's $SHELL may not exist: its bash where it has one, else its sh, as a login shell
 IMAGE_LOGIN_SHELL = ("/bin/sh", "-c", "if command -v bash >/dev/null 2>&1; then exec bash -l; fi; exec sh -l")
 IMAGE_ENV = ("TERM",)  # the terminal's kind (ssh's pty request) goes in with the session's own variables: colours
@@ -60,6 +66,8 @@ class ShellOptions:
     argv: tuple[str, ...] = ()  # the command instead of a shell
     notify: notifying.Notify | None = None  # --notify CMD: told when it starts after waiting in line and when it ends
     image: str | None = None  # --image REF: the session runs inside the lab's container image
+    src: str | None = None  # the code the session opens in (as train's --src; default the repository around the cwd)
+    code: bool = True  # place the code as train places a run's; False: the inventory's workdir as it is (--no-code)
 
 
 def outcome(code: int | None, reason: str | None) -> str:
@@ -78,24 +86,26 @@ def outcome(code: int | None, reason: str | None) -> str:
 
 
 def spec_for(session_id: str, host: Host, argv: tuple[str, ...], devices: list[int], paths: list[str], options: ShellOptions,
-             runtime: containers.Runtime | None = None) -> dict:
+             runtime: containers.Runtime | None = None, cwd: str | None = None) -> dict:
     """What the host's keeper runs (mnft.onhost.agent `session`): pure, tested with data. With a runtime (--image),
     the program is the runtime's interactive `run` of it in the image (in_image)."""
     run_dir = host.workdir.rstrip("/") + f"/runs/{session_id}/{host.name}"
     env = {"CUDA_VISIBLE_DEVICES": ",".join(str(d) for d in devices), "CUDA_DEVICE_ORDER": "PCI_BUS_ID", "MNFT_SESSION": session_id}
     program, container = list(argv or LOGIN_SHELL), None
     if runtime is not None and options.image:
-        program, env, container = in_image(runtime, options.image, session_id, host, argv, devices, env)
-    spec = {"run_id": session_id, "tag": f"{session_id}@{host.name}", "run_dir": run_dir, "cwd": host.workdir, "argv": program,
+        program, env, container = in_image(runtime, options.image, session_id, host, argv, devices, env, cwd)
+    spec = {"run_id": session_id, "tag": f"{session_id}@{host.name}", "run_dir": run_dir, "cwd": cwd or host.workdir, "argv": program,
             "env": env, "leases": paths, "devices": devices, "time": options.time, "idle_stop": options.idle_stop,
             "deadman": leases.DEADMAN, "kind": "session"}
+    if container is None and "/" in host.python:  # the environment a run gets (a provisioned host's ~/mnft-env): first on PATH
+        spec["path_first"] = posixpath.dirname(host.python)
     if container is not None:
         spec["container"] = container
     return spec
 
 
 def in_image(rt: containers.Runtime, image: str, session_id: str, host: Host, argv: tuple[str, ...], devices: list[int],
-             env: dict[str, str]) -> tuple[list[str], dict[str, str], dict]:
+             env: dict[str, str], cwd: str | None = None) -> tuple[list[str], dict[str, str], dict]:
     """A session's program inside the image, as train's in_image wraps a job's (mnft.run.launch): the runtime's
     `run -i -t` (podman/docker; apptainer's exec in the keeper's terminal) of the command or the image's login
     shell, with the session's GPUs (numbered as the container sees them), the workdir mounted at its own path and
@@ -105,7 +115,7 @@ def in_image(rt: containers.Runtime, image: str, session_id: str, host: Host, ar
     name = containers.container_name(session_id, host.name)
     inside_env = containers.container_env(rt, env, tuple(devices))
     spec = containers.Container(image=rt.runs(image), name=name, mounts=(host.workdir,), devices=tuple(devices) or None,
-                                env_names=tuple(sorted(set(inside_env) | set(KEEPER_ENV) | set(IMAGE_ENV))), workdir=host.workdir,
+                                env_names=tuple(sorted(set(inside_env) | set(KEEPER_ENV) | set(IMAGE_ENV))), workdir=cwd or host.workdir,
                                 labels=(("mnft.run", session_id), ("mnft.host", host.name)))
     wrapped = containers.run_argv(rt, spec, list(argv or IMAGE_LOGIN_SHELL), tty=True)
     record = {"runtime": rt.kind, "path": rt.path, "name": name, "image": image, "image_id": rt.image_id,
@@ -220,7 +230,7 @@ def shell(inventory: Inventory, options: ShellOptions, console: Console) -> int:
                 record.update(waited_s=round(time.time() - t_asked, 1), devices={host.name: [d.get("index") for d in held.devices.get(host.name, [])]})
                 notifying.tell(options.notify, "started", record, warn)
             try:
-                return _session(fleet, held, host, record, options, console)
+                return _session(fleet, held, host, record, options, console, inventory)
             finally:
                 held.release()
     finally:  # the session's end told once its GPUs are free, whatever ended it
@@ -228,7 +238,38 @@ def shell(inventory: Inventory, options: ShellOptions, console: Console) -> int:
         notifying.tell(options.notify, "ended", record, warn, dict(record.data) if going else None)
 
 
-def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunRecord, options: ShellOptions, console: Console) -> int:
+def session_code(fleet: Fleet, inventory: Inventory, host: Host, record: records.RunRecord, options: ShellOptions,
+                 console: Console) -> tuple[str | None, object | None]:
+    """The code you have now, placed on the session's host as train places a run's (mnft.sync.snapshot: fixed here,
+    its snapshot on the host, a directory of its own there, outputs/<session>): the session's working directory, and
+    the fixed tree (released when the session ends). None where there is no project to place (a home directory, a
+    tree refused as a run's would be): the session opens in the workdir as it is, and says so."""
+    from mnft.sync import snapshot as code
+
+    if not options.code:
+        return None, None
+    try:
+        fixed = code.fix(Path(options.src) if options.src else None)
+    except InputError as exc:
+        if options.src:
+            raise
+        console.print(f"note: no code placed ({exc}): the session opens in {host.workdir}", style="yellow", highlight=False, soft_wrap=True)
+        return None, None
+    try:
+        placed = code.place(inventory.only([host.name]), fixed.tree, record.run_id, fleet=fleet)
+        if (why := placed.failure()) is not None:
+            raise InputError(why)
+    except BaseException as exc:
+        fixed.release()
+        record.update(state="failed", reason=f"{host.name}: the code was not placed: {exc}")
+        raise
+    where = code.job_dir(host, record.run_id)
+    record.update(code={"hash": fixed.tree.digest, "source": str(fixed.source), "job_dir": where})
+    return where, fixed
+
+
+def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunRecord, options: ShellOptions, console: Console,
+             inventory: Inventory) -> int:
     devices = [d["index"] for d in held.devices.get(host.name, []) if isinstance(d.get("index"), int)]
     runtime = None
     if options.image:
@@ -237,7 +278,17 @@ def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunR
         except InputError as exc:
             record.update(state="failed", reason=str(exc))
             raise
-    spec = spec_for(record.run_id, host, options.argv, devices, held.paths.get(host.name, []), options, runtime)
+    cwd, fixed = session_code(fleet, inventory, host, record, options, console)
+    try:
+        return _opened(fleet, held, host, record, options, console, devices, runtime, cwd)
+    finally:
+        if fixed is not None:
+            fixed.release()
+
+
+def _opened(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunRecord, options: ShellOptions, console: Console,
+            devices: list[int], runtime: containers.Runtime | None, cwd: str | None) -> int:
+    spec = spec_for(record.run_id, host, options.argv, devices, held.paths.get(host.name, []), options, runtime, cwd)
     prepared = fleet.run_one(host, agent_command(fleet, host.name, "session-prepare"), agent_payload() + json.dumps(spec).encode() + b"\n", 60)
     reply = pyrun.reply(prepared, "the agent")
     if reply is None or not reply.get("run_dir"):
@@ -253,7 +304,8 @@ def _session(fleet: Fleet, held: leases.Leases, host: Host, record: records.RunR
                                      **({"container": spec["container"]} if spec.get("container") else {})}})
     gpus = ", ".join(str(d) for d in devices) or "none"
     inside = f" in {options.image} ({spec['container']['runtime']})" if spec.get("container") else ""
-    console.print(f"session {record.run_id} on {host.name}: GPU {gpus} (CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}){inside}; "
+    where = f" in {cwd} (your code as of now)" if cwd else ""
+    console.print(f"session {record.run_id} on {host.name}: GPU {gpus} (CUDA_VISIBLE_DEVICES={','.join(map(str, devices))}){inside}{where}; "
                   f"`mnft stop {record.run_id}` ends it", highlight=False, soft_wrap=True)
     listener = None
     if options.forward:

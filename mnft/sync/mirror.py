@@ -818,6 +818,7 @@ def code_of(local: LocalTree, result: HostResult, tree: RemoteTree | None) -> di
         "exists": tree.exists,
         "matches": (tree.digest == local.digest) if tree.exists else None,
         "local_hash": local.digest,
+        "source": str(local.root),
         "differing": diff.describe() if diff and not diff.empty else [],
     }
 
