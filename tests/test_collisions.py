@@ -46,8 +46,10 @@ def test_a_process_is_the_runs_by_its_tag_where_readable_else_by_descent_from_th
 
 def test_the_facts_of_a_process_are_its_run_tag_where_readable_and_its_ancestors():
     env = dict(os.environ, MNFT_RUN_ID="R7-a1")
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], env=env, stdin=subprocess.PIPE)
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('up', flush=True); sys.stdin.read()"], env=env, stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE)
     try:
+        assert child.stdout.readline() == b"up\n"  # running its own program (its environment is its exec's, not its fork's)
         got = procs.process_facts(child.pid)
         assert got["readable"] and got["run"] == "R7-a1" and got["ancestors"][0] == os.getpid()
         assert procs.foreign(got, "R7", [os.getpid()]) is False and procs.foreign(got, "R8", [os.getpid()]) is True

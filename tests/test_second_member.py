@@ -108,7 +108,6 @@ def test_waiting_in_line_is_its_own_figure_never_launch_time_nor_the_runs_wall()
 
 
 def test_a_session_gets_the_environment_a_run_gets_first_on_path_for_a_command_and_after_a_login_shells_profile(tmp_path):
-    import os
     import subprocess
 
     from mnft.hosts.settings import Host
