@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-RUN_MARKERS = ("torch.distributed.run", "mnft.recipes", "agent.py", "mnft-script")
+RUN_MARKERS = ("torch.distributed.run", "mnft.recipes", "agent.payload", "mnft_boot")
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -184,10 +184,10 @@ def test_a_signal_during_a_slow_sync_leaves_no_rsync_or_ssh_on_the_controller_or
         assert "mnft: interrupted" in err and "Traceback" not in err
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline and (controller_processes("rsync", str(src)) or controller_processes("ssh", "BatchMode=yes", h1.address)
-                                               or run_processes(healthy_cluster, [h1], ("rsync", "mnft-script"))):
+                                               or run_processes(healthy_cluster, [h1], ("rsync", "mnft_boot"))):
             time.sleep(0.2)
         assert controller_processes("rsync", str(src)) == []
         assert controller_processes("ssh", "BatchMode=yes", h1.address) == []
-        assert run_processes(healthy_cluster, [h1], ("rsync", "mnft-script")) == {}
+        assert run_processes(healthy_cluster, [h1], ("rsync", "mnft_boot")) == {}
     finally:
         subprocess.run(["tc", "qdisc", "del", "dev", h1.veth, "root"], check=False)

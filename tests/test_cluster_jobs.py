@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 MNFT = [sys.executable, "-c", "from mnft.cli.main import main; main()"]  # the console command's entry point
-MARKERS = ("torch.distributed.run", "agent.py", "mnft-script", "mnft-grandchild", "ddp.py", "spawner.py", "train_tiny.py", "userpkg")
+MARKERS = ("torch.distributed.run", "agent.payload", "mnft_boot", "mnft-grandchild", "ddp.py", "spawner.py", "train_tiny.py", "userpkg")
 
 DDP = '''\
 import json, os, sys, time

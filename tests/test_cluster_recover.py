@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 MNFT = [sys.executable, "-c", "from mnft.cli.main import main; main()"]
-MARKERS = ("torch.distributed.run", "agent.py", "flaky.py", "broken.py", "mnft.recipes")
+MARKERS = ("torch.distributed.run", "agent.payload", "mnft_boot", "flaky.py", "broken.py", "mnft.recipes")
 # the waits before a restart, short: these tests are about what is restarted where and from which step, not about
 # waiting (a lost host is still probed once, and answers no sooner for a longer wait)
 QUICK = ("--backoff", "0.5", "--wait-for-lost", "1")

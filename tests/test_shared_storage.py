@@ -422,4 +422,4 @@ def test_a_user_script_on_a_shared_home_recovers_from_its_one_copy_of_the_checkp
             said = re.findall(r"rank (\d): resume_from_checkpoint=(\S+)", (logs / name / "run" / "output.log").read_text())
             assert said == [(str(rank), "None" if number == 1 else ckpt)], (number, name, said)
 
-    wait_no_orphans(cluster, cluster.hosts, timeout=30, markers=("torch.distributed.run", "agent.py", "train_tiny.py"))
+    wait_no_orphans(cluster, cluster.hosts, timeout=30, markers=("torch.distributed.run", "agent.payload", "mnft_boot", "train_tiny.py"))

@@ -18,6 +18,7 @@ import importlib.machinery
 import importlib.util
 import marshal
 import threading
+import types
 import zlib
 from functools import lru_cache
 from pathlib import Path
@@ -76,11 +77,20 @@ def build(entry: str) -> bytes:
 def _build(entry: str, stamp: tuple) -> bytes:
     modules = {}
     for name in closure(entry):
+        if name == "__init__":
+            continue  # the package's docstring is the controller's to read: the host gets an empty package (pack's)
         path = str(_file(name))
-        full = f"{onhost.__name__}.{name}" if name != "__init__" else onhost.__name__
+        full = f"{onhost.__name__}.{name}"
         code = importlib.machinery.SourceFileLoader(full, path).get_code(full)
-        modules[name] = (Path(path).read_bytes(), marshal.dumps(code))
+        modules[name] = (Path(path).read_bytes(), marshal.dumps(_named(code, boot.filename(name))))
     return pack(entry, modules)
+
+
+def _named(code: types.CodeType, filename: str) -> types.CodeType:
+    """The module's code (from this controller's __pycache__) with the file name a host's own compile gives it: a
+    host's traceback names the payload's module, never a path of this machine's."""
+    consts = tuple(_named(c, filename) if isinstance(c, types.CodeType) else c for c in code.co_consts)
+    return code.replace(co_filename=filename, co_consts=consts)
 
 
 def pack(entry: str, modules: dict[str, tuple[bytes, bytes]], magic: str | None = None) -> bytes:

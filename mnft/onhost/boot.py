@@ -16,18 +16,27 @@ import marshal
 import sys
 
 PACKAGE = "mnft_onhost"
-BOOTSTRAP = (
-    "import sys,marshal,zlib;i=sys.stdin.buffer;h=i.readline();b=i.read(int(h.split()[0]));d=marshal.loads(zlib.decompress(b));"
+OLDEST = (3, 8)  # the oldest host Python mnft's host modules are written for
+OLD_PYTHON = ("mnft: this host's Python is %d.%d; mnft's host side needs Python 3.8 or newer: give the host one (the inventory's "
+              "`python:`; in an image, its python3)")
+NO_ZLIB = "mnft: this host's Python cannot read mnft's payload (%s): give the host a Python built with zlib"
+# What every bootstrap does first, in any Python (2.7 included, to say it once): the working directory off sys.path (a
+# `python -c` looks there first: a planted zlib.py or json.py is never imported, however the host's Python was built),
+# then a Python too old for the payload refused in one line, exit 3.
+_GUARD = ("import sys\nsys.path[:]=[p for p in sys.path if p]\nif sys.version_info<%r:\n sys.stderr.write(%r%%tuple(sys.version_info[:2])+'\\n')\n"
+          " sys.exit(3)\ntry:\n import marshal,zlib\nexcept ImportError as e:\n sys.stderr.write(%r%%e+'\\n')\n sys.exit(3)\n"
+          % (OLDEST, OLD_PYTHON, NO_ZLIB))
+BOOTSTRAP = _GUARD + (
+    "i=sys.stdin.buffer;h=i.readline();b=i.read(int(h.split()[0]));d=marshal.loads(zlib.decompress(b))\n"
     "exec(d['boot'][0],{'__name__':'mnft_boot','HEAD':h,'BODY':b,'MODULES':d})"
 )
 # the same from a payload file named first on the command line (taken off sys.argv): a process that outlives the
 # channel it came by (a run's keeper) or whose stdin is a terminal (a shell's session) starts from its run directory's
 # copy, which only its user can have written (the run directory is 0700, the file 0600)
-FILE_BOOTSTRAP = (
-    "import sys,marshal,zlib;f=open(sys.argv.pop(1),'rb');h=f.readline();b=f.read(int(h.split()[0]));f.close();"
-    "d=marshal.loads(zlib.decompress(b));exec(d['boot'][0],{'__name__':'mnft_boot','HEAD':h,'BODY':b,'MODULES':d})"
+FILE_BOOTSTRAP = _GUARD + (
+    "f=open(sys.argv.pop(1),'rb');h=f.readline();b=f.read(int(h.split()[0]));f.close();d=marshal.loads(zlib.decompress(b))\n"
+    "exec(d['boot'][0],{'__name__':'mnft_boot','HEAD':h,'BODY':b,'MODULES':d})"
 )
-OLDEST = (3, 8)  # the oldest host Python mnft's host modules are written for
 
 
 class Finder(object):
@@ -49,9 +58,13 @@ class Finder(object):
         short = self._short(name)
         if short is None or short not in self.modules:
             return None
-        from importlib.machinery import ModuleSpec
+        spec = sys.modules["_frozen_importlib"].ModuleSpec  # importlib itself is not imported: nothing read from a path
+        return spec(name, self, origin="mnft payload", is_package=short == "__init__")
 
-        return ModuleSpec(name, self, origin="mnft payload", is_package=short == "__init__")
+    def get_source(self, name):
+        """The module's source, for a traceback's lines (linecache asks the module's loader)."""
+        short = self._short(name)
+        return self.modules[short][0].decode("utf-8", "replace") if short in self.modules else None
 
     def create_module(self, spec):
         return None
@@ -62,14 +75,24 @@ class Finder(object):
         if code and self.magic == _magic():
             compiled = marshal.loads(code)
         else:
-            compiled = compile(source, "<%s/%s.py>" % (PACKAGE, short), "exec", dont_inherit=True)
+            compiled = compile(source, filename(short), "exec", dont_inherit=True)
         exec(compiled, module.__dict__)
 
 
 def _magic():
-    from importlib._bootstrap_external import MAGIC_NUMBER
+    return sys.modules["_frozen_importlib_external"].MAGIC_NUMBER.hex()
 
-    return MAGIC_NUMBER.hex()
+
+def filename(short):
+    """The name a host module's code carries (in tracebacks), the same whether the controller or the host compiled it."""
+    return "<%s>/%s.py" % (PACKAGE, short)
+
+
+def exit_code(code):
+    """What an entry's main returned, as a process's exit status: None 0, an int as it is (0-255), anything else 1."""
+    if code is None:
+        return 0
+    return code & 0xFF if isinstance(code, int) and not isinstance(code, bool) else 1
 
 
 def _ours(finder):
@@ -131,12 +154,11 @@ def run(raw, argv):
 
 def start(head, body, modules):
     """What BOOTSTRAP runs: the payload's modules served, then its entry's main; the process exits with its code."""
-    if sys.version_info < OLDEST:
-        sys.stderr.write("mnft: this host's Python is %d.%d; mnft's host side needs Python %d.%d or newer "
-                         "(set the host's `python:` in the inventory to one)\n" % (sys.version_info[:2] + OLDEST))
+    if sys.version_info < OLDEST:  # the bootstrap said so already; boot run some other way says it too
+        sys.stderr.write(OLD_PYTHON % tuple(sys.version_info[:2]) + "\n")
         sys.exit(3)
     module = _entry(_install(head + body, modules))
-    code = module.main(sys.argv[1:])
+    code = exit_code(module.main(sys.argv[1:]))
     # an entry whose threads may be blocked in a read of stdin ends by its own `leave` (os._exit after a flush): the
     # interpreter's shutdown would abort on the buffered reader's lock
     getattr(module, "leave", sys.exit)(code)

@@ -456,11 +456,16 @@ def modules(names: list) -> dict:
     import importlib.util
 
     out = {}
-    for name in names:
-        try:
-            out[name] = importlib.util.find_spec(name) is not None
-        except (ImportError, ValueError, AttributeError):
-            out[name] = False
+    saved = list(sys.path)
+    sys.path.insert(0, "")  # as a job's `python` finds them: its working directory first (the bootstrap took it off)
+    try:
+        for name in names:
+            try:
+                out[name] = importlib.util.find_spec(name) is not None
+            except (ImportError, ValueError, AttributeError):
+                out[name] = False
+    finally:
+        sys.path[:] = saved
     return out
 
 

@@ -179,9 +179,9 @@ def _spawn(request, lease_fds):
             sys.argv = ["-c"] + argv
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
-                code = boot.run(raw, argv) or 0
+                code = boot.exit_code(boot.run(raw, argv))
             except SystemExit as exc:
-                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+                code = boot.exit_code(exc.code)
         except BaseException:  # noqa: BLE001 - its traceback on stderr, as python would print it
             import traceback
 

@@ -185,10 +185,9 @@ def run_script(request: dict) -> dict:
         sys.stdin = io.StringIO(str(request.get("stdin") or ""))
         sys.stdout, sys.stderr = stdout, stderr
         try:
-            code = boot.run(raw, [str(a) for a in argv])
-            out["exit_code"] = code if isinstance(code, int) else 0
+            out["exit_code"] = boot.exit_code(boot.run(raw, [str(a) for a in argv]))
         except SystemExit as exc:
-            out["exit_code"] = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            out["exit_code"] = boot.exit_code(exc.code)
         except Exception as exc:  # noqa: BLE001 - the script's fault: exit 1, as python would
             out["exit_code"], out["error"] = 1, _message(exc)
     except Exception as exc:  # noqa: BLE001 - not even started: a request the probe cannot run

@@ -113,13 +113,20 @@ PAYLOAD_NAME = "agent.payload"  # in a run directory: the agent's payload, which
 
 def _own_payload(run_dir):
     """This agent's payload, written into the run directory (0600, in the run's own 0700 directory) for the
-    processes that outlive this one's channel: the keeper reads it as its stdin, never a file another could write."""
+    processes that outlive this one's channel: the keeper and a session start from it (boot.FILE_BOOTSTRAP), never
+    from a file another could write. Written whole under a name of this process's own (created, never reused), then
+    renamed into place."""
     own = os.path.join(run_dir, PAYLOAD_NAME)
     data = boot.current()
-    fd = os.open(own + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    tmp = "%s.%d.tmp" % (own, os.getpid())
+    try:
+        os.unlink(tmp)  # a leftover of a killed agent with this pid: never written through
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as fh:
         fh.write(data)
-    os.replace(own + ".tmp", own)
+    os.replace(tmp, own)
     return own
 
 
