@@ -178,3 +178,8 @@ def test_the_bootstrap_fits_on_a_command_line_and_never_names_a_file_to_import()
         assert len(line) < 1000 and "import mnft" not in line
         assert line.startswith("import sys\nsys.path[:]=[p for p in sys.path if p]\n")  # the working directory off, first
     assert Path(payload.HOST_PACKAGE, "boot.py").is_file()
+
+
+def test_the_imports_read_from_a_modules_text_are_those_pythons_parser_reads():
+    for path in sorted(payload.HOST_PACKAGE.glob("*.py")):
+        assert payload.imported(path.stem) == payload.imported_by_ast(path.stem), path.name
