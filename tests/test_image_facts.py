@@ -17,7 +17,6 @@ from mnft.onhost import imagehost
 
 HEX = "ab" * 32
 OTHER = "cd" * 32
-SCRIPT = Path(imagehost.__file__)
 
 
 def fake(bin_dir: Path, name: str, body: str) -> Path:

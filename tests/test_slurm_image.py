@@ -23,7 +23,6 @@ from mnft.run.job import Job
 from mnft.slurm import allocation, plan
 
 from mnft.onhost import slurmnode
-NODE = Path(slurmnode.__file__)
 IMAGE = "localhost/lab-train:3"
 ID = "sha256:" + "ab" * 32
 OTHER = "sha256:" + "cd" * 32

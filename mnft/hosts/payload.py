@@ -5,8 +5,8 @@ lease script, the agent, the probe …) with the host modules that entry imports
 (relative imports inside mnft.onhost, at the top or inside a function), never listed by hand. Each module goes as
 its source and as the bytecode this controller's Python has for it (its own __pycache__, kept valid by the source's
 mtime and size), so that a host whose Python has the same magic number runs it without compiling, and any other
-compiles the source; the whole is zlib-compressed (a third of its size: fewer bytes per command than the single
-scripts shipped before). mnft.onhost.boot is the host's reader; its BOOTSTRAP is what mnft.hosts.pyrun puts on the host
+compiles the source; the whole is zlib-compressed (about a third of its size: docs/architecture.md has each entry's
+bytes, against the single scripts shipped before). mnft.onhost.boot is the host's reader; its BOOTSTRAP is what mnft.hosts.pyrun puts on the host
 Python's command line. One payload is built once per entry and reused for every host and command until a module's
 file changes.
 """

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft run agent: the host side of a training run. Standard library only; shipped to hosts with mnft.hosts.pyrun.
 
     launch                 read a JSON spec line from stdin, start the run under a keeper, then (attached) stream
@@ -82,7 +81,3 @@ def main(argv):
         return tail(_path(rest[0]), int(rest[1]) if len(rest) > 1 else 0, follow)
     sys.stderr.write("unknown mode %r\n" % mode)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

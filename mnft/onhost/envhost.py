@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft provision, the host side: read a host's environment facts, build an environment, switch, roll back.
 
 The controller ships this module (its payload: mnft.hosts.payload) to the host's base Python (mnft.hosts.pyrun) and reads one
@@ -417,7 +416,3 @@ def main(argv: list) -> int:
     except OSError as exc:
         _emit({"ok": False, "error": _oserror(exc)})
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

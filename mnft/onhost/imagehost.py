@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft's container image on a host, the host side: the runtime found there and the image's identity; save, load
 and place an image for `mnft sync --image`.
 
@@ -550,7 +549,3 @@ def main(argv: list) -> int:
         reply["seconds"] = round(time.monotonic() - started, 3)
     _emit(reply)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

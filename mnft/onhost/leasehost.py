@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft host lease, the host side: one operation per host at a time, whoever logs in. Standard library only,
 Python 3.8 syntax; shipped to hosts with mnft.hosts.pyrun (mnft.hosts.leases is the controller's side).
 
@@ -85,7 +84,3 @@ def main(argv):
         return 0
     sys.stderr.write(__doc__)
     return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft link agent: TCP round-trip time and throughput between two hosts, with the standard library only.
 
 The controller ships this file to every host (mnft.hosts.pyrun) and keeps one agent per host for the whole link
@@ -245,7 +244,3 @@ def main(argv: list) -> int:
         return 2
     serve(argv[2], lifetime)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

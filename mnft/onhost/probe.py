@@ -1,8 +1,7 @@
-#!/usr/bin/env python3
 """mnft host probe: read one host's facts, or test its network, in one SSH round-trip.
 
 The controller ships this module (its payload: mnft.hosts.payload) to each host's Python and reads exactly one JSON
-object from stdout. It also runs as `python3 mnft/onhost/probe.py MODE ...`.
+object from stdout (its modes, the payload's command line: `python -c BOOTSTRAP MODE ...`).
 
     facts [--workdir PATH] [--modules A,B]  what the host has: OS, Python, torch/CUDA/NCCL, GPUs, memory, disk, NICs;
                                             with --modules, which of those top-level modules this Python resolves
@@ -407,7 +406,3 @@ def leave(code: int) -> None:
         except (OSError, ValueError):  # the reader is gone
             pass
     os._exit(code)
-
-
-if __name__ == "__main__":
-    leave(main(sys.argv[1:]))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft setup's host side: read facts and apply planned file/nft edits, in one SSH round-trip per call.
 
 Shipped through `mnft.hosts.pyrun`: the script, then one JSON request on stdin:
@@ -472,7 +471,3 @@ def main(argv=None) -> int:
     sys.stdout.write(json.dumps({"results": results}) + "\n")
     sys.stdout.flush()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

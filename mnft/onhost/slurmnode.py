@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft slurm node: the host side of a Slurm run's agents step. Standard library only; Python 3.8.
 
 srun starts this script once per node (`--ntasks-per-node=1 --input=all`, through mnft.hosts.pyrun's bootstrap),
@@ -49,7 +48,7 @@ def emit(event, **fields):
 
 
 def read_line(limit=64 << 20):
-    """The JSON line after this script's source: read from the same buffered stdin the bootstrap read the source
+    """The JSON line after this module's payload: read from the same buffered stdin the bootstrap read the payload
     from (it may hold what follows); the relay reads on from that buffer too."""
     return sys.stdin.buffer.readline(limit).rstrip(b"\n")
 
@@ -245,7 +244,3 @@ def leave(code):
     """Exit without the interpreter's shutdown: the relay thread may hold stdin's buffer, which shutdown would wait for."""
     sys.stdout.flush()
     os._exit(code)
-
-
-if __name__ == "__main__":
-    leave(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Run a shipped torchrun entry script on a host, bounded by the controller's connection.
 
     torchlaunch.py torchrun [--hold] TORCHRUN_ARG... -- SCRIPT_ARG...
@@ -172,7 +171,3 @@ def leave(code: int) -> None:
         except (OSError, ValueError):
             pass
     os._exit(code)
-
-
-if __name__ == "__main__":
-    leave(main(sys.argv[1:]))

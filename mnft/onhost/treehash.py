@@ -1,10 +1,9 @@
-#!/usr/bin/env python3
 """mnft tree hash: the identity of a directory tree (paths, sizes, sha256 of contents), here or on a host.
 
 The controller imports this module to hash its own tree and ships this module (its payload: mnft.hosts.payload) to each
-host's Python (mnft.hosts.pyrun) to hash the host's copy, so both sides walk and hash with the same code. It also runs
-as `python3 mnft/onhost/treehash.py ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] [--placed]
-[--siblings]` with the exclude rules as one JSON line on stdin (and, with --placed, a second line: the paths to
+host's Python (mnft.hosts.pyrun) to hash the host's copy, so both sides walk and hash with the same code. Its command
+line (after the payload's bootstrap) is `ROOT [--cache FILE] [--other DIR] [--expect DIGEST] [--if-exists] [--placed]
+[--siblings]`, with the exclude rules as one JSON line on stdin (and, with --placed, a second line: the paths to
 hash, the files to remove and the record to write: see `placed`).
 
 It also keeps a directory's record of what mnft placed there (PLACED, `.mnft-checkout.json` at the tree's top:
@@ -481,7 +480,3 @@ def _looked(out: dict, root: str, mark, names) -> dict:
     if mark is not None and names is not None and "marked" in out:
         out["seen"] = seen(root, mark.split(".", 1)[0], names)
     return out
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

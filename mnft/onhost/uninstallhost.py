@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """mnft uninstall, the host side: what of mnft's is on this host (look), and its removal (remove).
 
 The controller ships this module (its payload: mnft.hosts.payload) to the host's base Python (mnft.hosts.pyrun) and reads one
@@ -392,7 +391,3 @@ def main(argv) -> int:
     out = look(spec) if argv[0] == "look" else remove(spec)
     sys.stdout.write(json.dumps(out) + "\n")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -153,7 +153,7 @@ class Allocation:
 
     def script_step(self, inventory: Inventory, name: str, entry: str | None, args: list[str], input: str | None = None,
                     line: dict | None = None) -> tuple[dict[int, list[str]], str]:
-        """A host-side script on every node in one srun step (input: on its stdin after its source; line: another of
+        """A host-side script on every node in one srun step (input: on its stdin after its payload; line: another of
         mnft.onhost.slurmnode's lines instead): each task's whole lines, and srun's own output."""
         argv = plan.node_step(inventory.hosts[0].python, len(inventory.hosts), name)
         line = line if line is not None else plan.script_line(str(entry), args, input)

@@ -178,7 +178,7 @@ def srun_argv(nodes: int, *, label: bool = True, input_all: bool = True, output:
 
 
 def node_step(python: str, nodes: int, name: str) -> list[str]:
-    """mnft.onhost.slurmnode on every node (its source, then one JSON line, on the step's stdin)."""
+    """mnft.onhost.slurmnode on every node (its payload, then one JSON line, on the step's stdin)."""
     return srun_argv(nodes, job_name=name) + [python, "-c", BOOTSTRAP]
 
 
@@ -190,7 +190,7 @@ def check_args(workdir: str, modules: Iterable[str] = ()) -> list[str]:
 
 def image_check_args(workdir: str) -> list[str]:
     """The facts probe's arguments for the check step of a job in an image: the host's facts and the image's
-    (imagehost's, whose source, runtime setting and image come on the probe's stdin: `script_line`'s input)."""
+    (imagehost's, from the probe's payload; its runtime setting and image on the probe's stdin: `script_line`'s input)."""
     return ["image-facts", "--workdir", workdir]
 
 
