@@ -123,3 +123,28 @@ def test_a_session_gets_the_environment_a_run_gets_first_on_path_for_a_command_a
     done = subprocess.run(list(LOGIN_SHELL), input="echo PATH=$PATH\n", env=env, capture_output=True, text=True, timeout=30)
     said = [line for line in done.stdout.splitlines() if "PATH=" in line]
     assert said and said[-1].split("PATH=", 1)[1].startswith("/opt/lab/env/bin:"), done.stdout + done.stderr
+
+
+def test_uninstall_of_some_hosts_keeps_this_machines_stores_while_other_provisioned_hosts_use_them():
+    from mnft.uninstall.plan import CONTROLLER, plan_items, still_used
+
+    found = {"wheelhouse": {"path": "/h/.mnft/wheelhouse", "kind": "dir", "ours": True, "bytes": 10},
+             "code_store": {"path": "/h/.mnft/code", "kind": "dir", "ours": True, "bytes": 5},
+             "hash_cache": {"path": "/h/.mnft/cache", "kind": "dir", "ours": True}}
+    kept = {i.key: (i.action, i.why) for i in still_used(plan_items(found, CONTROLLER), ["lab@10.0.0.2:22", "lab@10.0.0.3:22"])}
+    assert kept["wheelhouse"][0] == kept["code_store"][0] == "keep" and kept["hash_cache"][0] == "remove"
+    assert kept["wheelhouse"][1].startswith("still used by 2 other provisioned host(s) (lab@10.0.0.2:22, lab@10.0.0.3:22)")
+    assert all(i.action == "remove" for i in still_used(plan_items(found, CONTROLLER), []))  # the last of them: all goes
+
+
+def test_uninstall_only_names_hosts_of_the_inventory_or_says_which_are_not():
+    import pytest
+
+    from mnft.cli.tasks import _named_hosts
+    from mnft.core.errors import InputError
+    from mnft.hosts.inventory import parse
+
+    inventory = parse("hosts:\n  h1: {connection: local}\n  h2: {connection: local}\n  h3: {connection: local}\n")
+    assert _named_hosts(inventory, "h3,h1", "--only") == ["h1", "h3"]
+    with pytest.raises(InputError, match=r"^--only h1,h9: h9 is not a host of the inventory \(it has: h1, h2, h3\)$"):
+        _named_hosts(inventory, "h1,h9", "--only")

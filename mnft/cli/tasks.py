@@ -620,9 +620,10 @@ def provision(c, hosts=None, lock=None, src=None, dry_run=False, rollback=False,
 
 @task(help={"hosts": HOSTS_HELP, "dry_run": "list per host what would be removed and its size; change nothing",
             "include_outputs": "also remove what runs wrote: <workdir>/outputs (the jobs' directories, checkpoints) and <workdir>/runs",
+            "only": "these hosts of the inventory only (NAME[,NAME…]): the others keep everything, and so does this machine while they use it",
             "json": "machine-readable output", "connect_timeout": "seconds to wait for each host's SSH connection"})
 @_mnft_errors
-def uninstall(c, hosts=None, dry_run=False, include_outputs=False, json=False, connect_timeout=10.0):
+def uninstall(c, hosts=None, dry_run=False, include_outputs=False, only=None, json=False, connect_timeout=10.0):
     """Take mnft off the hosts and this machine: the environment provision built, code snapshots, the files sync
     placed (those still as placed), caches, share marks; here the wheelhouse and code snapshot store. What runs wrote
     stays unless --include-outputs; setup's changes are `setup --undo`'s (docs/uninstall.md).
@@ -634,7 +635,10 @@ def uninstall(c, hosts=None, dry_run=False, include_outputs=False, json=False, c
     from mnft.uninstall.uninstall import UninstallOptions
     from mnft.uninstall.uninstall import uninstall as run
 
-    report = run(_inventory(hosts), UninstallOptions(dry_run=dry_run, include_outputs=include_outputs), _timeouts(connect_timeout, 60.0))
+    inventory = _inventory(hosts)
+    if only:
+        inventory = inventory.only(_named_hosts(inventory, only, "--only"))
+    report = run(inventory, UninstallOptions(dry_run=dry_run, include_outputs=include_outputs), _timeouts(connect_timeout, 60.0))
     print_report(report, json)
     return report.exit_code()
 
@@ -763,6 +767,19 @@ def board(c, hosts=None, port=8765, listen="127.0.0.1", connect_timeout=10.0):
     inv = _inventory(hosts)
     return serve(Board(inv, timeouts=_timeouts(connect_timeout, 30.0)), str(listen), int(port),
                  lambda message, style: console.print(message, style=style or None, highlight=False, soft_wrap=True))
+
+
+def _named_hosts(inventory, names: str, flag: str) -> list[str]:
+    """`h1,h2` -> those hosts of the inventory, in its order; one line naming what is not a host of it."""
+    from mnft.core.errors import InputError
+
+    wanted = [n.strip() for n in str(names).split(",") if n.strip()]
+    known = [h.name for h in inventory.hosts]
+    unknown = [n for n in wanted if n not in known]
+    if unknown or not wanted:
+        raise InputError(f"{flag} {names}: {', '.join(unknown) or 'no host'} is not a host of {inventory.path or 'the inventory'} "
+                         f"(it has: {', '.join(known)})")
+    return [n for n in known if n in wanted]
 
 
 def _drain(target, reason, hosts, connect_timeout, undrain):

@@ -45,6 +45,20 @@ CONTROLLER = (
 )
 
 OUTPUTS_KEPT = "what runs wrote: kept (--include-outputs removes it)"
+SHARED_HERE = ("wheelhouse", "code_store")  # this machine's stores every provisioned host's next provision or run uses
+
+
+def still_used(items: list["Item"], others: list[str]) -> list["Item"]:
+    """This machine's stores kept while hosts this uninstall leaves on (`others`: their provision records) still
+    use them: the wheels their next provision relays, the snapshots their runs start from."""
+    if not others:
+        return items
+    shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+    for item in items:
+        if item.key in SHARED_HERE and item.action != "keep":
+            item.action, item.why = "keep", (f"still used by {len(others)} other provisioned host(s) ({shown}): removed with the last "
+                                             "of them (an inventory naming them all)")
+    return items
 
 
 @dataclass

@@ -29,7 +29,7 @@ from mnft.hosts.hostkeys import mnft_home
 from mnft.hosts.settings import Host, Inventory
 from mnft.sync import snapshot
 from mnft.onhost import uninstallhost
-from mnft.uninstall.plan import CONTROLLER, Item, freed, plan_items, settle, to_remove
+from mnft.uninstall.plan import CONTROLLER, Item, freed, plan_items, settle, still_used, to_remove
 
 LOOK_TIMEOUT = 300.0  # a look hashes the files sync placed (a large data_dir is read once)
 REMOVE_TIMEOUT = 3600.0
@@ -184,7 +184,8 @@ def uninstall(inventory: Inventory, options: UninstallOptions, timeouts: Timeout
         else:
             remove_on_hosts(fleet, hosts, outcomes)
     found = look_controller(hosts, outcomes)
-    here = plan_items(found, CONTROLLER)
+    mine = {host_key(h) for h in hosts}
+    here = still_used(plan_items(found, CONTROLLER), sorted(k for k in load_state() if k not in mine))
     if not options.dry_run:
         remove_here(here, found, hosts, outcomes)
     return UninstallReport(outcomes, here, options.dry_run, options.include_outputs, round(time.monotonic() - started, 3))
