@@ -148,3 +148,15 @@ def test_uninstall_only_names_hosts_of_the_inventory_or_says_which_are_not():
     assert _named_hosts(inventory, "h3,h1", "--only") == ["h1", "h3"]
     with pytest.raises(InputError, match=r"^--only h1,h9: h9 is not a host of the inventory \(it has: h1, h2, h3\)$"):
         _named_hosts(inventory, "h1,h9", "--only")
+
+
+def test_setup_undo_of_one_host_says_which_peers_still_let_it_in():
+    from mnft.setup.steps.firewall import plan_undo, table_body, table_peers
+
+    table = "table inet mnft {\n" + table_body("eth0", ["10.0.0.1", "10.0.0.2", "10.0.0.3"], 22, (29500,), (), ()) + "}\n"
+    assert table_peers(table) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    plan = plan_undo({"table": table}, ("10.0.0.1", "10.0.0.3"))
+    assert plan.changes == ["delete nftables table inet mnft"]
+    assert plan.notes == ["10.0.0.1, 10.0.0.3 (not in this undo) still let this host through their firewall and trust its mesh key: "
+                          "`mnft setup` on them with an inventory without this host takes it out"]
+    assert plan_undo({"table": table}).notes == []  # the whole lab undone: nothing to say

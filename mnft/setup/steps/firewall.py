@@ -161,10 +161,22 @@ def plan_host(facts: dict, *, iface: str | None, peers: list[str], ssh_port: int
     return Plan([change], data={"rules": ruleset(body), "revert": revert_text(current), "body": body})
 
 
-def plan_undo(facts: dict) -> Plan:
+def plan_undo(facts: dict, staying: tuple[str, ...] = ()) -> Plan:
+    """Delete mnft's table. staying: this host's peers (as its table names them) that this undo leaves set up:
+    their firewall and the mesh still let this host in, which is said (a setup of theirs without it takes it out)."""
     if facts.get("nft_missing") or not facts.get("table"):
         return Plan()
-    return Plan([f"delete nftables table {FAMILY} {TABLE}"], [{"op": "run", "argv": ["nft", "-f", "-"], "input": DELETE, "check": True}])
+    plan = Plan([f"delete nftables table {FAMILY} {TABLE}"], [{"op": "run", "argv": ["nft", "-f", "-"], "input": DELETE, "check": True}])
+    if staying:
+        plan.notes.append(f"{', '.join(staying)} (not in this undo) still let this host through their firewall and trust its mesh "
+                          "key: `mnft setup` on them with an inventory without this host takes it out")
+    return plan
+
+
+def table_peers(table: str | None) -> list[str]:
+    """The addresses a host's mnft table names as its peers (`set peers { … elements = { a, b } }`)."""
+    found = re.search(r"set peers \{[^}]*?elements = \{([^}]*)\}", table or "", re.S)
+    return [a.strip() for a in found.group(1).replace("\n", " ").split(",") if a.strip()] if found else []
 
 
 # ---------------------------------------------------------------------------------------------- remote
@@ -263,4 +275,9 @@ def run(ctx: Context, params: dict) -> dict[str, Outcome]:
 
 
 def undo(ctx: Context, params: dict) -> dict[str, Outcome]:
-    return standard(ctx, read, lambda facts: {n: plan_undo(f) for n, f in facts.items()}, root=True)
+    undone = set(ctx.addresses.get(h.name) for h in ctx.inventory.hosts) | {h.address for h in ctx.inventory.hosts}
+
+    def staying(facts: dict) -> tuple[str, ...]:
+        return tuple(a for a in table_peers(facts.get("table")) if a not in undone)
+
+    return standard(ctx, read, lambda facts: {n: plan_undo(f, staying(f)) for n, f in facts.items()}, root=True)
