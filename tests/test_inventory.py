@@ -575,3 +575,11 @@ def test_ini_values_get_the_yaml_forms_errors_and_limits(text, message):
 ])
 def test_the_format_is_told_from_the_content(text, fmt):
     assert inventory.parse(text, Path("inv")).format == fmt
+
+
+def test_a_hosts_device_is_cpu_or_gpu_or_what_it_has():
+
+    inv = inventory.parse("hosts:\n  a: {address: 10.0.0.1, device: cpu}\n  b: {address: 10.0.0.2}\n")
+    assert [h.device for h in inv.hosts] == ["cpu", None]
+    with pytest.raises(InputError, match=r"key 'device': 'tpu' is not a device \(use one of: gpu, cpu; leave it out for what the host has\)"):
+        inventory.parse("hosts:\n  a: {address: 10.0.0.1, device: tpu}\n")

@@ -139,16 +139,18 @@ def probe_failed(inventory: Inventory, outcome: HostResult) -> Problem:
 
 def cpu_only_torch(inventory: Inventory, host: Host, facts: dict, gpus: list[dict]) -> Problem | None:
     """Rule "torch sees the host's GPUs": a CPU-only build (no CUDA: `2.13.0+cpu`) where nvidia-smi lists GPUs
-    trains on the CPU, or fails at NCCL. A warning (a CPU job on a GPU host is legitimate), with its fix."""
+    trains on the CPU, or fails at NCCL: an error, with its fix. A host meant to train on its CPUs says so in the
+    inventory (`device: cpu`), and then it is what is meant."""
     torch = facts.get("torch") or {}
-    if not gpus or not torch.get("version") or torch.get("cuda"):
+    if not gpus or not torch.get("version") or torch.get("cuda") or host.device == "cpu":
         return None
     driver = (facts.get("nvidia") or {}).get("cuda_driver")
     build = f"the CUDA build of torch {str(torch['version']).split('+')[0]} (a +cuXXX wheel"
     build += f" for CUDA {driver} or older, the driver's)" if driver else ")"
     fix = (provision_fix(inventory, f"pin {build} in the lock") if host.base_python is not None else
            f"install {build}: pip install torch=={str(torch['version']).split('+')[0]} --index-url https://download.pytorch.org/whl/cuXXX")
-    return Problem(host.name, "cuda", f"torch {torch['version']} is a CPU-only build: it cannot use this host's {len(gpus)} GPU(s)", fix, "warning")
+    fix += "; or, if this host is meant to train on its CPUs, say so: `device: cpu` in its inventory entry"
+    return Problem(host.name, "cuda", f"torch {torch['version']} is a CPU-only build: it cannot use this host's {len(gpus)} GPU(s)", fix)
 
 
 def _minor(version: str | None) -> str | None:

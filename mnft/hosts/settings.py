@@ -17,6 +17,7 @@ from mnft.core.yamlfile import line_of, suggest
 
 DEFAULT_RENDEZVOUS_PORT = 29500
 CONNECTIONS = ("ssh", "local")
+DEVICES = ("gpu", "cpu")  # a host's `device:` (None: what it has)
 CONTAINER_RUNTIMES = ("podman", "docker", "apptainer", "singularity")  # mnft.image.runtime.RUNTIMES
 
 # Per-host settings, their defaults, and how a value is checked. `None` means "not set": ssh config or the
@@ -37,6 +38,7 @@ HOST_DEFAULTS: dict[str, Any] = {
     "venv": "~/mnft-env",  # where `invoke provision` keeps the environment (a link); "none": never provisioned
     "spare": False,  # checked and synced with the others, but trains only when `train --max-restarts` replaces a lost host
     "container_runtime": None,  # an image's runtime: podman | docker | apptainer | singularity | an absolute path; None: found on the host
+    "device": None,  # what torch trains on: None (its GPUs where nvidia-smi lists any, else its CPUs) | cpu (meant to train on its CPUs)
 }
 HOST_KEYS = tuple(HOST_DEFAULTS)
 # `perf:` (mnft YAML) / `mnft_perf` (Ansible all vars): thresholds and absolute floors of `invoke check --perf`
@@ -65,6 +67,7 @@ class Host:
     base_python: str | None = None  # set when `python` is the provisioned environment's: the inventory's own python
     spare: bool = False
     container_runtime: str | None = None  # None: the first of CONTAINER_RUNTIMES the host has (mnft.onhost.imagehost)
+    device: str | None = None  # "cpu": jobs here train on the CPUs, a CPU-only torch beside GPUs is meant (check's rule)
 
     @property
     def is_local(self) -> bool:
@@ -266,6 +269,10 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str, p
     if runtime is not None and runtime not in CONTAINER_RUNTIMES and not (runtime.startswith("/") and len(runtime) > 1):
         raise InputError(f"{at('container_runtime')}: {what}: key 'container_runtime': {limits.shown(runtime)} is not a container runtime "
                          f"(use one of {', '.join(CONTAINER_RUNTIMES)}, or the absolute path of one)")
+    device = text("device")
+    if device is not None and device not in DEVICES:
+        raise InputError(f"{at('device')}: {what}: key 'device': {limits.shown(device)} is not a device (use one of: {', '.join(DEVICES)}; "
+                         "leave it out for what the host has)")
     if connection == "local":
         address = "localhost" if values["address"] is None else address
         user = user or getpass.getuser()
@@ -287,6 +294,7 @@ def validate_host(name: str, rank: int, settings: dict, own: dict, where: str, p
         venv=venv,
         spare=flag("spare"),
         container_runtime=runtime,
+        device=device,
     )
 
 
