@@ -500,3 +500,28 @@ def test_the_page_shows_a_session_as_such_a_collision_and_the_last_weeks_usage(t
         assert "not counted: h2" in page.inner_text("#usage-summary")
         assert problems == []
         context.close()
+
+
+def test_the_legend_names_drained_and_unhealthy_gpus_and_their_tiles_say_why_and_what_is_reserved(tmp_path, runs_dir, chromium):
+    """Issue 45: the board had no legend colour or reason for `drained`; a free GPU kept for the line says so."""
+    now = time.time()
+    views = lab_views(["h1"], gpus=3, now=now)
+    drained, broken, free = views["h1"]["devices"]
+    drained.update(state="drained", drain={"login": "root", "at": now - 600, "reason": "fan noise"}, holder=None, lockers=[], processes=[])
+    broken.update(state="unhealthy", broken="fallen off the bus", holder=None, lockers=[], processes=[])
+    free.update(state="free", holder=None, lockers=[], processes=[])
+    views["h1"]["line"] = [{"command": "train", "run_id": "R9", "user": "alice", "login": "alice", "want": 2, "queued": now - 60}]
+    views["h1"]["now"] = now
+    inv = inventory(tmp_path / "lab.yaml", 1)
+    with Served(Board(inv, look=lambda: views, usage=lambda start: {}, every=0.5)) as served:
+        context = chromium.new_context(viewport={"width": 1366, "height": 768})
+        page = context.new_page()
+        page.goto(served.url)
+        page.wait_for_selector("html[data-drawn]", timeout=30000)
+        legend = page.inner_text("#legend")
+        assert "drained by an admin" in legend and "unhealthy (never leased)" in legend
+        assert "fan noise" in page.wait_for_selector('.tile[data-device="0"][data-state="drained"]').inner_text()
+        assert "fallen off the bus" in page.wait_for_selector('.tile[data-device="1"][data-state="unhealthy"]').inner_text()
+        kept = page.wait_for_selector('.tile[data-device="2"][data-state="free"]').inner_text()
+        assert "reserved for the line: alice's train R9 waits for 2 GPU(s)" in kept, kept
+        context.close()

@@ -112,11 +112,13 @@
     if (row.detail) words.push(row.detail);
     else if (row.drain) words.push(row.drain);
     const who = row.state === "held" ? holderWords(row)
-      : row.state === "outside" ? "outside: " + (row.user || "?") : row.state;
+      : row.state === "outside" ? "outside: " + (row.user || "?")
+      : (row.state === "drained" || row.state === "unhealthy") && row.detail ? row.detail : row.state;  // why it is out of service
     const notes = [];
     if (isSession(row) && row.command !== "shell") notes.push(el("div", { className: "tile-note session-command" }, row.command.slice(7)));
     if (isNum(row.idle)) notes.push(el("div", { className: "tile-note idle" }, "idle " + fmtSeconds(row.idle)));
     if (row.also) notes.push(el("div", { className: "tile-note collision" }, row.also));
+    if (row.detail && row.detail.startsWith("reserved")) notes.push(el("div", { className: "tile-note reserved" }, row.detail));
     const memory = isNum(row.memory_total_mib) && row.memory_total_mib > 0 && isNum(row.memory_used_mib)
       ? meter("mem", row.memory_used_mib / row.memory_total_mib, "memory " + Math.round(row.memory_used_mib / 1024) + "/" + Math.round(row.memory_total_mib / 1024) + " GiB") : null;
     const util = isNum(row.utilization) ? meter("util", row.utilization / 100, "utilisation " + row.utilization + "%") : null;
@@ -169,7 +171,8 @@
       el("li", { "data-host": r.host, "data-state": "waiting" }, el("b", null, r.host + " " + r.device), " ", r.user || "?",
         r.run ? [" · run ", runLink(r.run)] : null, r.command ? " · " + r.command : "", " · " + (r.detail || ""),
         r.since_text ? " · " + r.since_text : "")))] : []));
-    fill($("legend"), ...["free", "held", "outside", "unreachable"].map((s) => el("span", { className: "key", "data-state": s }, s === "outside" ? "in use outside mnft" : s)));
+    fill($("legend"), ...["free", "held", "outside", "drained", "unhealthy", "unreachable"].map((s) => el("span", { className: "key", "data-state": s },
+      s === "outside" ? "in use outside mnft" : s === "drained" ? "drained by an admin" : s === "unhealthy" ? "unhealthy (never leased)" : s)));
   }
 
   // ------------------------------------------------------------------------------------------ usage
