@@ -72,8 +72,9 @@ def wait_no_orphans(cluster, hosts, timeout: float = 40, markers=RUN_MARKERS) ->
 
 
 def latest_record(tmp_path: Path) -> dict:
-    runs = sorted((tmp_path / "runs").glob("[!.]*"))
-    return json.loads((runs[-1] / "run.json").read_text())
+    """The run created last (two runs in one second: their ids sort by their random part, not by time)."""
+    records = [json.loads((run / "run.json").read_text()) for run in sorted((tmp_path / "runs").glob("[!.]*")) if (run / "run.json").is_file()]
+    return max(records, key=lambda r: (r.get("created") or 0, r["run_id"]))
 
 
 class Controller:

@@ -224,6 +224,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("onhost/treehash.py", "rsync_version", "subprocess.run"): ("rsync --version", TOOL),
     # ---------------------------------------------------------------- files other people own: their bounds, or the fix to apply
     ("hosts/payload.py", "imported", ".read_text"): ("a host module's source, read for its imports", OWN),
+    ("hosts/payload.py", "imported_by_ast", ".read_text"): ("a host module's source, parsed for its imports (the tests' reading)", OWN),
     ("hosts/payload.py", "_build", ".read_bytes"): ("a host module's source, shipped in a payload", OWN),
     ("hosts/payload.py", "pack", ".read_bytes"): ("boot.py, the payload's reader", OWN),
     ("hosts/payload.py", "standalone", ".read_text"): ("entry.py, written into a run directory", OWN),

@@ -220,3 +220,12 @@ def test_a_provision_of_ones_own_environment_goes_on_beside_others_runs_and_wait
             os.close(fd)
     theirs["uid"] = os.getuid()  # the same holder as this login's: refused
     assert hostleases.take_devices({"op": "op-p", "command": "provision", "scope": {"gpus": 0, "workdir": "~/mnft-env", "own": True}}, [], {})[0]["what"] == "own-runs"
+
+
+def test_a_lease_of_nothing_has_no_hold_left_to_run_an_operations_scripts(lease_dir, tmp_path):
+    """A session of --gpus 0 takes no device and no directory: the host's hold ends at once, so the operation's host
+    scripts (its code's tree hash) are never asked of it (they would wait for an answer that never comes)."""
+    with fleet_of(tmp_path / "w") as fleet:
+        with leases.hold(fleet, fleet.inventory.hosts, "shell", "S1", scope=leases.Scope(gpus=0, directory=None)) as held:
+            assert held.devices == {"h1": []} and held.processes == {}
+            assert leases.run_held(fleet.inventory.hosts[0], "treehash", [str(tmp_path / "none"), "--if-exists"], "[]\n") is None

@@ -398,7 +398,10 @@ class Leases:
         if waiting:
             reply = self._wait(host.name, process, reply)
         if reply is not None:
-            if reply.get("taken"):
+            if reply.get("taken") and not reply.get("paths"):  # nothing to hold (a session of --gpus 0): the hold has ended,
+                self.processes.pop(host.name, None)          # so no run is asked of it (run_held: a round-trip of its own)
+                process.close_stdin()
+            elif reply.get("taken"):
                 self.processes[host.name] = process
             else:
                 self.processes.pop(host.name, None)
