@@ -141,8 +141,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("onhost/envfacts.py", "env_python_version", ".read"): ("pyvenv.cfg", "host: TEXT_BYTES (64 KiB)"),
     ("onhost/envfacts.py", "_os_release", "open"): ("/etc/os-release", "host: TEXT_BYTES (64 KiB)"),
     ("onhost/envfacts.py", "_os_release", ".read"): ("/etc/os-release", "host: TEXT_BYTES (64 KiB)"),
-    ("onhost/envfacts.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
-    ("onhost/envfacts.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("onhost/meshpeers.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
+    ("onhost/meshpeers.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
     ("onhost/envhost.py", "_run", ".read"): ("the installer's output, for its error", "host: OUTPUT_KEPT (its last 64 KiB)"),
     ("onhost/envhost.py", "_controller_gone", "os.read"): ("the controller's heartbeats, dropped", STDIN),
     ("onhost/envhost.py", "main", ".readline"): ("the install spec", STDIN),
@@ -152,8 +152,6 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("onhost/imagehost.py", "cdi_gpus", ".read"): ("a CDI spec in /etc/cdi, /var/run/cdi", "host: CDI_BYTES (1 MiB) each, CDI_FILES (64) files"),
     ("onhost/imagehost.py", "_load_cache", "open"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
     ("onhost/imagehost.py", "_load_cache", ".read"): ("~/.cache/mnft/sif-ids.json", "host: CACHE_BYTES (1 MiB), larger: started afresh"),
-    ("onhost/imagehost.py", "mesh_peers", "open"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
-    ("onhost/imagehost.py", "mesh_peers", ".read"): ("~/.ssh/config's mesh block", "host: CONFIG_BYTES (4 MiB, as setup's HOST_FILE_BYTES), larger: no mesh"),
     ("onhost/envfacts.py", "_python_version", "subprocess.run"): ("a Python's version", TOOL),
     ("onhost/linkagent.py", "_recv_exact", ".recv"): ("n bytes the caller asks for (one)", "host: n bytes"),
     ("onhost/linkagent.py", "_serve_one", ".recv"): ("echo: 64 bytes at a time, sent back", CHUNKS),
@@ -779,17 +777,17 @@ def test_a_metrics_line_cut_is_never_parsed_as_a_record(tmp_path):
 
 
 def test_envhost_reads_a_config_past_its_cap_as_no_mesh_and_a_record_past_its_cap_as_none(tmp_path, monkeypatch):
-    from mnft.onhost import envfacts
+    from mnft.onhost import envfacts, meshpeers
 
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / ".ssh").mkdir()
     (tmp_path / ".ssh" / "mnft_mesh_ed25519").write_text("key")
-    config = f"{envfacts.MESH_BEGIN}\nHost h2\n{envfacts.MESH_END}\n"
-    monkeypatch.setattr(envfacts, "CONFIG_BYTES", len(config))
+    config = f"{meshpeers.MESH_BEGIN}\nHost h2\n{meshpeers.MESH_END}\n"
+    monkeypatch.setattr(meshpeers, "CONFIG_BYTES", len(config))
     (tmp_path / ".ssh" / "config").write_text(config)
-    assert envfacts.mesh_peers() == ["h2"]
+    assert meshpeers.mesh_peers() == ["h2"]
     (tmp_path / ".ssh" / "config").write_text(config + "#")
-    assert envfacts.mesh_peers() == []
+    assert meshpeers.mesh_peers() == []
     record = tmp_path / "record.json"
     monkeypatch.setattr(envfacts, "RECORD_BYTES", 16)
     record.write_text('{"id": "' + "x" * 6 + '"}')  # 16 bytes

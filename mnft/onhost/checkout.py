@@ -62,14 +62,19 @@ def remove_placed(root: str, doomed, cache=None) -> dict:
             if exc.errno != errno.ENOENT:
                 kept[rel] = "%s: %s" % (exc.__class__.__name__, exc.strerror or exc)
             continue
-        folder = os.path.dirname(rel)
-        while folder:
-            try:
-                os.rmdir(os.path.join(root, folder))
-            except OSError:
-                break
-            folder = os.path.dirname(folder)
+        remove_empty_parents(root, rel)
     return kept
+
+
+def remove_empty_parents(root: str, rel: str) -> None:
+    """The directories above a removed file, up to the tree's top, each while it is left empty."""
+    folder = os.path.dirname(rel)
+    while folder:
+        try:
+            os.rmdir(os.path.join(root, folder))
+        except OSError:
+            break
+        folder = os.path.dirname(folder)
 
 
 def link_tree(source: str, root: str) -> dict:

@@ -11,11 +11,9 @@ import shutil
 import subprocess
 import sys
 
+from .meshpeers import mesh_peers
 RECORD = ".mnft-env.json"
 URL_CREDENTIALS = re.compile(r"(?<=://)[^/@\s]+@")  # an index URL's user:token, never shown (mnft.hosts.command)
-MESH_BEGIN = "# BEGIN mnft mesh"
-MESH_END = "# END mnft mesh"
-MESH_KEY = "~/.ssh/mnft_mesh_ed25519"
 VERSION_SCRIPT = "import platform,sys;print(platform.python_version());print(sys.implementation.name)"
 
 
@@ -45,7 +43,6 @@ def _existing_parent(path: str) -> str:
 
 
 RECORD_BYTES = 16 << 20  # an environment's record (its distributions) read at most: a larger one is no record
-CONFIG_BYTES = 4 << 20  # ~/.ssh/config read at most (setup edits none larger): past it, no mesh is seen
 TEXT_BYTES = 65536  # a small text file (pyvenv.cfg, os-release) read at most
 
 
@@ -157,28 +154,6 @@ def _os_release():
         key, _, value = line.strip().partition("=")
         values[key] = value.strip().strip("\"'")
     return " ".join(v for v in (values.get("ID"), values.get("VERSION_ID")) if v) or None
-
-
-def mesh_peers() -> list:
-    """The host names of mnft's mesh block in ~/.ssh/config (empty when `invoke setup` made no mesh here)."""
-    if not os.path.exists(os.path.expanduser(MESH_KEY)):
-        return []
-    try:
-        with open(os.path.expanduser("~/.ssh/config"), encoding="utf-8") as f:
-            text = f.read(CONFIG_BYTES + 1)
-    except (OSError, ValueError):
-        return []
-    if len(text) > CONFIG_BYTES:  # setup writes no mesh into one this large: the wheels then come from the controller
-        return []
-    inside, names = False, []
-    for line in text.splitlines():
-        if line.startswith(MESH_BEGIN):
-            inside = True
-        elif line.startswith(MESH_END):
-            inside = False
-        elif inside and line.split()[:1] == ["Host"]:
-            names += line.split()[1:]
-    return names
 
 
 def facts(venv: str, pythons: list, want) -> dict:

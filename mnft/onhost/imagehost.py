@@ -51,6 +51,7 @@ import tempfile
 import time
 
 from .filehash import sha256_file
+from .meshpeers import mesh_peers
 
 KINDS = ("podman", "docker", "apptainer", "singularity")
 DAEMONS = ("podman", "docker")
@@ -68,10 +69,6 @@ MOVE_TIMEOUT = 3600.0  # save and load of an image of many GB
 STAGE_PREFIX = "mnft-image-"  # staging directories: /var/tmp/mnft-image-TOKEN-HOST, or DIR/.mnft-image-TOKEN-HOST beside a .sif
 ARCHIVE = "image.tar"
 SIF_FILE = "image.sif"
-MESH_BEGIN = "# BEGIN mnft mesh"
-MESH_END = "# END mnft mesh"
-MESH_KEY = "~/.ssh/mnft_mesh_ed25519"
-CONFIG_BYTES = 4 << 20  # ~/.ssh/config read at most (setup edits none larger): past it, no mesh is seen
 LOADED = re.compile(r"^Loaded image(?:\(s\))?(?: ID)?:\s*(.+)$")
 VERSION = re.compile(r"version\s+v?([0-9][^\s,]*)", re.I)
 
@@ -364,28 +361,6 @@ def _stage_dir(path: str) -> str:
     if not os.path.basename(path).lstrip(".").startswith(STAGE_PREFIX):
         raise Failure("%s is not a staging directory of mnft's" % path)
     return path
-
-
-def mesh_peers() -> list:
-    """The host names of mnft's mesh block in ~/.ssh/config (empty when `invoke setup` made no mesh here)."""
-    if not os.path.exists(os.path.expanduser(MESH_KEY)):
-        return []
-    try:
-        with open(os.path.expanduser("~/.ssh/config"), encoding="utf-8") as f:
-            text = f.read(CONFIG_BYTES + 1)
-    except (OSError, ValueError):
-        return []
-    if len(text) > CONFIG_BYTES:
-        return []
-    inside, names = False, []
-    for line in text.splitlines():
-        if line.startswith(MESH_BEGIN):
-            inside = True
-        elif line.startswith(MESH_END):
-            inside = False
-        elif inside and line.split()[:1] == ["Host"]:
-            names += line.split()[1:]
-    return names
 
 
 def prepare(folder: str) -> dict:

@@ -26,7 +26,7 @@ import shutil
 import stat
 import sys
 
-from .checkout import PLACED, read_placed
+from .checkout import PLACED, read_placed, remove_empty_parents
 from .filehash import sha256_file
 from .sharemarks import SHARE_DIR, _anchor
 from .systemdirs import SYSTEM_TREES
@@ -288,13 +288,7 @@ def _remove_placed(root: str) -> dict:
             if exc.errno != errno.ENOENT:
                 errors[rel] = exc.strerror or str(exc)
                 continue
-        folder = os.path.dirname(rel)
-        while folder:
-            try:
-                os.rmdir(os.path.join(root, folder))
-            except OSError:
-                break
-            folder = os.path.dirname(folder)
+        remove_empty_parents(root, rel)
     if not errors:
         try:
             os.unlink(os.path.join(root, PLACED))
