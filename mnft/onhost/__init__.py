@@ -28,9 +28,9 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
     probe         check's facts and network tests in one round-trip or one session: facts, nettest, probeout
     treehash      a tree's identity, also the controller's: checkout (the record of what mnft placed, job
                   directories, snapshots), sharemarks (who shares a directory), systemdirs, filehash
-    envhost       provision's host side: envfacts (Pythons, platform, an environment's distributions)
+    envhost       provision's host side: envfacts (Pythons, platform, an environment's distributions), meshpeers
     uninstallhost uninstall's host side
-    imagehost     an image's identity on a host; save, load, place and clean for `sync --image`
+    imagehost     an image's identity on a host; save, load, place and clean for `sync --image` (meshpeers: whom it relays from)
     setuphost     setup's file and nftables edits, with a dead-man revert
     linkagent     the link test's TCP sink/source and RTT client
     torchlaunch   starts a shipped torchrun entry (perf's all_reduce) bounded by the controller's connection
