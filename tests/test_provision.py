@@ -736,7 +736,9 @@ def _controller(tmp_path: Path, inventory: Path, lock: Path, uv: str | None = No
     """`invoke provision` as a person runs it, in a process (and session) of its own; uv: a stand-in binary that
     the controller ships and the host runs instead of the real uv (found by `uv.find_uv_bin()`, hash-checked);
     deadman: the hosts' deadman 2 s and a heartbeat every 0.25 s (instead of 30 s and 5 s)."""
-    env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_HOME=str(tmp_path / "mnft-home"), PYTHONUNBUFFERED="1")
+    leases = tmp_path / "leases"  # the local host's lease directory of its own: never another test's (or run's) leases
+    leases.mkdir(mode=0o1777, exist_ok=True)
+    env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_HOME=str(tmp_path / "mnft-home"), MNFT_LEASE_DIR=str(leases), PYTHONUNBUFFERED="1")
     if uv is not None:
         binary = tmp_path / "stand-in" / "uv-binary"
         (tmp_path / "stand-in" / "uv").mkdir(parents=True, exist_ok=True)
