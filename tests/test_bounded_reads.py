@@ -222,7 +222,6 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("onhost/treehash.py", "rsync_version", "subprocess.run"): ("rsync --version", TOOL),
     # ---------------------------------------------------------------- files other people own: their bounds, or the fix to apply
     ("hosts/payload.py", "imported", ".read_text"): ("a host module's source, read for its imports", OWN),
-    ("hosts/payload.py", "imported_by_ast", ".read_text"): ("a host module's source, parsed for its imports (the tests' reading)", OWN),
     ("hosts/payload.py", "_build", ".read_bytes"): ("a host module's source, shipped in a payload", OWN),
     ("hosts/payload.py", "pack", ".read_bytes"): ("boot.py, the payload's reader", OWN),
     ("hosts/payload.py", "standalone", ".read_text"): ("entry.py, written into a run directory", OWN),
@@ -241,7 +240,6 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("onhost/leasefiles.py", "_read", "os.pread"): ("a lease file anyone may plant", "host: MAX_LEASE_BYTES (64 KiB)"),
     ("onhost/usageread.py", "usage", "os.pread"): ("a user's usage log (its owner's file, a line per ended lease)", "host: 2 × USAGE_BYTES (2 MiB) a file, 256 files, MAX_USAGE_LINES lines"),
     ("onhost/watches.py", "IdleWatch.mark", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
-    ("onhost/runleases.py", "last_out", "os.pread"): ("a lease file anyone may plant", "host: 64 KiB"),
     ("onhost/sessions.py", "session_prepare", ".readline"): ("a session's spec", STDIN),
     ("onhost/sessions.py", "watch", "os.read"): ("the controller's heartbeats", STDIN),
     ("hosts/terminal.py", "_LocalTerminal.read", "os.read"): ("a session's terminal output", "none: streamed to this terminal in 64 KiB chunks, never held"),

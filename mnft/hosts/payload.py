@@ -13,7 +13,6 @@ file changes.
 
 from __future__ import annotations
 
-import ast
 import importlib.machinery
 import importlib.util
 import marshal
@@ -52,14 +51,6 @@ def imported(name: str) -> set[str]:
             out.update(word.strip().split(" as ")[0].strip() for word in match.group(2).strip("()").split(","))
     return {n for n in out if n and _file(n).is_file()}
 
-
-def imported_by_ast(name: str) -> set[str]:
-    """`imported` as Python's parser reads it (the tests hold the two equal)."""
-    out = set()
-    for node in ast.walk(ast.parse(_file(name).read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            out.update([node.module.split(".")[0]] if node.module else [alias.name for alias in node.names])
-    return {n for n in out if _file(n).is_file()}
 
 
 def closure(entry: str) -> tuple[str, ...]:

@@ -154,9 +154,6 @@ def run(raw, argv):
 
 def start(head, body, modules):
     """What BOOTSTRAP runs: the payload's modules served, then its entry's main; the process exits with its code."""
-    if sys.version_info < OLDEST:  # the bootstrap said so already; boot run some other way says it too
-        sys.stderr.write(OLD_PYTHON % tuple(sys.version_info[:2]) + "\n")
-        sys.exit(3)
     module = _entry(_install(head + body, modules))
     code = exit_code(module.main(sys.argv[1:]))
     # an entry whose threads may be blocked in a read of stdin ends by its own `leave` (os._exit after a flush): the

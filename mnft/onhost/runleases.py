@@ -103,15 +103,13 @@ def last_out(run_id, paths):
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            old = os.pread(fd, 65536, 0)
-            holder = json.loads(old.decode("utf-8"))
-            named = holder.get("run_id") if isinstance(holder, dict) else None
+            holder = leasefiles._read(fd)  # the lease script's reader and writer: one form of a lease file
+            named = holder.get("run_id") if holder else None
             if isinstance(named, str) and named and (run_id == named or run_id.startswith(named + "-a")) and not holder.get("released"):
                 holder["released"] = time.time()
-                data = json.dumps(holder, sort_keys=True).encode()
-                os.pwrite(fd, data + b" " * max(0, len(old) - len(data)), 0)
+                leasefiles._write(fd, holder)
                 ended.append(holder)
-        except (OSError, ValueError):
+        except OSError:
             pass
         finally:
             os.close(fd)
