@@ -5,6 +5,8 @@ python becoming the host's python."""
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -474,6 +476,25 @@ def test_a_relayed_uv_that_is_not_the_controllers_is_removed_never_run(tmp_path)
     assert not ran.exists() and not uv.exists()
 
 
+def test_a_held_uv_of_the_same_size_and_second_but_another_sha_is_removed_before_the_send(tmp_path):
+    """rsync's quick check would keep it (size and modification time equal), and the install would then refuse it:
+    prepare drops it so the send delivers the controller's; the controller's own uv stays where it is."""
+    from mnft.onhost import envhost
+    from mnft.onhost.filehash import sha256_file
+
+    root = Path(envhost.root_of(str(tmp_path / "env")))
+    (root / "dist").mkdir(parents=True)
+    held, controllers = root / "dist" / "uv", tmp_path / "uv"
+    held.write_text("#!/bin/sh\necho SIGKILL\n")
+    controllers.write_text("#!/bin/sh\necho SIGSTOP\n")
+    os.utime(held, (1_700_000_000, 1_700_000_000))
+    os.utime(controllers, (1_700_000_000, 1_700_000_000))
+    assert envhost.prepare(str(tmp_path / "env"), sha256_file(str(controllers)))["ok"]
+    assert not held.exists()
+    shutil.copy2(controllers, held)
+    envhost.prepare(str(tmp_path / "env"), sha256_file(str(controllers)))
+    assert held.read_text() == controllers.read_text()
+
 # ------------------------------------------------------------------------------------------------ the host script stopped
 
 
@@ -752,6 +773,21 @@ def _controller(tmp_path: Path, inventory: Path, lock: Path, uv: str | None = No
                             cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _installing(controller: subprocess.Popen, pids: Path, timeout: float = 45) -> None:
+    """Wait until the controller's stand-in uv runs; a controller that ends (or hangs) before is a failure that quotes
+    what the controller said."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not (pids.exists() and len(pids.read_text().split()) == 2):
+        if controller.poll() is not None or time.monotonic() > deadline:
+            if controller.poll() is None:
+                os.killpg(controller.pid, signal.SIGKILL)
+            out, _ = controller.communicate()
+            pytest.fail(f"the stand-in uv did not start; the controller ({controller.returncode}) said:\n{out.decode()}")
+        time.sleep(0.05)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -795,7 +831,7 @@ def test_a_controller_killed_mid_install_leaves_no_installer_on_a_local_host_and
     pids = tmp / f"uv-{how}.pids"
     controller = _controller(tmp, inventory, v2, KILLED_UV.replace("{pids}", str(pids)))
     try:
-        wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, 45, "the stand-in uv did not start")
+        _installing(controller, pids)
         installers = [int(pid) for pid in pids.read_text().split()]
         assert all(_alive(pid) for pid in installers)
         controller.send_signal(getattr(signal, how))
@@ -834,7 +870,7 @@ def test_a_controller_that_goes_silent_mid_install_loses_the_install_after_the_d
     controller = _controller(tmp, inventory, v2, KILLED_UV.replace("{pids}", str(pids)), deadman=True)
     installers: list[int] = []
     try:
-        wait_for(lambda: pids.exists() and len(pids.read_text().split()) == 2, 45, "the stand-in uv did not start")
+        _installing(controller, pids)
         installers = [int(pid) for pid in pids.read_text().split()]
         time.sleep(3)  # past the deadman, heard all along: the install goes on
         assert all(_alive(pid) for pid in installers)
@@ -844,9 +880,10 @@ def test_a_controller_that_goes_silent_mid_install_loses_the_install_after_the_d
         wait_for(lambda: os.listdir(envs) == [os.path.basename(before)], 10, "the half-built environment is still there")
         assert os.readlink(link) == before
     finally:
-        controller.kill()
-        os.killpg(controller.pid, signal.SIGCONT)
-        controller.communicate()
+        if controller.poll() is None:
+            controller.kill()
+            os.killpg(controller.pid, signal.SIGCONT)
+            controller.communicate()
         for pid in installers:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)

@@ -347,7 +347,8 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
             raise InputError(f"host {host.name}: {fmt_size(free)} free at {(f.get('disk') or {}).get('path')}, provisioning needs {fmt_size(need)} "
                              "(wheels to copy + the unpacked environment): free disk or set 'venv' to a larger disk; nothing was changed on any host")
     targets = {h.name: host_root(h.venv) + "/dist" for h in todo}
-    prepared = fleet.run(lambda h: script_command(h, "prepare", h.venv), stdin=_script_payload(), hosts=todo, timeout=FACTS_TIMEOUT)
+    uv_sha256 = sha256_file(uv_bin)
+    prepared = fleet.run(lambda h: script_command(h, "prepare", h.venv, uv_sha256), stdin=_script_payload(), hosts=todo, timeout=FACTS_TIMEOUT)
     ready = []
     for host in todo:
         result = prepared[host.name]
@@ -391,8 +392,6 @@ def _apply(fleet: Fleet, inventory: Inventory, lock: Lock, options: ProvisionOpt
             outcome.error = "sending the wheels failed: " + d.error
     say(f"building the environment on {len(installable)} host(s)")
     env_id = _env_id(lock)
-
-    uv_sha256 = sha256_file(uv_bin)
 
     def spec(host: Host) -> bytes:
         """The install's spec, sent on stdin after the script: never on a command line (an index URL may hold a

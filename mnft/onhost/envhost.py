@@ -12,7 +12,8 @@ Layout on the host, for a `venv` of ~/mnft-env:
     ~/mnft-env.d/cache/     uv's cache (links into the environments, so a rebuild costs little disk)
 
     facts VENV [--python P]... [--want X.Y]   Pythons, platform, disk, the environment's distributions, the mesh
-    prepare VENV                               create the dist directory (before wheels are sent)
+    prepare VENV [UV_SHA256]                   create the dist directory (before wheels are sent); a held uv that is
+                                               not the controller's is removed, so the send delivers it
     install SPEC_JSON                          build a new environment beside the current one, verify, switch
                                                (SPEC_JSON "-": the spec is the next line of stdin)
 
@@ -369,9 +370,15 @@ def rollback(venv: str) -> dict:
     return {"ok": True, "env": target, "previous": current, "dists": distributions(target)}
 
 
-def prepare(venv: str) -> dict:
+def prepare(venv: str, uv_sha256: str = "") -> dict:
+    """The dist directory, ready for the send. rsync's quick check skips a file of the same size and modification
+    second: another uv (an upgrade of one size, or one built in the same second) would stay, and the install would
+    refuse it; so a held uv whose sha256 is not the controller's is removed here (it is mnft's own copy)."""
     root = root_of(venv)
     os.makedirs(os.path.join(root, "dist", "wheels"), exist_ok=True)
+    uv = os.path.join(root, "dist", "uv")
+    if uv_sha256 and os.path.isfile(uv) and not os.path.islink(uv) and sha256_file(uv) != uv_sha256:
+        os.unlink(uv)
     return {"ok": True, "root": root}
 
 
@@ -394,7 +401,7 @@ def main(argv: list) -> int:
                     return 2
             _emit(facts(argv[1], pythons, want))
         elif mode == "prepare":
-            _emit(prepare(argv[1]))
+            _emit(prepare(argv[1], argv[2] if len(argv) > 2 else ""))
         elif mode == "install":  # the spec on stdin, after the script: never on a command line (it may hold a token)
             for sig in STOP_SIGNALS:
                 signal.signal(sig, _on_signal)
