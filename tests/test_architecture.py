@@ -39,7 +39,7 @@ HOST_PACKAGE = "onhost"
 MAX_HOST_LINES = 600
 # Run as a file of its own (written into a run directory, run by each rank's Python), outside any payload: it
 # imports nothing of the package.
-STANDALONE = ("onhost.entry",)
+STANDALONE = ("onhost.entry", "onhost.xidreader")
 # Shipped as a text and started by torchrun in the host's training Python: the standard library and torch.
 TORCH_ENTRIES = ("perf.allreduce",)
 

@@ -112,11 +112,15 @@ def test_a_15_s_stall_of_nvidia_smi_is_named_within_the_reads_bound(sick, tmp_pa
 
 
 def test_a_run_whose_gpu_logs_an_xid_mid_run_is_restarted_on_the_spare_never_on_that_gpu_again(sick, tmp_path, src):
+    """bob's run, on hosts under kernel.dmesg_restrict=1 where the admin's setup installed the reader of Xid lines."""
     h1, h2 = sick.hosts
-    root = Person(sick, tmp_path, "root", [h1, h2])
-    root.inventory = str(sick.write_inventory(root.dir / "lab.yaml", hosts=[h1, h2], user="root", workdir=root.workdir, spare={h2.name: True}))
-    run = root.start("train", "--hosts", root.inventory, "--src", str(src), "--gpus", "1", "--max-restarts", "1", "--backoff", "0.5",
-                     "--", "once.py")
+    admin = Person(sick, tmp_path, "root", [h1, h2])
+    installed = admin.mnft("setup", "--hosts", admin.inventory, "--only", "kernel_log")
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    bob = Person(sick, tmp_path, "bob", [h1, h2])
+    bob.inventory = str(sick.write_inventory(bob.dir / "lab.yaml", hosts=[h1, h2], user="bob", workdir=bob.workdir, spare={h2.name: True}))
+    run = bob.start("train", "--hosts", bob.inventory, "--src", str(src), "--gpus", "1", "--max-restarts", "1", "--backoff", "0.5",
+                    "--", "once.py")
     try:
         deadline = time.monotonic() + 180
         while not (used := {i: pids for i, pids in sick.gpu_users(h1).items() if pids}) and time.monotonic() < deadline and run.poll() is None:
@@ -128,7 +132,7 @@ def test_a_run_whose_gpu_logs_an_xid_mid_run_is_restarted_on_the_spare_never_on_
         time.sleep(0.5)
         os.kill(pid, signal.SIGKILL)
         out = finished(run, timeout=240)
-        record = json.loads((root.dir / "runs" / root.run_ids()[-1] / "run.json").read_text())
+        record = json.loads((bob.dir / "runs" / bob.run_ids()[-1] / "run.json").read_text())
         first, second = record["attempts"]
         assert first["cause"]["kind"] == "gpu-xid" and first["hosts"] == [h1.name]
         assert [(x["host"], x["gpu"], x["xid"]) for x in first["cause"]["xids"]] == [(h1.name, gpu, 79)]
@@ -138,12 +142,58 @@ def test_a_run_whose_gpu_logs_an_xid_mid_run_is_restarted_on_the_spare_never_on_
         assert f"{h1.name} replaced by the spare {h2.name} (Xid 79 on its GPU {gpu}: not used again in this run)" in out
         # what the ranks themselves were given: h1's GPU in attempt 1 only, the spare's leased GPU in attempt 2
         run_id = record["run_id"]
-        assert root.seen(run_id, h1) == {str(gpu)}
-        assert root.seen(f"{run_id}-a2", h2) == {str(i) for i in record["devices"][h2.name]}
-        assert not (h1.home / "mnft-lab" / "runs" / f"{run_id}-a2").exists()  # nothing of attempt 2 on h1
+        assert bob.seen(run_id, h1) == {str(gpu)}
+        assert bob.seen(f"{run_id}-a2", h2) == {str(i) for i in record["devices"][h2.name]}
+        assert not (h1.root / "tmp" / "home-bob" / "mnft" / "runs" / f"{run_id}-a2").exists()  # nothing of attempt 2 on h1
     finally:
         if run.poll() is None:
             run.kill()
             run.communicate()
         (h1.root / "kmsg").write_text("")  # the stand-in kernel log: the next test's GPUs without this Xid
         sick.gpu_faults(h1, gone=None)
+        admin.mnft("setup", "--hosts", admin.inventory, "--only", "kernel_log", "--undo")
+
+
+def test_a_member_sees_no_xid_under_dmesg_restrict_until_an_admins_setup_installs_the_reader_and_undo_takes_it_away(sick, tmp_path):
+    """Hosts as Debian ships them (kernel.dmesg_restrict=1: /dev/kmsg is root's): bob's look says once that he cannot
+    see Xids, and what fixes it; root's `mnft setup --only kernel_log` says what it chose and installs the reader of
+    Xid lines only; bob's look then refuses the GPU with the Xid; undo takes the reader and its sudo rule away."""
+    h1, h2 = sick.hosts
+    root, bob = Person(sick, tmp_path, "root", [h1, h2]), Person(sick, tmp_path, "bob", [h1, h2])
+    assert sick.run(h1, ["cat", "/proc/sys/kernel/dmesg_restrict"]).stdout.strip() == "1"
+    sick.xid(h1, 2, 79)
+    sick.run(h1, ["sh", "-c", "echo '6,9,200,-;usb 1-1: new device of someone' >> /dev/kmsg"])
+    try:
+        look = bob.mnft("lab", "--hosts", bob.inventory, "--json")
+        assert look.returncode == 0, look.stdout[-2000:] + look.stderr[-2000:]
+        said = json.loads(look.stdout)
+        assert set(said["kernel_log"]) == {h1.name, h2.name}
+        assert said["kernel_log"][h1.name].startswith("the kernel log (/dev/kmsg) is not readable by bob (kernel.dmesg_restrict=1)")
+        assert "`mnft setup --only kernel_log`" in said["kernel_log"][h1.name]
+        assert {r["device"]: r["state"] for r in said["devices"] if r["host"] == h1.name}["2"] == "free"  # the Xid unseen
+        table = bob.mnft("lab", "--hosts", bob.inventory)
+        assert (table.stdout + table.stderr).count("is not readable by bob") == 1  # said once, for both hosts
+
+        setup = root.mnft("setup", "--hosts", root.inventory, "--only", "kernel_log")
+        assert setup.returncode == 0, setup.stdout[-3000:] + setup.stderr[-3000:]
+        assert "through mnft's reader (/usr/local/libexec/mnft-kernel-xids" in setup.stdout
+        for host in (h1, h2):
+            mode = sick.run(host, ["stat", "-c", "%U %a", "/usr/local/libexec/mnft-kernel-xids", "/etc/sudoers.d/mnft-kernel-xids"]).stdout.split()
+            assert mode == ["root", "755", "root", "440"], mode
+        mine = bob.mnft("lab", "--hosts", bob.inventory, "--json")
+        said = json.loads(mine.stdout)
+        assert said["kernel_log"] == {}
+        rows = {r["device"]: r for r in said["devices"] if r["host"] == h1.name}
+        assert rows["2"]["state"] == "unhealthy" and "Xid 79 (fallen off the bus)" in rows["2"]["health"]
+        assert {rows[d]["state"] for d in ("0", "1", "3")} == {"free"}
+        # what the reader shows bob: the Xid lines and nothing else of the kernel log
+        shown = sick.run(h1, ["su", "bob", "-c", "sudo -n /usr/local/libexec/mnft-kernel-xids"])
+        assert "NVRM: Xid" in shown.stdout and "usb" not in shown.stdout
+        assert sick.run(h1, ["su", "bob", "-c", "sudo -n /usr/local/libexec/mnft-kernel-xids --any-argument"], check=False).returncode != 0
+
+        undo = root.mnft("setup", "--hosts", root.inventory, "--only", "kernel_log", "--undo")
+        assert undo.returncode == 0, undo.stdout[-3000:] + undo.stderr[-3000:]
+        assert sick.run(h1, ["ls", "/etc/sudoers.d", "/usr/local/libexec"]).stdout.split() == ["/etc/sudoers.d:", "/usr/local/libexec:"]
+        assert set(json.loads(bob.mnft("lab", "--hosts", bob.inventory, "--json").stdout)["kernel_log"]) == {h1.name, h2.name}
+    finally:
+        (h1.root / "kmsg").write_text("")

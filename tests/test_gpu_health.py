@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ import fakegpu
 import pytest
 
 from mnft.hosts import pyrun
+from mnft.onhost import kernellog
 
 
 from mnft.onhost import drain, gpuread, health, leasefiles, leasehost, smi
@@ -40,7 +42,7 @@ def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lease_dir: Path):
     kmsg.write_text("6,1,100,-;Linux version 6.1.0\n")
     monkeypatch.setenv(fakegpu.STATE_ENV, str(state))
     monkeypatch.setenv(fakegpu.FAKE_KMSG_ENV, str(kmsg))
-    monkeypatch.setenv(health.KMSG_VAR, str(kmsg))
+    monkeypatch.setenv(kernellog.KMSG_VAR, str(kmsg))
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MNFT_NVML", "0")
@@ -163,7 +165,7 @@ def test_xid_lines_of_the_kernel_log_are_the_gpus_they_name_and_a_reset_kind_bre
 
 
 def test_an_unreadable_kernel_log_is_said_not_passed_over(host, tmp_path, monkeypatch):
-    monkeypatch.setenv(health.KMSG_VAR, str(tmp_path / "no-such-log"))
+    monkeypatch.setenv(kernellog.KMSG_VAR, str(tmp_path / "no-such-log"))
     devices = gpuread.read_devices()[0]
     assert devices[0]["health"]["kmsg"].startswith(f"the kernel log ({tmp_path / 'no-such-log'})")
 
@@ -378,7 +380,7 @@ def test_check_judges_each_gpus_health_with_its_fix_and_names_a_drained_one():
     assert found[("GPU 1", "warning")].message == "GPU 1: clocks throttled (power brake): the likely straggler of any gang it joins"
     assert found[("GPU 2", "warning")].fix == "nvidia-smi -pm 1, or enable nvidia-persistenced"
     assert found[("GPU 3", "note")].message.startswith("GPU 3: drained by ops at ")
-    assert found[("the kernel log (/dev/kmsg) is not readable", "note")]
+    assert not [p for p in gpu_health("h1", view) if "kernel log" in p.message]  # said once for every host: below
     assert gpu_health("h2", {"error": "nvidia-smi did not answer in 5 s: is persistence mode off? a wedged driver?"})[0].severity == "error"
 
 
@@ -415,6 +417,16 @@ def test_check_does_not_ask_a_host_again_whose_nvidia_smi_stalled_in_the_probe(m
     assert facts["h2"]["gpu_health"]["error"] == stall and facts["h1"]["gpu_health"]["devices"] == [{"index": 0, "state": "free"}]
 
 
+def test_check_says_an_unreadable_kernel_log_once_for_every_host_it_holds_for():
+    from mnft.check.rules import kernel_log_unread
+
+    why = "the kernel log (/dev/kmsg) is not readable by bob (kernel.dmesg_restrict=1): Xid errors are not seen; an admin's …"
+    views = {"h1": {"devices": [gpu(0, kmsg=why), gpu(1, kmsg=why)]}, "h2": {"devices": [gpu(0, kmsg=why)]}, "h3": {"devices": [gpu(0)]}, "h4": None}
+    (said,) = kernel_log_unread(views)
+    assert (said.host, said.field, said.message, said.severity) == ("h1, h2", "kernel-log", why, "note")
+    assert kernel_log_unread({"h3": views["h3"]}) == []
+
+
 def test_lab_says_an_unreadable_kernel_log_once_carries_it_in_json_and_does_not_fail_for_it(capsys):
     from mnft.hosts import report
 
@@ -425,3 +437,89 @@ def test_lab_says_an_unreadable_kernel_log_once_carries_it_in_json_and_does_not_
     assert report.print_lab(lab_inventory(), views, False, 0.1) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert out.count("is not readable by bob") == 1 and "h1, h2: the kernel log (/dev/kmsg) is not readable" in out
+
+
+# ------------------------------------------------------------------------------------------------ where a member reads Xids
+
+
+XID_LINE = "NVRM: Xid (PCI:0000:1b:00): 79, pid=1234, name=python, GPU has fallen off the bus."
+DENIED = ("No journal files were opened due to insufficient permissions.\n"
+          "Hint: You are currently not seeing messages from other users and the system.\n"
+          "      Users in groups 'adm', 'systemd-journal' can see all messages.\n")
+
+
+@pytest.fixture
+def restricted(tmp_path, monkeypatch):
+    """A host under kernel.dmesg_restrict=1 (opening /dev/kmsg: EPERM), with stand-ins on the PATH that answer as the
+    real ones: `sudo` (runs the command when given, a reader mnft's setup would have installed) and `journalctl`
+    (the journal as a user who may not read it, unless told `readable`). Returns a function that places them."""
+    import errno
+
+    from mnft.onhost import xidreader
+
+    def denied(*_, **__):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(kernellog, "kmsg_records", denied)
+    monkeypatch.delenv(kernellog.KMSG_VAR, raising=False)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
+    monkeypatch.setenv(kernellog.READER_VAR, str(tmp_path / "no-reader"))
+
+    def place(reader=None, journal=None):
+        (bin_dir / "sudo").write_text('#!/bin/sh\n[ "$1" = -n ] && shift\nexec "$@"\n')
+        (bin_dir / "sudo").chmod(0o755)
+        if reader is not None:
+            (tmp_path / "reader").write_text(reader)
+            (tmp_path / "reader").chmod(0o755)
+            monkeypatch.setenv(kernellog.READER_VAR, str(tmp_path / "reader"))
+        out = journal if journal is not None else ""
+        err = "" if journal is not None else DENIED
+        (bin_dir / "journalctl").write_text(f"#!/bin/sh\nprintf %s {shlex.quote(out)}\nprintf %s {shlex.quote(err)} >&2\n")
+        (bin_dir / "journalctl").chmod(0o755)
+        return xidreader
+
+    return place
+
+
+def test_a_member_under_dmesg_restrict_is_told_once_what_lets_them_see_xids(restricted):
+    restricted()
+    found, why = kernellog.read_xids()
+    assert found == {}
+    assert why.startswith("the kernel log (/dev/kmsg) is not readable by root (kernel.dmesg_restrict=1): Xid errors are not seen; ")
+    assert "an admin's `mnft setup --only kernel_log` lets every user read the driver's Xid lines" in why
+    assert why.endswith("or add root to the systemd-journal group")
+
+
+def test_a_member_reads_the_xids_through_the_reader_setup_installed(restricted):
+    restricted(reader=f"#!/bin/sh\necho '3,812,5000000,-;{XID_LINE}'\n")
+    found, why = kernellog.read_xids()
+    assert why is None and [x["xid"] for x in found["1b:00"]] == [79]
+    assert found["1b:00"][0]["text"].startswith("pid=1234")
+
+
+def test_a_reader_sudo_will_not_run_is_named_with_what_sudo_said(restricted):
+    restricted(reader="#!/bin/sh\necho 'sudo: a password is required' >&2\nexit 1\n")
+    found, why = kernellog.read_xids()
+    assert found == {}
+    assert why.startswith("mnft's reader of Xid lines (") and "did not run for root: sudo: a password is required" in why
+    assert why.endswith("an admin re-runs `mnft setup --only kernel_log`")
+
+
+def test_a_member_of_the_journals_groups_reads_the_xids_from_the_journal(restricted):
+    restricted(journal="[    1.000000] h1 kernel: Linux version 6.1.0\n[    5.250000] h1 kernel: " + XID_LINE + "\n")
+    found, why = kernellog.read_xids()
+    assert why is None and [x["xid"] for x in found["1b:00"]] == [79]
+
+
+def test_the_reader_prints_the_xid_records_and_nothing_else_of_the_kernel_log(tmp_path, monkeypatch, capsys):
+    from mnft.onhost import xidreader
+
+    log = tmp_path / "kmsg"
+    log.write_text(f"6,1,100,-;usb 1-1: new device\n3,2,200,-;{XID_LINE}\n4,3,300,-;Out of memory: Killed process 9 (secret-cmd)\n")
+    monkeypatch.setattr(xidreader, "KMSG", str(log))
+    monkeypatch.setattr(xidreader.kmsg_records, "__defaults__", (str(log), xidreader.MAX_BYTES))
+    assert xidreader.main([]) == 0
+    assert capsys.readouterr().out == f"3,2,200,-;{XID_LINE}\n"
+    assert xidreader.main(["--anything"]) == 2

@@ -31,7 +31,7 @@ def error_of(text: str) -> str:
 
 def test_the_shipped_playbook_is_valid_and_ordered():
     book = pb.load(REPO / "playbooks" / "setup.yaml")
-    assert [s.step for s in book.steps] == ["authorized_keys", "mesh", "hosts_file", "firewall", "reserved_ports"]
+    assert [s.step for s in book.steps] == ["authorized_keys", "mesh", "hosts_file", "firewall", "reserved_ports", "kernel_log"]
     assert book.steps[3].params["revert_after"] == 30.0 and book.steps[3].params["allow_from"] == ()
 
 

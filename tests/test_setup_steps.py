@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from mnft.setup.steps import authorized_keys as ak
-from mnft.setup.steps import blocks, firewall, hosts_file, mesh, reserved_ports
+from mnft.setup.steps import blocks, firewall, hosts_file, kernel_log, mesh, reserved_ports
 from mnft.setup.steps.base import Param, check_value
 
 CONTROLLER = ("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIHmmG8d00K67NVM4V28ABcNoqg7v++t1D2xVakQTFag2")
@@ -594,3 +594,54 @@ def test_the_host_script_refuses_to_edit_a_file_past_the_limit_naming_it(tmp_pat
     [ok, proc, refused] = json.loads(done.stdout.decode())["results"]
     assert ok["text"] == "Host *\n" and proc["text"] == open(sysctl).read()
     assert refused == {"error": f"{big} is larger than 4 MiB: mnft edits files up to that size (trim it, or edit it by hand)"}
+
+
+# ------------------------------------------------------------------------------------------------ kernel_log
+
+
+def _kernel_facts(**given) -> dict:
+    facts = {"restrict": "1", "reader_sha": None, "sudoers_sha": None, "python": True, "sudo": True, "checking": False, "driver": True}
+    facts.update(given)
+    return facts
+
+
+def test_kernel_log_installs_the_reader_and_a_sudoers_rule_checked_by_visudo_before_it_is_put_in_place():
+    plan = kernel_log.plan_host(_kernel_facts(), "ALL")
+    assert [op.get("path") or op["argv"][0] for op in plan.ops] == [
+        kernel_log.READER, kernel_log.CHECKING, kernel_log.VISUDO, kernel_log.SUDOERS, kernel_log.CHECKING]
+    reader, checking, visudo, sudoers, _ = plan.ops
+    assert reader["text"].startswith("#!/usr/bin/python3 -I\n") and reader["mode"] == 0o755 and reader["expect_sha256"] is None
+    assert visudo == {"op": "run", "argv": [kernel_log.VISUDO, "-cf", kernel_log.CHECKING], "check": True}
+    assert "." in kernel_log.CHECKING.rsplit("/", 1)[1]  # sudo never reads a sudoers.d file whose name has a dot
+    assert checking["text"] == sudoers["text"] and sudoers["mode"] == 0o440
+    assert sudoers["text"].splitlines()[-1] == f'ALL ALL=(root) NOPASSWD: {kernel_log.READER} ""'  # "": no arguments allowed
+    assert plan.notes == [f"the lab's members read the driver's Xid lines through mnft's reader ({kernel_log.READER}, run by sudo: {kernel_log.SUDOERS})"]
+    group = kernel_log.plan_host(_kernel_facts(), "%lab").ops[3]["text"]
+    assert group.splitlines()[-1].startswith("%lab ALL=(root) NOPASSWD:")
+
+
+def test_kernel_log_says_what_it_chose_and_changes_nothing_where_nothing_is_needed():
+    import hashlib
+
+    def sha(text):
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    done = kernel_log.plan_host(_kernel_facts(reader_sha=sha(kernel_log.reader_text()), sudoers_sha=sha(kernel_log.sudoers_text("ALL"))), "ALL")
+    assert done.empty and "through mnft's reader" in done.notes[0]
+    open_log = kernel_log.plan_host(_kernel_facts(restrict="0"), "ALL")
+    assert open_log.empty and open_log.notes == ["the kernel log is readable by every user (kernel.dmesg_restrict=0): nothing installed"]
+    no_gpu = kernel_log.plan_host(_kernel_facts(driver=False), "ALL")
+    assert no_gpu.empty and no_gpu.notes == ["no NVIDIA driver: no Xid lines to read, nothing installed"]
+    assert kernel_log.plan_host(_kernel_facts(sudo=False), "ALL").error.startswith("sudo is not installed (/usr/bin/sudo): install it")
+    assert kernel_log.plan_host(_kernel_facts(python=False), "ALL").error.startswith("/usr/bin/python3 is not there or not root's")
+    assert kernel_log.validate({"users": "ALL, evil ALL=(ALL) ALL"}).startswith("key 'users'")
+    assert kernel_log.validate({"users": "%lab"}) is None
+
+
+def test_kernel_log_undo_removes_the_rule_then_the_reader_and_keeps_what_someone_changed():
+    import hashlib
+
+    rule = hashlib.sha256(kernel_log.sudoers_text("ALL").encode()).hexdigest()
+    undo = kernel_log.plan_undo(_kernel_facts(reader_sha="edited", sudoers_sha=rule, checking=True), "ALL")
+    assert undo.ops == [{"op": "remove", "path": kernel_log.SUDOERS, "expect_sha256": rule}, {"op": "remove", "path": kernel_log.CHECKING}]
+    assert undo.notes == [f"{kernel_log.READER} is not what mnft writes (changed by someone, or another version's): kept"]

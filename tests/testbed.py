@@ -74,6 +74,7 @@ SSHD_START_TIMEOUT = 20.0
 FAKE_GPU = Path(__file__).resolve().with_name("fakegpu.py")  # the hosts' nvidia-smi when a cluster has gpus
 FAKE_GPU_STATE = "/run/mnft-fake-gpu"  # inside a host (its private /run): config.json and used/<index>/<pid>
 GPU_BIN = "/usr/local/bin"  # where a host's nvidia-smi appears: on the PATH of root's and every user's ssh session
+SUDOERS_D = "/etc/sudoers.d"  # a host with GPUs has its own (mnft setup's kernel_log step writes a rule there)
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")  # veth "<prefix>-v123" must fit in 15 characters
 _ALIAS_RE = re.compile(r"^mnft-testbed:pid=(\d+):start=(\d+)$")
 
@@ -530,7 +531,7 @@ class Cluster:
 
     def __init__(self, *, prefix: str, workdir: Path, subnet: ipaddress.IPv4Network | None = None, share_cpus: bool = False,
                  stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
-                 gpus: int = 0, containers: bool = False):
+                 gpus: int = 0, containers: bool = False, dmesg_restrict: bool = True):
         self.prefix = prefix
         self.workdir = workdir
         self.subnet = subnet
@@ -554,6 +555,7 @@ class Cluster:
         self.shared_home = tuple(shared_home)
         self.shared_dirs = self._shared_dirs(shared_dirs or {})  # host-side path -> (the hosts that see it, the source)
         self.gpus = gpus
+        self.dmesg_restrict = dmesg_restrict  # with gpus: /dev/kmsg root's only, as under Debian's kernel.dmesg_restrict=1
         self.containers = containers
         self._users: dict[str, tuple[int, str]] = {}  # add_user's users: name -> (uid, home inside the hosts)
         self._stores: dict[str, list[str]] = {}  # share_image: host name -> the image stores in its storage.conf
@@ -565,7 +567,7 @@ class Cluster:
     def create(
         cls, n_hosts: int, workdir: Path, *, outsider: bool = True, prefix: str | None = None, share_cpus: bool = False,
         stock_sshd: bool = False, shared_home: Sequence[str] = (), shared_dirs: Mapping[str, Sequence[str]] | None = None,
-        gpus: int = 0, containers: bool = False,
+        gpus: int = 0, containers: bool = False, dmesg_restrict: bool = True,
     ) -> "Cluster":
         """Build `n_hosts` hosts named h1…hN (plus an outsider "out" not meant for any inventory) under `workdir`.
 
@@ -592,7 +594,10 @@ class Cluster:
         A process uses a device while it is registered in `/run/mnft-fake-gpu/used/<index>/` (`nvidia-smi --fake-use
         INDEX -- COMMAND…`, or `fakegpu.RANK_SNIPPET` in a training script); `gpu_users(host)` reads that from here.
         The stand-in is stacked onto the host's /usr/local/bin (a read-only overlay: what this machine has there
-        stays visible), so it needs overlayfs and Debian's /usr/bin/python3.
+        stays visible), so it needs overlayfs and Debian's /usr/bin/python3. Each such host's /dev/kmsg is a file of
+        its own that only root reads, as Debian's kernel.dmesg_restrict=1 makes the real one (`dmesg_restrict=False`:
+        every user reads it), and root's writes to /usr/local and /etc/sudoers.d stay the host's own (a writable
+        overlay, a directory of its own), where `mnft setup`'s kernel_log step installs its reader.
 
         `containers=True` gives every host (not the outsider) its own podman: its own /etc/containers (runc,
         cgroupfs, ulimits this machine allows: `containers_conf`) and its own image and container storage, bound on
@@ -623,7 +628,7 @@ class Cluster:
             check_container_prerequisites()
         workdir.mkdir(parents=True, exist_ok=True)
         cluster = cls(prefix=prefix, workdir=workdir, share_cpus=share_cpus, stock_sshd=stock_sshd, shared_home=shared_home,
-                      shared_dirs=shared_dirs, gpus=gpus, containers=containers)
+                      shared_dirs=shared_dirs, gpus=gpus, containers=containers, dmesg_restrict=dmesg_restrict)
         unknown = sorted({n for names, _ in cluster.shared_dirs.values() for n in names} - {f"h{i}" for i in range(1, n_hosts + 1)})
         if unknown:
             raise ValueError(f"shared_dirs names hosts this cluster does not have: {', '.join(unknown)}")
@@ -780,7 +785,14 @@ class Cluster:
             os.chmod(state / "used" / str(index), 0o1777)
         os.chmod(state / "used", 0o755)
         os.chmod(state, 0o755)
-        _write(host.root / "kmsg", "", 0o644)  # the host's kernel log (bound on /dev/kmsg): `nvidia-smi --fake-xid` writes it
+        # the host's kernel log (bound on /dev/kmsg), which `nvidia-smi --fake-xid` writes: root's only, as a real one
+        # is under kernel.dmesg_restrict=1 (Debian's and Ubuntu's default), unless the cluster says dmesg_restrict=False
+        _write(host.root / "kmsg", "", 0o600 if self.dmesg_restrict else 0o644)
+        _write(host.root / "dmesg_restrict", "1\n" if self.dmesg_restrict else "0\n", 0o444)
+        for private in (host.root / "usr-local", host.root / "usr-local.work"):
+            private.mkdir(parents=True, exist_ok=True)
+        (host.root / "etc" / "sudoers.d").mkdir(parents=True, exist_ok=True)
+        os.chmod(host.root / "etc" / "sudoers.d", 0o750)
 
     def gpu_faults(self, host: SimHost, **faults) -> None:
         """What the host's GPUs get wrong from now on (tests/fakegpu.py's config keys: lost=[0], ecc={"1": [2, 5]},
@@ -837,10 +849,18 @@ class Cluster:
         for top in self._python_binds:  # before /root is covered: afterwards the real one is out of reach
             target = host.home / os.path.basename(top)
             steps += [f"mount --bind {q(top)} {q(str(target))}", f"mount -o remount,bind,ro {q(str(target))}"]
-        if self.gpus:  # the fake nvidia-smi on top of this machine's /usr/local/bin, hiding nothing there
+        if self.gpus:
+            # root's writes under /usr/local (mnft setup's reader of Xid lines in /usr/local/libexec) and in
+            # /etc/sudoers.d stay the host's own: a writable layer over this machine's /usr/local, a sudoers.d of its own
+            layer = f"lowerdir=/usr/local,upperdir={r / 'usr-local'},workdir={r / 'usr-local.work'}"
+            steps.append(f"mount -t overlay mnft-usr-local -o {q(layer)} /usr/local")
+            if os.path.isdir(SUDOERS_D):
+                steps.append(f"mount --bind {q(str(r / 'etc' / 'sudoers.d'))} {SUDOERS_D}")
+            # the fake nvidia-smi on top of this machine's /usr/local/bin, hiding nothing there
             lower = f"{r / 'gpu-bin'}:{GPU_BIN}"
             steps.append(f"mount -t overlay mnft-fake-gpu -o {q('ro,lowerdir=' + lower)} {GPU_BIN}")
             steps.append(f"mount --bind {q(str(r / 'kmsg'))} /dev/kmsg")  # its own kernel log, never the machine's
+            steps.append(f"mount --bind {q(str(r / 'dmesg_restrict'))} /proc/sys/kernel/dmesg_restrict")  # and what it says of it
         if self.containers:  # the host's own podman: its configuration and its storage (sources under the workdir)
             steps += [f"mount --bind {q(str(r / 'containers' / 'etc'))} {CONTAINERS_ETC}",
                       f"mount --bind {q(str(self._storage(host)))} {CONTAINERS_STORAGE}", *_cgroup_mounts()]

@@ -224,17 +224,24 @@ def gpu_health(host: str, view: dict | None) -> list[Problem]:
                                 "nvidia-smi -pm 1 (or nvidia-persistenced) where persistence is off; a wedged driver: drain the host and reboot it"))
     if view.get("drain_problem"):
         problems.append(Problem(host, "drain", shown(view["drain_problem"], 300) or "", "remove it as root", "warning"))
-    unread = None
     for d in view.get("devices") or []:
         label = device_label(d)
         for p in health_problems(d):
             problems.append(Problem(host, "gpu-health", f"{label}: {p['what']}", p["fix"], "error" if p["level"] == "broken" else "warning"))
         if d.get("drain"):
             problems.append(Problem(host, "drain", f"{label}: {drained_words(d['drain'])}", "mnft undrain once it is mended (root or the host's admin group)", "note"))
-        unread = unread or (d.get("health") or {}).get("kmsg")
-    if unread:
-        problems.append(Problem(host, "gpu-health", shown(unread, 300) or "", "Xid errors are read from the kernel log: let mnft's users read it, or check as root", "note"))
     return problems
+
+
+def kernel_log_unread(views: dict[str, dict | None]) -> list[Problem]:
+    """The hosts whose kernel log (the Xids) this user cannot read, said once: one note naming every such host
+    (the line names the user and the fix, the same on each host), not one per host."""
+    by_why: dict[str, list[str]] = {}
+    for host, view in views.items():
+        why = next(((d.get("health") or {}).get("kmsg") for d in (view or {}).get("devices") or [] if (d.get("health") or {}).get("kmsg")), None)
+        if why:
+            by_why.setdefault(shown(why, 300) or "", []).append(host)
+    return [Problem(", ".join(hosts), "kernel-log", why, "", "note") for why, hosts in by_why.items()]
 
 
 def probed_inside(facts: dict) -> bool:
@@ -421,6 +428,7 @@ def evaluate(inventory: Inventory, facts: dict[str, dict], report: CheckReport, 
                 problems.append(Problem(host.name, "network", f"cannot reach the master {report.master_addr}:{report.port}{via}: {reach.error}", f"open the port on the master's firewall for the peers ({command('setup')}), or set 'iface' to the cluster interface"))
         if len(inventory.hosts) > 1 and ipaddress.IPv4Address(report.master_addr).is_loopback:
             problems.append(Problem(master, "master_addr", f"the master's address {report.master_addr} is a loopback address peers cannot reach", "set the master's 'address' or 'iface' to the cluster network"))
+    problems += kernel_log_unread({h.name: facts[h.name].get("gpu_health") for h in inventory.hosts if h.name in facts})
     return problems
 
 

@@ -8,7 +8,8 @@ import os
 import time
 
 from .gpucache import load_static, save_static
-from .health import add_health, read_xids, remember_seen, smi_gpus
+from .health import add_health, remember_seen, smi_gpus
+from .kernellog import read_xids
 from .nvml import read_nvml
 from .procs import user_name
 from .smi import SMI_TIMEOUT, StalledRead, _number, _smi_output, _spawn_smi

@@ -3,14 +3,12 @@
 Python 3.8 syntax.
 """
 
-import errno
 import json
 import os
 import time
 
 from .gpucache import boot_id, save_private
 from .leasefiles import MAX_LEASE_BYTES
-from .procs import user_name
 from .smi import LOST_EXIT, LOST_MARK, _number, run_bounded
 
 # ------------------------------------------------------------------------------------------------ GPU health
@@ -20,7 +18,7 @@ from .smi import LOST_EXIT, LOST_MARK, _number, run_bounded
 #   driver's library: read_nvml), every read bounded by SMI_TIMEOUT and a hung one named (StalledRead);
 #   a GPU fallen off the bus ("Unable to determine the device handle for GPU …", exit 15) kept in its place, lost;
 #   a GPU seen earlier this boot and gone from the list (this user's record of the boot: seen_path);
-#   Xid errors since boot from the kernel log (/dev/kmsg, where this user may read it: read_xids).
+#   Xid errors since boot from the kernel log, wherever this user may read it (kernellog.read_xids).
 # Judged by health_problems (pure): "broken" (never leased: lost, gone, uncorrectable ECC since boot, a pending
 # retirement or row remap, a failed remap, an Xid NVIDIA documents as needing a reset) or "warning" (throttled,
 # persistence off, MIG on, an Xid of the application's kind, ECC errors of the GPU's past).
@@ -34,8 +32,6 @@ GPU_READ_BASIC = "index,uuid,pci.bus_id,memory.total,memory.used,utilization.gpu
 THROTTLES = ("hw_slowdown", "hw_thermal_slowdown", "sw_thermal_slowdown", "hw_power_brake_slowdown")
 THROTTLE_NAMES = {"hw_slowdown": "HW slowdown", "hw_thermal_slowdown": "HW thermal slowdown",
                   "sw_thermal_slowdown": "SW thermal slowdown", "hw_power_brake_slowdown": "power brake"}
-KMSG, KMSG_VAR = "/dev/kmsg", "MNFT_KERNEL_LOG"  # the kernel log; $MNFT_KERNEL_LOG another (a saved one; tests)
-MAX_KMSG_BYTES = 8 << 20
 # Xids NVIDIA's catalogue says need the GPU reset (or the host rebooted); the rest are the application's or passing
 RESET_XIDS = {48: "double-bit ECC error", 62: "internal micro-controller halt", 64: "row remapping failure",
               74: "NVLink error", 79: "fallen off the bus", 92: "high single-bit ECC error rate", 95: "uncontained ECC error",
@@ -146,66 +142,6 @@ def smi_gpus(exe, seconds=None):
     if code not in (0, LOST_EXIT) or code == LOST_EXIT and LOST_MARK not in out:
         raise OSError("nvidia-smi exited %d: %s" % (code, " ".join(out.split())[:300]))
     return parse_gpu_read(out, query)
-
-
-def read_kmsg(path=None):
-    """The kernel log's lines (its records' text, "usec;message"): ([(usec since boot, message)], None) or
-    ([], why not readable). /dev/kmsg answers one record per read and EAGAIN at its end; a plain file (the test
-    bed's stand-in) is read to its end."""
-    path = path or os.environ.get(KMSG_VAR) or KMSG
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError as exc:
-        if exc.errno in (errno.EPERM, errno.EACCES):
-            return [], ("the kernel log (%s) is not readable by %s (kernel.dmesg_restrict=1?): Xid errors are not seen; "
-                        "look as root, or sysctl kernel.dmesg_restrict=0" % (path, user_name(os.geteuid())))
-        return [], "the kernel log (%s): %s" % (path, exc.strerror)
-    chunks, size = [], 0
-    try:
-        while size < MAX_KMSG_BYTES:
-            try:
-                data = os.read(fd, 65536)
-            except BlockingIOError:
-                break
-            except OSError as exc:
-                if exc.errno == errno.EPIPE:  # records overwritten while we read: go on from the next
-                    continue
-                if exc.errno == errno.EINVAL:
-                    break
-                raise
-            if not data:
-                break
-            chunks.append(data if data.endswith(b"\n") else data + b"\n")
-            size += len(data)
-    finally:
-        os.close(fd)
-    records = []
-    for line in b"".join(chunks).decode("utf-8", "replace").splitlines():
-        head, sep, message = line.partition(";")
-        fields = head.split(",")
-        if sep and len(fields) >= 3 and fields[2].isdigit():
-            records.append((int(fields[2]), message))
-    return records, None
-
-
-def read_xids(path=None):
-    """({bus key: [{"xid", "at" (wall time), "text"}]}, why not readable or None) of every Xid line since boot."""
-    import re
-
-    records, why = read_kmsg(path)
-    try:
-        with open("/proc/uptime") as fh:
-            booted = time.time() - float(fh.read(64).split()[0])
-    except (OSError, ValueError, IndexError):
-        booted = 0.0
-    found = {}
-    pattern = re.compile(r"NVRM: Xid \(PCI:([0-9A-Fa-f:.]+)\): (\d+),?\s*(.*)")
-    for usec, message in records:
-        match = pattern.search(message)
-        if match:
-            found.setdefault(bus_key(match.group(1)), []).append(
-                {"xid": int(match.group(2)), "at": round(booted + usec / 1e6, 3), "text": match.group(3)[:200]})
-    return found, why
 
 
 def seen_path():

@@ -36,7 +36,7 @@ from mnft.hosts import leases
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
-from mnft.setup.steps import authorized_keys, firewall, hosts_file, mesh, reserved_ports
+from mnft.setup.steps import authorized_keys, firewall, hosts_file, kernel_log, mesh, reserved_ports
 from mnft.setup.steps.base import (
     CHANGED,
     FAILED,
@@ -55,6 +55,7 @@ STEPS = {  # a playbook's step name -> its module
     "hosts_file": hosts_file,
     "firewall": firewall,
     "reserved_ports": reserved_ports,
+    "kernel_log": kernel_log,
 }
 USES_ADDRESSES = ("mesh", "hosts_file", "firewall")  # steps that need every host's cluster address
 DEFAULT_PLAYBOOK = Path(__file__).resolve().parent / "setup.yaml"  # installed with the package
