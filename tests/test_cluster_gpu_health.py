@@ -22,6 +22,7 @@ def sick(testbed, tmp_path_factory):
     work = tmp_path_factory.mktemp("sick-lab")
     with testbed.Cluster.create(2, work, outsider=False, gpus=4) as cluster:
         cluster.add_user("bob", password="not used", torch=True)
+        cluster.add_user("ann", groups=["labops"])  # the lab's operator: named its admin by setup --admin-group
         yield cluster
 
 
@@ -46,15 +47,16 @@ def src(tmp_path: Path) -> Path:
 
 
 def test_gpus_2_on_a_host_with_a_lost_gpu_0_and_an_ecc_failed_gpu_1_gets_2_and_3_and_nodes_skips_it(sick, tmp_path, src):
+    """As bob, a member who is not bob, on hosts under kernel.dmesg_restrict=1."""
     h1, h2 = sick.hosts
     sick.gpu_faults(h1, lost=[0], ecc={"1": [1, 1]})
-    root = Person(sick, tmp_path, "root", [h1])
+    bob = Person(sick, tmp_path, "bob", [h1])
     (tmp_path / "both").mkdir()
-    both = Person(sick, tmp_path / "both", "root", [h1, h2])
+    both = Person(sick, tmp_path / "both", "bob", [h1, h2])
     try:
-        run = root.train(src, "sick", "--gpus", "2")
-        rows = wait_held(root, h1.name, 2)
-        run_id = root.run_ids()[-1]
+        run = bob.train(src, "sick", "--gpus", "2")
+        rows = wait_held(bob, h1.name, 2)
+        run_id = bob.run_ids()[-1]
         states = {r["device"]: r for r in rows if r["host"] == h1.name}
         assert (states["2"]["state"], states["3"]["state"]) == ("held", "held")
         assert states["0"]["state"] == "unhealthy" and states["0"]["health"].startswith("lost from the bus (Unable to determine the device handle")
@@ -63,11 +65,11 @@ def test_gpus_2_on_a_host_with_a_lost_gpu_0_and_an_ecc_failed_gpu_1_gets_2_and_3
         assert dry.returncode == 0, dry.stdout[-2000:] + dry.stderr[-2000:]
         assert f"{h1.name}: 0 of 4 device(s) free (2 out of service), 2 needed" in dry.stdout + dry.stderr
         assert f"{h2.name}: picked" in dry.stdout + dry.stderr
-        every = root.mnft("train", "--hosts", root.inventory, "--src", str(src), "--", "hold.py", "all")
+        every = bob.mnft("train", "--hosts", bob.inventory, "--src", str(src), "--", "hold.py", "all")
         assert every.returncode != 0 and "GPU 0: unhealthy: lost from the bus" in every.stdout + every.stderr
         end(sick, "sick", [h1])
         finished(run)
-        assert root.seen(run_id, h1) == {"2,3"}
+        assert bob.seen(run_id, h1) == {"2,3"}
     finally:
         end(sick, "sick", [h1])
         sick.gpu_faults(h1, lost=None, ecc=None)
@@ -197,3 +199,29 @@ def test_a_member_sees_no_xid_under_dmesg_restrict_until_an_admins_setup_install
         assert set(json.loads(bob.mnft("lab", "--hosts", bob.inventory, "--json").stdout)["kernel_log"]) == {h1.name, h2.name}
     finally:
         (h1.root / "kmsg").write_text("")
+
+
+def test_setup_admin_group_names_the_admins_on_every_host_whose_members_then_drain_and_undo_takes_it_back(sick, tmp_path):
+    h1, h2 = sick.hosts
+    root, ann, bob = (Person(sick, tmp_path, user, [h1, h2]) for user in ("root", "ann", "bob"))
+    refused = ann.mnft("drain", f"{h2.name}:0", "--reason", "fan", "--hosts", ann.inventory)
+    assert refused.returncode == 1 and "ann may not drain: only root" in refused.stdout + refused.stderr
+    missing = root.mnft("setup", "--hosts", root.inventory, "--admin-group", "nosuch")
+    assert missing.returncode == 1 and "group nosuch does not exist on this host: create it (groupadd nosuch)" in missing.stdout
+    named = root.mnft("setup", "--hosts", root.inventory, "--admin-group", "labops")
+    assert named.returncode == 0, named.stdout[-3000:] + named.stderr[-3000:]
+    assert f"{h1.name} 1. admin_group: name group labops the admins in /etc/mnft/admin-group" in named.stdout
+    assert "0 changed" in root.mnft("setup", "--hosts", root.inventory, "--admin-group", "labops").stdout
+    assert sick.run(h1, ["stat", "-c", "%U %a", "/etc/mnft/admin-group"]).stdout.split() == ["root", "644"]
+    try:
+        drained = ann.mnft("drain", f"{h2.name}:0", "--reason", "fan", "--hosts", ann.inventory)
+        assert drained.returncode == 0, drained.stdout + drained.stderr
+        not_bob = bob.mnft("undrain", f"{h2.name}:0", "--hosts", bob.inventory)
+        assert not_bob.returncode == 1 and "only root or a member of group labops" in not_bob.stdout + not_bob.stderr
+        assert ann.mnft("undrain", f"{h2.name}:0", "--hosts", ann.inventory).returncode == 0
+    finally:
+        root.mnft("undrain", f"{h2.name}:0", "--hosts", root.inventory)
+    undo = root.mnft("setup", "--hosts", root.inventory, "--only", "admin_group", "--undo")
+    assert undo.returncode == 0 and "delete /etc/mnft/admin-group" in undo.stdout, undo.stdout
+    again = ann.mnft("drain", f"{h2.name}:0", "--reason", "fan", "--hosts", ann.inventory)
+    assert again.returncode == 1 and "ann may not drain: only root" in again.stdout + again.stderr

@@ -269,7 +269,7 @@ def test_a_non_admins_drain_is_refused_and_a_mark_a_user_planted_is_ignored(host
             "except leasefiles.Refused as exc:\n    print(json.dumps({'refused': str(exc)}))\n") % str(shared)
     env = dict(os.environ, HOME="/nonexistent")
     refused = as_user(65534, code, env)["refused"]
-    assert refused.startswith("nobody may not drain: only root (this host names no admin group")
+    assert refused.startswith("nobody may not drain: only root (this host names no admin group") and "`mnft setup --admin-group NAME`" in refused
     assert not (shared / "leases" / drain.DRAIN_NAME).exists()
     planted = shared / "leases" / drain.DRAIN_NAME
     planted.write_text(json.dumps({"host": {"login": "root", "reason": "planted"}, "gpus": {}}))

@@ -31,7 +31,7 @@ def error_of(text: str) -> str:
 
 def test_the_shipped_playbook_is_valid_and_ordered():
     book = pb.load(REPO / "playbooks" / "setup.yaml")
-    assert [s.step for s in book.steps] == ["authorized_keys", "mesh", "hosts_file", "firewall", "reserved_ports", "kernel_log"]
+    assert [s.step for s in book.steps] == ["authorized_keys", "mesh", "hosts_file", "firewall", "reserved_ports", "kernel_log", "admin_group"]
     assert book.steps[3].params["revert_after"] == 30.0 and book.steps[3].params["allow_from"] == ()
 
 

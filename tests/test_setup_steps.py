@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from mnft.setup.steps import authorized_keys as ak
-from mnft.setup.steps import blocks, firewall, hosts_file, kernel_log, mesh, reserved_ports
+from mnft.setup.steps import admin_group, blocks, firewall, hosts_file, kernel_log, mesh, reserved_ports
 from mnft.setup.steps.base import Param, check_value
 
 CONTROLLER = ("ssh-ed25519", "AAAAC3NzaC1lZDI1NTE5AAAAIHmmG8d00K67NVM4V28ABcNoqg7v++t1D2xVakQTFag2")
@@ -645,3 +645,34 @@ def test_kernel_log_undo_removes_the_rule_then_the_reader_and_keeps_what_someone
     undo = kernel_log.plan_undo(_kernel_facts(reader_sha="edited", sudoers_sha=rule, checking=True), "ALL")
     assert undo.ops == [{"op": "remove", "path": kernel_log.SUDOERS, "expect_sha256": rule}, {"op": "remove", "path": kernel_log.CHECKING}]
     assert undo.notes == [f"{kernel_log.READER} is not what mnft writes (changed by someone, or another version's): kept"]
+
+
+# ------------------------------------------------------------------------------------------------ admin_group
+
+
+def _admin_facts(text=None, *, exists=True, root_only=True) -> dict:
+    return {"text": text, "sha": None if text is None else "sha-of-it", "root_only": root_only, "group_exists": exists}
+
+
+def test_admin_group_writes_the_group_root_only_and_says_which_group_each_host_names_when_none_is_given():
+    plan = admin_group.plan_host(_admin_facts(), "labops")
+    assert plan.changes == ["name group labops the admins in /etc/mnft/admin-group"]
+    op, admit = plan.ops
+    assert (op["path"], op["mode"], op["expect_sha256"]) == ("/etc/mnft/admin-group", 0o644, None)
+    assert admit == {"op": "admit_admins"}  # a drain file root wrote before the group was named: the admins' too
+    assert admin_group.named(op["text"]) == "labops" and op["text"].startswith(admin_group.MARK)
+    assert admin_group.plan_host(_admin_facts(op["text"]), "labops").empty
+    moved = admin_group.plan_host(_admin_facts(admin_group.file_text("ops")), "labops")
+    assert moved.changes == ["name group labops the admins in /etc/mnft/admin-group (was ops)"]
+    assert admin_group.plan_host(_admin_facts(), None).notes == ["the admins are root only (/etc/mnft/admin-group names no group)"]
+    assert admin_group.plan_host(_admin_facts(admin_group.file_text("ops")), None).notes == ["the admins are root and group ops (/etc/mnft/admin-group)"]
+
+
+def test_admin_group_refuses_a_group_the_host_lacks_and_a_file_someone_else_wrote():
+    assert admin_group.plan_host(_admin_facts(exists=False), "labops").error.startswith("group labops does not exist on this host: create it (groupadd labops)")
+    theirs = admin_group.plan_host(_admin_facts("wheel\n"), "labops")
+    assert theirs.error.startswith("/etc/mnft/admin-group was not written by mnft (it names wheel)") and not theirs.ops
+    assert admin_group.validate({"group": "x y"}).startswith("key 'group'") and admin_group.validate({"group": None}) is None
+    assert admin_group.plan_undo(_admin_facts("wheel\n")).notes == ["/etc/mnft/admin-group was not written by mnft: kept"]
+    undo = admin_group.plan_undo(_admin_facts(admin_group.file_text("labops")))
+    assert undo.ops == [{"op": "remove", "path": "/etc/mnft/admin-group", "expect_sha256": "sha-of-it"}]

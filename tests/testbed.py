@@ -19,7 +19,8 @@ every host. The controller is the calling process: it reaches every host through
 Needs root, iproute2 with `ip netns`, util-linux (`unshare`, `nsenter`, `mount`) and OpenSSH (`sshd`, `ssh`).
 `check_prerequisites()` raises `ClusterUnavailable` with a one-line reason otherwise. Nothing is changed outside
 the workdir except the namespaces, veths and the bridge, all named `<prefix>-…`, which `teardown()` removes
-and `Cluster.cleanup_stale()` removes after a crashed run. See docs/testbed.md.
+and `Cluster.cleanup_stale()` removes after a crashed run, and an empty /etc/mnft made once where this machine
+lacks one (the mount point of every host's own). See docs/testbed.md.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ SSHD_START_TIMEOUT = 20.0
 FAKE_GPU = Path(__file__).resolve().with_name("fakegpu.py")  # the hosts' nvidia-smi when a cluster has gpus
 FAKE_GPU_STATE = "/run/mnft-fake-gpu"  # inside a host (its private /run): config.json and used/<index>/<pid>
 GPU_BIN = "/usr/local/bin"  # where a host's nvidia-smi appears: on the PATH of root's and every user's ssh session
+ETC_MNFT = "/etc/mnft"  # every host has its own (made here, empty, when this machine lacks it: a mount point)
 SUDOERS_D = "/etc/sudoers.d"  # a host with GPUs has its own (mnft setup's kernel_log step writes a rule there)
 _PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,9}$")  # veth "<prefix>-v123" must fit in 15 characters
 _ALIAS_RE = re.compile(r"^mnft-testbed:pid=(\d+):start=(\d+)$")
@@ -685,6 +687,7 @@ class Cluster:
             if proc.returncode != 0:
                 raise ClusterError(f"configuring {host.ns} failed: {out.strip()}")
         self._write_files()
+        os.makedirs(ETC_MNFT, mode=0o755, exist_ok=True)  # the mount point of every host's own /etc/mnft
         for host in self.hosts:
             self._spawn_anchor(host)
         for host in self.hosts:
@@ -761,6 +764,7 @@ class Cluster:
             os.chmod(ssh_dir, 0o700)
             _write(ssh_dir / "authorized_keys", public + "\n", 0o600)
             _write(host.root / "etc" / "ssh" / "sshd_config", _sshd_config(stock=self.stock_sshd))
+            (host.root / "etc" / "mnft").mkdir(exist_ok=True)
             if self.gpus:
                 self._write_fake_gpus(host)
             if self.containers:
@@ -872,6 +876,8 @@ class Cluster:
             target = q(str(self._host_side(host, path)))
             steps += [f"mount --bind {q(path)} {target}", f"mount -o remount,bind,ro {target}"]
             shared.append((path, Path(path)))
+        if os.path.isdir(ETC_MNFT):  # root's writes to /etc/mnft (the admins' group) stay the host's own
+            steps.append(f"mount --bind {q(str(r / 'etc' / 'mnft'))} {ETC_MNFT}")
         steps += [
             f"mount --bind {q(str(r / 'etc' / 'hosts'))} /etc/hosts",
             f"mount --bind {q(str(r / 'etc' / 'ssh'))} /etc/ssh",
@@ -1101,7 +1107,8 @@ class Cluster:
 
     # ------------------------------------------------------------------ users
 
-    def add_user(self, name: str, *, password: str | None = None, sudo: bool = False, torch: bool = False) -> str:
+    def add_user(self, name: str, *, password: str | None = None, sudo: bool = False, torch: bool = False,
+                 groups: Sequence[str] = ()) -> str:
         """Add a non-root login user to every host; returns its home directory as the hosts see it.
 
         The user logs in with the controller key. Each host gets private copies of /etc/passwd, /etc/group and
@@ -1109,7 +1116,8 @@ class Cluster:
         bind-mounted in its mount namespace: the real machine's files are never touched. `password` (for sudo)
         goes to `openssl passwd` on stdin, never on a command line. The home is /tmp/home-<name> inside the host
         (its private /tmp). Users add up: each call keeps the users added before. Raises ClusterError when the name
-        is taken or sudo is asked for but not installed.
+        is taken or sudo is asked for but not installed. `groups`: supplementary groups the user is a member of on every
+        host (made there, in the private /etc/group, when no host has them yet), as an admin's `usermod -aG` makes it.
 
         `torch=True`: the user can run `self.python` (torch's interpreter, bound under root's home /root, which is
         0700). Every host's home becomes 0711: anyone may pass through /root to a path whose name they know, nobody
@@ -1142,9 +1150,17 @@ class Cluster:
         hashed = "*"  # no password login; "!" would lock the account, and sshd then refuses its key too
         if password is not None:
             hashed = _sh(["openssl", "passwd", "-6", "-stdin"], input=password + "\n").stdout.strip()
+        group_lines = current("/etc/group").rstrip("\n").split("\n") + [f"{name}:x:{uid}:"]
+        for extra in groups:
+            at = next((i for i, line in enumerate(group_lines) if line.split(":", 1)[0] == extra), None)
+            if at is None:
+                gids = {int(line.split(":")[2]) for line in group_lines if line.count(":") >= 3 and line.split(":")[2].isdigit()}
+                group_lines.append(f"{extra}:x:{next(g for g in range(4100, 4200) if g not in gids)}:{name}")
+            else:
+                group_lines[at] += ("," if not group_lines[at].endswith(":") else "") + name
         files = {
             "/etc/passwd": current("/etc/passwd").rstrip("\n") + f"\n{name}:x:{uid}:{uid}::{home}:/bin/sh\n",
-            "/etc/group": current("/etc/group").rstrip("\n") + f"\n{name}:x:{uid}:\n",
+            "/etc/group": "\n".join(group_lines) + "\n",
             "/etc/shadow": current("/etc/shadow").rstrip("\n") + f"\n{name}:{hashed}:19000:0:99999:7:::\n",
         }
         modes = {"/etc/passwd": 0o644, "/etc/group": 0o644, "/etc/shadow": 0o640, "/etc/sudoers": 0o440}

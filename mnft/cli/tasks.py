@@ -551,16 +551,18 @@ def _sync_image(hosts, image, *, dry_run: bool, force: bool, relay: bool, json: 
         "hosts": HOSTS_HELP,
         "playbook": "the playbook (default: playbooks/setup.yaml)",
         "check": "print what each step would change on each host; change nothing",
-        "only": "run only this step (step, step name or tag: trust, names, firewall, ports); repeat or comma-separate",
+        "only": "run only this step (step, step name or tag: trust, names, firewall, ports, gpu, admins); repeat or comma-separate",
         "undo": "remove exactly what mnft's steps added (in reverse order)",
+        "admin_group": "name the group whose members may drain and undrain (/etc/mnft/admin-group on every host; it must exist there); runs only that step",
         "json": "machine-readable output (per host and step: status, changes, error)",
         "connect_timeout": "seconds to wait for each SSH connection",
         "timeout": "seconds each remote call may take",
     },
 )
 @_mnft_errors
-def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json=False, connect_timeout=10.0, timeout=120.0):
-    """Prepare the hosts for multi-node jobs: controller key, node-to-node SSH mesh, /etc/hosts, peers-only firewall.
+def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json=False, connect_timeout=10.0, timeout=120.0, admin_group=None):
+    """Prepare the hosts for multi-node jobs: controller key, node-to-node SSH mesh, /etc/hosts, peers-only firewall;
+    the members' view of GPU Xids (kernel_log) and the lab's admins (admin_group, `--admin-group NAME`).
 
     Idempotent: a second run reports 0 changed. Exit codes: 0 ok, 1 a step failed on some host (or one is busy with
     another mnft operation: nothing applied), 2 bad playbook or
@@ -568,7 +570,11 @@ def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json
     """
     from mnft.setup import playbook as pb
 
-    book = pb.load(playbook or pb.DEFAULT_PLAYBOOK)
+    from mnft.core.errors import InputError
+
+    if admin_group is not None and (playbook or only):
+        raise InputError("--admin-group runs only the admin_group step: leave out --playbook and --only")
+    book = pb.single("admin_group", {"group": admin_group}, "The lab's admins", "--admin-group") if admin_group is not None else pb.load(playbook or pb.DEFAULT_PLAYBOOK)
     chosen = [w for item in (only or []) for w in item.split(",")]
     report = pb.run(_inventory(hosts), book, check=check, undo=undo, only=chosen or None, timeouts=_timeouts(connect_timeout, timeout))
     pb.print_report(report, json)

@@ -104,7 +104,7 @@ def set_drain(request):
     if not is_admin():
         group = admin_group()
         who = ("root or a member of group %s (named in %s)" % (group[0], group[2]) if group else
-               "root (this host names no admin group: root writes one group's name to %s or %s)" % (ADMIN_FILES[0], os.path.join(lease_dir(), ADMIN_NAME)))
+               "root (this host names no admin group: root names one with `mnft setup --admin-group NAME`, in %s)" % ADMIN_FILES[0])
         raise Refused("%s may not %s: only %s may" % (user_name(os.getuid()), "undrain" if request.get("undrain") else "drain", who))
     reason = " ".join(str(request.get("reason") or "").split())[:500]
     if not request.get("undrain") and not reason:
@@ -138,6 +138,31 @@ def set_drain(request):
     return {"drained": marks}
 
 
+def _give_to_admins(fd, st, gid):
+    if st.st_uid == 0 and (st.st_gid != gid or stat.S_IMODE(st.st_mode) != 0o664):
+        os.fchown(fd, -1, gid)
+        os.fchmod(fd, 0o664)
+
+
+def admit_admins():
+    """As root, when the host has just named its admins (mnft setup --admin-group): a drain file root wrote before
+    becomes theirs to write too (its group theirs, 0664). Returns whether it was changed."""
+    group = admin_group()
+    path = os.path.join(lease_dir(), DRAIN_NAME)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if group is None or not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or (st.st_gid == group[1] and stat.S_IMODE(st.st_mode) == 0o664):
+            return False
+        _give_to_admins(fd, st, group[1])
+        return True
+    finally:
+        os.close(fd)
+
+
 def _open_drain(path):
     """The drain file for writing: an existing one only if root or an admin wrote it (root replaces another);
     a new one the admins' group may write."""
@@ -155,6 +180,8 @@ def _open_drain(path):
     if fd is not None:
         st = os.fstat(fd)
         if _trusted_mark(st):
+            if os.geteuid() == 0 and group:  # written before the host named its admins: theirs to write from now on
+                _give_to_admins(fd, st, group[1])
             return fd
         os.close(fd)
         if os.geteuid() != 0:

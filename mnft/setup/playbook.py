@@ -36,7 +36,7 @@ from mnft.hosts import leases
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
-from mnft.setup.steps import authorized_keys, firewall, hosts_file, kernel_log, mesh, reserved_ports
+from mnft.setup.steps import admin_group, authorized_keys, firewall, hosts_file, kernel_log, mesh, reserved_ports
 from mnft.setup.steps.base import (
     CHANGED,
     FAILED,
@@ -56,6 +56,7 @@ STEPS = {  # a playbook's step name -> its module
     "firewall": firewall,
     "reserved_ports": reserved_ports,
     "kernel_log": kernel_log,
+    "admin_group": admin_group,
 }
 USES_ADDRESSES = ("mesh", "hosts_file", "firewall")  # steps that need every host's cluster address
 DEFAULT_PLAYBOOK = Path(__file__).resolve().parent / "setup.yaml"  # installed with the package
@@ -112,6 +113,11 @@ def parse(text: str, path: Path | None = None) -> Playbook:
         raise InputError(f"{where}: a playbook is a list of steps ('- name: …' then one step key), got a {type(doc).__name__}")
     steps = [_entry(i, entry, where) for i, entry in enumerate(doc, 1)]
     return Playbook(path, tuple(steps))
+
+
+def single(step: str, params: dict, name: str, where: str) -> Playbook:
+    """A playbook of one step (a command-line shorthand: `mnft setup --admin-group NAME`), validated as a file's."""
+    return Playbook(None, (_entry(1, {"name": name, step: params}, where),))
 
 
 def _entry(index: int, entry: Any, where: str) -> StepSpec:
