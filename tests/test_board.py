@@ -89,6 +89,25 @@ def test_a_runs_row_and_page_say_what_its_record_and_collected_metrics_say(runs_
     assert h1["lines_from"] == "collected" and h1["lines"] == [[0, "step 1"], [0, "bold\tand a bell?"]]  # colours dropped, a bell as '?'
 
 
+def test_a_resumed_runs_page_shows_every_run_it_resumed_each_attempt_a_series_and_where_it_resumed(runs_dir):
+    first = write_run(runs_dir, "20261127-100000-aaaa", hosts=["h1", "h2"], state="stopped", steps=40, attempts=2)
+    second = write_run(runs_dir, "20261127-120000-bbbb", hosts=["h1", "h2"], steps=20)
+    record = json.loads((second / "run.json").read_text())
+    (second / "run.json").write_text(json.dumps(dict(record, resumed_from="20261127-100000-aaaa")))
+    (second / "metrics.jsonl").write_text("".join(json.dumps({"step": 40 + s, "loss": 1.0 - s / 100, "attempt": 1}) + "\n" for s in range(1, 21)))
+    page = runs_of.detail("20261127-120000-bbbb", second)
+    curve = page["curve"]
+    theirs = [json.loads(line) for line in (first / "metrics.jsonl").read_text().splitlines()]
+    assert page["resumed_from"] == ["20261127-100000-aaaa"]
+    assert curve["x"] == [m["step"] for m in theirs] + list(range(41, 61)) and curve["points"] == len(theirs) + 20
+    assert curve["attempt"] == [m["attempt"] for m in theirs] + [3] * 20
+    assert curve["labels"] == {"1": "20261127-100000-aaaa attempt 1", "2": "20261127-100000-aaaa attempt 2", "3": "this run"}
+    assert {"step": 41, "label": "resumed from 20261127-100000-aaaa"} in curve["restarts"]
+    assert {"step": 20, "label": "20261127-100000-aaaa: attempt 2 (killed)"} in curve["restarts"]
+    alone = runs_of.detail("20261127-100000-aaaa", first)["curve"]  # the earlier run's own page: itself only
+    assert alone["labels"] == {} and alone["points"] == len(theirs)
+
+
 def test_a_run_going_on_is_read_from_what_its_supervisor_keeps_and_its_hosts_answer(runs_dir):
     path = write_run(runs_dir, "20261127-110000-bbbb", hosts=["h1", "h2"], state="running", steps=0)
     (path / "run.json").write_text(json.dumps(dict(json.loads((path / "run.json").read_text()), time=None, ended=None)))
@@ -215,6 +234,19 @@ def test_a_restarted_runs_curve_marks_its_attempts_restarts_and_lost_steps(board
     assert page.query_selector("#chart canvas") is not None
     time_bar = page.eval_on_selector_all(".timebar .seg", "ss => ss.map(s => s.dataset.part)")
     assert {"launch_s", "kept_s", "checkpoint_s", "lost_s", "detection_s", "restart_s"} <= set(time_bar)
+
+
+def test_a_resumed_runs_page_draws_the_runs_it_resumed_each_under_its_own_name(board_page, runs_dir):
+    page = board_page
+    write_run(runs_dir, "20991230-100000-aaaa", hosts=["h1"], state="stopped", steps=40, attempts=2)
+    later = write_run(runs_dir, "20991230-120000-bbbb", hosts=["h1"], steps=20)
+    (later / "run.json").write_text(json.dumps(dict(json.loads((later / "run.json").read_text()), resumed_from="20991230-100000-aaaa")))
+    (later / "metrics.jsonl").write_text("".join(json.dumps({"step": 40 + s, "loss": 1.0 - s / 100, "attempt": 1}) + "\n" for s in range(1, 21)))
+    page.goto(page.served.url + "#/run/20991230-120000-bbbb")
+    page.wait_for_selector('#chart[data-attempts="3"]', timeout=30000)
+    legend = page.inner_text("#chart .u-legend")
+    assert "20991230-100000-aaaa attempt 1" in legend and "20991230-100000-aaaa attempt 2" in legend and "this run" in legend
+    assert "resumed from 20991230-100000-aaaa" in page.inner_text("#curve-marks")
 
 
 def test_an_unreachable_host_is_shown_as_such_with_its_last_answer(board_page):

@@ -30,6 +30,7 @@ from mnft.run.train import Live
 
 GOING = frozenset({"waiting", "checking", "syncing", "starting", "running"})  # a record's states while its run goes on
 LOG_LINES = 40  # per host on a run's page
+RESUMES_MAX = 20  # runs a resumed run's page reaches back through (resumed_from), at most
 POINTS_MAX = 50_000  # points of a loss curve sent to the page (a longer run: every k-th, the last one kept)
 JSON_MAX = 4 << 20  # bytes of a summary.json / live.json read at most
 TEXT_MAX = 500  # characters of one line of text
@@ -250,7 +251,8 @@ def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | 
                         "started": number(a.get("started")), "ended": number(a.get("ended")), "resumed_step": a.get("resumed_step"),
                         "steps": a.get("steps"), "steps_lost": a.get("steps_lost"), "cause": text((a.get("cause") or {}).get("detail")),
                         "decision": text(a.get("decision"))} for a in attempts]
-    out["curve"] = curve(path, data, live is not None or going(data))
+    out["curve"] = curve(path, data, live is not None or going(data), earlier_runs(data))
+    out["resumed_from"] = [rid for rid, _, _ in earlier_runs(data)]
     out["time"] = time_spent(path, data, now)
     out["failure"] = failure(data)
     out["warnings"] = [{"cause": text(w.get("cause")), "fix": text(w.get("fix"))} for w in data.get("warnings") or [] if isinstance(w, dict)]
@@ -261,29 +263,75 @@ def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | 
     return out
 
 
-def curve(path: Path, data: dict, running: bool) -> dict:
+def earlier_runs(data: dict, dirs: dict[str, Path] | None = None) -> list[tuple[str, Path, dict]]:
+    """The runs this one resumed (`mnft train --resume-run`: each record's resumed_from), oldest first, as far as
+    the user's records reach (at most RESUMES_MAX back): [(run id, its directory, its record)]."""
+    chain: list[tuple[str, Path, dict]] = []
+    previous = data.get("resumed_from")
+    while isinstance(previous, str) and len(chain) < RESUMES_MAX and all(previous != rid for rid, _, _ in chain):
+        path = dirs.get(previous) if dirs is not None else records.path_of(previous)
+        if path is None:
+            break
+        try:
+            record = records.read_record(path / "run.json")
+        except (InputError, OSError):
+            break
+        chain.append((previous, path, record))
+        previous = record.get("resumed_from")
+    return chain[::-1]
+
+
+def _points(path: Path, running: bool) -> tuple[str | None, list[dict]]:
+    if not running and (path / METRICS).is_file():
+        found = [r for r in read_jsonl(path / METRICS) if "loss" in r and r.get("event") is None]
+        if found:
+            return "metrics", found
+    if (path / Live.METRICS).is_file():
+        return "live", [r for r in read_jsonl(path / Live.METRICS) if "loss" in r]
+    return None, []
+
+
+def curve(path: Path, data: dict, running: bool, earlier: list[tuple[str, Path, dict]] = ()) -> dict:
     """The loss curve: once the run's logs are collected, metrics.jsonl (mnft.run.logs: the kept timeline over
     every attempt); while it goes on, or without them, the step records the supervisor kept as they came
     (live-metrics.jsonl). Restarts where each later attempt resumed (mnft.run.logs.restarts); lost steps: each
-    attempt's steps past where the next one resumed (the record's attempts)."""
-    source, found = None, []
-    if not running and (path / METRICS).is_file():
-        source, found = "metrics", [r for r in read_jsonl(path / METRICS) if "loss" in r and r.get("event") is None]
-    if not found and (path / Live.METRICS).is_file():
-        source, found = "live", [r for r in read_jsonl(path / Live.METRICS) if "loss" in r]
+    attempt's steps past where the next one resumed (the record's attempts). A run that resumed earlier ones
+    (`earlier`: earlier_runs) shows their curves first, each of their attempts a series of its own (`labels`), and a
+    mark where this run resumed."""
+    found, series, labels, marks = [], [], {}, []
+    for rid, their_path, record in earlier:
+        _, theirs = _points(their_path, False)
+        attempts = sorted({r.get("attempt") if isinstance(r.get("attempt"), int) else 1 for r in theirs})
+        numbered = {a: len(labels) + i + 1 for i, a in enumerate(attempts)}
+        for a in attempts:
+            labels[numbered[a]] = rid if len(attempts) == 1 else f"{rid} attempt {a}"
+        found += theirs
+        series += [numbered[r.get("attempt") if isinstance(r.get("attempt"), int) else 1] for r in theirs]
+        marks += [{"step": step, "label": text(f"{rid}: {label}", 100)} for step, label in restarts(record) if isinstance(step, int)]
+    offset = len(labels)
+    source, mine = _points(path, running)
+    if earlier and mine:
+        first = mine[0].get("step")
+        if isinstance(first, int):
+            marks.append({"step": first, "label": text(f"resumed from {earlier[-1][0]}", 100)})
+        for a in sorted({r.get("attempt") if isinstance(r.get("attempt"), int) else 1 for r in mine}):
+            labels[offset + a] = "this run" if a == 1 else f"this run, attempt {a}"
+    found += mine
+    series += [offset + (r.get("attempt") if isinstance(r.get("attempt"), int) else 1) for r in mine]
     by_step = bool(found) and all(isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) for r in found)
     if len(found) > POINTS_MAX:
         every = -(-len(found) // POINTS_MAX)
-        found = found[::every] + ([found[-1]] if (len(found) - 1) % every else [])
+        keep = list(range(0, len(found), every)) + ([len(found) - 1] if (len(found) - 1) % every else [])
+        found, series = [found[i] for i in keep], [series[i] for i in keep]
     xs = [r["step"] if by_step else r.get("index") if isinstance(r.get("index"), int) else i for i, r in enumerate(found, 1)]
     losses = [number(r.get("loss")) for r in found]
-    marks = [{"step": step, "label": text(label, 100)} for step, label in restarts(data) if isinstance(step, int)]
+    marks += [{"step": step, "label": text(label, 100)} for step, label in restarts(data) if isinstance(step, int)]
     lost = []
     for a in data.get("attempts") or []:
         steps, count = (a or {}).get("steps"), (a or {}).get("steps_lost")
         if isinstance(count, int) and count > 0 and isinstance(steps, list) and len(steps) == 2 and isinstance(steps[1], int):
             lost.append({"attempt": a.get("number"), "from": steps[1] - count, "to": steps[1], "steps": count})
-    return {"source": source, "by_step": by_step, "x": xs, "loss": losses, "attempt": [r.get("attempt") if isinstance(r.get("attempt"), int) else 1 for r in found],
+    return {"source": source, "by_step": by_step, "x": xs, "loss": losses, "attempt": series, "labels": {str(k): v for k, v in labels.items()},
             "tokens_per_s": [number(r.get("tokens_per_s")) for r in found] if any("tokens_per_s" in r for r in found) else None,
             "points": len(found), "restarts": marks, "lost": lost}
 

@@ -375,7 +375,7 @@
       scales: { x: { time: false } },
       axes: [{ label: curve.by_step ? "step" : "logged point" }, { label: "loss", size: 60 }],
       series: [{ label: curve.by_step ? "step" : "point" },
-        ...attempts.map((a, i) => ({ label: attempts.length > 1 ? "attempt " + a : "loss", stroke: COLORS[i % COLORS.length], width: 1.5,
+        ...attempts.map((a, i) => ({ label: (curve.labels && curve.labels[a]) || (attempts.length > 1 ? "attempt " + a : "loss"), stroke: COLORS[i % COLORS.length], width: 1.5,
           spanGaps: true, points: { show: points <= 120 }, value: (u, v) => fmtLoss(v) }))],
       hooks: { draw: [(u) => drawMarks(u, state.curve)] },
     };
