@@ -51,7 +51,7 @@ def reader_text() -> str:
 
 def sudoers_text(users: str) -> str:
     return ("# written by mnft setup (kernel_log): the NVIDIA driver's Xid lines of the kernel log, nothing else, for the\n"
-            "# lab's members (kernel.dmesg_restrict=1); remove with: invoke setup --only kernel_log --undo\n"
+            "# lab's members (kernel.dmesg_restrict=1); remove with: mnft setup --only kernel_log --undo\n"
             f'{users} ALL=(root) NOPASSWD: {READER} ""\n')
 
 
