@@ -30,6 +30,45 @@ dist.destroy_process_group()
 '''
 
 
+def second_member(cluster, work: Path, lock: Path) -> None:
+    """docs/first-lab.md's "The second member's first day": ann, a student who is not the admin, at a controller of
+    her own (her login, her home: getpass reads $USER and $LOGNAME as on her laptop), with the lab's shared inventory
+    that names no user, her own clone of the project, her own known hosts, runs and environment."""
+    import shutil
+
+    cluster.add_user("ann", torch=True)  # the admin's useradd on every host, her key in her authorized_keys
+    home = work / "ann"
+    project = home / "my-project"
+    project.mkdir(parents=True)
+    (project / "train.py").write_text(TRAIN)
+    (home / ".ssh").mkdir(mode=0o700)
+    shutil.copy(cluster.controller_key, home / ".ssh" / "id_ed25519")
+    shared = cluster.write_inventory(work / "lab-shared.yaml", known_hosts=None, user=None, workdir=None, python=cluster.python,
+                                     identity="~/.ssh/id_ed25519")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MNFT_")}
+    env.update(HOME=str(home), USER="ann", LOGNAME="ann", COLUMNS="120", PYTHONUNBUFFERED="1")
+    print("\n# ---- the second member: ann, at her own controller, with the lab's shared inventory", flush=True)
+    print(shared.read_text().replace(str(work), "…"), flush=True)
+
+    def ann(*args: str, cwd: Path = project) -> None:
+        print(f"\n$ mnft {' '.join(args)}    (ann, in {str(cwd).replace(str(work), '…')})", flush=True)
+        done = subprocess.run([sys.executable, "-c", "from mnft.cli.main import main; main()", *args], cwd=cwd, env=env,
+                              capture_output=True, text=True, timeout=600)
+        print((done.stdout + done.stderr).replace(str(work), "…"), f"[exit {done.returncode}]", sep="")
+
+    inventory = str(shared)
+    ann("inventory", "--hosts", inventory)
+    ann("check", "--hosts", inventory, "--no-network")
+    ann("trust-hosts", "--hosts", inventory)
+    ann("check", "--hosts", inventory)
+    ann("lab", "--hosts", inventory)
+    ann("train", "--hosts", inventory, "--", "train.py")
+    ann("runs", cwd=home)
+    ann("status", cwd=home)
+    ann("provision", "--hosts", inventory, "--lock", str(lock))
+    ann("lab", "--hosts", inventory, "--usage")
+
+
 def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="mnft-first-lab-"))
     cluster = testbed.Cluster.create(2, work / "cluster")
@@ -60,6 +99,7 @@ def main() -> None:
         mnft("train", "--hosts", "lab.yaml", "--", "train.py")
         mnft("logs", "--lines", "5")
         mnft("lab", "--hosts", "lab.yaml")
+        second_member(cluster, work, lock)
         mnft("provision", "--hosts", "lab.yaml", "--lock", "requirements.lock", "--dry-run")
         mnft("provision", "--hosts", "lab.yaml", "--lock", "requirements.lock")
         mnft("uninstall", "--hosts", "lab.yaml", "--dry-run")

@@ -352,11 +352,19 @@ def test_the_rendered_ssh_options_are_what_openssh_applies_over_a_hostile_ssh_co
         assert "knownhostscommand" not in shown
 
 
-def test_ssh_command_leaves_port_user_and_key_to_ssh_config_when_unset():
+def test_ssh_command_leaves_port_and_key_to_ssh_config_and_logs_in_as_fabric_does(tmp_path, monkeypatch):
+    """The login, unset in the inventory, is the one Fabric dials (~/.ssh/config's User, else the controller's login
+    as getpass reads it): OpenSSH's own default is the local uid's name, and rsync then wrote into another user's home
+    (a second member's sync "differed after the sync", her wheels went to /root/mnft-env.d)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LOGNAME", "ann")
     host = one_host(address="gpu1")
     command = rsync.ssh_command(host, rsync.SshSettings(("/k",)))
-    assert command.endswith("-o ServerAliveCountMax=4")
-    assert " -p " not in command and " -l " not in command and " -i " not in command
+    assert command.endswith("-o ServerAliveCountMax=4 -l ann")
+    assert " -p " not in command and " -i " not in command
+    (tmp_path / ".ssh").mkdir()
+    (tmp_path / ".ssh" / "config").write_text("Host gpu1\n  User ann_lab\n")
+    assert rsync.ssh_command(host, rsync.SshSettings(("/k",))).endswith(" -l ann_lab")
 
 
 def test_ssh_command_refuses_known_hosts_paths_it_cannot_quote():

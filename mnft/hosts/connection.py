@@ -461,6 +461,15 @@ def gateway_hops(conn: fabric.Connection) -> list[fabric.Connection]:
     return hops
 
 
+def login_of(host: Host) -> str:
+    """The login mnft's SSH uses on the host: the inventory's `user`, else ~/.ssh/config's User for it, else the
+    controller's login as getpass reads it ($LOGNAME, $USER, …) — Fabric's choice, which OpenSSH (rsync's -e) is
+    given with -l so that both log in as the same user (OpenSSH's own default is the local uid's name instead)."""
+    if host.user:
+        return host.user
+    return fabric.Connection(host.address, port=host.port).user
+
+
 def ssh_target(conn: fabric.Connection) -> tuple[str, int, str]:
     """(hostname, port, user) after ~/.ssh/config: what is actually dialled."""
     return conn.host, conn.port, conn.user

@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 from mnft.core import interrupts, limits
 from mnft.core.errors import InputError
 from mnft.hosts import fanin
+from mnft.hosts.connection import login_of
 from mnft.hosts.fleet import Status
 from mnft.hosts.hostkeys import SYSTEM_KNOWN_HOSTS, known_hosts_files
 from mnft.hosts.settings import Host, Inventory
@@ -91,8 +92,7 @@ def ssh_command(host: Host, ssh: SshSettings) -> str:
     ]
     if host.port is not None:
         words += ["-p", str(host.port)]
-    if host.user:
-        words += ["-l", host.user]
+    words += ["-l", login_of(host)]  # the user Fabric logs in as, never OpenSSH's own default (the local uid's name)
     if host.identity:
         words += ["-i", _ssh_path(os.path.expanduser(host.identity)), "-o", "IdentitiesOnly=yes"]
     return " ".join(_rsync_e_word(w) for w in words)
