@@ -263,3 +263,23 @@ def test_data_goes_to_data_dir_once_on_a_shared_filesystem(cluster, tmp_path):
     assert again.hosts["h1"].status == "ok"
     assert again.hosts["h2"].status == "failed" and "host h2 does not see the shared data" in again.hosts["h2"].error
     assert not (h2.home / "sync-data-shared").exists()
+
+
+def test_an_inventory_without_a_user_syncs_as_the_controllers_login_into_that_users_home(cluster, tmp_path, monkeypatch):
+    """The lab's shared inventory names no user: each member logs in as their own login ($LOGNAME, as getpass reads
+    it; ~/.ssh/config's User where it has one). rsync must log in as the same user as the SSH that checks the copy: it
+    used OpenSSH's own default, the local uid's name, wrote into another user's home, and the sync "differed after
+    the sync"."""
+    cluster.add_user("dora")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("LOGNAME", "dora")
+    monkeypatch.setenv("USER", "dora")
+    src = make_src(tmp_path)
+    inv, _ = inv_for(cluster, tmp_path, "~/sync-login", user=None, python="/usr/bin/python3")  # (the system Python: dora may run it)
+    assert {h.user for h in inv.hosts} == {None}
+    report = mirror.sync_code(inv, src, progress=False)
+    assert report.ok, report.summary()
+    for sim in cluster.hosts:
+        copy = sim.root / "tmp" / "home-dora" / "sync-login"
+        assert (copy / "pkg" / "hello.py").is_file() and copy.stat().st_uid != 0
+        assert not (host_tree(sim, "/root/sync-login")).exists()
