@@ -13,7 +13,7 @@ import re
 
 from mnft.hosts.settings import Host
 from mnft.onhost.drain import ADMIN_FILES
-from mnft.setup.steps.base import FAILED, Context, Outcome, Param, Plan, first_error, standard, write_op
+from mnft.setup.steps.base import Context, Outcome, Param, Plan, read_ops, standard, write_op
 
 TAGS = ("admins",)
 NEEDS_ROOT = True
@@ -80,12 +80,9 @@ def read(ctx: Context, host: Host, group: str | None):
     ops = [{"op": "read", "path": PATH}]
     if group is not None:
         ops.append({"op": "run", "argv": ["getent", "group", group]})
-    results, failure = ctx.remote(host, ops, root=True)
+    results, failure = read_ops(ctx, host, ops, root=True)
     if failure:
         return None, failure
-    error = first_error(results)
-    if error:
-        return None, Outcome(FAILED, error=error)
     current = results[0]
     exists = current.get("exists")
     return {

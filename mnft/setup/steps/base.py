@@ -174,6 +174,17 @@ def first_error(results: Sequence[dict]) -> str | None:
     return None
 
 
+def read_ops(ctx: Context, host: Host, ops: Sequence[dict], *, root: bool = False) -> tuple[list[dict] | None, Outcome | None]:
+    """A step's facts in one round-trip: (results, None), or (None, the failed Outcome) when the call or an op failed."""
+    results, failure = ctx.remote(host, ops, root=root)
+    if failure:
+        return None, failure
+    error = first_error(results)
+    if error:
+        return None, Outcome(FAILED, error=error)
+    return results, None
+
+
 # ---------------------------------------------------------------------------------------------- read -> plan -> apply
 
 

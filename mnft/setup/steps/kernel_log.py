@@ -22,7 +22,7 @@ import re
 from mnft.hosts import payload
 from mnft.hosts.settings import Host
 from mnft.onhost.kernellog import READER
-from mnft.setup.steps.base import FAILED, Context, Outcome, Param, Plan, first_error, standard, write_op
+from mnft.setup.steps.base import Context, Outcome, Param, Plan, read_ops, standard, write_op
 
 TAGS = ("gpu",)
 NEEDS_ROOT = True
@@ -112,12 +112,9 @@ def plan_undo(facts: dict, users: str) -> Plan:
 def read(ctx: Context, host: Host):
     ops = [{"op": "read", "path": RESTRICT}, {"op": "read", "path": READER}, {"op": "read", "path": SUDOERS},
            {"op": "stat", "paths": [PYTHON, SUDO, CHECKING, *DRIVER]}]
-    results, failure = ctx.remote(host, ops, root=True)
+    results, failure = read_ops(ctx, host, ops, root=True)
     if failure:
         return None, failure
-    error = first_error(results)
-    if error:
-        return None, Outcome(FAILED, error=error)
     restrict, reader, sudoers, stats = results
     python = stats[PYTHON]
     return {

@@ -12,7 +12,7 @@ Undo removes only the ports mnft added. Needs root.
 from __future__ import annotations
 
 from mnft.hosts.settings import Host
-from mnft.setup.steps.base import FAILED, Context, Outcome, Param, Plan, first_error, standard, write_op
+from mnft.setup.steps.base import FAILED, Context, Outcome, Param, Plan, read_ops, standard, write_op
 
 TAGS = ("ports",)
 NEEDS_ROOT = True
@@ -134,12 +134,9 @@ def plan_undo(facts: dict) -> Plan:
 
 
 def read(ctx: Context, host: Host):
-    results, failure = ctx.remote(host, [{"op": "read", "path": p} for p in (SYSCTL, RANGE, RECORD, PERSIST)], root=True)
+    results, failure = read_ops(ctx, host, [{"op": "read", "path": p} for p in (SYSCTL, RANGE, RECORD, PERSIST)], root=True)
     if failure:
         return None, failure
-    error = first_error(results)
-    if error:
-        return None, Outcome(FAILED, error=error)
     reserved, port_range, record, persisted = results
     if not reserved.get("exists"):
         return None, Outcome(FAILED, error=f"{SYSCTL} does not exist")
