@@ -280,3 +280,41 @@ def test_root_stops_another_users_run_through_the_keeper_that_holds_its_gpus_and
         assert {r["state"] for r in root.lab()} == {"free"}
     finally:
         end(lab, "s", (h4,))
+
+
+STEPS = RANK_SNIPPET + '''
+import os, sys, time
+
+end = "/tmp/mnft-test-end-" + sys.argv[1]
+step = 0
+while not os.path.exists(end) and step < 600:
+    step += 1
+    print(f"step {step} loss {2.0 / step:.4f}", flush=True)
+    time.sleep(0.5)
+print("done", flush=True)
+'''
+
+
+def test_another_members_look_shows_how_far_a_run_is_from_its_lease_and_nothing_else_of_it(lab, tmp_path, src):
+    """Issue 45: the board showed no step or loss for other users' runs (their records are theirs, 0700). An attached
+    run's controller tells its hosts' leases its last step and loss with its heartbeat; carol's `mnft lab --json` and
+    her board's row of alice's run read them there, and no other word of alice's output."""
+    from mnft.board import runs as runs_of
+
+    h3 = lab.hosts[2]
+    (src / "steps.py").write_text(STEPS)
+    alice, carol = Person(lab, tmp_path, "alice", (h3,)), Person(lab, tmp_path, "carol", (h3,))
+    run = alice.start("train", "--hosts", alice.inventory, "--src", str(src), "--gpus", "1", "--", "steps.py", "p")
+    try:
+        deadline, seen = time.monotonic() + 90, None
+        while time.monotonic() < deadline and not seen and run.poll() is None:
+            time.sleep(1)
+            seen = next((r.get("progress") for r in carol.lab() if r["host"] == h3.name and r["state"] == "held" and r.get("progress")), None)
+        assert seen and seen["step"] >= 1 and seen["loss"] == pytest.approx(2.0 / seen["step"], abs=1e-4), seen
+        assert set(seen) == {"step", "loss", "at"}
+        rows = json.loads(carol.mnft("lab", "--hosts", carol.inventory, "--json").stdout)["devices"]
+        (theirs,) = runs_of.others(rows, set())
+        assert theirs["user"] == "alice" and isinstance(theirs["step"], int) and theirs["step"] >= seen["step"] and theirs["loss"] is not None
+    finally:
+        end(lab, "p", (h3,))
+        finished(run)

@@ -6,6 +6,8 @@ Pure pieces here, with data in and words out; the cluster tests (test_cluster_la
 from __future__ import annotations
 
 import io
+import json
+import os
 
 from rich.console import Console
 
@@ -160,3 +162,44 @@ def test_setup_undo_of_one_host_says_which_peers_still_let_it_in():
     assert plan.notes == ["10.0.0.1, 10.0.0.3 (not in this undo) still let this host through their firewall and trust its mesh key: "
                           "`mnft setup` on them with an inventory without this host takes it out"]
     assert plan_undo({"table": table}).notes == []  # the whole lab undone: nothing to say
+
+
+def test_a_runs_progress_in_its_lease_is_numbers_only_whatever_a_lease_file_says():
+    from mnft.hosts.lab import progress_of
+    from mnft.onhost.leases import progress_of as told
+
+    assert told(b'{"step": 12, "loss": 0.5, "at": 1800000000.5}') == {"step": 12, "loss": 0.5, "at": 1800000000.5}
+    assert told(b'{"step": "<b>12</b>", "loss": NaN, "text": "secret"}') is None
+    assert told(b'[[[[') is None and told(b'{"loss": true}') is None
+    assert progress_of({"progress": {"step": 3.0, "loss": "x", "at": 1e300}}) == {"step": 3}
+    assert progress_of({"progress": "step 3"}) is None and progress_of({}) is None
+
+
+def test_the_boards_row_of_another_members_run_takes_the_newest_step_its_hosts_hold():
+    from mnft.board.runs import others
+
+    rows = [{"host": "h1", "device": "0", "state": "held", "user": "alice", "run": "R1", "command": "train", "since": 100.0,
+             "progress": {"step": 40, "loss": 1.5, "at": 200.0}},
+            {"host": "h2", "device": "0", "state": "held", "user": "alice", "run": "R1", "command": "train", "since": 100.0,
+             "progress": {"step": 42, "loss": 1.4, "at": 210.0}},
+            {"host": "h3", "device": "0", "state": "held", "user": "bob", "run": "R2", "command": "train", "since": 100.0}]
+    alice, bob = others(rows, set())
+    assert (alice["step"], alice["loss"]) == (42, 1.4) and "progress_at" not in alice
+    assert (bob["step"], bob["loss"]) == (None, None)
+
+
+def test_a_hold_writes_the_progress_its_controller_tells_into_its_leases_under_the_lock(tmp_path, monkeypatch):
+    from mnft.onhost import hold, leasefiles, leases
+
+    monkeypatch.setenv(leasefiles.LEASE_DIR_VAR, str(tmp_path))
+    path = tmp_path / "mnft-lease.json"
+    path.write_text(json.dumps({"op": "o1", "run_id": "R1", "user": "alice"}))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        seen = []
+        request, rest, stop = hold._next_request(b'hb\nprogress {"step": 7, "loss": 0.25, "at": 5.0}\nprogress [oops]\nhb\n', seen.append)
+        assert (request, rest, stop) == (None, b"", False) and seen == [{"step": 7, "loss": 0.25, "at": 5.0}]
+        leases.note_progress([fd], seen[0])
+        assert json.loads(path.read_text()) == {"op": "o1", "run_id": "R1", "user": "alice", "progress": {"step": 7, "loss": 0.25, "at": 5.0}}
+    finally:
+        os.close(fd)

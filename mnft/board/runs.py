@@ -230,6 +230,11 @@ def others(rows: list[dict], mine: set[str], now: float | None = None) -> list[d
             entry["hosts"].append(row["host"])
         if isinstance(row.get("since"), (int, float)) and (entry["created"] is None or row["since"] < entry["created"]):
             entry["created"] = row["since"]
+        seen = row.get("progress") if isinstance(row.get("progress"), dict) else {}
+        if seen and (entry.get("progress_at") is None or (seen.get("at") or 0) > entry["progress_at"]):  # the newest a host holds
+            entry.update(step=seen.get("step"), loss=seen.get("loss"), progress_at=seen.get("at") or 0)
+    for entry in found.values():
+        entry.pop("progress_at", None)
     return list(found.values())
 
 

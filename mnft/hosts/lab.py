@@ -9,6 +9,7 @@ kernel's record of the flock's holder and that process's owner), which no user c
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -58,6 +59,19 @@ def lockers_users(device: dict) -> list[str]:
     return sorted({str(w).split(" pid ")[0] for w in device.get("lockers") or []})
 
 
+def progress_of(holder: dict) -> dict | None:
+    """The run's last step its lease names (anyone may write a lease file: numbers only, else nothing)."""
+    seen = holder.get("progress")
+    if not isinstance(seen, dict):
+        return None
+    out = {}
+    for key in ("step", "loss", "at"):
+        value = seen.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and abs(value) < 1e15:
+            out[key] = int(value) if key == "step" else float(value)
+    return out if "step" in out or "loss" in out else None
+
+
 def holder_user(device: dict) -> str | None:
     """Who holds a device: the owner of the process holding its lock (the kernel's word), else the login the lease
     file names."""
@@ -85,6 +99,7 @@ class Row:
 
     idle: float | None = None  # seconds its holder's GPUs have been idle (as the holder's keeper last sampled them)
     also: str | None = None  # a collision: "also used by bob pid 4242" (a process not of the holder's run on its GPU)
+    progress: dict | None = None  # the holder's run's last step as its controller told the host: {"step", "loss", "at"}
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -122,7 +137,7 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 detail = "; ".join(w for w in (reserved, detail, also) if w) or None
                 out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), held_command(holder),
                                _number(holder.get("taken") or holder.get("started")), memory, util, with_idle(detail, idle),
-                               leases.shown(holder.get("image"), 80), health, drain, idle, also))
+                               leases.shown(holder.get("image"), 80), health, drain, idle, also, progress_of(holder)))
             elif state == "outside":
                 procs = d.get("processes") or []
                 users = sorted({leases.shown(p.get("user")) or "?" for p in procs})

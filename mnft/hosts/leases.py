@@ -309,6 +309,8 @@ class Leases:
     _writing: threading.Lock = field(default_factory=threading.Lock)  # a heartbeat never cuts into a run request
     _running: dict[str, threading.Lock] = field(default_factory=dict)  # host -> held while a run is asked and answered
     _give_up: threading.Event = field(default_factory=threading.Event)  # a host refused outright: nobody waits on
+    _progress: dict | None = None  # the run's last step, told to its hosts with the next heartbeat (progress())
+    _told: dict | None = None
 
     def holder(self) -> dict:
         holder = {"op": self.op, "command": self.command, "run_id": self.run_id, "user": getpass.getuser(), "controller": socket.gethostname(),
@@ -438,14 +440,25 @@ class Leases:
                     return None
         return reply
 
+    def progress(self, metric: dict) -> None:
+        """The run's last step (its step and loss, nothing else): each host writes it into its lease with the next
+        heartbeat, so the lab's other members see how far the run is (mnft lab --json, the board)."""
+        seen = {k: metric.get(k) for k in ("step", "loss") if isinstance(metric.get(k), (int, float)) and not isinstance(metric.get(k), bool)}
+        if seen:
+            self._progress = dict(seen, at=round(time.time(), 1))
+
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY):
+            told, beat = self._progress, b"hb\n"
+            if told is not None and told is not self._told:
+                beat = b"progress " + json.dumps(told).encode() + b"\n"
             for process in list(self.processes.values()):
                 try:
                     with self._writing:
-                        process.write(b"hb\n")
+                        process.write(beat)
                 except Exception:  # noqa: BLE001 - a lost channel: the host let the lease go itself
                     pass
+            self._told = told
 
     def run(self, host: str, entry: str, args: Sequence[str], stdin: str = "", timeout: float = REPLY_TIMEOUT) -> HostResult | None:
         """Run a host entry (mnft.onhost.<entry>'s main(args), its stdin the text given) in

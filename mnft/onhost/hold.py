@@ -14,7 +14,7 @@ import time
 from . import boot
 from .gpuread import read_devices
 from .leasefiles import MAX_LEASE_BYTES, Refused, _failure, lease_dir
-from .leases import release, take
+from .leases import note_progress, progress_of, release, take
 from .line import make_ticket, waiting_reply
 from .usage import log_usage, usage_line
 
@@ -104,7 +104,7 @@ def hold():
                     break
                 last = time.time()
                 pending += data
-                request, pending, stop = _next_request(pending)
+                request, pending, stop = _next_request(pending, lambda seen: note_progress(fds, seen))
                 if stop:
                     break
                 if request is not None:
@@ -118,11 +118,16 @@ def hold():
     return 0
 
 
-def _next_request(pending):
+def _next_request(pending, on_progress=None):
     """(the JSON of a complete `run N` request or None, what is left, whether to stop): heartbeats and other
-    lines are consumed, `release` (or a malformed request) stops."""
+    lines are consumed, a `progress {…}` line (the run's last step) given to on_progress, `release` (or a malformed
+    request) stops."""
     while b"\n" in pending:
         line, rest = pending.split(b"\n", 1)
+        if line.startswith(b"progress ") and on_progress is not None:
+            seen = progress_of(line[9:])
+            if seen is not None:
+                on_progress(seen)
         if line.startswith(b"run "):
             try:
                 size = int(line[4:])

@@ -5,6 +5,7 @@ only, Python 3.8 syntax.
 """
 
 import fcntl
+import json
 import os
 import time
 
@@ -253,6 +254,40 @@ def release(fd, holder):
     finally:
         os.close(mutex)
     return None
+
+
+def progress_of(raw):
+    """A run's last step as its controller tells it ({"step", "loss", "at"}: numbers only, nothing a reader could
+    take for text), or None for anything else."""
+    try:
+        seen = json.loads(raw.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(seen, dict):
+        return None
+    out = {}
+    for key, kind in (("step", int), ("loss", float), ("at", float)):
+        value = seen.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or value in (float("inf"), float("-inf")):
+            continue
+        out[key] = int(value) if kind is int else float(value)
+    return out if "step" in out or "loss" in out else None
+
+
+def note_progress(fds, progress):
+    """The run's last step written into its lease files, under the critical section's lock (every reader takes it):
+    the lab's other members see how far a run is (mnft lab --json, the board), never more than these numbers."""
+    try:
+        mutex = _lock_mutex()
+    except (OSError, Refused):
+        return
+    try:
+        for fd in fds:
+            current = _read(fd)
+            if current and not current.get("released") and current.get("progress") != progress:
+                _write(fd, dict(current, progress=progress))
+    finally:
+        os.close(mutex)
 
 
 def show():

@@ -16,7 +16,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.text import Text
@@ -201,7 +201,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
                   {name: (f.get("python") or {}).get("executable") or inventory.host(name).python for name, f in report.facts.items()},
                   visible, {h: tuple(p) for h, p in held.paths.items()} if held is not None else {}, runtimes_of(report, job),
                   recover.later_check(check_options, image_id, None),
-                  taken={h: tuple(d for d in found if isinstance(d, dict)) for h, found in held.devices.items()} if held is not None and gpus is not None else {})
+                  taken={h: tuple(d for d in found if isinstance(d, dict)) for h, found in held.devices.items()} if held is not None and gpus is not None else {},
+                  publish=held.progress if held is not None else None)
         try:  # the launch plan refuses (slots, rendezvous, the master's address) before any byte is synced
             run.plan(inventory.gang(gang_names), report.master_addr, port, 1, lopts.resume)
         except InputError as exc:
@@ -375,6 +376,7 @@ class Run:
     runtimes: dict[str, Runtime] = field(default_factory=dict)  # host -> its container runtime (a job with an image)
     later: CheckOptions = CheckOptions()  # what each later check judges: the first check's (recover.later_check)
     taken: dict[str, tuple[dict, ...]] = field(default_factory=dict)  # host -> the GPUs the run took, each its index, UUID and bus
+    publish: Callable[[dict], None] | None = None  # the last step, told to the hosts' leases for the lab to see (Leases.progress)
 
     def plan(self, gang: Inventory, master_addr: str, port: int, attempt: int, resume: bool, latest: str | None = None) -> list[HostLaunch]:
         return launching.plan(
@@ -405,7 +407,7 @@ class Run:
     def supervise(self, gang_names: tuple[str, ...], spares: tuple[str, ...], master_addr: str, port: int) -> int:
         record = self.record
         assert record is not None
-        live = Live(record.path, self.policy.max_restarts)
+        live = Live(record.path, self.policy.max_restarts, self.publish)
         try:
             return self._supervise(live, gang_names, spares, master_addr, port)
         except (KeyboardInterrupt, MnftError):
@@ -706,7 +708,8 @@ class Live:
     METRIC_EVERY = 1.0
     METRICS = LIVE_METRICS
 
-    def __init__(self, path: Path, max_restarts: int) -> None:
+    def __init__(self, path: Path, max_restarts: int, publish: Callable[[dict], None] | None = None) -> None:
+        self.publish = publish
         self.file = path / "live.json"
         self.metrics = path / self.METRICS
         self.data: dict[str, Any] = {"pid": os.getpid(), "max_restarts": max_restarts, "stragglers": []}
@@ -729,6 +732,8 @@ class Live:
         with self.metrics.open("a") as out:
             out.write(json.dumps(point) + "\n")
         self.data["metric"] = point
+        if self.publish is not None:
+            self.publish(data)
         if time.monotonic() - self.written >= self.METRIC_EVERY:
             self._write()
 
