@@ -52,6 +52,7 @@ def reader_text() -> str:
 def sudoers_text(users: str) -> str:
     return ("# written by mnft setup (kernel_log): the NVIDIA driver's Xid lines of the kernel log, nothing else, for the\n"
             "# lab's members (kernel.dmesg_restrict=1); remove with: mnft setup --only kernel_log --undo\n"
+            f"Defaults!{READER} !syslog, !pam_session\n"  # mnft reads it at every look: no auth-log line nor PAM session each time
             f'{users} ALL=(root) NOPASSWD: {READER} ""\n')
 
 
