@@ -17,7 +17,8 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
                   lab), line (the waiting line's tickets), hold (the held process and the runs it forks),
                   leasefiles (the lease directory and its files, safely opened), runs (a run's processes, collisions),
                   gpuread (the GPUs read for a take or a look, topology, pick), smi (nvidia-smi within a bound),
-                  gpucache (this boot's records), health (what is wrong with a GPU, Xids), nvml (NVML through ctypes),
+                  gpucache (this boot's records), health (what is wrong with a GPU), kernellog (the Xids, read where
+                  this user may: /dev/kmsg, mnft's reader through sudo, the journal), nvml (NVML through ctypes),
                   drain (admins' marks), usageread (`lab --usage`)
     agent         a run on this host (`launch`, `keep`, `stop`, `status`, `tail`, `pack`, sessions): launcher (start,
                   supervise), keeper (the run's session leader), runprocs (the run's processes, proved and signalled),
@@ -31,7 +32,7 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
     envhost       provision's host side: envfacts (Pythons, platform, an environment's distributions), meshpeers
     uninstallhost uninstall's host side
     imagehost     an image's identity on a host; save, load, place and clean for `sync --image` (meshpeers: whom it relays from)
-    setuphost     setup's file and nftables edits, with a dead-man revert
+    setuphost     setup's file and nftables edits, with a dead-man revert; admit_admins (drain: a drain file to the admins)
     linkagent     the link test's TCP sink/source and RTT client
     torchlaunch   starts a shipped torchrun entry (perf's all_reduce) bounded by the controller's connection
     slurmnode     under `srun` on every node: its launch by SLURM_NODEID, the agent run with it
@@ -39,6 +40,8 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
 Shared by several entries, and by the controller (written once): procs (whose a process is), rootfiles (a file only
 root can have written; durations), usage (the usage log's line and its writing).
 
-Standalone: entry, the launch wrapper every rank runs its entry point through, written into the run directory and
-run as a file (it imports nothing of the package).
+Standalone (each imports nothing of the package and runs as a file of its own): entry, the launch wrapper every rank
+runs its entry point through, written into the run directory; xidreader, the reader of the kernel log's Xid lines
+that `mnft setup`'s kernel_log step installs root-owned for the members to run through sudo (kernellog reads
+/dev/kmsg through its kmsg_records too).
 """
