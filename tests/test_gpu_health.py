@@ -295,6 +295,36 @@ def test_a_member_of_the_group_the_host_names_drains_and_another_admin_undrains(
     assert drain.drain_marks()[0]["gpus"] == {}
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to change a file's owner")
+def test_a_drain_file_fits_the_admins_of_now_when_the_group_changes_and_a_file_linked_elsewhere_is_never_touched(host, shared):
+    """mnft setup --admin-group, and its undo, fit the drain file to the admins of now (drain.fit_drain): a file root
+    wrote before any group was named becomes theirs to write; undone, it is root's alone again; its marks stay."""
+    import grp
+    import stat as st
+
+    def owner(path):
+        found = os.stat(path)
+        return found.st_uid, found.st_gid, st.S_IMODE(found.st_mode)
+
+    group = grp.getgrgid(65534).gr_name
+    mark, names = shared / "leases" / drain.DRAIN_NAME, shared / "leases" / drain.ADMIN_NAME
+    drain.set_drain({"gpus": [1], "reason": "fan"})  # root, before any group is named
+    assert owner(mark) == (0, 0, 0o644)
+    names.write_text(group + "\n")
+    os.chmod(names, 0o644)
+    assert drain.fit_drain() is True and owner(mark) == (0, 65534, 0o664)
+    assert drain.fit_drain() is False
+    names.unlink()
+    assert drain.fit_drain(group) is True and owner(mark) == (0, 0, 0o644)
+    assert drain.drain_marks()[0]["gpus"]["1"]["reason"] == "fan"  # still honoured
+    mark.unlink()
+    elsewhere = shared / "elsewhere"
+    elsewhere.write_text("root's own file")
+    os.link(elsewhere, mark)  # a user's hard link in the lease directory (fs.protected_hardlinks=0)
+    names.write_text(group + "\n")
+    assert drain.fit_drain() is False and owner(elsewhere) == (0, 0, 0o644)
+
+
 # ------------------------------------------------------------------------------------------------ the controller's side
 
 
@@ -461,6 +491,7 @@ def restricted(tmp_path, monkeypatch):
         raise PermissionError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(kernellog, "kmsg_records", denied)
+    monkeypatch.setattr(kernellog, "_kept", {})  # each test's look asked afresh
     monkeypatch.delenv(kernellog.KMSG_VAR, raising=False)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -508,16 +539,38 @@ def test_a_reader_sudo_will_not_run_is_named_with_what_sudo_said(restricted):
 
 
 def test_a_member_of_the_journals_groups_reads_the_xids_from_the_journal(restricted):
-    restricted(journal="[    1.000000] h1 kernel: Linux version 6.1.0\n[    5.250000] h1 kernel: " + XID_LINE + "\n")
+    restricted(journal="[    1.000000] h1 kernel: Linux version 6.1.0\n[    5.250000] h1 kernel: " + XID_LINE + "\n"
+               "[    6.000000] h1 kernel: python[77]: segfault at 0 ip 0 in " + XID_LINE.replace("1b:00", "2a:00") + "\n")
     found, why = kernellog.read_xids()
     assert why is None and [x["xid"] for x in found["1b:00"]] == [79]
+    assert "2a:00" not in found  # words a user's process put in another kernel line are not the driver's Xid
+
+
+def test_a_member_the_readers_rule_leaves_out_reads_the_journal_and_a_denial_is_asked_once_in_a_while(restricted, tmp_path):
+    asked = tmp_path / "asked"
+    restricted(reader=f"#!/bin/sh\necho x >> {asked}\necho 'sudo: a password is required' >&2\nexit 1\n",
+               journal="[    5.250000] h1 kernel: " + XID_LINE + "\n")
+    for _ in range(3):
+        found, why = kernellog.read_xids()
+        assert why is None and [x["xid"] for x in found["1b:00"]] == [79]
+    assert asked.read_text().count("x") == 1  # kept KEEP_S seconds: a wait in line looks every second
+
+
+def test_a_reader_that_does_not_answer_is_named_within_its_bound(restricted, monkeypatch):
+    monkeypatch.setattr(kernellog, "READ_TIMEOUT", 0.5)
+    restricted(reader="#!/bin/sh\nsleep 30\n")
+    started = time.monotonic()
+    found, why = kernellog.read_xids()
+    assert found == {} and "did not run for root: did not answer in 0.5 s" in why
+    assert time.monotonic() - started < 10
 
 
 def test_the_reader_prints_the_xid_records_and_nothing_else_of_the_kernel_log(tmp_path, monkeypatch, capsys):
     from mnft.onhost import xidreader
 
     log = tmp_path / "kmsg"
-    log.write_text(f"6,1,100,-;usb 1-1: new device\n3,2,200,-;{XID_LINE}\n4,3,300,-;Out of memory: Killed process 9 (secret-cmd)\n")
+    log.write_text(f"6,1,100,-;usb 1-1: new device\n3,2,200,-;{XID_LINE}\n4,3,300,-;Out of memory: Killed process 9 (secret-cmd)\n"
+                   f"6,4,400,-;audit: name=\"{XID_LINE}\" by someone\n")
     monkeypatch.setattr(xidreader, "KMSG", str(log))
     monkeypatch.setattr(xidreader.kmsg_records, "__defaults__", (str(log), xidreader.MAX_BYTES))
     assert xidreader.main([]) == 0

@@ -171,6 +171,7 @@ def test_a_runs_progress_in_its_lease_is_numbers_only_whatever_a_lease_file_says
     assert told(b'{"step": 12, "loss": 0.5, "at": 1800000000.5}') == {"step": 12, "loss": 0.5, "at": 1800000000.5}
     assert told(b'{"step": "<b>12</b>", "loss": NaN, "text": "secret"}') is None
     assert told(b'[[[[') is None and told(b'{"loss": true}') is None
+    assert told(b'{"step": 1' + b'0' * 400 + b', "loss": 1e999}') is None  # a thousands-digit step, an infinite loss: no number at all
     assert progress_of({"progress": {"step": 3.0, "loss": "x", "at": 1e300}}) == {"step": 3}
     assert progress_of({"progress": "step 3"}) is None and progress_of({}) is None
 
@@ -188,7 +189,7 @@ def test_the_boards_row_of_another_members_run_takes_the_newest_step_its_hosts_h
     assert (bob["step"], bob["loss"]) == (None, None)
 
 
-def test_a_hold_writes_the_progress_its_controller_tells_into_its_leases_under_the_lock(tmp_path, monkeypatch):
+def test_a_hold_writes_the_progress_its_controller_tells_into_its_leases_in_place_never_emptied(tmp_path, monkeypatch):
     from mnft.onhost import hold, leasefiles, leases
 
     monkeypatch.setenv(leasefiles.LEASE_DIR_VAR, str(tmp_path))
@@ -201,5 +202,7 @@ def test_a_hold_writes_the_progress_its_controller_tells_into_its_leases_under_t
         assert (request, rest, stop) == (None, b"", False) and seen == [{"step": 7, "loss": 0.25, "at": 5.0}]
         leases.note_progress([fd], seen[0])
         assert json.loads(path.read_text()) == {"op": "o1", "run_id": "R1", "user": "alice", "progress": {"step": 7, "loss": 0.25, "at": 5.0}}
+        leases.note_progress([fd], {"step": 8})  # shorter: padded over the old bytes, never truncated first
+        assert json.loads(path.read_text())["progress"] == {"step": 8} and path.read_text().endswith(" ")
     finally:
         os.close(fd)

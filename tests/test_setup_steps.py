@@ -600,7 +600,8 @@ def test_the_host_script_refuses_to_edit_a_file_past_the_limit_naming_it(tmp_pat
 
 
 def _kernel_facts(**given) -> dict:
-    facts = {"restrict": "1", "reader_sha": None, "sudoers_sha": None, "python": True, "sudo": True, "checking": False, "driver": True}
+    facts = {"restrict": "1", "reader_sha": None, "sudoers_sha": None, "python": True, "sudo": True, "checking": False, "driver": True,
+             "unsafe": None}
     facts.update(given)
     return facts
 
@@ -615,6 +616,7 @@ def test_kernel_log_installs_the_reader_and_a_sudoers_rule_checked_by_visudo_bef
     assert "." in kernel_log.CHECKING.rsplit("/", 1)[1]  # sudo never reads a sudoers.d file whose name has a dot
     assert checking["text"] == sudoers["text"] and sudoers["mode"] == 0o440
     assert sudoers["text"].splitlines()[-1] == f'ALL ALL=(root) NOPASSWD: {kernel_log.READER} ""'  # "": no arguments allowed
+    assert sudoers["text"].splitlines()[-2] == f"Defaults!{kernel_log.READER} !syslog, !pam_session, !requiretty"
     assert plan.notes == [f"the lab's members read the driver's Xid lines through mnft's reader ({kernel_log.READER}, run by sudo: {kernel_log.SUDOERS})"]
     group = kernel_log.plan_host(_kernel_facts(), "%lab").ops[3]["text"]
     assert group.splitlines()[-1].startswith("%lab ALL=(root) NOPASSWD:")
@@ -635,6 +637,12 @@ def test_kernel_log_says_what_it_chose_and_changes_nothing_where_nothing_is_need
     assert kernel_log.plan_host(_kernel_facts(sudo=False), "ALL").error.startswith("sudo is not installed (/usr/bin/sudo): install it")
     assert kernel_log.plan_host(_kernel_facts(python=False), "ALL").error.startswith("/usr/bin/python3 is not there or not root's")
     assert kernel_log.validate({"users": "ALL, evil ALL=(ALL) ALL"}).startswith("key 'users'")
+    staff = kernel_log.plan_host(_kernel_facts(unsafe="/usr/local"), "ALL")
+    assert staff.error.startswith("/usr/local is not root's alone") and not staff.ops
+    assert kernel_log._unsafe({"exists": True, "uid": 0, "mode": 0o2775}, False)  # Debian's old root:staff 2775
+    assert not kernel_log._unsafe({"exists": True, "uid": 0, "mode": 0o777, "is_link": True}, False)  # a root's link: its target is checked
+    assert kernel_log._unsafe({"exists": True, "uid": 0, "mode": 0o777, "is_link": True}, True)  # the reader never a link
+    assert kernel_log._unsafe({"exists": True, "uid": 1000, "mode": 0o755}, False) and not kernel_log._unsafe({"exists": False}, False)
     assert kernel_log.validate({"users": "%lab"}) is None
 
 
@@ -645,6 +653,10 @@ def test_kernel_log_undo_removes_the_rule_then_the_reader_and_keeps_what_someone
     undo = kernel_log.plan_undo(_kernel_facts(reader_sha="edited", sudoers_sha=rule, checking=True), "ALL")
     assert undo.ops == [{"op": "remove", "path": kernel_log.SUDOERS, "expect_sha256": rule}, {"op": "remove", "path": kernel_log.CHECKING}]
     assert undo.notes == [f"{kernel_log.READER} is not what mnft writes (changed by someone, or another version's): kept"]
+    reader = hashlib.sha256(kernel_log.reader_text().encode()).hexdigest()
+    other = kernel_log.plan_undo(_kernel_facts(reader_sha=reader, sudoers_sha=rule), "%lab")  # undone with another users: than set up
+    assert other.ops == []  # the rule stays (not what this undo would write), so the file it names stays too
+    assert other.notes[1] == f"{kernel_log.READER} kept: the sudo rule beside it names it"
 
 
 # ------------------------------------------------------------------------------------------------ admin_group
@@ -659,7 +671,7 @@ def test_admin_group_writes_the_group_root_only_and_says_which_group_each_host_n
     assert plan.changes == ["name group labops the admins in /etc/mnft/admin-group"]
     op, admit = plan.ops
     assert (op["path"], op["mode"], op["expect_sha256"]) == ("/etc/mnft/admin-group", 0o644, None)
-    assert admit == {"op": "admit_admins"}  # a drain file root wrote before the group was named: the admins' too
+    assert admit == {"op": "fit_drain", "was": None}  # a drain file root wrote before the group was named: the admins' too
     assert admin_group.named(op["text"]) == "labops" and op["text"].startswith(admin_group.MARK)
     assert admin_group.plan_host(_admin_facts(op["text"]), "labops").empty
     moved = admin_group.plan_host(_admin_facts(admin_group.file_text("ops")), "labops")
@@ -675,4 +687,4 @@ def test_admin_group_refuses_a_group_the_host_lacks_and_a_file_someone_else_wrot
     assert admin_group.validate({"group": "x y"}).startswith("key 'group'") and admin_group.validate({"group": None}) is None
     assert admin_group.plan_undo(_admin_facts("wheel\n")).notes == ["/etc/mnft/admin-group was not written by mnft: kept"]
     undo = admin_group.plan_undo(_admin_facts(admin_group.file_text("labops")))
-    assert undo.ops == [{"op": "remove", "path": "/etc/mnft/admin-group", "expect_sha256": "sha-of-it"}]
+    assert undo.ops == [{"op": "remove", "path": "/etc/mnft/admin-group", "expect_sha256": "sha-of-it"}, {"op": "fit_drain", "was": "labops"}]

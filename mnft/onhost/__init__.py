@@ -32,7 +32,7 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
     envhost       provision's host side: envfacts (Pythons, platform, an environment's distributions), meshpeers
     uninstallhost uninstall's host side
     imagehost     an image's identity on a host; save, load, place and clean for `sync --image` (meshpeers: whom it relays from)
-    setuphost     setup's file and nftables edits, with a dead-man revert; admit_admins (drain: a drain file to the admins)
+    setuphost     setup's file and nftables edits, with a dead-man revert; fit_drain (drain: the drain file to the admins of now)
     linkagent     the link test's TCP sink/source and RTT client
     torchlaunch   starts a shipped torchrun entry (perf's all_reduce) bounded by the controller's connection
     slurmnode     under `srun` on every node: its launch by SLURM_NODEID, the agent run with it

@@ -144,10 +144,20 @@ def _give_to_admins(fd, st, gid):
         os.fchmod(fd, 0o664)
 
 
-def admit_admins():
-    """As root, when the host has just named its admins (mnft setup --admin-group): a drain file root wrote before
-    becomes theirs to write too (its group theirs, 0664). Returns whether it was changed."""
+def fit_drain(was=None):
+    """As root, after the host's admins changed (mnft setup --admin-group, or its undo): the drain file, when root or
+    an admin of before (`was`, a group name) or of now wrote it, becomes root's, writable by the admins of now (0664)
+    or by root alone when none is named (0644). Its marks stay honoured, and a drain file root wrote before any group
+    was named is the admins' to write too. Returns whether it was changed."""
+    import grp
+
     group = admin_group()
+    gids = [group[1]] if group else []
+    if was:
+        try:
+            gids.append(grp.getgrnam(was).gr_gid)
+        except KeyError:  # the group before is gone from the host: its members cannot be told
+            pass
     path = os.path.join(lease_dir(), DRAIN_NAME)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
@@ -155,9 +165,15 @@ def admit_admins():
         return False
     try:
         st = os.fstat(fd)
-        if group is None or not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or (st.st_gid == group[1] and stat.S_IMODE(st.st_mode) == 0o664):
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_mode & 0o002:  # never a file linked elsewhere
             return False
-        _give_to_admins(fd, st, group[1])
+        if st.st_uid != 0 and not any(_in_group(st.st_uid, gid) for gid in gids):
+            return False
+        gid, mode = (group[1], 0o664) if group else (0, 0o644)
+        if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, gid, mode):
+            return False
+        os.fchown(fd, 0, gid)
+        os.fchmod(fd, mode)
         return True
     finally:
         os.close(fd)

@@ -185,6 +185,23 @@ def _write(fd, holder):
     os.fsync(fd)
 
 
+def update_in_place(fd, changes):
+    """The lease's holder with `changes`, written over the old bytes and padded with spaces, never truncated first:
+    a reader never finds it empty (no lock needed: the keeper's idle marks and a run's progress are written so).
+    Whether it was written (not a lease, or an I/O error: not)."""
+    try:
+        old = os.pread(fd, MAX_LEASE_BYTES, 0)
+        holder = json.loads(old.decode("utf-8"))
+        if not isinstance(holder, dict) or holder.get("released"):
+            return False
+        holder.update(changes)
+        data = json.dumps(holder, sort_keys=True).encode()
+        os.pwrite(fd, data + b" " * max(0, len(old) - len(data)), 0)
+        return True
+    except (OSError, ValueError, RecursionError):
+        return False
+
+
 def _lock_mutex():
     """The critical section's lock, taken (its descriptor); Refused if held past MUTEX_WAIT."""
     path = mutex_path()

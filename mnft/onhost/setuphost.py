@@ -20,7 +20,8 @@ Ops
                                         EBUSY, and the file is rewritten in place instead. EXPECT_SHA256 (null =
                                         "must not exist") guards against edits made since the facts were read.
   chmod PATH MODE
-  admit_admins                          the drain file root wrote before the host named its admins: theirs too (0664)
+  fit_drain [WAS]                       the drain file, root's or an admin's (of WAS, the group before, or of now): root's,
+                                        writable by the admins of now (0664), or by root alone (0644)
   sysctl PATH VALUE                     write a /proc/sys value
   remove PATH [EXPECT_SHA256]           remove a file if it exists
   keygen PATH COMMENT                   ed25519 key pair, only if PATH does not exist; returns the public key line
@@ -173,11 +174,11 @@ def op_write(req: dict) -> dict:
     return {"written": True, "how": how}
 
 
-def op_admit_admins(req: dict) -> dict:
-    """As root, after the admins' group was named: a drain file root wrote before becomes the group's to write too."""
-    from .drain import admit_admins
+def op_fit_drain(req: dict) -> dict:
+    """As root, after the admins' group changed: the drain file fitted to the admins of now (drain.fit_drain)."""
+    from .drain import fit_drain
 
-    return {"changed": admit_admins()}
+    return {"changed": fit_drain(req.get("was"))}
 
 
 def op_chmod(req: dict) -> dict:
@@ -424,7 +425,7 @@ OPS = {
     "sysctl": op_sysctl,
     "keygen": op_keygen,
     "run": op_run,
-    "admit_admins": op_admit_admins,
+    "fit_drain": op_fit_drain,
     "run_all": op_run_all,
     "addresses": op_addresses,
     "nft_guarded": op_nft_guarded,

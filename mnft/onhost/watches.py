@@ -2,7 +2,6 @@
 the run's --idle-stop and the lab's idle_stop) and who else computes on them (CollisionWatch). Standard library only.
 """
 
-import json
 import os
 import time
 
@@ -10,6 +9,7 @@ from .rungpus import _user_of, gpu_processes, gpu_util
 from .procs import foreign, process_facts
 from .rootfiles import parse_duration, root_text
 from .runfiles import _duration
+from .leasefiles import update_in_place
 from .runleases import lease_path
 
 
@@ -151,15 +151,7 @@ class IdleWatch:
             except OSError:
                 continue
             try:
-                old = os.pread(fd, 65536, 0)
-                holder = json.loads(old.decode("utf-8"))
-                if not isinstance(holder, dict):
-                    continue
-                holder.update(idle_since=self.since, idle_s=round(self.total, 1))
-                data = json.dumps(holder, sort_keys=True).encode()
-                os.pwrite(fd, data + b" " * max(0, len(old) - len(data)), 0)
-            except (OSError, ValueError):
-                pass
+                update_in_place(fd, {"idle_since": self.since, "idle_s": round(self.total, 1)})
             finally:
                 os.close(fd)
 

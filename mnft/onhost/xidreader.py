@@ -17,7 +17,7 @@ import sys
 
 KMSG = "/dev/kmsg"
 MAX_BYTES = 8 << 20
-XID_MARK = "NVRM: Xid"
+XID_MARK = "NVRM: Xid (PCI:"  # how the driver's Xid line begins: a line that only holds it (a process name in a segfault line) is not one
 
 
 def kmsg_records(path=KMSG, limit=MAX_BYTES):
@@ -68,7 +68,7 @@ def main(argv=None):
     except OSError as exc:
         sys.stderr.write("mnft-kernel-xids: %s: %s\n" % (KMSG, exc.strerror))
         return 1
-    sys.stdout.write("".join(line + "\n" for _, message, line in records if XID_MARK in message))
+    sys.stdout.write("".join(line + "\n" for _, message, line in records if message.startswith(XID_MARK)))
     return 0
 
 

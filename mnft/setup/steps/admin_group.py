@@ -60,7 +60,7 @@ def plan_host(facts: dict, group: str | None) -> Plan:
         return plan
     plan.changes.append(f"name group {group} the admins in {PATH}" + (f" (was {now})" if now and now != group else ""))
     plan.ops += [write_op(PATH, file_text(group), mode=0o644, dir_mode=0o755, expect=facts["sha"]),
-                 {"op": "admit_admins"}]  # a drain file root wrote before: the admins' to write too
+                 {"op": "fit_drain", "was": now}]  # the drain file: the new admins' to write, its marks still honoured
     return plan
 
 
@@ -72,7 +72,8 @@ def plan_undo(facts: dict) -> Plan:
         plan.notes.append(f"{PATH} was not written by mnft: kept")
         return plan
     plan.changes.append(f"delete {PATH} (the admins are root only again)")
-    plan.ops.append({"op": "remove", "path": PATH, "expect_sha256": facts["sha"]})
+    plan.ops += [{"op": "remove", "path": PATH, "expect_sha256": facts["sha"]},
+                 {"op": "fit_drain", "was": named(facts["text"])}]  # root's alone again, its marks still honoured
     return plan
 
 

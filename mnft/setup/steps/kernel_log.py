@@ -36,6 +36,7 @@ PYTHON = "/usr/bin/python3"  # the system's, root-owned: what the reader runs wi
 SUDO, VISUDO = "/usr/bin/sudo", "/usr/sbin/visudo"
 RESTRICT = "/proc/sys/kernel/dmesg_restrict"
 DRIVER = ("/proc/driver/nvidia", "/usr/bin/nvidia-smi", "/usr/local/bin/nvidia-smi")
+ROOT_ONLY = ("/usr/local", "/usr/local/libexec", READER)  # whoever may write one of these could replace what sudo runs as root
 
 
 def validate(params: dict) -> str | None:
@@ -52,7 +53,7 @@ def reader_text() -> str:
 def sudoers_text(users: str) -> str:
     return ("# written by mnft setup (kernel_log): the NVIDIA driver's Xid lines of the kernel log, nothing else, for the\n"
             "# lab's members (kernel.dmesg_restrict=1); remove with: mnft setup --only kernel_log --undo\n"
-            f"Defaults!{READER} !syslog, !pam_session\n"  # mnft reads it at every look: no auth-log line nor PAM session each time
+            f"Defaults!{READER} !syslog, !pam_session, !requiretty\n"  # read at every look, over SSH without a terminal
             f'{users} ALL=(root) NOPASSWD: {READER} ""\n')
 
 
@@ -75,6 +76,10 @@ def plan_host(facts: dict, users: str) -> Plan:
     if not facts["python"]:
         plan.error = f"{PYTHON} is not there or not root's: install python3 (the reader runs with the system's Python as root)"
         return plan
+    if facts["unsafe"]:
+        plan.error = (f"{facts['unsafe']} is not root's alone (another user or group may write it): a reader there would give them "
+                      "root through sudo; make it root's, 0755, then run setup again")
+        return plan
     reader, sudoers = reader_text(), sudoers_text(users)
     chose = f"the lab's members read the driver's Xid lines through mnft's reader ({READER}, run by sudo: {SUDOERS})"
     if facts["reader_sha"] == _sha(reader) and facts["sudoers_sha"] == _sha(sudoers):
@@ -95,12 +100,15 @@ def plan_host(facts: dict, users: str) -> Plan:
 
 def plan_undo(facts: dict, users: str) -> Plan:
     plan = Plan()
+    kept_rule = False
     for path, text in ((SUDOERS, sudoers_text(users)), (READER, reader_text())):  # the rule first: never one naming a missing file
         sha = facts["sudoers_sha" if path == SUDOERS else "reader_sha"]
         if sha is None:
             continue
-        if sha != _sha(text):
-            plan.notes.append(f"{path} is not what mnft writes (changed by someone, or another version's): kept")
+        if sha != _sha(text) or (path == READER and kept_rule):
+            plan.notes.append(f"{path} is not what mnft writes (changed by someone, or another version's): kept" if sha != _sha(text) else
+                              f"{path} kept: the sudo rule beside it names it")
+            kept_rule = kept_rule or path == SUDOERS
             continue
         plan.changes.append(f"delete {path}")
         plan.ops.append({"op": "remove", "path": path, "expect_sha256": sha})
@@ -112,7 +120,7 @@ def plan_undo(facts: dict, users: str) -> Plan:
 
 def read(ctx: Context, host: Host):
     ops = [{"op": "read", "path": RESTRICT}, {"op": "read", "path": READER}, {"op": "read", "path": SUDOERS},
-           {"op": "stat", "paths": [PYTHON, SUDO, CHECKING, *DRIVER]}]
+           {"op": "stat", "paths": [PYTHON, SUDO, CHECKING, *DRIVER, *ROOT_ONLY]}]
     results, failure = read_ops(ctx, host, ops, root=True)
     if failure:
         return None, failure
@@ -126,7 +134,18 @@ def read(ctx: Context, host: Host):
         "sudo": bool(stats[SUDO].get("exists")),
         "checking": bool(stats[CHECKING].get("exists")),
         "driver": any(stats[p].get("exists") for p in DRIVER),
+        "unsafe": next((p for p in ROOT_ONLY if _unsafe(stats[p], p == READER)), None),
     }, None
+
+
+def _unsafe(st: dict, is_reader: bool) -> bool:
+    """Whether a path sudo's rule depends on may be changed by someone else than root: not root's, or writable by a
+    group or others (a link's own mode means nothing; the reader itself is never a link)."""
+    if not st.get("exists"):
+        return False
+    if st.get("uid") != 0 or (is_reader and st.get("is_link")):
+        return True
+    return not st.get("is_link") and bool((st.get("mode") or 0) & 0o022)
 
 
 def run(ctx: Context, params: dict) -> dict[str, Outcome]:
