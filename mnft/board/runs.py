@@ -256,8 +256,9 @@ def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | 
                         "started": number(a.get("started")), "ended": number(a.get("ended")), "resumed_step": a.get("resumed_step"),
                         "steps": a.get("steps"), "steps_lost": a.get("steps_lost"), "cause": text((a.get("cause") or {}).get("detail")),
                         "decision": text(a.get("decision"))} for a in attempts]
-    out["curve"] = curve(path, data, live is not None or going(data), earlier_runs(data))
-    out["resumed_from"] = [rid for rid, _, _ in earlier_runs(data)]
+    earlier = earlier_runs(data)
+    out["curve"] = curve(path, data, live is not None or going(data), earlier)
+    out["resumed_from"] = [rid for rid, _, _ in earlier]
     out["time"] = time_spent(path, data, now)
     out["failure"] = failure(data)
     out["warnings"] = [{"cause": text(w.get("cause")), "fix": text(w.get("fix"))} for w in data.get("warnings") or [] if isinstance(w, dict)]
@@ -286,6 +287,10 @@ def earlier_runs(data: dict, dirs: dict[str, Path] | None = None) -> list[tuple[
     return chain[::-1]
 
 
+def _attempt(point: dict) -> int:
+    return point.get("attempt") if isinstance(point.get("attempt"), int) else 1
+
+
 def _points(path: Path, running: bool) -> tuple[str | None, list[dict]]:
     if not running and (path / METRICS).is_file():
         found = [r for r in read_jsonl(path / METRICS) if "loss" in r and r.get("event") is None]
@@ -306,12 +311,12 @@ def curve(path: Path, data: dict, running: bool, earlier: list[tuple[str, Path, 
     found, series, labels, marks = [], [], {}, []
     for rid, their_path, record in earlier:
         _, theirs = _points(their_path, False)
-        attempts = sorted({r.get("attempt") if isinstance(r.get("attempt"), int) else 1 for r in theirs})
+        attempts = sorted({_attempt(r) for r in theirs})
         numbered = {a: len(labels) + i + 1 for i, a in enumerate(attempts)}
         for a in attempts:
             labels[numbered[a]] = rid if len(attempts) == 1 else f"{rid} attempt {a}"
         found += theirs
-        series += [numbered[r.get("attempt") if isinstance(r.get("attempt"), int) else 1] for r in theirs]
+        series += [numbered[_attempt(r)] for r in theirs]
         marks += [{"step": step, "label": text(f"{rid}: {label}", 100)} for step, label in restarts(record) if isinstance(step, int)]
     offset = len(labels)
     source, mine = _points(path, running)
@@ -319,10 +324,10 @@ def curve(path: Path, data: dict, running: bool, earlier: list[tuple[str, Path, 
         first = mine[0].get("step")
         if isinstance(first, int):
             marks.append({"step": first, "label": text(f"resumed from {earlier[-1][0]}", 100)})
-        for a in sorted({r.get("attempt") if isinstance(r.get("attempt"), int) else 1 for r in mine}):
+        for a in sorted({_attempt(r) for r in mine}):
             labels[offset + a] = "this run" if a == 1 else f"this run, attempt {a}"
     found += mine
-    series += [offset + (r.get("attempt") if isinstance(r.get("attempt"), int) else 1) for r in mine]
+    series += [offset + _attempt(r) for r in mine]
     by_step = bool(found) and all(isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) for r in found)
     if len(found) > POINTS_MAX:
         every = -(-len(found) // POINTS_MAX)

@@ -568,9 +568,8 @@ def setup(c, hosts=None, playbook=None, check=False, only=None, undo=False, json
     another mnft operation: nothing applied), 2 bad playbook or
     inventory (nothing applied anywhere), 4 some host unreachable or its key rejected.
     """
-    from mnft.setup import playbook as pb
-
     from mnft.core.errors import InputError
+    from mnft.setup import playbook as pb
 
     if admin_group is not None and (playbook or only):
         raise InputError("--admin-group runs only the admin_group step: leave out --playbook and --only")

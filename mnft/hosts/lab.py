@@ -9,7 +9,6 @@ kernel's record of the flock's holder and that process's owner), which no user c
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -17,6 +16,7 @@ from typing import Iterable, Sequence
 from mnft.core.errors import InputError
 from mnft.hosts import leases
 from mnft.onhost.health import health_problems
+from mnft.onhost.leases import progress_numbers
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.settings import Host, Inventory
 
@@ -61,15 +61,7 @@ def lockers_users(device: dict) -> list[str]:
 
 def progress_of(holder: dict) -> dict | None:
     """The run's last step its lease names (anyone may write a lease file: numbers only, else nothing)."""
-    seen = holder.get("progress")
-    if not isinstance(seen, dict):
-        return None
-    out = {}
-    for key in ("step", "loss", "at"):
-        value = seen.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and abs(value) < 1e15:
-            out[key] = int(value) if key == "step" else float(value)
-    return out if "step" in out or "loss" in out else None
+    return progress_numbers(holder.get("progress"))
 
 
 def holder_user(device: dict) -> str | None:

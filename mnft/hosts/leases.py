@@ -39,6 +39,7 @@ from mnft.hosts import pyrun
 from mnft.hosts.connection import HostKeyRejected, Process, Unreachable
 from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.settings import Host
+from mnft.onhost.leases import progress_numbers
 
 HEARTBEAT_EVERY = 10.0
 DEADMAN = 25.0  # seconds without a heartbeat (one every 10 s) before a host lets the lease go (a controller gone without a FIN)
@@ -443,9 +444,9 @@ class Leases:
     def progress(self, metric: dict) -> None:
         """The run's last step (its step and loss, nothing else): each host writes it into its lease with the next
         heartbeat, so the lab's other members see how far the run is (mnft lab --json, the board)."""
-        seen = {k: metric.get(k) for k in ("step", "loss") if isinstance(metric.get(k), (int, float)) and not isinstance(metric.get(k), bool)}
-        if seen:
-            self._progress = dict(seen, at=round(time.time(), 1))
+        seen = progress_numbers({"step": metric.get("step"), "loss": metric.get("loss"), "at": round(time.time(), 1)})
+        if seen is not None:
+            self._progress = seen
 
     def _heartbeat(self) -> None:
         while not self._stop.wait(HEARTBEAT_EVERY):

@@ -138,10 +138,15 @@ def set_drain(request):
     return {"drained": marks}
 
 
-def _give_to_admins(fd, st, gid):
-    if st.st_uid == 0 and (st.st_gid != gid or stat.S_IMODE(st.st_mode) != 0o664):
-        os.fchown(fd, -1, gid)
-        os.fchmod(fd, 0o664)
+def _fit(fd, st, group):
+    """The open drain file root's, writable by the admins' group (0664), or by root alone when none is named (0644);
+    whether it changed."""
+    gid, mode = (group[1], 0o664) if group else (0, 0o644)
+    if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, gid, mode):
+        return False
+    os.fchown(fd, 0, gid)
+    os.fchmod(fd, mode)
+    return True
 
 
 def fit_drain(was=None):
@@ -169,12 +174,7 @@ def fit_drain(was=None):
             return False
         if st.st_uid != 0 and not any(_in_group(st.st_uid, gid) for gid in gids):
             return False
-        gid, mode = (group[1], 0o664) if group else (0, 0o644)
-        if (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (0, gid, mode):
-            return False
-        os.fchown(fd, 0, gid)
-        os.fchmod(fd, mode)
-        return True
+        return _fit(fd, st, group)
     finally:
         os.close(fd)
 
@@ -196,8 +196,8 @@ def _open_drain(path):
     if fd is not None:
         st = os.fstat(fd)
         if _trusted_mark(st):
-            if os.geteuid() == 0 and group:  # written before the host named its admins: theirs to write from now on
-                _give_to_admins(fd, st, group[1])
+            if os.geteuid() == 0 and group and st.st_uid == 0:  # written before the host named its admins: theirs to write from now on
+                _fit(fd, st, group)
             return fd
         os.close(fd)
         if os.geteuid() != 0:

@@ -256,13 +256,10 @@ def release(fd, holder):
     return None
 
 
-def progress_of(raw):
-    """A run's last step as its controller tells it ({"step", "loss", "at"}: numbers only, nothing a reader could
-    take for text), or None for anything else."""
-    try:
-        seen = json.loads(raw.decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
+def progress_numbers(seen):
+    """A run's last step ({"step", "loss", "at"}) as numbers only, nothing a reader could take for text, or None:
+    what the controller tells, what the host writes into a lease, and what a reader takes from one (anyone may write
+    a lease file)."""
     if not isinstance(seen, dict):
         return None
     out = {}
@@ -271,6 +268,14 @@ def progress_of(raw):
         if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) < 1e15:  # NaN fails the test too
             out[key] = int(value) if key == "step" else float(value)
     return out if "step" in out or "loss" in out else None
+
+
+def progress_of(raw):
+    """The `progress {…}` a controller sent on its lease's channel, as progress_numbers, or None."""
+    try:
+        return progress_numbers(json.loads(raw.decode("utf-8")))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
 
 
 def note_progress(fds, progress):
