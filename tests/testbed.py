@@ -1326,7 +1326,7 @@ class Cluster:
 
         Each keyword is an inventory key. A dict value maps host names to per-host values (hosts not named keep
         the default); any other value replaces the default in `vars` (None removes the key). `known_hosts`,
-        `master` and `rendezvous_port` are top-level keys instead (None removes known_hosts). With stand-in GPUs the
+        `master`, `rendezvous_port` and `supervisor` are top-level keys instead (None removes known_hosts). With stand-in GPUs the
         hosts say `device: cpu`: the stand-ins are leased as a real host's GPUs are, and the jobs train on the CPUs
         with this machine's CPU-only torch, as a real host meant to train on its CPUs says in its inventory.
         """
@@ -1342,7 +1342,7 @@ class Cluster:
         chosen = list(hosts) if hosts is not None else list(self.hosts)
         entries: dict[str, dict[str, Any]] = {h.name: {"address": h.address} for h in chosen}
         for key, value in host_overrides.items():
-            if key in ("known_hosts", "master", "rendezvous_port"):
+            if key in ("known_hosts", "master", "rendezvous_port", "supervisor"):
                 top[key] = value
             elif isinstance(value, dict):
                 unknown = set(value) - set(entries)

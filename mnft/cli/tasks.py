@@ -232,7 +232,13 @@ def _console():
     return console()
 
 
-def _record_fleet(run, hosts, anywhere=True):
+def launched_on_hosts(record) -> bool:
+    from mnft.run.rerun import launched
+
+    return launched(record.data) and bool(record.data.get("hosts"))
+
+
+def _record_fleet(run, hosts, anywhere=True, not_started_ok=False):
     """The run record (by id from any directory; without one, the latest here, else, `anywhere`, the latest of
     the user's) and a fleet over its inventory snapshot (or --hosts when given)."""
     from mnft.core.errors import InputError
@@ -241,10 +247,19 @@ def _record_fleet(run, hosts, anywhere=True):
     from mnft.run.rerun import from_snapshot, launched
 
     record = records.load(run, launched, anywhere=anywhere)
-    if not launched(record.data):
+    _refreshed(record)
+    if not launched(record.data) and not (not_started_ok and record.data.get("supervisor")):
         raise InputError(f"{record.path}: run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
     return record, Fleet(inv)
+
+
+def _refreshed(record) -> None:
+    """A detached run's record brought up to date from its supervisor on the lab (mnft.run.supervisor.refresh)."""
+    from mnft.run import supervisor
+
+    if supervisor.supervised(record):
+        supervisor.refresh(record)
 
 
 def _someone_elses(run) -> bool:
@@ -406,7 +421,14 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         wait=_wait(wait),
         notify=_notify(c, notify, the_job.notify),
     )
-    return run_train(_inventory(hosts), options, _console())
+    inventory = _inventory(hosts)
+    if detach and not dry_run:  # supervised on the lab (mnft.run.supervisor); None: no supervisor can, and none was needed
+        from mnft.run.supervisor import hand_off
+
+        handed = hand_off(inventory, options, _console())
+        if handed is not None:
+            return handed
+    return run_train(inventory, options, _console())
 
 
 
@@ -445,10 +467,29 @@ def status(c, run=None, json=False, hosts=None):
         from mnft.slurm.submit import status as slurm_status
 
         return slurm_status(slurm_run, json, _console())
-    record, fleet = _record_fleet(run, hosts)
+    record, fleet = _record_fleet(run, hosts, not_started_ok=True)
+    if not launched_on_hosts(record):  # a detached run its supervisor has not started yet (in line, checking)
+        from mnft.run.report import print_supervised
+
+        return print_supervised(record, json)
     with fleet:
         states = run_status(record, fleet)
     return print_status(record, states, json, supervisor(record))
+
+
+@task(klass=OptionalPositionalTask, positional=["run"], help={"run": "a detached run's id (default: the latest)"})
+@_mnft_errors
+def attach(c, run=None):
+    """Follow a detached run live: its supervisor's output on the lab (steps, failures, restarts, the time table) as
+    it comes, until the run ends; Ctrl-C only stops following (`mnft stop RUN` stops the run)."""
+    from mnft.core.errors import InputError
+    from mnft.run import records, supervisor
+
+    record = records.load(run, anywhere=True)
+    if not supervisor.supervised(record):
+        raise InputError(f"run {record.run_id} has no supervisor on the lab (an attached run, or one started unsupervised): "
+                         f"follow it with mnft logs -f {record.run_id}")
+    return supervisor.attach(record, _console())
 
 
 @task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "grace": "seconds between SIGTERM and SIGKILL", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
@@ -469,9 +510,17 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
         from mnft.slurm.submit import stop as slurm_stop
 
         return slurm_stop(slurm_run, json, _console())
-    record, fleet = _record_fleet(run, hosts, anywhere=False)
+    record, fleet = _record_fleet(run, hosts, anywhere=False, not_started_ok=True)
+    from mnft.run import supervisor
+
+    if supervisor.supervised(record) and (record.data.get("supervisor") or {}).get("alive"):
+        supervisor.request_stop(record)  # its supervisor tears the gang down and records the stop, as Ctrl-C does
+        if not launched_on_hosts(record):
+            return supervisor.stopped(record, float(grace) + 20, _console(), json)
     with fleet:
         result = run_stop(record, fleet, float(grace))
+    if supervisor.supervised(record):
+        supervisor.settled(record, float(grace) + 20)
     code = print_stop(record, result, json)
     from mnft.run.control import gpu_verdict, job_of
     from mnft.run.rerun import resume_hint
@@ -665,8 +714,20 @@ def wait(c, run=None, hosts=None, notify=None):
     told = _notify(c, notify) if notify is not None else None  # only when asked: the run's own controller told its end
     record = records.load(run, anywhere=True)
     inv = _inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
-    with Fleet(inv) as fleet:
-        state = wait_for(record, lambda r: run_status(r, fleet) if launched(r.data) and r.data.get("kind") != "session" else None)
+    from mnft.run import supervisor
+
+    def look(r):
+        if supervisor.supervised(r):  # the supervisor on the lab keeps the record: brought here
+            supervisor.refresh(r)
+        elif launched(r.data) and r.data.get("kind") != "session":
+            run_status(r, fleet)
+
+    if supervisor.supervised(record):  # ended when its supervisor has (the record final, the logs collected)
+        supervisor.settled(record, float("inf"), every=2.0)
+        state = record.data.get("state")
+    else:
+        with Fleet(inv) as fleet:
+            state = wait_for(record, look)
     _console().print(f"run {record.run_id}: {state}" + (f": {record.data.get('reason')}" if record.data.get("reason") else ""), highlight=False, soft_wrap=True)
     from mnft.run.notify import tell
 
@@ -837,4 +898,4 @@ def undrain(c, target=None, hosts=None, connect_timeout=10.0):
 
 
 ns = Collection(inventory, check, trust_hosts, train, logs, status, stop, sync, setup, provision, uninstall, lab, board, drain, undrain, shell,
-                wait, runs)
+                wait, runs, attach)

@@ -3,7 +3,7 @@
 Four formats are read, detected from the content:
 
 * mnft's own YAML: top-level `hosts` (a mapping name -> settings, in node_rank order), optional `vars`
-  (defaults for every host), `master`, `known_hosts`, `rendezvous_port`;
+  (defaults for every host), `master`, `known_hosts`, `rendezvous_port`, `supervisor` (where detached runs are supervised);
 * an Ansible YAML inventory (`all:` -> `hosts` / `vars` / `children`, host ranges such as `node[01:16]`,
   `ansible_host`, `ansible_port`, `ansible_user`, `ansible_ssh_private_key_file`,
   `ansible_python_interpreter`, `ansible_connection`; precedence all < parent < child < host);
@@ -31,7 +31,7 @@ from mnft.core.yamlfile import LineMap, line_of, suggest
 from mnft.hosts import ansible, ansible_ini
 from mnft.hosts.settings import DEFAULT_RENDEZVOUS_PORT, HOST_KEYS, Inventory, build, perf_thresholds
 
-TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port", "perf")
+TOP_KEYS = ("hosts", "vars", "master", "known_hosts", "rendezvous_port", "perf", "supervisor")
 
 
 # --------------------------------------------------------------------------------------------------- loading
@@ -121,6 +121,7 @@ def _parse_mnft(doc: dict, path: Path | None, where: str, python: str | None) ->
         known_hosts=doc.get("known_hosts"),
         rendezvous_port=doc.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
         python=python,
+        supervisor=doc.get("supervisor"),
     )
     return replace(inv, perf=perf_thresholds(doc.get("perf"), f"{where}{line_of(doc, 'perf') if 'perf' in doc else ''}", "perf"))
 

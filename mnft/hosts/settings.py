@@ -87,6 +87,7 @@ class Inventory:
     rendezvous_port: int = DEFAULT_RENDEZVOUS_PORT
     ignored: dict[str, tuple[str, ...]] = field(default_factory=dict)  # host -> user vars mnft does not use
     perf: dict[str, float] = field(default_factory=dict)  # check --perf thresholds and floors (PERF_KEYS)
+    supervisor: Host | None = None  # `supervisor:` where a detached run's supervisor lives (None: the master; mnft.run.supervisor)
 
     @property
     def master(self) -> Host:
@@ -133,6 +134,7 @@ def build(
     known_hosts: Any,
     rendezvous_port: Any,
     python: str | None = None,
+    supervisor: Any = None,
 ) -> Inventory:
     """The inventory from each host's merged and own settings. `python`: the interpreter of a host that names none
     (default: HOST_DEFAULTS' python3)."""
@@ -171,7 +173,28 @@ def build(
         kh = Path(known_hosts).expanduser()
         if not kh.is_absolute() and path is not None:
             kh = path.parent / kh
-    return Inventory(path, fmt, tuple(hosts), master_name, kh, port)
+    return Inventory(path, fmt, tuple(hosts), master_name, kh, port, supervisor=supervisor_host(supervisor, hosts, where, python))
+
+
+def supervisor_host(value: Any, hosts: list[Host], where: str, python: str | None) -> Host | None:
+    """`supervisor:` a host of the inventory by name, or a host of its own (a login or head node that does not
+    train: address, user, port, identity, python), where detached runs' supervisors live."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        for host in hosts:
+            if host.name == value:
+                return host
+        raise InputError(f"{where}: key 'supervisor': {value!r} is not a host of this inventory{suggest(value, [h.name for h in hosts])} "
+                         "(or give a host of its own: supervisor: {name: login, address: …})")
+    if not isinstance(value, dict):
+        raise InputError(f"{where}: key 'supervisor': expected a host's name or a mapping (name, address, user, port, identity, python)")
+    allowed = ("name", "address", "user", "port", "identity", "python")
+    for key in value:
+        if key not in allowed:
+            raise InputError(f"{where}: key 'supervisor': unknown key {key!r}{suggest(str(key), allowed)}")
+    settings = {k: v for k, v in value.items() if k != "name"}
+    return validate_host(str(value.get("name") or "supervisor"), -1, settings, value, f"{where}: supervisor", python=python)
 
 
 def port_number(value: Any, where: str, what: str, key: str) -> int:

@@ -77,7 +77,11 @@ class Guard:
             if kind is not None and issubclass(kind, KeyboardInterrupt) and self.record is not None:
                 how, during = interrupts.describe(), self.record.data.get("state")
                 phase = f" while {during}" if during in ("checking", "syncing", "starting", "running") else ""
-                self.record.update(state="interrupted", reason=f"interrupted ({how}){phase}", interrupted={"signal": how, "during": during, "at": time.time()})
+                asked = records.stop_requested(self.record)  # `mnft stop` of a supervised run: its supervisor got SIGINT
+                if asked is not None:
+                    self.record.update(state="stopped", reason=f"stopped by `mnft stop` ({asked.get('by')}){phase}")
+                else:
+                    self.record.update(state="interrupted", reason=f"interrupted ({how}){phase}", interrupted={"signal": how, "during": during, "at": time.time()})
                 if during in STARTED:  # it ran on the hosts: how to continue it, as a stopped run is told
                     from mnft.run.control import job_of
                     from mnft.run.rerun import resume_hint

@@ -76,11 +76,12 @@ def collect(record: records.RunRecord, fleet: Fleet, console: Console, quiet: bo
         outcome[result.host] = "ok" + (f" (left out, too large: {', '.join(left_out)})" if left_out else "")
     metrics = run_metrics(record)
     steps, source = metrics.steps, metrics.source
-    if steps:
-        plot(steps, record.path / "loss.png", f"{record.run_id}: loss" + (f" ({source})" if source else ""), restarts(record.data))
-    timings = rank_timings(record)
-    if timings:
-        plot_timings(timings, record.path / "timing.png", f"{record.run_id}: step time per rank")
+    if can_plot():  # a detached run's supervisor has no matplotlib: the controller's `mnft logs` draws them
+        if steps:
+            plot(steps, record.path / "loss.png", f"{record.run_id}: loss" + (f" ({source})" if source else ""), restarts(record.data))
+        timings = rank_timings(record)
+        if timings:
+            plot_timings(timings, record.path / "timing.png", f"{record.run_id}: step time per rank")
     if not quiet:
         for name, state in outcome.items():
             console.print(f"{name}: {state}", highlight=False)
@@ -273,6 +274,12 @@ def restarts(data: dict) -> list[tuple[int, str]]:
         cause = (before.get("cause") or {}).get("kind", "")
         out.append((entry.get("resumed_step") or 0, f"attempt {entry['number']}" + (f" ({cause})" if cause else "")))
     return out
+
+
+def can_plot() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def plot(steps: list[dict], out: Path, title: str, marks: list[tuple[int, str]] = ()) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from mnft.core.errors import ExitCode, InputError
 from mnft.run import records
 
-GOING = ("waiting", "checking", "syncing", "starting", "running")  # a run not ended yet
+GOING = ("waiting", "checking", "syncing", "starting", "running", "handed-over", "supervised")  # a run not ended yet
 WAIT_EVERY = 5.0  # seconds between two looks at the hosts
 NOTIFY_TIMEOUT = 30.0  # seconds a notify command may take before it is killed (mnft's user config: notify.timeout)
 VALUE_CHARS = 2000  # the most characters of one value (a reason, a cause): an environment is not a log

@@ -21,7 +21,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
     ending = {key: record.data[key] for key in ("diagnosis", "warnings") if record.data.get(key)}
     code = code_of(record.data)
     if as_json:
-        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {}), **ending, **({"code": code} if code else {})})
+        print_json({"run": record.run_id, "hosts": states, **({"supervisor": live} if live else {}), **ending, **({"code": code} if code else {}),
+                    **({"supervised_by": record.data["supervisor"]} if record.data.get("supervisor") else {})})
     else:
         job = record.data.get("job") or {}
         label = job.get("name") or (f"recipe {record.data.get('recipe')}" if record.data.get("recipe") else " ".join(job.get("entry") or ["?"]))
@@ -45,6 +46,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
                 plain(clip_end(st.get("last_line") or "", LAST_LINE_WIDTH) or "-"),
             )
         console().print(table)
+        if record.data.get("supervisor"):
+            console().print(plain(supervisor_line(record.data)))
         if code:
             console().print(plain(code_line(code)))
         if live and live.get("max_restarts"):
@@ -220,3 +223,27 @@ def print_runs(rows: list[dict], as_json: bool, now: float | None = None) -> int
                       plain(", ".join(r["hosts"]) or "-"), since)
     console().print(table)
     return ExitCode.OK
+
+
+def supervisor_line(data: dict, now: float | None = None) -> str:
+    """Where a detached run's supervisor lives, since when, and whether it is alive (as the last look found it)."""
+    where = data.get("supervisor") or {}
+    since = where.get("since")
+    age = f", since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(since))}" if since else ""
+    alive = where.get("alive")
+    said = {True: "alive", False: "ended" if (where.get("exit") or data.get("state") != "supervisor-lost") else "gone"}.get(alive, "not reached")
+    if alive is None and where.get("error"):
+        said += f" ({where['error']})"
+    return f"supervisor: {where.get('host')} pid {where.get('pid')}{age}: {said}"
+
+
+def print_supervised(record, as_json: bool) -> int:
+    """A detached run its supervisor has not started on the hosts yet: its state (in line, checking) and supervisor."""
+    data = record.data
+    if as_json:
+        print_json({"run": record.run_id, "state": data.get("state"), "reason": data.get("reason"), "supervised_by": data.get("supervisor")})
+    else:
+        console().print(plain(f"run {record.run_id}: {data.get('state')}" + (f" ({data['reason']})" if data.get("reason") else "")))
+        console().print(plain(supervisor_line(data)))
+    going = data.get("state") in ("waiting", "checking", "syncing", "starting", "handed-over", "supervised")
+    return ExitCode.OK if going and (data.get("supervisor") or {}).get("alive") else ExitCode.FAILED

@@ -69,6 +69,8 @@ class TrainOptions:
     nodes: int | None = None  # --nodes N: N hosts of the inventory, where the devices are free
     wait: float | None = None  # --wait [S]: wait in line for the devices (inf: as long as it takes)
     notify: Any = None  # --notify CMD (mnft.run.notify.Notify): told when it starts after waiting in line and when it ends
+    run_id: str | None = None  # the run's id when its supervisor starts it (mnft.run.supervisor chose it); None: a new one
+    supervisor: dict | None = None  # where this run's supervisor lives (host, why, dir): a detached run, supervised on the lab
 
 
 # ------------------------------------------------------------------------------------------------ port
@@ -154,7 +156,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
     gpus = check_gpus(options.gpus if options.gpus is not None else job.gpus)
     if options.nodes is not None:
         inventory = picked_nodes(inventory, options, gpus, console)
-    run_id = launching.new_run_id()
+    run_id = options.run_id or launching.new_run_id()
     job_id = job_id or run_id
     if options.sync and not options.dry_run:  # the code this run runs, fixed now: nothing done to the tree later changes it
         from mnft.sync.snapshot import fix
@@ -166,7 +168,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         record = records.RunRecord.create(
             run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
             env_specs=list(lopts.env), env_files=list(lopts.env_files), rdzv=lopts.rdzv, resume=lopts.resume,
-            resumed_from=previous.run_id if previous else None, detach=lopts.detach, inventory=snapshot(inventory), hosts={},
+            resumed_from=previous.run_id if previous else None, detach=lopts.detach or options.supervisor is not None,
+            supervisor=options.supervisor, inventory=snapshot(inventory), hosts={},
             timings=timings, state="checking", launched=False, launch={"in_workdir": lopts.in_workdir},
             code_hash=guard.code.tree.digest if guard.code is not None else None,
             code={"src": str(guard.code.source), "hash": guard.code.tree.digest, "files": len(guard.code.tree.files),

@@ -1,0 +1,232 @@
+"""A detached run's supervisor, the host side: its bundle of mnft unpacked, the supervisor started in a session of
+its own, its state read, its stop asked. Standard library only, Python >= 3.8.
+
+The supervisor is mnft's own supervision loop (mnft.run.supervised) in a process of the run's user on the host the
+plan names for it: it lives exactly as long as its run (or its place in line). Nothing here is a daemon: `start`
+returns once the supervisor has said it runs, and every other op reads or signals that one process.
+
+    look HASH [RUN_ID]   this host's Python and platform, whether bundle HASH is here, the mesh key, and RUN_ID's state
+    unpack HASH          the bundle (a tar.gz, on stdin after the payload) into ~/.mnft/supervisor/HASH, atomically
+    prepare RUN_ID       the run's directory (0700) and the files its supervisor reads (JSON on stdin: {name: text})
+    start RUN_ID HASH    the supervisor started (its spec on stdin, handed to it through a pipe, never written)
+    state RUN_ID OFFSET  alive or not (pid and start time), its exit, and its console from OFFSET (bounded)
+    stop RUN_ID BY       the run's stop asked (the file its supervisor reads), then SIGINT to that supervisor only
+
+Places: ~/.mnft/supervisor/<hash>/site (mnft and its controller's libraries), ~/.mnft/supervised/<run id>/
+(supervisor.json, console.log, exit.json, home/ (its MNFT_HOME), runs/<run id>/ (the run's record), src/ (the code)).
+"""
+
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+from .meshpeers import MESH_KEY
+from .runprocs import start_time
+
+BUNDLES = "~/.mnft/supervisor"
+RUNS = "~/.mnft/supervised"
+LOG = "console.log"
+ME = "supervisor.json"
+EXIT = "exit.json"
+STOP_REQUESTED = "stop-requested"  # mnft.run.records.STOP_REQUESTED (tests/test_supervisor.py holds them equal)
+READ_MAX = 256 << 10  # console bytes one `state` returns
+START_WAIT = 60.0  # seconds the supervisor may take to say it runs (its imports on a cold disk)
+ENV_KEEP = ("HOME", "USER", "LOGNAME", "PATH", "LANG", "LC_ALL", "SHELL", "TMPDIR", "TZ")
+BOOT = ("import sys; sys.path[:0] = [sys.argv[1]]; from mnft.run.supervised import main; sys.exit(main(sys.argv[2]))")
+
+
+def _home(path):
+    return os.path.expanduser(path)
+
+
+def _safe_name(text):
+    return bool(text) and len(text) <= 128 and all(c.isalnum() or c in "._-" for c in text) and text[0].isalnum()
+
+
+def bundle_dir(digest):
+    return os.path.join(_home(BUNDLES), digest)
+
+
+def run_dir(run_id):
+    return os.path.join(_home(RUNS), run_id)
+
+
+def _libc():
+    name, version = platform.libc_ver()
+    return [name or None, version or None]
+
+
+def _read_json(path):
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.loads(fh.read(1 << 20))
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def state(run_id, offset=0):
+    """What a run's supervisor is now: its record (pid, start time), alive or not, its exit, its console from offset."""
+    folder = run_dir(run_id)
+    me = _read_json(os.path.join(folder, ME))
+    alive = False
+    if me is not None:
+        try:
+            alive = start_time(int(me.get("pid"))) == me.get("start")
+        except (TypeError, ValueError):
+            alive = False
+    text, end = "", offset
+    try:
+        with open(os.path.join(folder, LOG), "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if offset > size:
+                offset = 0
+            fh.seek(offset)
+            data = fh.read(READ_MAX)
+        cut = data.rfind(b"\n") + 1 if len(data) == READ_MAX else len(data)
+        text, end = data[:cut].decode("utf-8", "replace"), offset + cut
+    except OSError:
+        pass
+    return {"exists": os.path.isdir(folder), "supervisor": me, "alive": alive, "exit": _read_json(os.path.join(folder, EXIT)),
+            "log": text, "offset": end}
+
+
+def look(digest, run_id=None):
+    found = {"python": list(sys.version_info[:3]), "executable": sys.executable, "machine": platform.machine(),
+             "system": platform.system(), "libc": _libc(), "bundle": os.path.isfile(os.path.join(bundle_dir(digest), ".complete")),
+             "mesh_key": os.path.isfile(_home(MESH_KEY)), "home": _home("~")}
+    if run_id:
+        found["run"] = state(run_id)
+    return found
+
+
+def unpack(digest, stream):
+    final = bundle_dir(digest)
+    if os.path.isfile(os.path.join(final, ".complete")):
+        return {"unpacked": False}
+    parent = os.path.dirname(final)
+    os.makedirs(parent, mode=0o700, exist_ok=True)
+    tmp = os.path.join(parent, ".%s.%d.tmp" % (digest, os.getpid()))
+    os.makedirs(tmp, mode=0o700)
+    try:
+        with tarfile.open(fileobj=stream, mode="r|gz") as tar:
+            for member in tar:
+                target = os.path.realpath(os.path.join(tmp, member.name))
+                if not (member.isfile() or member.isdir()) or os.path.isabs(member.name) or not target.startswith(os.path.realpath(tmp) + os.sep):
+                    raise ValueError("the bundle holds %r, which is not a plain file inside it" % member.name)
+                member.mode = 0o700 if member.isdir() else (0o700 if member.mode & 0o100 else 0o600)
+                tar.extract(member, tmp)
+        with open(os.path.join(tmp, ".complete"), "w"):
+            pass
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another start unpacked the same bundle meanwhile: theirs is as good
+            if not os.path.isfile(os.path.join(final, ".complete")):
+                raise
+    finally:
+        if os.path.isdir(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"unpacked": True}
+
+
+def prepare(run_id, files):
+    """The run's directory (0700, refused when it exists: a run id is never reused) and the files it is given."""
+    folder = run_dir(run_id)
+    os.makedirs(os.path.dirname(folder), mode=0o700, exist_ok=True)
+    os.mkdir(folder, 0o700)
+    for sub in ("home", "runs", "src"):
+        os.mkdir(os.path.join(folder, sub), 0o700)
+    for name, text in (files or {}).items():
+        parts = name.split("/")
+        if not all(_safe_name(p) for p in parts):
+            raise ValueError("file name %r" % name)
+        path = os.path.join(folder, *parts)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+    return {"dir": folder}
+
+
+def start(run_id, digest, spec):
+    """The supervisor, in a session of its own, its output into console.log; returns once it wrote supervisor.json
+    (it runs) or ended (its console's last lines say why)."""
+    folder = run_dir(run_id)
+    site = os.path.join(bundle_dir(digest), "site")
+    if not os.path.isdir(site):
+        return {"error": "bundle %s is not on this host" % digest}
+    if os.path.exists(os.path.join(folder, ME)):
+        return {"error": "run %s has a supervisor already" % run_id}
+    env = {k: os.environ[k] for k in ENV_KEEP if k in os.environ}
+    with open(os.path.join(folder, LOG), "ab") as log:
+        child = subprocess.Popen([sys.executable, "-I", "-S", "-c", BOOT, site, folder], stdin=subprocess.PIPE, stdout=log,
+                                 stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env, close_fds=True)
+    try:
+        child.stdin.write(spec)
+        child.stdin.close()
+    except OSError:
+        pass
+    deadline = time.monotonic() + START_WAIT
+    while time.monotonic() < deadline:
+        me = _read_json(os.path.join(folder, ME))
+        if me is not None and me.get("pid") == child.pid:
+            return {"pid": child.pid, "start": me.get("start"), "host": me.get("host")}
+        if child.poll() is not None:
+            break
+        time.sleep(0.05)
+    if child.poll() is None:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return {"error": "the supervisor did not start within %ds" % START_WAIT, "log": state(run_id)["log"][-4000:]}
+    return {"error": "the supervisor ended at its start (exit %s)" % child.returncode, "log": state(run_id)["log"][-4000:]}
+
+
+def stop(run_id, by):
+    """Ask the run to stop (its supervisor reads the request, as an attached one does), then SIGINT the supervisor
+    it recorded, proved by its start time: Ctrl-C, as in an attached terminal."""
+    found = state(run_id)
+    me = found["supervisor"] or {}
+    record = os.path.join(run_dir(run_id), "runs", run_id)
+    if os.path.isdir(record):
+        with open(os.path.join(record, STOP_REQUESTED), "w", encoding="utf-8") as fh:
+            fh.write(json.dumps({"at": time.time(), "by": by}) + "\n")
+    signalled = False
+    if found["alive"]:
+        try:
+            os.kill(int(me["pid"]), signal.SIGINT)
+            signalled = True
+        except OSError:
+            pass
+    return {"signalled": signalled, "alive": found["alive"]}
+
+
+def main(argv) -> int:
+    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 2), "stop": (2, 2)}
+    names = argv[1:3] if argv and argv[0] in ("look", "start") else argv[1:2]
+    if not argv or argv[0] not in ops or not ops[argv[0]][0] <= len(argv) - 1 <= ops[argv[0]][1] or not all(_safe_name(a) for a in names):
+        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET | stop RUN_ID BY\n")
+        return 2
+    op, args = argv[0], argv[1:]
+    try:
+        if op == "look":
+            out = look(args[0], args[1] if len(args) > 1 else None)
+        elif op == "unpack":
+            out = unpack(args[0], sys.stdin.buffer)
+        elif op == "prepare":
+            out = prepare(args[0], json.loads(sys.stdin.buffer.read(8 << 20).decode("utf-8") or "{}"))
+        elif op == "start":
+            out = start(args[0], args[1], sys.stdin.buffer.read(16 << 20))
+        elif op == "state":
+            out = state(args[0], int(args[1]))
+        else:
+            out = stop(args[0], args[1])
+    except (OSError, ValueError, tarfile.TarError) as exc:
+        out = {"error": "%s: %s" % (op, getattr(exc, "strerror", None) or exc)}
+    sys.stdout.write(json.dumps(out) + "\n")
+    return 0

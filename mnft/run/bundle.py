@@ -1,0 +1,195 @@
+"""What a detached run's supervisor runs on its host: mnft and the controller's libraries it needs, as one tar.gz.
+
+The controller ships what it runs itself: mnft's package (its source tree) and the installed files of the
+distributions the supervision loop imports (Fabric, paramiko, PyYAML, rich, psutil, packaging and everything they
+require), read from their RECORD. The bundle is named by the sha256 of its files, and built once per set of
+files (a stamp of their paths, sizes and modification times is kept beside it), so a second run costs no hashing.
+
+A host can run the bundle when its Python is >= mnft's requires-python and, where the bundle holds compiled
+modules (cryptography, PyYAML's C loader, psutil), when each such distribution's wheel tags are among the host's
+(same CPython minor, machine, a glibc at least as new: mnft.env.wheelhouse.Platform); a distribution installed
+without a wheel's tags (a distribution's own package) is taken to need the controller's exact platform.
+`compatible` says why not, with the fix.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import platform
+import sys
+import tarfile
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from mnft.hosts.hostkeys import mnft_home
+
+ROOTS = ("fabric", "paramiko", "invoke", "pyyaml", "rich", "psutil", "packaging", "tomli")  # what mnft.run.train and its supervision import
+NEVER = frozenset({"mnft", "torch", "pip", "setuptools", "wheel"})  # mnft is shipped from its source; the rest are never needed there
+COMPILED = (".so", ".pyd", ".dylib")
+MIN_PYTHON = (3, 10)
+
+
+@dataclass(frozen=True)
+class Dist:
+    name: str
+    version: str
+    files: tuple[tuple[str, Path], ...]  # (path inside site/, file here)
+    tags: tuple[str, ...]  # the wheel's tags (WHEEL), () when installed without them
+
+    @property
+    def compiled(self) -> bool:
+        return any(arc.endswith(COMPILED) or ".cpython-" in arc and arc.endswith(".so") for arc, _ in self.files)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    digest: str
+    path: Path  # the tar.gz
+    dists: tuple[Dist, ...]
+    python: tuple[int, int]
+    machine: str
+    libc: tuple[str | None, str | None]
+
+    def compiled(self) -> list[Dist]:
+        return [d for d in self.dists if d.compiled]
+
+
+def _closure(roots: tuple[str, ...]) -> list[metadata.Distribution]:
+    """The installed distributions of roots and of everything they require (markers judged here), mnft's never."""
+    seen: dict[str, metadata.Distribution] = {}
+    todo = list(roots)
+    while todo:
+        name = canonicalize_name(todo.pop())
+        if name in seen or name in NEVER:
+            continue
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue  # an optional root (tomli on 3.11) or a requirement whose marker left it out
+        seen[name] = dist
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(req.name)
+    return [seen[k] for k in sorted(seen)]
+
+
+def _files(dist: metadata.Distribution) -> tuple[tuple[str, Path], ...]:
+    base = Path(str(dist.locate_file(""))).resolve()
+    out = []
+    for item in dist.files or []:
+        path = Path(str(dist.locate_file(item))).resolve()
+        if "__pycache__" in item.parts or not path.is_file() or base not in path.parents:
+            continue  # bytecode is made again; a script in bin/ is not the library
+        out.append((path.relative_to(base).as_posix(), path))
+    return tuple(out)
+
+
+def _package_files() -> tuple[tuple[str, Path], ...]:
+    import mnft
+
+    root = Path(mnft.__file__).resolve().parent
+    return tuple((("mnft/" + p.relative_to(root).as_posix()), p) for p in sorted(root.rglob("*"))
+                 if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
+
+
+def dists() -> tuple[Dist, ...]:
+    out = []
+    for dist in _closure(ROOTS):
+        wheel = dist.read_text("WHEEL") or ""
+        tags = tuple(line.split(":", 1)[1].strip() for line in wheel.splitlines() if line.startswith("Tag:"))
+        out.append(Dist(canonicalize_name(dist.metadata["Name"]), dist.version, _files(dist), tags))
+    return tuple(out)
+
+
+def build(root: Path | None = None) -> Bundle:
+    """The bundle of this controller's mnft and libraries, built at most once for the same files."""
+    found = dists()
+    members = [f for d in found for f in d.files] + list(_package_files())
+    stamp_text = json.dumps(sorted((arc, p.stat().st_size, p.stat().st_mtime_ns) for arc, p in members))
+    stamp = hashlib.sha256(stamp_text.encode()).hexdigest()
+    home = root or mnft_home() / "supervisor"
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
+    known = home / f"stamp-{stamp[:32]}.json"
+    libc = platform.libc_ver()
+    facts = dict(dists=found, python=sys.version_info[:2], machine=platform.machine(), libc=(libc[0] or None, libc[1] or None))
+    if known.is_file():
+        digest = json.loads(known.read_text())["digest"]
+        if (home / f"{digest}.tar.gz").is_file():
+            return Bundle(digest, home / f"{digest}.tar.gz", **facts)
+    h = hashlib.sha256()
+    for arc, path in sorted(members):
+        h.update(arc.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    digest = h.hexdigest()[:32]
+    target = home / f"{digest}.tar.gz"
+    if not target.is_file():
+        tmp = home / f".{digest}.{os.getpid()}.tmp"
+        with tmp.open("wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=6, mtime=0) as gz, \
+                tarfile.open(fileobj=gz, mode="w") as tar:
+            for arc, path in sorted(members):
+                info = tar.gettarinfo(str(path), arcname="site/" + arc)
+                info.uid = info.gid = 0
+                info.uname = info.gname = ""
+                with path.open("rb") as fh:
+                    tar.addfile(info, fh)
+        os.replace(tmp, target)
+    known.write_text(json.dumps({"digest": digest}))
+    return Bundle(digest, target, **facts)
+
+
+def compatible(bundle: Bundle, host: dict) -> str | None:
+    """Why the host (superhost's look) cannot run the bundle, with the fix; None when it can."""
+    python = tuple(host.get("python") or ())[:2]
+    shown = ".".join(str(x) for x in python) or "?"
+    if python < MIN_PYTHON:
+        return (f"its Python ({host.get('executable')}) is {shown}; mnft needs ≥ {'.'.join(map(str, MIN_PYTHON))}: "
+                "set the inventory's python for that host to a newer one")
+    if host.get("system") != "Linux":
+        return f"it runs {host.get('system')}, not Linux"
+    from mnft.env.wheelhouse import Platform
+
+    libc = host.get("libc") or [None, None]
+    platform_ = Platform(".".join(str(x) for x in python), str(host.get("machine")), "glibc" if libc[0] == "glibc" else libc[0], libc[1])
+    accepted = {str(t) for t in platform_.tags()}
+    for dist in bundle.compiled():
+        if dist.tags:
+            if not any(tag in accepted for tag in _expanded(dist.tags)):
+                return (f"{dist.name} {dist.version} here is built for {', '.join(dist.tags)}; the host is {platform_.describe()}: "
+                        f"run mnft from a Python {'.'.join(map(str, bundle.python))} of the host's kind, or name another supervisor host")
+        elif (python, host.get("machine")) != (bundle.python, bundle.machine) or libc[0] != bundle.libc[0] \
+                or _version(libc[1]) < _version(bundle.libc[1]):
+            return (f"{dist.name} {dist.version} here was installed for this machine only (CPython {'.'.join(map(str, bundle.python))}, "
+                    f"{bundle.machine}, {bundle.libc[0]} {bundle.libc[1]}); the host is {platform_.describe()}: install mnft's "
+                    "requirements from wheels (pip) on this controller, or name a supervisor host like this machine")
+    return None
+
+
+def _expanded(tags: tuple[str, ...]) -> list[str]:
+    out = []
+    for tag in tags:  # a compressed tag set (cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64)
+        interp, abi, plats = tag.split("-", 2)
+        out += [f"{i}-{a}-{p}" for i in interp.split(".") for a in abi.split(".") for p in plats.split(".")]
+    return out
+
+
+def _version(text: str | None) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in (text or "0").split(".")[:2])
+    except ValueError:
+        return (0,)
+
+
+def size(bundle: Bundle) -> int:
+    return bundle.path.stat().st_size
+
+
+def read(bundle: Bundle) -> io.BufferedReader:
+    return bundle.path.open("rb")

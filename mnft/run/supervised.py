@@ -1,0 +1,70 @@
+"""A detached run's supervisor process, on the lab: `mnft train`'s own launch and supervision (mnft.run.train), run
+where the plan put it, for exactly as long as the run or its place in line lasts.
+
+mnft.onhost.superhost starts it in a session of its own (`python -I -S`, its bundle's site first on sys.path) in
+~/.mnft/supervised/<run id>/, its output into console.log there. Its spec arrives on stdin (pickled by the
+controller that is handing the run over: mnft.run.supervisor, the same user's own process): the inventory as
+this host reaches the others, the train options, and the values of the environment the run passes on (its
+secrets among them: kept in this process's memory, never written). It says it runs (supervisor.json: pid and
+start time, which is how `state` and `stop` prove it), trains as an attached `mnft train` does into its console,
+and writes exit.json when it ends. SIGINT and SIGTERM are Ctrl-C: the gang is torn down and the run recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from mnft.onhost.runprocs import start_time
+from mnft.onhost.superhost import EXIT, ME
+
+
+def _write(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data) + "\n")
+    os.replace(tmp, path)
+
+
+def main(folder: str) -> int:
+    here = Path(folder)
+    spec = pickle.loads(sys.stdin.buffer.read())  # the controller's own pickle, from this user's SSH session
+    sys.stdin.close()
+    os.environ.update(spec["environ"])
+    os.environ["MNFT_HOME"] = str(here / "home")
+    os.environ["MNFT_RUNS_DIR"] = str(here / "runs")
+    os.environ.setdefault("COLUMNS", "160")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    _write(here / ME, {"pid": os.getpid(), "start": start_time(os.getpid()), "host": socket.gethostname(),
+                       "since": time.time(), "run_id": spec["run_id"]})
+    from rich.console import Console
+
+    from mnft.core.errors import ExitCode, MnftError
+    from mnft.run.train import train
+
+    console = Console(file=sys.stdout, width=160, force_terminal=False, soft_wrap=True, highlight=False)
+    code: int = ExitCode.FAILED
+    error = None
+    try:
+        code = train(spec["inventory"], spec["options"], console)
+    except KeyboardInterrupt:
+        code, error = ExitCode.INTERRUPTED, "interrupted"
+        console.print("the supervisor was interrupted: the run's gang was stopped")
+    except MnftError as exc:
+        code, error = exc.exit_code, str(exc)
+        console.print(f"error: {exc}")
+    finally:
+        sys.stdout.flush()
+        _write(here / EXIT, {"code": int(code), "error": error, "at": time.time()})
+    return int(code)

@@ -1,0 +1,390 @@
+"""A detached run handed to its supervisor on the lab, and followed, refreshed and stopped from any terminal.
+
+`mnft train --detach` judges its input here (as an attached train would, before any host is touched), then:
+
+    place   where the supervisor lives: the inventory's `supervisor:` host, else the master (a local inventory: here)
+    look    that host's Python and platform, mnft's bundle there or not, its mesh key (superhost look)
+    bundle  mnft and its libraries unpacked there once per version (mnft.run.bundle, superhost unpack)
+    prepare the run's directory there: the known host keys of the run's hosts, the provision record, a resumed run's record
+    code    the run's code fixed here (sync.snapshot.fix), copied there with rsync
+    start   `mnft.run.supervised` in a session of its own, its spec (inventory, options, the environment the run
+            passes, secrets included) through a pipe, never written; it says it runs, then this terminal is free
+
+From then on the supervisor is the run's `train`: checks, its place in line, the gang, restarts, the dead-man
+(its leases' heartbeats), --notify, the record. This controller keeps runs/<id>/ as a mirror: `refresh` brings the
+supervisor's record there (rsync) and says whether it is alive (its pid and start time); a supervisor gone while
+its run had not ended is `supervisor-lost`, with the command that resumes the run. `attach` prints its console as
+it grows; `stop` asks it to stop (the request file it reads, then SIGINT: Ctrl-C, as in an attached terminal).
+
+Where detached supervision cannot work (no mesh key on the supervisor's host, a Python it cannot run mnft with, a
+mixed local/SSH inventory), `why_not` says so with the fix: the run is then refused when it asked for what only a
+supervisor gives (--max-restarts, spares, --wait), and otherwise started as before, unsupervised, with a warning.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import pickle
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from mnft.core.errors import ExitCode, InputError, MnftError
+from mnft.hosts import pyrun
+from mnft.hosts.connection import Timeouts, login_of
+from mnft.hosts.fleet import Fleet, HostResult
+from mnft.hosts.hostkeys import known_name, mnft_known_hosts
+from mnft.hosts.settings import Host, Inventory
+from mnft.onhost import superhost
+from mnft.run import bundle as bundling
+from mnft.run import launch as launching
+from mnft.run import records
+
+ENTRY = "superhost"
+FINAL = ("succeeded", "failed", "stopped", "resumable", "idle-stopped", "refused", "sync-failed", "interrupted", "supervisor-lost")
+KEEP_LOCAL = ("inventory", "supervisor", "started_in")  # what the controller's mirror keeps of its own on a refresh
+
+
+class SupervisorError(MnftError):
+    exit_code = ExitCode.FAILED
+
+
+@dataclass(frozen=True)
+class Place:
+    host: Host
+    why: str  # said in the plan: "the inventory's supervisor", "the master (no supervisor: in the inventory)"
+
+
+def place_of(inventory: Inventory) -> Place | None:
+    """Where the run's supervisor lives (pure); None where no supervisor can (hosts both local and over SSH)."""
+    local = [h for h in inventory.hosts if h.is_local]
+    if inventory.supervisor is not None:
+        return Place(inventory.supervisor, "the inventory's supervisor")
+    if local and len(local) == len(inventory.hosts):
+        return Place(inventory.master, "this machine (a local inventory)")
+    if local:
+        return None
+    return Place(inventory.master, "the master (the inventory names no supervisor: host)")
+
+
+def as_seen_from(inventory: Inventory, place: Place) -> Inventory:
+    """The inventory as the supervisor reaches the hosts: as this user, by name (its login made explicit, as this
+    controller's SSH resolves it), with the host's own keys (the mesh key through its ~/.ssh/config) instead of an
+    identity file of this machine's; the known host keys go along as the run's own known_hosts file."""
+    if place.host.is_local:
+        return inventory
+    hosts = tuple(replace(h, identity=None, user=login_of(h)) for h in inventory.hosts)
+    return replace(inventory, hosts=hosts, known_hosts=None, supervisor=None)
+
+
+def why_not(found: dict, the_bundle: bundling.Bundle, place: Place) -> str | None:
+    """Why this host cannot supervise the run, with the fix (None: it can)."""
+    if (why := bundling.compatible(the_bundle, found)) is not None:
+        return f"{place.host.name} cannot run mnft: {why}"
+    if not place.host.is_local and not found.get("mesh_key"):
+        return (f"{place.host.name} has no mesh key (~/.ssh/mnft_mesh_ed25519) to reach the run's hosts as you: "
+                "run `mnft setup --only mesh` once (as yourself) for this inventory")
+    return None
+
+
+def needs_supervisor(options: Any, inventory: Inventory) -> str | None:
+    """What this run asked for that only a supervisor gives (None: nothing)."""
+    if options.recovery.max_restarts:
+        return "--max-restarts"
+    if inventory.spares:
+        return "spare hosts"
+    if options.wait is not None:
+        return "--wait"
+    return None
+
+
+def shipped_environ(options: Any) -> tuple[dict[str, str], Any]:
+    """The values of the environment the run passes (PASSTHROUGH names set here, `--env NAME`, a job's pass_env,
+    --env-file's lines), and the launch options with every --env-file turned into `--env NAME` (the files stay here)."""
+    lopts = options.launch
+    environ = launching.environ()
+    names = [n for n in launching.PASSTHROUGH if n in environ]
+    names += [spec for spec in lopts.env if "=" not in spec and spec in environ]
+    names += [n for n in lopts.job.pass_env if n in environ]
+    values = {n: environ[n] for n in names}
+    specs = list(lopts.env)
+    for path in lopts.env_files:
+        for name, value in launching.read_env_file(path).items():
+            values[name] = value
+            if name not in specs:
+                specs.append(name)
+    return values, replace(lopts, env=tuple(specs), env_files=(), detach=False)
+
+
+def _one(fleet: Fleet, host: Host, *args: str, stdin: bytes = b"", timeout: float = 60.0) -> dict:
+    result = fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=pyrun.payload(ENTRY) + stdin, timeout=timeout)
+    data = pyrun.reply(result, f"the supervisor's host ({args[0]})")
+    if data is None:
+        raise SupervisorError(f"{host.name}: {args[0]}: {result.error or result.tail(1)}")
+    if data.get("error"):
+        raise SupervisorError(f"{host.name}: {data['error']}" + (f"\n{data['log']}" if data.get("log") else ""))
+    return data
+
+
+def _known_lines(inventory: Inventory) -> str:
+    """This controller's recorded host keys for the run's hosts (public data), as the supervisor's known_hosts."""
+    wanted = {known_name(h.address, h.port or 22) for h in inventory.hosts}
+    out = []
+    for path in (inventory.known_hosts, mnft_known_hosts()):
+        if path is None or not Path(path).is_file():
+            continue
+        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) >= 3 and not line.startswith(("#", "@")) and set(parts[0].split(",")) & wanted:
+                out.append(line)
+    return "\n".join(out) + ("\n" if out else "")
+
+
+def _push(host: Host, src: Path, target: str, inventory: Inventory) -> None:
+    from mnft.sync.rsync import SshSettings, rsync_argv, run_rsync
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".rules") as rules:
+        rules.flush()
+        argv = rsync_argv(host, src, target, rules.name, SshSettings.for_inventory(inventory), delete=False, mkpath=False)
+        outcome = run_rsync(argv)
+    if outcome.exit_code != 0:
+        raise SupervisorError(f"{host.name}: the run's code did not reach the supervisor: {outcome.stderr.strip().splitlines()[-1:] or outcome.exit_code}")
+
+
+def _pull(host: Host, run_id: str, into: Path, inventory: Inventory) -> bool:
+    """The supervisor's record of the run into `into` (rsync; its stop request and the controller's own keys stay)."""
+    from mnft.sync.rsync import SshSettings, ssh_command
+
+    import subprocess
+
+    remote = f"{superhost.RUNS[2:]}/{run_id}/runs/{run_id}/"
+    if host.is_local:
+        source = os.path.expanduser(superhost.RUNS) + f"/{run_id}/runs/{run_id}/"
+        argv = ["rsync", "-a", "--exclude", records.STOP_REQUESTED, "--exclude", "run.json.tmp", source, str(into) + "/"]
+    else:
+        address = f"[{host.address}]" if ":" in host.address else host.address
+        argv = ["rsync", "-a", "-s", "--timeout=30", "--exclude", records.STOP_REQUESTED, "--exclude", "run.json.tmp",
+                "-e", ssh_command(host, SshSettings.for_inventory(inventory)), f"{address}:{remote}", str(into) + "/"]
+    done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
+    return done.returncode == 0
+
+
+# ------------------------------------------------------------------------------------------------ hand off
+
+
+def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None:
+    """Start the run under a supervisor on the lab and return (None: no supervisor can run it here and it asked for
+    nothing only one gives: the caller starts it unsupervised, as before, after the warning said here)."""
+    from mnft.run.train import check_recovery, pass_env_specs, source_for, not_resumable
+    from mnft.run.job import parse_overrides
+    from mnft.hosts.lab import check_gpus
+    from mnft.run.needs import job_needs
+    from mnft.run.rerun import previous_run, snapshot
+    from mnft.sync.source import default_source
+    from mnft.sync.targets import source_problem
+
+    t0 = time.monotonic()
+    lopts = options.launch
+    job = lopts.job
+    options = replace(options, src=source_for(job, options.src))
+    if job.recipe:
+        parse_overrides(job.extra_args)
+    check_recovery(options.recovery, job, inventory, replace(lopts, detach=False))
+    pass_env_specs(job, launching.environ(), lopts.env_files)
+    launching.split_env(lopts.env, launching.environ(), lopts.env_files)
+    tree = options.src or default_source()
+    if options.sync and (why := source_problem(tree)):
+        raise InputError(why)
+    job_needs(job, tree, options.sync)
+    check_gpus(options.gpus if options.gpus is not None else job.gpus)
+    previous = previous_run(options.resume_run) if (options.resume_run is not None or lopts.resume) else None
+    if previous is not None and (why := not_resumable(job)):
+        raise InputError(why)
+    place = place_of(inventory)
+    asked = needs_supervisor(options, inventory)
+    if place is None:
+        return _unsupervised("the inventory has hosts both local (connection: local) and over SSH: no one host can reach them all; "
+                             "give it a `supervisor:` host that reaches them over SSH", asked, console)
+    the_bundle = bundling.build()
+    with Fleet(_alone(inventory, place.host), Timeouts(connect=10.0)) as fleet:
+        found = _one(fleet, place.host, "look", the_bundle.digest)
+        if (why := why_not(found, the_bundle, place)) is not None:
+            return _unsupervised(why, asked, console)
+        if not found.get("bundle"):
+            console.print(Text(f"placing mnft on {place.host.name} for detached runs ({bundling.size(the_bundle) // 1024} KiB, once per version)"),
+                          soft_wrap=True)
+            _one(fleet, place.host, "unpack", the_bundle.digest, stdin=the_bundle.path.read_bytes(), timeout=600)
+        run_id = launching.new_run_id()
+        seen = as_seen_from(inventory, place)
+        files = {"home/known_hosts": _known_lines(inventory)}
+        from mnft.env.record import state_path
+
+        if state_path().is_file():
+            files["home/provision/hosts.json"] = state_path().read_text(encoding="utf-8")
+        if previous is not None:
+            files[f"runs/{previous.run_id}/run.json"] = json.dumps(previous.data)
+        prepared = _one(fleet, place.host, "prepare", run_id, stdin=json.dumps(files).encode())
+        folder = prepared["dir"]
+        code = None
+        src_there: Path | None = None
+        if options.sync:
+            from mnft.sync.snapshot import fix
+
+            code = fix(options.src)
+            try:
+                _push(place.host, code.tree.root, f"{folder}/src", inventory)
+            finally:
+                code.release()
+            src_there = Path(folder) / "src"
+        environ, sup_lopts = shipped_environ(options)
+        where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder}
+        sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor=where)
+        spec = pickle.dumps({"run_id": run_id, "inventory": seen, "options": sup_options, "environ": environ})
+        record = records.RunRecord.create(
+            run_id, job_id=run_id if previous is None else previous.data.get("job_id", previous.run_id), job=job.to_record(),
+            recipe=job.recipe, state="handed-over", launched=False, detach=True, inventory=snapshot(inventory),
+            resumed_from=previous.run_id if previous else None, supervisor=where, hosts={}, attempts=[],
+            code_hash=code.tree.digest if code is not None else None,
+        )
+        started = _one(fleet, place.host, "start", run_id, the_bundle.digest, stdin=spec, timeout=120)
+    where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time())
+    record.update(supervisor=where, launched=True, state="supervised", timings={"handoff_s": round(time.monotonic() - t0, 3)})
+    console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
+                                "it runs, restarts and waits in line there, with this terminal closed"), soft_wrap=True)
+    console.print(Text(f"follow it: mnft attach {run_id}   status: mnft status {run_id}   stop it: mnft stop {run_id}"), soft_wrap=True)
+    return ExitCode.OK
+
+
+def _alone(inventory: Inventory, host: Host) -> Inventory:
+    return replace(inventory, hosts=(host,), master_name=host.name, supervisor=None)
+
+
+def _unsupervised(why: str, asked: str | None, console: Console) -> None:
+    if asked is not None:
+        raise SupervisorError(f"--detach with {asked} needs a supervisor on the lab, and none can run: {why}")
+    console.print(Text.assemble(("warning: ", "bold yellow"), f"this detached run has no supervisor (a failed rank or lost host is not "
+                                f"torn down until the collective times out): {why}"), soft_wrap=True)
+    return None
+
+
+# ------------------------------------------------------------------------------------------------ afterwards
+
+
+def supervised(record: records.RunRecord) -> bool:
+    return isinstance(record.data.get("supervisor"), dict) and bool(record.data["supervisor"].get("pid"))
+
+
+def _host_of(record: records.RunRecord) -> tuple[Host, Inventory]:
+    from mnft.hosts.settings import validate_host
+    from mnft.run.rerun import from_snapshot
+
+    inventory = from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")
+    where = record.data["supervisor"]
+    for host in inventory.hosts:
+        if host.name == where.get("host"):
+            return host, inventory
+    if inventory.supervisor is not None:
+        return inventory.supervisor, inventory
+    settings = {"address": where.get("address")}
+    return validate_host(str(where.get("host")), -1, settings, {}, f"{record.path}/run.json: supervisor"), inventory
+
+
+def refresh(record: records.RunRecord, console: Console | None = None) -> dict:
+    """The supervisor's record mirrored into runs/<id>/ and its liveness said in `supervisor` (alive, seen); a
+    supervisor gone while its run had not ended makes the run `supervisor-lost`, with the command that resumes it."""
+    if not supervised(record):
+        return {}
+    mine = {k: record.data.get(k) for k in KEEP_LOCAL}
+    where = dict(mine["supervisor"])
+    if record.data.get("state") in FINAL and where.get("alive") is False:
+        return where
+    host, inventory = _host_of(record)
+    try:
+        with Fleet(_alone(inventory, host), Timeouts(connect=10.0)) as fleet:
+            found = _one(fleet, host, "state", record.run_id, "0", timeout=30)
+    except MnftError as exc:
+        where.update(alive=None, error=str(exc).splitlines()[0])
+        record.update(supervisor=where)
+        return where
+    pid_ok = (found.get("supervisor") or {}).get("pid") == where.get("pid")
+    alive = bool(found.get("alive")) and pid_ok
+    _pull(host, record.run_id, record.path, inventory)
+    fresh = records.read_record(record.path / "run.json") if (record.path / "run.json").is_file() else record.data
+    fresh.update({k: v for k, v in mine.items() if v is not None})
+    where.update(alive=alive, seen=time.time(), exit=found.get("exit"), error=None)
+    fresh["supervisor"] = where
+    record.data = fresh
+    if not alive and fresh.get("state") not in FINAL:
+        from mnft.run.control import job_of
+        from mnft.run.rerun import resume_hint
+
+        fresh.update(state="supervisor-lost", reason=f"its supervisor on {where['host']} (pid {where.get('pid')}) is gone while the run had not ended; "
+                                                     f"{resume_hint(record.run_id, job_of(fresh))}")
+    record.save()
+    return where
+
+
+def attach(record: records.RunRecord, console: Console, poll: float = 1.0) -> int:
+    """The supervisor's console as it grows, until the supervisor ends; Ctrl-C only stops following."""
+    host, inventory = _host_of(record)
+    offset = 0
+    try:
+        with Fleet(_alone(inventory, host), Timeouts(connect=10.0)) as fleet:
+            while True:
+                found = _one(fleet, host, "state", record.run_id, str(offset), timeout=30)
+                if found.get("log"):
+                    console.out(found["log"], end="", highlight=False)
+                offset = found.get("offset", offset)
+                if not found.get("alive") and not found.get("log"):
+                    break
+                time.sleep(poll)
+    except KeyboardInterrupt:
+        console.print(Text(f"\nstopped following; run {record.run_id} goes on (mnft stop {record.run_id} stops it)", style="yellow"))
+        return ExitCode.OK
+    refresh(record)
+    exit_ = (record.data.get("supervisor") or {}).get("exit") or {}
+    console.print(Text(f"run {record.run_id}: {record.data.get('state')}" + (f": {record.data.get('reason')}" if record.data.get("reason") else "")),
+                  soft_wrap=True)
+    return int(exit_.get("code", ExitCode.FAILED)) if exit_ else ExitCode.FAILED
+
+
+def request_stop(record: records.RunRecord) -> dict:
+    """Ask the run's supervisor to stop the run (its request file, then SIGINT to it alone)."""
+    host, inventory = _host_of(record)
+    by = f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
+    with Fleet(_alone(inventory, host), Timeouts(connect=10.0)) as fleet:
+        return _one(fleet, host, "stop", record.run_id, by, timeout=30)
+
+
+def settled(record: records.RunRecord, within: float, every: float = 1.0, sleep=time.sleep) -> dict:
+    """Refresh until the supervisor has ended (the run's record final, its logs collected), at most `within` s;
+    a supervisor that cannot be reached is asked again."""
+    deadline = time.monotonic() + within
+    where = refresh(record)
+    while where.get("alive") is not False and time.monotonic() < deadline:
+        sleep(every)
+        where = refresh(record)
+    return where
+
+
+def stopped(record: records.RunRecord, within: float, console: Console, as_json: bool) -> int:
+    """`mnft stop` of a supervised run that had not started on the hosts (waiting in line, checking): its
+    supervisor ended, the run recorded stopped."""
+    from mnft.core.output import print_json
+
+    where = settled(record, within)
+    state = record.data.get("state")
+    if as_json:
+        print_json({"run": record.run_id, "state": state, "supervisor": where})
+    else:
+        console.print(Text(f"run {record.run_id}: {state}" + (f" ({record.data.get('reason')})" if record.data.get("reason") else "")
+                           + ("" if not where.get("alive") else f"; its supervisor on {where.get('host')} has not ended yet")), soft_wrap=True)
+    return ExitCode.OK if state == "stopped" and not where.get("alive") else ExitCode.FAILED

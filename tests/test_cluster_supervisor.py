@@ -1,0 +1,269 @@
+"""Issue 41 on the simulated cluster: a detached run's supervisor lives on the lab, as a member who is not root.
+
+Three hosts h1..h3 with 2 stand-in GPUs each; bob and alice log in beside root. bob made his mesh once (`mnft setup
+--only mesh` as himself): his supervisor on the master reaches the other hosts with it. Each test kills bob's
+controller (every mnft process of his on this machine, kill -9) once the run is handed over: what happens next
+happens on the lab alone. What is asserted is what the ranks did (their output), the run's record as bob's
+controller brings it back afterwards, and what is left on the hosts."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from fakegpu import RANK_SNIPPET
+from runhelpers import Controller
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+
+FLAKY = '''\
+import json, os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+attempt, rank = int(os.environ["MNFT_ATTEMPT"]), dist.get_rank()
+progress = os.path.join(os.environ["MNFT_OUTPUT_DIR"], f"progress-{rank}")
+os.makedirs(os.path.dirname(progress), exist_ok=True)
+start = int(open(progress).read()) if os.path.exists(progress) else 0
+print(f"attempt {attempt} rank {rank} from step {start + 1}", flush=True)
+for step in range(start + 1, int(os.environ.get("STEPS", "8")) + 1):
+    if rank == 0:
+        print(json.dumps({"step": step, "loss": 1.0 / step}), flush=True)
+    dist.all_reduce(torch.ones(1))
+    if step % 2 == 0:
+        with open(progress, "w") as fh:
+            fh.write(str(step))
+    time.sleep(float(os.environ.get("STEP_S", "0.1")))
+dist.barrier()
+sys.stdout.flush()
+os._exit(0)
+'''
+
+JOB = '''\
+name: steps
+script: steps.py
+resume:
+  layout: none
+metrics:
+  format: jsonl
+'''
+
+HOLD = RANK_SNIPPET + '''
+import os, sys, time
+end = "/tmp/mnft-test-end-" + sys.argv[1]
+deadline = time.time() + 300
+while not os.path.exists(end) and time.time() < deadline:
+    time.sleep(0.2)
+print("done", flush=True)
+'''
+
+
+@pytest.fixture(scope="module")
+def lab(testbed, tmp_path_factory):
+    work = tmp_path_factory.mktemp("supervised-lab")
+    with testbed.Cluster.create(3, work, outsider=False, gpus=2) as cluster:
+        for name in ("bob", "alice"):
+            cluster.add_user(name, password="not used", torch=True)
+        yield cluster
+
+
+class Member(Controller):
+    def __init__(self, cluster, tmp_path: Path, user: str, hosts=None, **inventory) -> None:
+        super().__init__(tmp_path / f"ctl-{user}")
+        self.cluster, self.user = cluster, user
+        self.hosts = list(hosts or cluster.hosts)
+        self.workdir = f"/tmp/home-{user}/mnft"
+        self.inventory = str(cluster.write_inventory(self.dir / "lab.yaml", hosts=self.hosts, user=user, workdir=self.workdir, **inventory))
+        self.src = self.dir / "src"
+        self.src.mkdir(exist_ok=True)
+        (self.src / "steps.py").write_text(FLAKY)
+        (self.src / "job.yaml").write_text(JOB)
+        (self.src / "hold.py").write_text(HOLD)
+
+    def ok(self, *args: str, timeout: float = 240) -> str:
+        done = self.mnft(*args, timeout=timeout)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        return done.stdout
+
+    def mesh(self) -> None:
+        book = self.dir / "mesh.yaml"
+        book.write_text("- name: mesh\n  mesh: {}\n")
+        self.ok("setup", "--hosts", self.inventory, "--playbook", str(book))
+
+    def detach(self, *args: str) -> str:
+        """`mnft train --detach …`, then every mnft process of this controller killed (-9): the run id."""
+        out = self.ok("train", "--hosts", self.inventory, "--src", str(self.src), "--detach", *args)
+        [run_id] = re.findall(r"^run (\S+) handed to its supervisor", out, re.M)
+        self.kill_controller()
+        return run_id
+
+    def kill_controller(self) -> None:
+        for pid in self.my_pids():
+            os.kill(pid, signal.SIGKILL)
+        assert not self.my_pids()
+
+    def my_pids(self) -> list[int]:
+        """This controller's mnft processes on this machine (its MNFT_HOME in their environment)."""
+        mine = []
+        marker = f"MNFT_HOME={self.dir / 'home' / '.mnft'}".encode()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != os.getpid():
+                try:
+                    if marker in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0"):
+                        mine.append(int(entry))
+                except OSError:
+                    pass
+        return mine
+
+    def record(self, run_id: str) -> dict:
+        self.mnft("status", run_id, "--json")  # brings the supervisor's record here
+        return json.loads((self.dir / "runs" / run_id / "run.json").read_text())
+
+    def wait(self, run_id: str, timeout: float = 300) -> dict:
+        done = self.mnft("wait", run_id, timeout=timeout)
+        record = json.loads((self.dir / "runs" / run_id / "run.json").read_text())
+        assert record["state"] in ("succeeded", "failed", "stopped", "resumable", "supervisor-lost"), (done.stdout, done.stderr)
+        return record
+
+    def uid(self) -> int:
+        return int(self.cluster.run(self.hosts[0], ["id", "-u", self.user]).stdout)
+
+
+def mnft_processes(cluster, hosts, uid: int) -> dict[str, list[str]]:
+    """The processes of that user on each host that are mnft's (its supervisor, agents, keepers, holds)."""
+    out = {}
+    for host in hosts:
+        found = []
+        for pid, cmd in cluster.processes(host):
+            try:
+                owner = os.stat(f"/proc/{pid}").st_uid
+            except OSError:
+                continue
+            if owner == uid and ("mnft" in cmd or "torch.distributed.run" in cmd):
+                found.append(cmd[:160])
+        if found:
+            out[host.name] = found
+    return out
+
+
+def wait_gone(cluster, hosts, uid: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (left := mnft_processes(cluster, hosts, uid)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, left
+
+
+def host_log(cluster, host, user: str, run_id: str) -> str:
+    path = host.root / "tmp" / f"home-{user}" / "mnft" / "runs" / run_id / host.name / "output.log"
+    return path.read_text() if path.is_file() else ""
+
+
+@pytest.fixture(scope="module")
+def bob(lab, tmp_path_factory) -> Member:
+    member = Member(lab, tmp_path_factory.mktemp("bob"), "bob", hosts=lab.hosts[:2])
+    member.mesh()
+    return member
+
+
+def test_a_detached_run_whose_ranks_are_killed_restarts_from_its_checkpoint_with_its_controller_gone(lab, bob):
+    run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--max-restarts", "1", "--backoff", "0.5", "--wait-for-lost", "1",
+                        "--env", "STEPS=30", "--env", "STEP_S=0.3")
+    h1, h2 = lab.hosts[:2]
+    deadline = time.monotonic() + 180
+    while '{"step": 6' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert '{"step": 6' in host_log(lab, h1, "bob", run_id)
+    lab.run(h2, ["pkill", "-KILL", "-u", "bob", "-f", "steps.py"], check=False)  # the fault: h2's ranks killed
+    record = bob.wait(run_id)
+    assert record["state"] == "succeeded", record.get("reason")
+    assert [a["number"] for a in record["attempts"]] == [1, 2]
+    assert record["attempts"][1]["resumed"] is True
+    second = lab.hosts[0].root / "tmp" / "home-bob" / "mnft" / "runs" / f"{run_id}-a2" / "h1" / "output.log"
+    resumed_from = int(re.search(r"attempt 2 rank 0 from step (\d+)", second.read_text()).group(1))
+    assert resumed_from >= 5  # from its last saved step, not from 1
+    assert record["supervisor"]["host"] == "h1" and record["supervisor"]["alive"] is False
+    wait_gone(lab, lab.hosts[:2], bob.uid())  # nothing of mnft runs on any host once the run has ended
+    assert "restart" in (lab.hosts[0].root / "tmp" / "home-bob" / ".mnft" / "supervised" / run_id / "console.log").read_text()
+
+
+def end(cluster, tag: str, hosts) -> None:
+    for host in hosts:
+        (host.root / "tmp" / f"mnft-test-end-{tag}").write_text("")
+
+
+def test_a_run_waiting_in_line_behind_another_users_keeps_its_place_with_its_controller_gone_and_starts_when_the_gpus_free(lab, bob, tmp_path):
+    alice = Member(lab, tmp_path, "alice", hosts=lab.hosts[:2])
+    hers = alice.start("train", "--hosts", alice.inventory, "--src", str(alice.src), "--gpus", "2", "--", "hold.py", "alice-w")
+    deadline = time.monotonic() + 120
+    while "alice" not in json.dumps(json.loads(bob.ok("lab", "--hosts", bob.inventory, "--json"))["devices"]) and time.monotonic() < deadline:
+        time.sleep(1)
+    run_id = bob.detach("--gpus", "2", "--wait", "--", "hold.py", "bob-w")
+    time.sleep(3)
+    record = bob.record(run_id)
+    assert record["state"] == "waiting" and record["supervisor"]["alive"] is True, record
+    status = bob.mnft("status", run_id)
+    assert status.returncode == 0 and "waiting" in status.stdout and "supervisor: h1 pid" in status.stdout and ": alive" in status.stdout
+    end(lab, "alice-w", lab.hosts[:2])
+    assert hers.wait(timeout=120) == 0
+    deadline = time.monotonic() + 120
+    while "mnft-test: rank 0" not in host_log(lab, lab.hosts[0], "bob", run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "mnft-test: rank 0" in host_log(lab, lab.hosts[0], "bob", run_id)
+    end(lab, "bob-w", lab.hosts[:2])
+    record = bob.wait(run_id)
+    assert record["state"] == "succeeded" and record.get("waited_s", 0) > 0, record.get("reason")
+    wait_gone(lab, lab.hosts[:2], bob.uid())
+
+
+def test_a_detached_run_whose_hosts_link_is_cut_is_torn_down_within_the_attached_bound(lab, bob):
+    run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--env", "STEPS=2000", "--env", "STEP_S=0.2")
+    h1, h2 = lab.hosts[:2]
+    deadline = time.monotonic() + 180
+    while '{"step": 4' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    lab.link_down(h2)
+    cut_at = time.monotonic()
+    try:
+        uid = bob.uid()
+        while time.monotonic() < cut_at + 30 and any("steps.py" in c for cmds in mnft_processes(lab, [h1, h2], uid).values() for c in cmds):
+            time.sleep(0.5)
+        left = {name: [c for c in cmds if "steps.py" in c] for name, cmds in mnft_processes(lab, [h1, h2], uid).items()}
+        assert not any(left.values()), left  # both hosts' ranks gone within 30 s of the cut, as for an attached run
+    finally:
+        lab.link_up(h2)
+    record = bob.wait(run_id)
+    assert record["state"] == "failed" and record["failed_host"] == "h2", record.get("reason")
+    wait_gone(lab, lab.hosts[:2], bob.uid())
+
+
+def test_attach_follows_live_its_ctrl_c_leaves_the_run_and_no_other_user_can_signal_the_supervisor(lab, bob):
+    run_id = bob.detach("--", "hold.py", "bob-a")
+    follower = bob.start("attach", run_id)
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        line = follower.stdout.readline()
+        seen.append(line)
+        if "mnft-test: rank 0" in line:
+            break
+    assert any("mnft-test: rank 0" in line for line in seen), "".join(seen[-30:])
+    follower.send_signal(signal.SIGINT)
+    out, _ = follower.communicate(timeout=30)
+    assert follower.returncode == 0 and "stopped following" in out and "goes on" in out
+    record = bob.record(run_id)
+    assert record["state"] == "running" and record["supervisor"]["alive"] is True
+    pid = record["supervisor"]["pid"]
+    h1 = lab.hosts[0]
+    refused = lab.run(h1, ["runuser", "-u", "alice", "--", "kill", "-TERM", str(pid)], check=False)
+    assert refused.returncode != 0 and "not permitted" in refused.stderr
+    assert bob.record(run_id)["supervisor"]["alive"] is True
+    stopped = bob.mnft("stop", run_id)
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    record = bob.wait(run_id)
+    assert record["state"] == "stopped" and "mnft stop" in record["reason"]
+    wait_gone(lab, lab.hosts[:2], bob.uid())
