@@ -178,11 +178,19 @@ def test_used_up_restarts_exit_1_naming_each_attempts_cause(healthy_cluster, tmp
     wait_no_orphans(healthy_cluster, healthy_cluster.hosts[:2], 30, MARKERS)
 
 
-def test_detach_with_max_restarts_is_refused_before_any_host_is_touched(healthy_cluster, tmp_path, user_repo):
+def test_detach_with_max_restarts_on_a_lab_without_a_mesh_is_refused_with_the_fix_and_nothing_changes(healthy_cluster, tmp_path, user_repo):
+    """Restarts of a detached run are its supervisor's on the lab, which reaches the hosts with the user's mesh key:
+    with none, the run is refused, naming the fix; nothing was written on any host (tests/test_cluster_supervisor.py:
+    with a mesh)."""
     inv = inventory(healthy_cluster, tmp_path, ["h1", "h2"])
+    before = {h.name: sorted(p.name for p in h.home.iterdir()) for h in healthy_cluster.hosts[:2]}
     done = flaky(user_repo, tmp_path, inv, {}, "--max-restarts", "2", "--detach")
-    assert done.returncode == 2 and "--detach runs have no supervisor" in done.stderr, done.stderr
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.strip() == ("mnft: --detach with --max-restarts needs a supervisor on the lab, and none can run: h1 has no mesh key "
+                                   "(~/.ssh/mnft_mesh_ed25519) to reach the run's hosts as you: run `mnft setup --only mesh` once (as yourself) "
+                                   "for this inventory")
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("[!.]*"))
+    assert {h.name: sorted(p.name for p in h.home.iterdir()) for h in healthy_cluster.hosts[:2]} == before
 
 
 @pytest.mark.parametrize("option, value", [("--backoff", "soon"), ("--backoff", "inf"), ("--wait-for-lost", "nan"), ("--wait-for-lost", "1e9")])

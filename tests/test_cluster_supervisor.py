@@ -91,9 +91,11 @@ class Member(Controller):
         return done.stdout
 
     def mesh(self) -> None:
+        """`mnft setup` of the mesh alone, as this member, over every host of the lab (the login node h3 too)."""
         book = self.dir / "mesh.yaml"
         book.write_text("- name: mesh\n  mesh: {}\n")
-        self.ok("setup", "--hosts", self.inventory, "--playbook", str(book))
+        every = self.cluster.write_inventory(self.dir / "all.yaml", user=self.user, workdir=self.workdir)
+        self.ok("setup", "--hosts", str(every), "--playbook", str(book))
 
     def detach(self, *args: str) -> str:
         """`mnft train --detach …`, then every mnft process of this controller killed (-9): the run id."""
@@ -125,10 +127,21 @@ class Member(Controller):
         return json.loads((self.dir / "runs" / run_id / "run.json").read_text())
 
     def wait(self, run_id: str, timeout: float = 300) -> dict:
-        done = self.mnft("wait", run_id, timeout=timeout)
+        try:
+            done = self.mnft("wait", run_id, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"run {run_id} did not end; its supervisor said:\n{self.console(run_id)[-6000:]}") from None
         record = json.loads((self.dir / "runs" / run_id / "run.json").read_text())
         assert record["state"] in ("succeeded", "failed", "stopped", "resumable", "supervisor-lost"), (done.stdout, done.stderr)
         return record
+
+    def console(self, run_id: str) -> str:
+        """The supervisor's console, on whichever host it ran."""
+        for host in self.cluster.hosts:
+            path = host.root / "tmp" / f"home-{self.user}" / ".mnft" / "supervised" / run_id / "console.log"
+            if path.is_file():
+                return path.read_text()
+        return ""
 
     def uid(self) -> int:
         return int(self.cluster.run(self.hosts[0], ["id", "-u", self.user]).stdout)
@@ -202,7 +215,8 @@ def test_a_run_waiting_in_line_behind_another_users_keeps_its_place_with_its_con
     deadline = time.monotonic() + 120
     while "alice" not in json.dumps(json.loads(bob.ok("lab", "--hosts", bob.inventory, "--json"))["devices"]) and time.monotonic() < deadline:
         time.sleep(1)
-    run_id = bob.detach("--gpus", "2", "--wait", "--", "hold.py", "bob-w")
+    run_id = bob.detach("--gpus", "2", "--wait", "--notify", 'echo "$MNFT_NOTIFY_EVENT $MNFT_NOTIFY_OUTCOME" >> /tmp/notified-bob-w',
+                        "--", "hold.py", "bob-w")
     time.sleep(3)
     record = bob.record(run_id)
     assert record["state"] == "waiting" and record["supervisor"]["alive"] is True, record
@@ -217,6 +231,8 @@ def test_a_run_waiting_in_line_behind_another_users_keeps_its_place_with_its_con
     end(lab, "bob-w", lab.hosts[:2])
     record = bob.wait(run_id)
     assert record["state"] == "succeeded" and record.get("waited_s", 0) > 0, record.get("reason")
+    told = (lab.hosts[0].root / "tmp" / "notified-bob-w").read_text().splitlines()  # on the supervisor's host
+    assert [line.split()[0] for line in told] == ["started", "ended"] and told[1].split()[1] == "succeeded"
     wait_gone(lab, lab.hosts[:2], bob.uid())
 
 
@@ -267,3 +283,52 @@ def test_attach_follows_live_its_ctrl_c_leaves_the_run_and_no_other_user_can_sig
     record = bob.wait(run_id)
     assert record["state"] == "stopped" and "mnft stop" in record["reason"]
     wait_gone(lab, lab.hosts[:2], bob.uid())
+
+
+def test_check_says_where_detached_runs_are_supervised_and_the_fix_for_a_member_without_a_mesh(lab, bob, tmp_path):
+    checked = json.loads(bob.mnft("check", "--hosts", bob.inventory, "--json").stdout)
+    assert checked["supervision"]["ok"] is True and checked["supervision"]["host"] == "h1"
+    assert checked["supervision"]["reaches"] == ["h1", "h2"]
+    alice = Member(lab, tmp_path, "alice", hosts=lab.hosts[:2])
+    hers = alice.mnft("check", "--hosts", alice.inventory)
+    assert "detached runs: no supervisor can run on this lab: h1 has no mesh key" in hers.stdout
+    assert "mnft setup --only mesh" in hers.stdout
+    detached = alice.mnft("train", "--hosts", alice.inventory, "--src", str(alice.src), "--detach", "--wait", "--", "hold.py", "x")
+    assert detached.returncode == 1 and "--detach with --wait needs a supervisor on the lab" in detached.stderr
+
+
+def test_a_supervisor_on_a_login_node_that_does_not_train_restarts_the_run_when_the_masters_ranks_die(lab, bob, tmp_path):
+    h1, h2, h3 = lab.hosts
+    login = Member(lab, tmp_path, "bob", hosts=[h1, h2], supervisor={"name": "login", "address": h3.address, "user": "bob"})
+    run_id = login.detach("--job", str(login.src / "job.yaml"), "--max-restarts", "1", "--backoff", "0.5", "--wait-for-lost", "1",
+                          "--env", "STEPS=24", "--env", "STEP_S=0.3")
+    deadline = time.monotonic() + 180
+    while '{"step": 4' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert mnft_processes(lab, [h3], bob.uid())  # the supervisor, on the login node
+    lab.run(h1, ["pkill", "-KILL", "-u", "bob", "-f", "steps.py"], check=False)  # the master's ranks
+    record = login.wait(run_id)
+    assert record["state"] == "succeeded" and len(record["attempts"]) == 2, record.get("reason")
+    assert record["supervisor"]["host"] == "login" and record["hosts"].keys() == {"h1", "h2"}
+    wait_gone(lab, lab.hosts, bob.uid())
+
+
+def test_a_supervisor_killed_leaves_no_rank_behind_and_its_run_is_supervisor_lost_with_the_command_that_resumes_it(lab, bob):
+    run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--env", "STEPS=2000", "--env", "STEP_S=0.2")
+    h1, h2 = lab.hosts[:2]
+    deadline = time.monotonic() + 180
+    while '{"step": 4' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pid = bob.record(run_id)["supervisor"]["pid"]
+    os.kill(pid, signal.SIGKILL)  # as its host's OOM killer, or the host itself gone
+    killed_at = time.monotonic()
+    uid = bob.uid()
+    while time.monotonic() < killed_at + 60 and any("steps.py" in c for cmds in mnft_processes(lab, [h1, h2], uid).values() for c in cmds):
+        time.sleep(0.5)
+    left = {name: [c for c in cmds if "steps.py" in c] for name, cmds in mnft_processes(lab, [h1, h2], uid).items()}
+    assert not any(left.values()), left  # the hosts' dead-man: no supervisor heard, the ranks ended
+    status = bob.mnft("status", run_id)
+    assert status.returncode != 0
+    assert f"run {run_id}: supervisor-lost" in status.stdout and f"--resume-run {run_id}" in status.stdout, status.stdout
+    assert ": gone" in status.stdout
+    wait_gone(lab, lab.hosts[:2], uid)

@@ -97,6 +97,7 @@ class CheckReport:
     code: dict[str, dict] = field(default_factory=dict)  # host -> {hash, exists, matches, differing} (mnft.sync.mirror)
     shared: dict[str, tuple[str, ...]] | None = None  # host -> the hosts that see its workdir too (None: not looked)
     problems: list[Problem] = field(default_factory=list)
+    supervision: dict | None = None  # `mnft check`: where this user's detached runs are supervised, or why none can be (mnft.run.supervisor)
 
     def status(self, name: str) -> str:
         outcome = self.outcomes[name]
@@ -138,6 +139,7 @@ class CheckReport:
             "exit_code": int(self.exit_code()),
             "hosts": hosts,
             "problems": [asdict(p) for p in self.problems if p.host == "*"],
+            **({"supervision": self.supervision} if self.supervision is not None else {}),
         }
 
 

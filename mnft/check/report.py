@@ -117,6 +117,8 @@ def print_check(report: CheckReport, as_json: bool) -> None:
     out.print(table)
     if ref_name is not None and ref_name != inv.master_name:
         out.print(plain(f"versions compared with {ref_name}, the first host that answered (the master {inv.master_name} did not)", style="yellow"))
+    if report.supervision is not None:  # never a problem: attached runs do not need it
+        out.print(plain(report.supervision.get("line") or "", style="green" if report.supervision.get("ok") else "cyan"))
     problems = report.problems
     # a host reached whose probe failed has a problem of its own (rules.probe_failed: its fix)
     unreachable = [report.outcomes[h.name] for h in inv.hosts if report.outcomes[h.name].status is not Status.OK

@@ -195,8 +195,18 @@ def check(c, hosts=None, json=False, port=0, min_free_gb=2.0, max_clock_skew=2.0
             from mnft.perf.report import check_perf
 
             return check_perf(fleet, report, json, Path(perf_out) if perf_out else None, perf_options)
+    _check_supervision(inv, report)
     print_check(report, json)
     return report.exit_code()
+
+
+def _check_supervision(inv, report) -> None:
+    """Whether this user's detached runs can be supervised on this lab (mnft.run.supervisor): where, or why not with
+    the fix; a line of its own, never a problem (attached runs do not need it)."""
+    from mnft.run.supervisor import look_supervision, supervision_line
+
+    found, _ = look_supervision(inv)
+    report.supervision = {**found, "line": supervision_line(found)}
 
 
 @task(
@@ -723,7 +733,8 @@ def wait(c, run=None, hosts=None, notify=None):
             run_status(r, fleet)
 
     if supervisor.supervised(record):  # ended when its supervisor has (the record final, the logs collected)
-        supervisor.settled(record, float("inf"), every=2.0)
+        supervisor.settled(record, float("inf"), every=2.0, say=lambda text: _console().print(f"run {record.run_id}: {text}", style="yellow",
+                                                                                               highlight=False, soft_wrap=True))
         state = record.data.get("state")
     else:
         with Fleet(inv) as fleet:

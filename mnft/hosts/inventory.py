@@ -121,7 +121,7 @@ def _parse_mnft(doc: dict, path: Path | None, where: str, python: str | None) ->
         known_hosts=doc.get("known_hosts"),
         rendezvous_port=doc.get("rendezvous_port", DEFAULT_RENDEZVOUS_PORT),
         python=python,
-        supervisor=doc.get("supervisor"),
+        supervisor=_supervisor_with_vars(doc.get("supervisor"), common),
     )
     return replace(inv, perf=perf_thresholds(doc.get("perf"), f"{where}{line_of(doc, 'perf') if 'perf' in doc else ''}", "perf"))
 
@@ -168,3 +168,12 @@ def _parse_hostfile(text: str, path: Path | None, where: str, python: str | None
     if not raw:
         raise InputError(f"{where}: inventory is empty: the hostfile lists no host")
     return build(raw, path, where, "hostfile", master=None, known_hosts=None, rendezvous_port=DEFAULT_RENDEZVOUS_PORT, python=python)
+
+
+def _supervisor_with_vars(value, common: dict):
+    """A `supervisor:` host of its own takes the inventory's `vars` for what it does not say (its user, port,
+    identity, python): a lab's login node is reached as its other hosts are."""
+    if not isinstance(value, dict):
+        return value
+    return {**{k: common[k] for k in ("user", "port", "identity", "python") if k in common}, **value}
+

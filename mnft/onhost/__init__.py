@@ -36,6 +36,8 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
     linkagent     the link test's TCP sink/source and RTT client
     torchlaunch   starts a shipped torchrun entry (perf's all_reduce) bounded by the controller's connection
     slurmnode     under `srun` on every node: its launch by SLURM_NODEID, the agent run with it
+    superhost     a detached run's supervisor: its bundle unpacked, its directory prepared, it started in a session of
+                  its own, its state read, its stop asked (runprocs: its pid proved by its start time; meshpeers)
 
 Shared by several entries, and by the controller (written once): procs (whose a process is), rootfiles (a file only
 root can have written; durations), usage (the usage log's line and its writing).

@@ -11,6 +11,8 @@ returns once the supervisor has said it runs, and every other op reads or signal
     start RUN_ID HASH    the supervisor started (its spec on stdin, handed to it through a pipe, never written)
     state RUN_ID OFFSET  alive or not (pid and start time), its exit, and its console from OFFSET (bounded)
     stop RUN_ID BY       the run's stop asked (the file its supervisor reads), then SIGINT to that supervisor only
+    reach                whether this user's ssh reaches each peer (JSON on stdin: [{name, address, port, user}]) with
+                         BatchMode and strict host keys, as the supervisor must (`mnft check`): {name: null or why}
 
 Places: ~/.mnft/supervisor/<hash>/site (mnft and its controller's libraries), ~/.mnft/supervised/<run id>/
 (supervisor.json, console.log, exit.json, home/ (its MNFT_HOME), runs/<run id>/ (the run's record), src/ (the code)).
@@ -62,10 +64,13 @@ def _libc():
     return [name or None, version or None]
 
 
+RECORD_MAX = 16 << 20  # bytes of a run's record read at most (its facts of 64 hosts fit)
+
+
 def _read_json(path):
     try:
         with open(path, encoding="utf-8") as fh:
-            data = json.loads(fh.read(1 << 20))
+            data = json.loads(fh.read(RECORD_MAX))
         return data if isinstance(data, dict) else None
     except (OSError, ValueError):
         return None
@@ -93,8 +98,9 @@ def state(run_id, offset=0):
         text, end = data[:cut].decode("utf-8", "replace"), offset + cut
     except OSError:
         pass
+    record = _read_json(os.path.join(folder, "runs", run_id, "run.json")) or {}
     return {"exists": os.path.isdir(folder), "supervisor": me, "alive": alive, "exit": _read_json(os.path.join(folder, EXIT)),
-            "log": text, "offset": end}
+            "log": text, "offset": end, "run_state": record.get("state"), "reason": record.get("reason")}
 
 
 def look(digest, run_id=None):
@@ -206,11 +212,41 @@ def stop(run_id, by):
     return {"signalled": signalled, "alive": found["alive"]}
 
 
+REACH_TIMEOUT = 15.0  # seconds one peer's `ssh … true` may take
+
+
+def reach(peers):
+    """`ssh -o BatchMode=yes -o StrictHostKeyChecking=yes -p PORT -l USER ADDRESS true` to each peer, at most 16 at
+    once: the keys this user's ssh offers (the mesh key through ~/.ssh/config) accepted, its host key known."""
+    import threading
+
+    out, gate = {}, threading.Semaphore(16)
+
+    def one(peer):
+        argv = ["ssh", "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", "ConnectTimeout=10",
+                "-p", str(int(peer.get("port") or 22)), "-l", str(peer["user"]), "--", str(peer["address"]), "true"]
+        with gate:
+            try:
+                done = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=REACH_TIMEOUT)
+                why = None if done.returncode == 0 else (done.stderr.decode("utf-8", "replace").strip().splitlines() or ["exit %d" % done.returncode])[-1]
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                why = "no answer within %ds" % REACH_TIMEOUT if isinstance(exc, subprocess.TimeoutExpired) else str(exc)
+        out[peer["name"]] = why[:300] if why else None
+
+    threads = [threading.Thread(target=one, args=(p,)) for p in peers if isinstance(p, dict) and p.get("address") and p.get("user")
+               and not str(p["address"]).startswith("-") and not str(p["user"]).startswith("-")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
 def main(argv) -> int:
-    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 2), "stop": (2, 2)}
+    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 2), "stop": (2, 2), "reach": (0, 0)}
     names = argv[1:3] if argv and argv[0] in ("look", "start") else argv[1:2]
     if not argv or argv[0] not in ops or not ops[argv[0]][0] <= len(argv) - 1 <= ops[argv[0]][1] or not all(_safe_name(a) for a in names):
-        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET | stop RUN_ID BY\n")
+        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET | stop RUN_ID BY | reach\n")
         return 2
     op, args = argv[0], argv[1:]
     try:
@@ -224,6 +260,8 @@ def main(argv) -> int:
             out = start(args[0], args[1], sys.stdin.buffer.read(16 << 20))
         elif op == "state":
             out = state(args[0], int(args[1]))
+        elif op == "reach":
+            out = {"peers": reach(json.loads(sys.stdin.buffer.read(1 << 20).decode("utf-8") or "[]"))}
         else:
             out = stop(args[0], args[1])
     except (OSError, ValueError, tarfile.TarError) as exc:

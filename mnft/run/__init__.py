@@ -25,4 +25,7 @@
     report       the status, stop and time tables
     session      `mnft shell`: an interactive session on leased GPUs, its keeper and dead-man on the host
     notify       `--notify CMD` run here when a waited run starts and when a run ends; `mnft wait RUN`
+    supervisor   `train --detach`: the run handed to its supervisor on the lab; afterwards refreshed, attached, stopped
+    supervised   the supervisor process on the lab: this package's train, run there for as long as its run lasts
+    bundle       what the supervisor runs there: mnft and the controller's libraries as one tar.gz, and who can run it
 """

@@ -48,6 +48,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
         console().print(table)
         if record.data.get("supervisor"):
             console().print(plain(supervisor_line(record.data)))
+            if record.data.get("state") == "supervisor-lost":
+                console().print(plain(f"run {record.run_id}: supervisor-lost: {record.data.get('reason')}", "bold red"))
         if code:
             console().print(plain(code_line(code)))
         if live and live.get("max_restarts"):
@@ -74,6 +76,8 @@ def print_status(record, states: dict[str, dict], as_json: bool, live: dict | No
             console().print(Text.assemble(("warning: ", "bold yellow"), warning["cause"], "\n", ("fix:   ", "bold"), warning["fix"]))
     if any(st.get("state") in ("unreachable", "host-key-rejected") for st in states.values()):
         return ExitCode.UNREACHABLE
+    if record.data.get("state") == "supervisor-lost":
+        return ExitCode.FAILED
     healthy = all(st.get("state") in ("running", "stopped") or (st.get("state") == "exited" and st.get("exit_code") == 0) for st in states.values())
     recovering = bool(live) and live.get("state") in ("waiting", "starting", "running")
     return ExitCode.OK if healthy or recovering else ExitCode.FAILED

@@ -245,7 +245,8 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
                 code.release()
             src_there = Path(folder) / "src"
         environ, sup_lopts = shipped_environ(options)
-        where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder}
+        where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder,
+                 "reach": {k: getattr(place.host, k) for k in ("user", "port", "identity", "python", "connection")}}
         sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor=where)
         spec = pickle.dumps({"run_id": run_id, "inventory": seen, "options": sup_options, "environ": environ})
         record = records.RunRecord.create(
@@ -255,12 +256,39 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
             code_hash=code.tree.digest if code is not None else None,
         )
         started = _one(fleet, place.host, "start", run_id, the_bundle.digest, stdin=spec, timeout=120)
-    where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time())
-    record.update(supervisor=where, launched=True, state="supervised", timings={"handoff_s": round(time.monotonic() - t0, 3)})
-    console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
-                                "it runs, restarts and waits in line there, with this terminal closed"), soft_wrap=True)
-    console.print(Text(f"follow it: mnft attach {run_id}   status: mnft status {run_id}   stop it: mnft stop {run_id}"), soft_wrap=True)
-    return ExitCode.OK
+        where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time())
+        record.update(supervisor=where, launched=True, state="supervised", timings={"handoff_s": round(time.monotonic() - t0, 3)})
+        console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
+                                    "it checks, syncs, waits in line, runs and restarts there, with this terminal closed"), soft_wrap=True)
+        code = _until_started(fleet, place.host, record, console)
+    refresh(record)
+    if code == ExitCode.OK:
+        console.print(Text(f"follow it: mnft attach {run_id}   status: mnft status {run_id}   stop it: mnft stop {run_id}"), soft_wrap=True)
+    return code
+
+
+START_STATES = ("running", "waiting")  # a handed-over run has started once its record says one of these
+
+
+def _until_started(fleet: Fleet, host: Host, record: records.RunRecord, console: Console, poll: float = 0.3) -> int:
+    """The supervisor's console, here, until its run runs on the hosts or waits in line (0), or the supervisor ended
+    first (its exit code: a refused check, a busy host, bad code): as an attached start says it. Ctrl-C here only
+    stops following."""
+    offset = 0
+    try:
+        while True:
+            found = _one(fleet, host, "state", record.run_id, str(offset), timeout=30)
+            if found.get("log"):
+                console.out(found["log"], end="", highlight=False)
+            offset = found.get("offset", offset)
+            if found.get("run_state") in START_STATES:
+                return ExitCode.OK
+            if not found.get("alive") and not found.get("log"):
+                return int((found.get("exit") or {}).get("code", ExitCode.FAILED))
+            time.sleep(poll)
+    except KeyboardInterrupt:
+        console.print(Text(f"\nstopped following; run {record.run_id} goes on", style="yellow"))
+        return ExitCode.OK
 
 
 def _alone(inventory: Inventory, host: Host) -> Inventory:
@@ -291,9 +319,8 @@ def _host_of(record: records.RunRecord) -> tuple[Host, Inventory]:
     for host in inventory.hosts:
         if host.name == where.get("host"):
             return host, inventory
-    if inventory.supervisor is not None:
-        return inventory.supervisor, inventory
-    settings = {"address": where.get("address")}
+    reach = where.get("reach") if isinstance(where.get("reach"), dict) else {}
+    settings = {"address": where.get("address"), **{k: v for k, v in reach.items() if k in ("user", "port", "identity", "python", "connection") and v is not None}}
     return validate_host(str(where.get("host")), -1, settings, {}, f"{record.path}/run.json: supervisor"), inventory
 
 
@@ -364,12 +391,17 @@ def request_stop(record: records.RunRecord) -> dict:
         return _one(fleet, host, "stop", record.run_id, by, timeout=30)
 
 
-def settled(record: records.RunRecord, within: float, every: float = 1.0, sleep=time.sleep) -> dict:
+def settled(record: records.RunRecord, within: float, every: float = 1.0, sleep=time.sleep, say=None) -> dict:
     """Refresh until the supervisor has ended (the run's record final, its logs collected), at most `within` s;
-    a supervisor that cannot be reached is asked again."""
+    a supervisor that cannot be reached is asked again, and `say` told so once (and once when it answers again)."""
     deadline = time.monotonic() + within
     where = refresh(record)
+    unreached = False
     while where.get("alive") is not False and time.monotonic() < deadline:
+        if say is not None and (where.get("alive") is None) != unreached:
+            unreached = not unreached
+            say(f"its supervisor on {where.get('host')} is not reached ({where.get('error')}): still asking" if unreached
+                else f"its supervisor on {where.get('host')} answers again")
         sleep(every)
         where = refresh(record)
     return where
@@ -388,3 +420,43 @@ def stopped(record: records.RunRecord, within: float, console: Console, as_json:
         console.print(Text(f"run {record.run_id}: {state}" + (f" ({record.data.get('reason')})" if record.data.get("reason") else "")
                            + ("" if not where.get("alive") else f"; its supervisor on {where.get('host')} has not ended yet")), soft_wrap=True)
     return ExitCode.OK if state == "stopped" and not where.get("alive") else ExitCode.FAILED
+
+
+# ------------------------------------------------------------------------------------------------ mnft check
+
+
+def look_supervision(inventory: Inventory) -> tuple[dict, str | None]:
+    """For `mnft check`: whether this user's detached runs can be supervised on this lab (where, and the hosts its
+    key reaches), and the fix when they cannot: (what was found, why not or None)."""
+    place = place_of(inventory)
+    if place is None:
+        why = "the inventory has hosts both local and over SSH: give it a `supervisor:` host that reaches them all"
+        return {"host": None, "ok": False, "why": why}, why
+    found: dict = {"host": place.host.name, "why_here": place.why}
+    the_bundle = bundling.build()
+    try:
+        with Fleet(_alone(inventory, place.host), Timeouts(connect=10.0)) as fleet:
+            seen = _one(fleet, place.host, "look", the_bundle.digest)
+            found["bundle"] = bool(seen.get("bundle"))
+            why = why_not(seen, the_bundle, place)
+            if why is None and not place.host.is_local:
+                peers = [{"name": h.name, "address": h.address, "port": h.port or 22, "user": h.user}
+                         for h in as_seen_from(inventory, place).hosts]
+                said = _one(fleet, place.host, "reach", stdin=json.dumps(peers).encode(), timeout=60).get("peers") or {}
+                refused = {name: text for name, text in said.items() if text}
+                found["reaches"] = sorted(name for name, text in said.items() if not text)
+                if refused:
+                    why = (f"{place.host.name}'s ssh (your mesh key) does not reach " + "; ".join(f"{n}: {t}" for n, t in sorted(refused.items()))
+                           + ": run `mnft setup --only mesh` with this inventory (as yourself)")
+    except MnftError as exc:
+        why = f"{place.host.name} did not answer: {str(exc).splitlines()[0]}"
+    found.update(ok=why is None, why=why)
+    return found, why
+
+
+def supervision_line(found: dict) -> str:
+    if not found.get("ok"):
+        return f"detached runs: no supervisor can run on this lab: {found.get('why')}"
+    placed = "" if found.get("bundle") else "; mnft places itself there at the first --detach"
+    reached = f"; its ssh reaches {', '.join(found['reaches'])}" if found.get("reaches") else ""
+    return f"detached runs: supervised on {found['host']} ({found['why_here']}){reached}{placed}"

@@ -313,9 +313,6 @@ def check_recovery(policy: Policy, job: Job, inventory: Inventory, lopts: Launch
             raise InputError(f"--min-nodes: {job.label} cannot run on fewer hosts (a job file's `elastic: true` says it can)")
         if policy.min_nodes > training:
             raise InputError(f"--min-nodes {policy.min_nodes}: the inventory has {training} training hosts")
-    if lopts.detach and (policy.max_restarts or inventory.spares):
-        raise InputError("--detach runs have no supervisor to restart them: drop --detach (run mnft under tmux or nohup) "
-                         "or --max-restarts" + (" and the spare hosts" if inventory.spares else ""))
 
 
 def usable_spares(inventory: Inventory, report: CheckReport, console: Console) -> tuple[str, ...]:
