@@ -228,7 +228,7 @@ def test_start_runs_the_supervisor_in_a_session_of_its_own_and_stop_interrupts_t
     (site / "supervised.py").write_text(FAKE)
     superhost.prepare("r1", {})
     (host_home / ".mnft" / "supervised" / "r1" / "runs" / "r1").mkdir()
-    started = superhost.start("r1", "b1", b"the spec")
+    started = superhost.start("r1", "b1", lambda: b"the spec")
     try:
         assert started["pid"] > 0 and "error" not in started
         state = superhost.state("r1")
@@ -237,7 +237,7 @@ def test_start_runs_the_supervisor_in_a_session_of_its_own_and_stop_interrupts_t
         while "sid True" not in superhost.state("r1")["log"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert "spec 8 sid True" in superhost.state("r1")["log"]  # its spec through the pipe, a session of its own
-        assert superhost.start("r1", "b1", b"again") == {"error": "run r1 has a supervisor already"}
+        assert superhost.start("r1", "b1", lambda: b"again") == {"error": "run r1 has a supervisor already"}
         assert superhost.stop("r1", "me@here pid 1") == {"signalled": True, "alive": True}
         deadline = time.monotonic() + 10
         while superhost.state("r1")["alive"] and time.monotonic() < deadline:
@@ -260,8 +260,33 @@ def test_a_supervisor_that_dies_at_its_start_is_reported_with_its_last_lines(hos
     site = host_home / ".mnft" / "supervisor" / "b1" / "site"
     site.mkdir(parents=True)  # no mnft in it: the import fails
     superhost.prepare("r1", {})
-    out = superhost.start("r1", "b1", b"")
+    out = superhost.start("r1", "b1", lambda: b"x")
     assert out["error"].startswith("the supervisor ended at its start") and "ModuleNotFoundError" in out["log"]
+
+
+def test_a_controller_that_sends_no_spec_leaves_no_supervisor_running(host_home):
+    site = host_home / ".mnft" / "supervisor" / "b1" / "site" / "mnft" / "run"
+    site.mkdir(parents=True)
+    (site.parent / "__init__.py").write_text("")
+    (site / "__init__.py").write_text("")
+    (site / "supervised.py").write_text(FAKE)
+    superhost.prepare("r1", {})
+    spawned = []
+
+    def no_spec():  # the supervisor was spawned before its spec is read: it is there now
+        spawned.extend(pid for pid in os.listdir("/proc") if pid.isdigit() and str(host_home).encode() in _cmdline(pid))
+        return b""
+
+    assert superhost.start("r1", "b1", no_spec) == {"error": "no spec came: the supervisor was not started"}
+    assert len(spawned) == 1 and not _cmdline(spawned[0])  # and gone now
+    assert superhost.state("r1")["alive"] is False
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def test_the_host_and_the_controller_name_the_stop_request_alike():

@@ -92,6 +92,7 @@ class Row:
     idle: float | None = None  # seconds its holder's GPUs have been idle (as the holder's keeper last sampled them)
     also: str | None = None  # a collision: "also used by bob pid 4242" (a process not of the holder's run on its GPU)
     progress: dict | None = None  # the holder's run's last step as its controller told the host: {"step", "loss", "at"}
+    supervisor: str | None = None  # a detached run's supervisor on the lab: "h1 pid 4242" (its holder's controller and pid)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -129,7 +130,7 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                 detail = "; ".join(w for w in (reserved, detail, also) if w) or None
                 out.append(Row(host.name, key, "held", holder_user(d), leases.shown(holder.get("run_id")), held_command(holder),
                                _number(holder.get("taken") or holder.get("started")), memory, util, with_idle(detail, idle),
-                               leases.shown(holder.get("image"), 80), health, drain, idle, also, progress_of(holder)))
+                               leases.shown(holder.get("image"), 80), health, drain, idle, also, progress_of(holder), supervisor_of(holder)))
             elif state == "outside":
                 procs = d.get("processes") or []
                 users = sorted({leases.shown(p.get("user")) or "?" for p in procs})
@@ -175,6 +176,13 @@ def collision_line(row: Row) -> str | None:
         return None
     what = "session" if (row.command or "").startswith("shell") else "run"
     return f"{row.host} GPU {row.device}: held by {row.user or '?'}'s {what} {row.run or '?'}; {row.also}"
+
+
+def supervisor_of(holder: dict) -> str | None:
+    """"h1 pid 4242": where a detached run's supervisor holds the lease from (None: a terminal's run, a session)."""
+    if holder.get("supervised") is not True:
+        return None
+    return f"{leases.shown(holder.get('controller'), 64) or '?'} pid {leases.shown(holder.get('pid'), 12) or '?'}"
 
 
 def held_command(holder: dict) -> str | None:

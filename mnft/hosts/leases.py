@@ -305,6 +305,7 @@ class Leases:
     on_wait: Callable[[str, dict], None] | None = None  # a waiting host's place in line, each time it changes
     image: str | None = None  # the run's container image, shown by `mnft lab`
     shows: str | None = None  # an interactive session's command (`mnft shell -- CMD`), shown by `mnft lab`
+    supervised: bool = False  # held by a detached run's supervisor on the lab (mnft.run.supervised), shown by `mnft lab`
     _stop: threading.Event = field(default_factory=threading.Event)
     _beat: threading.Thread | None = None
     _writing: threading.Lock = field(default_factory=threading.Lock)  # a heartbeat never cuts into a run request
@@ -320,6 +321,8 @@ class Leases:
             holder["image"] = self.image
         if self.shows:
             holder["session"] = self.shows
+        if self.supervised:
+            holder["supervised"] = True
         if self.scope is not None and self.scope.wait is not None:  # one place in every host's line: the same ticket
             holder.update(wait=True, queued=time.time(), ticket=secrets.token_hex(8), want=self.scope.gpus)
         return holder

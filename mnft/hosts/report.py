@@ -114,7 +114,7 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
                 *(("health",) if health else ()), "detail"):
         table.add_column(col)
     for r in table_rows:
-        detail = r.detail or (r.drain if r.drain and r.state != "drained" else "")
+        detail = r.detail or (r.drain if r.drain and r.state != "drained" else "") or (f"supervised on {r.supervisor}" if r.supervisor else "")
         table.add_row(plain(r.host), plain(r.device), plain(r.state, LAB_STYLE.get(r.state, "")), plain(r.user or ""), plain(r.run or ""),
                       plain(r.command or ""), *((plain(r.image or ""),) if images else ()), plain(since(r.since)), plain(r.memory or ""),
                       plain("" if r.utilization is None else f"{r.utilization}%"), *((plain(r.health or "", "red"),) if health else ()), plain(detail))

@@ -8,7 +8,8 @@ returns once the supervisor has said it runs, and every other op reads or signal
     look HASH [RUN_ID]   this host's Python and platform, whether bundle HASH is here, the mesh key, and RUN_ID's state
     unpack HASH          the bundle (a tar.gz, on stdin after the payload) into ~/.mnft/supervisor/HASH, atomically
     prepare RUN_ID       the run's directory (0700) and the files its supervisor reads (JSON on stdin: {name: text})
-    start RUN_ID HASH    the supervisor started (its spec on stdin, handed to it through a pipe, never written)
+    start RUN_ID HASH    the supervisor started, then its spec (on stdin, once the code is there) handed to it through
+                         a pipe, never written
     state RUN_ID OFFSET  alive or not (pid and start time), its exit, and its console from OFFSET (bounded)
     stop RUN_ID BY       the run's stop asked (the file its supervisor reads), then SIGINT to that supervisor only
     reach                whether this user's ssh reaches each peer (JSON on stdin: [{name, address, port, user}]) with
@@ -160,9 +161,10 @@ def prepare(run_id, files):
     return {"dir": folder}
 
 
-def start(run_id, digest, spec):
+def start(run_id, digest, read_spec):
     """The supervisor, in a session of its own, its output into console.log; returns once it wrote supervisor.json
-    (it runs) or ended (its console's last lines say why)."""
+    (it runs) or ended (its console's last lines say why). It is started before its spec is read (read_spec: this
+    op's stdin, which the controller writes once the run's code is there), so its imports overlap the code's copy."""
     folder = run_dir(run_id)
     site = os.path.join(bundle_dir(digest), "site")
     if not os.path.isdir(site):
@@ -173,6 +175,11 @@ def start(run_id, digest, spec):
     with open(os.path.join(folder, LOG), "ab") as log:
         child = subprocess.Popen([sys.executable, "-I", "-S", "-c", BOOT, site, folder], stdin=subprocess.PIPE, stdout=log,
                                  stderr=subprocess.STDOUT, start_new_session=True, cwd=folder, env=env, close_fds=True)
+    spec = read_spec()
+    if not spec:  # the controller gave up (its code copy failed, it was interrupted): nothing is left running
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return {"error": "no spec came: the supervisor was not started"}
     try:
         child.stdin.write(spec)
         child.stdin.close()
@@ -257,7 +264,7 @@ def main(argv) -> int:
         elif op == "prepare":
             out = prepare(args[0], json.loads(sys.stdin.buffer.read(8 << 20).decode("utf-8") or "{}"))
         elif op == "start":
-            out = start(args[0], args[1], sys.stdin.buffer.read(16 << 20))
+            out = start(args[0], args[1], lambda: sys.stdin.buffer.read(16 << 20))
         elif op == "state":
             out = state(args[0], int(args[1]))
         elif op == "reach":

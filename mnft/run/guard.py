@@ -57,7 +57,7 @@ class Guard:
             if on_wait is not None:
                 on_wait(host, reply)
 
-        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=in_line, image=image)
+        self.leases = leases.Leases("train", run_id, scope or leases.Scope(), on_wait=in_line, image=image, supervised=bool(record.data.get("supervisor")))
         if scope is not None and scope.wait is not None:
             record.update(state="waiting")
         t_asked = time.time()

@@ -33,6 +33,11 @@ def _write(path: Path, data: dict) -> None:
 
 def main(folder: str) -> int:
     here = Path(folder)
+    from rich.console import Console  # imported while the controller still copies the run's code here
+
+    from mnft.core.errors import ExitCode, MnftError
+    from mnft.run.train import train
+
     spec = pickle.loads(sys.stdin.buffer.read())  # the controller's own pickle, from this user's SSH session
     sys.stdin.close()
     os.environ.update(spec["environ"])
@@ -48,11 +53,6 @@ def main(folder: str) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     _write(here / ME, {"pid": os.getpid(), "start": start_time(os.getpid()), "host": socket.gethostname(),
                        "since": time.time(), "run_id": spec["run_id"]})
-    from rich.console import Console
-
-    from mnft.core.errors import ExitCode, MnftError
-    from mnft.run.train import train
-
     console = Console(file=sys.stdout, width=160, force_terminal=False, soft_wrap=True, highlight=False)
     code: int = ExitCode.FAILED
     error = None

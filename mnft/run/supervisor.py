@@ -40,7 +40,7 @@ from rich.text import Text
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts import pyrun
 from mnft.hosts.connection import Timeouts, login_of
-from mnft.hosts.fleet import Fleet, HostResult
+from mnft.hosts.fleet import Fleet, HostResult, Status
 from mnft.hosts.hostkeys import known_name, mnft_known_hosts
 from mnft.hosts.settings import Host, Inventory
 from mnft.onhost import superhost
@@ -131,6 +131,42 @@ def _one(fleet: Fleet, host: Host, *args: str, stdin: bytes = b"", timeout: floa
         raise SupervisorError(f"{host.name}: {args[0]}: {result.error or result.tail(1)}")
     if data.get("error"):
         raise SupervisorError(f"{host.name}: {data['error']}" + (f"\n{data['log']}" if data.get("log") else ""))
+    return data
+
+
+def _start(fleet: Fleet, host: Host, run_id: str, digest: str, spec: bytes, meanwhile) -> dict:
+    """superhost's `start`: the supervisor spawned at once, `meanwhile()` done here (the code's copy), then its spec
+    written; a failure meanwhile closes the op's stdin with no spec, and the host ends what it spawned."""
+    from mnft.hosts.connection import CommandTimeout, HostKeyRejected, Unreachable
+
+    try:
+        process = fleet.start(host, pyrun.command(host, "start", run_id, digest, site=False))
+    except (HostKeyRejected, Unreachable) as exc:
+        raise SupervisorError(f"{host.name}: start: {exc}") from None
+    sent = False
+    try:
+        process.write(pyrun.payload(ENTRY))
+        meanwhile()
+        process.write(spec)
+        sent = True
+    finally:
+        try:
+            process.close_stdin()
+        except Exception:  # noqa: BLE001 - the channel may be gone already
+            pass
+        if not sent:
+            try:
+                process.wait(30)
+            except Exception:  # noqa: BLE001 - the error that stopped us is the one to say
+                pass
+    try:
+        done = process.wait(120)
+    except (CommandTimeout, Unreachable) as exc:
+        raise SupervisorError(f"{host.name}: start: {exc}") from None
+    result = HostResult(host.name, Status.OK if done.exit_code == 0 else Status.FAILED, done.exit_code, done.stdout, done.stderr)
+    data = pyrun.reply(result, "the supervisor's host (start)")
+    if data is None or data.get("error"):
+        raise SupervisorError(f"{host.name}: " + (data["error"] + (f"\n{data['log']}" if data.get("log") else "") if data else result.error or "start failed"))
     return data
 
 
@@ -234,16 +270,11 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
         prepared = _one(fleet, place.host, "prepare", run_id, stdin=json.dumps(files).encode())
         folder = prepared["dir"]
         code = None
-        src_there: Path | None = None
         if options.sync:
             from mnft.sync.snapshot import fix
 
             code = fix(options.src)
-            try:
-                _push(place.host, code.tree.root, f"{folder}/src", inventory)
-            finally:
-                code.release()
-            src_there = Path(folder) / "src"
+        src_there = Path(folder) / "src" if code is not None else None
         environ, sup_lopts = shipped_environ(options)
         where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder,
                  "reach": {k: getattr(place.host, k) for k in ("user", "port", "identity", "python", "connection")}}
@@ -255,7 +286,12 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
             resumed_from=previous.run_id if previous else None, supervisor=where, hosts={}, attempts=[],
             code_hash=code.tree.digest if code is not None else None,
         )
-        started = _one(fleet, place.host, "start", run_id, the_bundle.digest, stdin=spec, timeout=120)
+        try:  # the supervisor starts (its imports) while the code is copied there; its spec follows the code
+            started = _start(fleet, place.host, run_id, the_bundle.digest, spec,
+                             lambda: _push(place.host, code.tree.root, f"{folder}/src", inventory) if code is not None else None)
+        finally:
+            if code is not None:
+                code.release()
         where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time())
         record.update(supervisor=where, launched=True, state="supervised", timings={"handoff_s": round(time.monotonic() - t0, 3)})
         console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
