@@ -337,3 +337,25 @@ def test_a_detached_run_on_this_machine_is_supervised_followed_and_its_secret_st
     assert record["state"] == "succeeded" and record["supervisor"]["pid"] and record["detach"] is True
     written = [p for p in [*(tmp_path / "home").rglob("*"), *(tmp_path / "runs").rglob("*")] if p.is_file()]
     assert written and not [p for p in written if b"hf-secret-9876" in p.read_bytes()]
+
+
+# ------------------------------------------------------------------------------------------------ where it is said
+
+
+def test_status_lab_and_the_board_name_the_supervisor_host_pid_since_and_whether_it_lives():
+    from mnft.board.runs import supervisor_of as board_supervisor
+    from mnft.hosts.lab import supervisor_of as lab_supervisor
+    from mnft.run.report import supervisor_line
+
+    data = {"state": "running", "supervisor": {"host": "h1", "pid": 4242, "since": 1_800_000_000.0, "alive": True}}
+    assert supervisor_line(data).startswith("supervisor: h1 pid 4242, since ") and supervisor_line(data).endswith(": alive")
+    lost = {"state": "supervisor-lost", "supervisor": {"host": "h1", "pid": 4242, "alive": False}}
+    assert supervisor_line(lost) == "supervisor: h1 pid 4242: gone"
+    assert supervisor_line({"state": "succeeded", "supervisor": {"host": "h1", "pid": 1, "alive": False, "exit": {"code": 0}}}).endswith(": ended")
+    unreached = {"state": "running", "supervisor": {"host": "h1", "pid": 1, "alive": None, "error": "h1: no route to host"}}
+    assert supervisor_line(unreached).endswith(": not reached (h1: no route to host)")
+    assert lab_supervisor({"supervised": True, "controller": "h1", "pid": 4242}) == "h1 pid 4242"
+    assert lab_supervisor({"controller": "laptop", "pid": 7}) is None  # a terminal's run
+    assert lab_supervisor({"supervised": "yes", "controller": "h1", "pid": 7}) is None  # anyone may write a lease file: only true counts
+    assert board_supervisor(data) == {"host": "h1", "pid": 4242, "since": 1_800_000_000.0, "alive": True, "seen": None}
+    assert board_supervisor({"supervisor": {"host": "h1"}}) is None and board_supervisor({}) is None

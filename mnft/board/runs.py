@@ -194,8 +194,19 @@ def summary(run_id: str, path: Path, answers: dict | None = None, now: float | N
         if isinstance(data.get("devices"), dict) else {},
         "created": number(data.get("created")), "ended": number(data.get("ended")),
         "attempt": len(attempts) or None, "restarts": max(0, len(attempts) - 1),
-        "goodput": number(spent.get("goodput")), **metric_of(metric),
+        "goodput": number(spent.get("goodput")), **metric_of(metric), "supervisor": supervisor_of(data),
     }
+
+
+def supervisor_of(data: dict) -> dict | None:
+    """A detached run's supervisor on the lab as its record last said it (host, pid, since, alive: true, false, or
+    null when it was not reached); None for a run supervised from a terminal."""
+    where = data.get("supervisor")
+    if not isinstance(where, dict) or not where.get("pid"):
+        return None
+    alive = where.get("alive")
+    return {"host": text(where.get("host"), 100), "pid": number(where.get("pid")), "since": number(where.get("since")),
+            "alive": alive if isinstance(alive, bool) else None, "seen": number(where.get("seen"))}
 
 
 def commands(data: dict) -> dict:

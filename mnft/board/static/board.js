@@ -246,7 +246,9 @@
       el("p", { className: "meta" }, el("span", { className: "job" }, r.job || "-"), " · ", r.user || "?", " · ", hosts.length + " host(s): " + hosts.join(", "),
         " · started " + fmtWhen(r.created), isNum(r.ended) ? " · ended " + fmtWhen(r.ended) + " (" + fmtSeconds(r.ended - r.created) + ")" : "",
         r.attempt > 1 ? " · attempt " + r.attempt : "", r.live && r.live.state ? " · supervisor: " + r.live.state : "",
-        r.detached ? " · detached" : "", r.slurm ? " · on Slurm" : ""),
+        r.detached ? " · detached" : "", r.slurm ? " · on Slurm" : "",
+        r.supervisor ? " · supervisor on " + r.supervisor.host + " pid " + r.supervisor.pid + " since " + fmtWhen(r.supervisor.since) + ": "
+          + (r.supervisor.alive === true ? "alive" : r.supervisor.alive === false ? (r.state === "supervisor-lost" ? "gone" : "ended") : "not reached") : ""),
       el("div", { className: "stats" }, stat("step", isNum(r.step) ? (r.step_about ? "~" : "") + r.step : "-"), stat("loss", fmtLoss(r.loss)),
         stat("tokens/s", fmtRate(r.tokens_per_s)), stat("restarts", isNum(r.restarts) ? String(r.restarts) : "-"), stat("goodput", fmtPct(r.goodput))),
       r.reason && !r.failure ? el("p", { className: "reason" }, r.reason) : null,
