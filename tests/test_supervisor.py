@@ -274,7 +274,10 @@ def test_a_controller_that_sends_no_spec_leaves_no_supervisor_running(host_home)
     spawned = []
 
     def no_spec():  # the supervisor was spawned before its spec is read: it is there now
-        spawned.extend(pid for pid in os.listdir("/proc") if pid.isdigit() and str(host_home).encode() in _cmdline(pid))
+        deadline = time.monotonic() + 10
+        while not spawned and time.monotonic() < deadline:
+            spawned.extend(pid for pid in os.listdir("/proc") if pid.isdigit() and str(host_home).encode() in _cmdline(pid))
+            time.sleep(0.02)
         return b""
 
     assert superhost.start("r1", "b1", no_spec) == {"error": "no spec came: the supervisor was not started"}

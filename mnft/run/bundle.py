@@ -110,17 +110,29 @@ def dists() -> tuple[Dist, ...]:
     return tuple(out)
 
 
-def build(root: Path | None = None) -> Bundle:
-    """The bundle of this controller's mnft and libraries, built at most once for the same files."""
+def _stamped(root: Path | None) -> tuple[list[tuple[str, Path]], dict, Path, Path]:
     found = dists()
     members = [f for d in found for f in d.files] + list(_package_files())
     stamp_text = json.dumps(sorted((arc, p.stat().st_size, p.stat().st_mtime_ns) for arc, p in members))
     stamp = hashlib.sha256(stamp_text.encode()).hexdigest()
     home = root or mnft_home() / "supervisor"
-    home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    known = home / f"stamp-{stamp[:32]}.json"
     libc = platform.libc_ver()
     facts = dict(dists=found, python=sys.version_info[:2], machine=platform.machine(), libc=(libc[0] or None, libc[1] or None))
+    return members, facts, home, home / f"stamp-{stamp[:32]}.json"
+
+
+def described(root: Path | None = None) -> Bundle:
+    """The bundle as `compatible` judges it, without building it (`mnft check`): its digest when it was built for
+    these very files, else "" (a host then has no such bundle yet)."""
+    _, facts, home, known = _stamped(root)
+    digest = json.loads(known.read_text())["digest"] if known.is_file() else ""
+    return Bundle(digest, home / f"{digest}.tar.gz", **facts)
+
+
+def build(root: Path | None = None) -> Bundle:
+    """The bundle of this controller's mnft and libraries, built at most once for the same files."""
+    members, facts, home, known = _stamped(root)
+    home.mkdir(parents=True, exist_ok=True, mode=0o700)
     if known.is_file():
         digest = json.loads(known.read_text())["digest"]
         if (home / f"{digest}.tar.gz").is_file():
@@ -142,7 +154,22 @@ def build(root: Path | None = None) -> Bundle:
                     tar.addfile(info, fh)
         os.replace(tmp, target)
     known.write_text(json.dumps({"digest": digest}))
+    prune(home, keep=digest)
     return Bundle(digest, target, **facts)
+
+
+KEEP = 3  # bundles kept here (the newest): a controller that upgrades mnft does not fill its disk
+
+
+def prune(home: Path, keep: str) -> None:
+    """The older bundles and stamps here beyond the KEEP newest (this controller's own cache, rebuilt when needed)."""
+    bundles = sorted(home.glob("*.tar.gz"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in bundles[KEEP:]:
+        if old.name != f"{keep}.tar.gz":
+            old.unlink(missing_ok=True)
+    stamps = sorted(home.glob("stamp-*.json"), key=lambda p: p.stat().st_mtime, reverse=True)
+    for old in stamps[4 * KEEP:]:
+        old.unlink(missing_ok=True)
 
 
 def compatible(bundle: Bundle, host: dict) -> str | None:

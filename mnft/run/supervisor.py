@@ -469,10 +469,10 @@ def look_supervision(inventory: Inventory) -> tuple[dict, str | None]:
         why = "the inventory has hosts both local and over SSH: give it a `supervisor:` host that reaches them all"
         return {"host": None, "ok": False, "why": why}, why
     found: dict = {"host": place.host.name, "why_here": place.why}
-    the_bundle = bundling.build()
+    the_bundle = bundling.described()
     try:
         with Fleet(_alone(inventory, place.host), Timeouts(connect=10.0)) as fleet:
-            seen = _one(fleet, place.host, "look", the_bundle.digest)
+            seen = _one(fleet, place.host, "look", the_bundle.digest or "0" * 32)
             found["bundle"] = bool(seen.get("bundle"))
             why = why_not(seen, the_bundle, place)
             if why is None and not place.host.is_local:
