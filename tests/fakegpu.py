@@ -812,3 +812,16 @@ del _mnft_fake_gpu_rank
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+# A rank that uses its GPU and ends when the test says so: a file /tmp/mnft-test-end-<its first argument> on its
+# host (or after 300 s), so a test decides when each run ends.
+HOLD_UNTIL_TOLD = RANK_SNIPPET + '''
+import os, sys, time
+
+end = "/tmp/mnft-test-end-" + sys.argv[1]
+deadline = time.time() + 300
+while not os.path.exists(end) and time.time() < deadline:
+    time.sleep(0.2)
+print("done", flush=True)
+'''

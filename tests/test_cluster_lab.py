@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fakegpu import RANK_SNIPPET
+from fakegpu import HOLD_UNTIL_TOLD, RANK_SNIPPET
 from runhelpers import Controller, wait_for_output
 from wheelmaker import make_wheel, write_lock
 
@@ -26,15 +26,7 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
 USERS = ("alice", "bob", "carol")
-HOLD = RANK_SNIPPET + '''
-import os, sys, time
-
-end = "/tmp/mnft-test-end-" + sys.argv[1]
-deadline = time.time() + 300
-while not os.path.exists(end) and time.time() < deadline:
-    time.sleep(0.2)
-print("done", flush=True)
-'''
+HOLD = HOLD_UNTIL_TOLD
 
 
 @pytest.fixture(scope="module")

@@ -188,7 +188,7 @@ def test_detach_with_max_restarts_on_a_lab_without_a_mesh_is_refused_with_the_fi
     assert done.returncode == 1, done.stderr
     assert done.stderr.strip() == ("mnft: --detach with --max-restarts needs a supervisor on the lab, and none can run: h1 has no mesh key "
                                    "(~/.ssh/mnft_mesh_ed25519) to reach the run's hosts as you: run `mnft setup --only mesh` once (as yourself) "
-                                   "for this inventory")
+                                   "with an inventory of this lab")
     assert not (tmp_path / "runs").exists() or not list((tmp_path / "runs").glob("[!.]*"))
     assert {h.name: sorted(p.name for p in h.home.iterdir()) for h in healthy_cluster.hosts[:2]} == before
 

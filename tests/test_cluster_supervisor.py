@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from fakegpu import RANK_SNIPPET
+from fakegpu import HOLD_UNTIL_TOLD
 from runhelpers import Controller
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -53,14 +53,7 @@ metrics:
   format: jsonl
 '''
 
-HOLD = RANK_SNIPPET + '''
-import os, sys, time
-end = "/tmp/mnft-test-end-" + sys.argv[1]
-deadline = time.time() + 300
-while not os.path.exists(end) and time.time() < deadline:
-    time.sleep(0.2)
-print("done", flush=True)
-'''
+HOLD = HOLD_UNTIL_TOLD
 
 
 @pytest.fixture(scope="module")
@@ -171,6 +164,14 @@ def wait_gone(cluster, hosts, uid: int, timeout: float = 60) -> None:
     assert not left, left
 
 
+def reached(cluster, host, run_id: str, step: int, user: str = "bob", timeout: float = 180) -> None:
+    """Until rank 0's output on the host shows that step (its jsonl record)."""
+    deadline = time.monotonic() + timeout
+    while f'{{"step": {step}' not in host_log(cluster, host, user, run_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert f'{{"step": {step}' in host_log(cluster, host, user, run_id), host_log(cluster, host, user, run_id)[-2000:]
+
+
 def host_log(cluster, host, user: str, run_id: str) -> str:
     path = host.root / "tmp" / f"home-{user}" / "mnft" / "runs" / run_id / host.name / "output.log"
     return path.read_text() if path.is_file() else ""
@@ -187,10 +188,7 @@ def test_a_detached_run_whose_ranks_are_killed_restarts_from_its_checkpoint_with
     run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--max-restarts", "1", "--backoff", "0.5", "--wait-for-lost", "1",
                         "--env", "STEPS=30", "--env", "STEP_S=0.3")
     h1, h2 = lab.hosts[:2]
-    deadline = time.monotonic() + 180
-    while '{"step": 6' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert '{"step": 6' in host_log(lab, h1, "bob", run_id)
+    reached(lab, h1, run_id, 6)
     lab.run(h2, ["pkill", "-KILL", "-u", "bob", "-f", "steps.py"], check=False)  # the fault: h2's ranks killed
     record = bob.wait(run_id)
     assert record["state"] == "succeeded", record.get("reason")
@@ -239,9 +237,7 @@ def test_a_run_waiting_in_line_behind_another_users_keeps_its_place_with_its_con
 def test_a_detached_run_whose_hosts_link_is_cut_is_torn_down_within_the_attached_bound(lab, bob):
     run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--env", "STEPS=2000", "--env", "STEP_S=0.2")
     h1, h2 = lab.hosts[:2]
-    deadline = time.monotonic() + 180
-    while '{"step": 4' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    reached(lab, h1, run_id, 4)
     lab.link_down(h2)
     cut_at = time.monotonic()
     try:
@@ -275,6 +271,8 @@ def test_attach_follows_live_its_ctrl_c_leaves_the_run_and_no_other_user_can_sig
     assert record["state"] == "running" and record["supervisor"]["alive"] is True
     pid = record["supervisor"]["pid"]
     h1 = lab.hosts[0]
+    rows = [r for r in json.loads(bob.ok("lab", "--hosts", bob.inventory, "--json"))["devices"] if r["run"] == run_id]
+    assert rows and all(r["supervisor"] and r["supervisor"].endswith(f" pid {pid}") for r in rows)  # lab names its supervisor
     refused = lab.run(h1, ["runuser", "-u", "alice", "--", "kill", "-TERM", str(pid)], check=False)
     assert refused.returncode != 0 and "not permitted" in refused.stderr
     assert bob.record(run_id)["supervisor"]["alive"] is True
@@ -302,9 +300,7 @@ def test_a_supervisor_on_a_login_node_that_does_not_train_restarts_the_run_when_
     login = Member(lab, tmp_path, "bob", hosts=[h1, h2], supervisor={"name": "login", "address": h3.address, "user": "bob"})
     run_id = login.detach("--job", str(login.src / "job.yaml"), "--max-restarts", "1", "--backoff", "0.5", "--wait-for-lost", "1",
                           "--env", "STEPS=24", "--env", "STEP_S=0.3")
-    deadline = time.monotonic() + 180
-    while '{"step": 4' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    reached(lab, h1, run_id, 4)
     assert mnft_processes(lab, [h3], bob.uid())  # the supervisor, on the login node
     lab.run(h1, ["pkill", "-KILL", "-u", "bob", "-f", "steps.py"], check=False)  # the master's ranks
     record = login.wait(run_id)
@@ -316,9 +312,7 @@ def test_a_supervisor_on_a_login_node_that_does_not_train_restarts_the_run_when_
 def test_a_supervisor_killed_leaves_no_rank_behind_and_its_run_is_supervisor_lost_with_the_command_that_resumes_it(lab, bob):
     run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--env", "STEPS=2000", "--env", "STEP_S=0.2")
     h1, h2 = lab.hosts[:2]
-    deadline = time.monotonic() + 180
-    while '{"step": 4' not in host_log(lab, h1, "bob", run_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
+    reached(lab, h1, run_id, 4)
     pid = bob.record(run_id)["supervisor"]["pid"]
     os.kill(pid, signal.SIGKILL)  # as its host's OOM killer, or the host itself gone
     killed_at = time.monotonic()
@@ -331,4 +325,12 @@ def test_a_supervisor_killed_leaves_no_rank_behind_and_its_run_is_supervisor_los
     assert status.returncode != 0
     assert f"run {run_id}: supervisor-lost" in status.stdout and f"--resume-run {run_id}" in status.stdout, status.stdout
     assert ": gone" in status.stdout
+    wait_gone(lab, lab.hosts[:2], uid)
+    # the command it names continues the run from its last saved step, supervised again, as bob gave it (its code, env)
+    resumed = bob.ok("train", "--resume-run", run_id, "--detach", "--env", "STEPS=12")
+    [again] = re.findall(r"^run (\S+) handed to its supervisor", resumed, re.M)
+    assert f"resuming run {run_id}" in resumed and f"--src {bob.src}" in resumed
+    record = bob.wait(again)
+    assert record["state"] == "succeeded" and record["resumed_from"] == run_id, record.get("reason")
+    assert int(re.search(r"attempt 1 rank 0 from step (\d+)", host_log(lab, h1, "bob", again)).group(1)) >= 5  # not from 1
     wait_gone(lab, lab.hosts[:2], uid)

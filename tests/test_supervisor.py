@@ -220,12 +220,17 @@ def main(folder):
 '''
 
 
-def test_start_runs_the_supervisor_in_a_session_of_its_own_and_stop_interrupts_that_process_alone(host_home):
-    site = host_home / ".mnft" / "supervisor" / "b1" / "site" / "mnft" / "run"
+def fake_bundle(home: Path) -> None:
+    """Bundle b1 on the host: a stand-in mnft.run.supervised (FAKE) in its site."""
+    site = home / ".mnft" / "supervisor" / "b1" / "site" / "mnft" / "run"
     site.mkdir(parents=True)
     (site.parent / "__init__.py").write_text("")
     (site / "__init__.py").write_text("")
     (site / "supervised.py").write_text(FAKE)
+
+
+def test_start_runs_the_supervisor_in_a_session_of_its_own_and_stop_interrupts_that_process_alone(host_home):
+    fake_bundle(host_home)
     superhost.prepare("r1", {})
     (host_home / ".mnft" / "supervised" / "r1" / "runs" / "r1").mkdir()
     started = superhost.start("r1", "b1", lambda: b"the spec")
@@ -265,11 +270,7 @@ def test_a_supervisor_that_dies_at_its_start_is_reported_with_its_last_lines(hos
 
 
 def test_a_controller_that_sends_no_spec_leaves_no_supervisor_running(host_home):
-    site = host_home / ".mnft" / "supervisor" / "b1" / "site" / "mnft" / "run"
-    site.mkdir(parents=True)
-    (site.parent / "__init__.py").write_text("")
-    (site / "__init__.py").write_text("")
-    (site / "supervised.py").write_text(FAKE)
+    fake_bundle(host_home)
     superhost.prepare("r1", {})
     spawned = []
 

@@ -37,6 +37,7 @@ RUN_VALUE_BYTES = 4 * KiB  # a run's file that holds one value, collected from a
 IGNORE_FILE_BYTES = 16 * MiB  # one ignore file sync reads (.gitignore, .git/info/exclude, core.excludesFile)
 SOURCE_BYTES = 4 * MiB  # one source file the job preflight reads for its imports (a larger one is not read, and said)
 WHEEL_METADATA_BYTES = 16 * MiB  # a wheel's .dist-info/METADATA (its long description included)
+BUNDLE_BYTES = 256 * MiB  # the supervisor's bundle (mnft and the controller's libraries, a tar.gz of ~10 MiB) sent to a host
 
 # ---- structure
 LINE_CHARS = 64 * KiB  # one line of an inventory, job, playbook or lock file
@@ -55,6 +56,7 @@ TABLE = (  # (limit, value, what it bounds) for docs and messages
     ("ENV_FILE_BYTES", ENV_FILE_BYTES, "bytes of an --env-file"),
     ("RECORD_BYTES", RECORD_BYTES, "bytes of a run record read back"),
     ("KNOWN_HOSTS_BYTES", KNOWN_HOSTS_BYTES, "bytes of a known_hosts file"),
+    ("BUNDLE_BYTES", BUNDLE_BYTES, "bytes of the supervisor's bundle sent to a host"),
     ("PUBLIC_KEY_BYTES", PUBLIC_KEY_BYTES, "bytes of a public key file"),
     ("HOST_FILE_BYTES", HOST_FILE_BYTES, "bytes of a file setup edits on a host"),
     ("HOST_OUTPUT_BYTES", HOST_OUTPUT_BYTES, "bytes a command on a host prints, kept"),

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import io
 import json
 import os
 import platform
@@ -82,15 +81,20 @@ def _closure(roots: tuple[str, ...]) -> list[metadata.Distribution]:
     return [seen[k] for k in sorted(seen)]
 
 
-def _files(dist: metadata.Distribution) -> tuple[tuple[str, Path], ...]:
+def _files(dist: metadata.Distribution, tops: dict[str, list[str]]) -> tuple[tuple[str, Path], ...]:
+    """A distribution's installed files as its RECORD lists them; one installed without a RECORD (a system
+    package's egg-info) by its top-level packages and its metadata directory instead."""
     base = Path(str(dist.locate_file(""))).resolve()
-    out = []
-    for item in dist.files or []:
-        path = Path(str(dist.locate_file(item))).resolve()
-        if "__pycache__" in item.parts or not path.is_file() or base not in path.parents:
-            continue  # bytecode is made again; a script in bin/ is not the library
-        out.append((path.relative_to(base).as_posix(), path))
-    return tuple(out)
+    items = [Path(str(dist.locate_file(item))).resolve() for item in dist.files or [] if "__pycache__" not in item.parts]
+    if not dist.files:
+        name = dist.metadata["Name"]
+        found = [base / top for top, owners in tops.items() if name in owners]
+        found += [base / f"{top}.py" for top, owners in tops.items() if name in owners]
+        meta = getattr(dist, "_path", None)
+        found += [Path(str(meta))] if meta is not None else []
+        items = [p.resolve() for root in found if root.exists() for p in ([root] if root.is_file() else root.rglob("*"))
+                 if "__pycache__" not in p.parts and p.suffix != ".pyc"]
+    return tuple((p.relative_to(base).as_posix(), p) for p in items if p.is_file() and base in p.parents)
 
 
 def _package_files() -> tuple[tuple[str, Path], ...]:
@@ -103,10 +107,11 @@ def _package_files() -> tuple[tuple[str, Path], ...]:
 
 def dists() -> tuple[Dist, ...]:
     out = []
+    tops = metadata.packages_distributions()
     for dist in _closure(ROOTS):
         wheel = dist.read_text("WHEEL") or ""
         tags = tuple(line.split(":", 1)[1].strip() for line in wheel.splitlines() if line.startswith("Tag:"))
-        out.append(Dist(canonicalize_name(dist.metadata["Name"]), dist.version, _files(dist), tags))
+        out.append(Dist(canonicalize_name(dist.metadata["Name"]), dist.version, _files(dist, tops), tags))
     return tuple(out)
 
 
@@ -121,11 +126,18 @@ def _stamped(root: Path | None) -> tuple[list[tuple[str, Path]], dict, Path, Pat
     return members, facts, home, home / f"stamp-{stamp[:32]}.json"
 
 
+def _digest_of(known: Path) -> str:
+    from mnft.core import limits
+
+    data = limits.read_json(known, limits.STATE_BYTES, "the supervisor bundle's stamp", "STATE_BYTES", missing=None)
+    return str(data.get("digest") or "") if isinstance(data, dict) else ""
+
+
 def described(root: Path | None = None) -> Bundle:
     """The bundle as `compatible` judges it, without building it (`mnft check`): its digest when it was built for
     these very files, else "" (a host then has no such bundle yet)."""
     _, facts, home, known = _stamped(root)
-    digest = json.loads(known.read_text())["digest"] if known.is_file() else ""
+    digest = _digest_of(known) if known.is_file() else ""
     return Bundle(digest, home / f"{digest}.tar.gz", **facts)
 
 
@@ -134,7 +146,7 @@ def build(root: Path | None = None) -> Bundle:
     members, facts, home, known = _stamped(root)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
     if known.is_file():
-        digest = json.loads(known.read_text())["digest"]
+        digest = _digest_of(known)
         if (home / f"{digest}.tar.gz").is_file():
             return Bundle(digest, home / f"{digest}.tar.gz", **facts)
     h = hashlib.sha256()
@@ -218,5 +230,8 @@ def size(bundle: Bundle) -> int:
     return bundle.path.stat().st_size
 
 
-def read(bundle: Bundle) -> io.BufferedReader:
-    return bundle.path.open("rb")
+def contents(bundle: Bundle) -> bytes:
+    """The bundle's bytes, as sent: the tar.gz this module wrote (BUNDLE_BYTES at most)."""
+    from mnft.core import limits
+
+    return limits.read_bytes(bundle.path, limits.BUNDLE_BYTES, "the supervisor's bundle", "BUNDLE_BYTES")

@@ -90,8 +90,9 @@ def why_not(found: dict, the_bundle: bundling.Bundle, place: Place) -> str | Non
     if (why := bundling.compatible(the_bundle, found)) is not None:
         return f"{place.host.name} cannot run mnft: {why}"
     if not place.host.is_local and not found.get("mesh_key"):
+        among = "" if place.host.rank >= 0 else f" listing {place.host.name} among its hosts"
         return (f"{place.host.name} has no mesh key (~/.ssh/mnft_mesh_ed25519) to reach the run's hosts as you: "
-                "run `mnft setup --only mesh` once (as yourself) for this inventory")
+                f"run `mnft setup --only mesh` once (as yourself) with an inventory{among} of this lab")
     return None
 
 
@@ -174,10 +175,13 @@ def _known_lines(inventory: Inventory) -> str:
     """This controller's recorded host keys for the run's hosts (public data), as the supervisor's known_hosts."""
     wanted = {known_name(h.address, h.port or 22) for h in inventory.hosts}
     out = []
+    from mnft.core import limits
+
     for path in (inventory.known_hosts, mnft_known_hosts()):
         if path is None or not Path(path).is_file():
             continue
-        for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
+        text = limits.read_bytes(path, limits.KNOWN_HOSTS_BYTES, "a known_hosts file", "KNOWN_HOSTS_BYTES").decode("utf-8", "replace")
+        for line in text.splitlines():
             parts = line.split()
             if len(parts) >= 3 and not line.startswith(("#", "@")) and set(parts[0].split(",")) & wanted:
                 out.append(line)
@@ -257,14 +261,16 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
         if not found.get("bundle"):
             console.print(Text(f"placing mnft on {place.host.name} for detached runs ({bundling.size(the_bundle) // 1024} KiB, once per version)"),
                           soft_wrap=True)
-            _one(fleet, place.host, "unpack", the_bundle.digest, stdin=the_bundle.path.read_bytes(), timeout=600)
+            _one(fleet, place.host, "unpack", the_bundle.digest, stdin=bundling.contents(the_bundle), timeout=600)
         run_id = launching.new_run_id()
         seen = as_seen_from(inventory, place)
         files = {"home/known_hosts": _known_lines(inventory)}
         from mnft.env.record import state_path
 
         if state_path().is_file():
-            files["home/provision/hosts.json"] = state_path().read_text(encoding="utf-8")
+            from mnft.core import limits
+
+            files["home/provision/hosts.json"] = limits.read_file(state_path(), limits.STATE_BYTES, "the provision record", "STATE_BYTES").decode()
         if previous is not None:
             files[f"runs/{previous.run_id}/run.json"] = json.dumps(previous.data)
         prepared = _one(fleet, place.host, "prepare", run_id, stdin=json.dumps(files).encode())
@@ -278,7 +284,8 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
         environ, sup_lopts = shipped_environ(options)
         where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder,
                  "reach": {k: getattr(place.host, k) for k in ("user", "port", "identity", "python", "connection")}}
-        sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor=where)
+        as_given = {"env_specs": list(lopts.env), "env_files": list(lopts.env_files), "src": str(code.source) if code is not None else None}
+        sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor={**where, "as_given": as_given})
         spec = pickle.dumps({"run_id": run_id, "inventory": seen, "options": sup_options, "environ": environ})
         record = records.RunRecord.create(
             run_id, job_id=run_id if previous is None else previous.data.get("job_id", previous.run_id), job=job.to_record(),

@@ -164,15 +164,16 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         guard.code = fix(options.src)
         timings["fix_s"] = guard.code.seconds
     record = None
+    given = (options.supervisor or {}).get("as_given") or {}  # a supervised run records what its user gave (--env-file, --src), not its copies
     if not options.dry_run:  # the record exists from the start: a refused or failed launch is recorded too
         record = records.RunRecord.create(
             run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
-            env_specs=list(lopts.env), env_files=list(lopts.env_files), rdzv=lopts.rdzv, resume=lopts.resume,
+            env_specs=list(given.get("env_specs", lopts.env)), env_files=list(given.get("env_files", lopts.env_files)), rdzv=lopts.rdzv, resume=lopts.resume,
             resumed_from=previous.run_id if previous else None, detach=lopts.detach or options.supervisor is not None,
             supervisor=options.supervisor, inventory=snapshot(inventory), hosts={},
             timings=timings, state="checking", launched=False, launch={"in_workdir": lopts.in_workdir},
             code_hash=guard.code.tree.digest if guard.code is not None else None,
-            code={"src": str(guard.code.source), "hash": guard.code.tree.digest, "files": len(guard.code.tree.files),
+            code={"src": given.get("src") or str(guard.code.source), "hash": guard.code.tree.digest, "files": len(guard.code.tree.files),
                   "snapshot": str(guard.code.tree.root), "job_dir": launching.job_dir(inventory.hosts[0], job_id)} if guard.code is not None else None,
             recovery={"max_restarts": policy.max_restarts, "min_nodes": policy.min_nodes,
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
@@ -226,7 +227,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
                 record.update(state="sync-failed", reason=str(exc), sync={"ok": False, "error": str(exc)}, timings=timings)
                 raise
             timings["sync_s"] = round(time.monotonic() - t_sync, 3)
-        record.update(sync={"ok": True, "src": str(guard.code.source), "hash": guard.code.tree.digest} if guard.code is not None else None,
+        record.update(sync={"ok": True, "src": given.get("src") or str(guard.code.source), "hash": guard.code.tree.digest} if guard.code is not None else None,
                       timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
 
