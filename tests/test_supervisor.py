@@ -363,3 +363,18 @@ def test_status_lab_and_the_board_name_the_supervisor_host_pid_since_and_whether
     assert lab_supervisor({"supervised": "yes", "controller": "h1", "pid": 7}) is None  # anyone may write a lease file: only true counts
     assert board_supervisor(data) == {"host": "h1", "pid": 4242, "since": 1_800_000_000.0, "alive": True, "seen": None}
     assert board_supervisor({"supervisor": {"host": "h1"}}) is None and board_supervisor({}) is None
+
+
+def test_the_supervisor_gets_the_recorded_host_keys_of_the_runs_hosts_plain_or_hashed_and_no_others(tmp_path, monkeypatch):
+    import base64
+    import hashlib
+    import hmac
+
+    monkeypatch.setenv("MNFT_HOME", str(tmp_path / "mnft-home"))
+    salt = b"0123456789abcdefghij"
+    hashed = "|1|%s|%s" % (base64.b64encode(salt).decode(), base64.b64encode(hmac.new(salt, b"10.9.0.2", hashlib.sha1).digest()).decode())
+    known = tmp_path / "known"
+    known.write_text(f"10.9.0.1 ssh-ed25519 AAAAone\n{hashed} ssh-ed25519 AAAAtwo\n10.9.0.7 ssh-ed25519 AAAAother\n# a comment\n")
+    lab = inv(tmp_path, TWO + f"known_hosts: {known}\n")
+    lines = supervisor._known_lines(lab).splitlines()
+    assert lines == ["10.9.0.1 ssh-ed25519 AAAAone", f"{hashed} ssh-ed25519 AAAAtwo"]

@@ -23,7 +23,11 @@ supervisor gives (--max-restarts, spares, --wait), and otherwise started as befo
 
 from __future__ import annotations
 
+import base64
+import binascii
 import getpass
+import hashlib
+import hmac
 import json
 import os
 import pickle
@@ -37,6 +41,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
+from mnft.core import limits
 from mnft.core.errors import ExitCode, InputError, MnftError
 from mnft.hosts import pyrun
 from mnft.hosts.connection import Timeouts, login_of
@@ -172,20 +177,29 @@ def _start(fleet: Fleet, host: Host, run_id: str, digest: str, spec: bytes, mean
 
 
 def _known_lines(inventory: Inventory) -> str:
-    """This controller's recorded host keys for the run's hosts (public data), as the supervisor's known_hosts."""
+    """This controller's recorded host keys for the run's hosts (public data), as the supervisor's known_hosts: the
+    lines naming one of them, in plain or hashed form (`|1|salt|hmac`, as ssh-keygen -H writes them)."""
     wanted = {known_name(h.address, h.port or 22) for h in inventory.hosts}
     out = []
-    from mnft.core import limits
-
     for path in (inventory.known_hosts, mnft_known_hosts()):
         if path is None or not Path(path).is_file():
             continue
         text = limits.read_bytes(path, limits.KNOWN_HOSTS_BYTES, "a known_hosts file", "KNOWN_HOSTS_BYTES").decode("utf-8", "replace")
         for line in text.splitlines():
             parts = line.split()
-            if len(parts) >= 3 and not line.startswith(("#", "@")) and set(parts[0].split(",")) & wanted:
+            if len(parts) >= 3 and not line.startswith(("#", "@")) and any(_names(entry, wanted) for entry in parts[0].split(",")):
                 out.append(line)
     return "\n".join(out) + ("\n" if out else "")
+
+
+def _names(entry: str, wanted: set[str]) -> bool:
+    if not entry.startswith("|1|"):
+        return entry in wanted
+    try:
+        salt, digest = (base64.b64decode(x) for x in entry[3:].split("|", 1))
+    except (ValueError, binascii.Error):
+        return False
+    return any(hmac.compare_digest(hmac.new(salt, name.encode(), hashlib.sha1).digest(), digest) for name in wanted)
 
 
 def _push(host: Host, src: Path, target: str, inventory: Inventory) -> None:
@@ -196,7 +210,8 @@ def _push(host: Host, src: Path, target: str, inventory: Inventory) -> None:
         argv = rsync_argv(host, src, target, rules.name, SshSettings.for_inventory(inventory), delete=False, mkpath=False)
         outcome = run_rsync(argv)
     if outcome.exit_code != 0:
-        raise SupervisorError(f"{host.name}: the run's code did not reach the supervisor: {outcome.stderr.strip().splitlines()[-1:] or outcome.exit_code}")
+        said = outcome.stderr.strip().splitlines()
+        raise SupervisorError(f"{host.name}: the run's code did not reach the supervisor: {said[-1] if said else f'rsync exit {outcome.exit_code}'}")
 
 
 def _pull(host: Host, run_id: str, into: Path, inventory: Inventory) -> bool:
@@ -253,61 +268,69 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
     if place is None:
         return _unsupervised("the inventory has hosts both local (connection: local) and over SSH: no one host can reach them all; "
                              "give it a `supervisor:` host that reaches them over SSH", asked, console)
-    the_bundle = bundling.build()
-    with Fleet(_alone(inventory, place.host), Timeouts(connect=10.0)) as fleet:
-        found = _one(fleet, place.host, "look", the_bundle.digest)
-        if (why := why_not(found, the_bundle, place)) is not None:
-            return _unsupervised(why, asked, console)
-        if not found.get("bundle"):
-            console.print(Text(f"placing mnft on {place.host.name} for detached runs ({bundling.size(the_bundle) // 1024} KiB, once per version)"),
-                          soft_wrap=True)
-            _one(fleet, place.host, "unpack", the_bundle.digest, stdin=bundling.contents(the_bundle), timeout=600)
-        run_id = launching.new_run_id()
-        seen = as_seen_from(inventory, place)
-        files = {"home/known_hosts": _known_lines(inventory)}
-        from mnft.env.record import state_path
+    from concurrent.futures import ThreadPoolExecutor
 
-        if state_path().is_file():
-            from mnft.core import limits
+    from mnft.env.record import state_path
+    from mnft.sync.snapshot import fix
 
-            files["home/provision/hosts.json"] = limits.read_file(state_path(), limits.STATE_BYTES, "the provision record", "STATE_BYTES").decode()
-        if previous is not None:
-            files[f"runs/{previous.run_id}/run.json"] = json.dumps(previous.data)
-        prepared = _one(fleet, place.host, "prepare", run_id, stdin=json.dumps(files).encode())
-        folder = prepared["dir"]
-        code = None
-        if options.sync:
-            from mnft.sync.snapshot import fix
-
-            code = fix(options.src)
-        src_there = Path(folder) / "src" if code is not None else None
-        environ, sup_lopts = shipped_environ(options)
-        where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder,
-                 "reach": {k: getattr(place.host, k) for k in ("user", "port", "identity", "python", "connection")}}
-        as_given = {"env_specs": list(lopts.env), "env_files": list(lopts.env_files), "src": str(code.source) if code is not None else None}
-        sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor={**where, "as_given": as_given})
-        spec = pickle.dumps({"run_id": run_id, "inventory": seen, "options": sup_options, "environ": environ})
-        record = records.RunRecord.create(
-            run_id, job_id=run_id if previous is None else previous.data.get("job_id", previous.run_id), job=job.to_record(),
-            recipe=job.recipe, state="handed-over", launched=False, detach=True, inventory=snapshot(inventory),
-            resumed_from=previous.run_id if previous else None, supervisor=where, hosts={}, attempts=[],
-            code_hash=code.tree.digest if code is not None else None,
-        )
-        try:  # the supervisor starts (its imports) while the code is copied there; its spec follows the code
-            started = _start(fleet, place.host, run_id, the_bundle.digest, spec,
-                             lambda: _push(place.host, code.tree.root, f"{folder}/src", inventory) if code is not None else None)
+    spent: dict[str, float] = {}
+    code = None
+    with ThreadPoolExecutor(1) as pool, Fleet(_alone(inventory, place.host), Timeouts(connect=10.0)) as fleet:
+        fixing = pool.submit(fix, options.src) if options.sync else None  # the code fixed here while the host is asked
+        try:
+            try:
+                the_bundle = bundling.build()
+                found = _one(fleet, place.host, "look", the_bundle.digest)
+                spent["look_s"] = round(time.monotonic() - t0, 3)
+                if (why := why_not(found, the_bundle, place)) is not None:
+                    return _unsupervised(why, asked, console)
+                if not found.get("bundle"):
+                    console.print(Text(f"placing mnft on {place.host.name} for detached runs ({bundling.size(the_bundle) // 1024} KiB, "
+                                       "once per version)"), soft_wrap=True)
+                    _one(fleet, place.host, "unpack", the_bundle.digest, stdin=bundling.contents(the_bundle), timeout=600)
+                run_id = launching.new_run_id()
+                files = {"home/known_hosts": _known_lines(inventory)}
+                if state_path().is_file():
+                    files["home/provision/hosts.json"] = limits.read_file(state_path(), limits.STATE_BYTES, "the provision record", "STATE_BYTES").decode()
+                if previous is not None:
+                    files[f"runs/{previous.run_id}/run.json"] = json.dumps(previous.data)
+                folder = _one(fleet, place.host, "prepare", run_id, stdin=json.dumps(files).encode())["dir"]
+            finally:
+                code = fixing.result() if fixing is not None else None
+            spent["prepare_s"] = round(time.monotonic() - t0, 3)
+            environ, sup_lopts = shipped_environ(options)
+            where = {"host": place.host.name, "address": place.host.address, "why": place.why, "dir": folder,
+                     "reach": {k: getattr(place.host, k) for k in ("user", "port", "identity", "python", "connection")}}
+            as_given = {"env_specs": list(lopts.env), "env_files": list(lopts.env_files), "src": str(code.source) if code is not None else None}
+            src_there = Path(folder) / "src" if code is not None else None
+            sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor={**where, "as_given": as_given})
+            spec = pickle.dumps({"run_id": run_id, "inventory": as_seen_from(inventory, place), "options": sup_options, "environ": environ})
+            record = records.RunRecord.create(
+                run_id, job_id=run_id if previous is None else previous.data.get("job_id", previous.run_id), job=job.to_record(),
+                recipe=job.recipe, state="handed-over", launched=False, detach=True, inventory=snapshot(inventory),
+                resumed_from=previous.run_id if previous else None, supervisor=where, hosts={}, attempts=[],
+                code_hash=code.tree.digest if code is not None else None,
+            )
+            try:  # the supervisor starts (its imports) while the code is copied there; its spec follows the code
+                started = _start(fleet, place.host, run_id, the_bundle.digest, spec,
+                                 lambda: _push(place.host, code.tree.root, f"{folder}/src", inventory) if code is not None else None)
+            except (MnftError, KeyboardInterrupt) as exc:  # recorded as ended, never left `handed-over`
+                record.update(state="failed" if isinstance(exc, MnftError) else "interrupted",
+                              reason=f"its supervisor on {place.host.name} did not start: {str(exc).splitlines()[0] if str(exc) else 'interrupted'}")
+                raise
         finally:
             if code is not None:
                 code.release()
-        where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time())
-        record.update(supervisor=where, launched=True, state="supervised", timings={"handoff_s": round(time.monotonic() - t0, 3)})
+        spent["handoff_s"] = round(time.monotonic() - t0, 3)
+        where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time(), timings=spent)
+        record.update(supervisor=where, launched=True, state="supervised")
         console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
                                     "it checks, syncs, waits in line, runs and restarts there, with this terminal closed"), soft_wrap=True)
-        code = _until_started(fleet, place.host, record, console)
+        exit_code = _until_started(fleet, place.host, record, console)
     refresh(record)
-    if code == ExitCode.OK:
+    if exit_code == ExitCode.OK:
         console.print(Text(f"follow it: mnft attach {run_id}   status: mnft status {run_id}   stop it: mnft stop {run_id}"), soft_wrap=True)
-    return code
+    return exit_code
 
 
 START_STATES = ("running", "waiting")  # a handed-over run has started once its record says one of these
