@@ -130,7 +130,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("run/bundle.py", "build", ".read_bytes"): ("this controller's installed library files, hashed", "none: the controller's own installed files"),
     ("run/bundle.py", "build", "tarfile.open"): ("the bundle being written (gzip)", "none: written here, never read"),
     ("run/bundle.py", "dists", ".read_text"): ("an installed distribution's WHEEL file (its tags)", "none: the controller's own installed files"),
-    ("run/bundle.py", "_digest_of", "limits.read_json"): ("the bundle's stamp", "STATE_BYTES"),
+    ("run/bundle.py", "_read_stamp", "limits.read_json"): ("the bundle's stamp", "STATE_BYTES"),
     ("run/bundle.py", "contents", "limits.read_bytes"): ("the bundle, sent to a host", "BUNDLE_BYTES"),
     ("run/supervisor.py", "_known_lines", "limits.read_bytes"): ("a known_hosts file (the lines of the run's hosts)", "KNOWN_HOSTS_BYTES"),
     ("run/supervisor.py", "hand_off", "limits.read_file"): ("$MNFT_HOME/provision/hosts.json", "STATE_BYTES"),

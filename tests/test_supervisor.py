@@ -96,9 +96,9 @@ def _host(python=(3, 11, 2), machine="x86_64", libc=("glibc", "2.36"), mesh=True
             "mesh_key": mesh, "bundle": False}
 
 
-PURE = Dist("rich", "13.0", (("rich/__init__.py", Path("/x")),), ("py3-none-any",))
-WHEEL = Dist("pyyaml", "6.0.3", (("yaml/_yaml.cpython-311-x86_64-linux-gnu.so", Path("/x")),), ("cp311-cp311-manylinux_2_17_x86_64",))
-DEBIAN = Dist("pyyaml", "6.0", (("yaml/_yaml.cpython-311-x86_64-linux-gnu.so", Path("/x")),), ())
+PURE = Dist.of("rich", "13.0", (("rich/__init__.py", Path("/x")),), ("py3-none-any",))
+WHEEL = Dist.of("pyyaml", "6.0.3", (("yaml/_yaml.cpython-311-x86_64-linux-gnu.so", Path("/x")),), ("cp311-cp311-manylinux_2_17_x86_64",))
+DEBIAN = Dist.of("pyyaml", "6.0", (("yaml/_yaml.cpython-311-x86_64-linux-gnu.so", Path("/x")),), ())
 
 
 def test_a_host_runs_the_bundle_when_its_python_and_platform_take_every_compiled_wheel():
@@ -143,6 +143,9 @@ def test_the_bundle_holds_mnft_and_the_libraries_train_imports_but_never_torch(t
     assert not any("__pycache__" in m for m in members)
     again = bundling.build(tmp_path)
     assert again.digest == built.digest and again.path.stat().st_mtime_ns == built.path.stat().st_mtime_ns  # built once
+    assert again.dists == tuple(replace(d, files=()) for d in built.dists)  # its facts from its stamp, no RECORD read
+    assert bundling.described(tmp_path).digest == built.digest
+    assert bundling.described(tmp_path / "elsewhere").digest == ""  # not built there: a host has no such bundle yet
 
 
 # ------------------------------------------------------------------------------------------------ what it is given

@@ -28,6 +28,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from mnft.core.errors import InputError
 from mnft.hosts.hostkeys import mnft_home
 
 ROOTS = ("fabric", "paramiko", "invoke", "pyyaml", "rich", "psutil", "packaging", "tomli")  # what mnft.run.train and its supervision import
@@ -40,12 +41,16 @@ MIN_PYTHON = (3, 10)
 class Dist:
     name: str
     version: str
-    files: tuple[tuple[str, Path], ...]  # (path inside site/, file here)
+    files: tuple[tuple[str, Path], ...]  # (path inside site/, file here); () when read back from a stamp
     tags: tuple[str, ...]  # the wheel's tags (WHEEL), () when installed without them
+    compiled: bool = False  # holds an extension module (.so): the host must take its tags
 
-    @property
-    def compiled(self) -> bool:
-        return any(arc.endswith(COMPILED) or ".cpython-" in arc and arc.endswith(".so") for arc, _ in self.files)
+    @classmethod
+    def of(cls, name: str, version: str, files: tuple[tuple[str, Path], ...], tags: tuple[str, ...]) -> "Dist":
+        return cls(name, version, files, tags, any(arc.endswith(COMPILED) for arc, _ in files))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "version": self.version, "tags": list(self.tags), "compiled": self.compiled}
 
 
 @dataclass(frozen=True)
@@ -105,50 +110,68 @@ def _package_files() -> tuple[tuple[str, Path], ...]:
                  if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc")
 
 
-def dists() -> tuple[Dist, ...]:
+def dists(closure: list[metadata.Distribution] | None = None) -> tuple[Dist, ...]:
     out = []
     tops = metadata.packages_distributions()
-    for dist in _closure(ROOTS):
+    for dist in _closure(ROOTS) if closure is None else closure:
         wheel = dist.read_text("WHEEL") or ""
         tags = tuple(line.split(":", 1)[1].strip() for line in wheel.splitlines() if line.startswith("Tag:"))
-        out.append(Dist(canonicalize_name(dist.metadata["Name"]), dist.version, _files(dist, tops), tags))
+        out.append(Dist.of(canonicalize_name(dist.metadata["Name"]), dist.version, _files(dist, tops), tags))
     return tuple(out)
 
 
-def _stamped(root: Path | None) -> tuple[list[tuple[str, Path]], dict, Path, Path]:
-    found = dists()
-    members = [f for d in found for f in d.files] + list(_package_files())
-    stamp_text = json.dumps(sorted((arc, p.stat().st_size, p.stat().st_mtime_ns) for arc, p in members))
-    stamp = hashlib.sha256(stamp_text.encode()).hexdigest()
+def _installed_at(dist: metadata.Distribution) -> list:
+    """What changes when a distribution is installed again: its metadata directory's RECORD (or the directory)."""
+    where = getattr(dist, "_path", None)  # importlib.metadata's PathDistribution: its .dist-info / .egg-info
+    if where is None:
+        return [None]
+    record = Path(str(where)) / "RECORD"
+    info = (record if record.is_file() else Path(str(where))).stat()
+    return [str(where), info.st_size, info.st_mtime_ns]
+
+
+def _stamped(root: Path | None) -> tuple[list[metadata.Distribution], dict, Path, Path]:
+    """The stamp of what the bundle would hold, cheap to take (the distributions' RECORD files and mnft's own files
+    by size and time, no file read): its file beside the bundles names the digest and the distributions' facts."""
+    closure = _closure(ROOTS)
+    key = [[d.metadata["Name"], d.version, *_installed_at(d)] for d in closure]
+    key += [[arc, p.stat().st_size, p.stat().st_mtime_ns] for arc, p in _package_files()]
+    stamp = hashlib.sha256(json.dumps(key).encode()).hexdigest()
     home = root or mnft_home() / "supervisor"
     libc = platform.libc_ver()
-    facts = dict(dists=found, python=sys.version_info[:2], machine=platform.machine(), libc=(libc[0] or None, libc[1] or None))
-    return members, facts, home, home / f"stamp-{stamp[:32]}.json"
+    facts = dict(python=sys.version_info[:2], machine=platform.machine(), libc=(libc[0] or None, libc[1] or None))
+    return closure, facts, home, home / f"stamp-{stamp[:32]}.json"
 
 
-def _digest_of(known: Path) -> str:
+def _read_stamp(known: Path) -> tuple[str, tuple[Dist, ...]]:
+    """(digest, the distributions' facts) a stamp file names; ("", ()) when there is none or it is not one."""
     from mnft.core import limits
 
-    data = limits.read_json(known, limits.STATE_BYTES, "the supervisor bundle's stamp", "STATE_BYTES", missing=None)
-    return str(data.get("digest") or "") if isinstance(data, dict) else ""
+    try:
+        data = limits.read_json(known, limits.STATE_BYTES, "the supervisor bundle's stamp", "STATE_BYTES", missing=None)
+        found = tuple(Dist(str(d["name"]), str(d["version"]), (), tuple(str(t) for t in d["tags"]), d["compiled"] is True) for d in data["dists"])
+        return str(data["digest"]), found
+    except (InputError, KeyError, TypeError):
+        return "", ()
 
 
 def described(root: Path | None = None) -> Bundle:
     """The bundle as `compatible` judges it, without building it (`mnft check`): its digest when it was built for
     these very files, else "" (a host then has no such bundle yet)."""
-    _, facts, home, known = _stamped(root)
-    digest = _digest_of(known) if known.is_file() else ""
-    return Bundle(digest, home / f"{digest}.tar.gz", **facts)
+    closure, facts, home, known = _stamped(root)
+    digest, found = _read_stamp(known)
+    return Bundle(digest, home / f"{digest}.tar.gz", found if digest else dists(closure), **facts)
 
 
 def build(root: Path | None = None) -> Bundle:
     """The bundle of this controller's mnft and libraries, built at most once for the same files."""
-    members, facts, home, known = _stamped(root)
+    closure, facts, home, known = _stamped(root)
     home.mkdir(parents=True, exist_ok=True, mode=0o700)
-    if known.is_file():
-        digest = _digest_of(known)
-        if (home / f"{digest}.tar.gz").is_file():
-            return Bundle(digest, home / f"{digest}.tar.gz", **facts)
+    digest, found = _read_stamp(known)
+    if digest and (home / f"{digest}.tar.gz").is_file():
+        return Bundle(digest, home / f"{digest}.tar.gz", found, **facts)
+    found = dists(closure)
+    members = [f for d in found for f in d.files] + list(_package_files())
     h = hashlib.sha256()
     for arc, path in sorted(members):
         h.update(arc.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
@@ -165,9 +188,9 @@ def build(root: Path | None = None) -> Bundle:
                 with path.open("rb") as fh:
                     tar.addfile(info, fh)
         os.replace(tmp, target)
-    known.write_text(json.dumps({"digest": digest}))
+    known.write_text(json.dumps({"digest": digest, "dists": [d.to_json() for d in found]}))
     prune(home, keep=digest)
-    return Bundle(digest, target, **facts)
+    return Bundle(digest, target, found, **facts)
 
 
 KEEP = 3  # bundles kept here (the newest): a controller that upgrades mnft does not fill its disk

@@ -7,7 +7,8 @@ controller that is handing the run over: mnft.run.supervisor, the same user's ow
 this host reaches the others, the train options, and the values of the environment the run passes on (its
 secrets among them: kept in this process's memory, never written). It says it runs (supervisor.json: pid and
 start time, which is how `state` and `stop` prove it), trains as an attached `mnft train` does into its console,
-and writes exit.json when it ends. SIGINT and SIGTERM are Ctrl-C: the gang is torn down and the run recorded.
+and writes exit.json when it ends. SIGINT and SIGTERM are Ctrl-C (mnft.core.interrupts, as around every task): the
+children it started are ended, the gang is torn down and the run recorded.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main(folder: str) -> int:
     here = Path(folder)
     from rich.console import Console  # imported while the controller still copies the run's code here
 
+    from mnft.core import interrupts
     from mnft.core.errors import ExitCode, MnftError
     from mnft.run.train import train
 
@@ -45,22 +47,18 @@ def main(folder: str) -> int:
     os.environ["MNFT_RUNS_DIR"] = str(here / "runs")
     os.environ.setdefault("COLUMNS", "160")
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # no terminal: a hang-up is nobody's Ctrl-C
     _write(here / ME, {"pid": os.getpid(), "start": start_time(os.getpid()), "host": socket.gethostname(),
                        "since": time.time(), "run_id": spec["run_id"]})
     console = Console(file=sys.stdout, width=160, force_terminal=False, soft_wrap=True, highlight=False)
     code: int = ExitCode.FAILED
     error = None
     try:
-        code = train(spec["inventory"], spec["options"], console)
-    except KeyboardInterrupt:
-        code, error = ExitCode.INTERRUPTED, "interrupted"
-        console.print("the supervisor was interrupted: the run's gang was stopped")
+        with interrupts.handling():  # SIGINT (`mnft stop`) and SIGTERM as for an attached train: children ended, the gang torn down
+            code = train(spec["inventory"], spec["options"], console)
+    except KeyboardInterrupt as exc:
+        code, error = getattr(exc, "exit_code", ExitCode.INTERRUPTED), str(exc) or "interrupted"
+        console.print(f"the supervisor was {error}: the run's gang was stopped")
     except MnftError as exc:
         code, error = exc.exit_code, str(exc)
         console.print(f"error: {exc}")

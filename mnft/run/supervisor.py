@@ -336,7 +336,7 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
 START_STATES = ("running", "waiting")  # a handed-over run has started once its record says one of these
 
 
-def _until_started(fleet: Fleet, host: Host, record: records.RunRecord, console: Console, poll: float = 0.3) -> int:
+def _until_started(fleet: Fleet, host: Host, record: records.RunRecord, console: Console, poll: float = 1.0) -> int:
     """The supervisor's console, here, until its run runs on the hosts or waits in line (0), or the supervisor ended
     first (its exit code: a refused check, a busy host, bad code): as an attached start says it. Ctrl-C here only
     stops following."""
