@@ -334,3 +334,13 @@ def test_a_supervisor_killed_leaves_no_rank_behind_and_its_run_is_supervisor_los
     assert record["state"] == "succeeded" and record["resumed_from"] == run_id, record.get("reason")
     assert int(re.search(r"attempt 1 rank 0 from step (\d+)", host_log(lab, h1, "bob", again)).group(1)) >= 5  # not from 1
     wait_gone(lab, lab.hosts[:2], uid)
+
+
+def test_uninstall_removes_the_supervisors_bundle_and_keeps_the_detached_runs_records(lab, bob):
+    h1 = lab.hosts[0]
+    mnft_dir = h1.root / "tmp" / "home-bob" / ".mnft"
+    assert (mnft_dir / "supervisor").is_dir() and any((mnft_dir / "supervised").iterdir())
+    done = bob.mnft("uninstall", "--hosts", bob.inventory)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert not (mnft_dir / "supervisor").exists()
+    assert any((mnft_dir / "supervised").iterdir())  # what runs wrote: kept without --include-outputs

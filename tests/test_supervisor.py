@@ -296,8 +296,11 @@ def _cmdline(pid: str) -> bytes:
         return b""
 
 
-def test_the_host_and_the_controller_name_the_stop_request_alike():
+def test_the_host_and_the_controller_name_the_stop_request_and_the_places_alike():
+    from mnft.onhost import uninstallhost
+
     assert superhost.STOP_REQUESTED == records.STOP_REQUESTED
+    assert (uninstallhost.SUPERVISOR, uninstallhost.SUPERVISED) == (superhost.BUNDLES, superhost.RUNS)  # what uninstall removes
 
 
 # ------------------------------------------------------------------------------------------------ a whole run, here

@@ -57,7 +57,7 @@ def test_every_owned_place_is_found_by_the_host_script_by_its_key_in_the_same_or
     keys = [key for key, _, _ in host.locations(SPEC)]
     assert keys == [o.key for o in OWNED]
     assert [key for key, _, _ in host.locations(dict(SPEC, venv=None))] == [o.key for o in OWNED if not o.key.startswith("env")]
-    assert {o.key for o in CONTROLLER} == {"wheelhouse", "code_store", "hash_cache", "provision_record"}
+    assert {o.key for o in CONTROLLER} == {"wheelhouse", "code_store", "hash_cache", "supervisor_bundles", "provision_record"}
 
 
 # ------------------------------------------------------------------------------------------------ the host script agrees

@@ -34,6 +34,7 @@ from .systemdirs import SYSTEM_TREES
 # the same names as mnft.onhost.sharemarks and mnft.onhost.envhost (tests/test_uninstall.py holds them equal)
 MARK = re.compile(r"^\.?[A-Za-z0-9][A-Za-z0-9_-]{0,63}\.[A-Za-z0-9][A-Za-z0-9._-]{0,252}(\.part)?$")
 ENV_ROOT_NAMES = ("envs", "dist", "cache", "previous", ".lock")  # what provision makes in <venv>.d
+SUPERVISOR, SUPERVISED = "~/.mnft/supervisor", "~/.mnft/supervised"  # mnft.onhost.superhost's BUNDLES and RUNS (tests hold them equal)
 SYSTEM_DIRS = SYSTEM_TREES + ("/home", "/media", "/mnt", "/opt", "/root", "/run", "/srv", "/tmp", "/var", "/var/lib", "/var/tmp", "/Users")
 
 
@@ -238,6 +239,8 @@ def locations(spec: dict):
         ("data", lambda: look_placed(data), lambda found: _remove_placed(found["path"])),
         ("outputs", lambda: look_tree(os.path.join(work, "outputs")), lambda found: _rmtree(found["path"])),
         ("runs", lambda: look_tree(os.path.join(work, "runs")), lambda found: _rmtree(found["path"])),
+        ("supervised", lambda: look_tree(_expand(SUPERVISED)), lambda found: _rmtree(found["path"])),
+        ("supervisor", lambda: look_tree(_expand(SUPERVISOR)), lambda found: _rmtree(found["path"])),
         ("cache", lambda: look_tree(cache_dir()), lambda found: _rmtree(found["path"])),
         ("marks", lambda: look_marks([work, data, root]), lambda found: _remove_marks(found["paths"])),
         ("mnft_dir", lambda: look_empty(os.path.join(work, ".mnft")), lambda found: _rmdir(found["path"])),

@@ -28,6 +28,8 @@ OWNED = (
     Owned("data", "the files sync --data placed in the data_dir, still as placed"),
     Owned("outputs", "the jobs' directories: their code and all they wrote", output=True),
     Owned("runs", "the runs' logs and agent files", output=True),
+    Owned("supervised", "detached runs' supervisor directories: their records, consoles and code copies (~/.mnft/supervised)", output=True),
+    Owned("supervisor", "the bundle of mnft detached runs' supervisors run (~/.mnft/supervisor)"),
     Owned("cache", "mnft's caches (tree hashes, GPUs, .sif identities)"),
     Owned("marks", "shared-directory marks (.mnft-share)"),
     Owned("mnft_dir", "<workdir>/.mnft", if_empty=True),
@@ -41,6 +43,7 @@ CONTROLLER = (
     Owned("wheelhouse", "the wheels provision fetched ($MNFT_HOME/wheelhouse)"),
     Owned("code_store", "the code snapshots train fixed ($MNFT_HOME/code; one a run holds stays)"),
     Owned("hash_cache", "tree-hash caches ($MNFT_HOME/cache)"),
+    Owned("supervisor_bundles", "the supervisor bundles built here for detached runs ($MNFT_HOME/supervisor)"),
     Owned("provision_record", "these hosts' entries in the provision record"),
 )
 

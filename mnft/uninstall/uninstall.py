@@ -120,7 +120,8 @@ def look_controller(hosts: list[Host], outcomes: dict[str, HostOutcome]) -> dict
     home = mnft_home()
     found = {"wheelhouse": uninstallhost.look_tree(str(home / "wheelhouse")),
              "code_store": uninstallhost.look_tree(str(snapshot.store())),
-             "hash_cache": uninstallhost.look_tree(str(home / "cache"))}
+             "hash_cache": uninstallhost.look_tree(str(home / "cache")),
+             "supervisor_bundles": uninstallhost.look_tree(str(home / "supervisor"))}
     recorded = [host_key(h) for h in hosts if host_key(h) in load_state() and env_gone(outcomes.get(h.name))]
     found["provision_record"] = {"path": str(state_path()), "kind": "file" if recorded else "missing", "files": len(recorded), "ours": True, "keys": recorded}
     return found
