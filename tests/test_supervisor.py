@@ -384,3 +384,27 @@ def test_the_supervisor_gets_the_recorded_host_keys_of_the_runs_hosts_plain_or_h
     lab = inv(tmp_path, TWO + f"known_hosts: {known}\n")
     lines = supervisor._known_lines(lab).splitlines()
     assert lines == ["10.9.0.1 ssh-ed25519 AAAAone", f"{hashed} ssh-ed25519 AAAAtwo"]
+
+
+def test_a_distribution_installed_without_a_record_is_packed_by_its_packages_and_its_metadata(tmp_path):
+    """A system package's egg-info (Debian's python3-yaml) has no RECORD: its top-level packages go in whole."""
+    from importlib import metadata
+
+    site = tmp_path / "dist-packages"
+    (site / "fakepkg").mkdir(parents=True)
+    (site / "fakepkg" / "__init__.py").write_text("x = 1\n")
+    (site / "fakepkg" / "_speed.cpython-311-x86_64-linux-gnu.so").write_bytes(b"\x7fELF")
+    (site / "fakepkg" / "__pycache__").mkdir()
+    (site / "fakepkg" / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"")
+    info = site / "fakepkg-1.0.egg-info"
+    info.mkdir()
+    (info / "PKG-INFO").write_text("Metadata-Version: 1.1\nName: fakepkg\nVersion: 1.0\n")
+    (info / "top_level.txt").write_text("fakepkg\n")
+    (site / "other").mkdir()
+    (site / "other" / "__init__.py").write_text("")
+    dist = metadata.PathDistribution(info)
+    assert dist.files is None
+    files = bundling._files(dist, {"fakepkg": ["fakepkg"], "other": ["other"]})
+    assert sorted(arc for arc, _ in files) == ["fakepkg-1.0.egg-info/PKG-INFO", "fakepkg-1.0.egg-info/top_level.txt",
+                                               "fakepkg/__init__.py", "fakepkg/_speed.cpython-311-x86_64-linux-gnu.so"]
+    assert Dist.of("fakepkg", "1.0", files, ()).compiled
