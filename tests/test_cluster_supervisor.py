@@ -234,6 +234,27 @@ def test_a_run_waiting_in_line_behind_another_users_keeps_its_place_with_its_con
     wait_gone(lab, lab.hosts[:2], bob.uid())
 
 
+def test_stop_of_a_run_waiting_in_line_ends_its_supervisor_and_gives_up_its_place(lab, bob, tmp_path):
+    alice = Member(lab, tmp_path, "alice", hosts=lab.hosts[:2])
+    hers = alice.start("train", "--hosts", alice.inventory, "--src", str(alice.src), "--gpus", "2", "--", "hold.py", "alice-s")
+    try:
+        deadline = time.monotonic() + 120
+        while "alice" not in json.dumps(json.loads(bob.ok("lab", "--hosts", bob.inventory, "--json"))["devices"]) and time.monotonic() < deadline:
+            time.sleep(1)
+        run_id = bob.detach("--gpus", "2", "--wait", "--", "hold.py", "bob-s")
+        assert bob.record(run_id)["state"] == "waiting"
+        stopped = bob.mnft("stop", run_id)
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert f"run {run_id}: stopped" in stopped.stdout
+        record = json.loads((bob.dir / "runs" / run_id / "run.json").read_text())
+        assert record["state"] == "stopped" and record["supervisor"]["alive"] is False
+        assert not [r for r in json.loads(bob.ok("lab", "--hosts", bob.inventory, "--json"))["devices"] if r["run"] == run_id]  # out of line
+    finally:
+        end(lab, "alice-s", lab.hosts[:2])
+    assert hers.wait(timeout=120) == 0
+    wait_gone(lab, lab.hosts[:2], bob.uid())
+
+
 def test_a_detached_run_whose_hosts_link_is_cut_is_torn_down_within_the_attached_bound(lab, bob):
     run_id = bob.detach("--job", str(bob.src / "job.yaml"), "--env", "STEPS=2000", "--env", "STEP_S=0.2")
     h1, h2 = lab.hosts[:2]

@@ -478,7 +478,7 @@ def status(c, run=None, json=False, hosts=None):
 
         return slurm_status(slurm_run, json, _console())
     record, fleet = _record_fleet(run, hosts, not_started_ok=True)
-    if not launched_on_hosts(record):  # a detached run its supervisor has not started yet (in line, checking)
+    if record.data.get("supervisor") and not launched_on_hosts(record):  # a detached run its supervisor has not started yet (in line, checking)
         from mnft.run.report import print_supervised
 
         return print_supervised(record, json)
@@ -523,9 +523,10 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
     record, fleet = _record_fleet(run, hosts, anywhere=False, not_started_ok=True)
     from mnft.run import supervisor
 
-    if supervisor.supervised(record) and (record.data.get("supervisor") or {}).get("alive"):
-        supervisor.request_stop(record)  # its supervisor tears the gang down and records the stop, as Ctrl-C does
-        if not launched_on_hosts(record):
+    if supervisor.supervised(record):
+        if (record.data.get("supervisor") or {}).get("alive"):
+            supervisor.request_stop(record)  # its supervisor tears the gang down and records the stop, as Ctrl-C does
+        if not launched_on_hosts(record):  # in line or checking: nothing of it on the hosts to stop
             return supervisor.stopped(record, float(grace) + 20, _console(), json)
     with fleet:
         result = run_stop(record, fleet, float(grace))
