@@ -238,28 +238,14 @@ def _pull(host: Host, run_id: str, into: Path, inventory: Inventory) -> bool:
 def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None:
     """Start the run under a supervisor on the lab and return (None: no supervisor can run it here and it asked for
     nothing only one gives: the caller starts it unsupervised, as before, after the warning said here)."""
-    from mnft.run.train import check_recovery, pass_env_specs, source_for, not_resumable
-    from mnft.run.job import parse_overrides
-    from mnft.hosts.lab import check_gpus
-    from mnft.run.needs import job_needs
     from mnft.run.rerun import previous_run, snapshot
-    from mnft.sync.source import default_source
-    from mnft.sync.targets import source_problem
+    from mnft.run.train import judged_input, not_resumable, source_for
 
     t0 = time.monotonic()
     lopts = options.launch
     job = lopts.job
     options = replace(options, src=source_for(job, options.src))
-    if job.recipe:
-        parse_overrides(job.extra_args)
-    check_recovery(options.recovery, job, inventory, replace(lopts, detach=False))
-    pass_env_specs(job, launching.environ(), lopts.env_files)
-    launching.split_env(lopts.env, launching.environ(), lopts.env_files)
-    tree = options.src or default_source()
-    if options.sync and (why := source_problem(tree)):
-        raise InputError(why)
-    job_needs(job, tree, options.sync)
-    check_gpus(options.gpus if options.gpus is not None else job.gpus)
+    judged_input(inventory, options, lopts)
     previous = previous_run(options.resume_run) if (options.resume_run is not None or lopts.resume) else None
     if previous is not None and (why := not_resumable(job)):
         raise InputError(why)

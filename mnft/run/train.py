@@ -140,20 +140,11 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             lopts, options = replace(lopts, in_workdir=True), replace(options, sync=False)
     elif not options.sync:  # a new job without code of its own (--no-sync): what `sync` left in the workdir, run there
         lopts = replace(lopts, in_workdir=True)
-    if job.recipe:
-        parse_overrides(job.extra_args)  # bad input fails before any host is touched
     policy = options.recovery
-    check_recovery(policy, job, inventory, lopts)
+    env, secrets, tree, needs, gpus = judged_input(inventory, options, lopts)
     if policy.max_restarts and not_resumable(job):
         console.print(Text.assemble(("warning: ", "bold yellow"), f"{job.label} has no resume rule: a restart after a failure "
                                     "begins again at step 1 (and may overwrite the checkpoints it wrote)\n  fix: " + RESUME_FIX), soft_wrap=True)
-    environ = launching.environ()
-    env, secrets = launching.split_env(lopts.env + pass_env_specs(job, environ, lopts.env_files), environ, lopts.env_files)
-    tree = options.src or default_source()
-    if options.sync and (why := source_problem(tree)):
-        raise InputError(why)
-    needs = job_needs(job, tree, options.sync)  # a missing entry point: bad input, here
-    gpus = check_gpus(options.gpus if options.gpus is not None else job.gpus)
     if options.nodes is not None:
         inventory = picked_nodes(inventory, options, gpus, console)
     run_id = options.run_id or launching.new_run_id()
@@ -230,6 +221,24 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         record.update(sync={"ok": True, "src": given.get("src") or str(guard.code.source), "hash": guard.code.tree.digest} if guard.code is not None else None,
                       timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
+
+
+def judged_input(inventory: Inventory, options: TrainOptions, lopts: LaunchOptions) -> tuple[dict, dict, Path, Any, int | None]:
+    """Bad input refused before any host is touched, as train (and a detached run's hand-over) judge it: a recipe's
+    overrides, the recovery options, the environment the run passes, the tree and its entry point, --gpus. Returns
+    (env, secrets, tree, needs, gpus)."""
+    job = lopts.job
+    if job.recipe:
+        parse_overrides(job.extra_args)
+    check_recovery(options.recovery, job, inventory, lopts)
+    environ = launching.environ()
+    env, secrets = launching.split_env(lopts.env + pass_env_specs(job, environ, lopts.env_files), environ, lopts.env_files)
+    tree = options.src or default_source()
+    if options.sync and (why := source_problem(tree)):
+        raise InputError(why)
+    needs = job_needs(job, tree, options.sync)  # a missing entry point: bad input, here
+    gpus = check_gpus(options.gpus if options.gpus is not None else job.gpus)
+    return env, secrets, tree, needs, gpus
 
 
 def rendezvous_port(inventory: Inventory, visible: dict[str, tuple[int, ...]]) -> int | None:
