@@ -15,12 +15,14 @@ import json
 import math
 import os
 import shlex
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mnft.core.errors import InputError, MnftError
 from mnft.run import goodput, records
+from mnft.run import sweep as sweeps
 from mnft.run.control import job_of, rank_offset, runs_lease, supervisor
 from mnft.run.gang import split_ranks
 from mnft.run.logs import METRICS, restarts
@@ -167,13 +169,16 @@ def metric_of(found: dict | None) -> dict:
 # ------------------------------------------------------------------------------------------------ a run's row
 
 
-def summary(run_id: str, path: Path, answers: dict | None = None, now: float | None = None) -> dict:
+def summary(run_id: str, path: Path, answers: dict | None = None, now: float | None = None, metrics_of: "MetricsOf | None" = None) -> dict:
     """The run's row: state, job, hosts, step, loss, tokens/s, restarts, goodput; `answers`: its hosts' answers to
-    the status query (host -> mnft.run.control.status's), when the poller asked them."""
+    the status query (host -> mnft.run.control.status's), when the poller asked them. A sweep's own record is the
+    sweep's row (sweep_summary); a point's row names its sweep (`sweep`: id, index, label)."""
     try:
         data = records.read_record(path / "run.json")
     except InputError as exc:
         return {"id": text(run_id, 128), "mine": True, "state": "unreadable", "reason": text(str(exc)), "job": "?", "hosts": []}
+    if sweep_of(data) is not None:
+        return sweep_summary(run_id, data, now=now, metrics_of=metrics_of)
     live = attached(path, data, now)
     shown = read_json(path / "summary.json") if not going(data) else None
     metric: dict = {}
@@ -194,7 +199,7 @@ def summary(run_id: str, path: Path, answers: dict | None = None, now: float | N
         if isinstance(data.get("devices"), dict) else {},
         "created": number(data.get("created")), "ended": number(data.get("ended")),
         "attempt": len(attempts) or None, "restarts": max(0, len(attempts) - 1),
-        "goodput": number(spent.get("goodput")), **metric_of(metric), "supervisor": supervisor_of(data),
+        "goodput": number(spent.get("goodput")), **metric_of(metric), "supervisor": supervisor_of(data), "sweep": point_mark(data),
     }
 
 
@@ -252,15 +257,19 @@ def others(rows: list[dict], mine: set[str], now: float | None = None) -> list[d
 # ------------------------------------------------------------------------------------------------ a run's page
 
 
-def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | None = None, now: float | None = None) -> dict:
+def detail(run_id: str, path: Path, answers: dict | None = None, asked: float | None = None, now: float | None = None,
+           metrics_of: "MetricsOf | None" = None) -> dict:
     """The run's page: its row, the loss curve (attempts, restarts, lost steps), where the time went, each host's
-    state and last lines, the first failure named with its fix."""
+    state and last lines, the first failure named with its fix. A sweep's own record: the sweep's page
+    (sweep_detail)."""
     now = time.time() if now is None else now
-    out = summary(run_id, path, answers, now)
     try:
         data = records.read_record(path / "run.json")
     except InputError:
-        return out
+        return summary(run_id, path, answers, now)
+    if sweep_of(data) is not None:
+        return sweep_detail(run_id, data, now=now, metrics_of=metrics_of)
+    out = summary(run_id, path, answers, now)
     attempts = [a for a in data.get("attempts") or [] if isinstance(a, dict)]
     live = attached(path, data, now)
     out["attempts"] = [{"number": a.get("number"), "state": text(a.get("state"), 40), "hosts": [text(h, 100) for h in a.get("hosts") or []],
@@ -302,14 +311,24 @@ def _attempt(point: dict) -> int:
     return point.get("attempt") if isinstance(point.get("attempt"), int) else 1
 
 
-def _points(path: Path, running: bool) -> tuple[str | None, list[dict]]:
+def _points(path: Path, running: bool, key: str | None = "loss") -> tuple[str | None, list[dict]]:
+    """The run's step records holding `key` (None: every step record): metrics.jsonl once its logs are collected,
+    else (or while it goes on) live-metrics.jsonl; and which of the two."""
     if not running and (path / METRICS).is_file():
-        found = [r for r in read_jsonl(path / METRICS) if "loss" in r and r.get("event") is None]
+        found = [r for r in read_jsonl(path / METRICS) if (key is None or key in r) and r.get("event") is None]
         if found:
             return "metrics", found
     if (path / Live.METRICS).is_file():
-        return "live", [r for r in read_jsonl(path / Live.METRICS) if "loss" in r]
+        return "live", [r for r in read_jsonl(path / Live.METRICS) if key is None or key in r]
     return None, []
+
+
+def thin(count: int, limit: int) -> list[int]:
+    """The indexes kept of `count` points sent to the page at most `limit`: every k-th, the last one kept."""
+    if count <= limit:
+        return list(range(count))
+    every = -(-count // limit)
+    return list(range(0, count, every)) + ([count - 1] if (count - 1) % every else [])
 
 
 def curve(path: Path, data: dict, running: bool, earlier: list[tuple[str, Path, dict]] = ()) -> dict:
@@ -341,8 +360,7 @@ def curve(path: Path, data: dict, running: bool, earlier: list[tuple[str, Path, 
     series += [offset + _attempt(r) for r in mine]
     by_step = bool(found) and all(isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool) for r in found)
     if len(found) > POINTS_MAX:
-        every = -(-len(found) // POINTS_MAX)
-        keep = list(range(0, len(found), every)) + ([len(found) - 1] if (len(found) - 1) % every else [])
+        keep = thin(len(found), POINTS_MAX)
         found, series = [found[i] for i in keep], [series[i] for i in keep]
     xs = [r["step"] if by_step else r.get("index") if isinstance(r.get("index"), int) else i for i, r in enumerate(found, 1)]
     losses = [number(r.get("loss")) for r in found]
@@ -429,6 +447,184 @@ def collected_lines(path: Path, data: dict, host: str) -> list[tuple[int | None,
     except (KeyError, TypeError, IndexError):
         offset = 0
     return [piece for line in last_lines(log, LOG_LINES) for piece in split_ranks(line, offset)][-LOG_LINES:]
+
+
+# ------------------------------------------------------------------------------------------------ a sweep
+
+SWEEP_POINTS_MAX = 1000  # points of one sweep the board reads (a record with more: its first ones)
+SWEEP_SERIES_MIN = 200  # points of each point's curve sent at least, however many points the sweep has (else POINTS_MAX in all)
+
+MetricsOf = Callable[[Path, bool, str], "list[tuple[int | None, float | None]]"]
+
+
+def sweep_of(data: dict) -> dict | None:
+    """A sweep's own record's `sweep` (runs/<sweep>/run.json of kind sweep: keys, metric, goal, points), or None."""
+    block = data.get("sweep")
+    return block if data.get("kind") == sweeps.KIND and isinstance(block, dict) else None
+
+
+def _values(values: Any) -> dict[str, str]:
+    return {text(k, 100) or "?": text(v, 200) or "?" for k, v in values.items()} if isinstance(values, dict) else {}
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def point_mark(data: dict) -> dict | None:
+    """The sweep a point's record names (`sweep`: id, index, values) as {id, index, label}; None for a run of its own."""
+    block = data.get("sweep")
+    if data.get("kind") == sweeps.KIND or not isinstance(block, dict) or not isinstance(block.get("id"), str):
+        return None
+    return {"id": text(block["id"], 128), "index": _int(block.get("index")), "label": text(sweeps.values_label(_values(block.get("values"))), 400)}
+
+
+def metric_pairs(path: Path, running: bool, metric: str) -> list[tuple[int | None, float | None]]:
+    """A point's step records as (step, its value of the sweep's metric or None), read as its own page's curve is
+    (_points: metrics.jsonl once its logs are collected, else live-metrics.jsonl)."""
+    _, found = _points(path, running, None)
+    return [(_int(r.get("step")), number(sweeps.metric_of(r, metric))) for r in found]
+
+
+class MetricsCache:
+    """metric_pairs, read again only when the point's files change (stamp): a sweep's row and page read every point's
+    records, and only the points going on change. One per board, shared by the poller and the pages."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple[str, bool, str], tuple[tuple, list]] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, path: Path, running: bool, metric: str) -> list[tuple[int | None, float | None]]:
+        key, mark = (str(path), running, metric), stamp(path)
+        with self._lock:
+            hit = self._kept.get(key)
+        if hit is not None and hit[0] == mark:
+            return hit[1]
+        pairs = metric_pairs(path, running, metric)
+        with self._lock:
+            self._kept[key] = (mark, pairs)
+        return pairs
+
+    def keep(self, paths: set[str]) -> None:
+        """Forget the points whose directories are not among `paths` (a run deleted)."""
+        with self._lock:
+            for key in [k for k in self._kept if k[0] not in paths]:
+                del self._kept[key]
+
+
+def sweep_metric(block: dict) -> tuple[str, str]:
+    """The sweep's metric and goal (min: lower is better, max)."""
+    metric = block.get("metric")
+    metric = text(metric, 100) if isinstance(metric, str) and metric.strip() and metric != "step" else "loss"
+    return metric, "max" if block.get("goal") == "max" else "min"
+
+
+def sweep_points(block: dict) -> list[dict]:
+    """The sweep record's points (its first SWEEP_POINTS_MAX), as mnft.run.sweep.point_row reads them, in point
+    order; a run id that is not a name inside runs/ is none."""
+    points = block.get("points") if isinstance(block.get("points"), list) else []
+    out = []
+    for p in points[:SWEEP_POINTS_MAX]:
+        if not isinstance(p, dict):
+            continue
+        run_id = p.get("run_id") if isinstance(p.get("run_id"), str) and records.RUN_ID.fullmatch(p["run_id"]) else None
+        out.append({"index": _int(p.get("index")), "values": _values(p.get("values")), "run_id": run_id, "state": text(p.get("state"), 40),
+                    "host": text(p.get("host"), 100), "ended": number(p.get("ended")), "reason": text(p.get("reason"))})
+    return sorted(out, key=lambda p: (p["index"] is None, p["index"] or 0))
+
+
+def point_record(sweep_id: str, point: dict) -> tuple[Path | None, dict | None]:
+    """The point's own run record (its directory, what it says: state, devices, times, reason), when there is one and
+    it names this sweep; else (None, None), and the point is what the sweep's record says of it."""
+    path = records.path_of(point["run_id"]) if point["run_id"] else None
+    if path is None:
+        return None, None
+    try:
+        data = records.read_record(path / "run.json")
+    except InputError:
+        return None, None
+    mark = data.get("sweep")
+    if data.get("run_id") != point["run_id"] or not isinstance(mark, dict) or mark.get("id") != sweep_id:
+        return None, None  # a run of another sweep, or of none, under this point's name: not read as this point
+    devices = data.get("devices") if isinstance(data.get("devices"), dict) else {}
+    return path, {"created": number(data.get("created")), "ended": number(data.get("ended")), "state": text(data.get("state"), 40),
+                  "reason": text(data.get("reason")),
+                  "devices": {text(h, 100) or "?": [i for i in d if _int(i) is not None] if isinstance(d, list) else [] for h, d in devices.items()}}
+
+
+def sweep_parts(sweep_id: str, block: dict, now: float, metrics_of: MetricsOf | None = None) -> dict:
+    """What a sweep's row and page are made of: its table (mnft.run.sweep.point_row per point, as `status SWEEP`
+    prints it; the best point by the sweep's metric and goal, best_row, marked), each point's curve of that metric
+    over its steps, and the hosts its points ran on."""
+    metrics_of = metrics_of or metric_pairs
+    metric, goal = sweep_metric(block)
+    points = sweep_points(block)
+    rows, curves, hosts = [], [], []
+    for point in points:
+        path, data = point_record(sweep_id, point)
+        pairs = metrics_of(path, (data or {}).get("state") in GOING, metric) if path is not None else []
+        row = sweeps.point_row(point, data, ({"step": s, metric: v} for s, v in pairs), metric, goal, now)
+        rows.append({"index": row["index"], "run_id": row["run_id"], "values": row["values"], "label": text(sweeps.values_label(row["values"]), 400),
+                     "state": text(row["state"], 40) or "?", "where": text(row["where"], 400) or "", "step": _int(row["step"]),
+                     "last": number(row["last"]), "best": number(row["best"]), "seconds": number(row["seconds"]),
+                     "reason": text(row["reason"]) or (point["reason"] if row["state"] not in ("succeeded", "running", "waiting") else None),
+                     "recorded": data is not None, "best_point": False})
+        for host in list((data or {}).get("devices") or {}) or ([point["host"]] if point["host"] else []):
+            if host not in hosts:
+                hosts.append(host)
+        by_step = {s: v for s, v in pairs if s is not None and v is not None}  # a step trained again (a restart): its last value
+        if by_step:
+            xs = sorted(by_step)
+            reached = next((s for s, v in pairs if s is not None and v == row["best"]), None)
+            curves.append({"index": row["index"], "run_id": row["run_id"], "label": rows[-1]["label"], "x": xs, "y": [by_step[x] for x in xs],
+                           "best_step": reached})
+    limit = max(SWEEP_SERIES_MIN, POINTS_MAX // max(1, len(curves)))
+    for curve in curves:
+        curve["points"] = len(curve["x"])
+        keep = thin(len(curve["x"]), limit)
+        curve["x"], curve["y"] = [curve["x"][i] for i in keep], [curve["y"][i] for i in keep]
+    best = sweeps.best_row(rows, goal)
+    if best is not None:
+        best["best_point"] = True
+        reached = next((c["best_step"] for c in curves if c["run_id"] == best["run_id"] and c["index"] == best["index"]), None)
+        best = {"index": best["index"], "run_id": best["run_id"], "label": best["label"], "value": best["best"], "step": reached}
+    return {"metric": metric, "goal": goal, "rows": rows, "curves": curves, "best": best, "hosts": hosts}
+
+
+def sweep_summary(sweep_id: str, data: dict, now: float | None = None, metrics_of: MetricsOf | None = None, parts: dict | None = None) -> dict:
+    """A sweep's row in the runs list: the sweep as one entry (kind sweep), what its record says (state, job, its
+    supervisor), its summary from its points' states now ("6 point(s): 4 succeeded, 2 running"), its best point
+    and its points' run ids (`point_ids`; the board nests their rows under it: mnft.board.state)."""
+    now = time.time() if now is None else now
+    parts = parts or sweep_parts(sweep_id, sweep_of(data) or {}, now, metrics_of)
+    counts: dict[str, int] = {}
+    for row in parts["rows"]:
+        counts[row["state"]] = counts.get(row["state"], 0) + 1
+    return {
+        "id": text(sweep_id, 128), "kind": sweeps.KIND, "mine": True, "user": ME, "state": text(data.get("state"), 40) or "?",
+        "supervised": False, "detached": True, "slurm": False, "reason": text(data.get("reason")), "job": job_label(data), **commands(data),
+        "hosts": parts["hosts"], "devices": {}, "created": number(data.get("created")), "ended": number(data.get("ended")),
+        "attempt": None, "restarts": None, "goodput": None, "step": None, "step_about": False, "loss": None, "tokens_per_s": None,
+        "supervisor": supervisor_of(data), "sweep": None, "metric": parts["metric"], "goal": parts["goal"],
+        "summary": text(sweeps.summary(parts["rows"]), 1000), "counts": counts, "best": parts["best"],
+        "point_ids": [row["run_id"] for row in parts["rows"] if row["run_id"]],
+    }
+
+
+def sweep_detail(sweep_id: str, data: dict, now: float | None = None, metrics_of: MetricsOf | None = None) -> dict:
+    """A sweep's page: its row, its keys, the table of its points (`rows`, in point order, the best one marked
+    `best_point`), and every point's curve of the sweep's metric over its steps (`curves.series`, one per point
+    that logged the metric, named by its values)."""
+    now = time.time() if now is None else now
+    block = sweep_of(data) or {}
+    parts = sweep_parts(sweep_id, block, now, metrics_of)
+    out = sweep_summary(sweep_id, data, now, parts=parts)
+    keys = block.get("keys") if isinstance(block.get("keys"), list) else []
+    out.update(keys=[text(k, 100) for k in keys if text(k, 100)] or list(dict.fromkeys(k for r in parts["rows"] for k in r["values"])),
+               max_parallel=_int(block.get("max_parallel")), after=text(block.get("after"), 200), rows=parts["rows"],
+               curves={"metric": parts["metric"], "goal": parts["goal"], "series": parts["curves"],
+                       "points": sum(c["points"] for c in parts["curves"])})
+    return out
 
 
 def run_dirs() -> dict[str, Path]:

@@ -9,7 +9,8 @@ Each round (every EVERY seconds, or as soon as the previous one is done when ask
 - reads the hosts' usage logs every USAGE_EVERY seconds, on the side (never waited for), summed as `mnft lab
   --usage` sums them (mnft.hosts.usage): the last week's GPU-hours per user and host and the idle share;
 - reads the runs of this controller's runs/ (mnft.board.runs: a run's row is read again only when its files change
-  or while it goes on) and adds the runs of other controllers the lab shows;
+  or while it goes on; a sweep's when its record or one of its points' files change, and the rows of its points
+  nested under it) and adds the runs of other controllers the lab shows;
 - asks the hosts of a run going on, as `mnft status` does (mnft.run.control.status), when its page is open or when
   no supervisor of it is alive here (a detached run: its hosts are the only ones who know its step).
 The lab and the runs' questions go out side by side. Each result is kept as the JSON the page receives, with a
@@ -37,6 +38,7 @@ from mnft.hosts import leases
 from mnft.hosts.connection import Timeouts
 from mnft.hosts.lab import device_count, free_count, rows, since
 from mnft.hosts.settings import Inventory
+from mnft.run import sweep as sweeps
 
 EVERY = 2.5  # seconds between two rounds of questions to the hosts
 SLOW = 10.0  # seconds a host may take to answer before it is shown as not answering (its last answer kept)
@@ -104,6 +106,8 @@ class Board:
         self.rows: list[dict] = []
         self.views: dict[str, dict] = {}
         self._rows_cache: dict[str, tuple[tuple, dict]] = {}  # run id -> (its files' stamp, its row)
+        self._metrics = runs_of.MetricsCache()  # a sweep's points' step records, read again when their files change
+        self._sweep_dirs: dict[str, list[Any]] = {}  # sweep id -> its points' directories, for its page's stamp
         self._details: dict[str, tuple[Any, Published]] = {}  # run id -> (what it was read from, its page)
         self.answers: dict[str, tuple[float, dict]] = {}  # run id -> (when, host -> its status answer)
         self.watching: Counter[str] = Counter()  # run id -> pages open on it
@@ -303,6 +307,8 @@ class Board:
         """Runs going on whose hosts the round asks: those whose page is open, and those no supervisor here follows."""
         out = []
         for run_id, (_, row) in list(self._rows_cache.items()):
+            if row.get("kind") == sweeps.KIND:
+                continue  # a sweep has no hosts of its own: its points are runs, asked as such
             if row.get("state") in runs_of.GOING and not row.get("slurm") and (self.watching[run_id] > 0 or not row.get("supervised")):
                 out.append(run_id)
         return out[:RUN_FLEETS * 4]
@@ -328,8 +334,9 @@ class Board:
         return answer
 
     def refresh_runs(self) -> None:
-        """Every run's row (read again where its files changed, or while it goes on) and the others' runs the lab
-        shows, newest first."""
+        """Every run's row (read again where its files changed, or while it goes on; a sweep's where its record or
+        one of its points' files changed) and the others' runs the lab shows, newest first; a sweep's points
+        nested under its row (`points`), in point order."""
         now = time.time()
         found = runs_of.run_dirs()
         rows_now = []
@@ -337,33 +344,54 @@ class Board:
             stamp = runs_of.stamp(path)
             cached = self._rows_cache.get(run_id)
             answered = self.answers.get(run_id)
-            if cached is None or cached[0] != stamp or cached[1].get("state") in runs_of.GOING or cached[1].get("supervised") or answered:
-                row = runs_of.summary(run_id, path, answered[1] if answered else None, now)
+            if cached is not None and cached[1].get("kind") == sweeps.KIND:
+                stamp = (stamp, self._points_stamp(cached[1], found))
+                fresh = cached[0] == stamp
+            else:
+                fresh = cached is not None and cached[0] == stamp and not (cached[1].get("state") in runs_of.GOING or cached[1].get("supervised") or answered)
+            if not fresh:
+                row = runs_of.summary(run_id, path, answered[1] if answered else None, now, metrics_of=self._metrics)
+                if row.get("kind") == sweeps.KIND:
+                    stamp = (runs_of.stamp(path), self._points_stamp(row, found))
                 self._rows_cache[run_id] = (stamp, row)
             rows_now.append(self._rows_cache[run_id][1])
         for gone in [r for r in self._rows_cache if r not in found]:
             del self._rows_cache[gone]
-        every = runs_of.others(self.rows, set(found), now) + rows_now
+        self._metrics.keep({str(p) for p in found.values()})
+        every = runs_of.others(self.rows, set(found), now) + nest_points(rows_now)
         every.sort(key=lambda r: (r.get("created") or 0, r.get("id") or ""), reverse=True)
         with self.lock:
             self.runs.set({"now": now, "root": str(runs_of.records.runs_root()), "runs": every})
 
+    def _points_stamp(self, row: dict, found: dict) -> tuple:
+        """What changes when a sweep's row may: each of its points' files."""
+        return tuple(runs_of.stamp(found[p]) if p in found else None for p in row.get("point_ids") or [])
+
     def detail(self, run_id: str) -> Published:
-        """The run's page (read again when its files or its hosts' answer changed)."""
+        """The run's page (read again when its files or its hosts' answer changed; a sweep's page also when one of
+        its points' files changed)."""
         from mnft.run import records
 
         path = records.path_of(run_id) or records.runs_root() / run_id  # here, else where the user's index says
         answered = self.answers.get(run_id)
-        key = (runs_of.stamp(path), answered[0] if answered else None, int(time.time() // 10))
+
+        def key_now() -> tuple:
+            points = tuple(runs_of.stamp(p) for p in self._sweep_dirs.get(run_id) or [])
+            return (runs_of.stamp(path), answered[0] if answered else None, int(time.time() // 10), points)
+
+        key = key_now()
         with self.lock:
             known = self._details.get(run_id)
         if known is not None and known[0] == key:
             return known[1]
         page = known[1] if known is not None else Published()
         if (path / "run.json").is_file():
-            value = runs_of.detail(run_id, path, answered[1] if answered else None, answered[0] if answered else None)
+            value = runs_of.detail(run_id, path, answered[1] if answered else None, answered[0] if answered else None, metrics_of=self._metrics)
         else:
             value = self._their_run(run_id)
+        if value.get("kind") == sweeps.KIND and run_id not in self._sweep_dirs:
+            self._sweep_dirs[run_id] = [records.path_of(p) or records.runs_root() / p for p in value.get("point_ids") or []]
+            key = key_now()  # its first reading: the points' stamps from now on
         with self.lock:
             page.set(value)
             self._details[run_id] = (key, page)
@@ -386,3 +414,26 @@ class Board:
                 if self.watching[run_id] <= 0:
                     del self.watching[run_id]
                     self._details.pop(run_id, None)
+                    self._sweep_dirs.pop(run_id, None)
+
+
+def nest_points(rows: list[dict]) -> list[dict]:
+    """The rows with each sweep's points under its row (`points`, in point order) instead of beside it: a sweep of
+    100 points is one entry of the list. A point whose sweep's record is not here stays a row of its own (its
+    `sweep` names the sweep)."""
+    owner = {pid: row["id"] for row in rows if row.get("kind") == sweeps.KIND for pid in row.get("point_ids") or []}
+    under: dict[str, list[dict]] = {}
+    top = []
+    for row in rows:
+        sweep_id = owner.get(row.get("id"))
+        if sweep_id is not None and (row.get("sweep") or {}).get("id") == sweep_id:
+            under.setdefault(sweep_id, []).append(row)
+        else:
+            top.append(row)
+    out = []
+    for row in top:
+        if row.get("kind") == sweeps.KIND:
+            order = {pid: i for i, pid in enumerate(row.get("point_ids") or [])}
+            row = dict(row, points=sorted(under.get(row["id"], []), key=lambda r: order.get(r["id"], 0)))
+        out.append(row)
+    return out

@@ -279,6 +279,24 @@ def _someone_elses(run) -> bool:
     return bool(run) and isinstance(run, str) and bool(records.RUN_ID.fullmatch(run)) and records.path_of(run) is None
 
 
+def _sweep_record(run, anywhere=True):
+    """The sweep's record, brought up to date from its supervisor, when `run` names a sweep; else None."""
+    from mnft.core.errors import InputError
+    from mnft.run import records, supervisor
+    from mnft.run.sweep import KIND
+
+    if run is None:
+        return None
+    try:
+        record = records.load(run, anywhere=anywhere)
+    except InputError:
+        return None
+    if record.data.get("kind") != KIND:
+        return None
+    supervisor.refresh(record)
+    return record
+
+
 def _slurm_record(run, anywhere=True):
     """The run's record when it is a Slurm run (status, stop and logs then ask Slurm), else None."""
     from mnft.run import records
@@ -288,7 +306,7 @@ def _slurm_record(run, anywhere=True):
     return record if record.data.get("slurm") else None
 
 
-def _job(recipe, job_file, entry, overrides):
+def _job(recipe, job_file, entry, overrides, sweep_keys=()):
     """The job from --recipe, --job FILE and/or the words after `--` (verbatim): exactly one entry point."""
     from mnft.core.errors import InputError
     from mnft.run import job as jobs
@@ -297,7 +315,7 @@ def _job(recipe, job_file, entry, overrides):
         raise InputError(f"--recipe {recipe} runs mnft's recipe: leave out " + ("--job" if job_file else "the script after --")
                          + " (or leave out --recipe to run your own script)")
     if job_file:
-        job = jobs.load_job_file(Path(job_file)).with_extra(tuple(entry))
+        job = jobs.load_job_file(Path(job_file), tuple(sweep_keys)).with_extra(tuple(entry))
         if overrides and not job.recipe:
             raise InputError("--set is for mnft's recipes: pass your script's arguments after --")
         return job.with_extra(jobs.parse_overrides(overrides)) if job.recipe else job
@@ -308,8 +326,75 @@ def _job(recipe, job_file, entry, overrides):
     return jobs.recipe_job(recipe or "lora", tuple(overrides))
 
 
+def _run_placeholders():
+    from mnft.run.job import PLACEHOLDERS
+
+    return frozenset(PLACEHOLDERS)
+
+
+def _is_sweep(run_id):
+    from mnft.run import records
+    from mnft.run.sweep import KIND
+
+    return records.load(run_id, anywhere=True).data.get("kind") == KIND
+
+
+def _sweep_of(flags, the_job, max_parallel, *, slurm, dry_run, resume, src):
+    """The sweep asked (--sweep, or the job file's sweep:), judged whole before any host is touched."""
+    from mnft.core.errors import InputError
+    from mnft.run import sweep as sweeping
+    from mnft.run import sweepspec
+
+    if flags is not None and the_job.sweep is not None:
+        raise InputError(f"{the_job.source}: the job file has a sweep: and --sweep was given: give the sweep once")
+    spec = flags or the_job.sweep
+    where = "--sweep" if flags is not None else f"{the_job.source}: sweep"
+    if slurm or dry_run or resume:
+        raise InputError(f"{where}: a sweep runs under its supervisor on the lab: leave out "
+                         + ("--slurm" if slurm else "--dry-run (one point's commands: --dry-run without the sweep)" if dry_run else
+                            "--resume (mnft train --resume-run SWEEP runs its points that did not succeed again)"))
+    sweeping.check_used(the_job, spec, where)
+    if the_job.recipe:
+        from mnft.cli.recipes import check_overrides
+
+        for values in spec.values():
+            check_overrides(the_job.recipe, sweeping.point_job(the_job, values).extra_args, Path(src) if src else None)
+    return sweeping.SweepRun(spec, sweepspec.max_parallel(max_parallel) if max_parallel is not None else None)
+
+
+def _sweep_again(sweep_id, hosts, envs, env_files, src, max_parallel):
+    """`--resume-run SWEEP`: the recorded sweep's job and hosts, its points that did not succeed."""
+    from mnft.core.errors import InputError
+    from mnft.run import records, sweepspec
+    from mnft.run import sweep as sweeping
+    from mnft.run.job import resumable
+    from mnft.run.rerun import reuse_previous
+    from mnft.run.supervisor import refresh
+
+    record = records.load(sweep_id, anywhere=True)
+    refresh(record)
+    if record.data.get("state") not in ("succeeded", "failed", "stopped", "supervisor-lost", "dependency-failed"):
+        raise InputError(f"sweep {sweep_id} is still {record.data.get('state')}: `mnft stop {sweep_id}` first, or wait for it (`mnft wait {sweep_id}`)")
+    reused = reuse_previous(record.data, hosts=hosts, overrides=(), env=envs, env_files=env_files, src=src)
+    spec, again = sweeping.rerun_of(record.data, resumable(reused.job))
+    if not again:
+        raise InputError(f"sweep {sweep_id}: every point succeeded: nothing to run again")
+    kept = []
+    for point in again:
+        if point.get("resume_from"):
+            try:
+                kept.append(records.load(point["resume_from"], anywhere=True))
+            except InputError:
+                point["resume_from"] = None
+    count = len((record.data.get("sweep") or {}).get("points") or [])
+    _console().print(f"sweep {sweep_id}: running again {len(again)} of {count} point(s), those that did not succeed", highlight=False)
+    swept = sweeping.SweepRun(spec, sweepspec.max_parallel(max_parallel) if max_parallel is not None else (record.data.get("sweep") or {}).get("max_parallel"),
+                              rerun=again, count=count, resumed=tuple(kept), resumed_from=sweep_id)
+    return swept, reused.hosts, reused.job, reused.env, reused.env_files, reused.src
+
+
 @task(
-    iterable=["set", "env", "env_file", "sbatch_arg"],
+    iterable=["set", "env", "env_file", "sbatch_arg", "sweep"],
     optional=["wait"],
     help={
         "recipe": "one of mnft's recipes: lora or full (the default when no script or job is given)",
@@ -355,13 +440,19 @@ def _job(recipe, job_file, entry, overrides):
         "notify": NOTIFY_HELP,
         "idle_stop": "end the run once its GPUs have all been idle this long (30m, 2h …: utilisation at most 5% and memory "
                      "unchanged; docs/lab.md); a host's lab-wide idle_stop applies when lower",
+        "sweep": "KEY=V1,V2,…: one run per value (repeat: every combination), each filling {KEY} in the script's arguments; "
+                 "handed to a supervisor on the lab, points placed on free GPUs as they free up (docs/sweeps.md)",
+        "max_parallel": "with a sweep: at most K points running (or waiting in a host's line) at once",
+        "after": "RUN[:any]: start once run (or sweep) RUN has succeeded (RUN:any: once it has ended, however); "
+                 "no place in line until then; RUN not succeeding ends this one dependency-failed",
     },
 )
 @_mnft_errors
 def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=None, rdzv="static", detach=False, resume=False,
           resume_run=None, force=False, dry_run=False, no_sync=False, src=None, port=0, max_restarts=0, min_nodes=0, rdzv_timeout=300,
           slurm=False, partition=None, nodes=None, time=None, account=None, gpus_per_node=0, requeue=False, signal="USR2@90", sbatch_arg=None,
-          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None, notify=None, idle_stop=None):  # last: the earlier options keep their short flags
+          backoff=None, wait_for_lost=None, gpus=None, wait=None, image=None, notify=None, idle_stop=None, sweep=None, max_parallel=None,
+          after=None):  # last: the earlier options keep their short flags
     """Run a job on every host with torchrun, the right node_rank, supervised as one gang: one of mnft's recipes
     (--recipe lora), or your own entry point and its arguments after `--` (`-- train.py ARGS…`, `-- -m pkg.train
     ARGS…`, passed verbatim), or a job file (--job FILE [-- more args])."""
@@ -373,9 +464,17 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     from mnft.run.train import TrainOptions
     from mnft.run.train import train as run_train
 
+    from mnft.run import sweepspec
+
     overrides, envs, env_files, entry = tuple(set or ()), tuple(env or ()), tuple(env_file or ()), tuple(remainder())
     gpus, nodes = _whole("--gpus", gpus), _whole("--nodes", nodes)
-    if resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
+    flags_sweep = sweepspec.from_flags(tuple(sweep or ()), _run_placeholders())
+    swept, depends = None, sweepspec.after(after)
+    if resume_run and _is_sweep(resume_run):  # the points of a sweep that did not succeed, run again
+        if entry or recipe or job or flags_sweep:
+            raise InputError(f"--resume-run {resume_run} runs the sweep's points that did not succeed, as recorded: leave out the job and --sweep")
+        swept, hosts, the_job, envs, env_files, src = _sweep_again(resume_run, hosts, envs, env_files, src, max_parallel)
+    elif resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
         from mnft.run.job import load_job_file
         from mnft.run.rerun import previous_run, reuse_previous, with_rule_of
 
@@ -390,12 +489,16 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
             notes = (*notes, f"(the resume rule of {job})")
         _console().print(f"resuming run {reused.run_id}" + (": reusing " + " ".join(notes) if notes else ""), highlight=False, soft_wrap=True)
     else:
-        the_job = _job(recipe, job, entry, overrides)
+        the_job = _job(recipe, job, entry, overrides, flags_sweep.keys if flags_sweep else ())
+    if swept is None and (flags_sweep is not None or the_job.sweep is not None):
+        swept = _sweep_of(flags_sweep, the_job, max_parallel, slurm=slurm, dry_run=dry_run, resume=resume or bool(resume_run), src=src)
+    elif max_parallel is not None and swept is None:
+        raise InputError("--max-parallel is for a sweep (--sweep KEY=V1,V2, or a job file's sweep:)")
     if image is not None:
         from mnft.image.runtime import check_ref
 
         the_job = replace(the_job, image=check_ref(image, "--image"))
-    if the_job.recipe:  # a typo in --set is bad input here, before any host is touched
+    if the_job.recipe and swept is None:  # a typo in --set is bad input here, before any host is touched (a sweep's: each point's)
         from mnft.cli.recipes import check_overrides
 
         check_overrides(the_job.recipe, the_job.extra_args, Path(src) if src else None)
@@ -430,8 +533,17 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         nodes=nodes,
         wait=_wait(wait),
         notify=_notify(c, notify, the_job.notify),
+        sweep=swept,
     )
     inventory = _inventory(hosts)
+    if depends is not None:
+        from mnft.run.supervisor import judge_after
+
+        options = replace(options, after=judge_after(depends, detached=bool(detach or swept)))
+    if swept is not None:  # handed to its supervisor on the lab, always: a sweep outlives this terminal
+        from mnft.run.supervisor import hand_off
+
+        return hand_off(inventory, options, _console())
     if detach and not dry_run:  # supervised on the lab (mnft.run.supervisor); None: no supervisor can, and none was needed
         from mnft.run.supervisor import hand_off
 
@@ -453,12 +565,33 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
         from mnft.slurm.submit import logs as slurm_logs
 
         return slurm_logs(slurm_run, int(lines), follow, _console())
+    if (swept := _sweep_record(run)) is not None:  # every point's logs, point after point
+        return _sweep_logs(swept, int(lines), follow, hosts)
     record, fleet = _record_fleet(run, hosts)
     with fleet:
         if follow:
             return follow_logs(record, fleet, _console())
         metrics = collect(record, fleet, _console())
     merged_tail(record, int(lines), _console(), metrics)
+
+
+def _sweep_logs(swept, lines, follow, hosts):
+    from mnft.core.errors import InputError
+    from mnft.run.logs import collect, merged_tail
+    from mnft.run.sweep import values_label
+
+    if follow:
+        raise InputError(f"sweep {swept.run_id}: follow one point (mnft logs -f POINT) or the sweep's supervisor (mnft attach {swept.run_id})")
+    for point in (swept.data.get("sweep") or {}).get("points") or []:
+        _console().rule(f"point {point.get('index')} ({values_label(point.get('values') or {})}): run {point.get('run_id')}: {point.get('state')}")
+        try:
+            record, fleet = _record_fleet(point.get("run_id"), hosts)
+        except InputError as exc:
+            _console().print(f"  {exc}", highlight=False, soft_wrap=True)
+            continue
+        with fleet:
+            metrics = collect(record, fleet, _console(), quiet=True)
+        merged_tail(record, lines, _console(), metrics)
 
 
 @task(klass=OptionalPositionalTask, positional=["run"], help={"run": "run id (default: the latest)", "json": "machine-readable output", "hosts": "inventory (default: the run's)"})
@@ -477,6 +610,10 @@ def status(c, run=None, json=False, hosts=None):
         from mnft.slurm.submit import status as slurm_status
 
         return slurm_status(slurm_run, json, _console())
+    if (swept := _sweep_record(run)) is not None:  # every point of a sweep, one table
+        from mnft.run.sweepreport import print_sweep
+
+        return print_sweep(swept, json)
     record, fleet = _record_fleet(run, hosts, not_started_ok=True)
     if record.data.get("supervisor") and not launched_on_hosts(record):  # a detached run its supervisor has not started yet (in line, checking)
         from mnft.run.report import print_supervised
@@ -520,6 +657,16 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
         from mnft.slurm.submit import stop as slurm_stop
 
         return slurm_stop(slurm_run, json, _console())
+    if (swept := _sweep_record(run, anywhere=False)) is not None:  # its supervisor stops every point, and starts no other
+        from mnft.core.errors import ExitCode
+        from mnft.run import supervisor
+        from mnft.run.sweepreport import print_sweep
+
+        if (swept.data.get("supervisor") or {}).get("alive"):
+            supervisor.request_stop(swept)
+        supervisor.settled(swept, float(grace) + 60)
+        print_sweep(swept, json)
+        return ExitCode.OK if swept.data.get("state") in ("stopped", "succeeded", "failed") and not (swept.data.get("supervisor") or {}).get("alive") else ExitCode.FAILED
     record, fleet = _record_fleet(run, hosts, anywhere=False, not_started_ok=True)
     from mnft.run import supervisor
 
@@ -737,6 +884,10 @@ def wait(c, run=None, hosts=None, notify=None):
         supervisor.settled(record, float("inf"), every=2.0, say=lambda text: _console().print(f"run {record.run_id}: {text}", style="yellow",
                                                                                                highlight=False, soft_wrap=True))
         state = record.data.get("state")
+        if record.data.get("kind") == "sweep":
+            from mnft.run.sweepreport import print_sweep
+
+            print_sweep(record, False)
     else:
         with Fleet(inv) as fleet:
             state = wait_for(record, look)

@@ -93,6 +93,7 @@ class Row:
     also: str | None = None  # a collision: "also used by bob pid 4242" (a process not of the holder's run on its GPU)
     progress: dict | None = None  # the holder's run's last step as its controller told the host: {"step", "loss", "at"}
     supervisor: str | None = None  # a detached run's supervisor on the lab: "h1 pid 4242" (its holder's controller and pid)
+    why: str | None = None  # a waiting run: its position and who is ahead of it by which rule (why_waits)
 
     def to_json(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -139,17 +140,135 @@ def rows(inventory: Inventory, views: dict[str, dict]) -> list[Row]:
                                health=health, drain=drain))
             else:
                 out.append(Row(host.name, key, "free", memory=memory, utilization=util, health=health, detail=reserved_for(view.get("line"))))
-        for place, waiting in enumerate(view.get("line") or [], 1):
+        line = [w for w in view.get("line") or [] if isinstance(w, dict)]
+        for place, waiting in enumerate(line, 1):
             want = waiting.get("want")
             out.append(Row(host.name, f"#{place}", "waiting", leases.holder_login(waiting) or leases.shown(waiting.get("user")),
                            leases.shown(waiting.get("run_id")), leases.shown(waiting.get("command"), 20), _number(waiting.get("queued")),
-                           detail=f"wants {'every device' if want is None else f'{want} GPU(s)'}"))
+                           detail=f"wants {'every device' if want is None else f'{want} GPU(s)'}", why=why_waits(line, place - 1, view.get("policy"))))
     return out
 
 
+# ------------------------------------------------------------------------------------------------ the fair line
+# Each host sends its line in its fair order (mnft.onhost.line: fewest GPUs held first between runs of one host,
+# first come first served between runs over several; a user at the lab's max_gpus_while_others_wait behind the
+# others), each ticket with what it was ordered by: "fair": {"over_limit", "held" (its key's: 0 for a run over
+# several hosts), "holds" (the GPUs its user holds there)}.
+
+
+def waiter(holder: dict) -> str:
+    """Whose a ticket is: the login it names on the host, else its controller's user."""
+    return leases.holder_login(holder) or leases.shown(holder.get("user")) or "?"
+
+
+def _fair(holder: dict) -> tuple[int, int, int]:
+    """(over_limit, held, holds) of a ticket (0 for what a host did not say)."""
+    fair = holder.get("fair") if isinstance(holder.get("fair"), dict) else {}
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) else 0 for v in (fair.get("over_limit"), fair.get("held"), fair.get("holds")))
+
+
+def spans_hosts(holder: dict) -> bool:
+    """A run over several hosts (or a ticket that does not say: an older controller's)."""
+    return holder.get("hosts") != 1
+
+
+def over_limit_words(who: str, holds: int, limit) -> str:
+    """"bob holds 4 GPU(s) here, the lab's max_gpus_while_others_wait is 2: their runs wait while others do"."""
+    return f"{who} holds {holds} GPU(s) here, the lab's max_gpus_while_others_wait is {limit if limit is not None else '?'}: their runs wait while others do"
+
+
+def ahead_words(other: dict, me: dict, policy: dict | None = None) -> str:
+    """Why one ticket of a host's line is before another, by the first rule that tells them apart."""
+    run = leases.shown(other.get("run_id"))
+    label = f"{waiter(other)}'s {'run ' + run if run else leases.shown(other.get('command'), 20) or 'run'}"
+    (o_over, o_held, _), (m_over, m_held, m_holds) = _fair(other), _fair(me)
+    if spans_hosts(other) and spans_hosts(me):
+        rule = "first come, first served, as between all runs over several hosts"
+    elif o_over < m_over:
+        rule = over_limit_words(waiter(me), m_holds, (policy or {}).get("max_gpus_while_others_wait"))
+    elif o_over > m_over or o_held > m_held:  # before an earlier run over several hosts, which this one stays behind
+        rule = "before an earlier run over several hosts, which this one stays behind: those start in the order they came"
+    elif o_held < m_held:
+        them = f"{waiter(other)}'s run spans several hosts and counts none" if spans_hosts(other) else f"{waiter(other)} holds {o_held}"
+        rule = f"fewest GPUs held first: {them} here, {waiter(me)} {m_held}"
+    else:
+        rule = "first come, first served"
+    return f"{label} ({rule})"
+
+
+def why_waits(line: list[dict], at: int, policy: dict | None = None) -> str:
+    """Why the run at `at` (0: the first) of a host's line (in its fair order) waits: its position, and who is
+    ahead of it by which rule ("position 2: behind alice's run R (fewest GPUs held first: alice holds 0 here, bob 3)")."""
+    if at == 0:
+        return "first in line: it starts once its devices are free"
+    me = line[at]
+    behind = [ahead_words(other, me, policy) for other in line[:at]]
+    more = f" and {len(behind) - 3} more" if len(behind) > 3 else ""
+    return f"position {at + 1}: behind {'; '.join(behind[:3])}{more}"
+
+
+LIMITS = ("max_gpus_while_others_wait", "max_waiting")
+
+
+def users(inventory: Inventory, views: dict[str, dict], table: Sequence[Row]) -> dict:
+    """The lab per user, for `mnft lab` (and `--json`): {"users": [{"user", "gpus_held" (across the hosts looked at),
+    "held_on": {host: GPUs}, "waiting" (runs in line: distinct run ids, else tickets), "at_limit_on": [hosts where
+    they hold the lab's max_gpus_while_others_wait or more]}], "limits": lab_limits'}."""
+    held: dict[str, dict[str, int]] = {}
+    for row in table:
+        if row.state == "held" and row.device.isdigit():
+            on = held.setdefault(row.user or "?", {})
+            on[row.host] = on.get(row.host, 0) + 1
+    waiting: dict[str, set] = {}
+    for host in inventory.hosts:
+        for w in (views.get(host.name) or {}).get("line") or []:
+            if isinstance(w, dict):
+                waiting.setdefault(waiter(w), set()).add(leases.shown(w.get("run_id")) or ("ticket", host.name, leases.shown(w.get("ticket"))))
+    out = []
+    for user in sorted(set(held) | set(waiting)):
+        on = held.get(user, {})
+        at_limit = [h for h, n in on.items() if _limit_of(views.get(h), LIMITS[0]) is not None and n >= _limit_of(views.get(h), LIMITS[0])]
+        out.append({"user": user, "gpus_held": sum(on.values()), "held_on": on, "waiting": len(waiting.get(user, ())), "at_limit_on": at_limit})
+    return {"users": out, "limits": lab_limits(inventory, views)}
+
+
+def _limit_of(view: dict | None, key: str) -> int | None:
+    value = ((view or {}).get("policy") or {}).get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+def lab_limits(inventory: Inventory, views: dict[str, dict]) -> dict:
+    """The lab's per-user limits as the hosts that answered set them: {"max_gpus_while_others_wait", "max_waiting"
+    (None: not set, or set differently on the hosts: then "differ" is True), "differ", "by_host": {host: {the
+    limits, "path": the policy file}}}."""
+    by_host = {}
+    for host in inventory.hosts:
+        view = views.get(host.name) or {}
+        if view.get("error") and not view.get("devices"):
+            continue
+        found = {key: _limit_of(view, key) for key in LIMITS}
+        by_host[host.name] = dict(found, path=leases.shown((view.get("policy") or {}).get("path"), 200))
+    kinds = {tuple(v[k] for k in LIMITS) for v in by_host.values()}
+    same = next(iter(kinds)) if len(kinds) == 1 else (None,) * len(LIMITS)
+    return dict(zip(LIMITS, same), differ=len(kinds) > 1, by_host=by_host)
+
+
+def limits_line(limits: dict) -> str:
+    """The lab's limits in one line: "the lab's limits: max_gpus_while_others_wait 2, max_waiting 3 (/etc/mnft/lab.yaml)",
+    host by host when the hosts differ, "none" when no host sets one."""
+    def words(values: dict) -> str:
+        said = [f"{k} {values[k]}" for k in LIMITS if values.get(k) is not None]
+        return (", ".join(said) + (f" ({values['path']})" if values.get("path") else "")) if said else "none"
+
+    if limits.get("differ"):
+        return "the lab's limits differ by host: " + "; ".join(f"{h}: {words(v)}" for h, v in limits.get("by_host", {}).items())
+    paths = sorted({v["path"] for v in limits.get("by_host", {}).values() if v.get("path")})
+    return "the lab's limits: " + words(dict(limits, path=", ".join(paths)))
+
+
 def reserved_for(line: list[dict] | None) -> str | None:
-    """What a free device of a host with runs waiting in line is kept for: the line goes first come, first served,
-    so a run that does not wait is refused it ("reserved for the line: alice's run R waits for 4 GPU(s)")."""
+    """What a free device of a host with runs waiting in line is kept for: the first of the line (in its fair
+    order), so a run that does not wait is refused it ("reserved for the line: alice's run R waits for 4 GPU(s)")."""
     first = next((w for w in line or [] if isinstance(w, dict)), None)
     if first is None:
         return None

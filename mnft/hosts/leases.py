@@ -3,7 +3,8 @@ docs/lab.md): a run takes its devices (`Scope.gpus` of them, or every one) and i
 it writes (`sync_scope`), setup (and a provision of an environment outside the user's home) the whole host (no
 scope), which they get only while no run holds a device there; a provision of the user's own `~/…` environment
 (`provision_scope`) takes only that directory, and waits only for that user's own runs, which use it; a run that finds its devices taken may wait in line for them (`Scope.wait`: a ticket on every host,
-first come first served, its place told through `on_wait`).
+in each host's fair order, mnft.onhost.line; its place told through `on_wait`; refused at once, `line-full`, when
+its user has the lab's max_waiting runs waiting there already).
 
 train, sync, provision and setup take their leases on every host they will change before they change anything,
 and keep them to their end: on each host a `hold` process, started on the fleet's open connection, holds the host's
@@ -200,6 +201,10 @@ def scope_busy_line(host: str, reply: dict) -> str:
                   describe(h) + verified(h, h.get("lockers"))) for h in reply.get("held") or []]
         return (f"{host}: your environment {shown(reply.get('workdir'), 200)} is not changed under your own run: {'; '.join(grouped(pairs))} "
                 f"(it runs from that environment: wait for it to end, or mnft stop it)")
+    if what == "line-full":  # the lab's max_waiting: this user's runs already waiting here
+        return (f"{host}: you have {reply.get('waiting')} run(s) waiting in line here, and the lab allows each user at most "
+                f"{reply.get('max_waiting')} (max_waiting in {shown(reply.get('path'), 200) or 'the lab policy'}): wait for one of "
+                f"your waiting runs to start, or stop one (`mnft lab` shows the line)")
     if what == "no-gpus":
         return f"{host} has no GPUs (no nvidia-smi) for --gpus {reply.get('want')}: leave --gpus out (its CPUs are one device) or use GPU hosts"
     if what == "runs":  # grouped by holder: "GPU 0, 1, workdir /home/a/mnft: train run R by alice …"
@@ -338,7 +343,10 @@ class Leases:
         use. A host whose lease script failed otherwise (its lease directory not writable, say) is named through
         on_problem and left to the operation. python: the interpreter
         to run the host's side with (default the host's; provision gives its base Python)."""
+        hosts = list(hosts)
         holder = self.holder()
+        if holder.get("ticket"):  # how many hosts the run waits for: a run over several is first come, first served
+            holder["hosts"] = len({host_key(h) for h in hosts})  # in every host's line (mnft.onhost.line)
         todo = []
         with _held_lock:
             for host in hosts:

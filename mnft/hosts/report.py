@@ -94,15 +94,16 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
     utilisation, each GPU's health, then each host's line of waiting runs. Exit 0, 4 when a host did not answer, 1 when a
     host's GPUs did not (a stalled nvidia-smi, named)."""
     from mnft.core.errors import ExitCode
-    from mnft.hosts.lab import collision_line, rows, since
+    from mnft.hosts.lab import collision_line, rows, since, users
 
     table_rows = rows(inventory, views)
+    per_user = users(inventory, views, table_rows)
     unanswered = [name for name, v in views.items() if v.get("error") and not v.get("devices")]
     unread = [name for name, v in views.items() if v.get("devices_error") and not v.get("devices")]  # its GPUs did not answer
     kernel_log = kernel_log_unread(views)
     if as_json:
         print_json({"hosts": [h.name for h in inventory.hosts], "seconds": round(seconds, 3), "devices": [r.to_json() for r in table_rows],
-                    "kernel_log": kernel_log})
+                    "kernel_log": kernel_log, "users": per_user["users"], "limits": per_user["limits"]})
         return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
     free = sum(1 for r in table_rows if r.state == "free")
     devices = sum(1 for r in table_rows if r.state in ("free", "held", "outside", "drained", "unhealthy"))
@@ -115,6 +116,7 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
         table.add_column(col)
     for r in table_rows:
         detail = r.detail or (r.drain if r.drain and r.state != "drained" else "") or (f"supervised on {r.supervisor}" if r.supervisor else "")
+        detail += f" — {r.why}" if r.why else ""
         table.add_row(plain(r.host), plain(r.device), plain(r.state, LAB_STYLE.get(r.state, "")), plain(r.user or ""), plain(r.run or ""),
                       plain(r.command or ""), *((plain(r.image or ""),) if images else ()), plain(since(r.since)), plain(r.memory or ""),
                       plain("" if r.utilization is None else f"{r.utilization}%"), *((plain(r.health or "", "red"),) if health else ()), plain(detail))
@@ -123,6 +125,7 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
         line = collision_line(r)
         if line:
             console().print(plain(line, style="bold magenta"))
+    print_users(per_user)
     if kernel_log:  # once for every host whose kernel log this user may not read, not a line per host
         hosts = ", ".join(sorted(kernel_log))
         console().print(plain(f"{hosts}: {next(iter(kernel_log.values()))}" if len(set(kernel_log.values())) == 1
@@ -130,7 +133,27 @@ def print_lab(inventory: Inventory, views: dict[str, dict], as_json: bool, secon
     for name, view in views.items():  # what the hosts said of their GPUs' reads: a drain mark not honoured
         if view.get("drain_problem"):
             console().print(plain(f"{name}: {view['drain_problem']}", style="red"))
+        if (view.get("policy") or {}).get("problem"):  # a limit of the lab's policy that does not read: not applied
+            console().print(plain(f"{name}: {view['policy']['problem']}", style="red"))
     return ExitCode.UNREACHABLE if unanswered else ExitCode.FAILED if unread else ExitCode.OK
+
+
+def print_users(per_user: dict) -> None:
+    """Under `mnft lab`'s table: each user's GPUs held and runs waiting in line (mnft.hosts.lab.users), and the lab's
+    per-user limits when a host sets any."""
+    from mnft.hosts.lab import limits_line
+
+    limits = per_user["limits"]
+    if per_user["users"]:
+        table = Table(title="users")
+        for col in ("user", "GPUs held", "waiting in line", "at max_gpus_while_others_wait on"):
+            table.add_column(col)
+        for u in per_user["users"]:
+            held = str(u["gpus_held"]) + (f" ({', '.join(f'{h}: {n}' for h, n in u['held_on'].items())})" if len(u["held_on"]) > 1 else "")
+            table.add_row(plain(u["user"]), plain(held), plain(str(u["waiting"])), plain(", ".join(u["at_limit_on"])))
+        console().print(table)
+    if limits.get("differ") or any(limits.get(k) is not None for k in ("max_gpus_while_others_wait", "max_waiting")):
+        console().print(plain(limits_line(limits), style="cyan"))
 
 
 def kernel_log_unread(views: dict[str, dict]) -> dict[str, str]:

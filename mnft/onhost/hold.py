@@ -15,7 +15,7 @@ from . import boot
 from .gpuread import read_devices
 from .leasefiles import MAX_LEASE_BYTES, Refused, _failure, lease_dir
 from .leases import note_progress, progress_of, release, take
-from .line import make_ticket, waiting_reply
+from .line import join_line, waiting_reply
 from .usage import log_usage, usage_line
 
 MAX_RUN_BYTES = 64 << 20  # a run request: a script, its arguments and its stdin
@@ -33,9 +33,12 @@ def _take_now(holder):
 
 
 def wait_in_line(holder, stdin, reply):
-    """Wait for the devices in the host's line (a ticket held while waiting, first come first served): (reply, fds)
-    once taken, (None, []) when the controller let go or went silent (the ticket goes with the wait)."""
-    ticket, path = make_ticket(holder)
+    """Wait for the devices in the host's line (a ticket held while waiting; its place: mnft.onhost.line's fair
+    order): (reply, fds) once taken, (None, []) when the controller let go or went silent (the ticket goes with the
+    wait), (the line-full reply, []) at once when this user has the lab's max_waiting runs waiting here already."""
+    ticket, path, full = join_line(holder)
+    if full is not None:
+        return full, []
     deadman = float(holder.get("deadman") or 25)
     last = time.time()
     said = None

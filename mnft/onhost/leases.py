@@ -14,7 +14,8 @@ from .gpuread import pick, read_devices
 from .health import broken
 from .leasefiles import (LEASE_MODE, LEASE_NAME, Refused, _check_lease, _existing, _free, _lock_mutex, _login, _read, _text,
                          _write, lease_dir, lease_path, lockers, open_shared, update_in_place)
-from .line import order, ticket_name, tickets
+from .labpolicy import lab_policy
+from .line import ahead_of, placed, tickets
 from .procs import RUN_ID_VAR
 from .runs import _environ, _one_look, collisions, run_processes
 
@@ -151,9 +152,8 @@ def take_devices(holder, devices, links):
             return {"busy": True, "what": "own-runs", "workdir": workdir, "held": mine}, []
     chosen = []
     if want != 0:
-        mine = order(holder) if holder.get("ticket") else (float("inf"), "")
-        ahead = [h for o, h in tickets(ticket_name(holder) if holder.get("ticket") else None) if o < mine]
         states = device_states(devices, holder.get("op"))
+        ahead = ahead_of(holder, states)  # the line's fair order: what each user holds here is read from the states
         free = [s for s in states if s["state"] == "free"]
         out = [s for s in states if s["state"] in ("drained", "unhealthy")]
         if want is None and out or want is not None and len(states) - len(out) < want and devices and devices[0].get("index") is not None:
@@ -306,8 +306,9 @@ def show():
 
 def lab():
     """The host as `mnft lab` shows it: the host's lease, each device with its state (free, held by whom as the
-    lease names it and as /proc/locks proves it, in use outside mnft), the workdirs held and the line of waiting
-    runs."""
+    lease names it and as /proc/locks proves it, in use outside mnft), the workdirs held, the line of waiting runs in
+    its fair order (each ticket's "fair": {"over_limit", "held", "holds"}: mnft.onhost.line.placed) and the lab's rules here
+    ("policy": mnft.onhost.labpolicy.lab_policy's)."""
     out = {"host": os.uname()[1], "now": time.time()}
     try:
         devices, _ = read_devices()
@@ -327,7 +328,8 @@ def lab():
             if problem:
                 out["drain_problem"] = problem
             out["workdirs"] = [dict(h or {}, lockers=w) for n, h, w in held_leases((WORK_PREFIX,))]
-            out["line"] = [h for _, h in tickets()]
+            out["policy"] = lab_policy()
+            out["line"] = placed([h for _, h in tickets()], out["devices"], out["policy"])
             for device in out["devices"]:
                 if device.get("state") == "held" and device.get("processes"):
                     device["collisions"] = collisions(device)

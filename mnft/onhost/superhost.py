@@ -10,7 +10,8 @@ returns once the supervisor has said it runs, and every other op reads or signal
     prepare RUN_ID       the run's directory (0700) and the files its supervisor reads (JSON on stdin: {name: text})
     start RUN_ID HASH    the supervisor started, then its spec (on stdin, once the code is there) handed to it through
                          a pipe, never written
-    state RUN_ID OFFSET  alive or not (pid and start time), its exit, and its console from OFFSET (bounded)
+    state RUN_ID OFFSET [INNER]  alive or not (pid and start time), its exit, its console from OFFSET (bounded), and
+                         the state of its run (or of INNER, a point of the sweep it supervises)
     stop RUN_ID BY       the run's stop asked (the file its supervisor reads), then SIGINT to that supervisor only
     reach                whether this user's ssh reaches each peer (JSON on stdin: [{name, address, port, user}]) with
                          BatchMode and strict host keys, as the supervisor must (`mnft check`): {name: null or why}
@@ -77,8 +78,9 @@ def _read_json(path):
         return None
 
 
-def state(run_id, offset=0):
-    """What a run's supervisor is now: its record (pid, start time), alive or not, its exit, its console from offset."""
+def state(run_id, offset=0, inner=None):
+    """What a run's supervisor is now: its record (pid, start time), alive or not, its exit, its console from offset;
+    the state of its run, or of `inner`, a run it supervises (a point of a sweep)."""
     folder = run_dir(run_id)
     me = _read_json(os.path.join(folder, ME))
     alive = False
@@ -99,7 +101,7 @@ def state(run_id, offset=0):
         text, end = data[:cut].decode("utf-8", "replace"), offset + cut
     except OSError:
         pass
-    record = _read_json(os.path.join(folder, "runs", run_id, "run.json")) or {}
+    record = _read_json(os.path.join(folder, "runs", inner or run_id, "run.json")) or {}
     return {"exists": os.path.isdir(folder), "supervisor": me, "alive": alive, "exit": _read_json(os.path.join(folder, EXIT)),
             "log": text, "offset": end, "run_state": record.get("state"), "reason": record.get("reason")}
 
@@ -250,10 +252,10 @@ def reach(peers):
 
 
 def main(argv) -> int:
-    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 2), "stop": (2, 2), "reach": (0, 0)}
-    names = argv[1:3] if argv and argv[0] in ("look", "start") else argv[1:2]
+    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 3), "stop": (2, 2), "reach": (0, 0)}
+    names = argv[1:3] if argv and argv[0] in ("look", "start") else [a for i, a in enumerate(argv[1:4]) if i != 1] if argv and argv[0] == "state" else argv[1:2]
     if not argv or argv[0] not in ops or not ops[argv[0]][0] <= len(argv) - 1 <= ops[argv[0]][1] or not all(_safe_name(a) for a in names):
-        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET | stop RUN_ID BY | reach\n")
+        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET [INNER] | stop RUN_ID BY | reach\n")
         return 2
     op, args = argv[0], argv[1:]
     try:
@@ -266,7 +268,7 @@ def main(argv) -> int:
         elif op == "start":
             out = start(args[0], args[1], lambda: sys.stdin.buffer.read(16 << 20))
         elif op == "state":
-            out = state(args[0], int(args[1]))
+            out = state(args[0], int(args[1]), args[2] if len(args) > 2 else None)
         elif op == "reach":
             out = {"peers": reach(json.loads(sys.stdin.buffer.read(1 << 20).decode("utf-8") or "[]"))}
         else:

@@ -7,10 +7,9 @@ import time
 
 from .rungpus import _user_of, gpu_processes, gpu_util
 from .procs import foreign, process_facts
-from .rootfiles import parse_duration, root_text
 from .runfiles import _duration
 from .leasefiles import update_in_place
-from .runleases import lease_path
+from .labpolicy import lab_policy
 
 
 IDLE_UTIL = 5.0  # % utilisation at or under which a GPU is idle (when its memory use does not change either)
@@ -34,39 +33,7 @@ def idle_sample(devices, before, gpus):
     return True
 
 
-# The lab's rules, set on the host by its admin (never in a user's inventory, which any user writes): the first of
-# LAB_FILES and mnft-lab.yaml in the lease directory that only root can have written (root's, a regular file, not
-# writable by group or others, not reached through a link), flat `key: value` lines. `idle_stop: 2h` ends every run
-# and session whose GPUs have all been idle that long; a user's --idle-stop may lower it, never raise it.
-
-LAB_FILES = ("/etc/mnft/lab.yaml",)
-LAB_NAME = "mnft-lab.yaml"
-
-
-def lab_policy(paths=None):
-    """The lab's rules on this host: {"path": the file, "idle_stop": seconds, "problem": a value it ignores}, or {}."""
-    if paths is None:
-        where = lease_path()
-        paths = LAB_FILES + ((os.path.join(os.path.dirname(where), LAB_NAME),) if where else ())
-    for path in paths:
-        text = root_text(path)
-        if text is None:
-            continue
-        values = {}
-        for line in text.splitlines():
-            line = line.split("#", 1)[0].strip()
-            if ":" in line:
-                key, value = line.split(":", 1)
-                values[key.strip()] = value.strip()
-        out = {"path": path}
-        if values.get("idle_stop"):
-            seconds = parse_duration(values["idle_stop"])
-            if seconds:
-                out["idle_stop"] = seconds
-            else:
-                out["problem"] = "%s: idle_stop %r is not a duration (2h, 90m …) and is ignored" % (path, values["idle_stop"][:40])
-        return out
-    return {}
+# The lab's rules (idle_stop among them): mnft.onhost.labpolicy.
 
 
 def idle_limit(asked, lab):

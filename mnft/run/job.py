@@ -53,7 +53,8 @@ METRIC_FORMATS = ("auto", "hf", "torchtune", "sana", "jsonl", "plain", "tensorbo
 # torchrun options mnft sets itself (or that would break supervision, logs or ranks) are refused however argparse
 # would read them (abbreviated, --opt=value, PET_* variables): mnft.run.torchrunargs.
 
-JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus", "image", "notify")
+JOB_KEYS = ("name", "script", "module", "recipe", "args", "env", "pass_env", "resume", "metrics", "torchrun", "elastic", "requires", "gpus", "image", "notify",
+            "sweep")
 # What mnft's recipes import beyond what reading their source finds (mnft.run.needs reads the rest).
 RECIPE_REQUIRES = ("torch", "transformers", "peft", "safetensors", "yaml")
 RESUME_KEYS = ("layout", "checkpoints", "pattern", "marker", "args", "exit_codes")
@@ -108,6 +109,7 @@ class Job:
     gpus: int | None = None  # a job file's `gpus:`: the devices it takes on each host (--gpus overrides); None: every one
     image: str | None = None  # a job file's `image:` (--image overrides): the container image its torchrun runs in; None: the host's Python
     notify: str | None = None  # a job file's `notify:` (--notify overrides): a shell line told of the run's end (mnft.run.notify); not recorded
+    sweep: Any = None  # a job file's `sweep:` (mnft.run.sweepspec.SweepSpec): one run per point; not recorded (each point is a run)
 
     @property
     def kind(self) -> str:
@@ -223,8 +225,9 @@ def _control(text: str) -> bool:
     return any(ord(c) < 32 or ord(c) == 127 for c in text)
 
 
-def load_job_file(path: Path) -> Job:
-    """A job file: strict YAML (unknown keys refused with a suggestion), placeholders checked."""
+def load_job_file(path: Path, sweep_keys: tuple[str, ...] = ()) -> Job:
+    """A job file: strict YAML (unknown keys refused with a suggestion), placeholders checked (a sweep's keys, its
+    own `sweep:` or --sweep's `sweep_keys`, are placeholders too)."""
     where = str(path)
     doc = yamlfile.load(yamlfile.read_text(path, "job file", "--job"), where)
     if not isinstance(doc, dict) or not doc:
@@ -271,8 +274,14 @@ def load_job_file(path: Path) -> Job:
     if notify is not None and (not isinstance(notify, str) or not notify.strip() or "\x00" in notify or "\n" in notify.strip()):
         raise InputError(f"{at('notify')}: key 'notify': {str(notify)[:60]!r}: one shell line, run on the controller when the run ends "
                          "(its outcome in MNFT_NOTIFY_* variables: see docs/lab.md)")
+    sweep = None
+    if doc.get("sweep") is not None:
+        from mnft.run.sweepspec import from_job
+
+        sweep = from_job(doc["sweep"], at("sweep") + ": sweep", frozenset(PLACEHOLDERS))
+    extra = frozenset(sweep_keys) | frozenset(sweep.keys if sweep is not None else ())
     job = Job(entry=entry, args=args, env=env, pass_env=pass_env, torchrun=torchrun, name=name, source=where, elastic=elastic,
-              requires=requires, gpus=gpus, image=image, notify=notify.strip() if notify is not None else None)
+              requires=requires, gpus=gpus, image=image, notify=notify.strip() if notify is not None else None, sweep=sweep)
     if doc.get("recipe") is not None:
         base = recipe_job(doc["recipe"])
         job = replace(job, recipe=doc["recipe"], resume=base.resume, metrics=base.metrics, requires=base.requires + requires)
@@ -283,7 +292,7 @@ def load_job_file(path: Path) -> Job:
     for key, values in (("args", job.args), ("env", [v for _, v in job.env]), ("resume.args", job.resume.args),
                         ("resume.checkpoints", [job.resume.checkpoints]), ("metrics.path", [job.metrics.path or ""])):
         for value in values:
-            check_placeholders(value, f"{where}: {key}", resume_args=key == "resume.args")
+            check_placeholders(value, f"{where}: {key}", resume_args=key == "resume.args", extra=extra if key in ("args", "env") else frozenset())
     return job
 
 
@@ -428,13 +437,13 @@ def fields_of(template: str) -> list[str]:
     return names
 
 
-def check_placeholders(template: str, where: str, *, resume_args: bool = False) -> None:
+def check_placeholders(template: str, where: str, *, resume_args: bool = False, extra: frozenset[str] = frozenset()) -> None:
     try:
         names = fields_of(template)
     except ValueError as exc:
         raise InputError(f"{where}: {template!r}: bad placeholder ({exc}); write {{{{ and }}}} for literal braces") from None
     for name in names:
-        if name not in PLACEHOLDERS:
+        if name not in PLACEHOLDERS and name not in extra:
             raise InputError(f"{where}: {template!r}: unknown placeholder {{{name}}} (known: {', '.join('{' + p + '}' for p in PLACEHOLDERS)})")
         if name in RESUME_ONLY and not resume_args:
             raise InputError(f"{where}: {template!r}: {{{name}}} is known only when resuming: use it in resume.args")

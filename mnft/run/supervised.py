@@ -55,7 +55,12 @@ def main(folder: str) -> int:
     error = None
     try:
         with interrupts.handling():  # SIGINT (`mnft stop`) and SIGTERM as for an attached train: children ended, the gang torn down
-            code = train(spec["inventory"], spec["options"], console)
+            if spec.get("sweep") is not None:  # a sweep: its queue kept here, each point a train of its own (mnft.run.sweeper)
+                from mnft.run import sweeper
+
+                code = sweeper.run(spec, here, console)
+            else:
+                code = train(spec["inventory"], spec["options"], console)
     except KeyboardInterrupt as exc:
         code, error = getattr(exc, "exit_code", ExitCode.INTERRUPTED), str(exc) or "interrupted"
         console.print(f"the supervisor was {error}: the run's gang was stopped")
@@ -66,3 +71,29 @@ def main(folder: str) -> int:
         sys.stdout.flush()
         _write(here / EXIT, {"code": int(code), "error": error, "at": time.time()})
     return int(code)
+
+
+def point(folder: str, point_id: str) -> int:
+    """One point of a sweep: its `train`, in a child process of the sweep's supervisor (mnft.run.sweeper), its spec
+    on stdin, its output into points/<id>.log; SIGINT from the sweep's supervisor is `mnft stop` for it."""
+    from rich.console import Console
+
+    from mnft.core import interrupts
+    from mnft.core.errors import ExitCode, MnftError
+    from mnft.run.train import train
+
+    spec = pickle.loads(sys.stdin.buffer.read())  # the sweep's supervisor's own pickle
+    sys.stdin.close()
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    console = Console(file=sys.stdout, width=160, force_terminal=False, soft_wrap=True, highlight=False)
+    try:
+        with interrupts.handling():
+            return int(train(spec["inventory"], spec["options"], console))
+    except KeyboardInterrupt as exc:
+        console.print(f"point {point_id}: {exc or 'interrupted'}")
+        return int(getattr(exc, "exit_code", 130))
+    except MnftError as exc:
+        console.print(f"error: {exc}")
+        return int(exc.exit_code)
+    finally:
+        sys.stdout.flush()

@@ -54,7 +54,8 @@ from mnft.run import launch as launching
 from mnft.run import records
 
 ENTRY = "superhost"
-FINAL = ("succeeded", "failed", "stopped", "resumable", "idle-stopped", "refused", "sync-failed", "interrupted", "supervisor-lost")
+FINAL = ("succeeded", "failed", "stopped", "resumable", "idle-stopped", "refused", "sync-failed", "interrupted", "supervisor-lost",
+         "dependency-failed")
 KEEP_LOCAL = ("inventory", "supervisor", "started_in")  # what the controller's mirror keeps of its own on a refresh
 
 
@@ -103,6 +104,10 @@ def why_not(found: dict, the_bundle: bundling.Bundle, place: Place) -> str | Non
 
 def needs_supervisor(options: Any, inventory: Inventory) -> str | None:
     """What this run asked for that only a supervisor gives (None: nothing)."""
+    if options.sweep is not None:
+        return "a sweep"
+    if options.after is not None and not options.after.get("local") and "where" in options.after:
+        return "--after a detached run"
     if options.recovery.max_restarts:
         return "--max-restarts"
     if inventory.spares:
@@ -176,10 +181,14 @@ def _start(fleet: Fleet, host: Host, run_id: str, digest: str, spec: bytes, mean
     return data
 
 
-def _known_lines(inventory: Inventory) -> str:
+def _known_lines(inventory: Inventory, after: dict | None = None) -> str:
     """This controller's recorded host keys for the run's hosts (public data), as the supervisor's known_hosts: the
-    lines naming one of them, in plain or hashed form (`|1|salt|hmac`, as ssh-keygen -H writes them)."""
+    lines naming one of them, in plain or hashed form (`|1|salt|hmac`, as ssh-keygen -H writes them); and the host
+    where the supervisor of the run it waits for (--after) lives."""
     wanted = {known_name(h.address, h.port or 22) for h in inventory.hosts}
+    where = (after or {}).get("where") or {}
+    if where.get("address"):
+        wanted.add(known_name(str(where["address"]), int(((where.get("reach") or {}).get("port")) or 22)))
     out = []
     for path in (inventory.known_hosts, mnft_known_hosts()):
         if path is None or not Path(path).is_file():
@@ -214,22 +223,49 @@ def _push(host: Host, src: Path, target: str, inventory: Inventory) -> None:
         raise SupervisorError(f"{host.name}: the run's code did not reach the supervisor: {said[-1] if said else f'rsync exit {outcome.exit_code}'}")
 
 
-def _pull(host: Host, run_id: str, into: Path, inventory: Inventory) -> bool:
-    """The supervisor's record of the run into `into` (rsync; its stop request and the controller's own keys stay)."""
+def _pull(host: Host, run_id: str, into: Path, inventory: Inventory, inner: tuple[str, ...] | None = None) -> bool:
+    """The supervisor's record of the run into `into` (rsync; its stop request and the controller's own keys stay);
+    `inner`: a sweep's records instead (its own and its points', runs/<id>/ each), into the runs directory `into`."""
     from mnft.sync.rsync import SshSettings, ssh_command
 
     import subprocess
 
-    remote = f"{superhost.RUNS[2:]}/{run_id}/runs/{run_id}/"
+    tail = f"{run_id}/runs/" if inner is not None else f"{run_id}/runs/{run_id}/"
+    rules = [a for name in inner or () for a in ("--include", f"/{name}/", "--include", f"/{name}/**")] + (["--exclude", "*"] if inner is not None else [])
+    common = ["--exclude", records.STOP_REQUESTED, "--exclude", "run.json.tmp", "--exclude", "live.tmp", *rules]
     if host.is_local:
-        source = os.path.expanduser(superhost.RUNS) + f"/{run_id}/runs/{run_id}/"
-        argv = ["rsync", "-a", "--exclude", records.STOP_REQUESTED, "--exclude", "run.json.tmp", source, str(into) + "/"]
+        argv = ["rsync", "-a", *common, os.path.expanduser(superhost.RUNS) + "/" + tail, str(into) + "/"]
     else:
         address = f"[{host.address}]" if ":" in host.address else host.address
-        argv = ["rsync", "-a", "-s", "--timeout=30", "--exclude", records.STOP_REQUESTED, "--exclude", "run.json.tmp",
-                "-e", ssh_command(host, SshSettings.for_inventory(inventory)), f"{address}:{remote}", str(into) + "/"]
+        argv = ["rsync", "-a", "-s", "--timeout=30", *common, "-e", ssh_command(host, SshSettings.for_inventory(inventory)),
+                f"{address}:{superhost.RUNS[2:]}/{tail}", str(into) + "/"]
     done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
     return done.returncode == 0
+
+
+def _points_mirrored(record: records.RunRecord, host: Host, inventory: Inventory, where: dict) -> None:
+    """A sweep's points' records here, beside its own (one rsync): each with this controller's inventory of its
+    hosts and the sweep's supervisor, so that status, logs and stop of a point reach its hosts from here."""
+    from mnft.run.rerun import snapshot
+
+    ids = tuple(p["run_id"] for p in (record.data.get("sweep") or {}).get("points") or [] if isinstance(p, dict) and records.RUN_ID.fullmatch(str(p.get("run_id"))))
+    root = record.path.parent
+    _pull(host, record.run_id, root, inventory, (record.run_id, *ids))
+    for point_id in ids:
+        path = root / point_id / "run.json"
+        if not path.is_file():
+            continue
+        try:
+            data = records.read_record(path)
+        except InputError:
+            continue
+        names = [h.get("name") for h in (data.get("inventory") or {}).get("hosts") or [] if isinstance(h, dict)]
+        mine = inventory.only(names) if names else inventory
+        data.update(inventory=snapshot(mine), supervisor=dict(where, sweep=record.run_id, point=(data.get("sweep") or {}).get("index")),
+                    started_in=record.data.get("started_in"))
+        point = records.RunRecord(path.parent, data)
+        point.save()
+        records.add_to_index(point.path)
 
 
 # ------------------------------------------------------------------------------------------------ hand off
@@ -275,11 +311,13 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
                                        "once per version)"), soft_wrap=True)
                     _one(fleet, place.host, "unpack", the_bundle.digest, stdin=bundling.contents(the_bundle), timeout=600)
                 run_id = launching.new_run_id()
-                files = {"home/known_hosts": _known_lines(inventory)}
+                files = {"home/known_hosts": _known_lines(inventory, options.after)}
                 if state_path().is_file():
                     files["home/provision/hosts.json"] = limits.read_file(state_path(), limits.STATE_BYTES, "the provision record", "STATE_BYTES").decode()
                 if previous is not None:
                     files[f"runs/{previous.run_id}/run.json"] = json.dumps(previous.data)
+                for point in (options.sweep.resumed if options.sweep is not None else ()):  # a sweep's points run again from their records
+                    files[f"runs/{point.run_id}/run.json"] = json.dumps(point.data)
                 folder = _one(fleet, place.host, "prepare", run_id, stdin=json.dumps(files).encode())["dir"]
             finally:
                 code = fixing.result() if fixing is not None else None
@@ -290,12 +328,21 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
             as_given = {"env_specs": list(lopts.env), "env_files": list(lopts.env_files), "src": str(code.source) if code is not None else None}
             src_there = Path(folder) / "src" if code is not None else None
             sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor={**where, "as_given": as_given})
-            spec = pickle.dumps({"run_id": run_id, "inventory": as_seen_from(inventory, place), "options": sup_options, "environ": environ})
+            the_spec = {"run_id": run_id, "inventory": as_seen_from(inventory, place), "options": sup_options, "environ": environ}
+            kept = dict(job=job.to_record(), recipe=job.recipe, detach=True, supervisor=where, hosts={}, attempts=[],
+                        code_hash=code.tree.digest if code is not None else None)
+            if options.sweep is not None:  # one supervisor keeps the sweep's queue; its points are runs of their own
+                from mnft.run.sweep import KIND
+
+                the_sweep = options.sweep.record(run_id, options.after)
+                the_spec.update(sweep=the_sweep, record=dict(kept, kind=KIND, sweep=the_sweep, inventory=snapshot(as_seen_from(inventory, place)),
+                                                             state="running", launched=True, resumed_from=options.sweep.resumed_from))
+                kept.update(kind=KIND, sweep=the_sweep, resumed_from=options.sweep.resumed_from)
+            spec = pickle.dumps(the_spec)
             record = records.RunRecord.create(
-                run_id, job_id=run_id if previous is None else previous.data.get("job_id", previous.run_id), job=job.to_record(),
-                recipe=job.recipe, state="handed-over", launched=False, detach=True, inventory=snapshot(inventory),
-                resumed_from=previous.run_id if previous else None, supervisor=where, hosts={}, attempts=[],
-                code_hash=code.tree.digest if code is not None else None,
+                run_id, **dict(dict(job_id=run_id if previous is None else previous.data.get("job_id", previous.run_id),
+                                    resumed_from=previous.run_id if previous else None), **kept),
+                state="handed-over", launched=False, inventory=snapshot(inventory),
             )
             try:  # the supervisor starts (its imports) while the code is copied there; its spec follows the code
                 started = _start(fleet, place.host, run_id, the_bundle.digest, spec,
@@ -310,8 +357,14 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
         spent["handoff_s"] = round(time.monotonic() - t0, 3)
         where.update(pid=started["pid"], start=started["start"], since=time.time(), alive=True, seen=time.time(), timings=spent)
         record.update(supervisor=where, launched=True, state="supervised")
-        console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
-                                    "it checks, syncs, waits in line, runs and restarts there, with this terminal closed"), soft_wrap=True)
+        if options.sweep is not None:
+            points = len(record.data["sweep"]["points"])
+            console.print(Text.assemble((f"sweep {run_id}", "bold"), f" ({points} point(s), each a run of its own) handed to its supervisor on "
+                                        f"{place.host.name} ({place.why}; pid {started['pid']}): it starts the points on free GPUs as they free up, "
+                                        "with this terminal closed"), soft_wrap=True)
+        else:
+            console.print(Text.assemble((f"run {run_id}", "bold"), f" handed to its supervisor on {place.host.name} ({place.why}; pid {started['pid']}): "
+                                        "it checks, syncs, waits in line, runs and restarts there, with this terminal closed"), soft_wrap=True)
         exit_code = _until_started(fleet, place.host, record, console)
     refresh(record)
     if exit_code == ExitCode.OK:
@@ -381,6 +434,15 @@ def refresh(record: records.RunRecord, console: Console | None = None) -> dict:
     supervisor gone while its run had not ended makes the run `supervisor-lost`, with the command that resumes it."""
     if not supervised(record):
         return {}
+    if (record.data.get("supervisor") or {}).get("sweep") and record.data.get("kind") != "sweep":  # a point: its sweep is what is refreshed
+        try:
+            sweep_record = records.load(record.data["supervisor"]["sweep"], anywhere=True)
+        except InputError:
+            return dict(record.data["supervisor"])
+        where = refresh(sweep_record, console)
+        if (record.path / "run.json").is_file():
+            record.data = records.read_record(record.path / "run.json")
+        return where
     mine = {k: record.data.get(k) for k in KEEP_LOCAL}
     where = dict(mine["supervisor"])
     if record.data.get("state") in FINAL and where.get("alive") is False:
@@ -395,7 +457,10 @@ def refresh(record: records.RunRecord, console: Console | None = None) -> dict:
         return where
     pid_ok = (found.get("supervisor") or {}).get("pid") == where.get("pid")
     alive = bool(found.get("alive")) and pid_ok
-    _pull(host, record.run_id, record.path, inventory)
+    if record.data.get("kind") == "sweep":
+        _points_mirrored(record, host, inventory, dict(where, alive=alive, seen=time.time()))
+    else:
+        _pull(host, record.run_id, record.path, inventory)
     fresh = records.read_record(record.path / "run.json") if (record.path / "run.json").is_file() else record.data
     fresh.update({k: v for k, v in mine.items() if v is not None})
     where.update(alive=alive, seen=time.time(), exit=found.get("exit"), error=None)
@@ -472,6 +537,32 @@ def stopped(record: records.RunRecord, within: float, console: Console, as_json:
         console.print(Text(f"run {record.run_id}: {state}" + (f" ({record.data.get('reason')})" if record.data.get("reason") else "")
                            + ("" if not where.get("alive") else f"; its supervisor on {where.get('host')} has not ended yet")), soft_wrap=True)
     return ExitCode.OK if state == "stopped" and not where.get("alive") else ExitCode.FAILED
+
+
+def judge_after(after: Any, detached: bool) -> dict | None:
+    """What the dependent run needs to wait for RUN (None: no --after); a RUN unknown here is bad input."""
+    if after is None:
+        return None
+    from mnft.run.after import ENDED
+
+    record = records.load(after.run_id, anywhere=True)
+    if supervised(record):
+        refresh(record)
+    dep: dict[str, Any] = {"run_id": after.run_id, "any": after.any_end, "state": record.data.get("state")}
+    if record.data.get("state") in ENDED:
+        return dep
+    where = record.data.get("supervisor") if supervised(record) else None
+    if where is not None:
+        folder = where.get("dir")
+        dep["where"] = {k: where.get(k) for k in ("host", "address", "reach", "pid", "start")}
+        dep["where"]["dir"] = folder
+        dep["where"]["name"] = os.path.basename(str(folder).rstrip("/")) if folder else after.run_id
+        return dep
+    if detached:
+        raise InputError(f"--after {after.run_id}: run {after.run_id} is attached to a terminal on this machine, which a detached run's "
+                         f"supervisor on the lab cannot watch: wait for it here (leave out --detach), or start {after.run_id} with --detach")
+    dep["local"] = True
+    return dep
 
 
 # ------------------------------------------------------------------------------------------------ mnft check

@@ -71,6 +71,8 @@ class TrainOptions:
     notify: Any = None  # --notify CMD (mnft.run.notify.Notify): told when it starts after waiting in line and when it ends
     run_id: str | None = None  # the run's id when its supervisor starts it (mnft.run.supervisor chose it); None: a new one
     supervisor: dict | None = None  # where this run's supervisor lives (host, why, dir): a detached run, supervised on the lab
+    after: dict | None = None  # --after RUN[:any], as judged on the controller (mnft.run.after.judge): waited for before the line
+    sweep: Any = None  # --sweep / a job file's sweep: (mnft.run.sweepspec.SweepSpec): one run per point, under its supervisor (mnft.run.sweeper)
 
 
 # ------------------------------------------------------------------------------------------------ port
@@ -161,7 +163,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             run_id, job_id=job_id, job=job.to_record(), recipe=job.recipe, overrides=list(job.extra_args) if job.recipe else [],
             env_specs=list(given.get("env_specs", lopts.env)), env_files=list(given.get("env_files", lopts.env_files)), rdzv=lopts.rdzv, resume=lopts.resume,
             resumed_from=previous.run_id if previous else None, detach=lopts.detach or options.supervisor is not None,
-            supervisor=options.supervisor, inventory=snapshot(inventory), hosts={},
+            supervisor=options.supervisor, sweep=point_of_sweep(options.supervisor), inventory=snapshot(inventory), hosts={},
             timings=timings, state="checking", launched=False, launch={"in_workdir": lopts.in_workdir},
             code_hash=guard.code.tree.digest if guard.code is not None else None,
             code={"src": given.get("src") or str(guard.code.source), "hash": guard.code.tree.digest, "files": len(guard.code.tree.files),
@@ -169,6 +171,8 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
             recovery={"max_restarts": policy.max_restarts, "min_nodes": policy.min_nodes,
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
         )
+    if options.after is not None and record is not None:  # --after RUN: no place in any line until RUN has ended as asked
+        waited_for(options, record, console)
     # the run's devices and workdir on every host; taken by another run (or a host under setup) refuses it here,
     # untouched, unless it waits in line
     guard.hold(record, inventory, run_id, Scope(gpus=gpus, wait=options.wait, below="" if lopts.in_workdir else f"outputs/{job_id}"), on_wait=WaitLine(console).update,
@@ -221,6 +225,29 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
         record.update(sync={"ok": True, "src": given.get("src") or str(guard.code.source), "hash": guard.code.tree.digest} if guard.code is not None else None,
                       timings=timings)
     return run.supervise(gang_names, spares, report.master_addr, port)
+
+
+def waited_for(options: TrainOptions, record: records.RunRecord, console: Console) -> None:
+    """--after RUN: wait (here, or on the lab where this run is supervised) until RUN has ended; RUN not succeeded
+    (or ended at all, for RUN:any) ends this run `dependency-failed`, naming RUN and its state."""
+    from mnft.run.after import wait_for
+
+    dep = options.after
+    record.update(state="waiting", reason=f"after run {dep['run_id']}", after={"run": dep["run_id"], "any": bool(dep.get("any"))})
+    say = lambda text: console.print(Text(text, style="yellow"), soft_wrap=True)  # noqa: E731
+    why = wait_for(dep, say)
+    if why is not None:
+        record.update(state="dependency-failed", reason=why)
+        raise RunFailed(why)
+    record.update(state="checking", reason=None)
+    say(f"run {dep['run_id']} ended {'' if dep.get('any') else 'succeeded'}: this run takes its place in line now".replace("ended succeeded", "succeeded"))
+
+
+def point_of_sweep(where: dict | None) -> dict | None:
+    """A sweep's point names its sweep in its record: {id, index, values} (None: a run of its own)."""
+    if not where or not where.get("sweep"):
+        return None
+    return {"id": where["sweep"], "index": where.get("point"), "values": where.get("values") or {}}
 
 
 def judged_input(inventory: Inventory, options: TrainOptions, lopts: LaunchOptions) -> tuple[dict, dict, Path, Any, int | None]:
