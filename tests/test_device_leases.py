@@ -32,11 +32,11 @@ def fleet_of(workdir: Path) -> Fleet:
 
 
 def other(lease_dir: Path, run_id: str, workdir: Path, *, wait: bool = False, queued: float | None = None) -> subprocess.Popen:
-    """Another controller's hold process for a run on this host (its stdin is its channel)."""
+    """Another controller's hold process for a run on this host alone (its stdin is its channel)."""
     holder = {"op": f"op-{run_id}", "command": "train", "run_id": run_id, "user": "ana", "controller": "ctl2", "pid": 4242, "started": time.time(),
               "scope": {"gpus": None, "workdir": str(workdir)}}
     if wait:
-        holder.update(wait=True, queued=queued or time.time(), ticket=f"t{run_id}", want=None)
+        holder.update(wait=True, queued=queued or time.time(), ticket=f"t{run_id}", want=None, hosts=1)
     proc = subprocess.Popen([sys.executable, "-c", pyrun.BOOTSTRAP, "hold"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env=dict(os.environ, MNFT_LEASE_DIR=str(lease_dir)), cwd="/")
     proc.stdin.write(pyrun.payload("leasehost") + json.dumps(holder).encode() + b"\n")

@@ -177,34 +177,41 @@ def over_limit_words(who: str, holds: int, limit) -> str:
     return f"{who} holds {holds} GPU(s) here, the lab's max_gpus_while_others_wait is {limit if limit is not None else '?'}: their runs wait while others do"
 
 
-def ahead_words(other: dict, me: dict, policy: dict | None = None) -> str:
+def ahead_rule(other: dict, me: dict, policy: dict | None = None) -> str:
     """Why one ticket of a host's line is before another, by the first rule that tells them apart."""
-    run = leases.shown(other.get("run_id"))
-    label = f"{waiter(other)}'s {'run ' + run if run else leases.shown(other.get('command'), 20) or 'run'}"
     (o_over, o_held, _), (m_over, m_held, m_holds) = _fair(other), _fair(me)
     if spans_hosts(other) and spans_hosts(me):
-        rule = "first come, first served, as between all runs over several hosts"
-    elif o_over < m_over:
-        rule = over_limit_words(waiter(me), m_holds, (policy or {}).get("max_gpus_while_others_wait"))
-    elif o_over > m_over or o_held > m_held:  # before an earlier run over several hosts, which this one stays behind
-        rule = "before an earlier run over several hosts, which this one stays behind: those start in the order they came"
-    elif o_held < m_held:
+        return "first come, first served, as between all runs over several hosts"
+    if o_over < m_over:
+        return over_limit_words(waiter(me), m_holds, (policy or {}).get("max_gpus_while_others_wait"))
+    if o_over > m_over or o_held > m_held:  # before an earlier run over several hosts, which this one stays behind
+        return "before an earlier run over several hosts, which this one stays behind: those start in the order they came"
+    if o_held < m_held:
         them = f"{waiter(other)}'s run spans several hosts and counts none" if spans_hosts(other) else f"{waiter(other)} holds {o_held}"
-        rule = f"fewest GPUs held first: {them} here, {waiter(me)} {m_held}"
-    else:
-        rule = "first come, first served"
-    return f"{label} ({rule})"
+        return f"fewest GPUs held first: {them} here, {waiter(me)} {m_held}"
+    return "first come, first served"
+
+
+def run_label(holder: dict) -> str:
+    """"alice's run R" (a ticket's run; its command when it names no run)."""
+    run = leases.shown(holder.get("run_id"))
+    return f"{waiter(holder)}'s {'run ' + run if run else leases.shown(holder.get('command'), 20) or 'run'}"
 
 
 def why_waits(line: list[dict], at: int, policy: dict | None = None) -> str:
-    """Why the run at `at` (0: the first) of a host's line (in its fair order) waits: its position, and who is
-    ahead of it by which rule ("position 2: behind alice's run R (fewest GPUs held first: alice holds 0 here, bob 3)")."""
+    """Why the run at `at` (0: the first) of a host's line (in its fair order) waits: its position, and the runs
+    ahead of it grouped by the rule that puts them there ("position 3: behind alice's run R and bob's run S (fewest
+    GPUs held first: …)")."""
     if at == 0:
         return "first in line: it starts once its devices are free"
-    me = line[at]
-    behind = [ahead_words(other, me, policy) for other in line[:at]]
-    more = f" and {len(behind) - 3} more" if len(behind) > 3 else ""
-    return f"position {at + 1}: behind {'; '.join(behind[:3])}{more}"
+    me, rules = line[at], {}
+    for other in line[:at]:
+        rules.setdefault(ahead_rule(other, me, policy), []).append(run_label(other))
+    parts = []
+    for rule, labels in rules.items():
+        more = f" and {len(labels) - 3} more" if len(labels) > 3 else ""
+        parts.append(f"{' and '.join(labels) if len(labels) == 2 else ', '.join(labels[:3]) + more} ({rule})")
+    return f"position {at + 1}: behind {'; '.join(parts)}"
 
 
 LIMITS = ("max_gpus_while_others_wait", "max_waiting")

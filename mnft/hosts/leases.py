@@ -437,7 +437,7 @@ class Leases:
         refused outright (then the last word on this host, marked "waited", is the refusal)."""
         deadline = time.monotonic() + (self.scope.wait if self.scope and self.scope.wait is not None else 0)
         last = None
-        while reply is not None and reply.get("waiting"):
+        while reply is not None and reply.get("waiting") is True and not reply.get("busy"):  # a line-full refusal counts its "waiting" runs
             last = reply
             if self.on_wait is not None:
                 self.on_wait(host, reply)

@@ -144,15 +144,16 @@ def print_users(per_user: dict) -> None:
     from mnft.hosts.lab import limits_line
 
     limits = per_user["limits"]
+    limited = limits.get("differ") or any(limits.get(k) is not None for k in ("max_gpus_while_others_wait", "max_waiting"))
     if per_user["users"]:
         table = Table(title="users")
-        for col in ("user", "GPUs held", "waiting in line", "at max_gpus_while_others_wait on"):
+        for col in ("user", "GPUs held", "waiting in line", *(("at max_gpus_while_others_wait on",) if limited else ())):
             table.add_column(col)
         for u in per_user["users"]:
             held = str(u["gpus_held"]) + (f" ({', '.join(f'{h}: {n}' for h, n in u['held_on'].items())})" if len(u["held_on"]) > 1 else "")
-            table.add_row(plain(u["user"]), plain(held), plain(str(u["waiting"])), plain(", ".join(u["at_limit_on"])))
+            table.add_row(plain(u["user"]), plain(held), plain(str(u["waiting"])), *((plain(", ".join(u["at_limit_on"])),) if limited else ()))
         console().print(table)
-    if limits.get("differ") or any(limits.get(k) is not None for k in ("max_gpus_while_others_wait", "max_waiting")):
+    if limited:
         console().print(plain(limits_line(limits), style="cyan"))
 
 

@@ -14,7 +14,8 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
 
     boot          the payload's reader on the host: its modules served to `import` from memory, the entry's main run
     leasehost     the host's leases (`hold`, `show`, `lab`, `drain`, `usage`, `rundirs`): leases (take, release, show,
-                  lab), line (the waiting line's tickets), hold (the held process and the runs it forks),
+                  lab), line (the waiting line's tickets, its fair order, max_waiting), labpolicy (the lab
+                  admin's rules: /etc/mnft/lab.yaml), hold (the held process and the runs it forks),
                   leasefiles (the lease directory and its files, safely opened), runs (a run's processes, collisions),
                   gpuread (the GPUs read for a take or a look, topology, pick), smi (nvidia-smi within a bound),
                   gpucache (this boot's records), health (what is wrong with a GPU), kernellog (the Xids, read where
@@ -22,7 +23,8 @@ Entries (a `main(argv)`, named by the command that ships them) and the modules t
                   drain (admins' marks), usageread (`lab --usage`)
     agent         a run on this host (`launch`, `keep`, `stop`, `status`, `tail`, `pack`, sessions): launcher (start,
                   supervise), keeper (the run's session leader), runprocs (the run's processes, proved and signalled),
-                  runleases (the leases a keeper holds), watches (idle and collision watches), samples (straggler
+                  runleases (the leases a keeper holds), watches (idle and collision watches; the lab's idle_stop
+                  from labpolicy), samples (straggler
                   samples), follow (files followed as they grow), queries (status, tail, checkpoints, logs packed),
                   sessions (`mnft shell`), containers (a run's container), rungpus (nvidia-smi for a run),
                   runfiles (a run directory's files)
