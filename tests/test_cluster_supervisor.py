@@ -125,7 +125,7 @@ class Member(Controller):
         except subprocess.TimeoutExpired:
             raise AssertionError(f"run {run_id} did not end; its supervisor said:\n{self.console(run_id)[-6000:]}") from None
         record = json.loads((self.dir / "runs" / run_id / "run.json").read_text())
-        assert record["state"] in ("succeeded", "failed", "stopped", "resumable", "supervisor-lost"), (done.stdout, done.stderr)
+        assert record["state"] in ("succeeded", "failed", "stopped", "resumable", "supervisor-lost", "dependency-failed"), (done.stdout, done.stderr)
         return record
 
     def console(self, run_id: str) -> str:

@@ -330,7 +330,9 @@ def hand_off(inventory: Inventory, options: Any, console: Console) -> int | None
             sup_options = replace(options, launch=sup_lopts, src=src_there, run_id=run_id, supervisor={**where, "as_given": as_given})
             the_spec = {"run_id": run_id, "inventory": as_seen_from(inventory, place), "options": sup_options, "environ": environ}
             kept = dict(job=job.to_record(), recipe=job.recipe, detach=True, supervisor=where, hosts={}, attempts=[],
-                        code_hash=code.tree.digest if code is not None else None)
+                        code_hash=code.tree.digest if code is not None else None,
+                        code={"src": str(code.source), "hash": code.tree.digest} if code is not None else None,
+                        env_specs=list(lopts.env), env_files=list(lopts.env_files))
             if options.sweep is not None:  # one supervisor keeps the sweep's queue; its points are runs of their own
                 from mnft.run.sweep import KIND
 

@@ -185,7 +185,7 @@ def point_row(point: Mapping[str, Any], record: Mapping[str, Any] | None, metric
         seconds = round((ended if isinstance(ended, (int, float)) else (now or time.time())) - started, 1)
     return {"index": point.get("index"), "run_id": point.get("run_id"), "values": dict(point.get("values") or {}), "state": state,
             "where": where, "step": last_step, "last": values[-1][1] if values else None, "best": best, "seconds": seconds,
-            "reason": record.get("reason") if state not in ("succeeded", "running", "waiting") else None}
+            "reason": (record.get("reason") or point.get("reason")) if state not in ("succeeded", "running", "waiting") else None}
 
 
 def best_row(rows: Sequence[dict], goal: str) -> dict | None:
