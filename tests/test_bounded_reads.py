@@ -126,6 +126,8 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("onhost/superhost.py", "unpack", "tarfile.open"): ("the supervisor's bundle, streamed from stdin", STDIN),
     ("onhost/superhost.py", "reach.one", "subprocess.run"): ("ssh's answer to `true`", "none: this host's own ssh, a line of error at most"),
     ("run/supervised.py", "main", ".read"): ("the supervisor's spec, through the pipe superhost gave it", STDIN),
+    ("run/supervised.py", "point", ".read"): ("a sweep's point's spec, through the pipe its sweep's supervisor gave it", STDIN),
+    ("run/sweepreport.py", "metrics_of", "limits.read_bytes"): ("a sweep's point's metrics (metrics.jsonl, live-metrics.jsonl)", "METRICS_FILE_BYTES"),
     ("run/bundle.py", "build", ".open"): ("this controller's installed library files, into the bundle", "none: the controller's own installed files"),
     ("run/bundle.py", "build", ".read_bytes"): ("this controller's installed library files, hashed", "none: the controller's own installed files"),
     ("run/bundle.py", "build", "tarfile.open"): ("the bundle being written (gzip)", "none: written here, never read"),

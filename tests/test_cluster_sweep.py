@@ -180,7 +180,7 @@ def test_a_second_users_run_submitted_after_the_sweep_started_goes_before_its_re
                 break
             time.sleep(1)
         users = {u["user"]: u for u in rows.get("users") or []}
-        assert users["bob"]["held"] == 8 and users["alice"]["waiting"] == 1, rows.get("users")
+        assert users["bob"]["gpus_held"] == 8 and users["alice"]["waiting"] == 1, rows.get("users")
         h1_points = [p for p in data["points"] if p["state"] == "running" and p["where"].startswith("h1")]
         end(lab, f"fair{h1_points[0]['values']['seed']}", [lab.hosts[0]])  # one GPU of h1 frees up
         deadline = time.monotonic() + 60

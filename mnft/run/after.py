@@ -11,7 +11,6 @@ wait.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from typing import Callable
@@ -51,15 +50,11 @@ def wait_for(dep: dict, say: Callable[[str], None], every: float = EVERY, sleep=
 
 def _read_there(where: dict, run_id: str) -> tuple[str | None, bool | None]:
     """(RUN's state, its supervisor alive) read on this host when RUN's supervisor lives here, else over SSH."""
+    from mnft.onhost.superhost import ME, _read_json, state
+
     folder = str(where.get("dir") or "")
-    me = os.path.join(folder, "supervisor.json")
-    try:
-        with open(me, encoding="utf-8") as fh:
-            here = json.loads(fh.read(1 << 16))
-    except (OSError, ValueError):
-        here = None
+    here = _read_json(os.path.join(folder, ME))
     if isinstance(here, dict) and here.get("pid") == where.get("pid") and here.get("start") == where.get("start"):
-        from mnft.onhost.superhost import state
 
         found = state(os.path.basename(folder.rstrip("/")), 0, run_id if run_id != os.path.basename(folder.rstrip("/")) else None)
         return found.get("run_state"), bool(found.get("alive"))

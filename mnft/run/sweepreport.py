@@ -28,7 +28,7 @@ def metrics_of(folder: Path) -> list[dict]:
         if not path.is_file():
             continue
         try:
-            text = limits.read_bytes(path, limits.RECORD_BYTES, "a metrics file", "RECORD_BYTES").decode("utf-8", "replace")
+            text = limits.read_bytes(path, limits.METRICS_FILE_BYTES, "a metrics file", "METRICS_FILE_BYTES").decode("utf-8", "replace")
         except (InputError, OSError):
             continue
         out = []
