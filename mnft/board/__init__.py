@@ -11,8 +11,8 @@ slurm), and nothing imports it but the command line.
     state    what every open page sees: one poller thread asks the hosts (the lab, the hosts of the runs going on)
              and keeps each answer as versioned JSON
     runs     a run's row and page from what mnft records of it (run.json, live.json, live-metrics.jsonl,
-             metrics.jsonl, summary.json, collected output) and its hosts' answer; the other controllers' runs
-             from the lab
+             metrics.jsonl, summary.json, collected output) and its hosts' answer; a sweep's row and page from its
+             record and its points' (mnft.run.sweep's table and best point); the other controllers' runs from the lab
     static/  index.html, board.js (builds the page with createElement and textContent only), board.css, and uPlot
              1.6.32 (uPlot.iife.min.js, uPlot.min.css, MIT: uPlot.LICENSE), vendored as files: no build step, no CDN
 """

@@ -6,8 +6,10 @@ Routes, GET (and HEAD) only; any other method is refused with 405 before routing
     /static/…               board.js, board.css, uPlot (vendored: no CDN, works without internet)
     /api/lab                the lab: `mnft lab --json`'s devices, each host's last answer (mnft.board.state)
     /api/usage              the last week's GPU-hours per user and host, idle share (`mnft lab --usage --json`'s)
-    /api/runs               every run's row: this controller's runs/ and the other controllers' runs the lab shows
-    /api/runs/{id}          a run's page: curve, where the time went, hosts, last lines, first failure
+    /api/runs               every run's row: this controller's runs/ and the other controllers' runs the lab shows;
+                            a sweep one row (kind sweep), its points' rows under it
+    /api/runs/{id}          a run's page: curve, where the time went, hosts, last lines, first failure; a sweep's id:
+                            the sweep's page (its points' table, every point's curve of its metric, the best point)
     /api/events[?run=ID]    server-sent events: `lab`, `runs` (and `run` for ID) each time one changes; each stream
                             ends when the server shuts down (Ctrl-C), so no open page holds the board's exit up
 

@@ -454,9 +454,6 @@ def collected_lines(path: Path, data: dict, host: str) -> list[tuple[int | None,
 SWEEP_POINTS_MAX = 1000  # points of one sweep the board reads (a record with more: its first ones)
 SWEEP_SERIES_MIN = 200  # points of each point's curve sent at least, however many points the sweep has (else POINTS_MAX in all)
 
-MetricsOf = Callable[[Path, bool, str], "list[tuple[int | None, float | None]]"]
-
-
 def sweep_of(data: dict) -> dict | None:
     """A sweep's own record's `sweep` (runs/<sweep>/run.json of kind sweep: keys, metric, goal, points), or None."""
     block = data.get("sweep")
@@ -486,24 +483,51 @@ def metric_pairs(path: Path, running: bool, metric: str) -> list[tuple[int | Non
     return [(_int(r.get("step")), number(sweeps.metric_of(r, metric))) for r in found]
 
 
+def metric_digest(pairs: list[tuple[int | None, float | None]], goal: str) -> dict:
+    """What a point's row and curve need of its step records: the few of them that mnft.run.sweep.point_row reads
+    to the same row (`essential`, in their order: the first at the best value, the last with a value, the last with
+    a step), its curve (`x` the steps, `y` the value at each: a step trained again after a restart, its last value)
+    and the step it reached its best at."""
+    valued = [(i, v) for i, (_, v) in enumerate(pairs) if v is not None]
+    keep: set[int] = set()
+    best = None
+    if valued:
+        best = (min if goal == "min" else max)(valued, key=lambda iv: iv[1])[0]  # the first at the best value
+        keep |= {best, valued[-1][0]}
+    last_step = next((i for i in range(len(pairs) - 1, -1, -1) if pairs[i][0] is not None), None)
+    if last_step is not None:
+        keep.add(last_step)
+    by_step = {step: v for step, v in pairs if step is not None and v is not None}
+    xs = sorted(by_step)
+    return {"essential": [pairs[i] for i in sorted(keep)], "x": xs, "y": [by_step[x] for x in xs],
+            "best_step": pairs[best][0] if best is not None else None}
+
+
+def read_digest(path: Path, running: bool, metric: str, goal: str) -> dict:
+    return metric_digest(metric_pairs(path, running, metric), goal)
+
+
+MetricsOf = Callable[[Path, bool, str, str], dict]  # read_digest, or a MetricsCache of it
+
+
 class MetricsCache:
-    """metric_pairs, read again only when the point's files change (stamp): a sweep's row and page read every point's
-    records, and only the points going on change. One per board, shared by the poller and the pages."""
+    """read_digest, read again only when the point's files change (stamp): a sweep's row and page read every point's
+    step records, and only the points going on change. One per board, shared by the poller and the pages."""
 
     def __init__(self) -> None:
-        self._kept: dict[tuple[str, bool, str], tuple[tuple, list]] = {}
+        self._kept: dict[tuple[str, bool, str, str], tuple[tuple, dict]] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, path: Path, running: bool, metric: str) -> list[tuple[int | None, float | None]]:
-        key, mark = (str(path), running, metric), stamp(path)
+    def __call__(self, path: Path, running: bool, metric: str, goal: str) -> dict:
+        key, mark = (str(path), running, metric, goal), stamp(path)
         with self._lock:
             hit = self._kept.get(key)
         if hit is not None and hit[0] == mark:
             return hit[1]
-        pairs = metric_pairs(path, running, metric)
+        digest = read_digest(path, running, metric, goal)
         with self._lock:
-            self._kept[key] = (mark, pairs)
-        return pairs
+            self._kept[key] = (mark, digest)
+        return digest
 
     def keep(self, paths: set[str]) -> None:
         """Forget the points whose directories are not among `paths` (a run deleted)."""
@@ -556,33 +580,31 @@ def sweep_parts(sweep_id: str, block: dict, now: float, metrics_of: MetricsOf | 
     """What a sweep's row and page are made of: its table (mnft.run.sweep.point_row per point, as `status SWEEP`
     prints it; the best point by the sweep's metric and goal, best_row, marked), each point's curve of that metric
     over its steps, and the hosts its points ran on."""
-    metrics_of = metrics_of or metric_pairs
+    metrics_of = metrics_of or read_digest
     metric, goal = sweep_metric(block)
     points = sweep_points(block)
     rows, curves, hosts = [], [], []
     for point in points:
         path, data = point_record(sweep_id, point)
-        pairs = metrics_of(path, (data or {}).get("state") in GOING, metric) if path is not None else []
-        row = sweeps.point_row(point, data, ({"step": s, metric: v} for s, v in pairs), metric, goal, now)
+        digest = metrics_of(path, (data or {}).get("state") in GOING, metric, goal) if path is not None else metric_digest([], goal)
+        row = sweeps.point_row(point, data, ({"step": s, metric: v} for s, v in digest["essential"]), metric, goal, now)
         rows.append({"index": row["index"], "run_id": row["run_id"], "values": row["values"], "label": text(sweeps.values_label(row["values"]), 400),
                      "state": text(row["state"], 40) or "?", "where": text(row["where"], 400) or "", "step": _int(row["step"]),
                      "last": number(row["last"]), "best": number(row["best"]), "seconds": number(row["seconds"]),
-                     "reason": text(row["reason"]) or (point["reason"] if row["state"] not in ("succeeded", "running", "waiting") else None),
+                     "reason": text(row["reason"]),
                      "recorded": data is not None, "best_point": False})
         for host in list((data or {}).get("devices") or {}) or ([point["host"]] if point["host"] else []):
             if host not in hosts:
                 hosts.append(host)
-        by_step = {s: v for s, v in pairs if s is not None and v is not None}  # a step trained again (a restart): its last value
-        if by_step:
-            xs = sorted(by_step)
-            reached = next((s for s, v in pairs if s is not None and v == row["best"]), None)
-            curves.append({"index": row["index"], "run_id": row["run_id"], "label": rows[-1]["label"], "x": xs, "y": [by_step[x] for x in xs],
-                           "best_step": reached})
+        if digest["x"]:
+            curves.append({"index": row["index"], "run_id": row["run_id"], "label": rows[-1]["label"], "x": digest["x"], "y": digest["y"],
+                           "best_step": digest["best_step"]})
     limit = max(SWEEP_SERIES_MIN, POINTS_MAX // max(1, len(curves)))
     for curve in curves:
         curve["points"] = len(curve["x"])
-        keep = thin(len(curve["x"]), limit)
-        curve["x"], curve["y"] = [curve["x"][i] for i in keep], [curve["y"][i] for i in keep]
+        if curve["points"] > limit:  # new lists: a MetricsCache's stay whole
+            keep = thin(curve["points"], limit)
+            curve["x"], curve["y"] = [curve["x"][i] for i in keep], [curve["y"][i] for i in keep]
     best = sweeps.best_row(rows, goal)
     if best is not None:
         best["best_point"] = True

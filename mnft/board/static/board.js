@@ -1,4 +1,6 @@
 // mnft board: the page. It reads /api/events (server-sent events: lab, runs, run) and draws what it receives.
+// A sweep (many runs from one command) is one entry of the runs list, its points under it, and has a page of its
+// own (#/sweep/ID): every point's curve of the sweep's metric on one chart, the table, the best point marked.
 // Everything the server sends that came from a host, a record or a log is set as text (textContent, text nodes,
 // title): nothing is ever parsed as HTML, so a job name or a log line with markup shows as what it is. The page
 // has no form and no button: it cannot change anything, on this machine or on any host.
@@ -22,6 +24,7 @@
       else if (key === "title") node.title = String(value);
       else if (key === "href") node.href = value; // only "#/…" fragments built below
       else if (key === "hidden") node.hidden = true;
+      else if (key === "colSpan") node.colSpan = value;
       else if (key === "style") Object.assign(node.style, value); // CSSOM, not markup: allowed by the CSP
       else if (key.startsWith("data-")) node.setAttribute(key, String(value));
       else throw new Error("el: unknown property " + key);
@@ -40,6 +43,8 @@
   }
 
   const runLink = (id, text) => el("a", { href: "#/run/" + encodeURIComponent(id) }, text === undefined ? id : text);
+  const sweepLink = (id, text) => el("a", { href: "#/sweep/" + encodeURIComponent(id) }, text === undefined ? id : text);
+  const SWEEP_CHIPS = 24; // a sweep's points named under its row in the runs list, at most (all of them on its page)
   const badge = (word) => el("span", { className: "badge", "data-state": word || "?" }, word || "?");
 
   // ------------------------------------------------------------------------------------------ numbers as text
@@ -189,15 +194,50 @@
 
   // ------------------------------------------------------------------------------------------ the runs
 
+  const GOING = ["running", "starting", "checking", "syncing", "waiting"];
+
   function renderRuns() {
     const data = state.runs;
     if (!data) return;
-    const going = data.runs.filter((r) => ["running", "starting", "checking", "syncing", "waiting"].includes(r.state)).length;
-    $("runs-summary").textContent = data.runs.length + " run(s), " + going + " going on · " + data.root;
-    const rows = data.runs.map((r) => el("tr", { "data-run": r.id, "data-state": r.state, "data-mine": r.mine ? "1" : "0" },
+    const sweeps = data.runs.filter((r) => r.kind === "sweep");
+    const every = data.runs.filter((r) => r.kind !== "sweep").concat(...sweeps.map((s) => s.points || []));
+    const going = every.filter((r) => GOING.includes(r.state)).length;
+    $("runs-summary").textContent = every.length + " run(s), " + going + " going on" + (sweeps.length ? " · " + sweeps.length + " sweep(s)" : "") + " · " + data.root;
+    fill($("runs-body"), ...data.runs.flatMap((r) => (r.kind === "sweep" ? sweepRows(r) : [runRow(r)])));
+  }
+
+  // a point of a sweep whose own record is not here: a row of its own, saying whose point it is
+  function pointOf(r) {
+    return r.sweep ? el("span", { className: "point-of muted" }, "point " + (isNum(r.sweep.index) ? r.sweep.index : "?") + " of sweep " + r.sweep.id + " · ") : null;
+  }
+
+  function sweepRows(s) {
+    const best = s.best ? " · best " + s.best.label + " (" + s.metric + " " + fmtLoss(s.best.value) + ")" : "";
+    const main = el("tr", { "data-run": s.id, "data-state": s.state, "data-mine": "1", "data-kind": "sweep" },
+      el("td", { className: "id" }, sweepLink(s.id), " ", el("span", { className: "kind" }, "sweep")),
+      el("td", null, badge(s.state)),
+      el("td", { className: "job sweep-summary", title: (s.command || s.job || "") + "\n" + (s.summary || "") + best }, (s.summary || "") + best),
+      el("td", null, s.user || "-"),
+      el("td", { className: "hosts-cell", title: (s.hosts || []).join(", ") }, (s.hosts || []).length > 3 ? s.hosts.slice(0, 3).join(", ") + " +" + (s.hosts.length - 3) : (s.hosts || []).join(", ")),
+      el("td", { className: "num step" }, "-"), el("td", { className: "num loss" }, "-"), el("td", { className: "num" }, "-"),
+      el("td", { className: "num" }, "-"), el("td", { className: "num" }, "-"),
+      el("td", { title: isNum(s.created) ? new Date(s.created * 1000).toString() : "" }, fmtWhen(s.created)));
+    const points = s.points || [];
+    if (!points.length) return [main];
+    const chip = (p) => el("a", { href: "#/run/" + encodeURIComponent(p.id), className: "chip", "data-run": p.id, "data-state": p.state,
+      "data-best": s.best && s.best.run_id === p.id ? "1" : null, title: p.id + ": " + p.state + (isNum(p.step) ? ", step " + p.step : "") },
+      (s.best && s.best.run_id === p.id ? "★ " : "") + "#" + (p.sweep && isNum(p.sweep.index) ? p.sweep.index : "?") + " " + (p.sweep ? p.sweep.label : ""));
+    const more = points.length - SWEEP_CHIPS;
+    return [main, el("tr", { className: "sweep-points", "data-sweep": s.id },
+      el("td", { colSpan: 11 }, el("span", { className: "muted" }, "points: "), points.slice(0, SWEEP_CHIPS).map(chip),
+        more > 0 ? sweepLink(s.id, "+" + more + " more on the sweep's page") : null))];
+  }
+
+  function runRow(r) {
+    return el("tr", { "data-run": r.id, "data-state": r.state, "data-mine": r.mine ? "1" : "0" },
       el("td", { className: "id" }, runLink(r.id)),
       el("td", null, badge(r.state)),
-      el("td", { className: "job", title: r.command || r.job || "" }, r.command_short || r.job || "-"),
+      el("td", { className: "job", title: r.command || r.job || "" }, pointOf(r), r.command_short || r.job || "-"),
       el("td", null, r.user || "-"),
       el("td", { className: "hosts-cell", title: (r.hosts || []).join(", ") }, (r.hosts || []).length > 3 ? r.hosts.slice(0, 3).join(", ") + " +" + (r.hosts.length - 3) : (r.hosts || []).join(", ")),
       el("td", { className: "num step" }, isNum(r.step) ? (r.step_about ? "~" : "") + r.step : "-"),
@@ -205,17 +245,26 @@
       el("td", { className: "num" }, fmtRate(r.tokens_per_s)),
       el("td", { className: "num" }, isNum(r.restarts) ? String(r.restarts) : "-"),
       el("td", { className: "num" }, fmtPct(r.goodput)),
-      el("td", { title: isNum(r.created) ? new Date(r.created * 1000).toString() : "" }, fmtWhen(r.created))));
-    fill($("runs-body"), ...rows);
+      el("td", { title: isNum(r.created) ? new Date(r.created * 1000).toString() : "" }, fmtWhen(r.created)));
   }
 
   // ------------------------------------------------------------------------------------------ a run's page
 
-  function runSkeleton(id) {
+  function runSkeleton(id, kind) {
     const page = $("run");
     state.chart && state.chart.destroy();
     state.chart = null;
     state.chartKey = null;
+    page.setAttribute("data-kind", kind);
+    if (kind === "sweep") {
+      fill(page,
+        el("nav", { className: "crumbs" }, el("a", { href: "#/" }, "← lab and runs")),
+        el("div", { id: "run-head", className: "panel" }, el("h2", null, "sweep " + id), el("p", { className: "muted" }, "reading…")),
+        el("section", { id: "sweep-curve", className: "panel", hidden: true }, el("h3", { id: "sweep-curve-title" }), el("p", { id: "curve-note", className: "muted" }),
+          el("div", { id: "chart", className: "chart" })),
+        el("section", { id: "sweep-points", className: "panel", hidden: true }));
+      return;
+    }
     fill(page, 
       el("nav", { className: "crumbs" }, el("a", { href: "#/" }, "← lab and runs")),
       el("div", { id: "run-head", className: "panel" }, el("h2", null, "run " + id), el("p", { className: "muted" }, "reading…")),
@@ -234,6 +283,13 @@
   function renderRun() {
     const r = state.run;
     if (!r || r.id !== state.runId) return;
+    const kind = r.kind === "sweep" ? "sweep" : "run";
+    if ($("run").getAttribute("data-kind") !== kind) runSkeleton(r.id, kind); // #/sweep/ID of a run, or #/run/ID of a sweep
+    document.title = kind + " " + r.id + " · mnft board";
+    if (kind === "sweep") {
+      renderSweep(r);
+      return;
+    }
     const head = $("run-head");
     if (r.missing) {
       fill(head, el("h2", null, "run " + r.id), el("p", null, "No such run here, and no host of the lab holds anything for it now."));
@@ -247,6 +303,7 @@
         " · started " + fmtWhen(r.created), isNum(r.ended) ? " · ended " + fmtWhen(r.ended) + " (" + fmtSeconds(r.ended - r.created) + ")" : "",
         r.attempt > 1 ? " · attempt " + r.attempt : "", r.live && r.live.state ? " · supervisor: " + r.live.state : "",
         r.detached ? " · detached" : "", r.slurm ? " · on Slurm" : "",
+        r.sweep ? [" · point " + (isNum(r.sweep.index) ? r.sweep.index : "?") + " (" + r.sweep.label + ") of sweep ", sweepLink(r.sweep.id)] : null,
         r.supervisor ? " · supervisor on " + r.supervisor.host + " pid " + r.supervisor.pid + " since " + fmtWhen(r.supervisor.since) + ": "
           + (r.supervisor.alive === true ? "alive" : r.supervisor.alive === false ? (r.state === "supervisor-lost" ? "gone" : "ended") : "not reached") : ""),
       el("div", { className: "stats" }, stat("step", isNum(r.step) ? (r.step_about ? "~" : "") + r.step : "-"), stat("loss", fmtLoss(r.loss)),
@@ -385,6 +442,147 @@
     state.chartKey = key;
   }
 
+  // ------------------------------------------------------------------------------------------ a sweep's page
+
+  // a point's colour, the same on the chart and in the table: by its index, so a point keeps it as others start
+  function pointColor(index, count) {
+    const i = (isNum(index) ? index : 1) - 1;
+    return count <= COLORS.length ? COLORS[i % COLORS.length] : "hsl(" + Math.round((i * 137.508) % 360) + ", 68%, 42%)";
+  }
+
+  const isBest = (best, p) => Boolean(best) && best.run_id === p.run_id && best.index === p.index;
+
+  function renderSweep(s) {
+    const rows = s.rows || [];
+    const goal = s.goal === "max" ? "higher is better" : "lower is better";
+    const best = s.best;
+    fill($("run-head"),
+      el("h2", null, "sweep ", el("span", { className: "mono" }, s.id), " ", badge(s.state)),
+      s.command ? el("p", { className: "command mono" }, s.command) : null,
+      el("p", { className: "meta" }, el("span", { className: "job" }, s.job || "-"), " · ", s.user || "?",
+        " · " + rows.length + " point(s) over " + ((s.keys || []).join(", ") || "-"), " · metric " + s.metric + " (" + goal + ")",
+        isNum(s.max_parallel) ? " · at most " + s.max_parallel + " at once" : "", s.after ? " · after " + s.after : "",
+        " · started " + fmtWhen(s.created), isNum(s.ended) ? " · ended " + fmtWhen(s.ended) + " (" + fmtSeconds(s.ended - s.created) + ")" : "",
+        s.supervisor ? " · supervisor on " + s.supervisor.host + " pid " + s.supervisor.pid + ": "
+          + (s.supervisor.alive === true ? "alive" : s.supervisor.alive === false ? "ended" : "not reached") : ""),
+      el("p", { className: "sweep-summary" }, s.summary || ""),
+      best ? el("p", { className: "best-line" }, el("b", null, "★ best: "), "point " + best.index + " (" + best.label + "), ", runLink(best.run_id),
+        ": " + s.metric + " " + fmtLoss(best.value) + (isNum(best.step) ? " at step " + best.step : ""))
+        : el("p", { className: "best-line muted" }, "no point has logged " + s.metric + " yet"),
+      s.reason && ["failed", "stopped"].includes(s.state) ? el("p", { className: "reason" }, s.reason) : null);
+    renderSweepTable(s);
+    renderSweepCurve(s);
+  }
+
+  function renderSweepTable(s) {
+    const section = $("sweep-points");
+    const rows = s.rows || [];
+    section.hidden = false;
+    const keys = s.keys || [];
+    const drawn = new Set(((s.curves || {}).series || []).map((c) => c.run_id));
+    const head = ["point", "run", ...keys, "state", "where", "step", "last " + s.metric, "best " + s.metric, "time", "note"];
+    const cell = (col, value, extra) => el("td", Object.assign({ "data-col": col }, extra || {}), value);
+    fill(section,
+      el("h3", null, "Points"),
+      el("div", { className: "table-wrap" }, el("table", { className: "sweep-table" },
+        el("thead", null, el("tr", null, head.map((h, i) => el("th", { className: i >= keys.length + 4 && i < keys.length + 8 ? "num" : null }, h)))),
+        el("tbody", null, rows.map((p) => {
+          const top = isBest(s.best, p);
+          return el("tr", { "data-run": p.run_id || "", "data-index": p.index, "data-state": p.state, "data-best": top ? "1" : null, className: top ? "best" : null },
+            cell("point", [drawn.has(p.run_id) ? el("i", { className: "swatch", style: { background: pointColor(p.index, rows.length) } }) : null,
+              top ? el("span", { className: "star", title: "the best point by " + s.metric }, "★ ") : null, "#" + (isNum(p.index) ? p.index : "?")]),
+            cell("run", p.recorded && p.run_id ? runLink(p.run_id) : p.run_id || "-", { className: "mono" }),
+            keys.map((k) => cell("value", (p.values || {})[k] === undefined ? "-" : p.values[k], { "data-key": k })),
+            cell("state", badge(p.state)), cell("where", p.where || "-"),
+            cell("step", isNum(p.step) ? String(p.step) : "-", { className: "num" }),
+            cell("last", fmtLoss(p.last), { className: "num" }), cell("best", fmtLoss(p.best), { className: "num" }),
+            cell("time", fmtSeconds(p.seconds), { className: "num" }),
+            cell("note", p.reason || "", { className: "note-cell" }));
+        })))));
+  }
+
+  function drawBest(u) {
+    const b = state.sweepBest;
+    if (!b || !isNum(b.step) || !isNum(b.value)) return;
+    const x = u.valToPos(b.step, "x", true);
+    const y = u.valToPos(b.value, "y", true);
+    const { left, top, width, height } = u.bbox;
+    if (x < left || x > left + width || y < top || y > top + height) return;
+    const px = window.devicePixelRatio || 1;
+    const ctx = u.ctx;
+    ctx.save();
+    ctx.beginPath();
+    for (let i = 0; i < 10; i++) { // a five-pointed star
+      const r = (i % 2 ? 4 : 10) * px;
+      const a = -Math.PI / 2 + (i * Math.PI) / 5;
+      ctx[i ? "lineTo" : "moveTo"](x + r * Math.cos(a), y + r * Math.sin(a));
+    }
+    ctx.closePath();
+    ctx.fillStyle = "#f59f00";
+    ctx.strokeStyle = "#7a4a00";
+    ctx.lineWidth = px;
+    ctx.fill();
+    ctx.stroke();
+    ctx.font = "bold " + 11 * px + "px sans-serif";
+    ctx.textAlign = "left";
+    ctx.textBaseline = "alphabetic";
+    const words = "best: " + b.label;
+    const w = ctx.measureText(words).width;
+    const tx = x > left + width * 0.7 ? x - 12 * px - w : x + 12 * px;
+    const ty = y > top + 30 * px ? y - 14 * px : y + 22 * px; // above the star, else below it
+    ctx.fillStyle = "rgba(255, 244, 230, 0.92)";
+    ctx.fillRect(tx - 3 * px, ty - 11 * px, w + 6 * px, 15 * px);
+    ctx.fillStyle = "#7a4a00";
+    ctx.fillText(words, tx, ty);
+    ctx.restore();
+  }
+
+  function renderSweepCurve(s) {
+    const curves = s.curves || { series: [] };
+    const series = curves.series || [];
+    const section = $("sweep-curve");
+    const box = $("chart");
+    section.hidden = false;
+    $("sweep-curve-title").textContent = s.metric + " of every point (" + (s.goal === "max" ? "higher" : "lower") + " is better)";
+    const drawnPoints = series.reduce((n, c) => n + c.x.length, 0);
+    box.setAttribute("data-series", String(series.length));
+    box.setAttribute("data-points", String(drawnPoints));
+    box.setAttribute("data-best", s.best ? s.best.run_id || "" : "");
+    if (!series.length) {
+      $("curve-note").textContent = "no point has logged " + s.metric + " yet";
+      state.chart && state.chart.destroy();
+      state.chart = null;
+      state.chartKey = null;
+      fill(box);
+      return;
+    }
+    $("curve-note").textContent = series.length + " of " + (s.rows || []).length + " point(s) drawn, " + curves.points + " step record(s) of " + s.metric
+      + (drawnPoints < curves.points ? " (" + drawnPoints + " sent)" : "") + "; x is the step";
+    const data = series.length === 1 ? [series[0].x, series[0].y] : uPlot.join(series.map((c) => [c.x, c.y]));
+    state.sweepBest = s.best;
+    const count = (s.rows || []).length;
+    const key = "sweep|" + state.runId + "|" + series.map((c) => c.run_id).join(",") + "|" + (s.best ? s.best.run_id : "");
+    if (state.chart && state.chartKey === key) {
+      state.chart.setData(data);
+      return;
+    }
+    state.chart && state.chart.destroy();
+    const opts = {
+      width: Math.max(320, box.clientWidth || 800),
+      height: 300,
+      scales: { x: { time: false } },
+      axes: [{ label: "step" }, { label: s.metric, size: 60 }],
+      series: [{ label: "step" }, ...series.map((c) => {
+        const top = isBest(s.best, c);
+        return { label: (top ? "★ " : "") + "#" + c.index + " " + c.label, stroke: pointColor(c.index, count), width: top ? 3 : 1.25,
+          spanGaps: true, points: { show: drawnPoints <= 120 }, value: (u, v) => fmtLoss(v) };
+      })],
+      hooks: { draw: [drawBest] },
+    };
+    state.chart = new uPlot(opts, data, box);
+    state.chartKey = key;
+  }
+
   function renderTime(spent) {
     const section = $("run-time");
     if (!spent || !isNum(spent.wall_s) || spent.wall_s <= 0) {
@@ -486,23 +684,24 @@
   }
 
   function route() {
-    const match = /^#\/run\/(.+)$/.exec(location.hash);
+    const match = /^#\/(run|sweep)\/(.+)$/.exec(location.hash);
     const section = /^#\/(lab|runs)$/.exec(location.hash);
     let runId = null;
     try {
-      runId = match ? decodeURIComponent(match[1]) : null;
+      runId = match ? decodeURIComponent(match[2]) : null;
     } catch (e) {
       runId = null;
     }
+    const kind = match && match[1] === "sweep" ? "sweep" : "run";
     $("overview").hidden = Boolean(runId);
     $("run").hidden = !runId;
     if (runId !== state.runId) {
       state.runId = runId;
       state.run = null;
-      if (runId) runSkeleton(runId);
+      if (runId) runSkeleton(runId, kind);
       else if (state.chart) { state.chart.destroy(); state.chart = null; state.chartKey = null; }
     }
-    document.title = runId ? "run " + runId + " · mnft board" : "mnft board";
+    document.title = runId ? kind + " " + runId + " · mnft board" : "mnft board";
     connect(runId);
     if (section) $(section[1]).scrollIntoView();
     else window.scrollTo(0, 0);
