@@ -151,14 +151,17 @@ def test_after_starts_a_run_once_the_first_succeeded_and_ends_one_whose_first_fa
     record = bob.wait(second)
     assert record["state"] == "succeeded", record.get("reason")
 
-    failing = bob.detach("--gpus", "1", "--", "point.py", "--exit", "3")
+    failing = bob.detach("--gpus", "1", "--", "point.py", "--exit", "3", "--tag", "failing")
     dependent = bob.detach("--gpus", "1", "--after", failing, "--", "point.py", "--lr", "2")
     anyway = bob.detach("--gpus", "1", "--after", f"{failing}:any", "--", "point.py", "--lr", "3")
+    end(lab, "failing", lab.hosts)
     assert bob.wait(failing)["state"] == "failed"
     record = bob.wait(dependent)
     assert record["state"] == "dependency-failed" and f"run {failing} ended failed, not succeeded" in record["reason"]
     assert not record.get("hosts")  # it never ran
     assert bob.wait(anyway)["state"] == "succeeded"
+    late = bob.mnft("train", "--hosts", bob.inventory, "--src", str(bob.src), "--detach", "--after", failing, "--", "point.py")
+    assert late.returncode == 1 and f"run {failing} ended failed, not succeeded" in late.stderr and "nothing was started" in late.stderr
     wait_gone(lab, lab.hosts, bob.uid())
 
 

@@ -474,6 +474,7 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         if entry or recipe or job or flags_sweep:
             raise InputError(f"--resume-run {resume_run} runs the sweep's points that did not succeed, as recorded: leave out the job and --sweep")
         swept, hosts, the_job, envs, env_files, src = _sweep_again(resume_run, hosts, envs, env_files, src, max_parallel)
+        resume_run = None  # each point resumes from its own record (SweepRun.rerun), not the sweep as one run
     elif resume or resume_run:  # the previous run's job, hosts file and env names, unless given again
         from mnft.run.job import load_job_file
         from mnft.run.rerun import previous_run, reuse_previous, with_rule_of
@@ -537,9 +538,10 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     )
     inventory = _inventory(hosts)
     if depends is not None:
+        from mnft.run.after import refuse_failed
         from mnft.run.supervisor import judge_after
 
-        options = replace(options, after=judge_after(depends, detached=bool(detach or swept)))
+        options = replace(options, after=refuse_failed(judge_after(depends, detached=bool(detach or swept))))
     if swept is not None:  # handed to its supervisor on the lab, always: a sweep outlives this terminal
         from mnft.run.supervisor import hand_off
 

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Callable
 
+from mnft.core.errors import ExitCode, MnftError
 from mnft.run import records
 
 ENDED = ("succeeded", "failed", "stopped", "resumable", "idle-stopped", "refused", "sync-failed", "interrupted", "supervisor-lost",
@@ -29,6 +30,21 @@ def verdict(dep: dict, state: str | None) -> tuple[bool, str | None]:
     if dep.get("any") or state == "succeeded":
         return True, None
     return True, f"--after {dep['run_id']}: run {dep['run_id']} ended {state}, not succeeded (--after {dep['run_id']}:any starts once it ends, however)"
+
+
+class DependencyFailed(MnftError):
+    """RUN ended as the dependent run may not start after: nothing was started."""
+
+    exit_code = ExitCode.FAILED
+
+
+def refuse_failed(dep: dict | None) -> dict | None:
+    """A RUN that has already ended not as asked refuses the dependent run at once, before anything starts."""
+    if dep is not None:
+        done, why = verdict(dep, dep.get("state"))
+        if done and why is not None:
+            raise DependencyFailed(why + "; nothing was started")
+    return dep
 
 
 def wait_for(dep: dict, say: Callable[[str], None], every: float = EVERY, sleep=time.sleep) -> str | None:
