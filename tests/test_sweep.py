@@ -202,12 +202,16 @@ def test_a_sweep_on_this_machine_runs_its_points_one_after_another_and_its_table
     lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
     bad = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=1,2", "--sweep", "seed=1", "--", "steps.py", "--lr", "{lr}")
     assert bad.returncode == 2 and "key 'seed': no {seed}" in bad.stderr and not (tmp_path / "runs").exists()  # nothing started
+    told = tmp_path / "told"
     started = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=3,1", "--sweep", "seed=1,2",
+                    "--notify", f'echo "$MNFT_NOTIFY_EVENT|$MNFT_NOTIFY_KIND|$MNFT_NOTIFY_SUMMARY" >> {told}',
                     "--", "steps.py", "--lr", "{lr}", "--seed", "{seed}")
     assert started.returncode == 0, started.stdout + started.stderr
     sweep_id = started.stdout.split("sweep ", 1)[1].split()[0]
     waited = _mnft(tmp_path, "wait", sweep_id)
-    assert waited.returncode == 1 and f"run {sweep_id}: failed" in waited.stdout, waited.stdout + waited.stderr
+    assert waited.returncode == 1 and f"sweep {sweep_id}: failed" in waited.stdout, waited.stdout + waited.stderr
+    [line] = told.read_text().splitlines()  # told once, at the sweep's end, with its summary and best point
+    assert line.startswith(f"ended|sweep|mnft sweep {sweep_id}") and "4 point(s): 2 succeeded, 2 failed" in line and "best: point 3 (lr=1 seed=1)" in line
     data = json.loads(_mnft(tmp_path, "status", sweep_id, "--json").stdout)
     assert [p["state"] for p in data["points"]] == ["succeeded", "failed", "succeeded", "failed"]
     assert data["best"] == f"{sweep_id}-03" and data["points"][2]["best"] == pytest.approx(1 / 3, abs=1e-3)

@@ -893,7 +893,8 @@ def wait(c, run=None, hosts=None, notify=None):
     else:
         with Fleet(inv) as fleet:
             state = wait_for(record, look)
-    _console().print(f"run {record.run_id}: {state}" + (f": {record.data.get('reason')}" if record.data.get("reason") else ""), highlight=False, soft_wrap=True)
+    _console().print(f"{'sweep' if record.data.get('kind') == 'sweep' else 'run'} {record.run_id}: {state}"
+                     + (f": {record.data.get('reason')}" if record.data.get("reason") else ""), highlight=False, soft_wrap=True)
     from mnft.run.notify import tell
 
     tell(told, "ended", record, lambda text: _console().print(text, style="yellow", highlight=False, soft_wrap=True))

@@ -140,7 +140,7 @@ def environment(event: str, data: Mapping[str, Any], path: Path | str) -> dict[s
     """What a notify command is told, as MNFT_NOTIFY_* variables (pure: a run record in, the variables out).
 
     event: `started` (it waited in line and now has its GPUs) or `ended`."""
-    kind = "session" if data.get("kind") == "session" else "run"
+    kind = data.get("kind") if data.get("kind") in ("session", "sweep") else "run"
     run_id = str(data.get("run_id") or "")
     outcome = "started" if event == "started" else outcome_of(data)
     hosts = [str(h) for h in (data.get("hosts") or {})] or [str(h) for h in (data.get("devices") or {})]
@@ -157,6 +157,8 @@ def environment(event: str, data: Mapping[str, Any], path: Path | str) -> dict[s
     where = ",".join(hosts)
     summary = f"mnft {kind} {run_id}" + (f" ({label})" if label else "") + f": {outcome}" + (f" on {where}" if where else "") + \
         (f" (exit code {code})" if code not in (None, 0) else "") + (f": {cause}" if cause else "")
+    if kind == "sweep" and outcome == "succeeded" and reason:  # a sweep is told once, its points' summary and best point included
+        summary += f": {reason}"
     import json
 
     values = {

@@ -214,6 +214,11 @@ class Sweeper:
         self.record.data["sweep"].pop("_saved", None)
         self.record.data["sweep"]["summary"] = sweeping.summary(self.points)
         told = sweeping.summary(self.points) if reason is None else f"{reason}; {sweeping.summary(self.points)}"
+        from mnft.run.sweepreport import rows_of
+
+        _, best = rows_of(self.record)
+        if best is not None:
+            told += f"; best: point {best['index']} ({sweeping.values_label(best['values'])}) {self.sweep.get('metric') or 'loss'} {best['best']:.6g}"
         self.record.update(state=state, reason=told if state != "succeeded" else None, ended=time.time())
         self.say(f"sweep {self.record.run_id}: {state}: {told}")
         tell(self.options.notify, "ended", self.record, self.say, dict(self.record.data, reason=told))
