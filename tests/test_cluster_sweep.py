@@ -109,13 +109,18 @@ def test_a_six_point_one_gpu_sweep_runs_four_at_once_then_the_other_two_each_poi
 
 
 def test_stop_of_a_sweep_stops_its_running_points_and_starts_none_of_the_others(lab, bob):
-    sweep_id = bob.sweep("--sweep", "seed=1,2,3", "--gpus", "1", "--max-parallel", "2", "--", "point.py", "--seed", "{seed}", "--tag", "never")
-    bob.until(sweep_id, lambda d: states(d).count("running") == 2)
+    sweep_id = bob.sweep("--sweep", "seed=1,2,3,4", "--gpus", "1", "--max-parallel", "2", "--", "point.py", "--seed", "{seed}", "--tag", "never")
+    data = bob.until(sweep_id, lambda d: states(d).count("running") == 2)
+    first = data["points"][0]["run_id"]
+    one = bob.mnft("stop", first)  # one point alone: the sweep starts the next in its place
+    assert one.returncode == 0, one.stdout + one.stderr
+    data = bob.until(sweep_id, lambda d: states(d) == ["stopped", "running", "running", "pending"])
+    assert "mnft stop" in json.loads((bob.dir / "runs" / first / "run.json").read_text())["reason"]
     stopped = bob.mnft("stop", sweep_id)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     data = bob.status(sweep_id)
-    assert data["state"] == "stopped" and states(data) == ["stopped"] * 3
-    assert "before this point started" in data["points"][2]["reason"]
+    assert data["state"] == "stopped" and states(data) == ["stopped"] * 4
+    assert "before this point started" in data["points"][3]["reason"]
     wait_gone(lab, lab.hosts, bob.uid())
 
 

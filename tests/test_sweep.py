@@ -104,6 +104,12 @@ def test_with_no_free_gpu_one_point_waits_in_each_hosts_line_and_no_more():
     assert sweep.plan_starts([5], 10, ["h1", "h2"], {"h1": 0, "h2": 0}, {"h1": 4, "h2": 4}, 1, {}, may_wait={"h1": 0, "h2": 1}) == [(5, "h2")]
 
 
+def test_a_rerun_point_pinned_to_the_host_of_its_checkpoints_starts_only_there_and_holds_up_no_other():
+    starts = sweep.plan_starts([1, 2], 2, ["h1", "h2"], {"h1": 0, "h2": 4}, {"h1": 4, "h2": 4}, 1, {"h1": 1}, pinned={1: "h1"})
+    assert starts == [(2, "h2")]  # point 1 waits for h1 (one of the sweep's points already waits there); point 2 goes on
+    assert sweep.plan_starts([1], 1, ["h1", "h2"], {"h1": 1, "h2": 4}, {"h1": 4, "h2": 4}, 1, {}, pinned={1: "h1"}) == [(1, "h1")]
+
+
 def test_a_whole_host_point_needs_every_device_free_and_a_host_too_small_is_never_picked():
     assert sweep.plan_starts([1, 2], 2, ["h1", "h2"], {"h1": 3, "h2": 4}, {"h1": 4, "h2": 4}, None, {"h1": 1, "h2": 1}) == [(1, "h2")]
     assert sweep.plan_starts([1], 1, ["h1"], {"h1": 2}, {"h1": 2}, 4, {}) == []

@@ -12,7 +12,8 @@ returns once the supervisor has said it runs, and every other op reads or signal
                          a pipe, never written
     state RUN_ID OFFSET [INNER]  alive or not (pid and start time), its exit, its console from OFFSET (bounded), and
                          the state of its run (or of INNER, a point of the sweep it supervises)
-    stop RUN_ID BY       the run's stop asked (the file its supervisor reads), then SIGINT to that supervisor only
+    stop RUN_ID BY [INNER]  the run's stop asked (the file its supervisor reads), then SIGINT to that supervisor only
+                         (or to INNER's train, a point of the sweep it supervises)
     reach                whether this user's ssh reaches each peer (JSON on stdin: [{name, address, port, user}]) with
                          BatchMode and strict host keys, as the supervisor must (`mnft check`): {name: null or why}
 
@@ -202,12 +203,19 @@ def start(run_id, digest, read_spec):
     return {"error": "the supervisor ended at its start (exit %s)" % child.returncode, "log": state(run_id)["log"][-4000:]}
 
 
-def stop(run_id, by):
+def stop(run_id, by, inner=None):
     """Ask the run to stop (its supervisor reads the request, as an attached one does), then SIGINT the supervisor
-    it recorded, proved by its start time: Ctrl-C, as in an attached terminal."""
+    it recorded, proved by its start time: Ctrl-C, as in an attached terminal. `inner`: one point of the sweep it
+    supervises instead (that point's train, as the sweep's supervisor recorded it in points/<id>.json)."""
     found = state(run_id)
     me = found["supervisor"] or {}
-    record = os.path.join(run_dir(run_id), "runs", run_id)
+    if inner:
+        me = _read_json(os.path.join(run_dir(run_id), "points", inner + ".json")) or {}
+        try:
+            found["alive"] = found["alive"] and start_time(int(me.get("pid"))) == me.get("start")
+        except (TypeError, ValueError):
+            found["alive"] = False
+    record = os.path.join(run_dir(run_id), "runs", inner or run_id)
     if os.path.isdir(record):
         with open(os.path.join(record, STOP_REQUESTED), "w", encoding="utf-8") as fh:
             fh.write(json.dumps({"at": time.time(), "by": by}) + "\n")
@@ -252,10 +260,10 @@ def reach(peers):
 
 
 def main(argv) -> int:
-    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 3), "stop": (2, 2), "reach": (0, 0)}
-    names = argv[1:3] if argv and argv[0] in ("look", "start") else [a for i, a in enumerate(argv[1:4]) if i != 1] if argv and argv[0] == "state" else argv[1:2]
+    ops = {"look": (1, 2), "unpack": (1, 1), "prepare": (1, 1), "start": (2, 2), "state": (2, 3), "stop": (2, 3), "reach": (0, 0)}
+    names = argv[1:3] if argv and argv[0] in ("look", "start") else [a for i, a in enumerate(argv[1:4]) if i != 1] if argv and argv[0] in ("state", "stop") else argv[1:2]
     if not argv or argv[0] not in ops or not ops[argv[0]][0] <= len(argv) - 1 <= ops[argv[0]][1] or not all(_safe_name(a) for a in names):
-        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET [INNER] | stop RUN_ID BY | reach\n")
+        sys.stderr.write("usage: superhost look HASH [RUN_ID] | unpack HASH | prepare RUN_ID | start RUN_ID HASH | state RUN_ID OFFSET [INNER] | stop RUN_ID BY [INNER] | reach\n")
         return 2
     op, args = argv[0], argv[1:]
     try:
@@ -272,7 +280,7 @@ def main(argv) -> int:
         elif op == "reach":
             out = {"peers": reach(json.loads(sys.stdin.buffer.read(1 << 20).decode("utf-8") or "[]"))}
         else:
-            out = stop(args[0], args[1])
+            out = stop(args[0], args[1], args[2] if len(args) > 2 else None)
     except (OSError, ValueError, tarfile.TarError) as exc:
         out = {"error": "%s: %s" % (op, getattr(exc, "strerror", None) or exc)}
     sys.stdout.write(json.dumps(out) + "\n")

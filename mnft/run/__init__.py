@@ -28,4 +28,9 @@
     supervisor   `train --detach`: the run handed to its supervisor on the lab; afterwards refreshed, attached, stopped
     supervised   the supervisor process on the lab: this package's train, run there for as long as its run lasts
     bundle       what the supervisor runs there: mnft and the controller's libraries as one tar.gz, and who can run it
+    sweepspec    what a sweep asks (--sweep, a job file's sweep:, --max-parallel, --after), judged (pure)
+    sweep        a sweep's points, each point's job, where the next points start, its table rows (pure)
+    sweeper      a sweep's supervisor on the lab: its queue, each point a train of its own, stop, the end told once
+    sweepreport  `status SWEEP`: the table of every point, the best one marked
+    after        `--after RUN[:any]`: waited for before a run takes its place in line; a RUN not succeeding ends it
 """

@@ -506,8 +506,9 @@ def request_stop(record: records.RunRecord) -> dict:
     """Ask the run's supervisor to stop the run (its request file, then SIGINT to it alone)."""
     host, inventory = _host_of(record)
     by = f"{getpass.getuser()}@{socket.gethostname()} pid {os.getpid()}"
-    with Fleet(_alone(inventory, host), Timeouts(connect=10.0)) as fleet:
-        return _one(fleet, host, "stop", record.run_id, by, timeout=30)
+    sweep = (record.data.get("supervisor") or {}).get("sweep") if record.data.get("kind") != "sweep" else None
+    with Fleet(_alone(inventory, host), Timeouts(connect=10.0)) as fleet:  # a point of a sweep: its own train, in the sweep's supervisor
+        return _one(fleet, host, "stop", *((sweep, by, record.run_id) if sweep else (record.run_id, by)), timeout=30)
 
 
 def settled(record: records.RunRecord, within: float, every: float = 1.0, sleep=time.sleep, say=None) -> dict:
@@ -516,7 +517,12 @@ def settled(record: records.RunRecord, within: float, every: float = 1.0, sleep=
     deadline = time.monotonic() + within
     where = refresh(record)
     unreached = False
-    while where.get("alive") is not False and time.monotonic() < deadline:
+    point = bool(where.get("sweep")) and record.data.get("kind") != "sweep"  # a point of a sweep: its own end, not its sweep's
+
+    def going() -> bool:
+        return where.get("alive") is not False and not (point and record.data.get("state") in FINAL)
+
+    while going() and time.monotonic() < deadline:
         if say is not None and (where.get("alive") is None) != unreached:
             unreached = not unreached
             say(f"its supervisor on {where.get('host')} is not reached ({where.get('error')}): still asking" if unreached

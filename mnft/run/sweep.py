@@ -107,7 +107,8 @@ class SweepRun:
         if self.rerun is not None:
             count = self.count or len(self.rerun)
             points = [{"index": p["index"], "values": dict(p["values"]), "run_id": point_id(sweep_id, p["index"], count), "state": PENDING,
-                       "resume_from": p.get("resume_from"), "rerun_of": p.get("run_id")} for p in self.rerun]
+                       "resume_from": p.get("resume_from"), "rerun_of": p.get("run_id"), "pinned": p.get("host") if p.get("resume_from") else None}
+                      for p in self.rerun]
         else:
             points = new_points(sweep_id, self.spec)
         return {"keys": list(self.spec.keys), "metric": self.spec.metric, "goal": self.spec.goal, "max_parallel": self.max_parallel or self.spec.max_parallel,
@@ -122,7 +123,7 @@ def rerun_of(data: Mapping[str, Any], resumable: bool) -> tuple[SweepSpec, tuple
     keys = tuple(sweep.get("keys") or ())
     spec = SweepSpec(keys, tuple(tuple((k, str((p.get("values") or {}).get(k))) for k in keys) for p in points), sweep.get("metric") or "loss",
                      sweep.get("goal") or "min", sweep.get("max_parallel"))
-    again = tuple({"index": p.get("index"), "values": p.get("values") or {}, "run_id": p.get("run_id"),
+    again = tuple({"index": p.get("index"), "values": p.get("values") or {}, "run_id": p.get("run_id"), "host": p.get("host"),
                    "resume_from": p.get("run_id") if resumable and p.get("started") else None}
                   for p in points if p.get("state") != "succeeded")
     return spec, again
@@ -132,29 +133,34 @@ def rerun_of(data: Mapping[str, Any], resumable: bool) -> tuple[SweepSpec, tuple
 
 
 def plan_starts(pending: Sequence[int], room: int, hosts: Sequence[str], free: Mapping[str, int], size: Mapping[str, int],
-                need: int | None, ours_waiting: Mapping[str, int], may_wait: Mapping[str, int] | None = None) -> list[tuple[int, str]]:
+                need: int | None, ours_waiting: Mapping[str, int], may_wait: Mapping[str, int] | None = None,
+                pinned: Mapping[int, str] | None = None) -> list[tuple[int, str]]:
     """Which pending points start now, and on which host (pure): at most `room` of them; each on the host with the
     most free devices that has `need` of them (None: a whole host, every device free), else, when none has, one
     point waits in the line of each host where none of this sweep's points waits yet (and whose policy lets one
-    more wait: may_wait), the hosts with the fewest devices in use first. Points start in their order."""
+    more wait: may_wait), the hosts with the fewest devices in use first. Points start in their order; a point
+    `pinned` to a host (a rerun resuming where its checkpoints are) only there, and it holds up none behind it."""
     free = dict(free)
     waiting = dict(ours_waiting)
+    pinned = pinned or {}
     out: list[tuple[int, str]] = []
-    queue = list(pending)
-    while queue and len(out) < room:
-        index = queue[0]
-        fits = [h for h in hosts if size.get(h, 0) and free.get(h, 0) >= (size[h] if need is None else need)]
+    for index in pending:
+        if len(out) >= room:
+            break
+        among = [h for h in hosts if h == pinned[index]] if index in pinned else list(hosts)
+        fits = [h for h in among if size.get(h, 0) and free.get(h, 0) >= (size[h] if need is None else need)]
         if fits:
             host = max(fits, key=lambda h: (free[h], -hosts.index(h)))
             free[host] -= size[host] if need is None else need
         else:
-            could = [h for h in hosts if size.get(h, 0) >= (need or 1) and not waiting.get(h) and (may_wait is None or may_wait.get(h, 1) > 0)]
+            could = [h for h in among if size.get(h, 0) >= (need or 1) and not waiting.get(h) and (may_wait is None or may_wait.get(h, 1) > 0)]
             if not could:
+                if index in pinned:
+                    continue
                 break
             host = max(could, key=lambda h: (free.get(h, 0), -hosts.index(h)))
             waiting[host] = 1
         out.append((index, host))
-        queue.pop(0)
     return out
 
 

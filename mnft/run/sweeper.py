@@ -31,7 +31,9 @@ from mnft.run import records
 from mnft.run import sweep as sweeping
 from mnft.run.notify import tell
 
-LOOK_EVERY = 1.0  # seconds between two looks at the hosts while points wait to start
+TICK = 1.0  # seconds between two looks at the points' records (a child ended, a point's state changed)
+LOOK_IDLE = 10.0  # seconds between two looks at the hosts while nothing of the sweep changed (GPUs that free where
+# one of its points waits in line are taken by that point, which changes its state and brings the next look at once)
 STOP_GRACE = 300.0  # seconds the active points get to stop (their gangs torn down, their records written)
 POINT_BOOT = ("import sys; sys.path[:0] = [sys.argv[1]]; from mnft.run.supervised import point; sys.exit(point(sys.argv[2], sys.argv[3]))")
 
@@ -46,6 +48,7 @@ class Sweeper:
         self.points: list[dict] = self.record.data["sweep"]["points"]
         self.children: dict[str, tuple[subprocess.Popen, str, float]] = {}  # point id -> (process, host, spawned at)
         self.stopping: dict | None = None
+        self.saved = ""
         self.site = str(Path(sweeping.__file__).resolve().parents[2])  # what this process runs from: the bundle's site
 
     # ---------------------------------------------------------------- the loop
@@ -64,18 +67,20 @@ class Sweeper:
                     return self.finish("dependency-failed", why)
                 self.record.update(state="running")
             with Fleet(self.inventory) as fleet:
+                looked = 0.0
                 while True:
-                    self.reap()
+                    changed = self.reap()
                     if self.stop_asked():
                         raise KeyboardInterrupt
                     pending = [p for p in self.points if p["state"] == sweeping.PENDING]
                     if not pending and not self.children:
                         break
                     room = (self.sweep.get("max_parallel") or len(self.points)) - len(self.children)
-                    if pending and room > 0:
+                    if pending and room > 0 and (changed or time.monotonic() - looked >= LOOK_IDLE):
+                        looked = time.monotonic()
                         self.start(fleet, pending, room)
                     self.save()
-                    time.sleep(LOOK_EVERY)
+                    time.sleep(TICK)
         except KeyboardInterrupt:
             self.stop_all()
             return self.finish("stopped", f"stopped by `mnft stop` ({(self.stopping or {}).get('by') or 'a signal'})")
@@ -85,8 +90,10 @@ class Sweeper:
         self.console.print(text, highlight=False, soft_wrap=True)
 
     def save(self) -> None:
-        if json.dumps(self.points) != json.dumps(self.record.data["sweep"].get("_saved")):
-            self.record.data["sweep"]["_saved"] = json.loads(json.dumps(self.points))
+        """The sweep's record written when a point changed (the controller's refresh brings it)."""
+        now = json.dumps(self.points)
+        if now != self.saved:
+            self.saved = now
             self.record.data["sweep"]["summary"] = sweeping.summary(self.points)
             self.record.save()
 
@@ -113,7 +120,9 @@ class Sweeper:
                 taken = min(arriving, free[name] // max(need, 1))
                 free[name] -= taken * need
                 waiting[name] += arriving - taken
-        starts = sweeping.plan_starts([p["index"] for p in pending], room, [n for n in names if n in size], free, size, self.gpus, waiting)
+        pinned = {p["index"]: p["pinned"] for p in pending if p.get("pinned")}
+        starts = sweeping.plan_starts([p["index"] for p in pending], room, [n for n in names if n in size], free, size, self.gpus, waiting,
+                                      pinned=pinned)
         by_index = {p["index"]: p for p in pending}
         for index, host in starts:
             self.spawn(by_index[index], host)
@@ -140,6 +149,9 @@ class Sweeper:
             child.stdin.close()
         except OSError:
             pass
+        from mnft.onhost.runprocs import start_time
+
+        (logs / f"{point_id}.json").write_text(json.dumps({"pid": child.pid, "start": start_time(child.pid)}) + "\n")  # `mnft stop POINT` signals it
         self.children[point_id] = (child, host, time.time())
         point.update(state="starting", host=host, started=time.time())
         self.say(f"point {point['index']} ({sweeping.values_label(point['values'])}): run {point_id} on {host}")
@@ -153,22 +165,27 @@ class Sweeper:
         except Exception:  # noqa: BLE001 - a record being replaced: the next look reads it
             return {}
 
-    def reap(self) -> None:
+    def reap(self) -> bool:
+        """The active points' states from their records, the ended ones reaped: whether any changed."""
+        changed = False
         for point in self.points:
             child = self.children.get(point["run_id"])
             if child is None:
                 continue
             code = child[0].poll()
             data = self.point_record(point["run_id"])
-            if data.get("state"):
+            if data.get("state") and data["state"] != point["state"]:
                 point["state"] = data["state"]
+                changed = True
             if code is None:
                 continue
+            changed = True
             del self.children[point["run_id"]]
             if point["state"] not in sweeping.FINAL_POINT:
                 point.update(state="failed", reason=f"its process ended (exit {code}) before the run recorded its end: see points/{point['run_id']}.log")
             point["ended"] = time.time()
             self.say(f"point {point['index']} ({sweeping.values_label(point['values'])}): {point['state']}")
+        return changed
 
     # ---------------------------------------------------------------- stopping
 
@@ -211,7 +228,6 @@ class Sweeper:
     # ---------------------------------------------------------------- the end
 
     def finish(self, state: str, reason: str | None) -> int:
-        self.record.data["sweep"].pop("_saved", None)
         self.record.data["sweep"]["summary"] = sweeping.summary(self.points)
         told = sweeping.summary(self.points) if reason is None else f"{reason}; {sweeping.summary(self.points)}"
         from mnft.run.sweepreport import rows_of
