@@ -68,6 +68,7 @@ READS: dict[tuple[str, str, str], tuple[str, str]] = {
     ("run/logs.py", "rank0_output_records", "limits.lines"): ("a host's collected output.log, line by line (cut at METRIC_WIDTH)", "COLLECTED_BYTES"),
     ("run/logs.py", "rank_timings", "limits.lines"): ("the ranks' collected step timings, line by line", "COLLECTED_BYTES"),
     ("run/logs.py", "merged_tail", "limits.last_lines"): ("each host's output.log: its end only", "LINE_CHARS"),
+    ("run/sweeper.py", "Sweeper.reap", "limits.last_lines"): ("a point's own log, when its train ended unrecorded: its last 3 lines", "LINE_CHARS"),
     ("run/needs.py", "job_needs", "limits.read_file"): ("the job's source files, for their imports (a larger one is not followed)", "SOURCE_BYTES"),
     ("run/scrape.py", "read_json", "limits.read_at_most"): ("trainer_state.json", "METRICS_FILE_BYTES"),
     ("sync/gitignore.py", "_ignore_files.read", "limits.read_file"): (".gitignore, .git/info/exclude, core.excludesFile", "IGNORE_FILE_BYTES"),

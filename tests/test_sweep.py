@@ -208,6 +208,8 @@ def test_a_sweep_on_this_machine_runs_its_points_one_after_another_and_its_table
     lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
     bad = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=1,2", "--sweep", "seed=1", "--", "steps.py", "--lr", "{lr}")
     assert bad.returncode == 2 and "key 'seed': no {seed}" in bad.stderr and not (tmp_path / "runs").exists()  # nothing started
+    queued = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=1,2", "--wait", "--", "steps.py", "--lr", "{lr}")
+    assert queued.returncode == 2 and "a sweep runs under its supervisor on the lab: leave out --wait" in queued.stderr
     told = tmp_path / "told"
     started = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=3,1", "--sweep", "seed=1,2",
                     "--notify", f'echo "$MNFT_NOTIFY_EVENT|$MNFT_NOTIFY_KIND|$MNFT_NOTIFY_SUMMARY" >> {told}',

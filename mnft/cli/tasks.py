@@ -285,10 +285,10 @@ def _sweep_record(run, anywhere=True):
     from mnft.run import records, supervisor
     from mnft.run.sweep import KIND
 
-    if run is None:
-        return None
     try:
         record = records.load(run, anywhere=anywhere)
+        if run is None and (record.data.get("sweep") or {}).get("id") and record.data.get("kind") != KIND:  # the latest is a point: its sweep
+            record = records.load(record.data["sweep"]["id"], anywhere=True)
     except InputError:
         return None
     if record.data.get("kind") != KIND:
@@ -339,7 +339,7 @@ def _is_sweep(run_id):
     return records.load(run_id, anywhere=True).data.get("kind") == KIND
 
 
-def _sweep_of(flags, the_job, max_parallel, *, slurm, dry_run, resume, src):
+def _sweep_of(flags, the_job, max_parallel, *, slurm, dry_run, resume, src, nodes=None, wait=None):
     """The sweep asked (--sweep, or the job file's sweep:), judged whole before any host is touched."""
     from mnft.core.errors import InputError
     from mnft.run import sweep as sweeping
@@ -349,10 +349,12 @@ def _sweep_of(flags, the_job, max_parallel, *, slurm, dry_run, resume, src):
         raise InputError(f"{the_job.source}: the job file has a sweep: and --sweep was given: give the sweep once")
     spec = flags or the_job.sweep
     where = "--sweep" if flags is not None else f"{the_job.source}: sweep"
-    if slurm or dry_run or resume:
-        raise InputError(f"{where}: a sweep runs under its supervisor on the lab: leave out "
-                         + ("--slurm" if slurm else "--dry-run (one point's commands: --dry-run without the sweep)" if dry_run else
-                            "--resume (mnft train --resume-run SWEEP runs its points that did not succeed again)"))
+    left_out = ("--slurm" if slurm else "--dry-run (one point's commands: --dry-run without the sweep)" if dry_run else
+                "--resume (mnft train --resume-run SWEEP runs its points that did not succeed again)" if resume else
+                "--nodes (each point runs on the one host the sweep places it on)" if nodes is not None else
+                "--wait (each point waits in line as its turn comes: the sweep does it)" if wait is not None else None)
+    if left_out is not None:
+        raise InputError(f"{where}: a sweep runs under its supervisor on the lab: leave out {left_out}")
     sweeping.check_used(the_job, spec, where)
     if the_job.recipe:
         from mnft.cli.recipes import check_overrides
@@ -375,6 +377,16 @@ def _sweep_again(sweep_id, hosts, envs, env_files, src, max_parallel):
     refresh(record)
     if record.data.get("state") not in ("succeeded", "failed", "stopped", "supervisor-lost", "dependency-failed"):
         raise InputError(f"sweep {sweep_id} is still {record.data.get('state')}: `mnft stop {sweep_id}` first, or wait for it (`mnft wait {sweep_id}`)")
+    from mnft.run.supervisor import FINAL
+
+    for point in (record.data.get("sweep") or {}).get("points") or []:  # each point's own record says how it ended
+        path = records.path_of(str(point.get("run_id")))
+        if path is not None:
+            point["state"] = records.read_record(path / "run.json").get("state") or point.get("state")
+    going = [p["run_id"] for p in (record.data.get("sweep") or {}).get("points") or [] if p.get("started") and p.get("state") not in FINAL]
+    if going:
+        raise InputError(f"sweep {sweep_id}: {len(going)} point(s) still run ({', '.join(going[:3])}{' …' if len(going) > 3 else ''}: their supervisor "
+                         f"is gone, they go on under their keepers): `mnft stop {sweep_id}` first, or wait for them")
     reused = reuse_previous(record.data, hosts=hosts, overrides=(), env=envs, env_files=env_files, src=src)
     spec, again = sweeping.rerun_of(record.data, resumable(reused.job))
     if not again:
@@ -492,7 +504,8 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
     else:
         the_job = _job(recipe, job, entry, overrides, flags_sweep.keys if flags_sweep else ())
     if swept is None and (flags_sweep is not None or the_job.sweep is not None):
-        swept = _sweep_of(flags_sweep, the_job, max_parallel, slurm=slurm, dry_run=dry_run, resume=resume or bool(resume_run), src=src)
+        swept = _sweep_of(flags_sweep, the_job, max_parallel, slurm=slurm, dry_run=dry_run, resume=resume or bool(resume_run), src=src,
+                          nodes=nodes, wait=wait)
     elif max_parallel is not None and swept is None:
         raise InputError("--max-parallel is for a sweep (--sweep KEY=V1,V2, or a job file's sweep:)")
     if image is not None:
@@ -503,6 +516,9 @@ def train(c, recipe=None, job=None, hosts=None, set=None, env=None, env_file=Non
         from mnft.cli.recipes import check_overrides
 
         check_overrides(the_job.recipe, the_job.extra_args, Path(src) if src else None)
+    if slurm and depends is not None:
+        raise InputError("--after is kept by mnft's supervisor on the lab: under --slurm, chain jobs with Slurm's own dependency "
+                         "(--sbatch-arg --dependency=afterok:JOBID)")
     if slurm:  # the same job on a Slurm allocation (mnft.slurm)
         from mnft.slurm.plan import SlurmOptions
         from mnft.slurm.submit import SlurmTrain
@@ -577,9 +593,32 @@ def logs(c, run=None, follow=False, lines=20, hosts=None):
     merged_tail(record, int(lines), _console(), metrics)
 
 
+def _stop_points(swept, grace):
+    from mnft.hosts.fleet import Fleet
+    from mnft.run import records
+    from mnft.run.control import stop as run_stop
+    from mnft.run.rerun import from_snapshot
+    from mnft.run.supervisor import FINAL
+
+    for point in (swept.data.get("sweep") or {}).get("points") or []:
+        path = records.path_of(str(point.get("run_id")))
+        if path is None:
+            continue
+        record = records.load(point["run_id"], anywhere=True)
+        if record.data.get("state") in FINAL or not launched_on_hosts(record):
+            continue
+        records.request_stop(record, "mnft stop of its sweep")
+        with Fleet(from_snapshot(record.data.get("inventory"), f"{record.path}/run.json")) as fleet:
+            run_stop(record, fleet, grace)
+        _console().print(f"point {point.get('index')}: run {record.run_id}: {record.data.get('state')}", highlight=False)
+
+
 def _sweep_logs(swept, lines, follow, hosts):
     from mnft.core.errors import InputError
+    from mnft.hosts.fleet import Fleet
+    from mnft.run import records
     from mnft.run.logs import collect, merged_tail
+    from mnft.run.rerun import from_snapshot
     from mnft.run.sweep import values_label
 
     if follow:
@@ -587,7 +626,10 @@ def _sweep_logs(swept, lines, follow, hosts):
     for point in (swept.data.get("sweep") or {}).get("points") or []:
         _console().rule(f"point {point.get('index')} ({values_label(point.get('values') or {})}): run {point.get('run_id')}: {point.get('state')}")
         try:
-            record, fleet = _record_fleet(point.get("run_id"), hosts)
+            record = records.load(str(point.get("run_id")), anywhere=True)  # brought here with its sweep's refresh, once
+            if not launched_on_hosts(record):
+                raise InputError(f"run {record.run_id} never started on the hosts ({record.data.get('state')}: {record.data.get('reason')})")
+            fleet = Fleet(_inventory(hosts) if hosts else from_snapshot(record.data.get("inventory"), f"{record.path}/run.json"))
         except InputError as exc:
             _console().print(f"  {exc}", highlight=False, soft_wrap=True)
             continue
@@ -666,7 +708,9 @@ def stop(c, run=None, grace=10.0, json=False, hosts=None):
 
         if (swept.data.get("supervisor") or {}).get("alive"):
             supervisor.request_stop(swept)
-        supervisor.settled(swept, float(grace) + 60)
+            supervisor.settled(swept, float(grace) + 60)
+        else:  # its supervisor is gone: its points still running (each under its keepers) are stopped on their hosts
+            _stop_points(swept, float(grace))
         print_sweep(swept, json)
         return ExitCode.OK if swept.data.get("state") in ("stopped", "succeeded", "failed") and not (swept.data.get("supervisor") or {}).get("alive") else ExitCode.FAILED
     record, fleet = _record_fleet(run, hosts, anywhere=False, not_started_ok=True)

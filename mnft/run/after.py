@@ -12,6 +12,7 @@ wait.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Callable
 
@@ -70,7 +71,8 @@ def _read_there(where: dict, run_id: str) -> tuple[str | None, bool | None]:
 
     folder = str(where.get("dir") or "")
     here = _read_json(os.path.join(folder, ME))
-    if isinstance(here, dict) and here.get("pid") == where.get("pid") and here.get("start") == where.get("start"):
+    if isinstance(here, dict) and here.get("pid") == where.get("pid") and here.get("start") == where.get("start") \
+            and here.get("host") == socket.gethostname():  # this host's own (a home shared over NFS shows it elsewhere too)
 
         found = state(os.path.basename(folder.rstrip("/")), 0, run_id if run_id != os.path.basename(folder.rstrip("/")) else None)
         return found.get("run_state"), bool(found.get("alive"))

@@ -239,8 +239,27 @@ def _pull(host: Host, run_id: str, into: Path, inventory: Inventory, inner: tupl
         address = f"[{host.address}]" if ":" in host.address else host.address
         argv = ["rsync", "-a", "-s", "--timeout=30", *common, "-e", ssh_command(host, SshSettings.for_inventory(inventory)),
                 f"{address}:{superhost.RUNS[2:]}/{tail}", str(into) + "/"]
-    done = subprocess.run(argv, capture_output=True, timeout=120, check=False)
+    try:
+        done = subprocess.run(argv, capture_output=True, timeout=300, check=False)
+    except subprocess.TimeoutExpired:  # the record stays as it was here; the next refresh asks again
+        return False
     return done.returncode == 0
+
+
+def _points_going(record: records.RunRecord) -> bool:
+    """A sweep some of whose points had not ended when last seen (its supervisor lost: they run on, each under its
+    own keepers): its records are still brought here."""
+    if record.data.get("kind") != "sweep":
+        return False
+    for point in (record.data.get("sweep") or {}).get("points") or []:
+        path = records.path_of(str(point.get("run_id"))) if isinstance(point, dict) else None
+        try:
+            state = records.read_record(path / "run.json").get("state") if path is not None else point.get("state")
+        except InputError:
+            continue
+        if point.get("started") and state not in FINAL:
+            return True
+    return False
 
 
 def _points_mirrored(record: records.RunRecord, host: Host, inventory: Inventory, where: dict) -> None:
@@ -413,6 +432,11 @@ def _unsupervised(why: str, asked: str | None, console: Console) -> None:
 # ------------------------------------------------------------------------------------------------ afterwards
 
 
+def is_point(record: records.RunRecord) -> bool:
+    """A point of a sweep (its train runs in the sweep's supervisor): its end is its own, not its supervisor's."""
+    return bool((record.data.get("supervisor") or {}).get("sweep")) and record.data.get("kind") != "sweep"
+
+
 def supervised(record: records.RunRecord) -> bool:
     return isinstance(record.data.get("supervisor"), dict) and bool(record.data["supervisor"].get("pid"))
 
@@ -447,7 +471,7 @@ def refresh(record: records.RunRecord, console: Console | None = None) -> dict:
         return where
     mine = {k: record.data.get(k) for k in KEEP_LOCAL}
     where = dict(mine["supervisor"])
-    if record.data.get("state") in FINAL and where.get("alive") is False:
+    if record.data.get("state") in FINAL and where.get("alive") is False and not _points_going(record):
         return where
     host, inventory = _host_of(record)
     try:
@@ -517,7 +541,7 @@ def settled(record: records.RunRecord, within: float, every: float = 1.0, sleep=
     deadline = time.monotonic() + within
     where = refresh(record)
     unreached = False
-    point = bool(where.get("sweep")) and record.data.get("kind") != "sweep"  # a point of a sweep: its own end, not its sweep's
+    point = is_point(record)  # a point of a sweep: its own end, not its sweep's
 
     def going() -> bool:
         return where.get("alive") is not False and not (point and record.data.get("state") in FINAL)
@@ -539,6 +563,8 @@ def stopped(record: records.RunRecord, within: float, console: Console, as_json:
 
     where = settled(record, within)
     state = record.data.get("state")
+    if is_point(record):  # its sweep's supervisor goes on with the other points
+        where = dict(where, alive=state not in FINAL)
     if as_json:
         print_json({"run": record.run_id, "state": state, "supervisor": where})
     else:
@@ -554,6 +580,8 @@ def judge_after(after: Any, detached: bool) -> dict | None:
     from mnft.run.after import ENDED
 
     record = records.load(after.run_id, anywhere=True)
+    if record.data.get("slurm"):
+        raise InputError(f"--after {after.run_id}: run {after.run_id} is a Slurm job: chain Slurm jobs with Slurm's own --dependency (sbatch)")
     if supervised(record):
         refresh(record)
     dep: dict[str, Any] = {"run_id": after.run_id, "any": after.any_end, "state": record.data.get("state")}

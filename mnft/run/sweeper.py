@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ from typing import Any
 
 from rich.console import Console
 
+from mnft.core import limits
 from mnft.hosts.fleet import Fleet
 from mnft.hosts.lab import device_count, free_count, look
 from mnft.run import records
@@ -49,6 +51,8 @@ class Sweeper:
         self.children: dict[str, tuple[subprocess.Popen, str, float]] = {}  # point id -> (process, host, spawned at)
         self.stopping: dict | None = None
         self.saved = ""
+        self.fleet: Fleet | None = None  # the hosts' connections, made again after a look that did not reach one of them
+        self.unreached: set[str] = set()
         self.site = str(Path(sweeping.__file__).resolve().parents[2])  # what this process runs from: the bundle's site
 
     # ---------------------------------------------------------------- the loop
@@ -66,8 +70,8 @@ class Sweeper:
                             p.update(state="dependency-failed", ended=time.time())
                     return self.finish("dependency-failed", why)
                 self.record.update(state="running")
-            with Fleet(self.inventory) as fleet:
-                looked = 0.0
+            looked = 0.0
+            try:
                 while True:
                     changed = self.reap()
                     if self.stop_asked():
@@ -78,9 +82,12 @@ class Sweeper:
                     room = (self.sweep.get("max_parallel") or len(self.points)) - len(self.children)
                     if pending and room > 0 and (changed or time.monotonic() - looked >= LOOK_IDLE):
                         looked = time.monotonic()
-                        self.start(fleet, pending, room)
+                        self.start(pending, room)
                     self.save()
                     time.sleep(TICK)
+            finally:
+                if self.fleet is not None:
+                    self.fleet.close()
         except KeyboardInterrupt:
             self.stop_all()
             return self.finish("stopped", f"stopped by `mnft stop` ({(self.stopping or {}).get('by') or 'a signal'})")
@@ -99,33 +106,70 @@ class Sweeper:
 
     # ---------------------------------------------------------------- starting points
 
-    def start(self, fleet: Fleet, pending: list[dict], room: int) -> None:
+    def start(self, pending: list[dict], room: int) -> None:
         hosts = [h for h in self.inventory.hosts if not h.spare]
-        views = look(fleet, hosts)
+        if self.fleet is None:
+            self.fleet = Fleet(self.inventory)
+        views = look(self.fleet, hosts)
         names = [h.name for h in hosts]
         ours = {p["run_id"] for p in self.points}
-        free, size, waiting = {}, {}, {}
+        free, size, waiting, may_wait = {}, {}, {}, {}
+        unreached = set()
         for name in names:
             view = views.get(name) or {}
             if view.get("error") or view.get("devices_error"):
+                unreached.add(name)
                 continue
             size[name] = device_count(view) - sum(1 for d in view.get("devices") or [] if d.get("state") in ("drained", "unhealthy"))
+            line = [t for t in view.get("line") or [] if isinstance(t, dict)]
             seen = {str((d.get("holder") or {}).get("run_id")) for d in view.get("devices") or [] if d.get("state") == "held"}
-            seen |= {str(t.get("run_id")) for t in view.get("line") or [] if isinstance(t, dict)}
-            waiting[name] = sum(1 for t in view.get("line") or [] if isinstance(t, dict) and t.get("run_id") in ours)
+            seen |= {str(t.get("run_id")) for t in line}
+            waiting[name] = sum(1 for t in line if t.get("run_id") in ours)
             arriving = sum(1 for pid, (_, host, _) in self.children.items() if host == name and pid not in seen)
-            free[name] = free_count(view)
+            # free GPUs others wait in line for are theirs first (the line's rule): a point there would only join the line
+            free[name] = 0 if any(t.get("run_id") not in ours for t in line) else free_count(view)
+            limit = (view.get("policy") or {}).get("max_waiting")
+            if isinstance(limit, int) and not isinstance(limit, bool):
+                may_wait[name] = limit - sum(1 for t in line if t.get("login") == self.login)
             need = self.gpus or size[name]
             if arriving:  # started here, not yet holding nor in line: what it will take, or its place in line
                 taken = min(arriving, free[name] // max(need, 1))
                 free[name] -= taken * need
                 waiting[name] += arriving - taken
-        pinned = {p["index"]: p["pinned"] for p in pending if p.get("pinned")}
-        starts = sweeping.plan_starts([p["index"] for p in pending], room, [n for n in names if n in size], free, size, self.gpus, waiting,
-                                      pinned=pinned)
+        if unreached != self.unreached:
+            self.say(f"not reached now: {', '.join(sorted(unreached))} (no point starts there until they answer)" if unreached
+                     else "every host answers again")
+            self.unreached = unreached
+        if unreached:  # a connection a host dropped is made again at the next look
+            self.fleet.close()
+            self.fleet = None
+        names = [n for n in names if n in size]
+        self.refuse_unplaceable(pending, names, size, unreached)
+        pending = [p for p in pending if p["state"] == sweeping.PENDING]
+        pinned = {p["index"]: p["pinned"] for p in pending if p.get("pinned") in names}
+        starts = sweeping.plan_starts([p["index"] for p in pending], room, names, free, size, self.gpus, waiting, may_wait=may_wait, pinned=pinned)
         by_index = {p["index"]: p for p in pending}
         for index, host in starts:
             self.spawn(by_index[index], host)
+
+    def refuse_unplaceable(self, pending: list[dict], names: list[str], size: dict[str, int], unreached: set[str]) -> None:
+        """Points no host of the inventory can ever hold (more GPUs than any host has in service) end refused, with
+        the reason: never a silent wait. Said only when every host answered."""
+        if unreached or not names or self.gpus is None:
+            return
+        largest = max(size[n] for n in names)
+        if self.gpus <= largest:
+            return
+        why = f"--gpus {self.gpus}: no host of the inventory has that many in service (the most: {largest}, on {max(names, key=lambda n: size[n])})"
+        for point in pending:
+            point.update(state="refused", reason=why, ended=time.time())
+        self.say(f"{len(pending)} point(s) refused: {why}")
+
+    @property
+    def login(self) -> str:
+        import getpass
+
+        return getpass.getuser()
 
     @property
     def gpus(self) -> int | None:
@@ -144,16 +188,16 @@ class Sweeper:
         with open(logs / f"{point_id}.log", "ab") as out:
             child = subprocess.Popen([sys.executable, "-I", "-S", "-c", POINT_BOOT, self.site, str(self.here), point_id], stdin=subprocess.PIPE,
                                      stdout=out, stderr=subprocess.STDOUT, cwd=self.here, start_new_session=True, close_fds=True)
+        self.children[point_id] = (child, host, time.time())  # first: a stop from now on reaches it
+        point.update(state="starting", host=host, started=time.time())
+        from mnft.onhost.runprocs import start_time
+
+        (logs / f"{point_id}.json").write_text(json.dumps({"pid": child.pid, "start": start_time(child.pid)}) + "\n")  # `mnft stop POINT` signals it
         try:
             child.stdin.write(pickle.dumps(spec))
             child.stdin.close()
         except OSError:
             pass
-        from mnft.onhost.runprocs import start_time
-
-        (logs / f"{point_id}.json").write_text(json.dumps({"pid": child.pid, "start": start_time(child.pid)}) + "\n")  # `mnft stop POINT` signals it
-        self.children[point_id] = (child, host, time.time())
-        point.update(state="starting", host=host, started=time.time())
         self.say(f"point {point['index']} ({sweeping.values_label(point['values'])}): run {point_id} on {host}")
 
     # ---------------------------------------------------------------- points ending
@@ -182,7 +226,12 @@ class Sweeper:
             changed = True
             del self.children[point["run_id"]]
             if point["state"] not in sweeping.FINAL_POINT:
-                point.update(state="failed", reason=f"its process ended (exit {code}) before the run recorded its end: see points/{point['run_id']}.log")
+                log = self.here / "points" / f"{point['run_id']}.log"
+                tail = " | ".join(limits.last_lines(log, 3))[-600:] if log.is_file() else ""
+                stopped = self.stopping is not None
+                point.update(state="stopped" if stopped else "failed",
+                             reason=("stopped before its run was recorded" if stopped else f"its process ended (exit {code}) before the run recorded its end")
+                             + (f": {tail}" if tail else "") + f" ({log} on {socket.gethostname()})")
             point["ended"] = time.time()
             self.say(f"point {point['index']} ({sweeping.values_label(point['values'])}): {point['state']}")
         return changed
@@ -223,7 +272,14 @@ class Sweeper:
                 os.killpg(child.pid, signal.SIGKILL)
             except OSError:
                 pass
+            try:
+                child.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
         self.reap()
+        for point in self.points:  # a point whose train was killed past the grace ends stopped, here at least
+            if point["state"] not in sweeping.FINAL_POINT:
+                point.update(state="stopped", reason=f"killed {STOP_GRACE:.0f} s after it was asked to stop", ended=time.time())
 
     # ---------------------------------------------------------------- the end
 

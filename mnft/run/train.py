@@ -172,6 +172,7 @@ def _train(inventory: Inventory, options: TrainOptions, console: Console, guard:
                       "spares": [h.name for h in inventory.spares]}, attempts=[],
         )
     if options.after is not None and record is not None:  # --after RUN: no place in any line until RUN has ended as asked
+        guard.record = record  # a stop or Ctrl-C meanwhile is recorded, the end told (--notify)
         waited_for(options, record, console)
     # the run's devices and workdir on every host; taken by another run (or a host under setup) refuses it here,
     # untouched, unless it waits in line
