@@ -228,3 +228,8 @@ def test_a_sweep_on_this_machine_runs_its_points_one_after_another_and_its_table
         assert record["sweep"] == {"id": sweep_id, "index": point["index"], "values": point["values"]}
         assert record["job"]["extra_args"] == ["--lr", point["values"]["lr"], "--seed", point["values"]["seed"]]
     assert "values lr=1 seed=1" in _mnft(tmp_path, "logs", sweep_id).stdout
+    listed = _mnft(tmp_path, "runs").stdout  # the sweep is one row; its points are in it
+    assert sweep_id in listed and "(sweep: 4 point(s): 2 succeeded, 2 failed)" in listed and f"{sweep_id}-01" not in listed
+    assert "and 4 point(s) of the sweeps shown" in listed
+    every = json.loads(_mnft(tmp_path, "runs", "--json").stdout)["runs"]
+    assert sorted(r["id"] for r in every if r.get("sweep") == sweep_id) == [f"{sweep_id}-0{n}" for n in range(1, 5)]

@@ -199,9 +199,18 @@ def runs_rows(found: dict) -> list[dict]:
         else:
             names = list(hosts)
         created = data.get("created")
-        rows.append({"id": run_id, "repo": str(data.get("started_in") or repo), "record": str(path), "job": label,
-                     "state": str(data.get("state") or "?"), "hosts": [str(n) for n in names],
-                     "since": created if isinstance(created, (int, float)) and not isinstance(created, bool) else None})
+        row = {"id": run_id, "repo": str(data.get("started_in") or repo), "record": str(path), "job": label,
+               "state": str(data.get("state") or "?"), "hosts": [str(n) for n in names],
+               "since": created if isinstance(created, (int, float)) and not isinstance(created, bool) else None}
+        sweep = data.get("sweep") if isinstance(data.get("sweep"), dict) else {}
+        if data.get("kind") == "sweep":  # one row for the whole sweep; its points are rows of their own in --json
+            from mnft.run.sweep import summary
+
+            row["points"] = summary([p for p in sweep.get("points") or [] if isinstance(p, dict)])
+            row["hosts"] = []
+        elif isinstance(sweep.get("id"), str):
+            row["sweep"] = sweep["id"]
+        rows.append(row)
     rows.sort(key=lambda r: r["id"], reverse=True)
     return rows
 
@@ -217,13 +226,17 @@ def print_runs(rows: list[dict], as_json: bool, now: float | None = None) -> int
         console().print(plain(f"no runs recorded yet (start one with {command('train')})"))
         return ExitCode.OK
     now = time.time() if now is None else now
-    table = Table(title=plain(f"your runs ({len(rows)})"))
+    sweeps = {r["id"] for r in rows if "points" in r}
+    folded = len([r for r in rows if r.get("sweep") in sweeps])
+    rows = [r for r in rows if r.get("sweep") not in sweeps]  # a sweep's points: in its row (`mnft status SWEEP` lists them)
+    table = Table(title=plain(f"your runs ({len(rows)}" + (f"; and {folded} point(s) of the sweeps shown" if folded else "") + ")"))
     for col in ("id", "repo", "job", "state", "hosts", "since"):
         table.add_column(col)
     style = {"running": "green", "succeeded": "green", "failed": "red", "unreadable": "magenta"}
     for r in rows:
         since = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["since"])) if r["since"] else "-"
-        table.add_row(plain(r["id"]), plain(r["repo"]), plain(r["job"]), Text(r["state"], style=style.get(r["state"], "yellow")),
+        job = r["job"] + (f" (sweep: {r['points']})" if "points" in r else "")
+        table.add_row(plain(r["id"]), plain(r["repo"]), plain(job), Text(r["state"], style=style.get(r["state"], "yellow")),
                       plain(", ".join(r["hosts"]) or "-"), since)
     console().print(table)
     return ExitCode.OK
