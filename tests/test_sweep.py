@@ -233,3 +233,31 @@ def test_a_sweep_on_this_machine_runs_its_points_one_after_another_and_its_table
     assert "and 4 point(s) of the sweeps shown" in listed
     every = json.loads(_mnft(tmp_path, "runs", "--json").stdout)["runs"]
     assert sorted(r["id"] for r in every if r.get("sweep") == sweep_id) == [f"{sweep_id}-0{n}" for n in range(1, 5)]
+
+
+@pytest.mark.slow
+def test_a_sweep_after_a_detached_run_waits_in_its_supervisor_then_runs_its_points(tmp_path):
+    from test_supervisor import _mnft
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "steps.py").write_text(STEPS)
+    (src / "slow.py").write_text("import time\ntime.sleep(4)\nprint('first done', flush=True)\n")
+    lab = tmp_path / "local.yaml"
+    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    first = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--detach", "--", "slow.py")
+    assert first.returncode == 0, first.stdout + first.stderr
+    run_id = first.stdout.split("run ", 1)[1].split()[0]
+    started = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=1", "--sweep", "seed=1", "--after", run_id,
+                    "--", "steps.py", "--lr", "{lr}", "--seed", "{seed}")
+    assert started.returncode == 0, started.stdout + started.stderr
+    sweep_id = started.stdout.split("sweep ", 1)[1].split()[0]
+    waiting = json.loads(_mnft(tmp_path, "status", sweep_id, "--json").stdout)
+    assert waiting["state"] == "waiting" and waiting["points"][0]["state"] == "pending"  # nothing of it in any line meanwhile
+    assert _mnft(tmp_path, "wait", sweep_id).returncode == 0
+    done = json.loads(_mnft(tmp_path, "status", sweep_id, "--json").stdout)
+    assert done["state"] == "succeeded" and done["points"][0]["state"] == "succeeded"
+    _mnft(tmp_path, "status", run_id)  # its record brought here from its supervisor
+    first_ended = json.loads((tmp_path / "runs" / run_id / "run.json").read_text())["ended"]
+    point = json.loads((tmp_path / "runs" / f"{sweep_id}-01" / "run.json").read_text())
+    assert point["created"] >= first_ended - 1  # its point started once the run it waited for had ended
