@@ -408,3 +408,32 @@ def test_a_distribution_installed_without_a_record_is_packed_by_its_packages_and
     assert sorted(arc for arc, _ in files) == ["fakepkg-1.0.egg-info/PKG-INFO", "fakepkg-1.0.egg-info/top_level.txt",
                                                "fakepkg/__init__.py", "fakepkg/_speed.cpython-311-x86_64-linux-gnu.so"]
     assert Dist.of("fakepkg", "1.0", files, ()).compiled
+
+
+@pytest.mark.slow
+def test_the_board_brings_a_detached_runs_record_from_its_supervisor_as_it_goes(tmp_path, monkeypatch):
+    from mnft.board.state import Board
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "steps.py").write_text(STEPS)
+    lab = tmp_path / "local.yaml"
+    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    started = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--detach", "--", "steps.py", "12")
+    assert started.returncode == 0, started.stdout + started.stderr
+    run_id = started.stdout.split("run ", 1)[1].split()[0]
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MNFT_HOME", raising=False)
+    monkeypatch.setenv("MNFT_RUNS_DIR", str(tmp_path / "runs"))
+    board = Board(inventories.load(lab))
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # nobody runs `mnft status`: the board's own rounds bring the record
+            board.round()
+            row = next(r for r in json.loads(board.runs.text)["runs"] if r["id"] == run_id)
+            if row["state"] == "succeeded" and row.get("supervisor"):  # (between the pull and the save, the row is the lab's record alone)
+                break
+            time.sleep(0.5)
+        assert row["state"] == "succeeded" and row["supervisor"]["alive"] is False, row
+    finally:
+        board.close()

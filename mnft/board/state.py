@@ -46,6 +46,7 @@ SLICE = 0.1  # seconds between two looks at `stop` while the poller waits for an
 USAGE_EVERY = 300.0  # seconds between two readings of the hosts' usage logs (the last week's use changes slowly)
 USAGE_DAYS = 7.0  # the board's usage covers the last week, as `mnft lab --usage` does by default
 RUN_FLEETS = 8  # runs whose hosts are asked side by side at most
+SUPERVISED_EVERY = 10.0  # seconds between two refreshes of a detached run's (or sweep's) records from its supervisor on the lab
 
 
 def dumps(value: Any) -> str:
@@ -115,6 +116,8 @@ class Board:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._pool = DaemonPool(max_workers=RUN_FLEETS + 1, thread_name_prefix="mnft-board")
+        self._refreshing: dict[str, Future] = {}  # run id -> its supervisor's records being brought here
+        self._refresh_due: dict[str, float] = {}
         self._hosts_pool = DaemonPool(max_workers=max(1, min(64, len(inventory.hosts))), thread_name_prefix="mnft-board-host")
         self._publish_lab(started=True)
         self.refresh_runs()
@@ -163,6 +166,9 @@ class Board:
         if not made_up and time.monotonic() >= self._usage_due and (self._usage_out is None or self._usage_out.done()):
             self._usage_due = time.monotonic() + self.usage_every  # not waited for: a slow log never holds up the lab
             self._usage_out = self._pool.submit(self.read_usage)
+        if self._look is None:  # the real lab: detached runs and sweeps brought up to date from their supervisors, not waited for
+            for run_id in self._supervised_due():
+                self._refreshing[run_id] = self._pool.submit(self._refresh_supervised, run_id)
         asked = {run_id: self._pool.submit(self._ask_run, run_id) for run_id in going}
         if not self._wait([lab, *asked.values()]):
             return  # stopping: what is still out is abandoned
@@ -312,6 +318,27 @@ class Board:
             if row.get("state") in runs_of.GOING and not row.get("slurm") and (self.watching[run_id] > 0 or not row.get("supervised")):
                 out.append(run_id)
         return out[:RUN_FLEETS * 4]
+
+    def _supervised_due(self) -> list[str]:
+        """Runs and sweeps going on under a supervisor on the lab whose records are due to be brought here (a sweep's
+        points come with their sweep); at most one refresh of each at a time."""
+        now, out = time.monotonic(), []
+        for run_id, (_, row) in list(self._rows_cache.items()):
+            busy = self._refreshing.get(run_id)
+            going = row.get("state") in runs_of.GOING or row.get("state") in ("handed-over", "supervised")
+            if row.get("supervisor") and not row.get("sweep") and going and now >= self._refresh_due.get(run_id, 0.0) and (busy is None or busy.done()):
+                self._refresh_due[run_id] = now + SUPERVISED_EVERY
+                out.append(run_id)
+        return out
+
+    def _refresh_supervised(self, run_id: str) -> None:
+        """`mnft status`'s refresh of one supervised run (mnft.run.supervisor.refresh): its files change, its row is read again."""
+        from mnft.run import records, supervisor
+
+        try:
+            supervisor.refresh(records.load(run_id))
+        except MnftError:  # a damaged record: its page says what the record says
+            pass
 
     def _ask_run(self, run_id: str) -> dict | None:
         """The run's hosts' answer to `mnft status` (host -> state, last metric, last lines), or None."""
