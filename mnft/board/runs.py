@@ -76,15 +76,7 @@ def read_jsonl(path: Path, keep: int = POINTS_MAX * 4) -> list[dict]:
             lines = f.read(keep * 512).splitlines()  # the end as it was measured: a file growing meanwhile costs no more
     except OSError:
         return []
-    out = []
-    for line in lines[-keep:]:
-        try:
-            item = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(item, dict):
-            out.append(item)
-    return out
+    return records.json_objects(lines[-keep:])
 
 
 def last_lines(path: Path, count: int, chunk: int = 1 << 16) -> list[str]:

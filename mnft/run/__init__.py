@@ -27,6 +27,7 @@
     notify       `--notify CMD` run here when a waited run starts and when a run ends; `mnft wait RUN`
     supervisor   `train --detach`: the run handed to its supervisor on the lab; afterwards refreshed, attached, stopped
     supervised   the supervisor process on the lab: this package's train, run there for as long as its run lasts
+    superops     one op of the supervisor's host side run on a host: its answer, or a one-line error
     bundle       what the supervisor runs there: mnft and the controller's libraries as one tar.gz, and who can run it
     sweepspec    what a sweep asks (--sweep, a job file's sweep:, --max-parallel, --after), judged (pure)
     sweep        a sweep's points, each point's job, where the next points start, its table rows (pure)

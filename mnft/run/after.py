@@ -76,9 +76,9 @@ def _read_there(where: dict, run_id: str) -> tuple[str | None, bool | None]:
 
         found = state(os.path.basename(folder.rstrip("/")), 0, run_id if run_id != os.path.basename(folder.rstrip("/")) else None)
         return found.get("run_state"), bool(found.get("alive"))
-    from mnft.hosts import pyrun
     from mnft.hosts.fleet import Fleet
     from mnft.hosts.settings import Inventory, validate_host
+    from mnft.run.superops import SupervisorError, one
 
     reach = where.get("reach") if isinstance(where.get("reach"), dict) else {}
     settings = {"address": where.get("address"), **{k: v for k, v in reach.items() if k in ("user", "port", "python", "connection") and v is not None}}
@@ -86,11 +86,10 @@ def _read_there(where: dict, run_id: str) -> tuple[str | None, bool | None]:
         settings["identity"] = reach["identity"]
     host = validate_host(str(where.get("host")), 0, settings, {}, "--after")
     name = str(where.get("name"))
-    with Fleet(Inventory(None, "mnft", (host,), host.name)) as fleet:
-        result = fleet.run_one(host, pyrun.command(host, "state", name, "0", *([run_id] if run_id != name else []), site=False),
-                               stdin=pyrun.payload("superhost"), timeout=30)
-    found = pyrun.reply(result, "the supervisor's host (state)")
-    if not isinstance(found, dict) or found.get("error"):
+    try:
+        with Fleet(Inventory(None, "mnft", (host,), host.name)) as fleet:
+            found = one(fleet, host, "state", name, "0", *([run_id] if run_id != name else []), timeout=30)
+    except SupervisorError:  # not reached now: asked again at the next look
         return None, None
     return found.get("run_state"), bool(found.get("alive"))
 

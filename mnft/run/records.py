@@ -217,3 +217,16 @@ def read_record(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise InputError(f"{path}: not a run record (a JSON object): move the run away or delete it")
     return data
+
+
+def json_objects(lines: Any) -> list[dict]:
+    """The JSON objects of a .jsonl file's lines (bytes or text) that mnft wrote; a damaged line is skipped."""
+    out = []
+    for line in lines:
+        try:
+            item = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(item, dict):
+            out.append(item)
+    return out

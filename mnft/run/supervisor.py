@@ -52,15 +52,12 @@ from mnft.onhost import superhost
 from mnft.run import bundle as bundling
 from mnft.run import launch as launching
 from mnft.run import records
+from mnft.run.superops import ENTRY, SupervisorError
+from mnft.run.superops import one as _one
 
-ENTRY = "superhost"
 FINAL = ("succeeded", "failed", "stopped", "resumable", "idle-stopped", "refused", "sync-failed", "interrupted", "supervisor-lost",
          "dependency-failed")
 KEEP_LOCAL = ("inventory", "supervisor", "started_in")  # what the controller's mirror keeps of its own on a refresh
-
-
-class SupervisorError(MnftError):
-    exit_code = ExitCode.FAILED
 
 
 @dataclass(frozen=True)
@@ -133,16 +130,6 @@ def shipped_environ(options: Any) -> tuple[dict[str, str], Any]:
             if name not in specs:
                 specs.append(name)
     return values, replace(lopts, env=tuple(specs), env_files=(), detach=False)
-
-
-def _one(fleet: Fleet, host: Host, *args: str, stdin: bytes = b"", timeout: float = 60.0) -> dict:
-    result = fleet.run_one(host, pyrun.command(host, *args, site=False), stdin=pyrun.payload(ENTRY) + stdin, timeout=timeout)
-    data = pyrun.reply(result, f"the supervisor's host ({args[0]})")
-    if data is None:
-        raise SupervisorError(f"{host.name}: {args[0]}: {result.error or result.tail(1)}")
-    if data.get("error"):
-        raise SupervisorError(f"{host.name}: {data['error']}" + (f"\n{data['log']}" if data.get("log") else ""))
-    return data
 
 
 def _start(fleet: Fleet, host: Host, run_id: str, digest: str, spec: bytes, meanwhile) -> dict:

@@ -4,7 +4,6 @@ brings them from the sweep's supervisor first)."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -31,15 +30,7 @@ def metrics_of(folder: Path) -> list[dict]:
             text = limits.read_bytes(path, limits.METRICS_FILE_BYTES, "a metrics file", "METRICS_FILE_BYTES").decode("utf-8", "replace")
         except (InputError, OSError):
             continue
-        out = []
-        for line in text.splitlines():
-            try:
-                item = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(item, dict):
-                out.append(item)
-        return out
+        return records.json_objects(text.splitlines())
     return []
 
 
