@@ -315,6 +315,17 @@ for i in range(1, int(sys.argv[1]) + 1):
 '''
 
 
+def local_lab(tmp_path: Path, files: dict[str, str]) -> tuple[Path, Path]:
+    """A tree of these files, and a local inventory (this machine, this Python) whose workdir is under tmp_path."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, text in files.items():
+        (src / name).write_text(text)
+    lab = tmp_path / "local.yaml"
+    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    return src, lab
+
+
 def _mnft(tmp_path: Path, *args: str, env_extra: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HOME=str(tmp_path / "home"), MNFT_RUNS_DIR=str(tmp_path / "runs"), **(env_extra or {}))
     env.pop("MNFT_HOME", None)
@@ -325,11 +336,7 @@ def _mnft(tmp_path: Path, *args: str, env_extra: dict | None = None, timeout: fl
 
 @pytest.mark.slow
 def test_a_detached_run_on_this_machine_is_supervised_followed_and_its_secret_stays_in_memory(tmp_path):
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "steps.py").write_text(STEPS)
-    lab = tmp_path / "local.yaml"
-    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    src, lab = local_lab(tmp_path, {"steps.py": STEPS})
     started = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--detach", "--env", "HF_TOKEN", "--", "steps.py", "8",
                     env_extra={"HF_TOKEN": "hf-secret-9876"})
     assert started.returncode == 0, started.stdout + started.stderr
@@ -414,11 +421,7 @@ def test_a_distribution_installed_without_a_record_is_packed_by_its_packages_and
 def test_the_board_brings_a_detached_runs_record_from_its_supervisor_as_it_goes(tmp_path, monkeypatch):
     from mnft.board.state import Board
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "steps.py").write_text(STEPS)
-    lab = tmp_path / "local.yaml"
-    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    src, lab = local_lab(tmp_path, {"steps.py": STEPS})
     started = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--detach", "--", "steps.py", "12")
     assert started.returncode == 0, started.stdout + started.stderr
     run_id = started.stdout.split("run ", 1)[1].split()[0]

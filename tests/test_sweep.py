@@ -4,9 +4,6 @@ whole sweep on this machine (a local inventory: its supervisor is a process of t
 from __future__ import annotations
 
 import json
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
@@ -199,13 +196,9 @@ sys.exit(3 if seed == "2" else 0)
 
 @pytest.mark.slow
 def test_a_sweep_on_this_machine_runs_its_points_one_after_another_and_its_table_names_the_best(tmp_path):
-    from test_supervisor import _mnft
+    from test_supervisor import _mnft, local_lab
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "steps.py").write_text(STEPS)
-    lab = tmp_path / "local.yaml"
-    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    src, lab = local_lab(tmp_path, {"steps.py": STEPS})
     bad = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=1,2", "--sweep", "seed=1", "--", "steps.py", "--lr", "{lr}")
     assert bad.returncode == 2 and "key 'seed': no {seed}" in bad.stderr and not (tmp_path / "runs").exists()  # nothing started
     queued = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--sweep", "lr=1,2", "--wait", "--", "steps.py", "--lr", "{lr}")
@@ -237,14 +230,9 @@ def test_a_sweep_on_this_machine_runs_its_points_one_after_another_and_its_table
 
 @pytest.mark.slow
 def test_a_sweep_after_a_detached_run_waits_in_its_supervisor_then_runs_its_points(tmp_path):
-    from test_supervisor import _mnft
+    from test_supervisor import _mnft, local_lab
 
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "steps.py").write_text(STEPS)
-    (src / "slow.py").write_text("import time\ntime.sleep(4)\nprint('first done', flush=True)\n")
-    lab = tmp_path / "local.yaml"
-    lab.write_text(f"hosts:\n  me:\n    connection: local\n    python: {sys.executable}\n    workdir: {tmp_path / 'work'}\n")
+    src, lab = local_lab(tmp_path, {"steps.py": STEPS, "slow.py": "import time\ntime.sleep(4)\nprint('first done', flush=True)\n"})
     first = _mnft(tmp_path, "train", "--hosts", str(lab), "--src", str(src), "--detach", "--", "slow.py")
     assert first.returncode == 0, first.stdout + first.stderr
     run_id = first.stdout.split("run ", 1)[1].split()[0]

@@ -423,21 +423,22 @@
     box.setAttribute("data-attempts", String(attempts.length));
     const key = state.runId + "|" + attempts.join(",") + "|" + curve.by_step;
     state.curve = curve;
+    drawChart(box, key, data, [{ label: curve.by_step ? "step" : "logged point" }, { label: "loss", size: 60 }],
+      () => [{ label: curve.by_step ? "step" : "point" },
+        ...attempts.map((a, i) => ({ label: (curve.labels && curve.labels[a]) || (attempts.length > 1 ? "attempt " + a : "loss"), stroke: COLORS[i % COLORS.length], width: 1.5,
+          spanGaps: true, points: { show: points <= 120 }, value: (u, v) => fmtLoss(v) }))],
+      (u) => drawMarks(u, state.curve));
+  }
+
+  // The page's one chart: new data for the same series only redraws it; other series (another run, attempt or
+  // point set) build it anew.
+  function drawChart(box, key, data, axes, series, draw) {
     if (state.chart && state.chartKey === key) {
       state.chart.setData(data);
       return;
     }
     state.chart && state.chart.destroy();
-    const opts = {
-      width: Math.max(320, box.clientWidth || 800),
-      height: 300,
-      scales: { x: { time: false } },
-      axes: [{ label: curve.by_step ? "step" : "logged point" }, { label: "loss", size: 60 }],
-      series: [{ label: curve.by_step ? "step" : "point" },
-        ...attempts.map((a, i) => ({ label: (curve.labels && curve.labels[a]) || (attempts.length > 1 ? "attempt " + a : "loss"), stroke: COLORS[i % COLORS.length], width: 1.5,
-          spanGaps: true, points: { show: points <= 120 }, value: (u, v) => fmtLoss(v) }))],
-      hooks: { draw: [(u) => drawMarks(u, state.curve)] },
-    };
+    const opts = { width: Math.max(320, box.clientWidth || 800), height: 300, scales: { x: { time: false } }, axes, series: series(), hooks: { draw: [draw] } };
     state.chart = new uPlot(opts, data, box);
     state.chartKey = key;
   }
@@ -562,25 +563,13 @@
     state.sweepBest = s.best;
     const count = (s.rows || []).length;
     const key = "sweep|" + state.runId + "|" + series.map((c) => c.run_id).join(",") + "|" + (s.best ? s.best.run_id : "");
-    if (state.chart && state.chartKey === key) {
-      state.chart.setData(data);
-      return;
-    }
-    state.chart && state.chart.destroy();
-    const opts = {
-      width: Math.max(320, box.clientWidth || 800),
-      height: 300,
-      scales: { x: { time: false } },
-      axes: [{ label: "step" }, { label: s.metric, size: 60 }],
-      series: [{ label: "step" }, ...series.map((c) => {
+    drawChart(box, key, data, [{ label: "step" }, { label: s.metric, size: 60 }],
+      () => [{ label: "step" }, ...series.map((c) => {
         const top = isBest(s.best, c);
         return { label: (top ? "★ " : "") + "#" + c.index + " " + c.label, stroke: pointColor(c.index, count), width: top ? 3 : 1.25,
           spanGaps: true, points: { show: drawnPoints <= 120 }, value: (u, v) => fmtLoss(v) };
       })],
-      hooks: { draw: [drawBest] },
-    };
-    state.chart = new uPlot(opts, data, box);
-    state.chartKey = key;
+      drawBest);
   }
 
   function renderTime(spent) {
