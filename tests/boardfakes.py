@@ -10,6 +10,7 @@ import random
 import shutil
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -175,3 +176,19 @@ class Served:
         self.board.close()
         self.sock.close()
 
+
+@contextmanager
+def open_page(chromium, served: "Served", height: int):
+    """The board's page in chromium, drawn, with what the browser reported as a problem in `page.problems`."""
+    context = chromium.new_context(viewport={"width": 1366, "height": height})
+    page = context.new_page()
+    page.problems = []
+    page.on("pageerror", lambda exc: page.problems.append(f"page error: {exc}"))
+    page.on("console", lambda msg: page.problems.append(f"console {msg.type}: {msg.text}") if msg.type in ("error", "warning") else None)
+    page.served = served
+    page.goto(served.url)
+    page.wait_for_selector("html[data-drawn]", timeout=30000)
+    try:
+        yield page
+    finally:
+        context.close()

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from boardfakes import HOSTILE, Served, inventory, lab_views, write_run, write_runs
+from boardfakes import open_page, HOSTILE, Served, inventory, lab_views, write_run, write_runs
 
 from mnft.board import runs as runs_of
 from mnft.board.app import Origins, split_host
@@ -180,16 +180,8 @@ def board_page(tmp_path, runs_dir, chromium):
               diagnosis={"kind": "failed", "cause": HOSTILE, "fix": "<a href='javascript:alert(1)'>fix</a>"})
     views = hostile_views()
     with Served(Board(inv, look=lambda: views, every=0.5)) as served:
-        context = chromium.new_context(viewport={"width": 1366, "height": 768})
-        page = context.new_page()
-        page.problems = []
-        page.on("pageerror", lambda exc: page.problems.append(f"page error: {exc}"))
-        page.on("console", lambda msg: page.problems.append(f"console {msg.type}: {msg.text}") if msg.type in ("error", "warning") else None)
-        page.served = served
-        page.goto(served.url)
-        page.wait_for_selector("html[data-drawn]", timeout=30000)
-        yield page
-        context.close()
+        with open_page(chromium, served, 768) as page:
+            yield page
 
 
 def test_hostile_text_in_the_lab_and_a_run_is_shown_as_text_and_never_runs(board_page):

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from boardfakes import HOSTILE, Served, inventory, lab_views, write_run
+from boardfakes import open_page, HOSTILE, Served, inventory, lab_views, write_run
 
 from mnft.board import runs as runs_of
 from mnft.board.state import Board
@@ -236,16 +236,8 @@ def sweep_page(tmp_path, runs_dir, chromium):
     evil = [{"index": 1, "values": {"lr": HOSTILE}, "run_id": "20991231-000000-evil-01", "state": "pending"}]
     write_sweep(runs_dir, "20991231-000000-evil", evil, created=time.time() - 60, name=HOSTILE)
     with Served(Board(inventory(tmp_path / "lab.yaml", 2), look=lambda: lab_views(NAMES), status=no_hosts, every=0.5)) as served:
-        context = chromium.new_context(viewport={"width": 1366, "height": 900})
-        page = context.new_page()
-        page.problems = []
-        page.on("pageerror", lambda exc: page.problems.append(f"page error: {exc}"))
-        page.on("console", lambda msg: page.problems.append(f"console {msg.type}: {msg.text}") if msg.type in ("error", "warning") else None)
-        page.served = served
-        page.goto(served.url)
-        page.wait_for_selector("html[data-drawn]", timeout=30000)
-        yield page
-        context.close()
+        with open_page(chromium, served, 900) as page:
+            yield page
 
 
 def test_the_sweep_page_draws_every_points_curve_the_table_and_marks_the_best_point(sweep_page):
